@@ -1,0 +1,69 @@
+"""Atomic artifact writes and run-directory creation.
+
+Every artifact is written to a temporary file in its final directory and then
+renamed over the final name, so a reader (or a run killed mid-write) never sees a
+half-written file.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as _dt
+import os
+import tempfile
+from pathlib import Path
+
+from opguard_core.errors import OpGuardError
+
+TMP_SUFFIX = ".tmp"
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` atomically (temp file in the same dir, fsync, rename)."""
+    directory = path.parent
+    fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=TMP_SUFFIX, dir=directory)
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp_name, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp_name)
+        raise
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    """Write UTF-8 ``text`` to ``path`` atomically."""
+    atomic_write_bytes(path, text.encode("utf-8"))
+
+
+def safe_child(directory: Path, filename: str) -> Path:
+    """Return ``directory / filename``, refusing any name that would leave ``directory``."""
+    if not filename or filename in {".", ".."} or "/" in filename or "\\" in filename:
+        raise OpGuardError(f"refusing to write artifact with unsafe name {filename!r}")
+    candidate = (directory / filename).resolve()
+    if candidate.parent != directory.resolve():
+        raise OpGuardError(f"refusing to write {filename!r} outside the run directory")
+    return candidate
+
+
+def create_run_directory(base: Path, now: _dt.datetime | None = None) -> Path:
+    """Create a fresh ``preprocessing_{YYYYMMDD_HHMMSS}`` directory under ``base``.
+
+    Two runs in the same second never share a directory: the later one gets a
+    ``_2``, ``_3``, ... suffix (``mkdir`` is atomic, so this is race-free).
+    """
+    base.mkdir(parents=True, exist_ok=True)
+    stamp = (now or _dt.datetime.now()).strftime("%Y%m%d_%H%M%S")
+    name = f"preprocessing_{stamp}"
+    attempt = 1
+    while True:
+        candidate = base / (name if attempt == 1 else f"{name}_{attempt}")
+        try:
+            candidate.mkdir()
+        except FileExistsError:
+            attempt += 1
+            continue
+        return candidate

@@ -1,0 +1,233 @@
+"""The combine algebra: a multiset union of callsite traces, with frames interned.
+
+:class:`TraceAccumulator` takes decoded traces one at a time (so a run never holds
+every rank file at once) and other accumulators (so partial results from worker
+processes or a Dask cluster fold together). Callsite identity is
+(stack as frame values, api, op, stream); ranks are kept as an integer bit mask.
+The result is canonical: frames sorted by value, callsites by stack, so the output
+does not depend on the order the inputs came in.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable
+from typing import Any
+
+from opguard_core.errors import InputError
+from opguard_core.trace_format import Callsite, DecodedTrace, Frame, encode_trace
+
+#: key of a callsite in an accumulator: (stack of global frame ids, api, op, stream)
+SiteKey = tuple[tuple[int, ...], str | None, str, int]
+
+_CONFLICT = object()
+
+
+def ranks_to_mask(ranks: Iterable[int]) -> int:
+    mask = 0
+    for rank in ranks:
+        mask |= 1 << rank
+    return mask
+
+
+def mask_to_ranks(mask: int) -> list[int]:
+    ranks = []
+    rank = 0
+    while mask:
+        if mask & 1:
+            ranks.append(rank)
+        mask >>= 1
+        rank += 1
+    return ranks
+
+
+@dataclasses.dataclass
+class CallsiteTrace:
+    """A combined trace in memory, in canonical order.
+
+    ``callsites[j].stack`` holds indices into ``frames``; ``callsites[j].ranks`` is
+    None when the callsite was recorded on every rank in ``meta["ranks"]``.
+    """
+
+    meta: dict[str, Any]
+    frames: list[Frame]
+    callsites: list[Callsite]
+    extras: dict[str, Any] = dataclasses.field(default_factory=dict)
+    frame_extras: dict[int, dict[str, Any]] = dataclasses.field(default_factory=dict)
+    callsite_extras: dict[int, dict[str, Any]] = dataclasses.field(default_factory=dict)
+
+    @property
+    def ranks(self) -> list[int]:
+        return list(self.meta.get("ranks", []))
+
+    @property
+    def total(self) -> int:
+        return sum(site.count for site in self.callsites)
+
+    def to_json(self) -> bytes:
+        """The canonical ``opguard-callsites`` document (formats.md §1)."""
+        sites = []
+        for index, site in enumerate(self.callsites):
+            doc: dict[str, Any] = {"stack": site.stack}
+            if site.api is not None:
+                doc["api"] = site.api
+            doc["op"] = site.op
+            doc["stream"] = site.stream
+            doc["count"] = site.count
+            if site.ranks is not None:
+                doc["ranks"] = site.ranks
+            extra = self.callsite_extras.get(index)
+            if extra:
+                doc.update(extra)
+            sites.append(doc)
+        return encode_trace(self.meta, self.frames, sites, self.extras, self.frame_extras)
+
+
+class _Agreement:
+    """Keys of several mappings whose values all inputs agree on (order-independent)."""
+
+    def __init__(self) -> None:
+        self.values: dict[str, Any] | None = None
+
+    def add(self, mapping: dict[str, Any]) -> None:
+        if self.values is None:
+            self.values = dict(mapping)
+            return
+        for key in list(self.values):
+            if self.values[key] is not _CONFLICT and mapping.get(key, _CONFLICT) != self.values[key]:
+                self.values[key] = _CONFLICT
+
+    def update(self, other: _Agreement) -> None:
+        if other.values is None:
+            return
+        if self.values is None:
+            self.values = dict(other.values)
+            return
+        for key in list(self.values):
+            if other.values.get(key, _CONFLICT) != self.values[key]:
+                self.values[key] = _CONFLICT
+
+    def result(self) -> dict[str, Any]:
+        return {k: v for k, v in (self.values or {}).items() if v is not _CONFLICT}
+
+
+class TraceAccumulator:
+    """Accumulates traces into one multiset of callsites."""
+
+    def __init__(self) -> None:
+        self.frame_ids: dict[Frame, int] = {}
+        self.frames: list[Frame] = []
+        #: key -> [count, rank mask]
+        self.sites: dict[SiteKey, list[int]] = {}
+        self.rank_mask = 0
+        self.inputs = 0
+        self.meta = _Agreement()
+        self.extras = _Agreement()
+        self.frame_extras: dict[Frame, _Agreement] = {}
+        self.site_extras: dict[SiteKey, _Agreement] = {}
+
+    def _intern(self, frame: Frame) -> int:
+        index = self.frame_ids.get(frame)
+        if index is None:
+            index = len(self.frames)
+            self.frame_ids[frame] = index
+            self.frames.append(frame)
+        return index
+
+    def add(self, trace: DecodedTrace) -> None:
+        """Add one decoded trace (one rank file, or an earlier combined trace)."""
+        file_ranks = trace.ranks()
+        file_mask = ranks_to_mask(file_ranks)
+        self.rank_mask |= file_mask
+        self.inputs += 1
+        meta = {k: v for k, v in trace.meta.items() if k not in ("rank", "ranks")}
+        self.meta.add(meta)
+        self.extras.add(trace.extras)
+        local = [self._intern(frame) for frame in trace.frames]
+        for index, extra in trace.frame_extras.items():
+            self.frame_extras.setdefault(trace.frames[index], _Agreement()).add(extra)
+        stacks: dict[tuple[int, ...], tuple[int, ...]] = {}
+        sites = self.sites
+        for position, site in enumerate(trace.callsites):
+            raw = tuple(site.stack)
+            stack = stacks.get(raw)
+            if stack is None:
+                stack = stacks[raw] = tuple([local[i] for i in raw])
+            mask = file_mask if site.ranks is None else ranks_to_mask(site.ranks)
+            if mask & ~file_mask:
+                raise InputError(
+                    trace.path,
+                    f"callsites[{position}].ranks {site.ranks} names ranks outside "
+                    f"meta.ranks {file_ranks}",
+                )
+            key = (stack, site.api, site.op, site.stream)
+            slot = sites.get(key)
+            if slot is None:
+                sites[key] = [site.count, mask]
+            else:
+                slot[0] += site.count
+                slot[1] |= mask
+            extra = trace.callsite_extras.get(position)
+            if extra:
+                self.site_extras.setdefault(key, _Agreement()).add(extra)
+
+    def update(self, other: TraceAccumulator) -> None:
+        """Fold another accumulator (for example a worker's partial result) into this one."""
+        remap = [self._intern(frame) for frame in other.frames]
+        sites = self.sites
+        for (stack, api, op, stream), (count, mask) in other.sites.items():
+            key = (tuple([remap[i] for i in stack]), api, op, stream)
+            slot = sites.get(key)
+            if slot is None:
+                sites[key] = [count, mask]
+            else:
+                slot[0] += count
+                slot[1] |= mask
+            extra = other.site_extras.get((stack, api, op, stream))
+            if extra is not None:
+                self.site_extras.setdefault(key, _Agreement()).update(extra)
+        for frame, agreement in other.frame_extras.items():
+            self.frame_extras.setdefault(frame, _Agreement()).update(agreement)
+        self.rank_mask |= other.rank_mask
+        self.inputs += other.inputs
+        self.meta.update(other.meta)
+        self.extras.update(other.extras)
+
+    def result(self) -> CallsiteTrace:
+        """The canonical combined trace."""
+        order = sorted(range(len(self.frames)), key=lambda i: self.frames[i].sort_key())
+        new_id = [0] * len(order)
+        for new, old in enumerate(order):
+            new_id[old] = new
+        frames = [self.frames[old] for old in order]
+        keyed = []
+        for key, (count, mask) in self.sites.items():
+            stack = [new_id[i] for i in key[0]]
+            keyed.append(((stack, key[1] or "", key[2], key[3]), key, count, mask))
+        keyed.sort(key=lambda item: item[0])
+        all_mask = self.rank_mask
+        callsites = []
+        callsite_extras = {}
+        for position, (sort_key, key, count, mask) in enumerate(keyed):
+            ranks = None if mask == all_mask else mask_to_ranks(mask)
+            callsites.append(
+                Callsite(stack=sort_key[0], api=key[1], op=key[2], stream=key[3], count=count, ranks=ranks)
+            )
+            agreement = self.site_extras.get(key)
+            if agreement is not None and agreement.result():
+                callsite_extras[position] = agreement.result()
+        frame_extras = {}
+        for position, frame in enumerate(frames):
+            agreement = self.frame_extras.get(frame)
+            if agreement is not None and agreement.result():
+                frame_extras[position] = agreement.result()
+        meta = self.meta.result()
+        meta["ranks"] = mask_to_ranks(all_mask)
+        return CallsiteTrace(
+            meta=dict(sorted(meta.items())),
+            frames=frames,
+            callsites=callsites,
+            extras=self.extras.result(),
+            frame_extras=frame_extras,
+            callsite_extras=callsite_extras,
+        )

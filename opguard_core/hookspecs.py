@@ -1,0 +1,186 @@
+"""Hook specifications: the one place that says what a plugin can do.
+
+Every built-in stage of ``opguard run`` is an ordinary plugin implementing one of
+these hooks (see ``opguard_plugins/``); third-party packages implement the same
+hooks and register them under the ``opguard`` entry-point group. An implementation
+receives only the arguments it names, so hooks can grow arguments without breaking
+plugins.
+
+Stage hooks other than :func:`opguard_filter` are ``firstresult``: pluggy calls
+implementations in LIFO registration order, ``tryfirst`` first and ``trylast`` last,
+and stops at the first non-None result. Built-ins are marked ``trylast``, so an
+installed plugin wins, or hands over by returning None.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from opguard_core import hookspec
+
+if TYPE_CHECKING:
+    import click
+    from ruamel.yaml.comments import CommentedMap
+
+    from opguard_core.combined import CallsiteTrace
+    from opguard_core.model import Discovery, InputEntry, RunOptions
+
+
+# -------------------------------------------------------------------------
+# Stage 1: discover
+# -------------------------------------------------------------------------
+
+
+@hookspec(firstresult=True)
+def opguard_discover(inputs: Sequence[str], base_dir: Path) -> Discovery | None:
+    """Turn the ``--input`` arguments into named entries.
+
+    Stops at first non-None result.
+
+    :param inputs: the ``--input`` values in command-line order: file names,
+        glob patterns, or shell-expanded rank files.
+    :param base_dir: directory that relative inputs resolve against.
+    :returns: a :class:`~opguard_core.model.Discovery` with the entries (in input
+        order, each with a unique, file-name-safe ``name``) and the inputs that
+        could not be used (missing file, pattern matching nothing, directory).
+    """
+
+
+# -------------------------------------------------------------------------
+# Stage 2: combine
+# -------------------------------------------------------------------------
+
+
+@hookspec(firstresult=True)
+def opguard_combine(entry: InputEntry, options: RunOptions) -> CallsiteTrace | None:
+    """Combine an entry's rank files into one callsite trace (a multiset union).
+
+    Stops at first non-None result. Executors (such as the optional Dask plugin)
+    implement this hook and return None unless ``options.executor`` names them.
+
+    :param entry: the entry whose ``files`` are combined.
+    :param options: run settings (``jobs``, ``executor``).
+    :returns: the combined :class:`~opguard_core.combined.CallsiteTrace`; the runner
+        writes it to ``{name}_combined.json``.
+    :raises opguard_core.errors.InputError: for an unusable input file.
+    """
+
+
+# -------------------------------------------------------------------------
+# Stage 3: compress
+# -------------------------------------------------------------------------
+
+
+@hookspec(firstresult=True)
+def opguard_compress(trace: CallsiteTrace, options: RunOptions) -> dict[str, Any] | None:
+    """Fold a combined trace into a pruned call tree (formats.md §2).
+
+    Stops at first non-None result. ``--compressor NAME`` calls only the plugin
+    registered as NAME instead.
+
+    :param trace: the combined trace of one entry.
+    :param options: thresholds (``min_count``, ``min_fraction``), ``chains``,
+        ``hide`` and ``default_hide``.
+    :returns: the ``opguard-calltree`` document as a JSON-ready dict. The runner
+        checks the contract's invariants on it before writing
+        ``{name}_compressed.json``.
+    """
+
+
+# -------------------------------------------------------------------------
+# Stage 4: generate
+# -------------------------------------------------------------------------
+
+
+@hookspec(firstresult=True)
+def opguard_generate(
+    tree: dict[str, Any], source: str, options: RunOptions
+) -> CommentedMap | None:
+    """Turn a compressed call tree into an instrumentation config (formats.md §3).
+
+    Stops at first non-None result.
+
+    :param tree: the ``opguard-calltree`` document.
+    :param source: the entry name, written as the config's ``source``.
+    :param options: ``context_depth``.
+    :returns: the config as a ruamel.yaml round-trip mapping.
+    """
+
+
+# -------------------------------------------------------------------------
+# Stage 5: compare
+# -------------------------------------------------------------------------
+
+
+@hookspec(firstresult=True)
+def opguard_compare(
+    first: CommentedMap, other: CommentedMap, first_label: str, other_label: str
+) -> str | None:
+    """Describe how ``other`` differs from ``first``, for a person to read.
+
+    Stops at first non-None result.
+
+    :param first: the first entry's config.
+    :param other: another entry's config.
+    :param first_label: how to name ``first`` in the report (``1 (fsdp_callsite)``).
+    :param other_label: how to name ``other``.
+    :returns: the text of ``comparison_1_vs_N.log``.
+    """
+
+
+# -------------------------------------------------------------------------
+# Stage 6: merge
+# -------------------------------------------------------------------------
+
+
+@hookspec(firstresult=True)
+def opguard_merge(left: CommentedMap, right: CommentedMap) -> CommentedMap | None:
+    """Merge two configs by matching key (``target``, ``context``).
+
+    Stops at first non-None result. Must be associative and commutative up to
+    entry order; the runner folds ``(1+2)+3+…``.
+
+    :param left: the accumulated config (its comments are kept).
+    :param right: the next config.
+    :returns: the merged config, entries sorted by key.
+    """
+
+
+# -------------------------------------------------------------------------
+# Stage 7: filter
+# -------------------------------------------------------------------------
+
+
+@hookspec
+def opguard_filter(config: CommentedMap, options: RunOptions) -> CommentedMap | None:
+    """Filter a config; filters form a chain.
+
+    Not ``firstresult``: the runner calls every active implementation one after
+    another, in pluggy's call order (``tryfirst`` first, then the most recently
+    registered, ``trylast`` last), passing each the previous one's output. The
+    built-in basic filter is ``trylast`` and active only with ``--basic``; every
+    other installed (and not disabled) filter is always active. The summary records
+    what each filter dropped.
+
+    :param config: the config as a YAML document mapping; ``config["entries"]`` is
+        a list of entry mappings. A filter may change it in place.
+    :param options: run settings (``basic``, ``basic_list``).
+    :returns: the config to pass on, or None to keep ``config`` as it is now.
+    """
+
+
+# -------------------------------------------------------------------------
+# Command line
+# -------------------------------------------------------------------------
+
+
+@hookspec
+def opguard_register_commands(cli: click.Group) -> None:
+    """Add commands to the ``opguard`` command-line group.
+
+    Called once, when the CLI is built, for every plugin.
+
+    :param cli: the top-level :class:`click.Group`; call ``cli.add_command``.
+    """

@@ -1,0 +1,122 @@
+"""Compressed call tree documents (formats.md §2): names, and the invariant check."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from opguard_core.errors import InputError, InvariantError
+
+TREE_FORMAT = "opguard-calltree"
+TREE_VERSION = 1
+TORCH_API = "torch_api"
+
+
+def split_api(api: str) -> tuple[str, str]:
+    """``torch.nn.functional.linear`` → (``torch.nn.functional``, ``linear``).
+
+    Tensor methods (``Tensor.reshape``) live in module ``torch``.
+    """
+    if api.startswith("Tensor."):
+        return "torch", api
+    module, dot, name = api.rpartition(".")
+    if not dot:
+        return "", api
+    if module.endswith(".Tensor"):
+        return module[: -len(".Tensor")], f"Tensor.{name}"
+    return module, name
+
+
+def target_name(module: str | None, file: str | None, qualname: str) -> str:
+    """``module:qualname``, or ``file:qualname`` when the module is unknown."""
+    return f"{module or file or '?'}:{qualname}"
+
+
+def node_target(node: dict[str, Any]) -> str:
+    return target_name(node.get("module"), node.get("file"), node["qualname"])
+
+
+def threshold(total: int, min_count: int, min_fraction: float) -> float:
+    """The smallest count a non-root subtree may have: max(min_count, min_fraction·total)."""
+    return max(min_count, min_fraction * total)
+
+
+def iter_nodes(root: dict[str, Any]) -> list[tuple[dict[str, Any], dict[str, Any] | None]]:
+    """Every (node, parent) pair, root first, depth first (iterative)."""
+    out: list[tuple[dict[str, Any], dict[str, Any] | None]] = []
+    stack: list[tuple[dict[str, Any], dict[str, Any] | None]] = [(root, None)]
+    while stack:
+        node, parent = stack.pop()
+        out.append((node, parent))
+        stack.extend((child, node) for child in reversed(node.get("children", [])))
+    return out
+
+
+def check_tree(tree: dict[str, Any], expected_total: int | None = None) -> None:
+    """Raise :class:`InvariantError` unless ``tree`` meets every invariant of §2."""
+    if tree.get("format") != TREE_FORMAT or tree.get("version") != TREE_VERSION:
+        raise InvariantError(
+            f"compressor returned format {tree.get('format')!r} version {tree.get('version')!r},"
+            f" expected {TREE_FORMAT!r} version {TREE_VERSION}"
+        )
+    root = tree["root"]
+    settings = tree.get("meta", {}).get("compression", {})
+    if expected_total is not None and root["count"] != expected_total:
+        raise InvariantError(
+            f"root.count {root['count']} != input total {expected_total} (counts not conserved)"
+        )
+    floor = threshold(
+        root["count"], settings.get("min_count", 1), settings.get("min_fraction", 0.0)
+    )
+    chains = settings.get("chains", False)
+    for node, parent in iter_nodes(root):
+        where = "root" if parent is None else node_target(node)
+        if "stack" in node:
+            raise InvariantError(f"{where}: compressed tree nodes must not carry a stack")
+        own = sum(node["self_ops"].values())
+        below = sum(child["count"] for child in node["children"])
+        if node["count"] != own + below:
+            raise InvariantError(
+                f"{where}: count {node['count']} != own ops {own} + children {below}"
+            )
+        if own != sum(node["self_streams"].values()):
+            raise InvariantError(f"{where}: self_ops and self_streams sums differ")
+        if parent is None:
+            continue
+        if node["count"] < floor:
+            raise InvariantError(f"{where}: count {node['count']} below threshold {floor:g}")
+        children = node["children"]
+        if (
+            chains
+            and node["kind"] != TORCH_API
+            and own == 0
+            and len(children) == 1
+            and children[0]["kind"] != TORCH_API
+        ):
+            raise InvariantError(f"{where}: linear chain left after chain pruning")
+
+
+def load_tree(path: Path) -> dict[str, Any]:
+    """Read a ``*_compressed.json`` file and check it."""
+    try:
+        tree = msgspec.json.decode(path.read_bytes())
+    except OSError as exc:
+        raise InputError(path, f"cannot read file: {exc.strerror or exc}") from None
+    except msgspec.DecodeError as exc:
+        raise InputError(path, f"not valid JSON: {exc}") from None
+    if not isinstance(tree, dict):
+        raise InputError(path, "expected a JSON object at top level")
+    try:
+        check_tree(tree)
+    except (KeyError, TypeError) as exc:
+        raise InputError(path, f"invalid call tree: missing or mistyped {exc}") from None
+    except InvariantError as exc:
+        raise InputError(path, str(exc)) from None
+    return tree
+
+
+def encode_tree(tree: dict[str, Any]) -> bytes:
+    """Canonical JSON of a tree: insertion-ordered keys, two-space indentation."""
+    return msgspec.json.format(msgspec.json.encode(tree), indent=1) + b"\n"

@@ -1,0 +1,1 @@
+"""Built-in OpGuard plugins: one module per stage of ``opguard run``."""
