@@ -1,0 +1,654 @@
+"""Callsite tracer runtime: records which torch operators ran, from where (formats.md §1).
+
+Two of torch's Python-level modes are pushed for the traced region:
+
+* a :class:`~torch.overrides.TorchFunctionMode` sees every *public* torch callable that
+  Python code invokes (``torch.cat``, ``Tensor.reshape``, ``torch.nn.functional.linear``)
+  and remembers it, per thread, as the current ``api`` while the call runs (torch
+  disables the mode inside the call, so this is always the outermost public call);
+* a :class:`~torch.utils._python_dispatch.TorchDispatchMode` sees every operator that
+  reaches the dispatcher (``aten::addmm``, ``c10d::allreduce_``, ``fsdp::chunk_cat``)
+  and records it with the current Python stack (a ``sys._getframe`` walk), the current
+  ``api`` and the device stream.
+
+Identical (stack, api, op, stream) tuples are counted. Stacks are kept as raw
+``(code, line)`` tuples while recording; turning code objects into frames (relative
+paths, module names) and dropping the tracer's own frames and torch's dispatch plumbing
+happens once, when the trace is written.
+
+Backward: on CPU the autograd engine runs backward on the thread that called
+``.backward()``, so backward ops carry that Python stack naturally, with ``api``
+``Tensor.backward``. On CUDA, the engine runs backward on its device threads, which
+have no Python stack of the forward; torch propagates the dispatch mode to them, and
+ops seen on a thread other than the one that started a backward, while a backward is
+running, are attributed to the stack (and ``api``) recorded when ``Tensor.backward`` /
+``torch.autograd.backward`` / ``torch.autograd.grad`` was called, followed by any
+Python frames of that thread (a custom ``autograd.Function.backward``).
+
+Collectives: on torch 2.13 with gloo (and NCCL), ``torch.distributed`` collectives go
+through the dispatcher as ``c10d::`` operators, so the dispatch mode records them like
+any other op, including those DDP's reducer issues from autograd hooks during backward.
+
+Public API: :func:`trace_callsites` (a context manager) and :func:`start_process_tracer`
+(used by ``opguard trace``'s bootstrap to trace a whole process, writing at exit).
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import platform
+import shlex
+import site
+import sys
+import sysconfig
+import threading
+import types
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode, resolve_name
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from opguard_core.atomic import atomic_write_bytes
+from opguard_core.trace_format import Frame, encode_trace
+
+TRACER_NAME = "opguard/1"
+
+#: torch callables whose call starts an autograd backward pass.
+BACKWARD_APIS = frozenset({"Tensor.backward", "torch.autograd.backward", "torch.autograd.grad"})
+
+_THIS_FILE = os.path.normcase(os.path.abspath(__file__))
+_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
+#: Files whose frames are dispatch plumbing: they only forward a call into a mode.
+_PLUMBING_FILES = frozenset(
+    os.path.normcase(os.path.join(_TORCH_DIR, *parts))
+    for parts in (("overrides.py",), ("utils", "_python_dispatch.py"))
+)
+#: Files of the wrappers torch puts around a mode's ``__torch_dispatch__``.
+_WRAPPER_FILES = frozenset(
+    os.path.join(_TORCH_DIR, *parts) for parts in (("_compile.py",), ("_dynamo", "eval_frame.py"))
+)
+_OPS_FILE = os.path.normcase(os.path.join(_TORCH_DIR, "_ops.py"))
+
+RawStack = tuple[tuple[types.CodeType, int], ...]
+Key = tuple[RawStack, "str | None", str, int]
+
+
+# ---------------------------------------------------------------------------
+# Names
+# ---------------------------------------------------------------------------
+
+_API_CACHE: dict[Any, str | None] = {}
+
+
+def api_name(func: Callable[..., Any]) -> str | None:
+    """The public name of a torch callable seen by a ``TorchFunctionMode``.
+
+    ``torch.Tensor.reshape`` reads ``Tensor.reshape``, a property getter
+    (``Tensor.shape.__get__``) reads ``Tensor.shape``, an operator overload reads
+    ``torch.ops.aten.add.Tensor``; a function torch does not list is named by its
+    shortest public module path (``torch.distributed.all_reduce``).
+    """
+    try:
+        return _API_CACHE[func]
+    except KeyError:
+        pass
+    except TypeError:  # unhashable callable
+        return _resolve_api_name(func)
+    name = _resolve_api_name(func)
+    if len(_API_CACHE) < 100_000:
+        _API_CACHE[func] = name
+    return name
+
+
+def _resolve_api_name(func: Callable[..., Any]) -> str | None:
+    if isinstance(func, torch._ops.OpOverload | torch._ops.OpOverloadPacket):
+        return f"torch.ops.{func}"
+    try:
+        name = resolve_name(func)
+    except Exception:
+        name = None
+    if name:
+        if name.endswith(".__get__"):
+            name = name[: -len(".__get__")]
+        if name.startswith("torch.Tensor."):
+            name = name[len("torch.") :]
+        return name
+    module = getattr(func, "__module__", None)
+    qualname = getattr(func, "__qualname__", None) or getattr(func, "__name__", None)
+    if not qualname:
+        return None
+    if not module:
+        return str(qualname)
+    if "." not in qualname:
+        parts = module.split(".")
+        for end in range(1, len(parts)):
+            prefix = ".".join(parts[:end])
+            if getattr(sys.modules.get(prefix), qualname, None) is func:
+                return f"{prefix}.{qualname}"
+    return f"{module}.{qualname}"
+
+
+_OP_CACHE: dict[Any, str] = {}
+
+
+def op_name(func: Any) -> str:
+    """``namespace::name`` of an operator overload, without the overload suffix."""
+    try:
+        return _OP_CACHE[func]
+    except (KeyError, TypeError):
+        pass
+    schema = getattr(func, "_schema", None)
+    if schema is not None:
+        name = str(schema.name)
+    else:  # a higher-order operator or something unusual
+        name = str(getattr(func, "name", None) or getattr(func, "__name__", func))
+        if callable(name):
+            name = str(func)
+        if "::" not in name:
+            name = f"{getattr(func, 'namespace', 'unknown')}::{name}"
+    name = name.split(".", 1)[0] if "::" in name and "." in name.split("::", 1)[1] else name
+    try:
+        _OP_CACHE[func] = name
+    except TypeError:
+        pass
+    return name
+
+
+# ---------------------------------------------------------------------------
+# Recording
+# ---------------------------------------------------------------------------
+
+
+class _BackwardContext:
+    """The stack and api of a running backward pass, for ops on autograd's threads."""
+
+    __slots__ = ("api", "stack", "thread")
+
+    def __init__(self, stack: RawStack, api: str, thread: int) -> None:
+        self.stack = stack
+        self.api = api
+        self.thread = thread
+
+
+def _walk(frame: types.FrameType | None, modules: dict[types.CodeType, str | None]) -> RawStack:
+    """The raw stack from ``frame`` outwards, returned outermost first."""
+    stack: list[tuple[types.CodeType, int]] = []
+    append = stack.append
+    while frame is not None and frame.f_code.co_filename in _WRAPPER_FILES:
+        frame = frame.f_back  # torch wraps __torch_dispatch__ in a dynamo-disable wrapper
+    while frame is not None:
+        code = frame.f_code
+        if code not in modules:
+            modules[code] = frame.f_globals.get("__name__")
+        append((code, frame.f_lineno))
+        frame = frame.f_back
+    stack.reverse()
+    return tuple(stack)
+
+
+class CallsiteRecorder:
+    """Counts (stack, api, op, stream) tuples; thread-safe."""
+
+    def __init__(self) -> None:
+        self.counts: dict[Key, int] = {}
+        self.modules: dict[types.CodeType, str | None] = {}
+        self.active = False
+        self.rank: int | None = None
+        self.world_size: int | None = None
+        self.device = "cpu"
+        self._lock = threading.Lock()
+        self._local = threading.local()
+        self._backward: list[_BackwardContext] = []
+        self._cuda = torch.cuda.is_available()
+
+    # -- api (TorchFunctionMode side) ---------------------------------------
+
+    def current_api(self) -> str | None:
+        return getattr(self._local, "api", None)
+
+    def call(
+        self,
+        func: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        frame: types.FrameType | None,
+    ) -> Any:
+        """Run ``func`` with it marked as this thread's current api."""
+        local = self._local
+        if getattr(local, "api", None) is not None:
+            return func(*args, **kwargs)
+        name = api_name(func)
+        local.api = name
+        if name not in BACKWARD_APIS:
+            try:
+                return func(*args, **kwargs)
+            finally:
+                local.api = None
+        context = _BackwardContext(_walk(frame, self.modules), name, threading.get_ident())
+        with self._lock:
+            self._backward.append(context)
+        try:
+            return func(*args, **kwargs)
+        finally:
+            local.api = None
+            with self._lock:
+                self._backward.remove(context)
+
+    # -- ops (TorchDispatchMode side) -----------------------------------------
+
+    def record(self, func: Any, frame: types.FrameType | None) -> None:
+        """Count one operator call issued from ``frame``."""
+        if not self.active:
+            return
+        op = op_name(func)
+        api = getattr(self._local, "api", None)
+        stack = _walk(frame, self.modules)
+        if api is None and self._backward:
+            # An op on a thread that did not start the running backward: an autograd
+            # engine thread. Attribute it to the stack that called .backward().
+            me = threading.get_ident()
+            with self._lock:
+                contexts = [c for c in self._backward if c.thread != me]
+            if contexts:
+                context = contexts[-1]
+                stack = context.stack + stack
+                api = context.api
+        stream = 0
+        if self._cuda and torch.cuda.is_initialized():
+            self.device = "cuda"
+            stream = int(torch.cuda.current_stream().stream_id)
+        if op.startswith("c10d::") and self.rank is None:
+            self.snapshot_rank()
+        key = (stack, api, op, stream)
+        with self._lock:
+            self.counts[key] = self.counts.get(key, 0) + 1
+
+    def snapshot_rank(self) -> None:
+        """Remember rank and world size while the default process group exists."""
+        try:
+            import torch.distributed as dist
+
+            if dist.is_available() and dist.is_initialized():
+                self.rank = dist.get_rank()
+                self.world_size = dist.get_world_size()
+        except Exception:
+            pass
+
+
+class _FunctionMode(TorchFunctionMode):
+    """Learns the public torch callable that Python code invoked."""
+
+    def __init__(self, recorder: CallsiteRecorder) -> None:
+        super().__init__()
+        self.recorder = recorder
+
+    def __torch_function__(
+        self,
+        func: Callable[..., Any],
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        return self.recorder.call(func, args, kwargs or {}, sys._getframe(1))
+
+
+class _DispatchMode(TorchDispatchMode):
+    """Sees every operator that ran and records it with the Python stack."""
+
+    def __init__(self, recorder: CallsiteRecorder) -> None:
+        super().__init__()
+        self.recorder = recorder
+
+    def __torch_dispatch__(
+        self,
+        func: Any,
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        self.recorder.record(func, sys._getframe(1))
+        return func(*args, **(kwargs or {}))
+
+
+# ---------------------------------------------------------------------------
+# Frames and paths
+# ---------------------------------------------------------------------------
+
+
+def _path_roots(program_roots: list[str]) -> list[str]:
+    """Directories that recorded file paths are made relative to (longest wins)."""
+    roots: list[str] = []
+    candidates: list[str] = []
+    try:
+        candidates.extend(site.getsitepackages())
+    except AttributeError:  # pragma: no cover - old virtualenv site.py
+        pass
+    user_site = site.getusersitepackages() if hasattr(site, "getusersitepackages") else None
+    if isinstance(user_site, str):
+        candidates.append(user_site)
+    candidates.extend(p for p in sys.path if p.rstrip("/").endswith(("site-packages", "dist-packages")))
+    paths = sysconfig.get_paths()
+    candidates.extend(paths[k] for k in ("purelib", "platlib", "stdlib", "platstdlib") if k in paths)
+    candidates.extend(program_roots)
+    for candidate in candidates:
+        if not candidate:
+            continue
+        root = os.path.normcase(os.path.abspath(candidate)).rstrip(os.sep) + os.sep
+        if root not in roots:
+            roots.append(root)
+    roots.sort(key=len, reverse=True)
+    return roots
+
+
+def default_program_roots() -> list[str]:
+    """The traced program's roots: its script's directory and the working directory."""
+    roots: list[str] = []
+    argv0 = sys.argv[0] if sys.argv else ""
+    if argv0 and argv0 not in {"-c", "-m"} and os.path.isfile(argv0):
+        roots.append(os.path.dirname(os.path.abspath(argv0)))
+    main = sys.modules.get("__main__")
+    main_file = getattr(main, "__file__", None)
+    if isinstance(main_file, str) and getattr(main, "__spec__", None) is None:
+        roots.append(os.path.dirname(os.path.abspath(main_file)))
+    roots.append(os.getcwd())
+    return roots
+
+
+class _FrameMaker:
+    """Turns raw (code, line) pairs into interned :class:`Frame` values."""
+
+    def __init__(self, modules: dict[types.CodeType, str | None], roots: list[str]) -> None:
+        self.modules = modules
+        self.roots = roots
+        self._files: dict[str, str] = {}
+        self._hidden: dict[types.CodeType, bool] = {}
+        self._module_names: dict[types.CodeType, str | None] = {}
+
+    def relative(self, filename: str) -> str:
+        cached = self._files.get(filename)
+        if cached is not None:
+            return cached
+        result = filename
+        if not filename.startswith("<"):
+            absolute = os.path.normcase(os.path.abspath(filename))
+            for root in self.roots:
+                if absolute.startswith(root):
+                    result = absolute[len(root) :].replace(os.sep, "/")
+                    break
+        self._files[filename] = result
+        return result
+
+    def hidden(self, code: types.CodeType) -> bool:
+        """Is this frame the tracer's own or torch's dispatch plumbing?"""
+        cached = self._hidden.get(code)
+        if cached is not None:
+            return cached
+        filename = os.path.normcase(os.path.abspath(code.co_filename))
+        hidden = (
+            filename == _THIS_FILE
+            or filename in _PLUMBING_FILES
+            or (filename == _OPS_FILE and code.co_name == "__call__")
+        )
+        self._hidden[code] = hidden
+        return hidden
+
+    def module_name(self, code: types.CodeType) -> str | None:
+        if code in self._module_names:
+            return self._module_names[code]
+        name = self.modules.get(code)
+        if name == "__main__":
+            main = sys.modules.get("__main__")
+            spec = getattr(main, "__spec__", None)
+            if spec is not None and getattr(main, "__file__", None) == code.co_filename:
+                name = spec.name
+            elif not code.co_filename.startswith("<"):
+                name = Path(code.co_filename).stem
+        self._module_names[code] = name
+        return name
+
+    def clean(self, stack: RawStack) -> list[tuple[types.CodeType, int]]:
+        """Drop hidden frames; where a call re-enters the function that dispatched it
+        to a mode (``handle_torch_function``), keep only the inner, executing frame."""
+        kept: list[tuple[types.CodeType, int]] = []
+        after_hidden = False
+        for code, line in stack:
+            if self.hidden(code):
+                after_hidden = True
+                continue
+            if after_hidden and kept and kept[-1][0] is code:
+                kept.pop()
+            after_hidden = False
+            kept.append((code, line))
+        return kept
+
+    def frame(self, code: types.CodeType, line: int) -> Frame:
+        return Frame(
+            file=self.relative(code.co_filename),
+            line=line,
+            function=code.co_name,
+            qualname=code.co_qualname,
+            module=self.module_name(code),
+        )
+
+
+# ---------------------------------------------------------------------------
+# The tracer
+# ---------------------------------------------------------------------------
+
+
+class CallsiteTracer:
+    """Records callsites while started; :meth:`write` saves them as a trace file."""
+
+    def __init__(
+        self,
+        label: str = "trace",
+        output_dir: str | os.PathLike[str] = ".",
+        rank: int | None = None,
+        command: str | None = None,
+        extra_meta: dict[str, Any] | None = None,
+    ) -> None:
+        self.label = label
+        self.output_dir = Path(output_dir)
+        self.fixed_rank = rank
+        self.command = command
+        self.extra_meta = dict(extra_meta or {})
+        self.recorder = CallsiteRecorder()
+        self._modes: list[Any] = []
+        self.written: Path | None = None
+
+    # -- lifecycle ------------------------------------------------------------
+
+    def start(self) -> None:
+        """Push the modes on this thread and start counting."""
+        if self._modes:
+            return
+        function_mode = _FunctionMode(self.recorder)
+        dispatch_mode = _DispatchMode(self.recorder)
+        function_mode.__enter__()
+        try:
+            dispatch_mode.__enter__()
+        except BaseException:
+            function_mode.__exit__(None, None, None)
+            raise
+        self._modes = [function_mode, dispatch_mode]
+        self.recorder.active = True
+
+    def stop(self) -> None:
+        """Stop counting and pop the modes (when they are still on top of the stack)."""
+        self.recorder.active = False
+        self.recorder.snapshot_rank()
+        modes, self._modes = self._modes, []
+        for mode in reversed(modes):
+            try:
+                mode.__exit__(None, None, None)
+            except Exception:  # another mode was pushed above ours and left in place
+                pass
+
+    # -- output ---------------------------------------------------------------
+
+    def resolve_rank(self) -> int:
+        """Rank: given, else torch.distributed's, else ``$RANK``, else 0."""
+        if self.fixed_rank is not None:
+            return self.fixed_rank
+        self.recorder.snapshot_rank()
+        if self.recorder.rank is not None:
+            return self.recorder.rank
+        try:
+            return int(os.environ.get("RANK", "0"))
+        except ValueError:
+            return 0
+
+    def world_size(self) -> int:
+        if self.recorder.world_size is not None:
+            return self.recorder.world_size
+        try:
+            return int(os.environ.get("WORLD_SIZE", "1"))
+        except ValueError:
+            return 1
+
+    def build(
+        self, program_roots: list[str] | None = None
+    ) -> tuple[dict[str, Any], list[Frame], list[dict[str, Any]]]:
+        """The trace as (meta, frames, callsites) ready for :func:`encode_trace`."""
+        rank = self.resolve_rank()
+        roots = _path_roots(program_roots if program_roots is not None else default_program_roots())
+        maker = _FrameMaker(self.recorder.modules, roots)
+        with self.recorder._lock:
+            raw = list(self.recorder.counts.items())
+        merged: dict[tuple[tuple[Frame, ...], str | None, str, int], int] = {}
+        frame_cache: dict[tuple[types.CodeType, int], Frame] = {}
+        for (stack, api, op, stream), count in raw:
+            frames = []
+            for pair in maker.clean(stack):
+                value = frame_cache.get(pair)
+                if value is None:
+                    value = frame_cache[pair] = maker.frame(*pair)
+                frames.append(value)
+            key = (tuple(frames), api, op, stream)
+            merged[key] = merged.get(key, 0) + count
+        unique = sorted({f for key in merged for f in key[0]}, key=Frame.sort_key)
+        ids = {frame: index for index, frame in enumerate(unique)}
+        callsites: list[dict[str, Any]] = []
+        rows = sorted(
+            ((([ids[f] for f in k[0]]), k[1], k[2], k[3], n) for k, n in merged.items()),
+            key=lambda row: (row[0], row[2], row[1] or "", row[3]),
+        )
+        for stack_ids, api, op, stream, count in rows:
+            site_dict: dict[str, Any] = {"stack": stack_ids}
+            if api is not None:
+                site_dict["api"] = api
+            site_dict.update({"op": op, "stream": stream, "count": count})
+            callsites.append(site_dict)
+        meta: dict[str, Any] = {
+            "label": self.label,
+            "rank": rank,
+            "world_size": self.world_size(),
+            "ranks": [rank],
+            "torch_version": str(torch.__version__),
+            "device": self.recorder.device,
+            "command": self.command or os.environ.get("OPGUARD_TRACE_COMMAND")
+            or shlex.join(sys.argv),
+            "python_version": platform.python_version(),
+            "tracer": TRACER_NAME,
+            **self.extra_meta,
+        }
+        return meta, unique, callsites
+
+    def path(self) -> Path:
+        """Where :meth:`write` puts the trace: ``{label}_callsite_rank{R}.json``."""
+        return self.output_dir / f"{self.label}_callsite_rank{self.resolve_rank()}.json"
+
+    def write(self) -> Path:
+        """Write the trace atomically and return its path."""
+        meta, frames, callsites = self.build()
+        path = self.output_dir / f"{self.label}_callsite_rank{meta['rank']}.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_bytes(path, encode_trace(meta, frames, callsites))
+        self.written = path
+        return path
+
+
+@contextmanager
+def trace_callsites(
+    label: str = "trace",
+    output_dir: str | os.PathLike[str] = ".",
+    rank: int | None = None,
+    **extra_meta: Any,
+) -> Iterator[CallsiteTracer]:
+    """Trace the torch operators run inside the ``with`` block; write the trace on exit.
+
+    ::
+
+        from opguard_plugins.tracer import trace_callsites
+
+        with trace_callsites(label="mine", output_dir="traces") as tracer:
+            for step in range(3):
+                train_step(...)
+        print(tracer.written)   # traces/mine_callsite_rank0.json
+
+    :param label: the ``{label}`` in the file name and ``meta.label``.
+    :param output_dir: directory for the trace (created if missing).
+    :param rank: the rank to record; by default torch.distributed's rank (if the
+        default group exists at exit, or existed when a collective ran), else
+        ``$RANK``, else 0.
+    :param extra_meta: more keys for the trace's ``meta``.
+    """
+    tracer = CallsiteTracer(label, output_dir, rank=rank, extra_meta=extra_meta)
+    tracer.start()
+    try:
+        yield tracer
+    finally:
+        tracer.stop()
+        tracer.write()
+
+
+# ---------------------------------------------------------------------------
+# Whole-process tracing (used by `opguard trace`)
+# ---------------------------------------------------------------------------
+
+_PROCESS_TRACER: CallsiteTracer | None = None
+
+
+def start_process_tracer(label: str, output_dir: str) -> CallsiteTracer | None:
+    """Trace this whole process from now on and write the trace at interpreter exit.
+
+    Called by the ``sitecustomize`` bootstrap once torch is imported. Does nothing in
+    torchrun's launcher (it runs no model code and would otherwise claim rank 0), and
+    writes nothing if no operator ran.
+    """
+    global _PROCESS_TRACER
+    if _PROCESS_TRACER is not None or _is_launcher():
+        return _PROCESS_TRACER
+    tracer = CallsiteTracer(label, output_dir)
+    tracer.start()
+    _PROCESS_TRACER = tracer
+    atexit.register(_finish_process_tracer)
+    return tracer
+
+
+def _finish_process_tracer() -> None:
+    tracer = _PROCESS_TRACER
+    if tracer is None:
+        return
+    tracer.stop()
+    if not tracer.recorder.counts:
+        return
+    try:
+        tracer.write()
+    except Exception as exc:  # never turn a finished training run into a crash
+        print(f"opguard trace: could not write the trace: {exc}", file=sys.stderr)
+
+
+def _is_launcher() -> bool:
+    """Is this process torchrun's elastic agent (not a worker)?"""
+    argv0 = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else ""
+    if argv0 in {"torchrun", "torchrun.exe"}:
+        return True
+    main = sys.modules.get("__main__")
+    spec = getattr(main, "__spec__", None)
+    return getattr(spec, "name", None) in {"torch.distributed.run", "torch.distributed.launch"}
