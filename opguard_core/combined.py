@@ -94,7 +94,10 @@ class _Agreement:
             self.values = dict(mapping)
             return
         for key in list(self.values):
-            if self.values[key] is not _CONFLICT and mapping.get(key, _CONFLICT) != self.values[key]:
+            if (
+                self.values[key] is not _CONFLICT
+                and mapping.get(key, _CONFLICT) != self.values[key]
+            ):
                 self.values[key] = _CONFLICT
 
     def update(self, other: _Agreement) -> None:
@@ -108,7 +111,8 @@ class _Agreement:
                 self.values[key] = _CONFLICT
 
     def result(self) -> dict[str, Any]:
-        return {k: v for k, v in (self.values or {}).items() if v is not _CONFLICT}
+        values = self.values or {}
+        return {k: v for k, v in values.items() if v is not _CONFLICT}
 
 
 class TraceAccumulator:
@@ -167,9 +171,9 @@ class TraceAccumulator:
             else:
                 slot[0] += site.count
                 slot[1] |= mask
-            extra = trace.callsite_extras.get(position)
-            if extra:
-                self.site_extras.setdefault(key, _Agreement()).add(extra)
+            site_extra = trace.callsite_extras.get(position)
+            if site_extra:
+                self.site_extras.setdefault(key, _Agreement()).add(site_extra)
 
     def update(self, other: TraceAccumulator) -> None:
         """Fold another accumulator (for example a worker's partial result) into this one."""
@@ -211,7 +215,14 @@ class TraceAccumulator:
         for position, (sort_key, key, count, mask) in enumerate(keyed):
             ranks = None if mask == all_mask else mask_to_ranks(mask)
             callsites.append(
-                Callsite(stack=sort_key[0], api=key[1], op=key[2], stream=key[3], count=count, ranks=ranks)
+                Callsite(
+                    stack=sort_key[0],
+                    api=key[1],
+                    op=key[2],
+                    stream=key[3],
+                    count=count,
+                    ranks=ranks,
+                )
             )
             agreement = self.site_extras.get(key)
             if agreement is not None and agreement.result():

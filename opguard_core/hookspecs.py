@@ -95,9 +95,7 @@ def opguard_compress(trace: CallsiteTrace, options: RunOptions) -> dict[str, Any
 
 
 @hookspec(firstresult=True)
-def opguard_generate(
-    tree: dict[str, Any], source: str, options: RunOptions
-) -> CommentedMap | None:
+def opguard_generate(tree: dict[str, Any], source: str, options: RunOptions) -> CommentedMap | None:
     """Turn a compressed call tree into an instrumentation config (formats.md §3).
 
     Stops at first non-None result.

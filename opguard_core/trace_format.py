@@ -106,7 +106,7 @@ def trace_ranks(meta: dict[str, Any], path: str) -> list[int]:
     if isinstance(ranks, list) and ranks and all(_is_rank(r) for r in ranks):
         return sorted(set(ranks))
     rank = meta.get("rank")
-    if _is_rank(rank):
+    if isinstance(rank, int) and _is_rank(rank):
         return [rank]
     match = RANK_IN_NAME.search(Path(path).stem)
     if match:

@@ -110,7 +110,9 @@ def hidden_frames(trace: CallsiteTrace, patterns: list[str]) -> list[bool]:
     ]
 
 
-def _api_replaces_frame(api_module: str, api_qualname: str, module: str | None, qualname: str) -> bool:
+def _api_replaces_frame(
+    api_module: str, api_qualname: str, module: str | None, qualname: str
+) -> bool:
     """Whether a frame is the api's own Python function (``torch.functional:split``)."""
     if module is None or qualname != api_qualname:
         return False

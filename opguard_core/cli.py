@@ -1,0 +1,342 @@
+"""The ``opguard`` command line.
+
+The CLI is built by :func:`create_cli` from a plugin manager, so plugins can add
+commands (``opguard_register_commands``) without import-time side effects.
+``--disable-plugin`` is read from the arguments *before* any plugin is loaded.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+import click
+
+from opguard_core import __version__
+from opguard_core.errors import ExitCode, OpGuardError, PluginError
+from opguard_core.logs import configure_logging
+from opguard_core.model import (
+    DEFAULT_CONTEXT_DEPTH,
+    DEFAULT_MIN_COUNT,
+    DEFAULT_MIN_FRACTION,
+    STAGES,
+    RunOptions,
+)
+from opguard_core.plugins import (
+    EssentialPluginError,
+    OpGuardPluginManager,
+    create_plugin_manager,
+)
+from opguard_core.runner import Runner
+
+DISABLE_OPTION = "--disable-plugin"
+
+
+def disabled_from_args(args: Sequence[str]) -> list[str]:
+    """Values of ``--disable-plugin NAME`` / ``--disable-plugin=NAME`` anywhere in ``args``."""
+    names = []
+    for index, arg in enumerate(args):
+        if arg == "--":
+            break
+        if arg == DISABLE_OPTION and index + 1 < len(args):
+            names.append(args[index + 1])
+        elif arg.startswith(DISABLE_OPTION + "="):
+            names.append(arg.split("=", 1)[1])
+    return names
+
+
+def spread_inputs(args: Sequence[str]) -> list[str]:
+    """Rewrite ``--input A B C`` as ``--input A --input B --input C``.
+
+    The shell expands ``X_rank*.json`` into several words after one ``--input``;
+    this keeps them, in order, as inputs of their own.
+    """
+    out: list[str] = []
+    taking = False
+    for arg in args:
+        if arg == "--":
+            taking = False
+        elif arg in ("--input", "-i"):
+            out.append(arg)
+            taking = False
+            out.append("\0")  # placeholder: the value follows
+            continue
+        elif taking and not arg.startswith("-"):
+            out += ["--input", arg]
+            continue
+        else:
+            taking = False
+        if out and out[-1] == "\0":
+            out[-1] = arg
+            taking = not arg.startswith("-")
+            continue
+        out.append(arg)
+    if out and out[-1] == "\0":
+        out.pop()
+    return out
+
+
+class RunCommand(click.Command):
+    """``opguard run``: accepts several words after one ``--input``."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        return super().parse_args(ctx, spread_inputs(args))
+
+
+def _disable_option(func: click.decorators.FC) -> click.decorators.FC:
+    return click.option(
+        DISABLE_OPTION,
+        "disable_plugin",
+        multiple=True,
+        metavar="NAME",
+        help="Block a plugin before it loads (repeatable; also $OPGUARD_DISABLE_PLUGINS).",
+        expose_value=False,
+        is_eager=True,
+    )(func)
+
+
+def create_cli(manager: OpGuardPluginManager) -> click.Group:
+    """Build the ``opguard`` command group around ``manager``."""
+
+    @click.group(context_settings={"help_option_names": ["-h", "--help"]})
+    @click.version_option(__version__, prog_name="opguard")
+    @click.option(
+        "--log-format",
+        type=click.Choice(["console", "json"]),
+        default=None,
+        help="Log format on stderr (default: console on a terminal, JSON otherwise).",
+    )
+    @click.option("-v", "--verbose", count=True, help="More detail in logs.")
+    @_disable_option
+    @click.pass_context
+    def cli(ctx: click.Context, log_format: str | None, verbose: int) -> None:
+        """OpGuard: which code issues which torch operators on which streams."""
+        ctx.ensure_object(dict)
+        ctx.obj["log_format"] = log_format
+        ctx.obj["verbose"] = verbose
+        configure_logging(log_format, verbose)
+
+    @cli.command(cls=RunCommand)
+    @click.option(
+        "--input",
+        "-i",
+        "input_options",
+        multiple=True,
+        metavar="FILE|PATTERN",
+        help="A trace file or a quoted glob; shell-expanded rank files may follow it "
+        "(repeatable). Relative to --base-dir.",
+    )
+    @click.option(
+        "--base-dir",
+        type=click.Path(file_okay=False, path_type=Path),
+        default=Path("."),
+        show_default=True,
+        help="Directory that relative inputs resolve against.",
+    )
+    @click.option(
+        "--output-base",
+        type=click.Path(file_okay=False, path_type=Path),
+        default=None,
+        help="Trace output directory for the run directory "
+        "(default: $OPGUARD_TRACE_OUTPUT_BASE, else ./opguard_traces).",
+    )
+    @click.option("-v", "--verbose", count=True, help="Per-stage detail; tracebacks on failure.")
+    @click.option("--basic", is_flag=True, help="Run the built-in basic filter.")
+    @click.option(
+        "--basic-list",
+        type=click.Path(dir_okay=False, path_type=Path),
+        default=None,
+        help="YAML file replacing the basic filter's list of torch utilities.",
+    )
+    @click.option(
+        "--skip",
+        multiple=True,
+        type=click.Choice([s for s in STAGES if s != "discover"]),
+        help="Do not run this stage (repeatable); stages that need its output are skipped too.",
+    )
+    @click.option(
+        "--min-count",
+        type=click.IntRange(min=1),
+        default=DEFAULT_MIN_COUNT,
+        show_default=True,
+        help="Subtree pruning: fold subtrees with fewer ops than this.",
+    )
+    @click.option(
+        "--min-fraction",
+        type=click.FloatRange(min=0.0, max=1.0),
+        default=DEFAULT_MIN_FRACTION,
+        show_default=True,
+        help="Subtree pruning: fold subtrees below this fraction of all ops.",
+    )
+    @click.option(
+        "--chains/--no-chains",
+        default=True,
+        show_default=True,
+        help="Fold linear chains of frames.",
+    )
+    @click.option(
+        "--hide",
+        multiple=True,
+        metavar="REGEX",
+        help="Also hide frames whose module:qualname matches REGEX whole (repeatable).",
+    )
+    @click.option(
+        "--no-default-hide", is_flag=True, help="Do not hide the default plumbing frames."
+    )
+    @click.option(
+        "--context-depth",
+        type=click.IntRange(min=0),
+        default=DEFAULT_CONTEXT_DEPTH,
+        show_default=True,
+        help="How many enclosing nodes an entry's context lists.",
+    )
+    @click.option(
+        "--compressor", default=None, metavar="NAME", help="Use this plugin's compressor."
+    )
+    @click.option(
+        "--executor",
+        default="local",
+        show_default=True,
+        metavar="NAME",
+        help="Combine executor: local, or one a plugin provides (e.g. dask).",
+    )
+    @click.option(
+        "--jobs",
+        "-j",
+        type=click.IntRange(min=1),
+        default=1,
+        show_default=True,
+        help="Worker processes for combine.",
+    )
+    @_disable_option
+    @click.pass_context
+    def run(
+        ctx: click.Context,
+        input_options: tuple[str, ...],
+        base_dir: Path,
+        output_base: Path | None,
+        verbose: int,
+        basic: bool,
+        basic_list: Path | None,
+        skip: tuple[str, ...],
+        min_count: int,
+        min_fraction: float,
+        chains: bool,
+        hide: tuple[str, ...],
+        no_default_hide: bool,
+        context_depth: int,
+        compressor: str | None,
+        executor: str,
+        jobs: int,
+    ) -> None:
+        """Preprocess callsite traces into instrumentation configs."""
+        inputs = list(input_options)
+        if not inputs:
+            raise click.UsageError("give at least one --input")
+        verbose = verbose + ctx.obj.get("verbose", 0)
+        if verbose:
+            configure_logging(ctx.obj.get("log_format"), verbose)
+        if compressor is not None:
+            plugin = manager.get_plugin(compressor)
+            if plugin is None or "opguard_compress" not in [
+                h.name for h in manager.get_hookcallers(plugin) or []
+            ]:
+                raise click.UsageError(f"--compressor {compressor}: no such compressor plugin")
+        _check_regexes(hide)
+        options = RunOptions(
+            base_dir=base_dir,
+            min_count=min_count,
+            min_fraction=min_fraction,
+            chains=chains,
+            hide=tuple(hide),
+            default_hide=not no_default_hide,
+            context_depth=context_depth,
+            basic=basic,
+            basic_list=basic_list,
+            compressor=compressor,
+            executor=executor,
+            jobs=jobs,
+            verbose=bool(verbose),
+        )
+        runner = Runner(manager, inputs, options, skip=skip, output_base=output_base)
+        try:
+            code = runner.run()
+        except OpGuardError as exc:
+            click.echo(f"opguard: error: {exc}", err=True)
+            ctx.exit(int(ExitCode.STAGE_FAILED))
+        failed = [r for r in runner.records if r.status == "failed"]
+        for record in failed:
+            where = f"{record.stage}" + (f" [{record.entry}]" if record.entry else "")
+            click.echo(f"opguard: {where} failed: {record.error}", err=True)
+        click.echo(str(runner.run_dir))
+        ctx.exit(int(code))
+
+    @cli.command()
+    @click.option("--all", "show_all", is_flag=True, help="Include built-in plugins.")
+    @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+    @_disable_option
+    def plugins(show_all: bool, as_json: bool) -> None:
+        """List installed plugins: name, distribution, version and hooks."""
+        infos = [p for p in manager.describe() if show_all or not p.builtin]
+        if as_json:
+            click.echo(
+                json.dumps(
+                    [
+                        {
+                            "name": p.name,
+                            "distribution": p.distribution,
+                            "version": p.version,
+                            "hooks": p.hooks,
+                            "builtin": p.builtin,
+                        }
+                        for p in infos
+                    ],
+                    indent=2,
+                )
+            )
+            return
+        if not infos:
+            click.echo("no third-party plugins installed (use --all to list built-ins)")
+        for p in infos:
+            origin = f"{p.distribution or '?'} {p.version or ''}".strip()
+            click.echo(f"{p.name:<16} {origin:<24} {', '.join(p.hooks)}")
+        if manager.disabled:
+            click.echo(f"disabled: {', '.join(manager.disabled)}")
+
+    manager.hook.opguard_register_commands(cli=cli)
+    return cli
+
+
+def _check_regexes(patterns: Sequence[str]) -> None:
+    import re
+
+    for pattern in patterns:
+        try:
+            re.compile(pattern)
+        except re.error as exc:
+            raise click.BadParameter(f"{pattern!r}: {exc}", param_hint="--hide") from None
+
+
+def cli_for(args: Sequence[str]) -> click.Group:
+    """The CLI for ``args``: plugins named by ``--disable-plugin`` are blocked first."""
+    return create_cli(create_plugin_manager(disabled_from_args(args)))
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Console-script entry point."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    try:
+        cli = cli_for(args)
+    except EssentialPluginError as exc:
+        click.echo(f"Usage error: {exc}", err=True)
+        sys.exit(int(ExitCode.USAGE_ERROR))
+    except PluginError as exc:
+        click.echo(f"opguard: error: {exc}", err=True)
+        sys.exit(int(ExitCode.PLUGIN_ERROR))
+    cli.main(args, prog_name="opguard")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,87 @@
+"""Logging and progress: structlog to stderr, console on a terminal, JSON otherwise.
+
+``configure_logging`` is called once by the CLI. ``progress`` shows a rich progress
+bar only in console mode on a terminal; in JSON mode, or when stderr is not a
+terminal, it shows nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import sys
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import structlog
+
+_state: dict[str, Any] = {"format": "json", "tty": False}
+
+
+def resolve_format(requested: str | None) -> str:
+    """``console`` on a terminal, ``json`` otherwise, unless ``requested`` forces one."""
+    if requested in ("console", "json"):
+        return requested
+    return "console" if sys.stderr.isatty() else "json"
+
+
+def configure_logging(log_format: str | None = None, verbose: int = 0) -> str:
+    """Configure structlog for this process; returns the format in use."""
+    fmt = resolve_format(log_format)
+    _state["format"] = fmt
+    _state["tty"] = sys.stderr.isatty()
+    level = logging.DEBUG if verbose else logging.INFO
+    renderer: Any
+    if fmt == "console":
+        renderer = structlog.dev.ConsoleRenderer(colors=_state["tty"])
+    else:
+        renderer = structlog.processors.JSONRenderer()
+    structlog.configure(
+        processors=[
+            structlog.contextvars.merge_contextvars,
+            structlog.processors.add_log_level,
+            structlog.processors.TimeStamper(fmt="iso", utc=True),
+            renderer,
+        ],
+        wrapper_class=structlog.make_filtering_bound_logger(level),
+        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        cache_logger_on_first_use=False,
+    )
+    return fmt
+
+
+def get_logger(**initial: Any) -> Any:
+    return structlog.get_logger("opguard").bind(**initial)
+
+
+def progress_enabled() -> bool:
+    return bool(_state["format"] == "console" and _state["tty"] and sys.stderr.isatty())
+
+
+@contextlib.contextmanager
+def progress(description: str, total: int) -> Iterator[Callable[[int], None]]:
+    """Yield ``advance(n)``; draws a bar on a terminal in console mode, else nothing."""
+    if not progress_enabled() or total <= 1:
+        yield _ignore
+        return
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
+
+    with Progress(
+        "[progress.description]{task.description}",
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=Console(stderr=True),
+        transient=True,
+    ) as bar:
+        task = bar.add_task(description, total=total)
+
+        def advance(n: int = 1) -> None:
+            bar.advance(task, n)
+
+        yield advance
+
+
+def _ignore(n: int = 1) -> None:
+    """Progress callback that draws nothing."""

@@ -1,0 +1,516 @@
+"""The runner: calls the stage hooks in order and keeps the run directory.
+
+It calls stage implementations one at a time (in pluggy's order) so it can say
+which plugin answered or failed; it catches failures per stage and per entry,
+records each in ``pipeline_summary.json`` and goes on where it can. Every artifact
+is written atomically. SIGINT/SIGTERM stop the run between writes; the summary
+says where.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+import datetime as _dt
+import os
+import signal
+import time
+import traceback
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+import msgspec
+import structlog
+from ruamel.yaml.comments import CommentedMap
+
+from opguard_core import __version__
+from opguard_core.atomic import (
+    atomic_write_bytes,
+    atomic_write_text,
+    create_run_directory,
+    safe_child,
+)
+from opguard_core.combined import CallsiteTrace
+from opguard_core.config_format import dump_config, entry_key, validate_config
+from opguard_core.errors import ExitCode, InputError, Interrupted, OpGuardError
+from opguard_core.logs import get_logger
+from opguard_core.model import STAGES, Discovery, InputEntry, RunOptions
+from opguard_core.plugins import OpGuardPluginManager, call_impl
+from opguard_core.tree_format import check_tree, encode_tree
+
+OUTPUT_BASE_ENV = "OPGUARD_TRACE_OUTPUT_BASE"
+DEFAULT_OUTPUT_BASE = Path("opguard_traces")
+BASIC_FILTER_PLUGIN = "basic_filter"
+
+
+def trace_output_base(explicit: Path | None = None) -> Path:
+    """Where run directories go: ``--output-base``, else ``$OPGUARD_TRACE_OUTPUT_BASE``,
+    else ``./opguard_traces``."""
+    if explicit is not None:
+        return explicit
+    env = os.environ.get(OUTPUT_BASE_ENV)
+    return Path(env) if env else DEFAULT_OUTPUT_BASE
+
+
+@dataclasses.dataclass
+class StageRecord:
+    stage: str
+    entry: str | None
+    status: str = "ok"
+    plugin: str | None = None
+    inputs: list[str] = dataclasses.field(default_factory=list)
+    outputs: list[str] = dataclasses.field(default_factory=list)
+    seconds: float = 0.0
+    counts: dict[str, Any] = dataclasses.field(default_factory=dict)
+    error: str | None = None
+
+
+class StageFailed(Exception):
+    """Internal: a stage failed for one entry; already recorded."""
+
+
+class Runner:
+    """One ``opguard run``."""
+
+    def __init__(
+        self,
+        manager: OpGuardPluginManager,
+        inputs: Sequence[str],
+        options: RunOptions,
+        skip: Sequence[str] = (),
+        output_base: Path | None = None,
+    ) -> None:
+        self.manager = manager
+        self.inputs = list(inputs)
+        self.options = options
+        self.skip = [s for s in STAGES if s in set(skip)]
+        self.output_base = trace_output_base(output_base)
+        self.records: list[StageRecord] = []
+        self.log = get_logger()
+        self.run_dir: Path | None = None
+        self.started = _dt.datetime.now(_dt.UTC)
+        self.interrupted: dict[str, Any] | None = None
+        self.current: tuple[str, str | None] = ("setup", None)
+        self.entries: list[InputEntry] = []
+
+    # ----------------------------------------------------------------- helpers
+
+    def _path(self, filename: str) -> Path:
+        assert self.run_dir is not None
+        return safe_child(self.run_dir, filename)
+
+    def _rel(self, path: Path) -> str:
+        assert self.run_dir is not None
+        try:
+            return str(path.relative_to(self.run_dir.resolve()))
+        except ValueError:
+            return str(path)
+
+    def _skipped(self, stage: str, entry: str | None, reason: str) -> None:
+        self.records.append(StageRecord(stage, entry, status="skipped", error=reason))
+        self.log.info("stage skipped", stage=stage, entry=entry, reason=reason)
+        self._write_summary()
+
+    @contextlib.contextmanager
+    def stage(self, name: str, entry: str | None) -> Iterator[StageRecord]:
+        """Time a stage, record its outcome, and turn a failure into :class:`StageFailed`."""
+        record = StageRecord(name, entry)
+        self.current = (name, entry)
+        started = time.perf_counter()
+        with structlog.contextvars.bound_contextvars(stage=name, entry=entry):
+            try:
+                yield record
+            except (Interrupted, KeyboardInterrupt):
+                record.status = "interrupted"
+                record.seconds = round(time.perf_counter() - started, 6)
+                self.records.append(record)
+                raise
+            except Exception as exc:
+                record.status = "failed"
+                record.seconds = round(time.perf_counter() - started, 6)
+                if isinstance(exc, OpGuardError):
+                    record.error = str(exc)
+                else:
+                    record.error = f"{type(exc).__name__}: {exc}"
+                self.records.append(record)
+                self.log.error(
+                    "stage failed",
+                    plugin=record.plugin,
+                    error=record.error,
+                    exc_info=self.options.verbose,
+                )
+                if self.options.verbose and not isinstance(exc, OpGuardError):
+                    self.log.debug("traceback", traceback=traceback.format_exc())
+                self._write_summary()
+                raise StageFailed(record.error) from exc
+            record.seconds = round(time.perf_counter() - started, 6)
+            self.records.append(record)
+            self.log.info("stage done", seconds=record.seconds, **record.counts)
+            self.log.debug("stage detail", plugin=record.plugin, outputs=record.outputs)
+            self._write_summary()
+
+    def call_first(self, hook: str, record: StageRecord, **kwargs: Any) -> Any:
+        """Call implementations in order until one returns non-None; note which one."""
+        impls = self.manager.implementations(hook)
+        if hook == "opguard_compress" and self.options.compressor:
+            plugin = self.manager.get_plugin(self.options.compressor)
+            impls = [i for i in impls if i.plugin is plugin]
+        for impl in impls:
+            record.plugin = impl.plugin_name
+            result = call_impl(impl, kwargs)
+            if result is not None:
+                return result
+        raise OpGuardError(f"no plugin returned a result for {hook}")
+
+    # ----------------------------------------------------------------- stages
+
+    def discover(self) -> list[InputEntry]:
+        with self.stage("discover", None) as record:
+            record.inputs = list(self.inputs)
+            found: Discovery = self.call_first(
+                "opguard_discover", record, inputs=self.inputs, base_dir=self.options.base_dir
+            )
+            record.counts = {"entries": len(found.entries), "problems": len(found.problems)}
+            record.outputs = [e.name for e in found.entries]
+        for problem in found.problems:
+            self.records.append(
+                StageRecord("discover", problem.spec, status="failed", error=problem.error)
+            )
+            self.log.error(
+                "input refused", stage="discover", input=problem.spec, error=problem.error
+            )
+        return found.entries
+
+    def process_entry(self, entry: InputEntry) -> CommentedMap | None:
+        """combine → compress → generate for one entry; None when it stopped early.
+
+        A stage that is skipped or fails makes the later ones ``skipped`` for this entry.
+        """
+        trace: CallsiteTrace | None = None
+        tree: dict[str, Any] | None = None
+        config: CommentedMap | None = None
+        reason: str | None = None
+        try:
+            if "combine" in self.skip:
+                reason = "--skip combine"
+                self._skipped("combine", entry.name, reason)
+            else:
+                trace = self._combine(entry)
+            if trace is not None and "compress" in self.skip:
+                reason = "--skip compress"
+                self._skipped("compress", entry.name, reason)
+            elif trace is not None:
+                tree = self._compress(entry, trace)
+            del trace
+            if tree is not None and "generate" in self.skip:
+                reason = "--skip generate"
+                self._skipped("generate", entry.name, reason)
+            elif tree is not None:
+                config = self._generate(entry, tree)
+        except StageFailed as exc:
+            reason = f"an earlier stage failed: {exc}"
+        if config is None:
+            done = {r.stage for r in self.records if r.entry == entry.name}
+            for stage in ("combine", "compress", "generate"):
+                if stage not in done:
+                    self._skipped(stage, entry.name, f"{reason}")
+        return config
+
+    def _combine(self, entry: InputEntry) -> CallsiteTrace:
+        with self.stage("combine", entry.name) as record:
+            record.inputs = [str(f) for f in entry.files]
+            trace: CallsiteTrace = self.call_first(
+                "opguard_combine", record, entry=entry, options=self.options
+            )
+            out = self._path(f"{entry.name}_combined.json")
+            atomic_write_bytes(out, trace.to_json())
+            record.outputs = [self._rel(out)]
+            record.counts = {
+                "files": len(entry.files),
+                "ranks": len(trace.ranks),
+                "frames": len(trace.frames),
+                "callsites": len(trace.callsites),
+                "total": trace.total,
+            }
+        return trace
+
+    def _compress(self, entry: InputEntry, trace: CallsiteTrace) -> dict[str, Any]:
+        with self.stage("compress", entry.name) as record:
+            record.inputs = [f"{entry.name}_combined.json"]
+            tree: dict[str, Any] = self.call_first(
+                "opguard_compress", record, trace=trace, options=self.options
+            )
+            check_tree(tree, expected_total=trace.total)
+            out = self._path(f"{entry.name}_compressed.json")
+            atomic_write_bytes(out, encode_tree(tree))
+            record.outputs = [self._rel(out)]
+            settings = tree["meta"].get("compression", {})
+            record.counts = {
+                "nodes_before": settings.get("nodes_before"),
+                "nodes_after": settings.get("nodes_after"),
+                "total": tree["root"]["count"],
+            }
+        return tree
+
+    def _generate(self, entry: InputEntry, tree: dict[str, Any]) -> CommentedMap:
+        with self.stage("generate", entry.name) as record:
+            record.inputs = [f"{entry.name}_compressed.json"]
+            config: CommentedMap = self.call_first(
+                "opguard_generate", record, tree=tree, source=entry.name, options=self.options
+            )
+            validate_config(config, f"{entry.name}_instrumentation.yaml (from {record.plugin})")
+            out = self._path(f"{entry.name}_instrumentation.yaml")
+            atomic_write_text(out, dump_config(config))
+            record.outputs = [self._rel(out)]
+            record.counts = {
+                "entries": len(config["entries"]),
+                "total": (config.get("meta") or {}).get("total"),
+            }
+        return config
+
+    def compare(self, configs: dict[int, tuple[InputEntry, CommentedMap]]) -> None:
+        first = configs.get(1)
+        others = [i.index for i in self.entries if i.index != 1]
+        for index in others:
+            entry = self.entries[index - 1]
+            if "compare" in self.skip:
+                self._skipped("compare", entry.name, "--skip compare")
+                continue
+            if first is None or index not in configs:
+                self._skipped("compare", entry.name, "a config to compare is missing")
+                continue
+            with contextlib.suppress(StageFailed), self.stage("compare", entry.name) as record:
+                first_label = f"1 ({first[0].name})"
+                other_label = f"{index} ({entry.name})"
+                record.inputs = [
+                    f"{first[0].name}_instrumentation.yaml",
+                    f"{entry.name}_instrumentation.yaml",
+                ]
+                text = self.call_first(
+                    "opguard_compare",
+                    record,
+                    first=first[1],
+                    other=configs[index][1],
+                    first_label=first_label,
+                    other_label=other_label,
+                )
+                out = self._path(f"comparison_1_vs_{index}.log")
+                atomic_write_text(out, text)
+                record.outputs = [self._rel(out)]
+                a = {entry_key(e) for e in first[1]["entries"]}
+                b = {entry_key(e) for e in configs[index][1]["entries"]}
+                record.counts = {
+                    "only_first": len(a - b),
+                    "only_other": len(b - a),
+                    "common": len(a & b),
+                }
+
+    def merge(
+        self, configs: dict[int, tuple[InputEntry, CommentedMap]]
+    ) -> tuple[str, CommentedMap] | None:
+        """Fold (1+2)+3+…; returns (name, final config), or the single entry's config."""
+        available = [configs[i] for i in sorted(configs)]
+        if len(self.entries) == 1:
+            self._skipped("merge", None, "a single entry: nothing to merge")
+            return (available[0][0].name, available[0][1]) if available else None
+        if "merge" in self.skip:
+            self._skipped("merge", None, "--skip merge")
+            return None
+        if len(available) < 2:
+            self._skipped("merge", None, "fewer than two configs to merge")
+            return None
+        accumulated = available[0][1]
+        for step, (entry, config) in enumerate(available[1:], start=1):
+            last = step == len(available) - 1
+            try:
+                with self.stage("merge", entry.name) as record:
+                    left_name = (
+                        f"{available[0][0].name}_instrumentation.yaml"
+                        if step == 1
+                        else f"temp_combined_{step - 1}.yaml"
+                    )
+                    record.inputs = [left_name, f"{entry.name}_instrumentation.yaml"]
+                    accumulated = self.call_first(
+                        "opguard_merge", record, left=accumulated, right=config
+                    )
+                    validate_config(accumulated, f"merge result (from {record.plugin})")
+                    text = dump_config(accumulated)
+                    outputs = [self._path(f"temp_combined_{step}.yaml")]
+                    if last:
+                        outputs.append(self._path("final_combined_instrumentation.yaml"))
+                    for out in outputs:
+                        atomic_write_text(out, text)
+                    record.outputs = [self._rel(o) for o in outputs]
+                    record.counts = {"entries": len(accumulated["entries"])}
+            except StageFailed:
+                return None
+        return ("final_combined", accumulated)
+
+    def active_filters(self) -> list[Any]:
+        impls = self.manager.implementations("opguard_filter")
+        return [i for i in impls if self.options.basic or i.plugin_name != BASIC_FILTER_PLUGIN]
+
+    def filter(self, final: tuple[str, CommentedMap] | None) -> None:
+        filters = self.active_filters()
+        if not filters:
+            return
+        if "filter" in self.skip:
+            self._skipped("filter", None, "--skip filter")
+            return
+        if final is None:
+            self._skipped("filter", None, "no final config to filter")
+            return
+        name, config = final
+        config = copy.deepcopy(config)
+        with contextlib.suppress(StageFailed), self.stage("filter", name) as record:
+            record.inputs = [
+                "final_combined_instrumentation.yaml"
+                if name == "final_combined"
+                else f"{name}_instrumentation.yaml"
+            ]
+            chain = []
+            for impl in filters:
+                record.plugin = impl.plugin_name
+                before = [entry_key(e) for e in config["entries"]]
+                result = call_impl(impl, {"config": config, "options": self.options})
+                if result is not None:
+                    config = result
+                validate_config(config, f"output of filter {impl.plugin_name}")
+                after = {entry_key(e) for e in config["entries"]}
+                dropped = [k for k in before if k not in after]
+                chain.append(
+                    {
+                        "plugin": impl.plugin_name,
+                        "entries_before": len(before),
+                        "entries_after": len(after),
+                        "dropped": [f"{t} [{' > '.join(c)}]" if c else t for t, c in dropped],
+                    }
+                )
+                self.log.info(
+                    "filter applied", plugin=impl.plugin_name, dropped=len(dropped), kept=len(after)
+                )
+            record.plugin = ",".join(i.plugin_name for i in filters)
+            out = self._path(f"{name}_filtered_instrumentation.yaml")
+            atomic_write_text(out, dump_config(config))
+            record.outputs = [self._rel(out)]
+            record.counts = {"entries": len(config["entries"]), "filters": chain}
+
+    # ----------------------------------------------------------------- run
+
+    def run(self) -> ExitCode:
+        """Run every stage; return the exit code (non-zero when anything failed)."""
+        self.run_dir = create_run_directory(self.output_base).resolve()
+        log = self.log = get_logger(run_dir=str(self.run_dir))
+        log.info("run started", inputs=self.inputs)
+        previous = signal.getsignal(signal.SIGTERM)
+        signal.signal(signal.SIGTERM, _raise_interrupted)
+        try:
+            self._run_stages()
+        except (Interrupted, KeyboardInterrupt) as exc:
+            name = exc.signal_name if isinstance(exc, Interrupted) else "SIGINT"
+            stage, entry = self.current
+            self.interrupted = {"signal": name, "stage": stage, "entry": entry}
+            log.error("run interrupted", **self.interrupted)
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+            code = self.exit_code()
+            self._write_summary(final=True)
+            log.info("run finished", exit_code=int(code), run_dir=str(self.run_dir))
+        return code
+
+    def _run_stages(self) -> None:
+        try:
+            self.entries = self.discover()
+        except StageFailed:
+            return
+        configs: dict[int, tuple[InputEntry, CommentedMap]] = {}
+        for entry in self.entries:
+            try:
+                config = self.process_entry(entry)
+            except StageFailed:
+                continue
+            if config is not None:
+                configs[entry.index] = (entry, config)
+        if len(self.entries) > 1:
+            self.compare(configs)
+        final = self.merge(configs) if self.entries else None
+        self.filter(final)
+
+    def exit_code(self) -> ExitCode:
+        if self.interrupted is not None:
+            return ExitCode.INTERRUPTED
+        if any(r.status == "failed" for r in self.records):
+            return ExitCode.STAGE_FAILED
+        return ExitCode.OK
+
+    def summary(self, final: bool = False) -> dict[str, Any]:
+        finished = _dt.datetime.now(_dt.UTC)
+        code = self.exit_code()
+        return {
+            "opguard_version": __version__,
+            "run_dir": str(self.run_dir),
+            "started_at": self.started.isoformat(),
+            "finished_at": finished.isoformat() if final else None,
+            "seconds": round((finished - self.started).total_seconds(), 6),
+            "status": (
+                "interrupted"
+                if self.interrupted
+                else "running"
+                if not final
+                else "failed"
+                if code
+                else "ok"
+            ),
+            "exit_code": int(code) if final else None,
+            "interrupted": self.interrupted,
+            "inputs": self.inputs,
+            "base_dir": str(self.options.base_dir.resolve()),
+            "entries": [
+                {
+                    "name": e.name,
+                    "index": e.index,
+                    "files": [str(f) for f in e.files],
+                    "specs": list(e.specs),
+                }
+                for e in self.entries
+            ],
+            "options": _jsonable(dataclasses.asdict(self.options)),
+            "skipped_stages": self.skip,
+            "disabled_plugins": list(self.manager.disabled),
+            "plugins": [
+                {
+                    "name": p.name,
+                    "distribution": p.distribution,
+                    "version": p.version,
+                    "hooks": p.hooks,
+                }
+                for p in self.manager.describe()
+            ],
+            "stages": [dataclasses.asdict(r) for r in self.records],
+        }
+
+    def _write_summary(self, final: bool = False) -> None:
+        if self.run_dir is None:
+            return
+        data = msgspec.json.format(msgspec.json.encode(self.summary(final)), indent=2) + b"\n"
+        atomic_write_bytes(self._path("pipeline_summary.json"), data)
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, Path):
+        return str(value)
+    if isinstance(value, dict):
+        return {k: _jsonable(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_jsonable(v) for v in value]
+    return value
+
+
+def _raise_interrupted(signum: int, frame: FrameType | None) -> None:
+    raise Interrupted(signal.Signals(signum).name)
+
+
+__all__ = ["InputError", "Runner", "StageRecord", "trace_output_base"]
