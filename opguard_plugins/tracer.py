@@ -72,6 +72,8 @@ _PLUMBING_FILES = frozenset(
 _WRAPPER_FILES = frozenset(
     os.path.join(_TORCH_DIR, *parts) for parts in (("_compile.py",), ("_dynamo", "eval_frame.py"))
 )
+#: How far back a re-entered function is looked for after a run of plumbing frames.
+_REENTRY_DEPTH = 3
 _OPS_FILE = os.path.normcase(os.path.join(_TORCH_DIR, "_ops.py"))
 
 RawStack = tuple[tuple[types.CodeType, int], ...]
@@ -420,8 +422,13 @@ class _FrameMaker:
             if self.hidden(code):
                 after_hidden = True
                 continue
-            if after_hidden and kept and kept[-1][0] is code:
-                kept.pop()
+            if after_hidden:
+                # The call re-entered (possibly through its decorator) a function that
+                # handed it to the mode: drop the outer copies of those frames.
+                for back in range(1, min(_REENTRY_DEPTH, len(kept)) + 1):
+                    if kept[-back][0] is code:
+                        del kept[-back:]
+                        break
             after_hidden = False
             kept.append((code, line))
         return kept
