@@ -43,3 +43,105 @@ def test_two_entries_write_every_artifact(opguard, samples: Path) -> None:
     assert tree["root"]["count"] == 2826 + 2722
     config = YAML(typ="safe").load(run.read("final_combined_instrumentation.yaml"))
     assert config["meta"] == {"ranks": [0, 1], "total": 6241 + 5548}
+
+
+def test_single_pattern_entry_has_no_merge_and_filters_under_its_name(opguard, samples) -> None:
+    run = opguard("run", "--input", "gpt_callsite_rank*.json", "--base-dir", samples, "--basic",
+                  expect=0)  # fmt: skip
+    names = {p.name for p in run.run_dir.iterdir()}
+    assert "gpt_callsite_filtered_instrumentation.yaml" in names
+    assert not any(n.startswith(("temp_combined", "final_combined", "comparison")) for n in names)
+    summary = json.loads(run.read("pipeline_summary.json"))
+    merge = [s for s in summary["stages"] if s["stage"] == "merge"]
+    assert merge[0]["status"] == "skipped"
+
+
+def test_three_entries_fold_left_and_compare_first_against_each(opguard, samples, tmp_path) -> None:
+    single = tmp_path / "single.json"
+    single.write_bytes((samples / "gpt_callsite_rank1.json").read_bytes())
+    run = opguard(
+        "run", "--base-dir", samples,
+        "--input", "fsdp_callsite_rank*.json",
+        "--input", "gpt_callsite_rank0.json", "gpt_callsite_rank1.json",
+        "--input", single,
+        expect=0,
+    )  # fmt: skip
+    names = {p.name for p in run.run_dir.iterdir()}
+    assert {"comparison_1_vs_2.log", "comparison_1_vs_3.log", "temp_combined_1.yaml",
+            "temp_combined_2.yaml", "final_combined_instrumentation.yaml",
+            "single_instrumentation.yaml"} <= names  # fmt: skip
+    assert run.read("temp_combined_2.yaml") == run.read("final_combined_instrumentation.yaml")
+    final = YAML(typ="safe").load(run.read("final_combined_instrumentation.yaml"))
+    assert final["meta"]["total"] == 6241 + 5548 + 2722
+    assert final["source"] == "fsdp_callsite+gpt_callsite+single"
+    log = run.read("comparison_1_vs_3.log")
+    assert log.startswith("comparison: 1 (fsdp_callsite) vs 3 (single)")
+
+
+def test_a_failing_entry_is_recorded_and_the_others_go_on(opguard, samples) -> None:
+    (samples / "broken.json").write_text('{"format": "opguard-callsites", "version": 1')
+    run = opguard("run", "--base-dir", samples, "--input", "broken.json",
+                  "--input", "gpt_callsite_rank*.json")  # fmt: skip
+    assert run.exit_code == 1
+    assert "broken.json: not valid JSON" in run.stderr
+    assert "Traceback" not in run.stderr
+    assert (run.run_dir / "gpt_callsite_instrumentation.yaml").exists()
+    summary = json.loads(run.read("pipeline_summary.json"))
+    assert summary["status"] == "failed" and summary["exit_code"] == 1
+    by_stage = {(s["stage"], s["entry"]): s for s in summary["stages"]}
+    assert by_stage[("combine", "broken")]["status"] == "failed"
+    assert "not valid JSON" in by_stage[("combine", "broken")]["error"]
+    assert by_stage[("compress", "broken")]["status"] == "skipped"
+    assert by_stage[("generate", "gpt_callsite")]["status"] == "ok"
+    # merge needs two configs; compare needs config 1
+    assert by_stage[("merge", None)]["status"] == "skipped"
+    assert by_stage[("compare", "gpt_callsite")]["status"] == "skipped"
+
+
+def test_missing_input_and_empty_pattern_fail_discovery(opguard, samples) -> None:
+    run = opguard("run", "--base-dir", samples, "--input", "nope.json", "--input", "zz_*.json",
+                  "--input", "gpt_callsite_rank0.json")  # fmt: skip
+    assert run.exit_code == 1
+    assert "nope.json: no such file" in run.stderr
+    assert "'zz_*.json' matched no files" in run.stderr
+    assert (run.run_dir / "gpt_callsite_instrumentation.yaml").exists()
+
+
+def test_skip_is_recorded_and_downstream_stages_skip(opguard, samples) -> None:
+    run = opguard("run", "--base-dir", samples, "--input", "gpt_callsite_rank*.json",
+                  "--input", "fsdp_callsite_rank*.json", "--skip", "compress", "--skip", "compare",
+                  expect=0)  # fmt: skip
+    summary = json.loads(run.read("pipeline_summary.json"))
+    assert summary["skipped_stages"] == ["compress", "compare"]
+    statuses = {(s["stage"], s["entry"]): s["status"] for s in summary["stages"]}
+    assert statuses[("combine", "gpt_callsite")] == "ok"
+    assert statuses[("compress", "gpt_callsite")] == "skipped"
+    assert statuses[("generate", "gpt_callsite")] == "skipped"
+    assert not (run.run_dir / "gpt_callsite_compressed.json").exists()
+
+
+def test_thresholds_and_context_depth_reach_the_outputs(opguard, samples) -> None:
+    run = opguard("run", "--base-dir", samples, "--input", "gpt_callsite_rank*.json",
+                  "--min-count", "50", "--min-fraction", "0", "--no-chains",
+                  "--context-depth", "2", expect=0)  # fmt: skip
+    tree = load_tree(run.run_dir / "gpt_callsite_compressed.json")
+    assert tree["meta"]["compression"]["min_count"] == 50
+    assert tree["meta"]["compression"]["chains"] is False
+    config = YAML(typ="safe").load(run.read("gpt_callsite_instrumentation.yaml"))
+    assert max(len(e["context"]) for e in config["entries"]) == 2
+
+
+def test_json_logs_name_stage_and_entry(opguard, samples) -> None:
+    run = opguard("run", "--base-dir", samples, "--input", "gpt_callsite_rank*.json", expect=0)
+    events = [json.loads(line) for line in run.stderr.splitlines() if line.startswith("{")]
+    done = [e for e in events if e["event"] == "stage done" and e["stage"] == "compress"]
+    assert done and done[0]["entry"] == "gpt_callsite"
+    assert str(run.run_dir) == run.result.stdout.strip()
+
+
+def test_output_base_env_and_fresh_directories(opguard, samples, tmp_path) -> None:
+    first = opguard("run", "--base-dir", samples, "--input", "gpt_callsite_rank0.json", expect=0)
+    second = opguard("run", "--base-dir", samples, "--input", "gpt_callsite_rank0.json", expect=0)
+    assert first.run_dir != second.run_dir
+    assert first.run_dir.parent == tmp_path / "out"
+    assert first.run_dir.name.startswith("preprocessing_")

@@ -1,0 +1,67 @@
+"""Small helpers to write hand-made callsite traces for tests."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from opguard_core.combined import CallsiteTrace, TraceAccumulator
+from opguard_core.trace_format import decode_trace
+
+Frame = tuple[str, str]  # (module, qualname); file and line are derived
+
+
+def frame_doc(module: str, qualname: str, line: int = 1) -> dict[str, Any]:
+    function = qualname.rsplit(".", 1)[-1]
+    return {
+        "file": module.replace(".", "/") + ".py",
+        "line": line,
+        "function": function,
+        "qualname": qualname,
+        "module": module,
+    }
+
+
+def trace_doc(
+    sites: list[tuple[list[Frame], str | None, str, int]],
+    rank: int = 0,
+    world_size: int = 1,
+    stream: int = 0,
+    **meta: Any,
+) -> dict[str, Any]:
+    """A trace document from (stack of (module, qualname), api, op, count) tuples."""
+    frames: list[dict[str, Any]] = []
+    ids: dict[Frame, int] = {}
+    callsites = []
+    for stack, api, op, count in sites:
+        stack_ids = []
+        for frame in stack:
+            if frame not in ids:
+                ids[frame] = len(frames)
+                frames.append(frame_doc(*frame))
+            stack_ids.append(ids[frame])
+        site: dict[str, Any] = {"stack": stack_ids, "op": op, "stream": stream, "count": count}
+        if api is not None:
+            site["api"] = api
+        callsites.append(site)
+    return {
+        "format": "opguard-callsites",
+        "version": 1,
+        "meta": {"rank": rank, "world_size": world_size, **meta},
+        "frames": frames,
+        "callsites": callsites,
+    }
+
+
+def as_trace(*docs: dict[str, Any]) -> CallsiteTrace:
+    """Combine documents in memory, as the combine stage would."""
+    accumulator = TraceAccumulator()
+    for index, doc in enumerate(docs):
+        accumulator.add(decode_trace(json.dumps(doc).encode(), f"doc{index}.json"))
+    return accumulator.result()
+
+
+def write(path: Path, doc: dict[str, Any]) -> Path:
+    path.write_text(json.dumps(doc))
+    return path
