@@ -135,8 +135,9 @@ def test_merge_keeps_comments_of_the_left_config() -> None:
 
 def test_compare_report_sections() -> None:
     a = config_of(trace_doc([([MAIN, MODEL], "torch.mm", "aten::mm", 3)]), source="a", chains=False)
+    b_sites = [([MAIN, MODEL], "torch.mm", "aten::mm", 5), ([MAIN, BLOCK], None, "aten::x", 1)]
     b = config_of(
-        trace_doc([([MAIN, MODEL], "torch.mm", "aten::mm", 5), ([MAIN, BLOCK], None, "aten::x", 1)]),
+        trace_doc(b_sites),
         source="b",
         chains=False,
     )  # fmt: skip
