@@ -117,6 +117,7 @@ def _resolve_api_name(func: Callable[..., Any]) -> str | None:
     if name:
         if name.endswith(".__get__"):
             name = name[: -len(".__get__")]
+        name = _prefer_own_name(name, func)
         if name.startswith("torch.Tensor."):
             name = name[len("torch.") :]
         return name
@@ -133,6 +134,20 @@ def _resolve_api_name(func: Callable[..., Any]) -> str | None:
             if getattr(sys.modules.get(prefix), qualname, None) is func:
                 return f"{prefix}.{qualname}"
     return f"{module}.{qualname}"
+
+
+def _prefer_own_name(name: str, func: Callable[..., Any]) -> str:
+    """``torch.spmm`` is ``torch.mm``: prefer the alias that matches ``func.__name__``."""
+    own = getattr(func, "__name__", None)
+    prefix, _, last = name.rpartition(".")
+    if not own or own == last or not prefix or own.startswith("_"):
+        return name
+    holder: Any = sys.modules.get(prefix)
+    if holder is None and prefix.startswith("torch.Tensor"):
+        holder = torch.Tensor
+    if holder is not None and getattr(holder, own, None) is func:
+        return f"{prefix}.{own}"
+    return name
 
 
 _OP_CACHE: dict[Any, str] = {}
