@@ -18,6 +18,9 @@ from opguard_core.errors import InputError
 TRACE_FORMAT = "opguard-callsites"
 TRACE_VERSION = 1
 RANK_IN_NAME = re.compile(r"_rank(\d+)$")
+#: Ranks are kept as bits of an integer mask, so an absurd rank (``10**12``) would
+#: allocate gigabytes; anything at or above this is refused as bad input.
+MAX_RANK = 1 << 20
 
 PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
 NonNegativeInt = Annotated[int, msgspec.Meta(ge=0)]
@@ -140,10 +143,11 @@ def decode_trace(data: bytes, path: Path | str) -> DecodedTrace:
         raise InputError(path, "empty file (expected an opguard-callsites JSON document)")
     try:
         doc = _STRICT_DECODER.decode(data)
-    except (msgspec.ValidationError, msgspec.DecodeError):
+    except (msgspec.ValidationError, msgspec.DecodeError, RecursionError):
         return _decode_lax(data, path)
     _check_header(doc.format, doc.version, path)
     _check_frame_ids(doc.frames, doc.callsites, path)
+    _check_ranks(doc.meta, doc.callsites, path)
     return DecodedTrace(path=str(path), meta=doc.meta, frames=doc.frames, callsites=doc.callsites)
 
 
@@ -165,11 +169,14 @@ def _decode_lax(data: bytes, path: Path | str) -> DecodedTrace:
     _check_header(raw.get("format"), raw.get("version"), path)
     try:
         doc = msgspec.convert(raw, _LaxTraceDocument)
+    except RecursionError:
+        raise InputError(path, "invalid trace: nesting too deep") from None
     except msgspec.ValidationError as exc:
         raise InputError(path, f"invalid trace: {_problem(exc)}") from None
     frames = [Frame(**msgspec.structs.asdict(f)) for f in doc.frames]
     callsites = [Callsite(**msgspec.structs.asdict(c)) for c in doc.callsites]
     _check_frame_ids(frames, callsites, path)
+    _check_ranks(doc.meta, callsites, path)
     frame_extras = _extras(raw["frames"], _FRAME_FIELDS)
     callsite_extras = _extras(raw["callsites"], _CALLSITE_FIELDS)
     extras = {k: v for k, v in raw.items() if k not in _TRACE_FIELDS}
@@ -212,6 +219,20 @@ def _check_frame_ids(frames: list[Frame], callsites: list[Callsite], path: Path 
                 path,
                 f"callsites[{index}].stack refers to frame {bad}, "
                 f"but the trace has only {limit} frames",
+            )
+
+
+def _check_ranks(meta: dict[str, Any], callsites: list[Callsite], path: Path | str) -> None:
+    """Refuse ranks at or above :data:`MAX_RANK` (in meta, the file name or a callsite)."""
+    covered = trace_ranks(meta, str(path))
+    if covered[-1] >= MAX_RANK:
+        raise InputError(path, f"rank {covered[-1]} is too large (ranks must be < {MAX_RANK})")
+    for index, site in enumerate(callsites):
+        if site.ranks and max(site.ranks) >= MAX_RANK:
+            raise InputError(
+                path,
+                f"callsites[{index}].ranks has rank {max(site.ranks)}, "
+                f"too large (ranks must be < {MAX_RANK})",
             )
 
 
