@@ -121,3 +121,5 @@ def validate_config(config: object, path: Path | str) -> None:
             raise InputError(path, f"{where}.count must be an integer")
         if "kind" in entry and not isinstance(entry["kind"], str):
             raise InputError(path, f"{where}.kind must be a string")
+        if entry.get("file") is not None and not isinstance(entry["file"], str):
+            raise InputError(path, f"{where}.file must be a string or null")
