@@ -9,7 +9,9 @@ it is imported. Every error names the plugin.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import importlib
+import inspect
 import os
 from collections.abc import Iterable
 from importlib.metadata import EntryPoint, entry_points
@@ -38,6 +40,9 @@ ESSENTIAL_PLUGINS = frozenset({"discover", "combine", "compress", "generate", "c
 
 DISABLE_ENV = "OPGUARD_DISABLE_PLUGINS"
 
+#: Every hook's name starts with this; so must an unmarked function meant as a hook.
+HOOK_PREFIX = "opguard_"
+
 
 class EssentialPluginError(OpGuardError):
     """Someone tried to disable a plugin the pipeline cannot run without."""
@@ -57,6 +62,15 @@ def disabled_from_env(environ: dict[str, str] | None = None) -> list[str]:
     return [name.strip() for name in raw.replace(";", ",").split(",") if name.strip()]
 
 
+def hook_names() -> list[str]:
+    """Every hook that :mod:`opguard_core.hookspecs` declares, sorted."""
+    return sorted(
+        name
+        for name, value in vars(hookspecs).items()
+        if name.startswith(HOOK_PREFIX) and hasattr(value, f"{PROJECT_NAME}_spec")
+    )
+
+
 class OpGuardPluginManager(pluggy.PluginManager):
     """A pluggy manager that remembers where each plugin came from."""
 
@@ -66,8 +80,63 @@ class OpGuardPluginManager(pluggy.PluginManager):
         self.origins: dict[str, tuple[str | None, str | None]] = {}
         self.disabled: list[str] = []
 
+    def parse_hookimpl_opts(self, plugin: Any, name: str) -> pluggy.HookimplOpts | None:
+        """Marked functions, and (like pytest) unmarked functions named ``opguard_*``.
+
+        Accepting unmarked ``opguard_*`` functions turns a forgotten ``@hookimpl``
+        into a working hook, and a misspelt unmarked one into a clear error,
+        rather than a function pluggy silently ignores.
+        """
+        opts = super().parse_hookimpl_opts(plugin, name)
+        if opts is None and name.startswith(HOOK_PREFIX):
+            method = getattr(plugin, name, None)
+            if inspect.isroutine(method):
+                opts = {
+                    "wrapper": False,
+                    "hookwrapper": False,
+                    "optionalhook": False,
+                    "tryfirst": False,
+                    "trylast": False,
+                    "specname": None,
+                }
+        return opts
+
+    def register(self, plugin: Any, name: str | None = None) -> str | None:
+        """Register ``plugin``; raise :class:`PluginError` naming it when it is invalid.
+
+        Invalid means: a hook name that no spec declares (a misspelling: the closest
+        hook is suggested), or arguments that the hook's spec does not have.
+        """
+        label = name or self.get_canonical_name(plugin)
+        try:
+            registered = super().register(plugin, name=name)
+        except pluggy.PluginValidationError as exc:
+            if self.get_plugin(label) is plugin:  # pluggy leaves it half-registered
+                self.unregister(plugin)
+            raise PluginError(f'plugin "{label}": {_one_line(exc)}') from None
+        except ValueError as exc:
+            raise PluginError(f'plugin "{label}": {exc}') from None
+        if registered is None:
+            return None
+        unknown = sorted(
+            caller.name
+            for caller in self.get_hookcallers(plugin) or []
+            if not caller.has_spec()
+            and any(i.plugin is plugin and not i.optionalhook for i in caller.get_hookimpls())
+        )
+        if unknown:
+            self.unregister(plugin)
+            raise PluginError(f'plugin "{label}": {"; ".join(map(_unknown_hook, unknown))}')
+        return registered
+
     def load_entry_points(self, disabled: Iterable[str] = ()) -> None:
-        """Block ``disabled``, then load every ``opguard`` entry point that is not blocked."""
+        """Block ``disabled``, then load every ``opguard`` entry point that is not blocked.
+
+        Entry points are registered in reverse order of name, so that among
+        implementations with the same ``tryfirst``/``trylast`` marking pluggy calls
+        them in alphabetical order of plugin name (pluggy calls the most recently
+        registered first). This is the documented order of the filter chain.
+        """
         blocked = sorted(set(disabled))
         refused = sorted(set(blocked) & ESSENTIAL_PLUGINS)
         if refused:
@@ -78,23 +147,23 @@ class OpGuardPluginManager(pluggy.PluginManager):
         for name in blocked:
             self.set_blocked(name)
         self.disabled = blocked
-        for entry_point in entry_points(group=ENTRY_POINT_GROUP):
+        # reverse=True keeps discovery order among equal names: the first one found wins
+        found = sorted(entry_points(group=ENTRY_POINT_GROUP), key=lambda ep: ep.name, reverse=True)
+        for entry_point in found:
             if self.is_blocked(entry_point.name) or self.has_plugin(entry_point.name):
                 continue
             self._register(entry_point.name, _load(entry_point), entry_point)
-        for name, module_name in BUILTIN_PLUGINS.items():
+        for name, module_name in sorted(BUILTIN_PLUGINS.items(), reverse=True):
             if not self.is_blocked(name) and not self.has_plugin(name):
                 self._register(name, importlib.import_module(module_name), None)
         try:
             self.check_pending()
         except pluggy.PluginValidationError as exc:
-            raise PluginError(f'plugin "{self.get_name(exc.plugin)}": {exc}') from None
+            culprit = self.get_name(exc.plugin) if exc.plugin is not None else None
+            raise PluginError(f'plugin "{culprit or "?"}": {_one_line(exc)}') from None
 
     def _register(self, name: str, plugin: Any, entry_point: EntryPoint | None) -> None:
-        try:
-            self.register(plugin, name=name)
-        except pluggy.PluginValidationError as exc:
-            raise PluginError(f'plugin "{name}": {exc}') from None
+        self.register(plugin, name=name)
         dist = entry_point.dist if entry_point is not None else None
         self.origins[name] = (dist.name if dist else None, dist.version if dist else None)
 
@@ -118,6 +187,16 @@ class OpGuardPluginManager(pluggy.PluginManager):
             for impl in reversed(caller.get_hookimpls())
             if not (impl.hookwrapper or impl.wrapper)
         ]
+
+
+def _one_line(exc: Exception) -> str:
+    return " ".join(str(exc).split())
+
+
+def _unknown_hook(name: str) -> str:
+    close = difflib.get_close_matches(name, hook_names(), n=1)
+    hint = f" (did you mean {close[0]}?)" if close else ""
+    return f"unknown hook {name!r}{hint}; the hooks are listed in docs/plugins.md"
 
 
 def _load(entry_point: EntryPoint) -> Any:
