@@ -36,6 +36,7 @@ Public API: :func:`trace_callsites` (a context manager) and :func:`start_process
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import platform
 import shlex
@@ -169,10 +170,8 @@ def op_name(func: Any) -> str:
         if "::" not in name:
             name = f"{getattr(func, 'namespace', 'unknown')}::{name}"
     name = name.split(".", 1)[0] if "::" in name and "." in name.split("::", 1)[1] else name
-    try:
+    with contextlib.suppress(TypeError):
         _OP_CACHE[func] = name
-    except TypeError:
-        pass
     return name
 
 
@@ -276,7 +275,7 @@ class CallsiteRecorder:
                 stack = context.stack + stack
                 api = context.api
         stream = 0
-        if self._cuda and torch.cuda.is_initialized():
+        if self._cuda and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
             self.device = "cuda"
             stream = int(torch.cuda.current_stream().stream_id)
         if op.startswith("c10d::") and self.rank is None:
@@ -314,11 +313,11 @@ class _FunctionMode(TorchFunctionMode):
         return self.recorder.call(func, args, kwargs or {}, sys._getframe(1))
 
 
-class _DispatchMode(TorchDispatchMode):
+class _DispatchMode(TorchDispatchMode):  # type: ignore[no-untyped-call]
     """Sees every operator that ran and records it with the Python stack."""
 
     def __init__(self, recorder: CallsiteRecorder) -> None:
-        super().__init__()
+        super().__init__()  # type: ignore[no-untyped-call]
         self.recorder = recorder
 
     def __torch_dispatch__(
@@ -341,16 +340,18 @@ def _path_roots(program_roots: list[str]) -> list[str]:
     """Directories that recorded file paths are made relative to (longest wins)."""
     roots: list[str] = []
     candidates: list[str] = []
-    try:
+    with contextlib.suppress(AttributeError):  # old virtualenv site.py
         candidates.extend(site.getsitepackages())
-    except AttributeError:  # pragma: no cover - old virtualenv site.py
-        pass
     user_site = site.getusersitepackages() if hasattr(site, "getusersitepackages") else None
     if isinstance(user_site, str):
         candidates.append(user_site)
-    candidates.extend(p for p in sys.path if p.rstrip("/").endswith(("site-packages", "dist-packages")))
+    candidates.extend(
+        p for p in sys.path if p.rstrip("/").endswith(("site-packages", "dist-packages"))
+    )
     paths = sysconfig.get_paths()
-    candidates.extend(paths[k] for k in ("purelib", "platlib", "stdlib", "platstdlib") if k in paths)
+    candidates.extend(
+        paths[k] for k in ("purelib", "platlib", "stdlib", "platstdlib") if k in paths
+    )
     candidates.extend(program_roots)
     for candidate in candidates:
         if not candidate:
@@ -491,11 +492,11 @@ class CallsiteTracer:
             return
         function_mode = _FunctionMode(self.recorder)
         dispatch_mode = _DispatchMode(self.recorder)
-        function_mode.__enter__()
+        function_mode.__enter__()  # type: ignore[no-untyped-call]
         try:
-            dispatch_mode.__enter__()
+            dispatch_mode.__enter__()  # type: ignore[no-untyped-call]
         except BaseException:
-            function_mode.__exit__(None, None, None)
+            function_mode.__exit__(None, None, None)  # type: ignore[no-untyped-call]
             raise
         self._modes = [function_mode, dispatch_mode]
         self.recorder.active = True
@@ -506,10 +507,9 @@ class CallsiteTracer:
         self.recorder.snapshot_rank()
         modes, self._modes = self._modes, []
         for mode in reversed(modes):
-            try:
+            # fails when another mode was pushed above ours and left in place
+            with contextlib.suppress(Exception):
                 mode.__exit__(None, None, None)
-            except Exception:  # another mode was pushed above ours and left in place
-                pass
 
     # -- output ---------------------------------------------------------------
 
@@ -573,7 +573,8 @@ class CallsiteTracer:
             "ranks": [rank],
             "torch_version": str(torch.__version__),
             "device": self.recorder.device,
-            "command": self.command or os.environ.get("OPGUARD_TRACE_COMMAND")
+            "command": self.command
+            or os.environ.get("OPGUARD_TRACE_COMMAND")
             or shlex.join(sys.argv),
             "python_version": platform.python_version(),
             "tracer": TRACER_NAME,

@@ -227,9 +227,7 @@ def test_trace_command_exit_code_and_chained_sitecustomize(tmp_path: Path) -> No
     existing = tmp_path / "existing"
     existing.mkdir()
     marker = tmp_path / "marker"
-    (existing / "sitecustomize.py").write_text(
-        f"open({str(marker)!r}, 'w').write('chained')\n"
-    )
+    (existing / "sitecustomize.py").write_text(f"open({str(marker)!r}, 'w').write('chained')\n")
     script = tmp_path / "prog.py"
     script.write_text(
         "import sys\nimport torch\n\n\ndef work():\n    torch.ones(2) + 1\n\n\n"
@@ -295,7 +293,9 @@ def test_trace_ddp_two_ranks_with_collectives(tmp_path: Path) -> None:
         ops = {s.op for s in collectives}
         assert {"c10d::allreduce_", "c10d::broadcast_"} <= ops
         # DDP's gradient all-reduce runs inside backward: attributed to .backward()'s caller
-        reducer = [s for s in collectives if s.op == "c10d::allreduce_" and s.api == "Tensor.backward"]
+        reducer = [
+            s for s in collectives if s.op == "c10d::allreduce_" and s.api == "Tensor.backward"
+        ]
         assert reducer
         assert "train_step" in _qualnames(trace, reducer[0])
         explicit = [s for s in collectives if s.api == "torch.distributed.all_reduce"]
@@ -306,8 +306,18 @@ def test_end_to_end_trace_then_run(tmp_path: Path) -> None:
     out = tmp_path / "traces"
     env = _traced_env(tmp_path)
     proc = subprocess.run(
-        [*OPGUARD, "trace", "--label", "single", "--output-dir", str(out), "--",
-         str(EXAMPLES / "train_single.py"), "--steps", "2"],
+        [
+            *OPGUARD,
+            "trace",
+            "--label",
+            "single",
+            "--output-dir",
+            str(out),
+            "--",
+            str(EXAMPLES / "train_single.py"),
+            "--steps",
+            "2",
+        ],
         env=env,
         capture_output=True,
         text=True,

@@ -14,6 +14,7 @@ tracing is skipped.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.machinery
 import importlib.util
 import os
@@ -63,10 +64,8 @@ class _TorchImportWatcher:
     def find_spec(self, name: str, path: Any = None, target: Any = None) -> Any:
         if name != "torch":
             return None
-        try:
+        with contextlib.suppress(ValueError):
             sys.meta_path.remove(self)
-        except ValueError:
-            pass
         spec = None
         for finder in sys.meta_path:
             find = getattr(finder, "find_spec", None)
