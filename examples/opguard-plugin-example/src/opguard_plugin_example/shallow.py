@@ -1,0 +1,80 @@
+"""The ``shallow`` compressor: a call tree no deeper than ``K`` levels.
+
+It runs the built-in compressor (hide plumbing frames, fold, prune subtrees, fold
+chains) and then folds every node deeper than ``K`` into its ancestor at depth
+``K`` (the root's children are at depth 1): the ancestor takes the folded nodes'
+ops as its own, so counts are conserved and the result is still a valid
+``opguard-calltree`` document. A guard built from it wraps only the outer layers of
+a program, each with every op that runs below it.
+
+``K`` comes from ``$OPGUARD_EXAMPLE_MAX_DEPTH`` (default 3). Once installed, it
+replaces the built-in compressor (which is ``trylast``) on every run; ``opguard run
+--compressor compress`` picks the built-in instead, ``--disable-plugin shallow``
+blocks this one.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import Counter
+from typing import Any
+
+from opguard_core import hookimpl
+from opguard_core.combined import CallsiteTrace
+from opguard_core.errors import OpGuardError
+from opguard_core.model import RunOptions
+from opguard_plugins.compress import compress_trace
+
+MAX_DEPTH_ENV = "OPGUARD_EXAMPLE_MAX_DEPTH"
+DEFAULT_MAX_DEPTH = 3
+
+
+def max_depth() -> int:
+    """``K`` from ``$OPGUARD_EXAMPLE_MAX_DEPTH`` (default 3, at least 1)."""
+    raw = os.environ.get(MAX_DEPTH_ENV, "").strip()
+    if not raw:
+        return DEFAULT_MAX_DEPTH
+    if not raw.isdigit() or int(raw) < 1:
+        raise OpGuardError(f"${MAX_DEPTH_ENV}={raw!r}: expected an integer >= 1")
+    return int(raw)
+
+
+def _fold_subtrees(node: dict[str, Any]) -> None:
+    """Move the own counts of every node below ``node`` into ``node``; drop its children."""
+    ops: Counter[str] = Counter(node["self_ops"])
+    streams: Counter[str] = Counter(node["self_streams"])
+    stack = list(node["children"])
+    while stack:
+        below = stack.pop()
+        ops.update(below["self_ops"])
+        streams.update(below["self_streams"])
+        stack.extend(below["children"])
+    node["self_ops"] = dict(sorted(ops.items()))
+    node["self_streams"] = dict(sorted(streams.items(), key=lambda item: int(item[0])))
+    node["children"] = []
+
+
+def limit_depth(root: dict[str, Any], depth: int) -> int:
+    """Fold every node deeper than ``depth`` into its ancestor; return the nodes left."""
+    left = 0
+    level = [(child, 1) for child in root["children"]]
+    while level:
+        node, at = level.pop()
+        left += 1
+        if at >= depth:
+            _fold_subtrees(node)
+        else:
+            level.extend((child, at + 1) for child in node["children"])
+    return left
+
+
+@hookimpl
+def opguard_compress(trace: CallsiteTrace, options: RunOptions) -> dict[str, Any]:
+    depth = max_depth()
+    tree = compress_trace(trace, options)
+    nodes_after = limit_depth(tree["root"], depth)
+    settings = tree["meta"]["compression"]
+    settings["compressor"] = "shallow"
+    settings["max_depth"] = depth
+    settings["nodes_after"] = nodes_after
+    return tree
