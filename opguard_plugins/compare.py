@@ -19,7 +19,8 @@ def _label(key: EntryKey) -> str:
 
 
 def _total(config: dict[str, Any]) -> int:
-    return sum(int(e.get("count", 0)) for e in config["entries"])
+    """Every op the config's input recorded (``meta.total``)."""
+    return int((config.get("meta") or {}).get("total", 0))
 
 
 def _count_changes(name: str, a: dict[Any, int], b: dict[Any, int]) -> list[str]:
@@ -64,7 +65,7 @@ def compare_configs(
         "totals:",
         f"  {'':<18}{first_label:>24}  {other_label:>24}",
         f"  {'entries':<18}{len(a):>24}  {len(b):>24}",
-        f"  {'ops counted':<18}{_total(first):>24}  {_total(other):>24}",
+        f"  {'total ops':<18}{_total(first):>24}  {_total(other):>24}",
         f"  {'ranks':<18}{ranks_a!s:>24}  {ranks_b!s:>24}",
         f"  {'only in one':<18}{len(only_a):>24}  {len(only_b):>24}",
         f"  {'changed':<18}{len(changed):>24}",
