@@ -148,7 +148,8 @@ class Runner:
                 raise StageFailed(record.error) from exc
             record.seconds = round(time.perf_counter() - started, 6)
             self.records.append(record)
-            self.log.info("stage done", seconds=record.seconds, **record.counts)
+            scalars = {k: v for k, v in record.counts.items() if not isinstance(v, list | dict)}
+            self.log.info("stage done", seconds=record.seconds, **scalars)
             self.log.debug("stage detail", plugin=record.plugin, outputs=record.outputs)
             self._write_summary()
 
