@@ -1,0 +1,246 @@
+"""Hypothesis strategies: valid trace documents (interned frames, random ranks, shared and
+unique callsites) and valid instrumentation configs.
+
+Frames and ops are drawn from small pools so that different rank files share frames
+and callsites (the interesting case for combine), and so that stacks contain hidden
+plumbing frames and frames that an ``api`` replaces (the interesting cases for compress).
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from typing import Any
+
+from hypothesis import strategies as st
+from ruamel.yaml.comments import CommentedMap
+
+from opguard_core.config_format import CONFIG_VERSION, flow_map, flow_seq
+from opguard_core.trace_format import TRACE_FORMAT, TRACE_VERSION
+
+FrameValue = tuple[str, int, str, str, str | None]
+#: identity of a callsite by frame *values*: (stack of frames, api, op, stream)
+SiteIdentity = tuple[tuple[FrameValue, ...], str | None, str, int]
+
+#: (file, function, qualname, module) — user code, torch code, plumbing, an api's own frame
+FRAME_POOL: tuple[tuple[str, str, str, str | None], ...] = (
+    ("train.py", "main", "main", "train"),
+    ("train.py", "step", "Trainer.step", "train"),
+    ("model.py", "forward", "Model.forward", "model"),
+    ("model.py", "forward", "Block.forward", "model"),
+    ("model.py", "<lambda>", "Block.forward.<locals>.<lambda>", "model"),
+    ("model.py", "<listcomp>", "Model.forward.<locals>.<listcomp>", "model"),
+    ("script.py", "<module>", "<module>", None),
+    ("torch/nn/modules/module.py", "_call_impl", "Module._call_impl", "torch.nn.modules.module"),
+    ("contextlib.py", "inner", "ContextDecorator.__call__.<locals>.inner", "contextlib"),
+    ("torch/nn/functional.py", "linear", "linear", "torch.nn.functional"),
+    ("torch/functional.py", "split", "split", "torch.functional"),
+    ("torch/optim/adam.py", "step", "Adam.step", "torch.optim.adam"),
+)
+APIS: tuple[str | None, ...] = (
+    None,
+    "torch.nn.functional.linear",
+    "torch.cat",
+    "Tensor.reshape",
+    "torch.split",
+    "torch.mm",
+)
+OPS: tuple[str, ...] = (
+    "aten::mm",
+    "aten::addmm",
+    "aten::cat",
+    "aten::view",
+    "aten::copy_",
+    "c10d::allreduce_",
+    "aten::mm_backward",
+)
+
+frame_values = st.builds(
+    lambda spec, line: (spec[0], line, spec[1], spec[2], spec[3]),
+    st.sampled_from(FRAME_POOL),
+    st.integers(min_value=1, max_value=4),
+)
+
+site_shapes = st.tuples(
+    st.lists(frame_values, max_size=6).map(tuple),
+    st.sampled_from(APIS),
+    st.sampled_from(OPS),
+    st.integers(min_value=0, max_value=2),
+)
+
+
+def frame_dict(value: FrameValue) -> dict[str, Any]:
+    file, line, function, qualname, module = value
+    return {
+        "file": file,
+        "line": line,
+        "function": function,
+        "qualname": qualname,
+        "module": module,
+    }
+
+
+@st.composite
+def trace_documents(
+    draw: st.DrawFn,
+    ranks: list[int] | None = None,
+    shapes: list[SiteIdentity] | None = None,
+    label: str | None = None,
+) -> dict[str, Any]:
+    """One valid trace document as plain JSON data.
+
+    ``ranks`` are the ranks it covers (one rank: a raw rank file; several: an earlier
+    combined trace whose callsites may name a subset). ``shapes`` is a pool of callsite
+    identities shared with other documents; the document also gets unique ones.
+    """
+    if ranks is None:
+        ranks = [draw(st.integers(min_value=0, max_value=7))]
+    shared = shapes or []
+    chosen = draw(st.lists(st.sampled_from(shared), unique=True)) if shared else []
+    own = draw(st.lists(site_shapes, max_size=6))
+    identities = list(dict.fromkeys([*chosen, *own]))
+    # intern the frames this document uses, plus a few unused ones, in random order
+    used = {frame for stack, _, _, _ in identities for frame in stack}
+    unused = draw(st.lists(frame_values, max_size=2))
+    frames = draw(st.permutations(sorted(used | set(unused), key=repr)))
+    ids = {frame: index for index, frame in enumerate(frames)}
+    callsites = []
+    for stack, api, op, stream in identities:
+        site: dict[str, Any] = {"stack": [ids[f] for f in stack]}
+        if api is not None:
+            site["api"] = api
+        site["op"] = op
+        if stream or draw(st.booleans()):
+            site["stream"] = stream
+        site["count"] = draw(st.integers(min_value=1, max_value=50))
+        if len(ranks) > 1 and draw(st.booleans()):
+            site["ranks"] = sorted(draw(st.sets(st.sampled_from(ranks), min_size=1)))
+        elif draw(st.integers(0, 3)) == 0:
+            site["ranks"] = list(ranks)
+        callsites.append(site)
+    meta: dict[str, Any] = {"label": label or "t", "world_size": 8, "device": "cpu"}
+    if len(ranks) == 1:
+        meta["rank"] = ranks[0]
+    if len(ranks) > 1 or draw(st.booleans()):
+        meta["ranks"] = sorted(ranks)
+    return {
+        "format": TRACE_FORMAT,
+        "version": TRACE_VERSION,
+        "meta": meta,
+        "frames": [frame_dict(f) for f in frames],
+        "callsites": callsites,
+    }
+
+
+@st.composite
+def rank_file_sets(draw: st.DrawFn, min_files: int = 1, max_files: int = 4) -> list[dict[str, Any]]:
+    """Several trace documents of one run: distinct ranks (or rank groups), shared callsites,
+    and sometimes a disagreeing ``meta`` value (which combine must drop)."""
+    count = draw(st.integers(min_value=min_files, max_value=max_files))
+    rank_groups: list[list[int]] = []
+    available = list(range(12))
+    for _ in range(count):
+        size = draw(st.integers(min_value=1, max_value=2))
+        group = draw(
+            st.lists(st.sampled_from(available), min_size=size, max_size=size, unique=True)
+        )
+        available = [r for r in available if r not in group]
+        rank_groups.append(sorted(group))
+    shapes = draw(st.lists(site_shapes, max_size=6, unique=True))
+    labels = ["t"] * count
+    if count > 1 and draw(st.booleans()):
+        labels[0] = "other"
+    return [
+        draw(trace_documents(ranks=group, shapes=shapes, label=label))
+        for group, label in zip(rank_groups, labels, strict=True)
+    ]
+
+
+def encode_doc(doc: dict[str, Any]) -> bytes:
+    return json.dumps(doc).encode("utf-8")
+
+
+def identity_counts(doc: dict[str, Any]) -> Counter[SiteIdentity]:
+    """Counts per callsite identity (stack as frame values, api, op, stream)."""
+    frames = [
+        (f["file"], f["line"], f["function"], f["qualname"], f.get("module")) for f in doc["frames"]
+    ]
+    counts: Counter[SiteIdentity] = Counter()
+    for site in doc["callsites"]:
+        key = (
+            tuple(frames[i] for i in site["stack"]),
+            site.get("api"),
+            site["op"],
+            site.get("stream", 0),
+        )
+        counts[key] += site["count"]
+    return counts
+
+
+# ----------------------------------------------------------------------------- configs
+
+TARGETS = (
+    "train:main",
+    "model:Model.forward",
+    "model:Block.forward",
+    "torch:cat",
+    "torch:Tensor.reshape",
+    "torch.nn.functional:linear",
+    "torch.functional:split",
+    "script.py:<module>",
+)
+KINDS = ("function", "method", "torch_api", "lambda", "module")
+
+
+@st.composite
+def configs(draw: st.DrawFn, source: str | None = None) -> CommentedMap:
+    """A valid instrumentation config (formats.md §3) built the way generate builds one."""
+    meta_ranks = sorted(draw(st.sets(st.integers(0, 5), min_size=1, max_size=3)))
+    keys = draw(
+        st.lists(
+            st.tuples(
+                st.sampled_from(TARGETS),
+                st.lists(st.sampled_from(TARGETS), max_size=2).map(tuple),
+            ),
+            max_size=6,
+            unique=True,
+        )
+    )
+    entries = []
+    for target, context in sorted(keys):
+        ops = draw(st.dictionaries(st.sampled_from(OPS), st.integers(1, 40), min_size=1))
+        total = sum(ops.values())
+        split = draw(st.integers(0, total))
+        streams = {0: split, 1: total - split} if 0 < split < total else {0: total}
+        item = CommentedMap()
+        item["target"] = target
+        item["kind"] = draw(st.sampled_from(KINDS))
+        item["file"] = draw(st.sampled_from([None, "model.py", "torch/functional.py"]))
+        item["lines"] = flow_seq(sorted(draw(st.sets(st.integers(1, 200), max_size=3))))
+        item["context"] = flow_seq(context)
+        item["tags"] = flow_seq(sorted(draw(st.sets(st.sampled_from(["forward", "user"])))))
+        item["ops"] = flow_map(sorted(ops.items()))
+        item["stream_counts"] = flow_map(sorted(streams.items()))
+        item["count"] = total
+        if draw(st.booleans()):
+            subset = sorted(draw(st.sets(st.sampled_from(meta_ranks), min_size=1)))
+            if subset != meta_ranks:
+                item["ranks"] = flow_seq(subset)
+        entries.append(item)
+    config = CommentedMap()
+    config["version"] = CONFIG_VERSION
+    config["source"] = source or draw(st.sampled_from(["a", "b", "c", "d"]))
+    config["meta"] = flow_map(
+        [("ranks", flow_seq(meta_ranks)), ("total", sum(e["count"] for e in entries))]
+    )
+    config["entries"] = entries
+    return config
+
+
+def plain(value: Any) -> Any:
+    """ruamel containers → plain dicts and lists (for equality that ignores styles)."""
+    if isinstance(value, dict):
+        return {plain(k): plain(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [plain(v) for v in value]
+    return value

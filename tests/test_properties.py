@@ -1,0 +1,310 @@
+"""Property-based tests (hypothesis) of the algebra: combine, compress, generate, merge,
+the basic filter, and the YAML round trip (issue 5, part 3)."""
+
+from __future__ import annotations
+
+import copy
+from collections import Counter
+from typing import Any
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from ruamel.yaml.comments import CommentedMap
+
+from opguard_core.combined import CallsiteTrace, TraceAccumulator
+from opguard_core.config_format import dump_config, entry_key, parse_config, validate_config
+from opguard_core.model import RunOptions
+from opguard_core.trace_format import decode_trace
+from opguard_core.tree_format import check_tree, iter_nodes
+from opguard_plugins.basic_filter import opguard_filter
+from opguard_plugins.compress import compress_trace
+from opguard_plugins.generate import generate_config
+from opguard_plugins.merge import merge_configs
+from tests.strategies import (
+    configs,
+    encode_doc,
+    identity_counts,
+    plain,
+    rank_file_sets,
+)
+
+SETTINGS = settings(
+    max_examples=60,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+
+
+def accumulate(*docs: dict[str, Any]) -> TraceAccumulator:
+    accumulator = TraceAccumulator()
+    for index, doc in enumerate(docs):
+        accumulator.add(decode_trace(encode_doc(doc), f"in{index}_rank{index}.json"))
+    return accumulator
+
+
+def combined(*docs: dict[str, Any]) -> CallsiteTrace:
+    return accumulate(*docs).result()
+
+
+def doc_total(doc: dict[str, Any]) -> int:
+    return sum(site["count"] for site in doc["callsites"])
+
+
+def trace_doc_of(trace: CallsiteTrace) -> dict[str, Any]:
+    import json
+
+    return json.loads(trace.to_json())
+
+
+# ----------------------------------------------------------------------------- combine
+
+
+@SETTINGS
+@given(rank_file_sets(min_files=1, max_files=4), st.randoms(use_true_random=False))
+def test_combine_in_any_order_is_byte_identical(docs: list[dict[str, Any]], rnd: Any) -> None:
+    shuffled = list(docs)
+    rnd.shuffle(shuffled)
+    assert combined(*docs).to_json() == combined(*shuffled).to_json()
+
+
+@SETTINGS
+@given(rank_file_sets(min_files=2, max_files=2))
+def test_combine_is_commutative(docs: list[dict[str, Any]]) -> None:
+    a, b = docs
+    left = accumulate(a)
+    left.update(accumulate(b))
+    right = accumulate(b)
+    right.update(accumulate(a))
+    assert left.result().to_json() == right.result().to_json()
+
+
+@SETTINGS
+@given(rank_file_sets(min_files=3, max_files=3))
+def test_combine_is_associative(docs: list[dict[str, Any]]) -> None:
+    a, b, c = docs
+    ab = accumulate(a, b)
+    ab.update(accumulate(c))
+    bc = accumulate(b, c)
+    a_bc = accumulate(a)
+    a_bc.update(bc)
+    nested = accumulate(a)
+    inner = accumulate(b)
+    inner.update(accumulate(c))
+    nested.update(inner)
+    expected = combined(a, b, c).to_json()
+    assert ab.result().to_json() == expected
+    assert a_bc.result().to_json() == expected
+    assert nested.result().to_json() == expected
+
+
+@SETTINGS
+@given(rank_file_sets(min_files=1, max_files=4))
+def test_combine_conserves_counts(docs: list[dict[str, Any]]) -> None:
+    trace = combined(*docs)
+    assert trace.total == sum(doc_total(d) for d in docs)
+    expected: Counter[Any] = Counter()
+    for doc in docs:
+        expected.update(identity_counts(doc))
+    out = trace_doc_of(trace)
+    assert identity_counts(out) == expected
+    # every identity appears once: the output is a set of callsites, not a list
+    assert len(out["callsites"]) == len(expected)
+    # the combined document is itself a valid trace, and ranks are the union
+    again = decode_trace(trace.to_json(), "combined.json")
+    assert again.ranks() == sorted({r for d in docs for r in _doc_ranks(d)})
+
+
+@SETTINGS
+@given(rank_file_sets(min_files=2, max_files=3))
+def test_combining_a_combined_trace_again_changes_nothing_but_adds(
+    docs: list[dict[str, Any]],
+) -> None:
+    """(A+B) written to disk and combined with C equals A+B+C (re-combining is lossless)."""
+    *first, last = docs
+    partial = trace_doc_of(combined(*first))
+    assert combined(partial, last).to_json() == combined(*docs).to_json()
+
+
+def _doc_ranks(doc: dict[str, Any]) -> list[int]:
+    meta = doc["meta"]
+    return meta.get("ranks") or [meta["rank"]]
+
+
+# ----------------------------------------------------------------------------- compress
+
+thresholds = st.fixed_dictionaries(
+    {
+        "min_count": st.integers(min_value=1, max_value=120),
+        "min_fraction": st.one_of(
+            st.just(0.0), st.floats(min_value=0.0, max_value=1.0, allow_nan=False)
+        ),
+        "chains": st.booleans(),
+        "default_hide": st.booleans(),
+    }
+)
+
+
+@SETTINGS
+@given(rank_file_sets(min_files=1, max_files=3), thresholds)
+def test_compression_conserves_counts_and_meets_invariants(
+    docs: list[dict[str, Any]], options: dict[str, Any]
+) -> None:
+    trace = combined(*docs)
+    tree = compress_trace(trace, RunOptions(**options))
+    check_tree(tree, expected_total=trace.total)
+    ops: Counter[str] = Counter()
+    streams: Counter[str] = Counter()
+    for node, _parent in iter_nodes(tree["root"]):
+        assert "stack" not in node
+        ops.update(node["self_ops"])
+        streams.update(node["self_streams"])
+    expected_ops: Counter[str] = Counter()
+    expected_streams: Counter[str] = Counter()
+    for site in trace.callsites:
+        expected_ops[site.op] += site.count
+        expected_streams[str(site.stream)] += site.count
+    assert ops == expected_ops
+    assert streams == expected_streams
+    assert tree["meta"]["compression"]["total"] == trace.total
+
+
+@SETTINGS
+@given(rank_file_sets(min_files=1, max_files=3), thresholds, st.integers(0, 3))
+def test_generated_configs_are_inclusive_and_valid(
+    docs: list[dict[str, Any]], options: dict[str, Any], depth: int
+) -> None:
+    trace = combined(*docs)
+    tree = compress_trace(trace, RunOptions(**options))
+    config = generate_config(tree, "src", depth)
+    validate_config(config, "generated")
+    for entry in config["entries"]:
+        assert entry["count"] == sum(entry["ops"].values()) == sum(entry["stream_counts"].values())
+        assert len(entry["context"]) <= depth
+    keys = [entry_key(e) for e in config["entries"]]
+    assert keys == sorted(keys) and len(set(keys)) == len(keys)
+    if depth >= 1:
+        top = sum(e["count"] for e in config["entries"] if not e["context"])
+        assert top == trace.total - sum(tree["root"]["self_ops"].values())
+
+
+# ----------------------------------------------------------------------------- merge
+
+
+def _op_totals(config: dict[str, Any]) -> Counter[str]:
+    totals: Counter[str] = Counter()
+    for entry in config["entries"]:
+        totals.update(dict(entry["ops"]))
+    return totals
+
+
+def _entries_by_key(config: dict[str, Any]) -> dict[Any, Any]:
+    return {entry_key(e): plain(e) for e in config["entries"]}
+
+
+@SETTINGS
+@given(configs(), configs())
+def test_merge_is_commutative(a: CommentedMap, b: CommentedMap) -> None:
+    ab = merge_configs(a, b)
+    ba = merge_configs(b, a)
+    assert plain(ab) == plain(ba)
+    assert [entry_key(e) for e in ab["entries"]] == [entry_key(e) for e in ba["entries"]]
+    validate_config(ab, "merged")
+
+
+@SETTINGS
+@given(configs(), configs(), configs())
+def test_merge_is_associative(a: CommentedMap, b: CommentedMap, c: CommentedMap) -> None:
+    left = merge_configs(merge_configs(a, b), c)
+    right = merge_configs(a, merge_configs(b, c))
+    assert plain(left) == plain(right)
+    assert dump_config(left) == dump_config(right)
+
+
+@SETTINGS
+@given(configs(), configs())
+def test_merge_conserves_counts_and_ops_and_leaves_inputs_alone(
+    a: CommentedMap, b: CommentedMap
+) -> None:
+    before_a, before_b = plain(a), plain(b)
+    merged = merge_configs(a, b)
+    assert plain(a) == before_a and plain(b) == before_b
+    assert _op_totals(merged) == _op_totals(a) + _op_totals(b)
+    assert sum(e["count"] for e in merged["entries"]) == sum(
+        e["count"] for e in a["entries"]
+    ) + sum(e["count"] for e in b["entries"])
+    assert merged["meta"]["total"] == a["meta"]["total"] + b["meta"]["total"]
+    assert list(merged["meta"]["ranks"]) == sorted(
+        set(a["meta"]["ranks"]) | set(b["meta"]["ranks"])
+    )
+    assert set(_entries_by_key(merged)) == set(_entries_by_key(a)) | set(_entries_by_key(b))
+    for entry in merged["entries"]:
+        assert entry["count"] == sum(entry["ops"].values()) == sum(entry["stream_counts"].values())
+
+
+@SETTINGS
+@given(rank_file_sets(min_files=2, max_files=3))
+def test_merging_generated_configs_matches_conservation(docs: list[dict[str, Any]]) -> None:
+    generated = []
+    for index, doc in enumerate(docs):
+        tree = compress_trace(combined(doc), RunOptions())
+        generated.append(generate_config(tree, f"s{index}", 1))
+    merged = generated[0]
+    for other in generated[1:]:
+        merged = merge_configs(merged, other)
+    assert merged["meta"]["total"] == sum(doc_total(d) for d in docs)
+    expected: Counter[str] = Counter()
+    for config in generated:
+        expected += _op_totals(config)
+    assert _op_totals(merged) == expected
+
+
+# ----------------------------------------------------------------------------- filter
+
+
+@SETTINGS
+@given(configs())
+def test_basic_filter_is_idempotent(config: CommentedMap) -> None:
+    options = RunOptions(basic=True)
+    once = opguard_filter(copy.deepcopy(config), options)
+    twice = opguard_filter(copy.deepcopy(once), options)
+    assert plain(once) == plain(twice)
+    reparsed = opguard_filter(parse_config(dump_config(once), "f.yaml"), options)
+    assert dump_config(reparsed) == dump_config(once)
+    kept = {entry_key(e) for e in once["entries"]}
+    assert kept <= {entry_key(e) for e in config["entries"]}
+    assert all(e["kind"] in ("function", "method") for e in once["entries"])
+
+
+# ----------------------------------------------------------------------------- YAML
+
+
+@SETTINGS
+@given(configs())
+def test_config_yaml_round_trip_is_lossless(config: CommentedMap) -> None:
+    text = dump_config(config)
+    loaded = parse_config(text, "c.yaml")
+    assert plain(loaded) == plain(config)
+    assert dump_config(loaded) == text
+
+
+@SETTINGS
+@given(configs(source="a"), configs(source="b"), st.data())
+def test_person_added_comments_survive_load_merge_and_dump(
+    left: CommentedMap, right: CommentedMap, data: st.DataObject
+) -> None:
+    text = dump_config(left)
+    lines = text.splitlines()
+    targets = [i for i, line in enumerate(lines) if line.startswith("  - target: ")]
+    text = "# reviewed by the ops team\n" + text
+    if targets:
+        chosen = data.draw(st.sampled_from(targets))
+        lines[chosen] += "  # keep an eye on this one"
+        text = "# reviewed by the ops team\n" + "\n".join(lines) + "\n"
+    loaded = parse_config(text, "a.yaml")
+    assert dump_config(loaded) == text
+    merged = dump_config(merge_configs(loaded, right))
+    assert merged.startswith("# reviewed by the ops team\n")
+    if targets:
+        assert "# keep an eye on this one" in merged
+    filtered = dump_config(opguard_filter(parse_config(merged, "m.yaml"), RunOptions(basic=True)))
+    assert filtered.startswith("# reviewed by the ops team\n")
