@@ -659,7 +659,7 @@ def _finish_process_tracer() -> None:
     if tracer is None:
         return
     tracer.stop()
-    if not tracer.recorder.counts:
+    if not tracer.recorder.counts or _is_launcher():  # `python -m torch.distributed.run`
         return
     try:
         tracer.write()
