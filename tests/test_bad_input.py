@@ -1,0 +1,433 @@
+"""Bad input (issue 5, part 1): every class gets a one-line error that names the file and
+the problem, a non-zero exit, no traceback unless ``--verbose``, and the good entry given
+beside it is still processed. Table-driven, through the public CLI and at unit level."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from opguard_core.config_format import load_config, parse_config
+from opguard_core.errors import InputError
+from opguard_core.trace_format import MAX_RANK, decode_trace, load_trace
+from opguard_plugins.basic_filter import load_basic_list
+
+GOOD_ENTRY = "gpt_callsite"
+
+
+def valid_doc() -> dict[str, Any]:
+    return {
+        "format": "opguard-callsites",
+        "version": 1,
+        "meta": {"label": "x", "rank": 0, "world_size": 1},
+        "frames": [
+            {"file": "train.py", "line": 3, "function": "main", "qualname": "main", "module": "t"}
+        ],
+        "callsites": [{"stack": [0], "api": "torch.mm", "op": "aten::mm", "stream": 0, "count": 2}],
+    }
+
+
+def doc(**changes: Any) -> bytes:
+    """The valid document with top-level fields replaced (``...`` deletes a field)."""
+    data = valid_doc()
+    for key, value in changes.items():
+        if value is ...:
+            del data[key]
+        else:
+            data[key] = value
+    return json.dumps(data).encode()
+
+
+def site(**changes: Any) -> bytes:
+    """The valid document with fields of its first callsite replaced (``...`` deletes)."""
+    data = valid_doc()
+    for key, value in changes.items():
+        if value is ...:
+            del data["callsites"][0][key]
+        else:
+            data["callsites"][0][key] = value
+    return json.dumps(data).encode()
+
+
+def frame(**changes: Any) -> bytes:
+    data = valid_doc()
+    for key, value in changes.items():
+        if value is ...:
+            del data["frames"][0][key]
+        else:
+            data["frames"][0][key] = value
+    return json.dumps(data).encode()
+
+
+DEEP = b'{"format": "opguard-callsites", "version": 1, "meta": ' + b'{"a": ' * 5000 + b"1"
+DEEP += b"}" * 5000 + b', "frames": [], "callsites": []}'
+
+#: (id, file content, a phrase the one-line error must contain)
+TRACE_CASES: list[tuple[str, bytes, str]] = [
+    ("not_json", b"this is not json\n", "not valid JSON"),
+    ("truncated", doc()[:60], "truncated"),
+    ("empty", b"", "empty file"),
+    ("whitespace_only", b"  \n\t\n", "empty file"),
+    ("not_utf8", doc().replace(b"train.py", b"tr\xff\xfein.py"), "UTF-8"),
+    ("utf16", doc().decode().encode("utf-16"), "not valid JSON"),
+    ("deep_array", b"[" * 100_000 + b"]" * 100_000, "nesting too deep"),
+    ("deep_meta", DEEP, "nesting too deep"),
+    ("top_level_array", b"[1, 2, 3]", "expected a JSON object at top level, got an array"),
+    ("top_level_string", b'"opguard"', "expected a JSON object at top level, got a string"),
+    ("top_level_null", b"null", "expected a JSON object at top level, got null"),
+    ("unknown_format", doc(format="pprof"), "unknown format 'pprof'"),
+    ("missing_format", doc(format=...), "unknown format None"),
+    ("unknown_version", doc(version=2), "version 2 (expected"),
+    ("version_string", doc(version="1"), "version '1'"),
+    ("missing_frames", doc(frames=...), "missing required field `frames`"),
+    ("frames_not_list", doc(frames={"0": {}}), "$.frames"),
+    ("frame_not_object", doc(frames=[7]), "$.frames[0]"),
+    ("frame_missing_file", frame(file=...), "missing required field `file`"),
+    ("frame_line_string", frame(line="3"), "$.frames[0].line"),
+    ("missing_callsites", doc(callsites=...), "missing required field `callsites`"),
+    ("callsites_not_list", doc(callsites="none"), "$.callsites"),
+    ("missing_stack", site(stack=...), "missing required field `stack`"),
+    ("stack_not_list", site(stack=0), "$.callsites[0].stack"),
+    ("stack_negative_id", site(stack=[-1]), "$.callsites[0].stack[0]"),
+    ("missing_op", site(op=...), "missing required field `op`"),
+    ("op_not_string", site(op=42), "$.callsites[0].op"),
+    ("stream_string", site(stream="0"), "$.callsites[0].stream"),
+    ("stream_null", site(stream=None), "$.callsites[0].stream"),
+    ("count_zero", site(count=0), "$.callsites[0].count"),
+    ("count_negative", site(count=-4), "$.callsites[0].count"),
+    ("count_float", site(count=2.5), "$.callsites[0].count"),
+    ("count_string", site(count="2"), "$.callsites[0].count"),
+    ("count_bool", site(count=True), "$.callsites[0].count"),
+    ("missing_count", site(count=...), "missing required field `count`"),
+    ("frame_id_out_of_range", site(stack=[0, 5]), "refers to frame 5"),
+    ("nan_count", site(count=1).replace(b'"count": 1', b'"count": NaN'), "not valid JSON"),
+    ("nan_in_meta", doc(meta={"loss": float("nan")}), "not valid JSON"),
+    ("infinity", doc(meta={"loss": float("inf")}), "not valid JSON"),
+    ("ranks_not_list", site(ranks="0"), "$.callsites[0].ranks"),
+    ("absurd_rank", doc(meta={"ranks": [10**12]}), "too large"),
+    ("absurd_callsite_rank", site(ranks=[MAX_RANK]), "too large"),
+    ("trailing_garbage", doc() + b"}}", "not valid JSON"),
+]
+
+
+# ----------------------------------------------------------------------------- unit level
+
+
+@pytest.mark.parametrize(
+    ("content", "problem"), [c[1:] for c in TRACE_CASES], ids=[c[0] for c in TRACE_CASES]
+)
+def test_decode_trace_refuses_with_one_line_error(content: bytes, problem: str) -> None:
+    with pytest.raises(InputError) as caught:
+        decode_trace(content, "dir/bad_rank0.json")
+    message = str(caught.value)
+    assert message.startswith("dir/bad_rank0.json: "), message
+    assert problem in message, message
+    assert "\n" not in message
+    assert caught.value.path == "dir/bad_rank0.json"
+
+
+def test_the_valid_document_used_by_the_table_decodes() -> None:
+    """Every row above differs from this document in one way only."""
+    trace = decode_trace(doc(), "ok.json")
+    assert trace.callsites[0].count == 2
+    decode_trace(site(ranks=[0]), "ok.json")
+    decode_trace(site(extra_field={"x": 1}), "ok.json")
+
+
+@pytest.mark.parametrize(
+    ("make", "problem"),
+    [
+        pytest.param(lambda p: p / "missing.json", "no such file", id="missing"),
+        pytest.param(lambda p: p, "is a directory", id="directory"),
+    ],
+)
+def test_load_trace_refuses_unusable_paths(
+    tmp_path: Path, make: Callable[[Path], Path], problem: str
+) -> None:
+    path = make(tmp_path)
+    with pytest.raises(InputError, match=problem) as caught:
+        load_trace(path)
+    assert str(path) in str(caught.value)
+
+
+def _deny_reads_of(monkeypatch: pytest.MonkeyPatch, victim: Path) -> None:
+    """Simulate a chmod-000 file (tests run as root, where chmod does not block reads)."""
+    real_read_bytes = pathlib.Path.read_bytes
+    real_read_text = pathlib.Path.read_text
+
+    def read_bytes(self: Path) -> bytes:
+        if self.resolve() == victim.resolve():
+            raise PermissionError(13, "Permission denied", str(self))
+        return real_read_bytes(self)
+
+    def read_text(self: Path, *args: Any, **kwargs: Any) -> str:
+        if self.resolve() == victim.resolve():
+            raise PermissionError(13, "Permission denied", str(self))
+        return real_read_text(self, *args, **kwargs)
+
+    monkeypatch.setattr(pathlib.Path, "read_bytes", read_bytes)
+    monkeypatch.setattr(pathlib.Path, "read_text", read_text)
+
+
+def test_load_trace_refuses_unreadable_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "locked_rank0.json"
+    path.write_bytes(doc())
+    _deny_reads_of(monkeypatch, path)
+    with pytest.raises(InputError, match="permission denied") as caught:
+        load_trace(path)
+    assert str(path) in str(caught.value)
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root reads a chmod 000 file anyway")
+def test_load_trace_refuses_chmod_000_file(tmp_path: Path) -> None:
+    path = tmp_path / "locked_rank0.json"
+    path.write_bytes(doc())
+    path.chmod(0)
+    try:
+        with pytest.raises(InputError, match="permission denied"):
+            load_trace(path)
+    finally:
+        path.chmod(0o644)
+
+
+CONFIG_CASES: list[tuple[str, str, str]] = [
+    ("malformed_yaml", "version: 1\nentries: [\n", "malformed YAML"),
+    ("bad_indentation", "version: 1\nentries:\n - target: a\n   x: : :\n", "malformed YAML"),
+    ("duplicate_key", "version: 1\nversion: 1\nentries: []\n", "malformed YAML"),
+    ("top_level_list", "- version: 1\n", "expected a YAML mapping at top level"),
+    ("empty", "", "expected a YAML mapping at top level"),
+    ("unknown_version", "version: 7\nentries: []\n", "unknown config version 7"),
+    ("entries_not_list", "version: 1\nentries: {}\n", "'entries' must be a list"),
+    ("entry_not_mapping", "version: 1\nentries: [3]\n", "entries[0] must be a mapping"),
+    ("target_missing", "version: 1\nentries: [{kind: method}]\n", "entries[0].target"),
+    ("count_float", "version: 1\nentries: [{target: a, count: 1.5}]\n", "entries[0].count"),
+    ("ops_bad", "version: 1\nentries: [{target: a, ops: {x: -1}}]\n", "entries[0].ops"),
+    (
+        "python_tag",
+        "version: 1\nentries:\n  - target: a\n    file: !!python/object/apply:os.system [echo]\n",
+        "entries[0].file",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("text", "problem"), [c[1:] for c in CONFIG_CASES], ids=[c[0] for c in CONFIG_CASES]
+)
+def test_load_config_refuses_with_one_line_error(tmp_path: Path, text: str, problem: str) -> None:
+    path = tmp_path / "bad_instrumentation.yaml"
+    path.write_text(text)
+    with pytest.raises(InputError) as caught:
+        load_config(path)
+    message = str(caught.value)
+    assert message.startswith(f"{path}: "), message
+    assert problem in message, message
+    assert "\n" not in message
+    with pytest.raises(InputError, match=problem.replace("[", r"\[").replace("]", r"\]")):
+        parse_config(text, "x.yaml")
+
+
+def test_load_config_refuses_unusable_files(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with pytest.raises(InputError, match="no such file"):
+        load_config(tmp_path / "missing.yaml")
+    with pytest.raises(InputError, match="cannot read file"):
+        load_config(tmp_path)
+    binary = tmp_path / "binary.yaml"
+    binary.write_bytes(b"version: 1\nentries: [\xff\xfe]\n")
+    with pytest.raises(InputError, match="not UTF-8"):
+        load_config(binary)
+    locked = tmp_path / "locked.yaml"
+    locked.write_text("version: 1\nentries: []\n")
+    _deny_reads_of(monkeypatch, locked)
+    with pytest.raises(InputError, match="Permission denied") as caught:
+        load_config(locked)
+    assert str(locked) in str(caught.value)
+
+
+BASIC_LIST_CASES: list[tuple[str, bytes, str]] = [
+    ("malformed_yaml", b"utilities: [cat\n", "malformed YAML"),
+    ("not_utf8", b"utilities: [c\xffat]\n", "malformed YAML"),
+    ("not_a_mapping", b"- cat\n- stack\n", "must be a mapping"),
+    ("utilities_not_list", b"utilities: cat\n", "'utilities' must be a list"),
+    ("python_tag", b"utilities: !!python/object/apply:os.system [echo]\n", "malformed YAML"),
+]
+
+
+@pytest.mark.parametrize(
+    ("content", "problem"), [c[1:] for c in BASIC_LIST_CASES], ids=[c[0] for c in BASIC_LIST_CASES]
+)
+def test_basic_list_refuses_with_one_line_error(
+    tmp_path: Path, content: bytes, problem: str
+) -> None:
+    path = tmp_path / "list.yaml"
+    path.write_bytes(content)
+    with pytest.raises(InputError) as caught:
+        load_basic_list(path)
+    message = str(caught.value)
+    assert message.startswith(f"{path}: ") and problem in message, message
+    assert "\n" not in message
+
+
+# ----------------------------------------------------------------------------- CLI
+
+
+def _summary(run: Any) -> dict[str, Any]:
+    return json.loads(run.read("pipeline_summary.json"))
+
+
+def _error_lines(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if line.startswith("opguard: ")]
+
+
+def _assert_good_entry_processed(run: Any) -> None:
+    assert run.run_dir is not None
+    assert (run.run_dir / f"{GOOD_ENTRY}_instrumentation.yaml").is_file()
+    stages = {(s["stage"], s["entry"]): s["status"] for s in _summary(run)["stages"]}
+    for stage in ("combine", "compress", "generate"):
+        assert stages[(stage, GOOD_ENTRY)] == "ok"
+
+
+@pytest.mark.parametrize(
+    ("content", "problem"), [c[1:] for c in TRACE_CASES], ids=[c[0] for c in TRACE_CASES]
+)
+def test_cli_reports_bad_trace_and_processes_the_good_entry(
+    opguard: Callable[..., Any], samples: Path, tmp_path: Path, content: bytes, problem: str
+) -> None:
+    bad = tmp_path / "broken.json"
+    bad.write_bytes(content)
+    run = opguard("run", "-i", bad, "-i", str(samples / "gpt_callsite_rank*.json"))
+    assert run.exit_code == 1
+    assert "Traceback" not in run.stderr
+    lines = _error_lines(run.stderr)
+    assert len(lines) == 1, run.stderr
+    assert lines[0].startswith("opguard: combine [broken] failed: ")
+    assert str(bad) in lines[0] and problem in lines[0]
+    _assert_good_entry_processed(run)
+    summary = _summary(run)
+    assert summary["status"] == "failed" and summary["exit_code"] == 1
+    failed = [s for s in summary["stages"] if s["status"] == "failed"]
+    assert [(s["stage"], s["entry"]) for s in failed] == [("combine", "broken")]
+    assert str(bad) in failed[0]["error"] and problem in failed[0]["error"]
+    skipped = {s["stage"] for s in summary["stages"] if s["entry"] == "broken"} - {"combine"}
+    assert {"compress", "generate"} <= skipped
+    assert not (run.run_dir / "broken_combined.json").exists()
+
+
+def test_cli_names_the_bad_rank_file_of_a_multi_rank_entry(
+    opguard: Callable[..., Any], samples: Path
+) -> None:
+    (samples / "fsdp_callsite_rank1.json").write_bytes(site(count=0))
+    run = opguard(
+        "run",
+        "-i",
+        str(samples / "fsdp_callsite_rank*.json"),
+        "-i",
+        str(samples / "gpt_callsite_rank*.json"),
+    )
+    assert run.exit_code == 1
+    (line,) = _error_lines(run.stderr)
+    assert line.startswith("opguard: combine [fsdp_callsite] failed: ")
+    assert "fsdp_callsite_rank1.json" in line and "count" in line
+    _assert_good_entry_processed(run)
+
+
+def test_cli_with_verbose_still_gives_the_one_line_error(
+    opguard: Callable[..., Any], samples: Path, tmp_path: Path
+) -> None:
+    bad = tmp_path / "broken.json"
+    bad.write_bytes(b"{")
+    run = opguard("run", "-v", "-i", bad, "-i", str(samples / "gpt_callsite_rank*.json"))
+    assert run.exit_code == 1
+    assert any(f"{bad}: not valid JSON" in line for line in _error_lines(run.stderr))
+    _assert_good_entry_processed(run)
+
+
+@pytest.mark.parametrize(
+    ("spec", "problem"),
+    [
+        pytest.param("missing_rank0.json", "no such file", id="missing_file"),
+        pytest.param("nothing_here_*.json", "matched no files", id="pattern_matches_nothing"),
+        pytest.param("a_directory", "is a directory", id="directory"),
+        pytest.param("dir_glob_*", "matched no files", id="pattern_matches_only_directories"),
+    ],
+)
+def test_cli_reports_unusable_inputs_and_processes_the_good_entry(
+    opguard: Callable[..., Any], samples: Path, tmp_path: Path, spec: str, problem: str
+) -> None:
+    (tmp_path / "a_directory").mkdir()
+    (tmp_path / "dir_glob_1").mkdir()
+    good = str(samples / "gpt_callsite_rank*.json")
+    run = opguard("run", "--base-dir", tmp_path, "-i", spec, "-i", good)
+    assert run.exit_code == 1
+    assert "Traceback" not in run.stderr
+    (line,) = _error_lines(run.stderr)
+    assert line.startswith(f"opguard: discover [{spec}] failed: ")
+    assert spec.split("*")[0] in line and problem in line
+    _assert_good_entry_processed(run)
+    (failed,) = [s for s in _summary(run)["stages"] if s["status"] == "failed"]
+    assert failed["stage"] == "discover" and failed["entry"] == spec
+    assert problem in failed["error"]
+
+
+def test_cli_reports_unreadable_file_and_processes_the_good_entry(
+    opguard: Callable[..., Any], samples: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    locked = tmp_path / "locked.json"
+    locked.write_bytes(doc())
+    _deny_reads_of(monkeypatch, locked)
+    run = opguard("run", "-i", locked, "-i", str(samples / "gpt_callsite_rank*.json"))
+    assert run.exit_code == 1
+    assert "Traceback" not in run.stderr
+    (line,) = _error_lines(run.stderr)
+    assert line.startswith("opguard: combine [locked] failed: ")
+    assert str(locked) in line and "permission denied" in line
+    _assert_good_entry_processed(run)
+
+
+@pytest.mark.parametrize(
+    ("content", "problem"), [c[1:] for c in BASIC_LIST_CASES], ids=[c[0] for c in BASIC_LIST_CASES]
+)
+def test_cli_reports_malformed_basic_list_and_keeps_the_configs(
+    opguard: Callable[..., Any], samples: Path, tmp_path: Path, content: bytes, problem: str
+) -> None:
+    basic_list = tmp_path / "my_list.yaml"
+    basic_list.write_bytes(content)
+    run = opguard(
+        "run",
+        "-i",
+        str(samples / "gpt_callsite_rank*.json"),
+        "--basic",
+        "--basic-list",
+        basic_list,
+    )
+    assert run.exit_code == 1
+    assert "Traceback" not in run.stderr
+    (line,) = _error_lines(run.stderr)
+    assert line.startswith(f"opguard: filter [{GOOD_ENTRY}] failed: {basic_list}: ")
+    assert problem in line
+    _assert_good_entry_processed(run)
+    assert not (run.run_dir / f"{GOOD_ENTRY}_filtered_instrumentation.yaml").exists()
+    (failed,) = [s for s in _summary(run)["stages"] if s["status"] == "failed"]
+    assert failed["stage"] == "filter" and problem in failed["error"]
+
+
+def test_cli_reports_missing_basic_list(
+    opguard: Callable[..., Any], samples: Path, tmp_path: Path
+) -> None:
+    missing = tmp_path / "nope.yaml"
+    run = opguard(
+        "run", "-i", str(samples / "gpt_callsite_rank*.json"), "--basic", "--basic-list", missing
+    )
+    assert run.exit_code == 1
+    (line,) = _error_lines(run.stderr)
+    assert str(missing) in line and "cannot read basic-filter list" in line
+    _assert_good_entry_processed(run)
