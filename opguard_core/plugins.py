@@ -108,14 +108,22 @@ class OpGuardPluginManager(pluggy.PluginManager):
         hook is suggested), or arguments that the hook's spec does not have.
         """
         label = name or self.get_canonical_name(plugin)
+        if self.is_blocked(label):
+            return None
+        if self.get_plugin(label) is not None:
+            raise PluginError(f'plugin "{label}": a plugin of that name is already registered')
+        if self.is_registered(plugin):
+            other = self.get_name(plugin)
+            raise PluginError(f'plugin "{label}": already registered as plugin "{other}"')
+        problems = self._argument_problems(plugin)
+        if problems:
+            raise PluginError(f'plugin "{label}": {"; ".join(problems)}')
         try:
             registered = super().register(plugin, name=name)
         except pluggy.PluginValidationError as exc:
             if self.get_plugin(label) is plugin:  # pluggy leaves it half-registered
                 self.unregister(plugin)
             raise PluginError(f'plugin "{label}": {_one_line(exc)}') from None
-        except ValueError as exc:
-            raise PluginError(f'plugin "{label}": {exc}') from None
         if registered is None:
             return None
         unknown = sorted(
@@ -128,6 +136,38 @@ class OpGuardPluginManager(pluggy.PluginManager):
             self.unregister(plugin)
             raise PluginError(f'plugin "{label}": {"; ".join(map(_unknown_hook, unknown))}')
         return registered
+
+    def _argument_problems(self, plugin: Any) -> list[str]:
+        """``hook(args): unknown argument(s) …`` for every hook function naming arguments
+        that its hook's spec does not have."""
+        problems = []
+        for attribute in dir(plugin):
+            opts = self.parse_hookimpl_opts(plugin, attribute)
+            if opts is None:
+                continue
+            hook_name = opts.get("specname") or attribute
+            caller = getattr(self.hook, hook_name, None)
+            if caller is None or caller.spec is None:
+                continue
+            function = getattr(plugin, attribute)
+            try:
+                parameters = inspect.signature(function).parameters.values()
+            except (TypeError, ValueError):
+                continue
+            # like pluggy: arguments with defaults, *args and **kwargs are not passed
+            names = [
+                p.name
+                for p in parameters
+                if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+            ]
+            allowed = caller.spec.argnames
+            extra = [n for n in names if n not in allowed]
+            if extra:
+                problems.append(
+                    f"{attribute}({', '.join(names)}): unknown argument(s) {', '.join(extra)};"
+                    f" {hook_name} takes {', '.join(allowed)}"
+                )
+        return problems
 
     def load_entry_points(self, disabled: Iterable[str] = ()) -> None:
         """Block ``disabled``, then load every ``opguard`` entry point that is not blocked.

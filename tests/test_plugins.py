@@ -19,6 +19,7 @@ import itertools
 import json
 import sys
 import textwrap
+import tomllib
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -399,7 +400,11 @@ WRONG_ARGS = """
     [
         (MISSPELT, "unknown hook 'opguard_filtr' (did you mean opguard_filter?)"),
         (MISSPELT_UNMARKED, "unknown hook 'opguard_compres' (did you mean opguard_compress?)"),
-        (WRONG_ARGS, "Argument(s) {'cfg'} are declared in the hookimpl but can not be found"),
+        (
+            WRONG_ARGS,
+            "opguard_filter(cfg, options): unknown argument(s) cfg;"
+            " opguard_filter takes config, options",
+        ),
     ],
     ids=["misspelt", "misspelt-unmarked", "wrong-arguments"],
 )
@@ -653,6 +658,62 @@ def test_register_names_the_plugin_on_wrong_arguments(pm: OpGuardPluginManager) 
         def opguard_merge(self, a: Any, b: Any) -> None:
             return None
 
-    with pytest.raises(PluginError, match=r'^plugin "wrong": .*opguard_merge'):
+    with pytest.raises(PluginError, match=r'^plugin "wrong": opguard_merge\(a, b\): unknown'):
         pm.register(Wrong(), name="wrong")
     assert pm.get_plugin("wrong") is None
+
+    class Defaults:
+        """Arguments with defaults are not passed (as in pluggy), so they are allowed."""
+
+        @hookimpl
+        def opguard_merge(self, left: Any, right: Any, strict: bool = False) -> None:
+            return None
+
+    assert pm.register(Defaults(), name="defaults") == "defaults"
+
+
+def test_one_module_under_two_entry_point_names_is_refused(site: Site) -> None:
+    site.install("opg-test-twice", {"one": "opg_test_twice", "two": "opg_test_twice"})
+    (site.path / "opg_test_twice.py").write_text("def opguard_filter(config):\n    pass\n")
+    with pytest.raises(PluginError, match=r'^plugin "one": already registered as plugin "two"$'):
+        create_plugin_manager()
+
+
+# ---------------------------------------------------------------------------
+# The minimal plugin package in docs/plugins.md works as written
+# ---------------------------------------------------------------------------
+
+
+def _docs_block(text: str, after: str, language: str) -> str:
+    start = text.index(f"```{language}\n", text.index(after)) + len(language) + 4
+    return text[start : text.index("```", start)]
+
+
+def test_minimal_plugin_package_in_the_docs(
+    opguard, site: Site, samples: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    docs = (EXAMPLE.parent.parent / "docs" / "plugins.md").read_text(encoding="utf-8")
+    project = tomllib.loads(_docs_block(docs, "`pyproject.toml`:", "toml"))
+    source = _docs_block(docs, "`opguard_drop_modules.py`:", "python")
+    (module,) = project["tool"]["setuptools"]["py-modules"]
+    site.install(
+        project["project"]["name"],
+        project["project"]["entry-points"]["opguard"],
+        version=project["project"]["version"],
+        modules={module: source},
+    )
+    listing = opguard("plugins", expect=0).result.stdout.split()
+    assert listing == ["drop_modules", "opguard-drop-modules", "0.1.0", "opguard_filter"]
+    monkeypatch.setenv("DROP_MODULES", "torch.autograd.profiler,ref_workloads")
+    run = opguard("run", *gpt_inputs(samples), expect=0)
+    assert run.run_dir is not None
+    config = load_yaml(run.run_dir / "gpt_callsite_instrumentation.yaml")
+    gone = [
+        e
+        for e in config["entries"]
+        if e["target"].split(":")[0] in ("torch.autograd.profiler", "ref_workloads")
+    ]
+    assert gone
+    (step,) = stage(json.loads(run.read("pipeline_summary.json")), "filter")["counts"]["filters"]
+    assert step["plugin"] == "drop_modules"
+    assert step["dropped"] == [label(e) for e in gone]
