@@ -16,6 +16,10 @@ from pathlib import Path
 from opguard_core.errors import OpGuardError
 
 TMP_SUFFIX = ".tmp"
+#: the temporary name keeps at most this many characters of the final name (<= 160 bytes
+#: of UTF-8), so that a final name
+#: close to the file-system limit (255 bytes) still gets a temporary file that fits
+_TMP_STEM_CHARS = 40
 
 
 def _umask_mode() -> int:
@@ -31,7 +35,8 @@ _FILE_MODE = _umask_mode()
 def atomic_write_bytes(path: Path, data: bytes) -> None:
     """Write ``data`` to ``path`` atomically (temp file in the same dir, fsync, rename)."""
     directory = path.parent
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=TMP_SUFFIX, dir=directory)
+    prefix = f".{path.name[:_TMP_STEM_CHARS]}."
+    fd, tmp_name = tempfile.mkstemp(prefix=prefix, suffix=TMP_SUFFIX, dir=directory)
     try:
         os.fchmod(fd, _FILE_MODE)
         with os.fdopen(fd, "wb") as handle:
