@@ -27,6 +27,7 @@ from opguard_core.model import (
 from opguard_core.plugins import (
     EssentialPluginError,
     OpGuardPluginManager,
+    call_impl,
     create_plugin_manager,
 )
 from opguard_core.runner import Runner
@@ -244,6 +245,8 @@ def create_cli(manager: OpGuardPluginManager) -> click.Group:
                 h.name for h in manager.get_hookcallers(plugin) or []
             ]:
                 raise click.UsageError(f"--compressor {compressor}: no such compressor plugin")
+        if basic and "basic_filter" in manager.disabled:
+            raise click.UsageError("--basic needs the basic_filter plugin, which is disabled")
         _check_regexes(hide)
         options = RunOptions(
             base_dir=base_dir,
@@ -299,13 +302,23 @@ def create_cli(manager: OpGuardPluginManager) -> click.Group:
             return
         if not infos:
             click.echo("no third-party plugins installed (use --all to list built-ins)")
+        origins = {p.name: f"{p.distribution or '?'} {p.version or ''}".strip() for p in infos}
+        name_width = max((len(p.name) for p in infos), default=0)
+        origin_width = max((len(o) for o in origins.values()), default=0)
         for p in infos:
-            origin = f"{p.distribution or '?'} {p.version or ''}".strip()
-            click.echo(f"{p.name:<16} {origin:<24} {', '.join(p.hooks)}")
+            click.echo(
+                f"{p.name:<{name_width}}  {origins[p.name]:<{origin_width}}  {', '.join(p.hooks)}"
+            )
         if manager.disabled:
             click.echo(f"disabled: {', '.join(manager.disabled)}")
 
-    manager.hook.opguard_register_commands(cli=cli)
+    for impl in manager.implementations("opguard_register_commands"):
+        try:
+            call_impl(impl, {"cli": cli})
+        except Exception as exc:
+            raise PluginError(
+                f'plugin "{impl.plugin_name}": opguard_register_commands failed: {exc}'
+            ) from exc
     return cli
 
 

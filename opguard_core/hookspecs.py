@@ -156,8 +156,8 @@ def opguard_filter(config: CommentedMap, options: RunOptions) -> CommentedMap | 
     """Filter a config; filters form a chain.
 
     Not ``firstresult``: the runner calls every active implementation one after
-    another, in pluggy's call order (``tryfirst`` first, then the most recently
-    registered, ``trylast`` last), passing each the previous one's output. The
+    another, in pluggy's call order (``tryfirst`` first, then by plugin name,
+    ``trylast`` last; see docs/plugins.md), passing each the previous one's output. The
     built-in basic filter is ``trylast`` and active only with ``--basic``; every
     other installed (and not disabled) filter is always active. The summary records
     what each filter dropped.

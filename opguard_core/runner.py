@@ -164,6 +164,8 @@ class Runner:
             result = call_impl(impl, kwargs)
             if result is not None:
                 return result
+        if hook == "opguard_compress" and self.options.compressor:
+            raise OpGuardError(f"compressor {self.options.compressor!r} returned no tree")
         raise OpGuardError(f"no plugin returned a result for {hook}")
 
     # ----------------------------------------------------------------- stages
