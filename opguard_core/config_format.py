@@ -90,6 +90,16 @@ def validate_config(config: object, path: Path | str) -> None:
         raise InputError(
             path, f"unknown config version {config.get('version')!r} (expected {CONFIG_VERSION})"
         )
+    meta = config.get("meta", {})
+    if meta is None:
+        meta = {}
+    if not isinstance(meta, dict):
+        raise InputError(path, "'meta' must be a mapping")
+    ranks = meta.get("ranks", [])
+    if not isinstance(ranks, list) or not all(_is_int(r) for r in ranks):
+        raise InputError(path, "meta.ranks must be a list of integers")
+    if not _is_int(meta.get("total", 0)):
+        raise InputError(path, "meta.total must be an integer")
     entries = config.get("entries")
     if not isinstance(entries, list):
         raise InputError(path, "'entries' must be a list")
