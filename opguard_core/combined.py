@@ -10,8 +10,11 @@ does not depend on the order the inputs came in.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from collections.abc import Iterable
+import enum
+import gc
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 from opguard_core.errors import InputError
@@ -20,7 +23,33 @@ from opguard_core.trace_format import Callsite, DecodedTrace, Frame, encode_trac
 #: key of a callsite in an accumulator: (stack of global frame ids, api, op, stream)
 SiteKey = tuple[tuple[int, ...], str | None, str, int]
 
-_CONFLICT = object()
+
+class _Conflict(enum.Enum):
+    """Marks a meta key whose values disagree; an enum, so it survives pickling."""
+
+    CONFLICT = 0
+
+
+_CONFLICT = _Conflict.CONFLICT
+
+
+@contextlib.contextmanager
+def gc_paused() -> Iterator[None]:
+    """Pause the cyclic garbage collector while building large acyclic structures.
+
+    Decoding a rank file and folding it in create millions of small lists and
+    tuples; each gen-0 collection would rescan them (and a gen-2 one the whole
+    accumulator), which costs as much as the decoding itself. None of these
+    objects can form a cycle, so pausing loses nothing; reference counting still
+    frees everything. The previous state is restored on exit.
+    """
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def ranks_to_mask(ranks: Iterable[int]) -> int:
@@ -31,14 +60,15 @@ def ranks_to_mask(ranks: Iterable[int]) -> int:
 
 
 def mask_to_ranks(mask: int) -> list[int]:
-    ranks = []
-    rank = 0
-    while mask:
-        if mask & 1:
-            ranks.append(rank)
-        mask >>= 1
-        rank += 1
-    return ranks
+    """The set bits of ``mask``, ascending (rank ``r`` is bit ``1 << r``)."""
+    if mask < 0:
+        raise ValueError("a rank mask is never negative")
+    bits = bin(mask)[:1:-1]  # least significant bit first
+    return [rank for rank, bit in enumerate(bits) if bit == "1"]
+
+
+def _canonical(item: tuple[Any, ...]) -> tuple[Any, ...]:
+    return item[:5]
 
 
 @dataclasses.dataclass
@@ -139,63 +169,85 @@ class TraceAccumulator:
         return index
 
     def add(self, trace: DecodedTrace) -> None:
-        """Add one decoded trace (one rank file, or an earlier combined trace)."""
+        """Add one decoded trace (one rank file, or an earlier combined trace).
+
+        The loop below is the hot path of a combine (once per callsite per rank):
+        a stack is re-interned with one C-level ``map`` over the file's frame table,
+        and a callsite costs one dict lookup.
+        """
         file_ranks = trace.ranks()
         file_mask = ranks_to_mask(file_ranks)
-        self.rank_mask |= file_mask
-        self.inputs += 1
         meta = {k: v for k, v in trace.meta.items() if k not in ("rank", "ranks")}
-        self.meta.add(meta)
-        self.extras.add(trace.extras)
         local = [self._intern(frame) for frame in trace.frames]
-        for index, extra in trace.frame_extras.items():
-            self.frame_extras.setdefault(trace.frames[index], _Agreement()).add(extra)
-        stacks: dict[tuple[int, ...], tuple[int, ...]] = {}
+        remap = local.__getitem__
         sites = self.sites
+        get = sites.get
         for position, site in enumerate(trace.callsites):
-            raw = tuple(site.stack)
-            stack = stacks.get(raw)
-            if stack is None:
-                stack = stacks[raw] = tuple([local[i] for i in raw])
-            mask = file_mask if site.ranks is None else ranks_to_mask(site.ranks)
-            if mask & ~file_mask:
-                raise InputError(
-                    trace.path,
-                    f"callsites[{position}].ranks {site.ranks} names ranks outside "
-                    f"meta.ranks {file_ranks}",
-                )
-            key = (stack, site.api, site.op, site.stream)
-            slot = sites.get(key)
+            ranks = site.ranks
+            if ranks is None:
+                mask = file_mask
+            else:
+                mask = ranks_to_mask(ranks)
+                if mask & ~file_mask:
+                    raise InputError(
+                        trace.path,
+                        f"callsites[{position}].ranks {ranks} names ranks outside "
+                        f"meta.ranks {file_ranks}",
+                    )
+            key = (tuple(map(remap, site.stack)), site.api, site.op, site.stream)
+            slot = get(key)
             if slot is None:
                 sites[key] = [site.count, mask]
             else:
                 slot[0] += site.count
                 slot[1] |= mask
-            site_extra = trace.callsite_extras.get(position)
+        for position, site_extra in trace.callsite_extras.items():
             if site_extra:
+                site = trace.callsites[position]
+                key = (tuple(map(remap, site.stack)), site.api, site.op, site.stream)
                 self.site_extras.setdefault(key, _Agreement()).add(site_extra)
+        for index, extra in trace.frame_extras.items():
+            self.frame_extras.setdefault(trace.frames[index], _Agreement()).add(extra)
+        # bookkeeping last, so a file refused above leaves the accumulator's header alone
+        self.rank_mask |= file_mask
+        self.inputs += 1
+        self.meta.add(meta)
+        self.extras.add(trace.extras)
 
     def update(self, other: TraceAccumulator) -> None:
         """Fold another accumulator (for example a worker's partial result) into this one."""
         remap = [self._intern(frame) for frame in other.frames]
+        identity = remap == list(range(len(remap)))
+        lookup = remap.__getitem__
         sites = self.sites
+        get = sites.get
         for (stack, api, op, stream), (count, mask) in other.sites.items():
-            key = (tuple([remap[i] for i in stack]), api, op, stream)
-            slot = sites.get(key)
+            key = (stack if identity else tuple(map(lookup, stack)), api, op, stream)
+            slot = get(key)
             if slot is None:
                 sites[key] = [count, mask]
             else:
                 slot[0] += count
                 slot[1] |= mask
-            extra = other.site_extras.get((stack, api, op, stream))
-            if extra is not None:
-                self.site_extras.setdefault(key, _Agreement()).update(extra)
+        for (stack, api, op, stream), extra in other.site_extras.items():
+            key = (stack if identity else tuple(map(lookup, stack)), api, op, stream)
+            self.site_extras.setdefault(key, _Agreement()).update(extra)
         for frame, agreement in other.frame_extras.items():
             self.frame_extras.setdefault(frame, _Agreement()).update(agreement)
         self.rank_mask |= other.rank_mask
         self.inputs += other.inputs
         self.meta.update(other.meta)
         self.extras.update(other.extras)
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickle without ``frame_ids`` (rebuilt from ``frames``): smaller transfers."""
+        state = dict(self.__dict__)
+        del state["frame_ids"]
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self.frame_ids = {frame: index for index, frame in enumerate(self.frames)}
 
     def result(self) -> CallsiteTrace:
         """The canonical combined trace."""
@@ -204,29 +256,34 @@ class TraceAccumulator:
         for new, old in enumerate(order):
             new_id[old] = new
         frames = [self.frames[old] for old in order]
-        keyed = []
-        for key, (count, mask) in self.sites.items():
-            stack = [new_id[i] for i in key[0]]
-            keyed.append(((stack, key[1] or "", key[2], key[3]), key, count, mask))
-        keyed.sort(key=lambda item: item[0])
+        renumber = new_id.__getitem__
+        # (canonical stack, api or "", op, stream, api is set, original key)
+        keyed = [
+            (list(map(renumber, key[0])), key[1] or "", key[2], key[3], key[1] is not None, key)
+            for key in self.sites
+        ]
+        keyed.sort(key=_canonical)
         all_mask = self.rank_mask
+        sites = self.sites
+        site_extras = self.site_extras
         callsites = []
         callsite_extras = {}
-        for position, (sort_key, key, count, mask) in enumerate(keyed):
-            ranks = None if mask == all_mask else mask_to_ranks(mask)
+        for position, (stack, _, op, stream, _, key) in enumerate(keyed):
+            count, mask = sites[key]
             callsites.append(
                 Callsite(
-                    stack=sort_key[0],
+                    stack=stack,
                     api=key[1],
-                    op=key[2],
-                    stream=key[3],
+                    op=op,
+                    stream=stream,
                     count=count,
-                    ranks=ranks,
+                    ranks=None if mask == all_mask else mask_to_ranks(mask),
                 )
             )
-            agreement = self.site_extras.get(key)
-            if agreement is not None and agreement.result():
-                callsite_extras[position] = agreement.result()
+            if site_extras:
+                agreement = site_extras.get(key)
+                if agreement is not None and agreement.result():
+                    callsite_extras[position] = agreement.result()
         frame_extras = {}
         for position, frame in enumerate(frames):
             agreement = self.frame_extras.get(frame)
