@@ -19,7 +19,7 @@ from collections import Counter
 from typing import Any
 
 from opguard_core import hookimpl
-from opguard_core.combined import CallsiteTrace, mask_to_ranks
+from opguard_core.combined import CallsiteTrace, gc_paused, mask_to_ranks
 from opguard_core.model import RunOptions
 from opguard_core.tree_format import (
     TORCH_API,
@@ -45,6 +45,7 @@ DEFAULT_HIDE: tuple[str, ...] = (
 )
 
 _COMPREHENSIONS = {"<listcomp>", "<dictcomp>", "<setcomp>", "<genexpr>"}
+_new_counter = Counter.__new__
 
 
 def frame_kind(function: str, qualname: str) -> str:
@@ -85,8 +86,10 @@ class Node:
         self.kind = kind
         self.lines: set[int] = set()
         self.count = 0
-        self.self_ops: Counter[str] = Counter()
-        self.self_streams: Counter[int] = Counter()
+        # Counter() runs Python-level __init__/update; an empty one needs neither
+        # (a trie of a large trace has hundreds of thousands of nodes).
+        self.self_ops: Counter[str] = _new_counter(Counter)
+        self.self_streams: Counter[int] = _new_counter(Counter)
         self.ranks = 0
         self.chain: list[str] = []
         self.children: dict[tuple[str, str, str], Node] = {}
@@ -121,14 +124,31 @@ def _api_replaces_frame(
 
 def build_tree(trace: CallsiteTrace, hide: list[str]) -> Node:
     """Fold every callsite's stack into a trie below a ``<root>`` node."""
+    return _build_tree(trace, hide)[0]
+
+
+def _build_tree(trace: CallsiteTrace, hide: list[str]) -> tuple[Node, int]:
+    """:func:`build_tree`, and the number of non-root nodes it made.
+
+    Callsites come sorted by stack, so consecutive ones share long prefixes: the
+    walk restarts where a path leaves the previous one (nodes on the shared part
+    already have that frame's line). Counts and ranks are added at the node where
+    a callsite ends and summed up the tree once at the end, which gives every node
+    the same inclusive ``count`` and ``ranks`` as adding them along each path.
+    """
     hidden = hidden_frames(trace, hide)
     frames = trace.frames
     frame_keys = [
         (f.module or f.file, f.qualname, frame_kind(f.function, f.qualname)) for f in frames
     ]
+    lines = [f.line for f in frames]
     all_mask = sum(1 << r for r in trace.ranks)
     root = Node(None, None, "<root>", "root")
     api_cache: dict[str, tuple[str, str]] = {}
+    made = 0
+    previous: list[int] = []
+    #: nodes[i] is the node reached after previous[:i] (nodes[0] is the root)
+    nodes: list[Node] = [root]
     for site in trace.callsites:
         mask = all_mask if site.ranks is None else sum(1 << r for r in site.ranks)
         path = [i for i in site.stack if not hidden[i]]
@@ -141,32 +161,66 @@ def build_tree(trace: CallsiteTrace, hide: list[str]) -> Node:
                 last = frames[path[-1]]
                 if _api_replaces_frame(api[0], api[1], last.module, last.qualname):
                     path.pop()
-        node = root
-        count = site.count
-        node.count += count
-        for fid in path:
+        shared = _common_prefix(previous, path)
+        del nodes[shared + 1 :]
+        node = nodes[shared]
+        for fid in path[shared:]:
             key = frame_keys[fid]
             child = node.children.get(key)
             if child is None:
                 frame = frames[fid]
                 child = Node(frame.module, frame.file, frame.qualname, key[2])
                 node.children[key] = child
-            child.count += count
-            child.lines.add(frames[fid].line)
-            child.ranks |= mask
+                made += 1
+            child.lines.add(lines[fid])
+            nodes.append(child)
             node = child
+        previous = path
         if api is not None:
             key = (api[0], api[1], TORCH_API)
             child = node.children.get(key)
             if child is None:
                 child = Node(api[0], None, api[1], TORCH_API)
                 node.children[key] = child
-            child.count += count
-            child.ranks |= mask
+                made += 1
             node = child
+        count = site.count
+        node.count += count
+        node.ranks |= mask
         node.self_ops[site.op] += count
         node.self_streams[site.stream] += count
-    return root
+    _sum_up(root)
+    root.ranks = 0
+    return root, made
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    """Length of the longest common prefix of ``a`` and ``b`` (binary search on slices)."""
+    low, high = 0, min(len(a), len(b))
+    if a[:high] == b[:high]:
+        return high
+    while low < high:  # invariant: a[:low] == b[:low] and a[:high+?] differs
+        middle = (low + high + 1) // 2
+        if a[:middle] == b[:middle]:
+            low = middle
+        else:
+            high = middle - 1
+    return low
+
+
+def _sum_up(root: Node) -> None:
+    """Make ``count`` and ``ranks`` inclusive: add every node's children into it."""
+    order = [root]
+    index = 0
+    while index < len(order):
+        order.extend(order[index].children.values())
+        index += 1
+    for node in reversed(order):
+        children = node.children
+        if children:
+            for child in children.values():
+                node.count += child.count
+                node.ranks |= child.ranks
 
 
 def count_nodes(root: Node) -> int:
@@ -184,8 +238,9 @@ def _absorb(into: Node, subtree: Node) -> None:
     stack = [subtree]
     while stack:
         node = stack.pop()
-        into.self_ops.update(node.self_ops)
-        into.self_streams.update(node.self_streams)
+        if node.self_ops:
+            into.self_ops.update(node.self_ops)
+            into.self_streams.update(node.self_streams)
         stack.extend(node.children.values())
 
 
@@ -263,9 +318,13 @@ def _node_doc(node: Node) -> dict[str, Any]:
 
 def compress_trace(trace: CallsiteTrace, options: RunOptions) -> dict[str, Any]:
     """The built-in compressor: returns the ``opguard-calltree`` document."""
+    with gc_paused():  # the trie is acyclic: collections would only rescan it
+        return _compress_trace(trace, options)
+
+
+def _compress_trace(trace: CallsiteTrace, options: RunOptions) -> dict[str, Any]:
     hide = [*(DEFAULT_HIDE if options.default_hide else ()), *options.hide]
-    root = build_tree(trace, hide)
-    nodes_before = count_nodes(root)
+    root, nodes_before = _build_tree(trace, hide)
     prune_subtrees(root, threshold(root.count, options.min_count, options.min_fraction))
     if options.chains:
         limit = sys.getrecursionlimit()
