@@ -11,6 +11,7 @@ files are sorted by rank. Names are made file-name safe and unique.
 from __future__ import annotations
 
 import glob
+import hashlib
 import re
 from collections.abc import Sequence
 from pathlib import Path
@@ -22,10 +23,21 @@ RANK_FILE = re.compile(r"^(?P<name>.+)_rank(?P<rank>\d+)$")
 _UNSAFE = re.compile(r"[^A-Za-z0-9._+-]")
 
 
+#: Longest entry name; artifact suffixes add up to 35 more bytes (file names stop at 255).
+MAX_NAME = 160
+
+
 def safe_name(stem: str) -> str:
-    """A name usable as a file-name prefix: no separators, no leading dot."""
-    name = _UNSAFE.sub("_", stem).lstrip(".")
-    return name or "input"
+    """A name usable as a file-name prefix: no separators, no leading dot, not too long.
+
+    A name longer than :data:`MAX_NAME` is cut and given a short hash of the whole
+    stem, so two long names that share a prefix stay distinct.
+    """
+    name = _UNSAFE.sub("_", stem).lstrip(".") or "input"
+    if len(name) > MAX_NAME:
+        digest = hashlib.sha256(stem.encode("utf-8", "surrogateescape")).hexdigest()[:10]
+        name = f"{name[: MAX_NAME - 11]}-{digest}"
+    return name
 
 
 def _expand(spec: str, base_dir: Path) -> tuple[list[Path], str | None]:

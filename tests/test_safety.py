@@ -149,11 +149,6 @@ def test_no_input_name_writes_outside_the_run_directory(
         assert "/" not in artifact and "\n" not in artifact
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="discover.safe_name does not cap name length: a 240-character input name gives "
-    "artifact names over NAME_MAX (ENAMETOOLONG in the combine stage)",
-)
 def test_a_very_long_input_name_is_still_processed(
     opguard: Callable[..., Any], tmp_path: Path
 ) -> None:
