@@ -206,10 +206,10 @@ def create_cli(manager: OpGuardPluginManager) -> click.Group:
     @click.option(
         "--jobs",
         "-j",
-        type=click.IntRange(min=1),
-        default=1,
+        type=click.IntRange(min=0),
+        default=0,
         show_default=True,
-        help="Worker processes for combine.",
+        help="Processes for combine; 0 picks one per CPU for large multi-file entries.",
     )
     @_disable_option
     @click.pass_context

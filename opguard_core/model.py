@@ -70,6 +70,7 @@ class RunOptions:
     basic_list: Path | None = None
     compressor: str | None = None
     executor: str = "local"
-    jobs: int = 1
+    #: processes for combine; 0 = automatic (opguard_plugins.combine.auto_jobs)
+    jobs: int = 0
     verbose: bool = False
     extra: dict[str, Any] = dataclasses.field(default_factory=dict)
