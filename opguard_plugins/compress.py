@@ -127,30 +127,42 @@ def build_tree(trace: CallsiteTrace, hide: list[str]) -> Node:
     return _build_tree(trace, hide)[0]
 
 
-def _build_tree(trace: CallsiteTrace, hide: list[str]) -> tuple[Node, int]:
-    """:func:`build_tree`, and the number of non-root nodes it made.
+def _build_tree(
+    trace: CallsiteTrace, hide: list[str], min_count: int = 0, min_fraction: float = 0.0
+) -> tuple[Node, int]:
+    """The trie of :func:`build_tree` already pruned at ``threshold(total, min_count,
+    min_fraction)``, and the number of non-root nodes of the unpruned trie.
+
+    A trie of a large trace has hundreds of thousands of nodes, most of them in
+    deep, rarely run suffixes that subtree pruning folds away. So the trie is first
+    built as bare integer ids (parent, key, count, ranks), which is cheap; counts
+    are made inclusive in one backward sweep; then only nodes at or above the
+    threshold become :class:`Node` objects. Since inclusive counts never grow
+    going down a path, that is the set of nodes :func:`prune_subtrees` keeps, and
+    a callsite's ops go to the deepest kept node of its path, which is where
+    pruning would have folded them: the result is the same tree.
 
     Callsites come sorted by stack, so consecutive ones share long prefixes: the
-    walk restarts where a path leaves the previous one (nodes on the shared part
-    already have that frame's line). Counts and ranks are added at the node where
-    a callsite ends and summed up the tree once at the end, which gives every node
-    the same inclusive ``count`` and ``ranks`` as adding them along each path.
+    walk restarts where a path leaves the previous one.
     """
     hidden = hidden_frames(trace, hide)
     frames = trace.frames
     frame_keys = [
         (f.module or f.file, f.qualname, frame_kind(f.function, f.qualname)) for f in frames
     ]
-    lines = [f.line for f in frames]
     all_mask = sum(1 << r for r in trace.ranks)
-    root = Node(None, None, "<root>", "root")
     api_cache: dict[str, tuple[str, str]] = {}
-    made = 0
+    ids: dict[tuple[int, tuple[str | None, str, str]], int] = {}
+    parent = [-1]  # id 0 is the root
+    keys: list[tuple[str | None, str, str]] = [("", "<root>", "root")]
+    origin = [-1]  # the frame that made the node; -1 for the root and torch_api nodes
+    counts = [0]
+    ranks = [0]
+    terminal: list[int] = []
+    line_pairs: list[tuple[int, int]] = []
     previous: list[int] = []
-    #: nodes[i] is the node reached after previous[:i] (nodes[0] is the root)
-    nodes: list[Node] = [root]
+    walk = [0]  # walk[i]: the node reached after previous[:i]
     for site in trace.callsites:
-        mask = all_mask if site.ranks is None else sum(1 << r for r in site.ranks)
         path = [i for i in site.stack if not hidden[i]]
         api = None
         if site.api is not None:
@@ -162,36 +174,69 @@ def _build_tree(trace: CallsiteTrace, hide: list[str]) -> tuple[Node, int]:
                 if _api_replaces_frame(api[0], api[1], last.module, last.qualname):
                     path.pop()
         shared = _common_prefix(previous, path)
-        del nodes[shared + 1 :]
-        node = nodes[shared]
+        del walk[shared + 1 :]
+        node = walk[shared]
         for fid in path[shared:]:
             key = frame_keys[fid]
-            child = node.children.get(key)
+            child = ids.get((node, key))
             if child is None:
-                frame = frames[fid]
-                child = Node(frame.module, frame.file, frame.qualname, key[2])
-                node.children[key] = child
-                made += 1
-            child.lines.add(lines[fid])
-            nodes.append(child)
+                child = ids[(node, key)] = len(parent)
+                parent.append(node)
+                keys.append(key)
+                origin.append(fid)
+                counts.append(0)
+                ranks.append(0)
+            line_pairs.append((child, fid))
+            walk.append(child)
             node = child
         previous = path
         if api is not None:
             key = (api[0], api[1], TORCH_API)
-            child = node.children.get(key)
+            child = ids.get((node, key))
             if child is None:
-                child = Node(api[0], None, api[1], TORCH_API)
-                node.children[key] = child
-                made += 1
+                child = ids[(node, key)] = len(parent)
+                parent.append(node)
+                keys.append(key)
+                origin.append(-1)
+                counts.append(0)
+                ranks.append(0)
             node = child
-        count = site.count
-        node.count += count
-        node.ranks |= mask
-        node.self_ops[site.op] += count
-        node.self_streams[site.stream] += count
-    _sum_up(root)
-    root.ranks = 0
-    return root, made
+        counts[node] += site.count
+        ranks[node] |= all_mask if site.ranks is None else sum(1 << r for r in site.ranks)
+        terminal.append(node)
+    del ids, walk
+    for nid in range(len(parent) - 1, 0, -1):
+        up = parent[nid]
+        counts[up] += counts[nid]
+        ranks[up] |= ranks[nid]
+    floor = threshold(counts[0], min_count, min_fraction)
+    root = Node(None, None, "<root>", "root")
+    root.count = counts[0]
+    kept: dict[int, Node] = {0: root}
+    for nid in range(1, len(parent)):
+        if counts[nid] < floor:
+            continue
+        fid = origin[nid]
+        key = keys[nid]
+        if fid >= 0:
+            frame = frames[fid]
+            node_obj = Node(frame.module, frame.file, frame.qualname, key[2])
+        else:
+            node_obj = Node(key[0], None, key[1], TORCH_API)
+        node_obj.count = counts[nid]
+        node_obj.ranks = ranks[nid]
+        kept[parent[nid]].children[key] = node_obj
+        kept[nid] = node_obj
+    for nid, fid in line_pairs:
+        if counts[nid] >= floor:
+            kept[nid].lines.add(frames[fid].line)
+    for site, nid in zip(trace.callsites, terminal, strict=True):
+        while nid and counts[nid] < floor:  # the root is never pruned
+            nid = parent[nid]
+        target = kept[nid]
+        target.self_ops[site.op] += site.count
+        target.self_streams[site.stream] += site.count
+    return root, len(parent) - 1
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:
@@ -206,21 +251,6 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
         else:
             high = middle - 1
     return low
-
-
-def _sum_up(root: Node) -> None:
-    """Make ``count`` and ``ranks`` inclusive: add every node's children into it."""
-    order = [root]
-    index = 0
-    while index < len(order):
-        order.extend(order[index].children.values())
-        index += 1
-    for node in reversed(order):
-        children = node.children
-        if children:
-            for child in children.values():
-                node.count += child.count
-                node.ranks |= child.ranks
 
 
 def count_nodes(root: Node) -> int:
@@ -324,7 +354,7 @@ def compress_trace(trace: CallsiteTrace, options: RunOptions) -> dict[str, Any]:
 
 def _compress_trace(trace: CallsiteTrace, options: RunOptions) -> dict[str, Any]:
     hide = [*(DEFAULT_HIDE if options.default_hide else ()), *options.hide]
-    root, nodes_before = _build_tree(trace, hide)
+    root, nodes_before = _build_tree(trace, hide, options.min_count, options.min_fraction)
     prune_subtrees(root, threshold(root.count, options.min_count, options.min_fraction))
     if options.chains:
         limit = sys.getrecursionlimit()

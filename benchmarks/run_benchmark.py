@@ -1,0 +1,321 @@
+"""Benchmark ``opguard run`` on a generated rank set against a bare JSON parse.
+
+For one shape (``--ranks N --callsites M``) it:
+
+1. generates the rank files (benchmarks/generate_traces.py) unless they exist;
+2. times a **bare parse** of the same files with the fastest available parser
+   (``msgspec.json.decode`` untyped and ``orjson.loads`` if installed: the faster
+   one counts), reading each file and decoding it, one after the other, in this
+   process, with the garbage collector as Python leaves it (also reported: the
+   same with the collector off);
+3. runs ``opguard run`` on them **as a subprocess**, measuring wall seconds and
+   peak RSS of the child and its helper processes (the peak of their summed RSS,
+   polled every 50 ms with psutil; and the largest single process's max RSS from
+   ``wait4``), and reads each stage's seconds from ``pipeline_summary.json``;
+4. optionally (``--memory-ranks 8,32``) runs the same shape with other rank counts
+   and compares peak RSS.
+
+Prints a markdown report (and writes it to ``--output``).
+
+    python benchmarks/run_benchmark.py --ranks 16 --callsites 40000 --memory-ranks 8,32
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import gc
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import psutil
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from generate_traces import Shape, generate
+
+DEFAULT_DATA = Path(tempfile.gettempdir()) / "opguard-bench"
+
+
+@dataclasses.dataclass
+class RunFigures:
+    ranks: int
+    callsites: int
+    megabytes: float
+    wall: float
+    peak_rss_tree: int
+    peak_rss_single: int
+    exit_code: int
+    stages: list[dict[str, Any]]
+    command: str
+
+
+@dataclasses.dataclass
+class ParseFigures:
+    parser: str
+    seconds: float
+    seconds_gc_off: float
+    all_parsers: dict[str, float]
+
+
+def data_dir(base: Path, shape: Shape) -> Path:
+    return base / f"{shape.label}_r{shape.ranks}_m{shape.callsites}_s{shape.seed}"
+
+
+def ensure_data(base: Path, shape: Shape) -> list[Path]:
+    """The rank files of ``shape``, generated if missing."""
+    folder = data_dir(base, shape)
+    paths = [folder / f"{shape.label}_callsite_rank{r}.json" for r in range(shape.ranks)]
+    if not all(p.exists() for p in paths):
+        generate(shape, folder)
+    return paths
+
+
+def _parsers() -> dict[str, Callable[[bytes], Any]]:
+    parsers: dict[str, Callable[[bytes], Any]] = {"msgspec.json.decode": msgspec.json.decode}
+    try:
+        import orjson
+
+        parsers["orjson.loads"] = orjson.loads
+    except ImportError:
+        pass
+    return parsers
+
+
+def _parse_all(paths: Sequence[Path], parse: Callable[[bytes], Any]) -> float:
+    started = time.perf_counter()
+    for path in paths:
+        with open(path, "rb") as handle:
+            parse(handle.read())
+    return time.perf_counter() - started
+
+
+def bare_parse(paths: Sequence[Path], repeat: int = 1) -> ParseFigures:
+    """Best-of-``repeat`` time to read and parse every file, per parser; the fastest wins."""
+    for path in paths:  # warm the page cache, as for the opguard run
+        path.read_bytes()
+    times = {}
+    for name, parse in _parsers().items():
+        times[name] = min(_parse_all(paths, parse) for _ in range(repeat))
+    best = min(times, key=lambda k: times[k])
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        gc_off = min(_parse_all(paths, _parsers()[best]) for _ in range(repeat))
+    finally:
+        if was:
+            gc.enable()
+    return ParseFigures(best, times[best], gc_off, times)
+
+
+def run_opguard(
+    paths: Sequence[Path], out: Path, extra: Sequence[str], env: dict[str, str] | None = None
+) -> RunFigures:
+    """``opguard run`` on ``paths`` as a child process; wall time and peak RSS."""
+    out.mkdir(parents=True, exist_ok=True)
+    pattern = str(paths[0].parent / paths[0].name.replace("_rank0.json", "_rank*.json"))
+    args = [
+        sys.executable, "-m", "opguard_core.cli", "--log-format", "json", "run",
+        "--output-base", str(out), "--input", pattern, *extra,
+    ]  # fmt: skip
+    started = time.perf_counter()
+    child = subprocess.Popen(
+        args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, **(env or {})}
+    )
+    peak = 0
+    proc = psutil.Process(child.pid)
+    while True:
+        try:
+            rss = proc.memory_info().rss
+            for sub in proc.children(recursive=True):
+                with contextlib.suppress(psutil.Error):
+                    rss += sub.memory_info().rss
+            peak = max(peak, rss)
+        except psutil.Error:
+            pass
+        finished, status, usage = os.wait4(child.pid, os.WNOHANG)
+        if finished:
+            break
+        time.sleep(0.05)
+    wall = time.perf_counter() - started
+    code = os.waitstatus_to_exitcode(status)
+    stdout = child.stdout.read().decode() if child.stdout else ""
+    stderr = child.stderr.read().decode() if child.stderr else ""
+    child.returncode = code
+    if code != 0:
+        print(stderr[-4000:], file=sys.stderr)
+    run_dir = Path(stdout.strip().splitlines()[-1]) if stdout.strip() else None
+    stages: list[dict[str, Any]] = []
+    if run_dir and (run_dir / "pipeline_summary.json").exists():
+        summary = json.loads((run_dir / "pipeline_summary.json").read_text())
+        stages = summary.get("stages", [])
+    size = sum(p.stat().st_size for p in paths) / 1e6
+    return RunFigures(
+        ranks=len(paths),
+        callsites=0,
+        megabytes=size,
+        wall=wall,
+        peak_rss_tree=peak,
+        peak_rss_single=usage.ru_maxrss * 1024,
+        exit_code=code,
+        stages=stages,
+        command="opguard run " + " ".join(args[args.index("run") + 1 :]),
+    )
+
+
+def _mib(value: int) -> str:
+    return f"{value / 2**20:,.0f} MiB"
+
+
+def machine() -> str:
+    memory = psutil.virtual_memory().total / 2**30
+    cpu = platform.processor() or platform.machine()
+    return (
+        f"{psutil.cpu_count(logical=True)} CPUs ({cpu}), {memory:.0f} GiB RAM, "
+        f"Python {platform.python_version()}, {platform.system()} {platform.release()}"
+    )
+
+
+def report(
+    shape: Shape,
+    parse: ParseFigures,
+    run: RunFigures,
+    memory: list[RunFigures],
+    extra: Sequence[str],
+) -> str:
+    lines = [
+        f"## {shape.ranks} ranks × {shape.callsites:,} callsites ({run.megabytes:,.0f} MB)",
+        "",
+        f"Machine: {machine()}",
+        "",
+        f"Command: `{run.command}`",
+        "",
+        "| what | wall s | peak RSS (process tree) | ratio to bare parse |",
+        "|---|---:|---:|---:|",
+        f"| bare parse ({parse.parser}, read + decode every file) | {parse.seconds:.2f} | | 1.00 |",
+        f"| bare parse, GC off | {parse.seconds_gc_off:.2f} | | "
+        f"{parse.seconds_gc_off / parse.seconds:.2f} |",
+    ]
+    for stage in run.stages:
+        if stage.get("status") == "skipped":
+            continue
+        name = stage["stage"] + (f" [{stage['entry']}]" if stage.get("entry") else "")
+        seconds = float(stage.get("seconds", 0.0))
+        lines.append(f"| stage {name} | {seconds:.2f} | | {seconds / parse.seconds:.2f} |")
+    status = "" if run.exit_code == 0 else f" (exit code {run.exit_code})"
+    lines.append(
+        f"| **opguard run, end to end**{status} | **{run.wall:.2f}** | "
+        f"**{_mib(run.peak_rss_tree)}** | **{run.wall / parse.seconds:.2f}** |"
+    )
+    lines += [
+        "",
+        f"End to end / bare parse: **{run.wall / parse.seconds:.2f}×** "
+        f"(against the GC-off parse: {run.wall / parse.seconds_gc_off:.2f}×). "
+        "Parsers: "
+        + ", ".join(f"{k} {v:.2f} s" for k, v in sorted(parse.all_parsers.items()))
+        + f". Largest single process: {_mib(run.peak_rss_single)}.",
+    ]
+    if memory:
+        lines += [
+            "",
+            "| ranks | MB of traces | wall s | peak RSS (process tree) | largest process |",
+            "|---:|---:|---:|---:|---:|",
+        ]
+        for fig in memory:
+            lines.append(
+                f"| {fig.ranks} | {fig.megabytes:,.0f} | {fig.wall:.2f} | "
+                f"{_mib(fig.peak_rss_tree)} | {_mib(fig.peak_rss_single)} |"
+            )
+        low, high = memory[0], memory[-1]
+        lines += [
+            "",
+            f"Peak RSS {high.ranks} vs {low.ranks} ranks: "
+            f"**{high.peak_rss_tree / low.peak_rss_tree:.2f}×** (process tree), "
+            f"{high.peak_rss_single / low.peak_rss_single:.2f}× (largest process).",
+        ]
+    if extra:
+        lines += ["", f"Extra `opguard run` options: `{' '.join(extra)}`"]
+    return "\n".join(lines) + "\n"
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--ranks", "-n", type=int, default=16)
+    parser.add_argument("--callsites", "-m", type=int, default=40_000)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--data",
+        type=Path,
+        default=DEFAULT_DATA,
+        help=f"where generated traces go (default {DEFAULT_DATA})",
+    )
+    parser.add_argument(
+        "--memory-ranks",
+        default="",
+        help="comma-separated rank counts to compare peak RSS, e.g. 8,32",
+    )
+    parser.add_argument(
+        "--jobs", "-j", default=None, help="pass --jobs to opguard run (default: opguard's default)"
+    )
+    parser.add_argument("--executor", default=None, help="pass --executor to opguard run")
+    parser.add_argument("--no-parse", action="store_true", help="skip the bare parse")
+    parser.add_argument("--repeat", type=int, default=1, help="bare parse: best of this many")
+    parser.add_argument(
+        "--cleanup", action="store_true", help="delete the generated traces afterwards"
+    )
+    parser.add_argument("--output", "-o", type=Path, default=None, help="also write the report")
+    parser.add_argument("opguard_args", nargs="*", help="more `opguard run` options, after --")
+    return parser.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = parse_args(argv)
+    extra = list(args.opguard_args)
+    if args.jobs is not None:
+        extra += ["--jobs", str(args.jobs)]
+    if args.executor is not None:
+        extra += ["--executor", args.executor]
+    shape = Shape(ranks=args.ranks, callsites=args.callsites, seed=args.seed)
+    made: list[Path] = []
+    out = Path(tempfile.mkdtemp(prefix="opguard-bench-out-"))
+    try:
+        paths = ensure_data(args.data, shape)
+        made.append(data_dir(args.data, shape))
+        if args.no_parse:
+            parse = ParseFigures("none", float("nan"), float("nan"), {})
+        else:
+            parse = bare_parse(paths, args.repeat)
+        run = run_opguard(paths, out / "main", extra)
+        run.callsites = shape.callsites
+        memory = []
+        for count in [int(x) for x in args.memory_ranks.split(",") if x.strip()]:
+            other = dataclasses.replace(shape, ranks=count)
+            other_paths = ensure_data(args.data, other)
+            made.append(data_dir(args.data, other))
+            memory.append(run_opguard(other_paths, out / f"mem{count}", extra))
+            if args.cleanup and count != shape.ranks:
+                shutil.rmtree(data_dir(args.data, other), ignore_errors=True)
+        text = report(shape, parse, run, memory, extra)
+        print(text)
+        if args.output:
+            args.output.parent.mkdir(parents=True, exist_ok=True)
+            args.output.write_text(text)
+    finally:
+        shutil.rmtree(out, ignore_errors=True)
+        if args.cleanup:
+            for folder in made:
+                shutil.rmtree(folder, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,125 @@
+"""The optional Dask executor: same bytes as the local executor, clear errors."""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from opguard_core.combined import TraceAccumulator
+from opguard_core.model import RunOptions
+from opguard_plugins import dask_executor
+from opguard_plugins.combine import combine_files
+from tests.conftest import RunResult
+
+pytestmark = pytest.mark.dask
+
+ENTRIES = ("fsdp_callsite", "gpt_callsite")
+
+
+@pytest.fixture(scope="module")
+def scheduler() -> Iterator[str]:
+    """A small in-process Dask cluster (threads, no worker processes: quick to start)."""
+    distributed = pytest.importorskip("distributed")
+    with distributed.LocalCluster(
+        n_workers=2, threads_per_worker=1, processes=False, dashboard_address=None
+    ) as cluster:
+        yield cluster.scheduler_address
+
+
+def _inputs(samples: Path) -> list[str]:
+    return ["--input", *(str(samples / f"{e}_rank*.json") for e in ENTRIES)]
+
+
+def _summary(run: RunResult) -> dict[str, Any]:
+    summary: dict[str, Any] = json.loads(run.read("pipeline_summary.json"))
+    return summary
+
+
+def test_dask_gives_the_same_bytes_as_local(
+    opguard: Callable[..., RunResult],
+    samples: Path,
+    scheduler: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    local = opguard("run", *_inputs(samples), "--jobs", "1", expect=0)
+    monkeypatch.setenv(dask_executor.SCHEDULER_ENV, scheduler)
+    dask = opguard("run", *_inputs(samples), "--executor", "dask", expect=0)
+    for entry in ENTRIES:
+        name = f"{entry}_combined.json"
+        assert dask.read(name) == local.read(name)
+        name = f"{entry}_instrumentation.yaml"
+        assert dask.read(name) == local.read(name)
+    combines = [s for s in _summary(dask)["stages"] if s["stage"] == "combine"]
+    assert [s["plugin"] for s in combines] == ["dask_executor"] * len(ENTRIES)
+
+
+def test_dask_reports_a_bad_rank_file_by_name(
+    opguard: Callable[..., RunResult],
+    samples: Path,
+    scheduler: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    bad = samples / "gpt_callsite_rank1.json"
+    bad.chmod(0o644)
+    bad.write_text('{"format": "opguard-callsites", "version": 1, "frames": [], "callsites": [')
+    monkeypatch.setenv(dask_executor.SCHEDULER_ENV, scheduler)
+    run = opguard("run", *_inputs(samples), "--executor", "dask", expect=1)
+    failed = [s for s in _summary(run)["stages"] if s["status"] == "failed"]
+    assert [s["stage"] for s in failed] == ["combine"]
+    assert "gpt_callsite_rank1.json" in failed[0]["error"]
+    assert "not valid JSON" in failed[0]["error"]
+
+
+def test_tree_reduce_of_partials_equals_one_accumulator(samples: Path) -> None:
+    files = sorted(samples.glob("*_rank*.json"))
+    whole = combine_files(files).result()
+    parts = [combine_files([f]) for f in files]
+    merged = dask_executor.merge_partials(
+        dask_executor.merge_partials(parts[3], parts[0]),
+        dask_executor.merge_partials(parts[1], parts[2]),
+    )
+    assert merged.result().to_json() == whole.to_json()
+
+
+def test_chunks_cover_every_file_once() -> None:
+    files = [Path(f"x_rank{r}.json") for r in range(11)]
+    chunks = dask_executor.chunk_files(files, workers=2)
+    assert [p for chunk in chunks for p in chunk] == [str(f) for f in files]
+    assert len(chunks) >= 2
+    assert max(len(c) for c in chunks) <= dask_executor.FILES_PER_TASK
+
+
+def test_other_executors_are_left_alone() -> None:
+    entry: Any = object()
+    assert dask_executor.opguard_combine(entry=entry, options=RunOptions()) is None
+
+
+def test_without_dask_the_error_is_one_clear_line(
+    opguard: Callable[..., RunResult], samples: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setitem(sys.modules, "distributed", None)  # import fails
+    monkeypatch.delenv(dask_executor.SCHEDULER_ENV, raising=False)
+    run = opguard("run", "--input", str(samples / "gpt_callsite_rank*.json"),
+                  "--executor", "dask", expect=1)  # fmt: skip
+    failed = [s for s in _summary(run)["stages"] if s["status"] == "failed"]
+    assert failed[0]["error"] == (
+        "--executor dask needs dask[distributed]: pip install 'opguard[dask]'"
+    )
+
+
+def test_partials_pickle_with_conflicting_meta(samples: Path) -> None:
+    """Meta keys the ranks disagree on (last_loss) stay dropped after a round trip."""
+    import pickle
+
+    files = sorted(samples.glob("gpt_callsite_rank*.json"))
+    parts = [pickle.loads(pickle.dumps(combine_files([f]))) for f in files]
+    total = TraceAccumulator()
+    for part in parts:
+        total.update(part)
+    assert total.result().to_json() == combine_files(files).result().to_json()
+    assert "last_loss" not in total.result().meta
