@@ -354,7 +354,7 @@ def generate(shape: Shape, out: Path, quiet: bool = False) -> list[Path]:
         os.replace(tmp, path)
         total += len(data)
         paths.append(path)
-        if not quiet:
+        if not quiet and sys.stderr.isatty():
             print(f"\r{path.name}: {len(data) / 1e6:.1f} MB", end="", file=sys.stderr)
     if not quiet:
         print(
