@@ -33,6 +33,7 @@ BUILTIN_PLUGINS: dict[str, str] = {
     "merge": "opguard_plugins.merge",
     "basic_filter": "opguard_plugins.basic_filter",
     "trace": "opguard_plugins.trace",
+    "dask_executor": "opguard_plugins.dask_executor",
 }
 
 #: Built-ins the pipeline cannot run without; use ``--skip STAGE`` to skip a stage.
