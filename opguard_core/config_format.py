@@ -24,7 +24,7 @@ EntryKey = tuple[str, tuple[str, ...]]
 
 def _yaml() -> YAML:
     yaml = YAML(typ="rt", pure=True)
-    yaml.width = 4096
+    yaml.width = 2**30  # never wrap: flow maps of ops can be longer than any fixed width
     yaml.indent(mapping=2, sequence=4, offset=2)
     yaml.default_flow_style = False
     return yaml
