@@ -1,0 +1,245 @@
+"""The fast config writer (config_format._dump_fast) is byte-identical to ruamel.yaml.
+
+``dump_config`` writes a config of the generated shape by string building and falls
+back to ruamel's round-trip dumper for anything else (comments, anchors, tags, odd
+scalar types, strings with line breaks or characters that need escapes). These tests
+compare the two writers on real configs and on adversarial strings, and check the
+fall-backs.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from ruamel.yaml.comments import CommentedMap, CommentedSeq
+
+from opguard_core.config_format import (
+    _dump_fast,
+    _dump_with_ruamel,
+    dump_config,
+    flow_map,
+    flow_seq,
+    parse_config,
+)
+from opguard_core.model import RunOptions
+from opguard_plugins.basic_filter import opguard_filter
+from opguard_plugins.combine import combine_files
+from opguard_plugins.compress import compress_trace
+from opguard_plugins.generate import generate_config
+from opguard_plugins.merge import merge_configs
+
+SAMPLES = Path(__file__).parent / "data" / "samples"
+SETTINGS = settings(
+    max_examples=150,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+
+
+def plain(value: Any) -> Any:
+    """Plain Python data of a config (dicts, lists, scalars), for comparisons."""
+    if isinstance(value, dict):
+        return {k: plain(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [plain(v) for v in value]
+    return value
+
+
+def assert_fast_matches(config: CommentedMap) -> str:
+    """The fast writer handles ``config`` and writes exactly ruamel's text."""
+    fast = _dump_fast(config)
+    assert fast is not None, "the fast writer fell back on a config of the generated shape"
+    slow = _dump_with_ruamel(config)
+    assert fast == slow
+    assert dump_config(config) == slow
+    return fast
+
+
+def sample_config(label: str, depth: int = 1) -> CommentedMap:
+    paths = sorted(SAMPLES.glob(f"{label}_callsite_rank*.json"))
+    trace = combine_files(paths).result()
+    tree = compress_trace(trace, RunOptions())
+    return generate_config(tree, f"{label}_callsite", depth)
+
+
+# ----------------------------------------------------------------- real samples
+
+
+@pytest.mark.parametrize("label", ["fsdp", "gpt"])
+@pytest.mark.parametrize("depth", [0, 1, 3])
+def test_sample_configs_are_identical(label: str, depth: int) -> None:
+    config = sample_config(label, depth)
+    assert config["entries"]
+    text = assert_fast_matches(config)
+    assert plain(parse_config(text, "fast")) == plain(config)
+
+
+def test_merged_and_filtered_sample_configs_are_identical() -> None:
+    fsdp, gpt = sample_config("fsdp"), sample_config("gpt")
+    merged = merge_configs(fsdp, gpt)
+    assert_fast_matches(merged)
+    again = merge_configs(merged, sample_config("fsdp", 2))
+    assert_fast_matches(again)
+    assert_fast_matches(opguard_filter(merged, RunOptions()))
+
+
+def test_a_loaded_config_dumps_back_to_its_text() -> None:
+    text = assert_fast_matches(sample_config("fsdp"))
+    # loaded configs may hold ruamel scalar types, where the writer falls back
+    assert dump_config(parse_config(text, "loaded")) == text
+
+
+def test_long_flow_maps_never_wrap() -> None:
+    config = sample_config("gpt")
+    entry = config["entries"][0]
+    entry["ops"] = flow_map((f"aten::op_with_a_long_name_{i:04d}", i) for i in range(400))
+    text = assert_fast_matches(config)
+    assert max(len(line) for line in text.splitlines()) > 10_000
+    assert plain(parse_config(text, "long")["entries"][0]["ops"]) == plain(entry["ops"])
+
+
+# ----------------------------------------------------------------- adversarial
+
+TRICKY = [
+    "", " ", "  ", "a b", "a  b", "a: b", "a:b", "a :b", "a:", "a #b", "a#b", "#a", "#",
+    "-", "- a", "-a", "--", "---", "--- a", "...", "?", "? a", "?a", ":", ":a", ": a",
+    "*a", "&a", "!a", "!!str", "%a", "@a", "`a", "|", "|a", ">", ">a", "'a", "a'b", "a'",
+    "'", "''", '"', 'a"b', '"a"', "\\", "a\\b", "[a]", "a[b]", "{a}", "a,b", "a, b", ",",
+    "yes", "no", "Yes", "on", "off", "y", "n", "null", "Null", "NULL", "~", "true", "True",
+    "false", "FALSE", "0", "123", "-1", "+1", "1.5", "-1.5e3", "1e3", "0x1F", "0o17", "017",
+    "0b101", "1_000", ".inf", "-.inf", ".NaN", "2020-01-01", "2001-12-14t21:59:43.10-05:00",
+    "12:30:00", "=", "<<", "a ", " a", "aten::mm", "torch.nn:Linear.forward",
+    "<lambda>", "f.<locals>.g", "ü", "é:ß", "日本語", "😀", "a\u00a0b", "\t", "a\tb",
+    "a\nb", "\n", "\x00", "\x07", "\x85", "\ufeff", "\u2028", "\x7f", "x" * 99, "y" * 130,
+]  # fmt: skip
+ALPHABET = list(" :#-?*&!%@`'\",[]{}|>~=<.0123456789abeflnorstuy_+\\éü😀\t\n")
+
+strings = st.one_of(
+    st.sampled_from(TRICKY),
+    st.text(alphabet=st.sampled_from(ALPHABET), max_size=12),
+    st.lists(st.sampled_from(TRICKY), min_size=1, max_size=3).map("".join),
+)
+#: printable ASCII without line breaks: never needs ruamel
+safe_strings = st.text(alphabet=st.characters(min_codepoint=32, max_codepoint=126), max_size=40)
+counts = st.integers(min_value=0, max_value=2**70)
+ints = st.integers(min_value=-(2**70), max_value=2**70)
+extra_values = st.one_of(st.none(), st.booleans(), ints)
+
+
+@st.composite
+def configs(draw: st.DrawFn, text: st.SearchStrategy[str]) -> CommentedMap:
+    meta_ranks = sorted(draw(st.sets(st.integers(0, 64), max_size=5)))
+    entries = []
+    for _ in range(draw(st.integers(0, 4))):
+        entry = CommentedMap()
+        entry["target"] = draw(text)
+        entry["kind"] = draw(text)
+        entry["file"] = draw(st.one_of(st.none(), text))
+        entry["lines"] = flow_seq(draw(st.lists(ints, max_size=3)))
+        entry["context"] = flow_seq(draw(st.lists(text, max_size=3)))
+        entry["tags"] = flow_seq(draw(st.lists(text, max_size=3)))
+        ops = draw(st.dictionaries(text, counts, max_size=4))
+        entry["ops"] = flow_map(ops.items())
+        streams = draw(st.dictionaries(st.integers(0, 2**40), counts, max_size=3))
+        entry["stream_counts"] = flow_map(streams.items())
+        entry["count"] = draw(counts)
+        if draw(st.booleans()):
+            entry["ranks"] = flow_seq(sorted(draw(st.sets(st.integers(0, 64), max_size=4))))
+        if draw(st.booleans()):  # a field this version does not know, carried through
+            entry[draw(text)] = draw(st.one_of(extra_values, text))
+        entries.append(entry)
+    config = CommentedMap()
+    config["version"] = 1
+    config["source"] = draw(text)
+    config["meta"] = flow_map([("ranks", flow_seq(meta_ranks)), ("total", draw(counts))])
+    config["entries"] = CommentedSeq(entries) if draw(st.booleans()) else entries
+    return config
+
+
+@SETTINGS
+@given(configs(strings))
+def test_adversarial_strings_are_identical(config: CommentedMap) -> None:
+    fast = _dump_fast(config)
+    slow = _dump_with_ruamel(config)
+    if fast is not None:
+        assert fast == slow
+    assert dump_config(config) == slow
+
+
+def _ruamel_reads_back(value: str) -> bool:
+    """ruamel's emitter writes ``?x`` plain in flow sequences and ``:x`` plain as flow
+    keys, which its parser cannot read, and ``\\x85`` as a raw line break. The writers
+    agree on them (above); round trips are checked on every other string."""
+    return not value.startswith(("?", ":")) and "\x85" not in value
+
+
+@SETTINGS
+@given(configs(strings.filter(_ruamel_reads_back)))
+def test_adversarial_strings_round_trip(config: CommentedMap) -> None:
+    text = dump_config(config)
+    assert text == _dump_with_ruamel(config)
+    assert plain(parse_config(text, "adversarial")) == plain(config)
+
+
+@SETTINGS
+@given(configs(safe_strings))
+def test_printable_strings_take_the_fast_path(config: CommentedMap) -> None:
+    for entry in config["entries"]:  # keys the emitter writes as `? key` fall back
+        for key in [k for k in entry if len(k) >= 100]:
+            del entry[key]
+        for key in [k for k in entry["ops"] if len(k) >= 100]:
+            del entry["ops"][key]
+    assert_fast_matches(config)
+
+
+# ----------------------------------------------------------------- fall-backs
+
+
+def test_comments_fall_back_to_ruamel() -> None:
+    config = sample_config("fsdp")
+    config["entries"][0].yaml_add_eol_comment("checked by hand", "target")
+    assert _dump_fast(config) is None
+    text = dump_config(config)
+    assert "# checked by hand" in text
+    assert text == _dump_with_ruamel(config)
+
+    start = sample_config("fsdp")
+    start.yaml_set_start_comment("generated")
+    assert _dump_fast(start) is None
+    assert dump_config(start).startswith("# generated\n")
+
+
+def test_loaded_comments_survive() -> None:
+    text = "# a person's note\nversion: 1  # the format\nsource: s\nentries:\n  - target: a:b\n"
+    config = parse_config(text, "commented")
+    assert _dump_fast(config) is None
+    assert dump_config(config) == text
+
+
+def test_unusual_shapes_fall_back() -> None:
+    shared = sample_config("gpt")
+    seq = flow_seq(["a", "b"])
+    shared["entries"][0]["tags"] = seq
+    shared["entries"][1]["tags"] = seq  # the same object twice: ruamel writes an anchor
+    assert _dump_fast(shared) is None
+    assert "&id001" in dump_config(shared)
+
+    block = sample_config("gpt")
+    block["meta"] = CommentedMap(block["meta"])  # a block mapping under the top level
+    assert _dump_fast(block) is None
+    assert dump_config(block) == _dump_with_ruamel(block)
+
+    floats = sample_config("gpt")
+    floats["entries"][0]["weight"] = 0.5
+    assert _dump_fast(floats) is None
+    assert "weight: 0.5" in dump_config(floats)
+
+    escaped = sample_config("gpt")
+    escaped["entries"][0]["context"] = flow_seq(["tab\there", "line\nbreak"])
+    assert _dump_fast(escaped) is None
+    text = dump_config(escaped)
+    assert parse_config(text, "escaped")["entries"][0]["context"] == ["tab\there", "line\nbreak"]
