@@ -18,7 +18,13 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 from opguard_core.errors import InputError
-from opguard_core.trace_format import Callsite, DecodedTrace, Frame, encode_trace
+from opguard_core.trace_format import (
+    Callsite,
+    DecodedTrace,
+    Frame,
+    encode_trace,
+    validate_frame_ids,
+)
 
 #: key of a callsite in an accumulator: (stack of global frame ids, api, op, stream)
 SiteKey = tuple[tuple[int, ...], str | None, str, int]
@@ -180,9 +186,15 @@ class TraceAccumulator:
         meta = {k: v for k, v in trace.meta.items() if k not in ("rank", "ranks")}
         local = [self._intern(frame) for frame in trace.frames]
         remap = local.__getitem__
+        callsites = trace.callsites
+        try:
+            keys = [(tuple(map(remap, s.stack)), s.api, s.op, s.stream) for s in callsites]
+        except IndexError:  # a frame id out of range (decoding may leave this check to us)
+            validate_frame_ids(trace.frames, callsites, trace.path)
+            raise
         sites = self.sites
         get = sites.get
-        for position, site in enumerate(trace.callsites):
+        for position, (key, site) in enumerate(zip(keys, callsites, strict=True)):
             ranks = site.ranks
             if ranks is None:
                 mask = file_mask
@@ -194,7 +206,6 @@ class TraceAccumulator:
                         f"callsites[{position}].ranks {ranks} names ranks outside "
                         f"meta.ranks {file_ranks}",
                     )
-            key = (tuple(map(remap, site.stack)), site.api, site.op, site.stream)
             slot = get(key)
             if slot is None:
                 sites[key] = [site.count, mask]

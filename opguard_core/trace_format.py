@@ -137,8 +137,14 @@ def read_bytes(path: Path) -> bytes:
         raise InputError(path, f"cannot read file: {exc.strerror or exc}") from None
 
 
-def decode_trace(data: bytes, path: Path | str) -> DecodedTrace:
-    """Decode and validate one trace document; raise :class:`InputError` on any problem."""
+def decode_trace(data: bytes, path: Path | str, check_frame_ids: bool = True) -> DecodedTrace:
+    """Decode and validate one trace document; raise :class:`InputError` on any problem.
+
+    ``check_frame_ids=False`` leaves the check that every stack's frame ids are in
+    range to the caller: ``TraceAccumulator.add`` gets it for free when it re-interns
+    the stacks, and raises the same error. Its message still comes before any rank
+    error here, as with the check on.
+    """
     if not data.strip():
         raise InputError(path, "empty file (expected an opguard-callsites JSON document)")
     try:
@@ -146,14 +152,21 @@ def decode_trace(data: bytes, path: Path | str) -> DecodedTrace:
     except (msgspec.ValidationError, msgspec.DecodeError, RecursionError):
         return _decode_lax(data, path)
     _check_header(doc.format, doc.version, path)
-    _check_frame_ids(doc.frames, doc.callsites, path)
-    _check_ranks(doc.meta, doc.callsites, path)
+    if check_frame_ids:
+        validate_frame_ids(doc.frames, doc.callsites, path)
+        _check_ranks(doc.meta, doc.callsites, path)
+    else:
+        try:
+            _check_ranks(doc.meta, doc.callsites, path)
+        except InputError:
+            validate_frame_ids(doc.frames, doc.callsites, path)
+            raise
     return DecodedTrace(path=str(path), meta=doc.meta, frames=doc.frames, callsites=doc.callsites)
 
 
-def load_trace(path: Path) -> DecodedTrace:
-    """Read and decode a trace file."""
-    return decode_trace(read_bytes(path), path)
+def load_trace(path: Path, check_frame_ids: bool = True) -> DecodedTrace:
+    """Read and decode a trace file (see :func:`decode_trace`)."""
+    return decode_trace(read_bytes(path), path, check_frame_ids)
 
 
 def _decode_lax(data: bytes, path: Path | str) -> DecodedTrace:
@@ -175,7 +188,7 @@ def _decode_lax(data: bytes, path: Path | str) -> DecodedTrace:
         raise InputError(path, f"invalid trace: {_problem(exc)}") from None
     frames = [Frame(**msgspec.structs.asdict(f)) for f in doc.frames]
     callsites = [Callsite(**msgspec.structs.asdict(c)) for c in doc.callsites]
-    _check_frame_ids(frames, callsites, path)
+    validate_frame_ids(frames, callsites, path)
     _check_ranks(doc.meta, callsites, path)
     frame_extras = _extras(raw["frames"], _FRAME_FIELDS)
     callsite_extras = _extras(raw["callsites"], _CALLSITE_FIELDS)
@@ -209,7 +222,8 @@ def _check_header(fmt: object, version: object, path: Path | str) -> None:
         )
 
 
-def _check_frame_ids(frames: list[Frame], callsites: list[Callsite], path: Path | str) -> None:
+def validate_frame_ids(frames: list[Frame], callsites: list[Callsite], path: Path | str) -> None:
+    """Refuse a stack that refers to a frame the trace does not have."""
     limit = len(frames)
     for index, site in enumerate(callsites):
         stack = site.stack

@@ -58,7 +58,7 @@ def combine_files(
     accumulator = TraceAccumulator()
     with gc_paused():
         for path in paths:
-            accumulator.add(load_trace(Path(path)))
+            accumulator.add(load_trace(Path(path), check_frame_ids=False))
             if advance is not None:
                 advance(1)
     return accumulator
@@ -116,7 +116,7 @@ def _helper(tasks: Any, results: Any) -> None:
     try:
         with gc_paused():
             while (path := tasks.get()) is not None:
-                accumulator.add(load_trace(Path(path)))
+                accumulator.add(load_trace(Path(path), check_frame_ids=False))
                 results.put(("file", None))
         results.put(("done", accumulator))
     except BaseException as exc:
@@ -164,7 +164,7 @@ def combine_parallel(
     try:
         with gc_paused():
             while (path := tasks.get()) is not None:
-                total.add(load_trace(Path(path)))
+                total.add(load_trace(Path(path), check_frame_ids=False))
                 tick(1)
                 drain()
             while len(partials) < helpers:
