@@ -179,7 +179,10 @@ class TraceAccumulator:
 
         The loop below is the hot path of a combine (once per callsite per rank):
         a stack is re-interned with one C-level ``map`` over the file's frame table,
-        and a callsite costs one dict lookup.
+        and a callsite costs one dict lookup. That ``map`` also refuses frame ids out
+        of range, so decoding may skip that check (``check_frame_ids=False``); the
+        error is the same, and comes before any rank error, as if decoding had
+        checked.
         """
         file_ranks = trace.ranks()
         file_mask = ranks_to_mask(file_ranks)
@@ -187,31 +190,33 @@ class TraceAccumulator:
         local = [self._intern(frame) for frame in trace.frames]
         remap = local.__getitem__
         callsites = trace.callsites
+        sites = self.sites
+        get = sites.get
         try:
-            keys = [(tuple(map(remap, s.stack)), s.api, s.op, s.stream) for s in callsites]
+            for position, site in enumerate(callsites):
+                ranks = site.ranks
+                if ranks is None:
+                    mask = file_mask
+                else:
+                    mask = ranks_to_mask(ranks)
+                    if mask & ~file_mask:
+                        # a frame id out of range anywhere in the file is reported first
+                        validate_frame_ids(trace.frames, callsites, trace.path)
+                        raise InputError(
+                            trace.path,
+                            f"callsites[{position}].ranks {ranks} names ranks outside "
+                            f"meta.ranks {file_ranks}",
+                        )
+                key = (tuple(map(remap, site.stack)), site.api, site.op, site.stream)
+                slot = get(key)
+                if slot is None:
+                    sites[key] = [site.count, mask]
+                else:
+                    slot[0] += site.count
+                    slot[1] |= mask
         except IndexError:  # a frame id out of range (decoding may leave this check to us)
             validate_frame_ids(trace.frames, callsites, trace.path)
             raise
-        sites = self.sites
-        get = sites.get
-        for position, (key, site) in enumerate(zip(keys, callsites, strict=True)):
-            ranks = site.ranks
-            if ranks is None:
-                mask = file_mask
-            else:
-                mask = ranks_to_mask(ranks)
-                if mask & ~file_mask:
-                    raise InputError(
-                        trace.path,
-                        f"callsites[{position}].ranks {ranks} names ranks outside "
-                        f"meta.ranks {file_ranks}",
-                    )
-            slot = get(key)
-            if slot is None:
-                sites[key] = [site.count, mask]
-            else:
-                slot[0] += site.count
-                slot[1] |= mask
         for position, site_extra in trace.callsite_extras.items():
             if site_extra:
                 site = trace.callsites[position]
