@@ -17,6 +17,8 @@ import gc
 from collections.abc import Iterable, Iterator
 from typing import Any
 
+import msgspec
+
 from opguard_core.errors import InputError
 from opguard_core.trace_format import (
     Callsite,
@@ -77,6 +79,18 @@ def _canonical(item: tuple[Any, ...]) -> tuple[Any, ...]:
     return item[:5]
 
 
+class _SiteOut(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """A callsite as written: key order stack, api, op, stream, count, ranks;
+    ``api`` and ``ranks`` left out when None (same bytes as the dict form)."""
+
+    stack: list[int]
+    api: str | None = None
+    op: str
+    stream: int
+    count: int
+    ranks: list[int] | None = None
+
+
 @dataclasses.dataclass
 class CallsiteTrace:
     """A combined trace in memory, in canonical order.
@@ -102,7 +116,21 @@ class CallsiteTrace:
 
     def to_json(self) -> bytes:
         """The canonical ``opguard-callsites`` document (formats.md §1)."""
-        sites = []
+        if not self.callsite_extras:
+            # the common case: one small struct per callsite, no dict to build
+            outs = [
+                _SiteOut(
+                    stack=site.stack,
+                    api=site.api,
+                    op=site.op,
+                    stream=site.stream,
+                    count=site.count,
+                    ranks=site.ranks,
+                )
+                for site in self.callsites
+            ]
+            return encode_trace(self.meta, self.frames, outs, self.extras, self.frame_extras)
+        sites: list[Any] = []
         for index, site in enumerate(self.callsites):
             doc: dict[str, Any] = {"stack": site.stack}
             if site.api is not None:

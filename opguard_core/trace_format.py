@@ -8,6 +8,7 @@ path that keeps those fields, so they can be carried through a combine.
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -263,7 +264,7 @@ def _json_type(value: object) -> str:
 def encode_trace(
     meta: dict[str, Any],
     frames: list[Frame],
-    callsites: list[dict[str, Any]],
+    callsites: Sequence[Any],
     extras: dict[str, Any] | None = None,
     frame_extras: dict[int, dict[str, Any]] | None = None,
 ) -> bytes:
