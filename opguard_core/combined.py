@@ -10,12 +10,14 @@ does not depend on the order the inputs came in.
 
 from __future__ import annotations
 
+import array
 import contextlib
 import dataclasses
 import enum
 import gc
+import itertools
 from collections.abc import Iterable, Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgspec
 
@@ -179,6 +181,19 @@ class _Agreement:
         return {k: v for k, v in values.items() if v is not _CONFLICT}
 
 
+class _PackedSites(NamedTuple):
+    """An accumulator's sites in transit: every stack's frame ids end to end
+    (``array('I')`` bytes), the stacks' lengths (same), then one list per column."""
+
+    stacks: bytes
+    lengths: bytes
+    apis: list[str | None]
+    ops: list[str]
+    streams: list[int]
+    counts: list[int]
+    masks: list[int]
+
+
 class TraceAccumulator:
     """Accumulates traces into one multiset of callsites."""
 
@@ -187,6 +202,8 @@ class TraceAccumulator:
         self.frames: list[Frame] = []
         #: key -> [count, rank mask]
         self.sites: dict[SiteKey, list[int]] = {}
+        #: sites as they arrived pickled (see __getstate__), not yet unpacked into ``sites``
+        self._packed: _PackedSites | None = None
         self.rank_mask = 0
         self.inputs = 0
         self.meta = _Agreement()
@@ -212,6 +229,7 @@ class TraceAccumulator:
         error is the same, and comes before any rank error, as if decoding had
         checked.
         """
+        self._unpack()
         file_ranks = trace.ranks()
         file_mask = ranks_to_mask(file_ranks)
         meta = {k: v for k, v in trace.meta.items() if k not in ("rank", "ranks")}
@@ -260,11 +278,14 @@ class TraceAccumulator:
 
     def update(self, other: TraceAccumulator) -> None:
         """Fold another accumulator (for example a worker's partial result) into this one."""
+        self._unpack()
         remap = [self._intern(frame) for frame in other.frames]
         identity = remap == list(range(len(remap)))
         lookup = remap.__getitem__
         sites = self.sites
         get = sites.get
+        if other._packed is not None:
+            self._merge_packed(other._packed, None if identity else remap)
         for (stack, api, op, stream), (count, mask) in other.sites.items():
             key = (stack if identity else tuple(map(lookup, stack)), api, op, stream)
             slot = get(key)
@@ -284,17 +305,72 @@ class TraceAccumulator:
         self.extras.update(other.extras)
 
     def __getstate__(self) -> dict[str, Any]:
-        """Pickle without ``frame_ids`` (rebuilt from ``frames``): smaller transfers."""
+        """Pickle compactly: without ``frame_ids`` (rebuilt from ``frames``), and with
+        ``sites`` packed into flat arrays and columns (:class:`_PackedSites`), so the
+        receiving process unpickles a few large objects instead of one tuple and one
+        int per frame of every stack, and folds them in with C-level remapping."""
+        self._unpack()
         state = dict(self.__dict__)
         del state["frame_ids"]
+        sites = state.pop("sites")
+        keys = list(sites)
+        values = list(sites.values())
+        stacks = [key[0] for key in keys]
+        state["_packed"] = _PackedSites(
+            array.array("I", itertools.chain.from_iterable(stacks)).tobytes(),
+            array.array("I", map(len, stacks)).tobytes(),
+            [key[1] for key in keys],
+            [key[2] for key in keys],
+            [key[3] for key in keys],
+            [value[0] for value in values],
+            [value[1] for value in values],
+        )
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
+        self.sites = {}
         self.frame_ids = {frame: index for index, frame in enumerate(self.frames)}
+
+    def _unpack(self) -> None:
+        """Unpack sites that arrived pickled into ``sites`` (once, on first use)."""
+        packed = self._packed
+        if packed is not None:
+            self._packed = None
+            self._merge_packed(packed, None)
+
+    def _merge_packed(self, packed: _PackedSites, remap: list[int] | None) -> None:
+        """Fold packed sites in; their frame ids become ``remap[id]`` (unchanged if None)."""
+        ids = array.array("I")
+        ids.frombytes(packed.stacks)
+        lengths = array.array("I")
+        lengths.frombytes(packed.lengths)
+        flat = ids.tolist() if remap is None else list(map(remap.__getitem__, ids))
+        sites = self.sites
+        get = sites.get
+        start = 0
+        for length, api, op, stream, count, mask in zip(
+            lengths,
+            packed.apis,
+            packed.ops,
+            packed.streams,
+            packed.counts,
+            packed.masks,
+            strict=True,
+        ):
+            end = start + length
+            key = (tuple(flat[start:end]), api, op, stream)
+            start = end
+            slot = get(key)
+            if slot is None:
+                sites[key] = [count, mask]
+            else:
+                slot[0] += count
+                slot[1] |= mask
 
     def result(self) -> CallsiteTrace:
         """The canonical combined trace."""
+        self._unpack()
         order = sorted(range(len(self.frames)), key=lambda i: self.frames[i].sort_key())
         new_id = [0] * len(order)
         for new, old in enumerate(order):
