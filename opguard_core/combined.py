@@ -77,10 +77,6 @@ def mask_to_ranks(mask: int) -> list[int]:
     return [rank for rank, bit in enumerate(bits) if bit == "1"]
 
 
-def _canonical(item: tuple[Any, ...]) -> tuple[Any, ...]:
-    return item[:5]
-
-
 class _SiteOut(msgspec.Struct, kw_only=True, omit_defaults=True):
     """A callsite as written: key order stack, api, op, stream, count, ranks;
     ``api`` and ``ranks`` left out when None (same bytes as the dict form)."""
@@ -382,7 +378,10 @@ class TraceAccumulator:
             (list(map(renumber, key[0])), key[1] or "", key[2], key[3], key[1] is not None, key)
             for key in self.sites
         ]
-        keyed.sort(key=_canonical)
+        # the first five fields already differ between any two sites, so a plain
+        # tuple sort orders by them alone (as a key of item[:5] would), without
+        # building a 5-tuple per site
+        keyed.sort()
         all_mask = self.rank_mask
         sites = self.sites
         site_extras = self.site_extras
