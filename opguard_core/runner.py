@@ -35,7 +35,7 @@ from opguard_core.atomic import (
 )
 from opguard_core.combined import CallsiteTrace
 from opguard_core.config_format import dump_config, entry_key, validate_config
-from opguard_core.errors import ExitCode, InputError, Interrupted, OpGuardError
+from opguard_core.errors import ExitCode, Interrupted, OpGuardError
 from opguard_core.logs import get_logger
 from opguard_core.model import STAGES, Discovery, InputEntry, RunOptions
 from opguard_core.plugins import OpGuardPluginManager, call_impl
@@ -516,4 +516,4 @@ def _raise_interrupted(signum: int, frame: FrameType | None) -> None:
     raise Interrupted(signal.Signals(signum).name)
 
 
-__all__ = ["InputError", "Runner", "StageRecord", "trace_output_base"]
+__all__ = ["Runner", "StageRecord", "trace_output_base"]
