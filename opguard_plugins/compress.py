@@ -135,7 +135,7 @@ def _build_tree(
 
     A trie of a large trace has hundreds of thousands of nodes, most of them in
     deep, rarely run suffixes that subtree pruning folds away. So the trie is first
-    built as bare integer ids (parent, key, count, ranks), which is cheap; counts
+    built as bare integer ids (parent, origin frame), which is cheap; counts
     are made inclusive in one backward sweep; then only nodes at or above the
     threshold become :class:`Node` objects. Since inclusive counts never grow
     going down a path, that is the set of nodes :func:`prune_subtrees` keeps, and
@@ -152,14 +152,16 @@ def _build_tree(
     ]
     all_mask = sum(1 << r for r in trace.ranks)
     api_cache: dict[str, tuple[str, str]] = {}
-    ids: dict[tuple[int, tuple[str | None, str, str]], int] = {}
+    # child lookup by one int: parent id * width + key id (no tuple hashing in the loop)
+    key_ids: dict[tuple[str | None, str, str], int] = {}
+    frame_key_ids = [key_ids.setdefault(key, len(key_ids)) for key in frame_keys]
+    width = len(frames) + len(trace.callsites) + 1  # > every key id, frame or api
+    ids: dict[int, int] = {}
     parent = [-1]  # id 0 is the root
-    keys: list[tuple[str | None, str, str]] = [("", "<root>", "root")]
     origin = [-1]  # the frame that made the node; -1 for the root and torch_api nodes
-    counts = [0]
-    ranks = [0]
+    api_keys: dict[int, tuple[str, str, str]] = {}  # the key of each torch_api node
     terminal: list[int] = []
-    line_pairs: list[tuple[int, int]] = []
+    line_pairs: list[tuple[int, int]] = []  # (node, frame) when the frame is not the origin
     previous: list[int] = []
     walk = [0]  # walk[i]: the node reached after previous[:i]
     for site in trace.callsites:
@@ -177,34 +179,37 @@ def _build_tree(
         del walk[shared + 1 :]
         node = walk[shared]
         for fid in path[shared:]:
-            key = frame_keys[fid]
-            child = ids.get((node, key))
+            lookup = node * width + frame_key_ids[fid]
+            child = ids.get(lookup)
             if child is None:
-                child = ids[(node, key)] = len(parent)
+                child = ids[lookup] = len(parent)
                 parent.append(node)
-                keys.append(key)
                 origin.append(fid)
-                counts.append(0)
-                ranks.append(0)
-            line_pairs.append((child, fid))
+            elif origin[child] != fid:
+                line_pairs.append((child, fid))
             walk.append(child)
             node = child
         previous = path
         if api is not None:
             key = (api[0], api[1], TORCH_API)
-            child = ids.get((node, key))
+            kid = key_ids.get(key)
+            if kid is None:
+                kid = key_ids[key] = len(key_ids)
+            lookup = node * width + kid
+            child = ids.get(lookup)
             if child is None:
-                child = ids[(node, key)] = len(parent)
+                child = ids[lookup] = len(parent)
                 parent.append(node)
-                keys.append(key)
                 origin.append(-1)
-                counts.append(0)
-                ranks.append(0)
+                api_keys[child] = key
             node = child
-        counts[node] += site.count
-        ranks[node] |= all_mask if site.ranks is None else sum(1 << r for r in site.ranks)
         terminal.append(node)
     del ids, walk
+    counts = [0] * len(parent)
+    ranks = [0] * len(parent)
+    for site, node in zip(trace.callsites, terminal, strict=True):
+        counts[node] += site.count
+        ranks[node] |= all_mask if site.ranks is None else sum(1 << r for r in site.ranks)
     for nid in range(len(parent) - 1, 0, -1):
         up = parent[nid]
         counts[up] += counts[nid]
@@ -217,16 +222,20 @@ def _build_tree(
         if counts[nid] < floor:
             continue
         fid = origin[nid]
-        key = keys[nid]
         if fid >= 0:
+            key = frame_keys[fid]
             frame = frames[fid]
             node_obj = Node(frame.module, frame.file, frame.qualname, key[2])
         else:
+            key = api_keys[nid]
             node_obj = Node(key[0], None, key[1], TORCH_API)
         node_obj.count = counts[nid]
         node_obj.ranks = ranks[nid]
         kept[parent[nid]].children[key] = node_obj
         kept[nid] = node_obj
+    for nid, node_obj in kept.items():
+        if origin[nid] >= 0:
+            node_obj.lines.add(frames[origin[nid]].line)
     for nid, fid in line_pairs:
         if counts[nid] >= floor:
             kept[nid].lines.add(frames[fid].line)
