@@ -18,6 +18,7 @@ import contextlib
 import multiprocessing
 import os
 import queue
+import signal
 import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -127,7 +128,14 @@ def start_method() -> str:
 
 
 def _helper(tasks: Any, results: Any) -> None:
-    """A helper process: combine files from ``tasks`` until ``None``, then send the result."""
+    """A helper process: combine files from ``tasks`` until ``None``, then send the result.
+
+    Signals: a forked helper inherits the runner's SIGTERM handler, so both are reset.
+    SIGTERM kills a helper quietly; SIGINT (Ctrl-C reaches the whole process group) is
+    left to the main process, which records the interruption and terminates helpers.
+    """
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     accumulator = TraceAccumulator()
     try:
         with gc_paused():
