@@ -278,18 +278,12 @@ class TraceAccumulator:
         remap = [self._intern(frame) for frame in other.frames]
         identity = remap == list(range(len(remap)))
         lookup = remap.__getitem__
-        sites = self.sites
-        get = sites.get
         if other._packed is not None:
             self._merge_packed(other._packed, None if identity else remap)
-        for (stack, api, op, stream), (count, mask) in other.sites.items():
-            key = (stack if identity else tuple(map(lookup, stack)), api, op, stream)
-            slot = get(key)
-            if slot is None:
-                sites[key] = [count, mask]
-            else:
-                slot[0] += count
-                slot[1] |= mask
+        self._fold(
+            ((stack if identity else tuple(map(lookup, stack)), api, op, stream), count, mask)
+            for (stack, api, op, stream), (count, mask) in other.sites.items()
+        )
         for (stack, api, op, stream), extra in other.site_extras.items():
             key = (stack if identity else tuple(map(lookup, stack)), api, op, stream)
             self.site_extras.setdefault(key, _Agreement()).update(extra)
@@ -342,21 +336,27 @@ class TraceAccumulator:
         lengths = array.array("I")
         lengths.frombytes(packed.lengths)
         flat = ids.tolist() if remap is None else list(map(remap.__getitem__, ids))
+        ends = list(itertools.accumulate(lengths))
+        starts = [0, *ends][:-1]
+        self._fold(
+            ((tuple(flat[start:end]), api, op, stream), count, mask)
+            for start, end, api, op, stream, count, mask in zip(
+                starts,
+                ends,
+                packed.apis,
+                packed.ops,
+                packed.streams,
+                packed.counts,
+                packed.masks,
+                strict=True,
+            )
+        )
+
+    def _fold(self, items: Iterable[tuple[SiteKey, int, int]]) -> None:
+        """Add (key, count, rank mask) triples to the sites (partials; ``add`` inlines this)."""
         sites = self.sites
         get = sites.get
-        start = 0
-        for length, api, op, stream, count, mask in zip(
-            lengths,
-            packed.apis,
-            packed.ops,
-            packed.streams,
-            packed.counts,
-            packed.masks,
-            strict=True,
-        ):
-            end = start + length
-            key = (tuple(flat[start:end]), api, op, stream)
-            start = end
+        for key, count, mask in items:
             slot = get(key)
             if slot is None:
                 sites[key] = [count, mask]
