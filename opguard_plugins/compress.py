@@ -15,11 +15,15 @@ from __future__ import annotations
 
 import re
 import sys
+from bisect import bisect_right
 from collections import Counter
+from functools import reduce
+from itertools import accumulate
+from operator import itemgetter, or_
 from typing import Any
 
 from opguard_core import hookimpl
-from opguard_core.combined import CallsiteTrace, gc_paused, mask_to_ranks
+from opguard_core.combined import CallsiteTrace, gc_paused, mask_to_ranks, ranks_to_mask
 from opguard_core.model import RunOptions
 from opguard_core.tree_format import (
     TORCH_API,
@@ -113,7 +117,7 @@ def hidden_frames(trace: CallsiteTrace, patterns: list[str]) -> list[bool]:
     ]
 
 
-def _api_replaces_frame(
+def api_replaces_frame(
     api_module: str, api_qualname: str, module: str | None, qualname: str
 ) -> bool:
     """Whether a frame is the api's own Python function (``torch.functional:split``)."""
@@ -122,144 +126,162 @@ def _api_replaces_frame(
     return module == api_module or (api_module == "torch" and module.startswith("torch."))
 
 
-def build_tree(trace: CallsiteTrace, hide: list[str]) -> Node:
-    """Fold every callsite's stack into a trie below a ``<root>`` node."""
-    return _build_tree(trace, hide)[0]
+def build_tree(trace: CallsiteTrace, hide: list[str], floor: float = 0.0) -> tuple[Node, int]:
+    """The call tree of ``trace`` below a ``<root>`` node, pruned at ``floor``, and the
+    number of non-root nodes the unpruned tree has.
 
+    The tree is the one you get by walking every callsite's stack (without hidden
+    frames) from the root, one node per function identity, with a ``torch_api`` leaf
+    per api, and then folding small subtrees with :func:`prune_subtrees`
+    (tests/test_compress_reference.py checks exactly that). But a large trace's whole
+    tree has hundreds of thousands of nodes, nearly all in deep, rarely run suffixes
+    that pruning folds away, so it is never built:
 
-def _build_tree(
-    trace: CallsiteTrace, hide: list[str], min_count: int = 0, min_fraction: float = 0.0
-) -> tuple[Node, int]:
-    """The trie of :func:`build_tree` already pruned at ``threshold(total, min_count,
-    min_fraction)``, and the number of non-root nodes of the unpruned trie.
+    1. every callsite becomes a *path* of identity ids; the paths are sorted, so the
+       callsites below any node form one contiguous run;
+    2. from the root down, a node's children are the runs of equal next id inside its
+       run (found by bisection), and a child's inclusive count is a difference of
+       prefix sums. A child below ``floor`` is never made: its run's ops go to the node
+       itself, where pruning would have folded them. Work is spent on kept nodes only;
+    3. the unpruned tree has one node per distinct path prefix: the sum, over the
+       sorted paths, of each one's length minus its common prefix with the previous.
 
-    A trie of a large trace has hundreds of thousands of nodes, most of them in
-    deep, rarely run suffixes that subtree pruning folds away. So the trie is first
-    built as bare integer ids (parent, origin frame), which is cheap; counts
-    are made inclusive in one backward sweep; then only nodes at or above the
-    threshold become :class:`Node` objects. Since inclusive counts never grow
-    going down a path, that is the set of nodes :func:`prune_subtrees` keeps, and
-    a callsite's ops go to the deepest kept node of its path, which is where
-    pruning would have folded them: the result is the same tree.
-
-    Callsites come sorted by stack, so consecutive ones share long prefixes: the
-    walk restarts where a path leaves the previous one.
+    A node's module and file come from the first callsite (in trace order) that
+    reaches it; its lines are those of all the frames it stands for.
     """
-    hidden = hidden_frames(trace, hide)
     frames = trace.frames
-    frame_keys = [
-        (f.module or f.file, f.qualname, frame_kind(f.function, f.qualname)) for f in frames
-    ]
-    all_mask = sum(1 << r for r in trace.ranks)
-    api_cache: dict[str, tuple[str, str]] = {}
-    # child lookup by one int: parent id * width + key id (no tuple hashing in the loop)
+    callsites = trace.callsites
     key_ids: dict[tuple[str | None, str, str], int] = {}
-    frame_key_ids = [key_ids.setdefault(key, len(key_ids)) for key in frame_keys]
-    width = len(frames) + len(trace.callsites) + 1  # > every key id, frame or api
-    ids: dict[int, int] = {}
-    parent = [-1]  # id 0 is the root
-    origin = [-1]  # the frame that made the node; -1 for the root and torch_api nodes
-    api_keys: dict[int, tuple[str, str, str]] = {}  # the key of each torch_api node
-    terminal: list[int] = []
-    line_pairs: list[tuple[int, int]] = []  # (node, frame) when the frame is not the origin
-    previous: list[int] = []
-    walk = [0]  # walk[i]: the node reached after previous[:i]
-    for site in trace.callsites:
-        path = [i for i in site.stack if not hidden[i]]
-        api = None
-        if site.api is not None:
-            api = api_cache.get(site.api)
-            if api is None:
-                api = api_cache[site.api] = split_api(site.api)
-            if path:
-                last = frames[path[-1]]
-                if _api_replaces_frame(api[0], api[1], last.module, last.qualname):
-                    path.pop()
-        shared = _common_prefix(previous, path)
-        del walk[shared + 1 :]
-        node = walk[shared]
-        for fid in path[shared:]:
-            lookup = node * width + frame_key_ids[fid]
-            child = ids.get(lookup)
-            if child is None:
-                child = ids[lookup] = len(parent)
-                parent.append(node)
-                origin.append(fid)
-            elif origin[child] != fid:
-                line_pairs.append((child, fid))
-            walk.append(child)
-            node = child
-        previous = path
+    frame_key_ids = [
+        key_ids.setdefault(
+            (f.module or f.file, f.qualname, frame_kind(f.function, f.qualname)), len(key_ids)
+        )
+        for f in frames
+    ]
+    # Paths are bytes, one fixed-width chunk per id, built with one C-level gather and
+    # join per callsite; a hidden frame's chunk is empty, so the join drops it. Sorting
+    # and slicing bytes is plain memory comparison.
+    hidden = hidden_frames(trace, hide)
+    key_chunks = [b"" if h else _chunk(kid) for h, kid in zip(hidden, frame_key_ids, strict=True)]
+    frame_chunks = [b"" if h else _chunk(fid) for fid, h in enumerate(hidden)]
+    apis: dict[str, tuple[bytes, str, str]] = {}  # api -> (key chunk, module, qualname)
+    replaced: dict[tuple[str, bytes], bool] = {}  # (api, last frame) -> api_replaces_frame
+    frame_paths: list[bytes] = []  # per callsite: its visible frame ids
+    paths: list[bytes] = []  # per callsite: the ids of its nodes' identities
+    join = b"".join
+    for site in callsites:
+        stack = site.stack
+        if len(stack) > 1:
+            gather = itemgetter(*stack)
+            path, frame_path = join(gather(key_chunks)), join(gather(frame_chunks))
+        else:
+            path = join([key_chunks[fid] for fid in stack])
+            frame_path = join([frame_chunks[fid] for fid in stack])
+        api = site.api
         if api is not None:
-            key = (api[0], api[1], TORCH_API)
-            kid = key_ids.get(key)
-            if kid is None:
-                kid = key_ids[key] = len(key_ids)
-            lookup = node * width + kid
-            child = ids.get(lookup)
-            if child is None:
-                child = ids[lookup] = len(parent)
-                parent.append(node)
-                origin.append(-1)
-                api_keys[child] = key
-            node = child
-        terminal.append(node)
-    del ids, walk
-    counts = [0] * len(parent)
-    ranks = [0] * len(parent)
-    for site, node in zip(trace.callsites, terminal, strict=True):
-        counts[node] += site.count
-        ranks[node] |= all_mask if site.ranks is None else sum(1 << r for r in site.ranks)
-    for nid in range(len(parent) - 1, 0, -1):
-        up = parent[nid]
-        counts[up] += counts[nid]
-        ranks[up] |= ranks[nid]
-    floor = threshold(counts[0], min_count, min_fraction)
+            known = apis.get(api)
+            if known is None:
+                module, qualname = split_api(api)
+                kid = key_ids.setdefault((module, qualname, TORCH_API), len(key_ids))
+                known = apis[api] = (_chunk(kid), module, qualname)
+            if frame_path:
+                last = (api, frame_path[-WIDTH:])
+                replaces = replaced.get(last)
+                if replaces is None:
+                    frame = frames[_unchunk(last[1])]
+                    replaces = replaced[last] = api_replaces_frame(
+                        known[1], known[2], frame.module, frame.qualname
+                    )
+                if replaces:
+                    path, frame_path = path[:-WIDTH], frame_path[:-WIDTH]
+            path += known[0]
+        frame_paths.append(frame_path)
+        paths.append(path)
+    keys = list(key_ids)  # id -> key
+    order = sorted(range(len(paths)), key=paths.__getitem__)
+    paths = [paths[j] for j in order]
+    below = [0, *accumulate(callsites[j].count for j in order)]
+    all_mask = ranks_to_mask(trace.ranks)
+    masks = [
+        all_mask if callsites[j].ranks is None else ranks_to_mask(callsites[j].ranks) for j in order
+    ]
+    # a run's ranks are all of them as soon as it has one callsite seen on every rank
+    # (a callsite's ranks are a subset of the trace's: formats.md §1)
+    full = [0, *accumulate(mask == all_mask for mask in masks)]
+    chunk_lines = {_chunk(fid): frame.line for fid, frame in enumerate(frames)}
+
+    def make_node(key: tuple[str | None, str, str], at: slice, start: int, end: int) -> Node:
+        if key[2] == TORCH_API:
+            node = Node(key[0], None, key[1], TORCH_API)
+        else:
+            run = order[start:end]
+            frame = frames[_unchunk(frame_paths[min(run)][at])]
+            node = Node(frame.module, frame.file, frame.qualname, key[2])
+            node.lines = set(
+                map(chunk_lines.__getitem__, map(itemgetter(at), map(frame_paths.__getitem__, run)))
+            )
+        node.count = below[end] - below[start]
+        if full[end] > full[start]:
+            node.ranks = all_mask
+        else:
+            node.ranks = reduce(or_, masks[start:end], 0)
+        return node
+
     root = Node(None, None, "<root>", "root")
-    root.count = counts[0]
-    kept: dict[int, Node] = {0: root}
-    for nid in range(1, len(parent)):
-        if counts[nid] < floor:
-            continue
-        fid = origin[nid]
-        if fid >= 0:
-            key = frame_keys[fid]
-            frame = frames[fid]
-            node_obj = Node(frame.module, frame.file, frame.qualname, key[2])
-        else:
-            key = api_keys[nid]
-            node_obj = Node(key[0], None, key[1], TORCH_API)
-        node_obj.count = counts[nid]
-        node_obj.ranks = ranks[nid]
-        kept[parent[nid]].children[key] = node_obj
-        kept[nid] = node_obj
-    for nid, node_obj in kept.items():
-        if origin[nid] >= 0:
-            node_obj.lines.add(frames[origin[nid]].line)
-    for nid, fid in line_pairs:
-        if counts[nid] >= floor:
-            kept[nid].lines.add(frames[fid].line)
-    for site, nid in zip(trace.callsites, terminal, strict=True):
-        while nid and counts[nid] < floor:  # the root is never pruned
-            nid = parent[nid]
-        target = kept[nid]
-        target.self_ops[site.op] += site.count
-        target.self_streams[site.stream] += site.count
-    return root, len(parent) - 1
+    root.count = below[-1]
+    nodes_before = 0
+    todo = [(root, 0, 0, len(paths))]
+    while todo:
+        node, offset, start, high = todo.pop()  # offset: bytes of the node's own path
+        # callsites whose path ends here come first in the run (a prefix sorts first)
+        while start < high and len(paths[start]) == offset:
+            site = callsites[order[start]]
+            node.self_ops[site.op] += site.count
+            node.self_streams[site.stream] += site.count
+            start += 1
+        at = slice(offset, offset + WIDTH)
+        next_id = itemgetter(at)
+        while start < high:
+            piece = paths[start][at]
+            end = bisect_right(paths, piece, start, high, key=next_id)
+            if below[end] - below[start] >= floor:
+                key = keys[_unchunk(piece)]
+                child = make_node(key, at, start, end)
+                node.children[key] = child
+                todo.append((child, offset + WIDTH, start, end))
+                nodes_before += 1
+            else:  # pruned: the run's ops are the node's own; count its unpruned nodes
+                nodes_before += (len(paths[start]) - offset) // WIDTH
+                for position in range(start, end):
+                    site = callsites[order[position]]
+                    node.self_ops[site.op] += site.count
+                    node.self_streams[site.stream] += site.count
+                    if position > start:
+                        previous, path = paths[position - 1], paths[position]
+                        shared = _common_prefix(previous, path)
+                        nodes_before += len(path) // WIDTH - shared // WIDTH
+            start = end
+    return root, nodes_before
 
 
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    """Length of the longest common prefix of ``a`` and ``b`` (binary search on slices)."""
-    low, high = 0, min(len(a), len(b))
-    if a[:high] == b[:high]:
-        return high
-    while low < high:  # invariant: a[:low] == b[:low] and a[:high+?] differs
-        middle = (low + high + 1) // 2
-        if a[:middle] == b[:middle]:
-            low = middle
-        else:
-            high = middle - 1
-    return low
+#: bytes per id in a path (:func:`build_tree`)
+WIDTH = 4
+
+
+def _chunk(number: int) -> bytes:
+    return number.to_bytes(WIDTH, "big")
+
+
+def _unchunk(chunk: bytes) -> int:
+    return int.from_bytes(chunk, "big")
+
+
+def _common_prefix(a: bytes, b: bytes) -> int:
+    """Length in bytes of the longest common prefix of ``a`` and ``b``: the leading
+    zero bits of their XOR, read as big-endian integers (C-level, no loop)."""
+    size = min(len(a), len(b))
+    difference = int.from_bytes(a[:size], "big") ^ int.from_bytes(b[:size], "big")
+    return (size * 8 - difference.bit_length()) // 8
 
 
 def count_nodes(root: Node) -> int:
@@ -284,7 +306,12 @@ def _absorb(into: Node, subtree: Node) -> None:
 
 
 def prune_subtrees(root: Node, floor: float) -> None:
-    """Fold every non-root subtree with ``count < floor`` into its parent's own counts."""
+    """Fold every non-root subtree with ``count < floor`` into its parent's own counts.
+
+    The definition of subtree pruning: :func:`build_tree` gives the same tree in one
+    pass without building the pruned nodes; a tree built some other way (a plugin's,
+    the reference in the tests) is pruned with this.
+    """
     stack = [root]
     while stack:
         node = stack.pop()
@@ -363,8 +390,8 @@ def compress_trace(trace: CallsiteTrace, options: RunOptions) -> dict[str, Any]:
 
 def _compress_trace(trace: CallsiteTrace, options: RunOptions) -> dict[str, Any]:
     hide = [*(DEFAULT_HIDE if options.default_hide else ()), *options.hide]
-    root, nodes_before = _build_tree(trace, hide, options.min_count, options.min_fraction)
-    prune_subtrees(root, threshold(root.count, options.min_count, options.min_fraction))
+    floor = threshold(trace.total, options.min_count, options.min_fraction)
+    root, nodes_before = build_tree(trace, hide, floor)
     if options.chains:
         limit = sys.getrecursionlimit()
         sys.setrecursionlimit(max(limit, 20_000))

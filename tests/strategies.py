@@ -28,6 +28,8 @@ FRAME_POOL: tuple[tuple[str, str, str, str | None], ...] = (
     ("train.py", "step", "Trainer.step", "train"),
     ("model.py", "forward", "Model.forward", "model"),
     ("model.py", "forward", "Block.forward", "model"),
+    # the same function seen under another path (another rank's install): one node
+    ("/other/site-packages/model.py", "forward", "Model.forward", "model"),
     ("model.py", "<lambda>", "Block.forward.<locals>.<lambda>", "model"),
     ("model.py", "<listcomp>", "Model.forward.<locals>.<listcomp>", "model"),
     ("script.py", "<module>", "<module>", None),
