@@ -211,6 +211,9 @@ class TraceAccumulator:
     def __init__(self) -> None:
         self.frame_ids: dict[Frame, int] = {}
         self.frames: list[Frame] = []
+        #: one object per distinct api / op string, so that the sites' keys share them
+        #: and comparing two keys compares these by identity, not by their bytes
+        self.strings: dict[str | None, str | None] = {}
         #: key -> [count, rank mask]
         self.sites: dict[SiteKey, list[int]] = {}
         #: sites as they arrived pickled (see __getstate__), not yet unpacked into ``sites``
@@ -235,7 +238,9 @@ class TraceAccumulator:
 
         The loop below is the hot path of a combine (once per callsite per rank):
         a stack is re-interned with one C-level gather over the file's frame table
-        (:func:`remap_stack`, inlined), and a callsite costs one dict lookup. The
+        (:func:`remap_stack`, inlined), its api and op strings are interned (a lookup
+        in a small dict that stays in cache, which saves loading two strings' bytes
+        from all over memory to compare keys), and a callsite costs one dict lookup. The
         gather also refuses frame ids out of range, so decoding may skip that check
         (``check_frame_ids=False``); the error is the same, and comes before any
         rank error, as if decoding had checked.
@@ -247,6 +252,7 @@ class TraceAccumulator:
         local = [self._intern(frame) for frame in trace.frames]
         remap = local.__getitem__
         gather = itemgetter
+        intern = self.strings.setdefault
         callsites = trace.callsites
         sites = self.sites
         get = sites.get
@@ -266,10 +272,11 @@ class TraceAccumulator:
                             f"meta.ranks {file_ranks}",
                         )
                 stack = site.stack
+                api, op = site.api, site.op
                 key = (
                     gather(*stack)(local) if len(stack) > 1 else tuple(map(remap, stack)),
-                    site.api,
-                    site.op,
+                    intern(api, api),
+                    intern(op, op),
                     site.stream,
                 )
                 slot = get(key)
