@@ -213,7 +213,8 @@ class TraceAccumulator:
         self.frames: list[Frame] = []
         #: one object per distinct api / op string, so that the sites' keys share them
         #: and comparing two keys compares these by identity, not by their bytes
-        self.strings: dict[str | None, str | None] = {}
+        self.apis: dict[str | None, str | None] = {}
+        self.ops: dict[str, str] = {}
         #: key -> [count, rank mask]
         self.sites: dict[SiteKey, list[int]] = {}
         #: sites as they arrived pickled (see __getstate__), not yet unpacked into ``sites``
@@ -252,7 +253,7 @@ class TraceAccumulator:
         local = [self._intern(frame) for frame in trace.frames]
         remap = local.__getitem__
         gather = itemgetter
-        intern = self.strings.setdefault
+        intern_api, intern_op = self.apis.setdefault, self.ops.setdefault
         callsites = trace.callsites
         sites = self.sites
         get = sites.get
@@ -275,8 +276,8 @@ class TraceAccumulator:
                 api, op = site.api, site.op
                 key = (
                     gather(*stack)(local) if len(stack) > 1 else tuple(map(remap, stack)),
-                    intern(api, api),
-                    intern(op, op),
+                    intern_api(api, api),
+                    intern_op(op, op),
                     site.stream,
                 )
                 slot = get(key)
