@@ -126,6 +126,18 @@ def api_replaces_frame(
     return module == api_module or (api_module == "torch" and module.startswith("torch."))
 
 
+#: bytes per id in a path (:func:`build_tree`)
+WIDTH = 4
+
+
+def _chunk(number: int) -> bytes:
+    return number.to_bytes(WIDTH, "big")
+
+
+def _unchunk(chunk: bytes) -> int:
+    return int.from_bytes(chunk, "big")
+
+
 def build_tree(trace: CallsiteTrace, hide: list[str], floor: float = 0.0) -> tuple[Node, int]:
     """The call tree of ``trace`` below a ``<root>`` node, pruned at ``floor``, and the
     number of non-root nodes the unpruned tree has.
@@ -262,18 +274,6 @@ def build_tree(trace: CallsiteTrace, hide: list[str], floor: float = 0.0) -> tup
                         nodes_before += len(path) // WIDTH - shared // WIDTH
             start = end
     return root, nodes_before
-
-
-#: bytes per id in a path (:func:`build_tree`)
-WIDTH = 4
-
-
-def _chunk(number: int) -> bytes:
-    return number.to_bytes(WIDTH, "big")
-
-
-def _unchunk(chunk: bytes) -> int:
-    return int.from_bytes(chunk, "big")
 
 
 def _common_prefix(a: bytes, b: bytes) -> int:
