@@ -310,6 +310,12 @@ def main(argv: Sequence[str] | None = None) -> None:
         if args.output:
             args.output.parent.mkdir(parents=True, exist_ok=True)
             args.output.write_text(text)
+        failed = [fig for fig in (run, *memory) if fig.exit_code != 0]
+        if failed:
+            sys.exit(
+                f"opguard run failed ({failed[0].ranks} ranks, exit code {failed[0].exit_code}):"
+                " the figures above are not a benchmark"
+            )
     finally:
         shutil.rmtree(out, ignore_errors=True)
         if args.cleanup:

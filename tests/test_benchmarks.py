@@ -1,0 +1,52 @@
+"""The benchmark scripts run end to end on a tiny shape and report every figure."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def run_benchmark(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "run_benchmark.py"), *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO,
+    )
+
+
+def test_benchmark_reports_stages_ratio_and_memory(tmp_path: Path) -> None:
+    pytest.importorskip("psutil")
+    data, report = tmp_path / "data", tmp_path / "report.md"
+    result = run_benchmark(
+        "--ranks", "4", "--callsites", "300", "--data", str(data),
+        "--memory-ranks", "2,4", "--output", str(report), "--cleanup",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    text = report.read_text()
+    assert text == result.stdout.rstrip("\n") + "\n"
+    assert "## 4 ranks × 300 callsites" in text
+    for row in ("| bare parse (", "| bare parse, GC off |", "| stage combine [bench_callsite] |",
+                "| stage compress [bench_callsite] |", "| stage generate [bench_callsite] |",
+                "| **opguard run, end to end** |"):  # fmt: skip
+        assert row in text
+    assert "End to end / bare parse: **" in text
+    assert "| 2 | " in text and "| 4 | " in text
+    assert "Peak RSS 4 vs 2 ranks: **" in text
+    assert not any(data.iterdir())  # --cleanup removed the generated traces
+
+
+def test_benchmark_fails_when_the_run_fails(tmp_path: Path) -> None:
+    pytest.importorskip("psutil")
+    result = run_benchmark(
+        "--ranks", "2", "--callsites", "50", "--data", str(tmp_path), "--no-parse",
+        "--", "--skip", "no-such-stage",
+    )  # fmt: skip
+    assert result.returncode != 0
+    assert "opguard run failed (2 ranks, exit code 2)" in result.stderr
