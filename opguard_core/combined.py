@@ -324,13 +324,15 @@ class TraceAccumulator:
         self.extras.update(other.extras)
 
     def __getstate__(self) -> dict[str, Any]:
-        """Pickle compactly: without ``frame_ids`` (rebuilt from ``frames``), and with
-        ``sites`` packed into flat arrays and columns (:class:`_PackedSites`), so the
-        receiving process unpickles a few large objects instead of one tuple and one
-        int per frame of every stack, and folds them in with C-level remapping."""
+        """Pickle compactly: without ``frame_ids`` (rebuilt from ``frames``) or the
+        string tables (caches, restarted empty), and with ``sites`` packed into flat
+        arrays and columns (:class:`_PackedSites`), so the receiving process
+        unpickles a few large objects instead of one tuple and one int per frame of
+        every stack, and folds them in with C-level remapping."""
         self._unpack()
         state = dict(self.__dict__)
-        del state["frame_ids"]
+        for cache in ("frame_ids", "apis", "ops"):
+            del state[cache]
         sites = state.pop("sites")
         keys = list(sites)
         values = list(sites.values())
@@ -350,6 +352,7 @@ class TraceAccumulator:
         self.__dict__.update(state)
         self.sites = {}
         self.frame_ids = {frame: index for index, frame in enumerate(self.frames)}
+        self.apis, self.ops = {}, {}
 
     def _unpack(self) -> None:
         """Unpack sites that arrived pickled into ``sites`` (once, on first use)."""

@@ -144,10 +144,10 @@ def build_tree(trace: CallsiteTrace, hide: list[str], floor: float = 0.0) -> tup
 
     The tree is the one you get by walking every callsite's stack (without hidden
     frames) from the root, one node per function identity, with a ``torch_api`` leaf
-    per api, and then folding small subtrees with :func:`prune_subtrees`
-    (tests/test_compress_reference.py checks exactly that). But a large trace's whole
-    tree has hundreds of thousands of nodes, nearly all in deep, rarely run suffixes
-    that pruning folds away, so it is never built:
+    per api, and then folding every non-root subtree with a count below ``floor``
+    into its parent's own ops (tests/test_compress_reference.py checks exactly
+    that). But a large trace's whole tree has hundreds of thousands of nodes, nearly
+    all in deep, rarely run suffixes that pruning folds away, so it is never built:
 
     1. every callsite becomes a *path* of identity ids; the paths are sorted, so the
        callsites below any node form one contiguous run;
@@ -293,34 +293,6 @@ def count_nodes(root: Node) -> int:
         total += 1
         stack.extend(node.children.values())
     return total
-
-
-def _absorb(into: Node, subtree: Node) -> None:
-    stack = [subtree]
-    while stack:
-        node = stack.pop()
-        if node.self_ops:
-            into.self_ops.update(node.self_ops)
-            into.self_streams.update(node.self_streams)
-        stack.extend(node.children.values())
-
-
-def prune_subtrees(root: Node, floor: float) -> None:
-    """Fold every non-root subtree with ``count < floor`` into its parent's own counts.
-
-    The definition of subtree pruning: :func:`build_tree` gives the same tree in one
-    pass without building the pruned nodes; a tree built some other way (a plugin's,
-    the reference in the tests) is pruned with this.
-    """
-    stack = [root]
-    while stack:
-        node = stack.pop()
-        for key, child in list(node.children.items()):
-            if child.count < floor:
-                del node.children[key]
-                _absorb(node, child)
-            else:
-                stack.append(child)
 
 
 def _merge_into(into: Node, other: Node) -> None:

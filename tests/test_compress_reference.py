@@ -26,7 +26,6 @@ from opguard_plugins.compress import (
     count_nodes,
     frame_kind,
     hidden_frames,
-    prune_subtrees,
 )
 from tests.strategies import rank_file_sets
 from tests.test_properties import combined
@@ -69,6 +68,24 @@ def reference_tree(trace: CallsiteTrace, hide: list[str]) -> Node:
         node.self_ops[site.op] += site.count
         node.self_streams[site.stream] += site.count
     return root
+
+
+def prune_subtrees(root: Node, floor: float) -> None:
+    """Fold every non-root subtree with ``count < floor`` into its parent's own ops."""
+    stack = [root]
+    while stack:
+        node = stack.pop()
+        for key, child in list(node.children.items()):
+            if child.count < floor:
+                del node.children[key]
+                folded = [child]
+                while folded:
+                    below = folded.pop()
+                    node.self_ops.update(below.self_ops)
+                    node.self_streams.update(below.self_streams)
+                    folded.extend(below.children.values())
+            else:
+                stack.append(child)
 
 
 def state(node: Node) -> dict[str, Any]:
