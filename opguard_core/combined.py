@@ -18,6 +18,7 @@ import gc
 import itertools
 from collections.abc import Iterable, Iterator
 from operator import itemgetter
+from pathlib import Path
 from typing import Any, NamedTuple
 
 import msgspec
@@ -28,6 +29,7 @@ from opguard_core.trace_format import (
     DecodedTrace,
     Frame,
     encode_trace,
+    load_trace,
     validate_frame_ids,
 )
 
@@ -301,6 +303,11 @@ class TraceAccumulator:
         self.inputs += 1
         self.meta.add(meta)
         self.extras.add(trace.extras)
+
+    def add_file(self, path: Path | str) -> None:
+        """Read, decode and :meth:`add` one trace file. Decoding leaves the frame-id
+        check to :meth:`add`, which makes it while re-interning, with the same error."""
+        self.add(load_trace(Path(path), check_frame_ids=False))
 
     def update(self, other: TraceAccumulator) -> None:
         """Fold another accumulator (for example a worker's partial result) into this one."""

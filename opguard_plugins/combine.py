@@ -29,7 +29,6 @@ from opguard_core.combined import CallsiteTrace, TraceAccumulator, gc_paused
 from opguard_core.errors import InputError, OpGuardError
 from opguard_core.logs import progress
 from opguard_core.model import InputEntry, RunOptions
-from opguard_core.trace_format import load_trace
 
 #: Below this many input bytes a pool costs more (process start-up) than it saves.
 AUTO_POOL_MIN_BYTES = 24 * 1024 * 1024
@@ -60,7 +59,7 @@ def combine_files(
     accumulator = TraceAccumulator()
     with gc_paused():
         for path in paths:
-            accumulator.add(load_trace(Path(path), check_frame_ids=False))
+            accumulator.add_file(path)
             if advance is not None:
                 advance(1)
     return accumulator
@@ -140,7 +139,7 @@ def _helper(tasks: Any, results: Any) -> None:
     try:
         with gc_paused():
             while (path := tasks.get()) is not None:
-                accumulator.add(load_trace(Path(path), check_frame_ids=False))
+                accumulator.add_file(path)
                 results.put(("file", None))
         results.put(("done", accumulator))
     except BaseException as exc:
@@ -188,7 +187,7 @@ def combine_parallel(
     try:
         with gc_paused():
             while (path := tasks.get()) is not None:
-                total.add(load_trace(Path(path), check_frame_ids=False))
+                total.add_file(path)
                 tick(1)
                 drain()
             while len(partials) < helpers:
