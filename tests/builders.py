@@ -65,3 +65,9 @@ def as_trace(*docs: dict[str, Any]) -> CallsiteTrace:
 def write(path: Path, doc: dict[str, Any]) -> Path:
     path.write_text(json.dumps(doc))
     return path
+
+
+def sample_inputs(samples: Path, *names: str) -> list[str]:
+    """``-i`` options for the sample entries ``names``, in that order (the first is
+    the one compare holds the others against): ``sample_inputs(samples, "gpt", "fsdp")``."""
+    return [arg for name in names for arg in ("-i", str(samples / f"{name}_callsite_rank*.json"))]

@@ -24,6 +24,7 @@ import opguard_plugins.generate as generate_plugin
 from opguard_core.atomic import TMP_SUFFIX, atomic_write_bytes, atomic_write_text
 from opguard_core.trace_format import load_trace
 from opguard_core.tree_format import load_tree
+from tests.builders import sample_inputs
 
 # ----------------------------------------------------------------------------- helpers
 
@@ -126,10 +127,7 @@ def test_write_failing_mid_run_leaves_no_partial_artifact(
     monkeypatch.setattr(atomic.os, "fsync", fsync)
     run = opguard(
         "run",
-        "-i",
-        str(samples / "gpt_callsite_rank*.json"),
-        "-i",
-        str(samples / "fsdp_callsite_rank*.json"),
+        *sample_inputs(samples, "gpt", "fsdp"),
     )
     assert run.exit_code == 1
     assert "Traceback" not in run.stderr
@@ -164,10 +162,7 @@ def test_keyboard_interrupt_mid_stage_stops_cleanly(
     monkeypatch.setattr(compress_plugin, "compress_trace", compress)
     run = opguard(
         "run",
-        "-i",
-        str(samples / "gpt_callsite_rank*.json"),
-        "-i",
-        str(samples / "fsdp_callsite_rank*.json"),
+        *sample_inputs(samples, "gpt", "fsdp"),
     )
     assert run.exit_code == 130
     summary = _interrupted_summary(run)

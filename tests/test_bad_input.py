@@ -17,6 +17,7 @@ from opguard_core.config_format import load_config, parse_config
 from opguard_core.errors import InputError
 from opguard_core.trace_format import MAX_RANK, decode_trace, load_trace
 from opguard_plugins.basic_filter import load_basic_list
+from tests.builders import sample_inputs
 
 GOOD_ENTRY = "gpt_callsite"
 
@@ -331,10 +332,7 @@ def test_cli_names_the_bad_rank_file_of_a_multi_rank_entry(
     (samples / "fsdp_callsite_rank1.json").write_bytes(site(count=0))
     run = opguard(
         "run",
-        "-i",
-        str(samples / "fsdp_callsite_rank*.json"),
-        "-i",
-        str(samples / "gpt_callsite_rank*.json"),
+        *sample_inputs(samples, "fsdp", "gpt"),
     )
     assert run.exit_code == 1
     (line,) = _error_lines(run.stderr)

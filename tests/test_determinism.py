@@ -13,6 +13,8 @@ from typing import Any
 
 import pytest
 
+from tests.builders import sample_inputs
+
 SUMMARY = "pipeline_summary.json"
 #: artifacts whose content depends on input order by definition (1 vs N, fold order)
 ORDER_DEPENDENT = re.compile(r"^(comparison_1_vs_\d+\.log|temp_combined_\d+\.yaml)$")
@@ -30,10 +32,7 @@ def rank_files(samples: Path, name: str) -> list[Path]:
 def test_rerun_gives_byte_identical_artifacts(opguard: Callable[..., Any], samples: Path) -> None:
     args = [
         "run",
-        "-i",
-        str(samples / "fsdp_callsite_rank*.json"),
-        "-i",
-        str(samples / "gpt_callsite_rank*.json"),
+        *sample_inputs(samples, "fsdp", "gpt"),
         "--basic",
     ]
     first = opguard(*args, expect=0)
@@ -90,10 +89,7 @@ def test_artifacts_hold_no_timestamps_or_absolute_paths(
     run = opguard(
         "run",
         *(["-v"] if verbose else []),
-        "-i",
-        str(samples / "fsdp_callsite_rank*.json"),
-        "-i",
-        str(samples / "gpt_callsite_rank*.json"),
+        *sample_inputs(samples, "fsdp", "gpt"),
         "--basic",
         expect=0,
     )
