@@ -30,28 +30,21 @@ def restore_logging() -> Iterator[None]:
     logs._state.update(saved)
 
 
-def test_json_mode_never_shows_progress_even_on_a_terminal(
-    monkeypatch: pytest.MonkeyPatch, restore_logging: None
+@pytest.mark.parametrize(
+    ("mode", "stream"),
+    [("json", _Terminal), ("console", io.StringIO)],  # a StringIO's isatty() is False
+    ids=["json-mode-even-on-a-terminal", "console-mode-off-a-terminal"],
+)
+def test_no_progress_in_json_mode_or_off_a_terminal(
+    monkeypatch: pytest.MonkeyPatch, restore_logging: None, mode: str, stream: type[io.StringIO]
 ) -> None:
-    terminal = _Terminal()
-    monkeypatch.setattr(logs.sys, "stderr", terminal)
-    logs.configure_logging("json")
+    output = stream()
+    monkeypatch.setattr(logs.sys, "stderr", output)
+    logs.configure_logging(mode)
     assert not logs.progress_enabled()
     with logs.progress("combine x", 10) as advance:
         advance(5)
-    assert terminal.getvalue() == ""
-
-
-def test_console_mode_off_a_terminal_shows_no_progress(
-    monkeypatch: pytest.MonkeyPatch, restore_logging: None
-) -> None:
-    pipe = io.StringIO()  # isatty() is False
-    monkeypatch.setattr(logs.sys, "stderr", pipe)
-    logs.configure_logging("console")
-    assert not logs.progress_enabled()
-    with logs.progress("combine x", 10) as advance:
-        advance(5)
-    assert pipe.getvalue() == ""
+    assert output.getvalue() == ""
 
 
 def test_console_mode_on_a_terminal_enables_progress(
