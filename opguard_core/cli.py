@@ -314,7 +314,7 @@ def create_cli(manager: OpGuardPluginManager) -> click.Group:
 
     for impl in manager.implementations("opguard_register_commands"):
         try:
-            call_impl(impl, {"cli": cli})
+            call_impl(impl, {"cli": cli, "manager": manager})
         except Exception as exc:
             raise PluginError(
                 f'plugin "{impl.plugin_name}": opguard_register_commands failed: {exc}'

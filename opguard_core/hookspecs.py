@@ -14,7 +14,7 @@ installed plugin wins, or hands over by returning None.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -26,6 +26,8 @@ if TYPE_CHECKING:
 
     from opguard_core.combined import CallsiteTrace
     from opguard_core.model import Discovery, InputEntry, RunOptions
+    from opguard_core.plugins import OpGuardPluginManager
+    from opguard_core.stacks import Stack
 
 
 # -------------------------------------------------------------------------
@@ -175,10 +177,44 @@ def opguard_filter(config: CommentedMap, options: RunOptions) -> CommentedMap | 
 
 
 @hookspec
-def opguard_register_commands(cli: click.Group) -> None:
+def opguard_register_commands(cli: click.Group, manager: OpGuardPluginManager) -> None:
     """Add commands to the ``opguard`` command-line group.
 
     Called once, when the CLI is built, for every plugin.
 
     :param cli: the top-level :class:`click.Group`; call ``cli.add_command``.
+    :param manager: the plugin manager the CLI was built from, for commands that
+        call other hooks (``opguard export`` asks for ``opguard_export_formats``).
+    """
+
+
+# -------------------------------------------------------------------------
+# Export and report
+# -------------------------------------------------------------------------
+
+
+@hookspec
+def opguard_export_formats() -> dict[str, Callable[[list[Stack]], bytes]] | None:
+    """Name export formats for ``opguard export --format NAME``.
+
+    Called once per ``opguard export``, for every plugin; the names of all results
+    are the choices of ``--format`` (a later plugin in call order does not replace
+    a name an earlier one gave).
+
+    :returns: a mapping from format name to a writer. A writer receives the call
+        tree as a list of :class:`~opguard_core.stacks.Stack` (``frames``,
+        outermost first, each ``module:qualname``; ``op``; ``stream``; ``weight``, the op count),
+        one per (node, op, stream) with own ops, and returns the file's bytes.
+    """
+
+
+@hookspec
+def opguard_run_finished(run_dir: Path, summary: dict[str, Any]) -> None:
+    """Called once at the end of ``opguard run``, after the last stage.
+
+    Every implementation is called; one that raises is logged and does not change
+    the run's exit code. The built-in ``report`` plugin writes ``report.html`` here.
+
+    :param run_dir: the run directory, with every artifact the run wrote.
+    :param summary: the run's summary, as written to ``pipeline_summary.json``.
     """

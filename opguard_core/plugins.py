@@ -34,6 +34,9 @@ BUILTIN_PLUGINS: dict[str, str] = {
     "basic_filter": "opguard_plugins.basic_filter",
     "trace": "opguard_plugins.trace",
     "dask_executor": "opguard_plugins.dask_executor",
+    "export": "opguard_plugins.export",
+    "export_formats": "opguard_plugins.export_formats",
+    "report": "opguard_plugins.report",
 }
 
 #: Built-ins the pipeline cannot run without; use ``--skip STAGE`` to skip a stage.

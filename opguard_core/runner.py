@@ -421,6 +421,7 @@ class Runner:
             signal.signal(signal.SIGTERM, previous)
             code = self.exit_code()
             self._write_summary(final=True)
+            self._run_finished()
             log.info("run finished", exit_code=int(code), run_dir=str(self.run_dir))
         return code
 
@@ -494,6 +495,17 @@ class Runner:
             ],
             "stages": [dataclasses.asdict(r) for r in self.records],
         }
+
+    def _run_finished(self) -> None:
+        """Call every ``opguard_run_finished`` (the report); a failure is only logged."""
+        if self.run_dir is None:
+            return
+        summary = self.summary(final=True)
+        for impl in self.manager.implementations("opguard_run_finished"):
+            try:
+                call_impl(impl, {"run_dir": self.run_dir, "summary": summary})
+            except Exception as exc:
+                self.log.error("run_finished failed", plugin=impl.plugin_name, error=str(exc))
 
     def _write_summary(self, final: bool = False) -> None:
         if self.run_dir is None:

@@ -1,0 +1,60 @@
+"""A call tree as flat stacks: what the export formats (collapsed, speedscope, pprof) draw.
+
+One :class:`Stack` per (node, op, stream) with own ops: the frames from the root's
+child down to the node (``module:qualname``), the op and stream, and the count. The
+stacks' counts add up to the tree's root count (conservation, formats.md §2).
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+from opguard_core.tree_format import node_target
+
+
+class Stack(NamedTuple):
+    frames: tuple[str, ...]
+    op: str
+    stream: int
+    weight: int
+
+
+def tree_stacks(tree: dict[str, Any]) -> list[Stack]:
+    """Every (node, op, stream) of ``tree`` with own ops, depth first (iterative).
+
+    A node's own ops are split over streams by ``self_streams`` in op order; the
+    tree records ops and streams separately, so where a node has several of both
+    the split is an attribution, not a measurement (their totals are exact).
+    """
+    out: list[Stack] = []
+    todo: list[tuple[dict[str, Any], tuple[str, ...]]] = [(tree["root"], ())]
+    while todo:
+        node, path = todo.pop()
+        for op, stream, count in split_streams(node["self_ops"], node["self_streams"]):
+            out.append(Stack(path, op, stream, count))
+        for child in reversed(node.get("children", [])):
+            todo.append((child, (*path, node_target(child))))
+    return out
+
+
+def split_streams(
+    self_ops: dict[str, int], self_streams: dict[str, int]
+) -> list[tuple[str, int, int]]:
+    """(op, stream, count) triples whose op sums are ``self_ops`` and stream sums
+    ``self_streams``: ops and streams are paired off in sorted order."""
+    streams = sorted((int(s), c) for s, c in self_streams.items() if c > 0)
+    out: list[tuple[str, int, int]] = []
+    index = 0
+    left = streams[0][1] if streams else 0
+    for op, count in sorted(self_ops.items()):
+        while count > 0 and index < len(streams):
+            take = min(count, left)
+            out.append((op, streams[index][0], take))
+            count -= take
+            left -= take
+            if left == 0:
+                index += 1
+                left = streams[index][1] if index < len(streams) else 0
+        if count > 0:  # self_streams sum short (the tree check forbids it): stream 0
+            out.append((op, 0, count))
+    return out

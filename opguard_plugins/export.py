@@ -1,0 +1,190 @@
+"""Built-in plugin: ``opguard export SRC --format NAME [-o OUT]``.
+
+SRC is a callsite trace (a rank file or ``{name}_combined.json``) or a compressed
+call tree (``{name}_compressed.json``). A trace is folded into a tree by the
+built-in compressor with no thresholds (so nothing is pruned) and the default hide
+patterns unless ``--no-default-hide``; then ``--hide``, ``--focus`` and ``--ignore``
+apply to the tree's stacks, and the writer that a plugin's
+``opguard_export_formats`` names (built-ins: ``export_formats.py``) writes OUT.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import click
+import msgspec
+
+from opguard_core import hookimpl
+from opguard_core.atomic import atomic_write_bytes
+from opguard_core.combined import TraceAccumulator
+from opguard_core.errors import ExitCode, InputError, OpGuardError, PluginError
+from opguard_core.model import RunOptions
+from opguard_core.plugins import OpGuardPluginManager, call_impl
+from opguard_core.stacks import Stack, tree_stacks
+from opguard_core.trace_format import read_bytes
+from opguard_core.tree_format import TREE_FORMAT, check_tree, load_tree
+from opguard_plugins.compress import compress_trace
+
+Writer = Callable[[list[Stack]], bytes]
+SUFFIX = {"collapsed": ".folded", "speedscope": ".speedscope.json", "pprof": ".pb.gz"}
+
+
+def export_formats(manager: OpGuardPluginManager) -> dict[str, Writer]:
+    """Every format any plugin names; the first plugin in call order keeps a name."""
+    found: dict[str, Writer] = {}
+    for impl in manager.implementations("opguard_export_formats"):
+        try:
+            result = call_impl(impl, {}) or {}
+        except Exception as exc:
+            raise PluginError(
+                f'plugin "{impl.plugin_name}": opguard_export_formats: {exc}'
+            ) from exc
+        for name, writer in result.items():
+            found.setdefault(name, writer)
+    return found
+
+
+def load_source(path: Path, default_hide: bool = True) -> dict[str, Any]:
+    """The call tree of SRC: a compressed tree as it is, a trace compressed unpruned."""
+    try:
+        head = msgspec.json.decode(read_bytes(path))
+    except msgspec.DecodeError as exc:
+        raise InputError(path, f"not valid JSON: {exc}") from None
+    if isinstance(head, dict) and head.get("format") == TREE_FORMAT:
+        return load_tree(path)
+    accumulator = TraceAccumulator()
+    accumulator.add_file(path)
+    trace = accumulator.result()
+    options = RunOptions(min_count=1, min_fraction=0.0, default_hide=default_hide)
+    tree = compress_trace(trace, options)
+    check_tree(tree, expected_total=trace.total)
+    return tree
+
+
+def select_stacks(
+    stacks: list[Stack],
+    hide: Sequence[str] = (),
+    focus: Sequence[str] = (),
+    ignore: Sequence[str] = (),
+) -> list[Stack]:
+    """Drop hidden frames (their callees move up), keep stacks with a frame matching
+    ``focus`` (all when empty), then drop stacks with a frame matching ``ignore``.
+
+    A pattern matches a frame name (``module:qualname``, or the op) whole.
+    """
+
+    def regex(patterns: Sequence[str]) -> re.Pattern[str] | None:
+        return re.compile("|".join(f"(?:{p})" for p in patterns)) if patterns else None
+
+    hidden, focused, ignored = regex(hide), regex(focus), regex(ignore)
+    out = []
+    for stack in stacks:
+        frames = stack.frames
+        if hidden is not None:
+            frames = tuple(f for f in frames if hidden.fullmatch(f) is None)
+        names = (*frames, stack.op)
+        if focused is not None and not any(focused.fullmatch(n) for n in names):
+            continue
+        if ignored is not None and any(ignored.fullmatch(n) for n in names):
+            continue
+        out.append(stack._replace(frames=frames))
+    return out
+
+
+def _regexes(
+    ctx: click.Context, param: click.Parameter, values: tuple[str, ...]
+) -> tuple[str, ...]:
+    for pattern in values:
+        try:
+            re.compile(pattern)
+        except re.error as exc:
+            raise click.BadParameter(f"{pattern!r}: {exc}") from None
+    return values
+
+
+def make_command(manager: OpGuardPluginManager) -> click.Command:
+    @click.command("export")
+    @click.argument("src", type=click.Path(path_type=Path))
+    @click.option(
+        "--format",
+        "fmt",
+        required=True,
+        metavar="NAME",
+        help="collapsed, speedscope, pprof, or a plugin's format.",
+    )
+    @click.option(
+        "-o",
+        "--output",
+        type=click.Path(path_type=Path),
+        help="Output file (default: SRC's stem + the format's suffix).",
+    )
+    @click.option(
+        "--hide",
+        multiple=True,
+        metavar="REGEX",
+        callback=_regexes,
+        help="Hide frames matching REGEX whole (repeatable).",
+    )
+    @click.option(
+        "--focus",
+        multiple=True,
+        metavar="REGEX",
+        callback=_regexes,
+        help="Keep only stacks with a frame matching REGEX (repeatable).",
+    )
+    @click.option(
+        "--ignore",
+        multiple=True,
+        metavar="REGEX",
+        callback=_regexes,
+        help="Drop stacks with a frame matching REGEX (repeatable).",
+    )
+    @click.option(
+        "--no-default-hide", is_flag=True, help="For a trace SRC: keep the default plumbing frames."
+    )
+    @click.option("-v", "--verbose", count=True, help="Tracebacks on errors.")
+    @click.pass_context
+    def export(
+        ctx: click.Context,
+        src: Path,
+        fmt: str,
+        output: Path | None,
+        hide: tuple[str, ...],
+        focus: tuple[str, ...],
+        ignore: tuple[str, ...],
+        no_default_hide: bool,
+        verbose: int,
+    ) -> None:
+        """Write SRC (a callsite trace or a compressed tree) as a flame-graph file."""
+        writers = export_formats(manager)
+        if fmt not in writers:
+            raise click.BadParameter(
+                f"{fmt!r}: not one of {', '.join(sorted(writers))}", param_hint="--format"
+            )
+        try:
+            tree = load_source(src, default_hide=not no_default_hide)
+            stacks = select_stacks(tree_stacks(tree), hide, focus, ignore)
+            data = writers[fmt](stacks)
+            out = output or src.with_name(
+                src.name.removesuffix(".json") + SUFFIX.get(fmt, f".{fmt}")
+            )
+            atomic_write_bytes(out, data)
+        except OpGuardError as exc:
+            if verbose or (ctx.obj or {}).get("verbose"):
+                raise
+            click.echo(f"opguard: error: {exc}", err=True)
+            sys.exit(int(ExitCode.STAGE_FAILED))
+        click.echo(str(out))
+
+    return export
+
+
+@hookimpl
+def opguard_register_commands(cli: click.Group, manager: OpGuardPluginManager) -> None:
+    """Add ``opguard export``; its ``--format`` choices come from ``manager``'s plugins."""
+    cli.add_command(make_command(manager))
