@@ -2,7 +2,7 @@
 
 SRC is a callsite trace (a rank file or ``{name}_combined.json``) or a compressed
 call tree (``{name}_compressed.json``). A trace is folded into a tree by the
-built-in compressor with no thresholds (so nothing is pruned) and the default hide
+built-in compressor with no thresholds and no chain folding (nothing is pruned) and the default hide
 patterns unless ``--no-default-hide``; then ``--hide``, ``--focus`` and ``--ignore``
 apply to the tree's stacks, and the writer that a plugin's
 ``opguard_export_formats`` names (built-ins: ``export_formats.py``) writes OUT.
@@ -60,7 +60,7 @@ def load_source(path: Path, default_hide: bool = True) -> dict[str, Any]:
     accumulator = TraceAccumulator()
     accumulator.add_file(path)
     trace = accumulator.result()
-    options = RunOptions(min_count=1, min_fraction=0.0, default_hide=default_hide)
+    options = RunOptions(min_count=1, min_fraction=0.0, chains=False, default_hide=default_hide)
     tree = compress_trace(trace, options)
     check_tree(tree, expected_total=trace.total)
     return tree

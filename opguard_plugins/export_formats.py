@@ -104,7 +104,7 @@ def write_pprof(stacks: list[Stack]) -> bytes:
     """A gzipped ``profile.proto``: sample type ops/count, one sample per stack.
 
     Functions and locations are interned (one of each per distinct name, same id),
-    the op is the leaf frame and the stream a numeric label ``stream``.
+    the op is the leaf frame and the stream a label ``stream`` (a string).
     """
     strings: dict[str, int] = {"": 0}
 
@@ -117,7 +117,8 @@ def write_pprof(stacks: list[Stack]) -> bytes:
     stream_key = string("stream")
     for stack in stacks:
         ids = [functions.setdefault(name, len(functions) + 1) for name in (*stack.frames, stack.op)]
-        label = _int_field(1, stream_key) + _int_field(3, stack.stream)
+        # a string label: pprof drops numeric labels whose value is 0 (stream 0)
+        label = _int_field(1, stream_key) + _int_field(2, string(str(stack.stream)))
         sample = (
             _packed(1, ids[::-1])  # leaf first
             + _packed(2, [stack.weight])

@@ -33,6 +33,7 @@ def test_two_entries_write_every_artifact(opguard, samples: Path) -> None:
         "gpt_callsite_compressed.json",
         "gpt_callsite_instrumentation.yaml",
         "pipeline_summary.json",
+        "report.html",
         "temp_combined_1.yaml",
     ]
     summary = json.loads(run.read("pipeline_summary.json"))

@@ -16,13 +16,15 @@ import pytest
 from tests.builders import sample_inputs
 
 SUMMARY = "pipeline_summary.json"
+REPORT = "report.html"  # shows the summary (timestamps, paths), like it
 #: artifacts whose content depends on input order by definition (1 vs N, fold order)
 ORDER_DEPENDENT = re.compile(r"^(comparison_1_vs_\d+\.log|temp_combined_\d+\.yaml)$")
 DATE = re.compile(rb"(19|20)\d\d-?[01]\d-?[0-3]\d[T _]?[0-2]\d:?[0-5]\d")
 
 
 def artifacts(run_dir: Path) -> dict[str, bytes]:
-    return {p.name: p.read_bytes() for p in sorted(run_dir.iterdir()) if p.name != SUMMARY}
+    skip = (SUMMARY, REPORT)
+    return {p.name: p.read_bytes() for p in sorted(run_dir.iterdir()) if p.name not in skip}
 
 
 def rank_files(samples: Path, name: str) -> list[Path]:

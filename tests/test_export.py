@@ -1,0 +1,195 @@
+"""``opguard export``: collapsed stacks, speedscope JSON, pprof, and the formats hook."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import re
+import shutil
+import subprocess
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import click
+import pytest
+from click.testing import CliRunner
+from hypothesis import given
+from hypothesis import strategies as st
+
+from opguard_core import hookimpl
+from opguard_core.cli import create_cli
+from opguard_core.plugins import create_plugin_manager
+from opguard_core.stacks import Stack, split_streams, tree_stacks
+from opguard_core.tree_format import load_tree
+from tests.builders import trace_doc, write
+
+SCHEMA = Path(__file__).parent / "data" / "speedscope" / "file-format-schema.json"
+GO = shutil.which("go")
+FSDP_TOTAL = 6241
+
+
+def export(*args: str | Path, expect: int = 0) -> click.testing.Result:
+    argv = ["--log-format", "json", "export", *[str(a) for a in args]]
+    result = CliRunner().invoke(create_cli(create_plugin_manager()), argv)
+    assert result.exit_code == expect, (result.stdout, result.stderr)
+    return result
+
+
+def folded(path: Path) -> dict[str, int]:
+    lines = path.read_text().splitlines()
+    out = {}
+    for line in lines:
+        stack, _, count = line.rpartition(" ")
+        assert stack and count.isdigit(), line
+        out[stack] = int(count)
+    return out
+
+
+@pytest.fixture
+def tree_file(opguard: Callable[..., Any], samples: Path) -> Path:
+    run = opguard("run", "-i", str(samples / "fsdp_callsite_rank*.json"), expect=0)
+    return run.run_dir / "fsdp_callsite_compressed.json"
+
+
+def test_collapsed_from_a_tree_keeps_every_op(tree_file: Path, tmp_path: Path) -> None:
+    out = tmp_path / "t.folded"
+    export(tree_file, "--format", "collapsed", "-o", out)
+    stacks = folded(out)
+    assert sum(stacks.values()) == FSDP_TOTAL == load_tree(tree_file)["root"]["count"]
+    # the leaf of every line is an op the tree records at that node
+    ops = {op for s in tree_stacks(load_tree(tree_file)) for op in [s.op]}
+    assert {s.split(";")[-1] for s in stacks} == ops
+
+
+def test_collapsed_from_a_raw_trace_and_default_output_name(samples: Path) -> None:
+    src = samples / "gpt_callsite_rank0.json"
+    result = export(src, "--format", "collapsed")
+    out = samples / "gpt_callsite_rank0.folded"
+    assert result.stdout.strip() == str(out)
+    total = sum(c["count"] for c in json.loads(src.read_text())["callsites"])
+    assert sum(folded(out).values()) == total == 2826
+
+
+def test_hide_focus_ignore(tmp_path: Path) -> None:
+    src = write(
+        tmp_path / "t.json",
+        trace_doc(
+            [
+                ([("app", "main"), ("app", "step"), ("lib", "inner")], None, "aten::mm", 5),
+                ([("app", "main"), ("app", "other")], None, "aten::add", 3),
+            ]
+        ),
+    )
+    out = tmp_path / "o.folded"
+    export(src, "--format", "collapsed", "-o", out, "--hide", "app:step")
+    assert folded(out) == {"app:main;lib:inner;aten::mm": 5, "app:main;app:other;aten::add": 3}
+    export(src, "--format", "collapsed", "-o", out, "--focus", "lib:.*")
+    assert folded(out) == {"app:main;app:step;lib:inner;aten::mm": 5}
+    export(src, "--format", "collapsed", "-o", out, "--ignore", "aten::mm")
+    assert folded(out) == {"app:main;app:other;aten::add": 3}
+
+
+def test_speedscope_matches_the_published_schema(tree_file: Path, tmp_path: Path) -> None:
+    jsonschema = pytest.importorskip("jsonschema")
+    out = tmp_path / "t.speedscope.json"
+    export(tree_file, "--format", "speedscope", "-o", out)
+    doc = json.loads(out.read_text())
+    jsonschema.validate(doc, json.loads(SCHEMA.read_text()))
+    (profile,) = doc["profiles"]
+    assert sum(profile["weights"]) == profile["endValue"] == FSDP_TOTAL
+    names = [f["name"] for f in doc["shared"]["frames"]]
+    paths = {
+        ";".join(names[i] for i in s): w
+        for s, w in zip(profile["samples"], profile["weights"], strict=True)
+    }
+    collapsed = tmp_path / "t.folded"
+    export(tree_file, "--format", "collapsed", "-o", collapsed)
+    assert paths == folded(collapsed)
+
+
+def _pprof(*args: str) -> str:
+    assert GO is not None
+    done = subprocess.run(
+        [GO, "tool", "pprof", *args], capture_output=True, text=True, timeout=120, check=True
+    )
+    return done.stdout
+
+
+@pytest.mark.skipif(GO is None, reason="go (Debian golang-go) is not installed")
+def test_pprof_reads_back_with_go_tool_pprof(tree_file: Path, tmp_path: Path) -> None:
+    out = tmp_path / "t.pb.gz"
+    export(tree_file, "--format", "pprof", "-o", out)
+    assert gzip.decompress(out.read_bytes())  # gzipped
+    top = _pprof("-top", "-nodecount=100000", "-nodefraction=0", "-edgefraction=0", str(out))
+    assert "Type: ops" in top
+    assert re.search(rf"accounting for {FSDP_TOTAL}, 100% of {FSDP_TOTAL} total", top), top
+    stacks = tree_stacks(load_tree(tree_file))
+    by_op: dict[str, int] = {}
+    for s in stacks:
+        by_op[s.op] = by_op.get(s.op, 0) + s.weight
+    flat = {
+        m.group(2): int(m.group(1))
+        for m in re.finditer(r"^\s+(\d+)\s+\S+%\s+\S+%\s+\d+\s+\S+%\s+(\S+)\s*$", top, re.M)
+    }
+    assert {op: flat[op] for op in by_op} == by_op  # ops are the leaves: flat = own ops
+    raw = _pprof("-raw", str(out))
+    samples = re.findall(r"^\s+(\d+): [\d ]+$", raw.split("Locations")[0], re.M)
+    assert sum(map(int, samples)) == FSDP_TOTAL
+    assert len(samples) == len(stacks)  # one sample per (node, op, stream)
+    assert "ref_workloads:run_fsdp" in raw
+    tags = _pprof("-tags", str(out))
+    assert re.search(rf"stream: Total {FSDP_TOTAL}", tags), tags
+
+
+def test_bad_source_is_one_line(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    result = export(bad, "--format", "collapsed", expect=1)
+    assert result.stderr.strip().startswith(f"opguard: error: {bad}: not valid JSON")
+    assert "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) == 1
+    result = export(tmp_path / "missing.json", "--format", "collapsed", expect=1)
+    assert result.stderr == f"opguard: error: {tmp_path / 'missing.json'}: no such file\n"
+
+
+def test_unknown_format_is_a_usage_error(tmp_path: Path) -> None:
+    result = export(tmp_path / "x.json", "--format", "svg", expect=2)
+    assert "'svg': not one of collapsed, pprof, speedscope" in result.stderr
+
+
+def test_hook_export_formats(tmp_path: Path) -> None:
+    class Lines:
+        @hookimpl
+        def opguard_export_formats(self) -> dict[str, Callable[[list[Stack]], bytes]]:
+            return {
+                "lines": lambda stacks: b"".join(f"{s.op} {s.weight}\n".encode() for s in stacks)
+            }
+
+    pm = create_plugin_manager()
+    pm.register(Lines(), name="lines")
+    src = write(tmp_path / "t.json", trace_doc([([("app", "main")], None, "aten::mm", 4)]))
+    out = tmp_path / "t.lines"
+    argv = ["export", str(src), "--format", "lines", "-o", str(out)]
+    result = CliRunner().invoke(create_cli(pm), argv)
+    assert result.exit_code == 0, result.stderr
+    assert out.read_text() == "aten::mm 4\n"
+
+
+@given(
+    st.dictionaries(st.sampled_from(["a", "b", "c", "d"]), st.integers(1, 50), min_size=1),
+    st.data(),
+)
+def test_split_streams_keeps_both_marginals(ops: dict[str, int], data: st.DataObject) -> None:
+    total = sum(ops.values())
+    cuts = sorted(data.draw(st.lists(st.integers(0, total), max_size=3)))
+    parts = [b - a for a, b in zip([0, *cuts], [*cuts, total], strict=True)]
+    streams = {str(i): n for i, n in enumerate(parts) if n}
+    triples = split_streams(ops, streams)
+    by_op: dict[str, int] = {}
+    by_stream: dict[str, int] = {}
+    for op, stream, n in triples:
+        assert n > 0
+        by_op[op] = by_op.get(op, 0) + n
+        by_stream[str(stream)] = by_stream.get(str(stream), 0) + n
+    assert by_op == ops
+    assert by_stream == streams
