@@ -23,6 +23,7 @@ from opguard_core import hookimpl
 from opguard_core.atomic import atomic_write_text, safe_child
 from opguard_core.config_format import load_config
 from opguard_core.errors import ExitCode, InputError, OpGuardError
+from opguard_core.trace_format import read_bytes
 from opguard_core.tree_format import load_tree, node_target
 
 REPORT_NAME = "report.html"
@@ -150,9 +151,7 @@ def write_report(run_dir: Path, summary: dict[str, Any] | None = None) -> Path:
     if summary is None:
         path = run_dir / SUMMARY_NAME
         try:
-            summary = msgspec.json.decode(path.read_bytes())
-        except OSError as exc:
-            raise InputError(path, f"cannot read file: {exc.strerror or exc}") from None
+            summary = msgspec.json.decode(read_bytes(path))
         except msgspec.DecodeError as exc:
             raise InputError(path, f"not valid JSON: {exc}") from None
         if not isinstance(summary, dict):

@@ -48,8 +48,8 @@
       box.replaceChildren();
       const ancestors = [];
       for (let p = focus; p; p = parents.get(p)) ancestors.unshift(p);
-      const rows = ancestors.length - 1 + depthOf(focus);
-      box.style.height = rows * rowH + "px";
+      const rowsN = ancestors.length - 1 + depthOf(focus);
+      box.style.height = rowsN * rowH + "px";
       ancestors.forEach(function (node, depth) { bar(node, depth, 0, 100, focus); });
       const depth0 = ancestors.length - 1;
       (function place(node, depth, left, width) {
@@ -63,7 +63,7 @@
       })(focus, depth0, 0, 100);
     }
     function bar(node, depth, left, width, focus) {
-      const d = el("div", width > 3 ? node.n : "");
+      const d = el("div", width > 3 ? node.n : "", "bar");
       d.style.left = left + "%";
       d.style.width = width + "%";
       d.style.top = depth * rowH + "px";
@@ -88,13 +88,13 @@
   }
 
   // ------------------------------------------------------------ sortable table
-  function table(container, columns, rows, searchable) {
+  function table(container, columns, rows, searchable, role) {
     const input = el("input", null, "search");
     input.type = "search";
     input.placeholder = "search…";
     if (searchable) container.appendChild(input);
     const t = el("table");
-    t.setAttribute("data-role", "entries");
+    t.setAttribute("data-role", role || "table");
     const head = el("tr");
     const body = el("tbody");
     let key = -1, asc = true;
@@ -152,12 +152,12 @@
     if (entry.findings && entry.findings.length) {
       sec.appendChild(el("h3", "Divergence findings (" + entry.findings.length + ")"));
       table(sec, [{ title: "severity", cls: function (v) { return "sev-" + v; } }, { title: "kind" },
-        { title: "target" }, { title: "op" }, { title: "ranks" }, { title: "message" }], entry.findings, true);
+        { title: "target" }, { title: "op" }, { title: "ranks" }, { title: "message" }], entry.findings, true, "findings");
     }
     if (entry.config) {
       sec.appendChild(el("h3", "Instrumentation config (" + entry.config.length + " entries)"));
       table(sec, [{ title: "target" }, { title: "kind" }, { title: "context" }, { title: "tags" },
-        { title: "ops" }, { title: "count", num: true }, { title: "ranks", num: true }], entry.config, true);
+        { title: "ops" }, { title: "count", num: true }, { title: "ranks", num: true }], entry.config, true, "config");
     }
   }
   if (data.comparisons.length) {
