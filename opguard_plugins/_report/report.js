@@ -14,10 +14,10 @@
     if (cls) e.className = cls;
     return e;
   }
-  function section(title) {
+  function section(title, parent) {
     const s = el("section");
     s.appendChild(el("h2", title));
-    document.getElementById("content").appendChild(s);
+    (parent || document.getElementById("content")).appendChild(s);
     return s;
   }
   function hue(name) {
@@ -133,11 +133,13 @@
 
   // ------------------------------------------------------------ the page
   const s = data.summary || {};
-  const run = section("Run");
+  const top = el("div", null, "side-by-side");
+  document.getElementById("content").appendChild(top);
+  const run = section("Run", top);
   const facts = [["status", s.status], ["exit code", s.exit_code], ["started", s.started_at],
     ["seconds", s.seconds], ["inputs", (s.inputs || []).join(" ")], ["opguard", s.opguard_version]];
   table(run, [{ title: "" }, { title: "" }], facts.map(function (f) { return [f[0], f[1] === undefined ? "" : f[1]]; }), false);
-  const stages = section("Stages");
+  const stages = section("Stages", top);
   table(stages, [{ title: "stage" }, { title: "entry" },
     { title: "status", cls: function (v) { return "status-" + v; } }, { title: "plugin" },
     { title: "seconds", num: true }, { title: "error" }],
@@ -145,6 +147,7 @@
 
   for (const entry of data.entries) {
     const sec = section("Entry " + entry.index + ": " + entry.name);
+    sec.id = "entry-" + Number(entry.index);
     if (entry.tree) {
       sec.appendChild(el("h3", "Call tree (" + entry.tree.c + " ops)"));
       icicle(sec, entry.tree);
@@ -167,5 +170,8 @@
       sec.appendChild(el("pre", c.text));
     }
   }
+  // deep links (report.html#entry-2): the sections exist only now, so scroll here
+  const target = location.hash ? document.getElementById(location.hash.slice(1)) : null;
+  if (target) target.scrollIntoView();
   document.body.setAttribute("data-ready", "1");
 })();
