@@ -50,6 +50,8 @@ def assert_every_artifact_parses(run_dir: Path) -> None:
             assert isinstance(config, dict) and "entries" in config, name
         elif name.endswith(".log"):
             assert path.read_text().endswith("\n"), name
+        elif name == "report.html":
+            assert path.read_text().rstrip().endswith("</html>"), name
         else:
             raise AssertionError(f"unexpected artifact {name}")
 
@@ -184,6 +186,7 @@ def test_keyboard_interrupt_mid_stage_stops_cleanly(
         "gpt_callsite_compressed.json",
         "gpt_callsite_instrumentation.yaml",
         "pipeline_summary.json",
+        "report.html",  # the report of an interrupted run shows how far it got
     ]
     assert_every_artifact_parses(run.run_dir)
 
