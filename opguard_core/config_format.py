@@ -15,6 +15,7 @@ by ruamel (:func:`_dump_with_ruamel`).
 from __future__ import annotations
 
 import io
+import re
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -30,16 +31,49 @@ from ruamel.yaml.comments import (
 )
 from ruamel.yaml.error import YAMLError
 from ruamel.yaml.nodes import ScalarNode
+from ruamel.yaml.representer import RoundTripRepresenter
 from ruamel.yaml.tag import Tag
 
 from opguard_core.errors import InputError
 
-CONFIG_VERSION = 1
+#: the layout written; version 1 (flow maps of ops, no summary comments) is still read
+CONFIG_VERSION = 2
+READ_VERSIONS = (1, 2)
 EntryKey = tuple[str, tuple[str, ...]]
+
+
+_STR_TAG = "tag:yaml.org,2002:str"
+#: strings ruamel's emitter would write plain (or with a raw line break) in a form
+#: its own parser refuses or reads differently: both writers quote them
+_LEADS_NEEDING_QUOTES = ("?", ":")
+_BREAKS_NEEDING_ESCAPES = ("\x85", "\u2028", "\u2029")
+
+
+def _forced_style(value: str) -> str | None:
+    """The quoting both writers force on ``value`` (None: the emitter's own choice)."""
+    if any(ch in value for ch in _BREAKS_NEEDING_ESCAPES):
+        return '"'
+    if value.startswith(_LEADS_NEEDING_QUOTES):
+        return "'"
+    return None
+
+
+class _Representer(RoundTripRepresenter):
+    """ruamel's round-trip representer, quoting the strings of :func:`_forced_style`."""
+
+    def represent_str(self, data: str) -> Any:
+        style = _forced_style(data)
+        if style is None:
+            return super().represent_str(data)
+        return self.represent_scalar(_STR_TAG, data, style=style)
+
+
+_Representer.add_representer(str, _Representer.represent_str)
 
 
 def _yaml() -> YAML:
     yaml = YAML(typ="rt", pure=True)
+    yaml.Representer = _Representer
     yaml.width = 2**30  # never wrap: flow maps of ops can be longer than any fixed width
     yaml.indent(mapping=2, sequence=4, offset=2)
     yaml.default_flow_style = False
@@ -58,6 +92,14 @@ def flow_map(items: Iterable[tuple[Any, Any]]) -> CommentedMap:
     return mapping
 
 
+def block_map(items: Iterable[tuple[Any, Any]]) -> CommentedMap:
+    """A block mapping (one key per line), as v2 writes ``meta``, ``ops`` and
+    ``stream_counts``."""
+    mapping = CommentedMap(items)
+    mapping.fa.set_block_style()
+    return mapping
+
+
 def entry_key(entry: dict[str, Any]) -> EntryKey:
     """The matching key of an entry: (target, context)."""
     return (str(entry["target"]), tuple(str(c) for c in entry.get("context") or ()))
@@ -67,9 +109,70 @@ def dump_config(config: CommentedMap) -> str:
     """Serialise a config to YAML text (deterministic for the same mapping).
 
     Uses the fast writer when it can, else ruamel.yaml; both give the same bytes.
+    Each entry is preceded by its summary line (:func:`summary_comment`), derived
+    from the data at write time and dropped again on load.
     """
     text = _dump_fast(config)
-    return _dump_with_ruamel(config) if text is None else text
+    if text is None:
+        text = _dump_with_ruamel(config)
+    return annotate_entries(text, config)
+
+
+# ------------------------------------------------------------ summary comments
+
+#: the summary line written before each entry; loading drops lines of exactly this form
+SUMMARY_RE = re.compile(r"  # [0-9]+ ops(, [0-9]+\.[0-9]% of total)?\n")
+_ENTRY_START = "  - "
+
+
+def summary_comment(entry: dict[str, Any], total: int) -> str:
+    """``  # 768 ops, 0.8% of total``: the entry's inclusive op dispatches and their
+    share of ``meta.total`` (the share is left out when the total is 0)."""
+    count = int(entry.get("count", 0))
+    share = f", {100 * count / total:.1f}% of total" if total > 0 else ""
+    return f"  # {count} ops{share}\n"
+
+
+def _entry_starts(lines: list[str]) -> list[int]:
+    """Indexes of the lines that open an item of the top-level ``entries`` sequence.
+
+    In the block layout an item starts with exactly two spaces and a dash; values
+    inside it are indented by four or more, and top-level keys by none."""
+    starts: list[int] = []
+    inside = False
+    for index, line in enumerate(lines):
+        if line and line[0] not in " #\n":
+            inside = line == "entries:\n"
+        elif inside and line.startswith(_ENTRY_START):
+            starts.append(index)
+    return starts
+
+
+def annotate_entries(text: str, config: dict[str, Any]) -> str:
+    """``text`` with a summary line before each entry (None when the entries and the
+    text disagree, which would be a writer bug: then the text is returned as is)."""
+    entries = config.get("entries")
+    if not isinstance(entries, list) or not entries:
+        return text
+    lines = text.splitlines(keepends=True)
+    starts = _entry_starts(lines)
+    if len(starts) != len(entries):
+        return text
+    total = int((config.get("meta") or {}).get("total", 0) or 0)
+    for index, entry in zip(reversed(starts), reversed(entries), strict=True):
+        lines.insert(index, summary_comment(entry, total))
+    return "".join(lines)
+
+
+def strip_summaries(text: str) -> str:
+    """``text`` without the summary lines :func:`annotate_entries` wrote (a summary
+    line is recognised only right before an entry, so a person's comments stay)."""
+    if "ops" not in text:
+        return text
+    lines = text.splitlines(keepends=True)
+    starts = set(_entry_starts(lines))
+    drop = {i for i in range(len(lines) - 1) if i + 1 in starts and SUMMARY_RE.fullmatch(lines[i])}
+    return "".join(line for i, line in enumerate(lines) if i not in drop) if drop else text
 
 
 def _dump_with_ruamel(config: CommentedMap) -> str:
@@ -81,7 +184,6 @@ def _dump_with_ruamel(config: CommentedMap) -> str:
 
 # ------------------------------------------------------------------ fast writer
 
-_STR_TAG = "tag:yaml.org,2002:str"
 #: ruamel writes a mapping key shorter than 128 characters (with its 5-character
 #: tag) as a simple key, longer ones as ``? key``; the fast writer stays well below.
 _MAX_KEY = 100
@@ -129,6 +231,7 @@ class _FastWriter:
         yaml = _yaml()
         self.emitter: Any = yaml.emitter
         self.resolver: Any = yaml.resolver
+        self.representer: Any = yaml.representer
         if not self.emitter.allow_unicode or self.emitter.canonical:
             raise _Unusual
         self.block: dict[str, str] = {}
@@ -148,6 +251,12 @@ class _FastWriter:
         resolve = self.resolver.resolve
         if resolve(ScalarNode, value, (False, True)) != _STR_TAG:
             raise _Unusual
+        if _forced_style(value) is not None:  # only "'" here: breaks are multiline
+            return (
+                "'" + value.replace("'", "''") + "'"
+                if analysis.allow_single_quoted
+                else self.double_quoted(value)
+            )
         if resolve(ScalarNode, value, (True, False)) == _STR_TAG and (
             analysis.allow_flow_plain if flow else analysis.allow_block_plain
         ):
@@ -189,6 +298,11 @@ class _FastWriter:
             return int.__repr__(value)
         if kind is bool:
             return "true" if value else "false"
+        if kind is float:  # settings such as min_fraction: ruamel's own representation
+            node = self.representer.represent_float(value)
+            if node.style or node.tag != "tag:yaml.org,2002:float":
+                raise _Unusual
+            return str(node.value)
         raise _Unusual
 
     def key(self, value: object, flow: bool) -> str:
@@ -232,16 +346,32 @@ class _FastWriter:
             parts.append(f"{key(name, True)}: {text}")
         return "{" + ", ".join(parts) + "}"
 
-    def block_value(self, value: object, seen: set[int]) -> str:
-        """What follows ``key:`` in a block mapping for a scalar, None or flow collection."""
+    def block_field(self, head: str, value: object, indent: int, seen: set[int]) -> str:
+        """``head:`` and what follows it in a block mapping whose keys sit at ``indent``:
+        a scalar, None, a flow collection, or a non-empty block mapping written on the
+        following lines (``meta``, ``ops`` and ``stream_counts`` in v2)."""
         kind = type(value)
         if value is None:
-            return ""
+            return f"{head}:\n"
         if kind is CommentedMap:
-            return " " + self.flow_map(value, seen)  # type: ignore[arg-type]
+            if not value:
+                _check_plain(value)  # type: ignore[arg-type]
+                return f"{head}: {{}}\n"
+            if _is_flow(value):  # type: ignore[arg-type]
+                return f"{head}: {self.flow_map(value, seen)}\n"  # type: ignore[arg-type]
+            return f"{head}:\n" + self.block_map(value, indent + 2, seen)  # type: ignore[arg-type]
         if kind is CommentedSeq:
-            return " " + self.flow_seq(value, seen)
-        return " " + self.scalar(value, False)
+            return f"{head}: {self.flow_seq(value, seen)}\n"
+        return f"{head}: {self.scalar(value, False)}\n"
+
+    def block_map(self, mapping: CommentedMap, indent: int, seen: set[int]) -> str:
+        """A non-empty block mapping whose keys sit at ``indent``."""
+        if id(mapping) in seen:
+            raise _Unusual
+        seen.add(id(mapping))
+        pad = " " * indent
+        key, field = self.key, self.block_field
+        return "".join([field(pad + key(k, False), v, indent, seen) for k, v in mapping.items()])
 
     def document(self, config: CommentedMap) -> str:
         """The whole document; raises :class:`_Unusual` for anything off its shape."""
@@ -249,7 +379,7 @@ class _FastWriter:
         if type(config) is not CommentedMap or not config or _check_plain(config) is True:
             raise _Unusual
         out: list[str] = []
-        key, block_value = self.key, self.block_value
+        key, field = self.key, self.block_field
         for name, value in config.items():
             head = key(name, False)
             if type(value) is list or (
@@ -272,11 +402,11 @@ class _FastWriter:
                         raise _Unusual
                     seen.add(id(item))
                     lead = "  - "
-                    for field, field_value in item.items():
-                        out.append(f"{lead}{key(field, False)}:{block_value(field_value, seen)}\n")
+                    for item_key, item_value in item.items():
+                        out.append(field(lead + key(item_key, False), item_value, 4, seen))
                         lead = "    "
             else:
-                out.append(f"{head}:{block_value(value, seen)}\n")
+                out.append(field(head, value, 0, seen))
         return "".join(out)
 
 
@@ -286,10 +416,11 @@ _writer: _FastWriter | None = None
 def _dump_fast(config: CommentedMap) -> str | None:
     """The config text written directly, or None when ruamel must write it.
 
-    Handles a block mapping of scalars (None too), flow collections and block
-    sequences of block mappings, whose values are scalars, None or flow collections;
-    flow sequences hold scalars, flow mappings scalar keys and scalars or flow
-    sequences. No comments, anchors, tags, merge keys or shared collections; strings
+    Handles a block mapping of scalars (None too), flow collections, block mappings
+    (nested the same way) and block sequences of block mappings, whose values are
+    scalars, None, flow collections or block mappings; flow sequences hold scalars,
+    flow mappings scalar keys and scalars or flow sequences. No comments, anchors,
+    tags, merge keys or shared collections; strings
     without line breaks or characters that need escapes; keys below 100 characters.
     """
     global _writer
@@ -304,12 +435,26 @@ def _dump_fast(config: CommentedMap) -> str | None:
 def parse_config(text: str, path: Path | str) -> CommentedMap:
     """Parse and validate config text; raise :class:`InputError` naming the problem."""
     try:
-        config = _yaml().load(text)
+        config = _yaml().load(strip_summaries(text))
     except YAMLError as exc:
         problem = str(exc).splitlines()
         raise InputError(path, f"malformed YAML: {' '.join(problem)}") from None
     validate_config(config, path)
+    if config["version"] == 1:
+        upgrade_v1(config)
     return config  # type: ignore[no-any-return]
+
+
+def upgrade_v1(config: CommentedMap) -> None:
+    """Bring a loaded version-1 config to the version-2 layout in place: ``meta``,
+    ``ops`` and ``stream_counts`` become block mappings (comments stay where they
+    were). The data is the same; v1 simply had no run settings in ``meta``."""
+    config["version"] = CONFIG_VERSION
+    for mapping in [config.get("meta")] + [
+        entry.get(field) for entry in config["entries"] for field in ("ops", "stream_counts")
+    ]:
+        if isinstance(mapping, CommentedMap):
+            mapping.fa.set_block_style()
 
 
 def load_config(path: Path) -> CommentedMap:
@@ -333,9 +478,10 @@ def validate_config(config: object, path: Path | str) -> None:
     """Check the shape of a config document (types of every field §3 names)."""
     if not isinstance(config, dict):
         raise InputError(path, "expected a YAML mapping at top level")
-    if config.get("version") != CONFIG_VERSION:
+    if config.get("version") not in READ_VERSIONS:
+        known = " or ".join(str(v) for v in READ_VERSIONS)
         raise InputError(
-            path, f"unknown config version {config.get('version')!r} (expected {CONFIG_VERSION})"
+            path, f"unknown config version {config.get('version')!r} (expected {known})"
         )
     meta = config.get("meta", {})
     if meta is None:

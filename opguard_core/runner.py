@@ -34,6 +34,7 @@ from opguard_core.atomic import (
     safe_child,
 )
 from opguard_core.combined import CallsiteTrace
+from opguard_core.config_chain import active_filters, apply_filters
 from opguard_core.config_format import dump_config, entry_key, validate_config
 from opguard_core.errors import ExitCode, Interrupted, OpGuardError
 from opguard_core.logs import get_logger
@@ -43,7 +44,6 @@ from opguard_core.tree_format import check_tree, encode_tree
 
 OUTPUT_BASE_ENV = "OPGUARD_TRACE_OUTPUT_BASE"
 DEFAULT_OUTPUT_BASE = Path("opguard_traces")
-BASIC_FILTER_PLUGIN = "basic_filter"
 
 
 def trace_output_base(explicit: Path | None = None) -> Path:
@@ -275,18 +275,29 @@ class Runner:
         return config
 
     def compare(self, configs: dict[int, tuple[InputEntry, CommentedMap]]) -> None:
-        first = configs.get(1)
-        others = [i.index for i in self.entries if i.index != 1]
+        """Compare the first config that exists against each later entry's (entry 1's
+        unless it failed; the log says which one is the base)."""
+        base = min(configs) if configs else 1
+        first = configs.get(base)
+        if first is not None and base != 1:
+            self.log.warning(
+                "compare base is not entry 1", base=base, entry=first[0].name,
+                reason="entry 1 made no config",
+            )  # fmt: skip
+        others = [i.index for i in self.entries if i.index != base]
         for index in others:
             entry = self.entries[index - 1]
             if "compare" in self.skip:
                 self._skipped("compare", entry.name, "--skip compare")
                 continue
+            if index < base:
+                self._skipped("compare", entry.name, "this entry made no config")
+                continue
             if first is None or index not in configs:
                 self._skipped("compare", entry.name, "a config to compare is missing")
                 continue
             with contextlib.suppress(StageFailed), self.stage("compare", entry.name) as record:
-                first_label = f"1 ({first[0].name})"
+                first_label = f"{base} ({first[0].name})"
                 other_label = f"{index} ({entry.name})"
                 record.inputs = [
                     f"{first[0].name}_instrumentation.yaml",
@@ -300,7 +311,7 @@ class Runner:
                     first_label=first_label,
                     other_label=other_label,
                 )
-                out = self._path(f"comparison_1_vs_{index}.log")
+                out = self._path(f"comparison_{base}_vs_{index}.log")
                 atomic_write_text(out, text)
                 record.outputs = [self._rel(out)]
                 a = {entry_key(e) for e in first[1]["entries"]}
@@ -353,8 +364,7 @@ class Runner:
         return ("final_combined", accumulated)
 
     def active_filters(self) -> list[Any]:
-        impls = self.manager.implementations("opguard_filter")
-        return [i for i in impls if self.options.basic or i.plugin_name != BASIC_FILTER_PLUGIN]
+        return active_filters(self.manager, self.options)
 
     def filter(self, final: tuple[str, CommentedMap] | None) -> None:
         filters = self.active_filters()
@@ -374,27 +384,13 @@ class Runner:
                 if name == "final_combined"
                 else f"{name}_instrumentation.yaml"
             ]
-            chain = []
-            for impl in filters:
-                record.plugin = impl.plugin_name
-                before = [entry_key(e) for e in config["entries"]]
-                result = call_impl(impl, {"config": config, "options": self.options})
-                if result is not None:
-                    config = result
-                validate_config(config, f"output of filter {impl.plugin_name}")
-                after = {entry_key(e) for e in config["entries"]}
-                dropped = [k for k in before if k not in after]
-                chain.append(
-                    {
-                        "plugin": impl.plugin_name,
-                        "entries_before": len(before),
-                        "entries_after": len(after),
-                        "dropped": [f"{t} [{' > '.join(c)}]" if c else t for t, c in dropped],
-                    }
-                )
-                self.log.info(
-                    "filter applied", plugin=impl.plugin_name, dropped=len(dropped), kept=len(after)
-                )
+            config, chain = apply_filters(
+                filters,
+                config,
+                self.options,
+                self.log,
+                on_plugin=lambda name: setattr(record, "plugin", name),
+            )
             record.plugin = ",".join(i.plugin_name for i in filters)
             out = self._path(f"{name}_filtered_instrumentation.yaml")
             atomic_write_text(out, dump_config(config))

@@ -14,7 +14,7 @@ from typing import Any
 from ruamel.yaml.comments import CommentedMap
 
 from opguard_core import hookimpl
-from opguard_core.config_format import CONFIG_VERSION, EntryKey, flow_map, flow_seq
+from opguard_core.config_format import CONFIG_VERSION, EntryKey, block_map, flow_seq
 from opguard_core.model import RunOptions
 from opguard_core.tree_format import TORCH_API, node_target
 
@@ -138,6 +138,20 @@ def collect_entries(tree: dict[str, Any], depth: int) -> dict[EntryKey, _Entry]:
     return entries
 
 
+def run_settings(tree: dict[str, Any], depth: int) -> CommentedMap:
+    """``meta.settings``: how the tree was made (from the compressor's own record in
+    the tree's ``meta.compression``, so another compressor reports what it did) and
+    the context depth; the filter stage adds ``filters``."""
+    made = tree.get("meta", {}).get("compression", {})
+    settings = block_map(
+        (key, flow_seq(made[key]) if isinstance(made[key], list) else made[key])
+        for key in ("min_count", "min_fraction", "chains", "hide", "focus", "ignore")
+        if key in made
+    )
+    settings["context_depth"] = depth
+    return settings
+
+
 def generate_config(tree: dict[str, Any], source: str, depth: int) -> CommentedMap:
     """The built-in generator: the config mapping for ``tree``."""
     meta_ranks = sorted(tree.get("meta", {}).get("ranks", []))
@@ -152,8 +166,8 @@ def generate_config(tree: dict[str, Any], source: str, depth: int) -> CommentedM
         item["lines"] = flow_seq(sorted(entry.lines))
         item["context"] = flow_seq(context)
         item["tags"] = flow_seq(tags_for(target, kind, entry.ops))
-        item["ops"] = flow_map(sorted(entry.ops.items()))
-        item["stream_counts"] = flow_map(sorted(entry.streams.items()))
+        item["ops"] = block_map(sorted(entry.ops.items()))
+        item["stream_counts"] = block_map(sorted(entry.streams.items()))
         item["count"] = sum(entry.ops.values())
         ranks = sorted(entry.ranks)
         if ranks != meta_ranks:
@@ -162,7 +176,14 @@ def generate_config(tree: dict[str, Any], source: str, depth: int) -> CommentedM
     config = CommentedMap()
     config["version"] = CONFIG_VERSION
     config["source"] = source
-    config["meta"] = flow_map([("ranks", flow_seq(meta_ranks)), ("total", tree["root"]["count"])])
+    config["meta"] = block_map(
+        [
+            ("ranks", flow_seq(meta_ranks)),
+            ("total", tree["root"]["count"]),
+            ("sources", flow_seq([source])),
+            ("settings", run_settings(tree, depth)),
+        ]
+    )
     config["entries"] = out
     return config
 

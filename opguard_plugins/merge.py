@@ -15,7 +15,7 @@ from typing import Any
 from ruamel.yaml.comments import CommentedMap, CommentedSeq
 
 from opguard_core import hookimpl
-from opguard_core.config_format import entry_key, flow_map, flow_seq
+from opguard_core.config_format import block_map, entry_key, flow_seq
 from opguard_core.tree_format import TORCH_API
 
 _ENTRY_FIELDS = frozenset(
@@ -37,11 +37,23 @@ def _sorted_union(a: Any, b: Any) -> CommentedSeq:
     return flow_seq(sorted(set(a or ()) | set(b or ())))
 
 
+def _keep_comments(into: CommentedMap, *sources: Any) -> None:
+    """Comments a person wrote on keys of ``sources`` move to the same keys of
+    ``into`` (the first source wins where both have one)."""
+    for source in reversed(sources):
+        if isinstance(source, CommentedMap):
+            for key, comment in source.ca.items.items():
+                if key in into:
+                    into.ca.items[key] = comment
+
+
 def _add_counts(a: Any, b: Any) -> CommentedMap:
     total: dict[Any, int] = dict(a or {})
     for key, value in (b or {}).items():
         total[key] = total.get(key, 0) + value
-    return flow_map(sorted(total.items()))
+    summed = block_map(sorted(total.items()))
+    _keep_comments(summed, a, b)
+    return summed
 
 
 def _entry_ranks(entry: dict[str, Any], meta_ranks: list[int]) -> list[int]:
@@ -60,6 +72,7 @@ def merge_entries(
 ) -> CommentedMap:
     """Merge ``right`` into ``left`` (same key) and return ``left``."""
     _carry_extras(left, right, _ENTRY_FIELDS)
+    _keep_comments(left, left, right)
     kind = _merge_kind(left.get("kind"), right.get("kind"))
     if kind is not None:
         left["kind"] = kind
@@ -107,10 +120,13 @@ def merge_configs(left: CommentedMap, right: CommentedMap) -> CommentedMap:
             del entry["ranks"]
         entries.append(entry)
     meta = CommentedMap(left_meta)
-    _carry_extras(meta, right_meta, frozenset({"ranks", "total"}))
+    _carry_extras(meta, right_meta, frozenset({"ranks", "total", "sources"}))
     meta["ranks"] = flow_seq(all_ranks)
     meta["total"] = int(left_meta.get("total", 0)) + int(right_meta.get("total", 0))
-    meta.fa.set_flow_style()
+    if "sources" in left_meta or "sources" in right_meta:
+        meta["sources"] = _sorted_union(left_meta.get("sources"), right_meta.get("sources"))
+    meta.fa.set_block_style()
+    _keep_comments(meta, left_meta, right_meta)
     result["meta"] = meta
     result["source"] = "+".join(sorted(_sources(left) | _sources(right)))
     _carry_extras(result, right, frozenset({"version", "source", "meta", "entries"}))

@@ -43,7 +43,9 @@ def test_two_entries_write_every_artifact(opguard, samples: Path) -> None:
     tree = load_tree(run.run_dir / "gpt_callsite_compressed.json")
     assert tree["root"]["count"] == 2826 + 2722
     config = YAML(typ="safe").load(run.read("final_combined_instrumentation.yaml"))
-    assert config["meta"] == {"ranks": [0, 1], "total": 6241 + 5548}
+    meta = config["meta"]
+    assert (meta["ranks"], meta["total"]) == ([0, 1], 6241 + 5548)
+    assert meta["sources"] == ["fsdp_callsite", "gpt_callsite"]
 
 
 def test_single_pattern_entry_has_no_merge_and_filters_under_its_name(opguard, samples) -> None:
@@ -94,9 +96,12 @@ def test_a_failing_entry_is_recorded_and_the_others_go_on(opguard, samples) -> N
     assert "not valid JSON" in by_stage[("combine", "broken")]["error"]
     assert by_stage[("compress", "broken")]["status"] == "skipped"
     assert by_stage[("generate", "gpt_callsite")]["status"] == "ok"
-    # merge needs two configs; compare needs config 1
+    # merge needs two configs; compare takes the first config that exists (entry 2)
+    # as its base and has nothing to compare it with
     assert by_stage[("merge", None)]["status"] == "skipped"
-    assert by_stage[("compare", "gpt_callsite")]["status"] == "skipped"
+    assert by_stage[("compare", "broken")]["status"] == "skipped"
+    assert by_stage[("compare", "broken")]["error"] == "this entry made no config"
+    assert ("compare", "gpt_callsite") not in by_stage
 
 
 def test_missing_input_and_empty_pattern_fail_discovery(opguard, samples) -> None:

@@ -20,6 +20,8 @@ from ruamel.yaml.comments import CommentedMap, CommentedSeq
 from opguard_core.config_format import (
     _dump_fast,
     _dump_with_ruamel,
+    annotate_entries,
+    block_map,
     dump_config,
     flow_map,
     flow_seq,
@@ -55,8 +57,8 @@ def assert_fast_matches(config: CommentedMap) -> str:
     assert fast is not None, "the fast writer fell back on a config of the generated shape"
     slow = _dump_with_ruamel(config)
     assert fast == slow
-    assert dump_config(config) == slow
-    return fast
+    assert dump_config(config) == annotate_entries(slow, config)
+    return dump_config(config)
 
 
 def sample_config(label: str, depth: int = 1) -> CommentedMap:
@@ -143,9 +145,9 @@ def configs(draw: st.DrawFn, text: st.SearchStrategy[str]) -> CommentedMap:
         entry["context"] = flow_seq(draw(st.lists(text, max_size=3)))
         entry["tags"] = flow_seq(draw(st.lists(text, max_size=3)))
         ops = draw(st.dictionaries(text, counts, max_size=4))
-        entry["ops"] = flow_map(ops.items())
+        entry["ops"] = block_map(ops.items())
         streams = draw(st.dictionaries(st.integers(0, 2**40), counts, max_size=3))
-        entry["stream_counts"] = flow_map(streams.items())
+        entry["stream_counts"] = (block_map if draw(st.booleans()) else flow_map)(streams.items())
         entry["count"] = draw(counts)
         if draw(st.booleans()):
             entry["ranks"] = flow_seq(sorted(draw(st.sets(st.integers(0, 64), max_size=4))))
@@ -153,9 +155,16 @@ def configs(draw: st.DrawFn, text: st.SearchStrategy[str]) -> CommentedMap:
             entry[draw(text)] = draw(st.one_of(extra_values, text))
         entries.append(entry)
     config = CommentedMap()
-    config["version"] = 1
+    config["version"] = 2
     config["source"] = draw(text)
-    config["meta"] = flow_map([("ranks", flow_seq(meta_ranks)), ("total", draw(counts))])
+    config["meta"] = block_map(
+        [
+            ("ranks", flow_seq(meta_ranks)),
+            ("total", draw(counts)),
+            ("sources", flow_seq(draw(st.lists(text, max_size=2)))),
+            ("settings", block_map([("hide", flow_seq(draw(st.lists(text, max_size=2))))])),
+        ]
+    )
     config["entries"] = CommentedSeq(entries) if draw(st.booleans()) else entries
     return config
 
@@ -167,22 +176,33 @@ def test_adversarial_strings_are_identical(config: CommentedMap) -> None:
     slow = _dump_with_ruamel(config)
     if fast is not None:
         assert fast == slow
-    assert dump_config(config) == slow
-
-
-def _ruamel_reads_back(value: str) -> bool:
-    """ruamel's emitter writes ``?x`` plain in flow sequences and ``:x`` plain as flow
-    keys, which its parser cannot read, and ``\\x85`` as a raw line break. The writers
-    agree on them (above); round trips are checked on every other string."""
-    return not value.startswith(("?", ":")) and "\x85" not in value
+    assert dump_config(config) == annotate_entries(slow, config)
 
 
 @SETTINGS
-@given(configs(strings.filter(_ruamel_reads_back)))
+@given(configs(strings))
 def test_adversarial_strings_round_trip(config: CommentedMap) -> None:
+    """Every string survives config -> YAML -> load unchanged, on both writers
+    (``?x``, ``:x`` and line separators are quoted where ruamel's emitter would not)."""
     text = dump_config(config)
-    assert text == _dump_with_ruamel(config)
+    assert text == annotate_entries(_dump_with_ruamel(config), config)
     assert plain(parse_config(text, "adversarial")) == plain(config)
+
+
+@SETTINGS
+@given(st.text(max_size=30), st.text(max_size=30))
+def test_arbitrary_text_round_trips(target: str, op: str) -> None:
+    """Arbitrary unicode (not only the tricky alphabet) as a target, a context frame,
+    an op name and a key reads back unchanged."""
+    entry = CommentedMap()
+    entry["target"] = target
+    entry["context"] = flow_seq([op, target])
+    entry["ops"] = block_map([(op, 1)])
+    entry["count"] = 1
+    config = CommentedMap([("version", 2), ("source", op), ("entries", [entry])])
+    if len(op) < 100:
+        config["meta"] = block_map([("sources", flow_seq([op])), ("total", 1)])
+    assert plain(parse_config(dump_config(config), "arbitrary")) == plain(config)
 
 
 @SETTINGS
@@ -205,7 +225,7 @@ def test_comments_fall_back_to_ruamel() -> None:
     assert _dump_fast(config) is None
     text = dump_config(config)
     assert "# checked by hand" in text
-    assert text == _dump_with_ruamel(config)
+    assert text == annotate_entries(_dump_with_ruamel(config), config)
 
     start = sample_config("fsdp")
     start.yaml_set_start_comment("generated")
@@ -214,10 +234,17 @@ def test_comments_fall_back_to_ruamel() -> None:
 
 
 def test_loaded_comments_survive() -> None:
-    text = "# a person's note\nversion: 1  # the format\nsource: s\nentries:\n  - target: a:b\n"
+    text = (
+        "# a person's note\nversion: 2  # the format\nsource: s\nmeta:\n  total: 10\n"
+        "entries:\n  # 4 ops, 40.0% of total\n  - target: a:b  # mine\n    count: 4\n"
+        "  # a note before the second entry\n  # 6 ops, 60.0% of total\n  - target: c:d\n"
+        "    count: 6\n"
+    )
     config = parse_config(text, "commented")
     assert _dump_fast(config) is None
-    assert dump_config(config) == text
+    assert dump_config(config) == text  # summaries rewritten, not doubled; notes kept
+    config["entries"][0]["count"] = 5
+    assert "  # 5 ops, 50.0% of total\n  - target: a:b  # mine\n" in dump_config(config)
 
 
 def test_unusual_shapes_fall_back() -> None:
@@ -228,15 +255,19 @@ def test_unusual_shapes_fall_back() -> None:
     assert _dump_fast(shared) is None
     assert "&id001" in dump_config(shared)
 
-    block = sample_config("gpt")
-    block["meta"] = CommentedMap(block["meta"])  # a block mapping under the top level
-    assert _dump_fast(block) is None
-    assert dump_config(block) == _dump_with_ruamel(block)
+    nested = sample_config("gpt")
+    nested["entries"][0]["extra"] = [1, 2]  # a block sequence inside an entry
+    assert _dump_fast(nested) is None
+    assert dump_config(nested) == annotate_entries(_dump_with_ruamel(nested), nested)
 
-    floats = sample_config("gpt")
-    floats["entries"][0]["weight"] = 0.5
-    assert _dump_fast(floats) is None
-    assert "weight: 0.5" in dump_config(floats)
+
+@pytest.mark.parametrize("value", [0.5, 0.0, 1e-05, 1e20, 3.0, -2.5])
+def test_floats_and_nested_block_maps_take_the_fast_path(value: float) -> None:
+    config = sample_config("gpt")
+    config["entries"][0]["weight"] = value
+    config["meta"]["settings"]["deep"] = block_map([("inner", block_map([("x", value)]))])
+    assert_fast_matches(config)
+    assert parse_config(dump_config(config), "floats")["entries"][0]["weight"] == value
 
     escaped = sample_config("gpt")
     escaped["entries"][0]["context"] = flow_seq(["tab\there", "line\nbreak"])

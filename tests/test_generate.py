@@ -51,7 +51,12 @@ def test_entries_are_inclusive_with_context() -> None:
     assert block["count"] == 6
     # top-level entries add up to the total less the root's own ops
     assert sum(e["count"] for e in config["entries"] if not e["context"]) == 7
-    assert config["meta"] == {"ranks": [0], "total": 7}
+    assert {k: config["meta"][k] for k in ("ranks", "total", "sources")} == {
+        "ranks": [0],
+        "total": 7,
+        "sources": ["t"],
+    }
+    assert config["meta"]["settings"]["context_depth"] == 1
     assert "ranks" not in model
 
 
@@ -96,7 +101,7 @@ def test_yaml_round_trip_is_exact() -> None:
     doc = trace_doc([([MAIN, MODEL], "torch.mm", "aten::mm", 3)])
     text = dump_config(config_of(doc))
     assert dump_config(parse_config(text, "x.yaml")) == text
-    assert "ops: {aten::mm: 3}" in text
+    assert "    ops:\n      aten::mm: 3\n" in text  # v2: one op per line
 
 
 def test_merge_adds_counts_and_unions_sets() -> None:
@@ -115,7 +120,8 @@ def test_merge_adds_counts_and_unions_sets() -> None:
     assert model["count"] == 5 and model["ops"] == {"aten::mm": 5}
     assert "ranks" not in model
     assert entries[("model:Block.forward", ("train:main",))]["ranks"] == [1]
-    assert merged["meta"] == {"ranks": [0, 1], "total": 6}
+    assert (merged["meta"]["ranks"], merged["meta"]["total"]) == ([0, 1], 6)
+    assert merged["meta"]["sources"] == ["a", "b"]
     assert merged["source"] == "a+b"
     keys = [(e["target"], tuple(e["context"])) for e in merged["entries"]]
     assert keys == sorted(keys)
