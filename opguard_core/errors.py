@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import enum
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 
@@ -51,3 +54,17 @@ class Interrupted(BaseException):
     def __init__(self, signal_name: str) -> None:
         self.signal_name = signal_name
         super().__init__(signal_name)
+
+
+@contextmanager
+def reported_errors(verbose: bool) -> Iterator[None]:
+    """For a command's body: an :class:`OpGuardError` becomes one line on stderr
+    (``opguard: error: ...``) and exit code ``STAGE_FAILED``; with ``--verbose`` it
+    is re-raised, traceback and all."""
+    try:
+        yield
+    except OpGuardError as exc:
+        if verbose:
+            raise
+        print(f"opguard: error: {exc}", file=sys.stderr)
+        sys.exit(int(ExitCode.STAGE_FAILED))

@@ -11,7 +11,6 @@ apply to the tree's stacks, and the writer that a plugin's
 from __future__ import annotations
 
 import re
-import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -22,7 +21,7 @@ import msgspec
 from opguard_core import hookimpl
 from opguard_core.atomic import atomic_write_bytes
 from opguard_core.combined import TraceAccumulator
-from opguard_core.errors import ExitCode, InputError, OpGuardError, PluginError
+from opguard_core.errors import InputError, PluginError, reported_errors
 from opguard_core.model import RunOptions
 from opguard_core.plugins import OpGuardPluginManager, call_impl
 from opguard_core.stacks import Stack, tree_stacks
@@ -166,7 +165,7 @@ def make_command(manager: OpGuardPluginManager) -> click.Command:
             raise click.BadParameter(
                 f"{fmt!r}: not one of {', '.join(sorted(writers))}", param_hint="--format"
             )
-        try:
+        with reported_errors(bool(verbose or (ctx.obj or {}).get("verbose"))):
             tree = load_source(src, default_hide=not no_default_hide)
             stacks = select_stacks(tree_stacks(tree), hide, focus, ignore)
             data = writers[fmt](stacks)
@@ -174,11 +173,6 @@ def make_command(manager: OpGuardPluginManager) -> click.Command:
                 src.name.removesuffix(".json") + SUFFIX.get(fmt, f".{fmt}")
             )
             atomic_write_bytes(out, data)
-        except OpGuardError as exc:
-            if verbose or (ctx.obj or {}).get("verbose"):
-                raise
-            click.echo(f"opguard: error: {exc}", err=True)
-            sys.exit(int(ExitCode.STAGE_FAILED))
         click.echo(str(out))
 
     return export

@@ -11,7 +11,6 @@ embedded (slimmed to name, kind, count, own ops), never the raw callsites.
 from __future__ import annotations
 
 import html
-import sys
 from importlib.resources import files
 from pathlib import Path
 from typing import Any
@@ -22,7 +21,7 @@ import msgspec
 from opguard_core import hookimpl
 from opguard_core.atomic import atomic_write_text, safe_child
 from opguard_core.config_format import load_config
-from opguard_core.errors import ExitCode, InputError, OpGuardError
+from opguard_core.errors import InputError, reported_errors
 from opguard_core.trace_format import read_bytes
 from opguard_core.tree_format import load_tree, node_target
 
@@ -172,13 +171,8 @@ def opguard_run_finished(run_dir: Path, summary: dict[str, Any]) -> None:
 @click.pass_context
 def report_command(ctx: click.Context, run_dir: Path, verbose: int) -> None:
     """(Re)write RUN_DIR/report.html from the run's artifacts."""
-    try:
+    with reported_errors(bool(verbose or (ctx.obj or {}).get("verbose"))):
         out = write_report(run_dir)
-    except OpGuardError as exc:
-        if verbose or (ctx.obj or {}).get("verbose"):
-            raise
-        click.echo(f"opguard: error: {exc}", err=True)
-        sys.exit(int(ExitCode.STAGE_FAILED))
     click.echo(str(out))
 
 
