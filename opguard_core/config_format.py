@@ -159,9 +159,14 @@ def annotate_entries(text: str, config: dict[str, Any]) -> str:
     if len(starts) != len(entries):
         return text
     total = int((config.get("meta") or {}).get("total", 0) or 0)
-    for index, entry in zip(reversed(starts), reversed(entries), strict=True):
-        lines.insert(index, summary_comment(entry, total))
-    return "".join(lines)
+    out: list[str] = []  # one pass (inserting into ``lines`` would be quadratic)
+    previous = 0
+    for index, entry in zip(starts, entries, strict=True):
+        out.extend(lines[previous:index])
+        out.append(summary_comment(entry, total))
+        previous = index
+    out.extend(lines[previous:])
+    return "".join(out)
 
 
 def strip_summaries(text: str) -> str:

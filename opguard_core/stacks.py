@@ -27,14 +27,27 @@ def tree_stacks(tree: dict[str, Any]) -> list[Stack]:
     the split is an attribution, not a measurement (their totals are exact).
     """
     out: list[Stack] = []
-    todo: list[tuple[dict[str, Any], tuple[str, ...]]] = [(tree["root"], ())]
+    # a path is a linked list (target, parent's path), made into a tuple only for a
+    # node with own ops: a deep tree costs memory linear in its size, not in depth²
+    Link = tuple[str, "Any"] | None
+    todo: list[tuple[dict[str, Any], Link]] = [(tree["root"], None)]
     while todo:
-        node, path = todo.pop()
-        for op, stream, count in split_streams(node["self_ops"], node["self_streams"]):
-            out.append(Stack(path, op, stream, count))
+        node, link = todo.pop()
+        pieces = split_streams(node["self_ops"], node["self_streams"])
+        if pieces:
+            path = _unlink(link)
+            out.extend(Stack(path, op, stream, count) for op, stream, count in pieces)
         for child in reversed(node.get("children", [])):
-            todo.append((child, (*path, node_target(child))))
+            todo.append((child, (node_target(child), link)))
     return out
+
+
+def _unlink(link: Any) -> tuple[str, ...]:
+    names: list[str] = []
+    while link is not None:
+        names.append(link[0])
+        link = link[1]
+    return tuple(reversed(names))
 
 
 def split_streams(

@@ -1,4 +1,5 @@
-"""Compressed call tree documents (formats.md §2): names, and the invariant check."""
+"""Compressed call tree documents (formats.md §2): names, the invariant check, and the
+reader and writer (any depth: docs/formats.md "Deep trees")."""
 
 from __future__ import annotations
 
@@ -7,11 +8,22 @@ from typing import Any
 
 import msgspec
 
+from opguard_core import deep_json
 from opguard_core.errors import InputError, InvariantError
 
 TREE_FORMAT = "opguard-calltree"
 TREE_VERSION = 1
 TORCH_API = "torch_api"
+#: nodes at this tree level (the root is level 0) and below are written compactly,
+#: one line per such subtree: a shallower tree's bytes are msgspec's indented form
+COMPACT_LEVEL = 100
+#: JSON nesting of a level-``COMPACT_LEVEL`` node (document, root, then a
+#: ``children`` list and a node per level)
+_COMPACT_NESTING = 2 * COMPACT_LEVEL + 1
+#: the deepest tree a compressor may return (levels below the root)
+MAX_TREE_DEPTH = 100_000
+#: counts are integers in [0, 2**63): what every JSON and YAML reader holds exactly
+MAX_COUNT = 2**63 - 1
 
 
 def split_api(api: str) -> tuple[str, str]:
@@ -44,14 +56,38 @@ def threshold(total: int, min_count: int, min_fraction: float) -> float:
 
 
 def iter_nodes(root: dict[str, Any]) -> list[tuple[dict[str, Any], dict[str, Any] | None]]:
-    """Every (node, parent) pair, root first, depth first (iterative)."""
+    """Every (node, parent) pair, root first, depth first (iterative).
+
+    Raises :class:`InvariantError` when a node is reached twice (a cycle, or a node
+    shared by two parents) or the tree is deeper than :data:`MAX_TREE_DEPTH`.
+    """
     out: list[tuple[dict[str, Any], dict[str, Any] | None]] = []
-    stack: list[tuple[dict[str, Any], dict[str, Any] | None]] = [(root, None)]
+    seen: set[int] = set()
+    stack: list[tuple[dict[str, Any], dict[str, Any] | None, int]] = [(root, None, 0)]
     while stack:
-        node, parent = stack.pop()
+        node, parent, depth = stack.pop()
+        if id(node) in seen:
+            where = "root" if parent is None else _safe_target(parent)
+            raise InvariantError(f"{where}: the tree has a cycle or a node with two parents")
+        if depth > MAX_TREE_DEPTH:
+            raise InvariantError(f"the tree is deeper than {MAX_TREE_DEPTH} levels")
+        seen.add(id(node))
         out.append((node, parent))
-        stack.extend((child, node) for child in reversed(node.get("children", [])))
+        stack.extend((child, node, depth + 1) for child in reversed(node.get("children", [])))
     return out
+
+
+def _safe_target(node: dict[str, Any]) -> str:
+    try:
+        return node_target(node)
+    except (KeyError, TypeError):
+        return "a node"
+
+
+def _check_count(where: str, field: str, value: Any) -> None:
+    if type(value) is not int or not 0 <= value <= MAX_COUNT:
+        shown = repr(value) if len(repr(value)) <= 40 else f"{repr(value)[:37]}..."
+        raise InvariantError(f"{where}: {field} {shown} is not an integer in [0, 2**63)")
 
 
 def check_tree(tree: dict[str, Any], expected_total: int | None = None) -> None:
@@ -63,6 +99,7 @@ def check_tree(tree: dict[str, Any], expected_total: int | None = None) -> None:
         )
     root = tree["root"]
     settings = tree.get("meta", {}).get("compression", {})
+    _check_count("root", "count", root["count"])
     if expected_total is not None and root["count"] != expected_total:
         raise InvariantError(
             f"root.count {root['count']} != input total {expected_total} (counts not conserved)"
@@ -75,6 +112,10 @@ def check_tree(tree: dict[str, Any], expected_total: int | None = None) -> None:
         where = "root" if parent is None else node_target(node)
         if "stack" in node:
             raise InvariantError(f"{where}: compressed tree nodes must not carry a stack")
+        _check_count(where, "count", node["count"])
+        for field in ("self_ops", "self_streams"):
+            for name, value in node[field].items():
+                _check_count(where, f"{field}[{name!r}]", value)
         own = sum(node["self_ops"].values())
         below = sum(child["count"] for child in node["children"])
         if node["count"] != own + below:
@@ -98,25 +139,46 @@ def check_tree(tree: dict[str, Any], expected_total: int | None = None) -> None:
             raise InvariantError(f"{where}: linear chain left after chain pruning")
 
 
-def load_tree(path: Path) -> dict[str, Any]:
-    """Read a ``*_compressed.json`` file and check it."""
+def decode_json(data: bytes, path: Path | str) -> Any:
+    """Decode a JSON document of any depth; :class:`InputError` when it is not JSON."""
     try:
-        tree = msgspec.json.decode(path.read_bytes())
-    except OSError as exc:
-        raise InputError(path, f"cannot read file: {exc.strerror or exc}") from None
-    except msgspec.DecodeError as exc:
+        return deep_json.decode(data)
+    except MemoryError:
+        raise InputError(path, "out of memory decoding the file") from None
+    except (msgspec.DecodeError, deep_json.DeepJSONError) as exc:
         raise InputError(path, f"not valid JSON: {exc}") from None
+
+
+def checked_tree(tree: Any, path: Path | str) -> dict[str, Any]:
+    """``tree`` (a decoded document) when it is a valid call tree, else InputError."""
     if not isinstance(tree, dict):
         raise InputError(path, "expected a JSON object at top level")
     try:
         check_tree(tree)
-    except (KeyError, TypeError) as exc:
+    except (KeyError, TypeError, AttributeError) as exc:
         raise InputError(path, f"invalid call tree: missing or mistyped {exc}") from None
     except InvariantError as exc:
         raise InputError(path, str(exc)) from None
     return tree
 
 
+def load_tree(path: Path) -> dict[str, Any]:
+    """Read a ``*_compressed.json`` file (of any depth) and check it."""
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise InputError(path, f"cannot read file: {exc.strerror or exc}") from None
+    except MemoryError:
+        raise InputError(path, "out of memory reading the file") from None
+    return checked_tree(decode_json(data, path), path)
+
+
 def encode_tree(tree: dict[str, Any]) -> bytes:
-    """Canonical JSON of a tree: insertion-ordered keys, two-space indentation."""
-    return msgspec.json.format(msgspec.json.encode(tree), indent=1) + b"\n"
+    """Canonical JSON of a tree: insertion-ordered keys, one-space indentation; the
+    subtree of every node at level :data:`COMPACT_LEVEL` on one line (formats.md)."""
+    if not deep_json.nests_deeper_than(tree, _COMPACT_NESTING):
+        try:
+            return msgspec.json.format(msgspec.json.encode(tree), indent=1) + b"\n"
+        except RecursionError:  # called deep in the stack: the same bytes, iteratively
+            pass
+    return deep_json.encode_indented(tree, compact_from=_COMPACT_NESTING) + b"\n"

@@ -14,9 +14,8 @@ Steps, in order (formats.md §2, docs/compression.md):
 from __future__ import annotations
 
 import re
-import sys
 from bisect import bisect_right
-from collections import Counter
+from collections import Counter, deque
 from functools import reduce
 from itertools import accumulate
 from operator import itemgetter, or_
@@ -95,7 +94,8 @@ class Node:
         self.self_ops: Counter[str] = _new_counter(Counter)
         self.self_streams: Counter[int] = _new_counter(Counter)
         self.ranks = 0
-        self.chain: list[str] = []
+        #: targets folded into this node by chain pruning, outermost first
+        self.chain: list[str] | deque[str] = []
         self.children: dict[tuple[str, str, str], Node] = {}
 
     @property
@@ -296,21 +296,25 @@ def count_nodes(root: Node) -> int:
 
 
 def _merge_into(into: Node, other: Node) -> None:
-    """Merge ``other`` (same identity) into ``into``: counts add, children merge."""
-    into.count += other.count
-    into.self_ops.update(other.self_ops)
-    into.self_streams.update(other.self_streams)
-    into.lines |= other.lines
-    into.ranks |= other.ranks
-    into.chain = sorted(set(into.chain) | set(other.chain))
-    if into.file is None or (other.file is not None and other.file < into.file):
-        into.file = other.file
-    for key, child in other.children.items():
-        mine = into.children.get(key)
-        if mine is None:
-            into.children[key] = child
-        else:
-            _merge_into(mine, child)
+    """Merge ``other`` (same identity) into ``into``: counts add, children merge
+    (iteratively, level by level: no recursion per tree level)."""
+    todo = [(into, other)]
+    while todo:
+        into, other = todo.pop()
+        into.count += other.count
+        into.self_ops.update(other.self_ops)
+        into.self_streams.update(other.self_streams)
+        into.lines |= other.lines
+        into.ranks |= other.ranks
+        into.chain = sorted(set(into.chain) | set(other.chain))
+        if into.file is None or (other.file is not None and other.file < into.file):
+            into.file = other.file
+        for key, child in other.children.items():
+            mine = into.children.get(key)
+            if mine is None:
+                into.children[key] = child
+            else:
+                todo.append((mine, child))
 
 
 def _is_chain_link(node: Node) -> bool:
@@ -320,25 +324,40 @@ def _is_chain_link(node: Node) -> bool:
     return only.kind != TORCH_API
 
 
-def fold_chains(node: Node) -> None:
-    """Fold linear chains below ``node`` (bottom-up), merging siblings that collide."""
-    folded: dict[tuple[str, str, str], Node] = {}
-    for child in node.children.values():
-        fold_chains(child)
-        while _is_chain_link(child):
-            (only,) = child.children.values()
-            only.chain = [*child.chain, child.target, *only.chain]
-            child = only
-        existing = folded.get(child.key)
-        if existing is None:
-            folded[child.key] = child
-        else:
-            _merge_into(existing, child)
-    node.children = folded
+def fold_chains(root: Node) -> None:
+    """Fold linear chains below ``root`` (bottom-up), merging siblings that collide.
+
+    Every node's children are folded after all of their descendants' (reversed
+    pre-order, an explicit stack: no recursion per tree level). A chain's targets
+    are prepended to a deque, so a chain thousands of links long costs linear time.
+    """
+    order: list[Node] = []
+    todo = [root]
+    while todo:
+        node = todo.pop()
+        order.append(node)
+        todo.extend(node.children.values())
+    for node in reversed(order):
+        folded: dict[tuple[str, str, str], Node] = {}
+        for child in node.children.values():
+            if _is_chain_link(child):
+                links: list[str] = []
+                while _is_chain_link(child):
+                    links.extend(child.chain)
+                    links.append(child.target)
+                    (child,) = child.children.values()
+                chain = child.chain if isinstance(child.chain, deque) else deque(child.chain)
+                chain.extendleft(reversed(links))
+                child.chain = chain
+            existing = folded.get(child.key)
+            if existing is None:
+                folded[child.key] = child
+            else:
+                _merge_into(existing, child)
+        node.children = folded
 
 
-def _node_doc(node: Node) -> dict[str, Any]:
-    children = sorted(node.children.values(), key=lambda n: (-n.count, n.key))
+def _node_fields(node: Node) -> dict[str, Any]:
     return {
         "module": node.module,
         "qualname": node.qualname,
@@ -349,9 +368,26 @@ def _node_doc(node: Node) -> dict[str, Any]:
         "self_ops": dict(sorted(node.self_ops.items())),
         "self_streams": {str(s): c for s, c in sorted(node.self_streams.items())},
         "ranks": mask_to_ranks(node.ranks),
-        "chain": node.chain,
-        "children": [_node_doc(child) for child in children],
+        "chain": list(node.chain),
+        "children": [],
     }
+
+
+def _sorted_children(node: Node) -> list[Node]:
+    return sorted(node.children.values(), key=lambda n: (-n.count, n.key))
+
+
+def _node_doc(node: Node) -> dict[str, Any]:
+    """The document of ``node``'s subtree (built top-down with an explicit stack)."""
+    doc = _node_fields(node)
+    todo = [(node, doc)]
+    while todo:
+        parent, parent_doc = todo.pop()
+        for child in _sorted_children(parent):
+            child_doc = _node_fields(child)
+            parent_doc["children"].append(child_doc)
+            todo.append((child, child_doc))
+    return doc
 
 
 def compress_trace(trace: CallsiteTrace, options: RunOptions) -> dict[str, Any]:
@@ -365,13 +401,8 @@ def _compress_trace(trace: CallsiteTrace, options: RunOptions) -> dict[str, Any]
     floor = threshold(trace.total, options.min_count, options.min_fraction)
     root, nodes_before = build_tree(trace, hide, floor)
     if options.chains:
-        limit = sys.getrecursionlimit()
-        sys.setrecursionlimit(max(limit, 20_000))
-        try:
-            fold_chains(root)
-        finally:
-            sys.setrecursionlimit(limit)
-    root_children = sorted(root.children.values(), key=lambda n: (-n.count, n.key))
+        fold_chains(root)
+    root_children = _sorted_children(root)
     meta = dict(trace.meta)
     meta["compression"] = {
         "chains": options.chains,

@@ -16,17 +16,16 @@ from pathlib import Path
 from typing import Any
 
 import click
-import msgspec
 
 from opguard_core import hookimpl
 from opguard_core.atomic import atomic_write_bytes
 from opguard_core.combined import TraceAccumulator
-from opguard_core.errors import InputError, PluginError, reported_errors
+from opguard_core.errors import PluginError, reported_errors
 from opguard_core.model import RunOptions
 from opguard_core.plugins import OpGuardPluginManager, call_impl
 from opguard_core.stacks import Stack, tree_stacks
 from opguard_core.trace_format import read_bytes
-from opguard_core.tree_format import TREE_FORMAT, check_tree, load_tree
+from opguard_core.tree_format import TREE_FORMAT, check_tree, checked_tree, decode_json
 from opguard_plugins.compress import compress_trace
 
 Writer = Callable[[list[Stack]], bytes]
@@ -50,12 +49,10 @@ def export_formats(manager: OpGuardPluginManager) -> dict[str, Writer]:
 
 def load_source(path: Path, default_hide: bool = True) -> dict[str, Any]:
     """The call tree of SRC: a compressed tree as it is, a trace compressed unpruned."""
-    try:
-        head = msgspec.json.decode(read_bytes(path))
-    except msgspec.DecodeError as exc:
-        raise InputError(path, f"not valid JSON: {exc}") from None
+    head = decode_json(read_bytes(path), path)
     if isinstance(head, dict) and head.get("format") == TREE_FORMAT:
-        return load_tree(path)
+        return checked_tree(head, path)
+    del head
     accumulator = TraceAccumulator()
     accumulator.add_file(path)
     trace = accumulator.result()

@@ -105,7 +105,7 @@ def collect_entries(tree: dict[str, Any], depth: int) -> dict[EntryKey, _Entry]:
     sums = _inclusive(root)
     entries: dict[EntryKey, _Entry] = {}
     active: Counter[EntryKey] = Counter()
-    # iterative DFS with explicit exit markers, carrying the path of targets
+    # iterative DFS with explicit exit markers, carrying the context's targets
     stack: list[tuple[dict[str, Any], tuple[str, ...], EntryKey | None]] = [
         (child, (), None) for child in reversed(root["children"])
     ]
@@ -133,7 +133,9 @@ def collect_entries(tree: dict[str, Any], depth: int) -> dict[EntryKey, _Entry]:
             entry.streams.update(streams)
         active[key] += 1
         stack.append((node, path, key))
-        child_path = (*path, target)
+        # only the last ``depth`` targets are ever read: keep no more (a deep tree's
+        # paths would otherwise cost memory quadratic in its depth)
+        child_path = (*path, target)[-depth:] if depth > 0 else ()
         stack.extend((child, child_path, None) for child in reversed(node["children"]))
     return entries
 

@@ -21,12 +21,15 @@ import msgspec
 from opguard_core import hookimpl
 from opguard_core.atomic import atomic_write_text, safe_child
 from opguard_core.config_format import load_config
+from opguard_core.deep_json import encode_compact
 from opguard_core.errors import InputError, reported_errors
 from opguard_core.trace_format import read_bytes
 from opguard_core.tree_format import load_tree, node_target
 
 REPORT_NAME = "report.html"
 SUMMARY_NAME = "pipeline_summary.json"
+#: configs with more entries than this get a note instead of a table
+MAX_CONFIG_ROWS = 2_000
 
 
 def slim_tree(node: dict[str, Any], is_root: bool = True) -> dict[str, Any]:
@@ -113,7 +116,17 @@ def report_data(run_dir: Path, summary: dict[str, Any]) -> dict[str, Any]:
             entry["tree"] = slim_tree(load_tree(tree_path)["root"])
         config_path = safe_child(run_dir, f"{name}_instrumentation.yaml")
         if config_path.exists():
-            entry["config"] = config_rows(load_config(config_path))
+            # the round-trip YAML loader reads ~100 kB/s: a config of tens of
+            # thousands of entries (a deep tree without chain pruning) would hold
+            # up the end of the run for minutes, so its table is left out
+            size = read_bytes(config_path).count(b"\n  - target: ")
+            if size > MAX_CONFIG_ROWS:
+                entry["config_note"] = (
+                    f"{config_path.name} has {size} entries, more than the report shows"
+                    f" ({MAX_CONFIG_ROWS}); open the file itself."
+                )
+            else:
+                entry["config"] = config_rows(load_config(config_path))
         entry["findings"] = divergence_rows(safe_child(run_dir, f"{name}_divergence.json"))
         entries.append(entry)
     comparisons = [
@@ -125,7 +138,7 @@ def report_data(run_dir: Path, summary: dict[str, Any]) -> dict[str, Any]:
 
 def _script_json(data: Any) -> str:
     """JSON safe inside ``<script>``: ``<``, ``>`` and ``&`` as ``\\u`` escapes."""
-    text = msgspec.json.encode(data).decode()
+    text = encode_compact(data).decode()
     return text.replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
 
 

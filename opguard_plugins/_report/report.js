@@ -39,10 +39,20 @@
     container.appendChild(crumb);
     container.appendChild(box);
     const parents = new Map();
-    (function link(node) {
-      for (const c of node.ch) { parents.set(c, node); link(c); }
-    })(root);
-    function depthOf(node) { let d = 0; for (const c of node.ch) d = Math.max(d, depthOf(c)); return d + 1; }
+    // explicit stacks, never recursion per level: a tree may be thousands of levels deep
+    for (const todo = [root]; todo.length;) {
+      const node = todo.pop();
+      for (const c of node.ch) { parents.set(c, node); todo.push(c); }
+    }
+    function depthOf(top) {
+      let most = 0;
+      for (const todo = [[top, 1]]; todo.length;) {
+        const [node, d] = todo.pop();
+        most = Math.max(most, d);
+        for (const c of node.ch) todo.push([c, d + 1]);
+      }
+      return most;
+    }
     const rowH = 17;
     function draw(focus) {
       box.replaceChildren();
@@ -52,15 +62,18 @@
       box.style.height = rowsN * rowH + "px";
       ancestors.forEach(function (node, depth) { bar(node, depth, 0, 100, focus); });
       const depth0 = ancestors.length - 1;
-      (function place(node, depth, left, width) {
+      for (const todo = [[focus, depth0, 0, 100]]; todo.length;) {
+        const [node, depth, left, width] = todo.pop();
         if (node !== focus) bar(node, depth, left, width, focus);
         let x = left;
+        const next = [];
         for (const c of node.ch) {
           const w = node.c ? (width * c.c) / node.c : 0;
-          if (w > 0.05) place(c, depth + 1, x, w);
+          if (w > 0.05) next.push([c, depth + 1, x, w]);
           x += w;
         }
-      })(focus, depth0, 0, 100);
+        for (let i = next.length - 1; i >= 0; i--) todo.push(next[i]);  // drawn in order
+      }
     }
     function bar(node, depth, left, width, focus) {
       const d = el("div", width > 3 ? node.n : "", "bar");
@@ -157,6 +170,7 @@
       table(sec, [{ title: "severity", cls: function (v) { return "sev-" + v; } }, { title: "kind" },
         { title: "target" }, { title: "op" }, { title: "ranks" }, { title: "message" }], entry.findings, true, "findings");
     }
+    if (entry.config_note) sec.appendChild(el("p", entry.config_note));
     if (entry.config) {
       sec.appendChild(el("h3", "Instrumentation config (" + entry.config.length + " entries)"));
       table(sec, [{ title: "target" }, { title: "kind" }, { title: "context" }, { title: "tags" },
