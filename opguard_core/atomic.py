@@ -13,7 +13,7 @@ import os
 import tempfile
 from pathlib import Path
 
-from opguard_core.errors import OpGuardError
+from opguard_core.errors import OpGuardError, WriteError
 
 TMP_SUFFIX = ".tmp"
 #: the temporary name keeps at most this many characters of the final name (<= 160 bytes
@@ -33,10 +33,16 @@ _FILE_MODE = _umask_mode()
 
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` atomically (temp file in the same dir, fsync, rename)."""
+    """Write ``data`` to ``path`` atomically (temp file in the same dir, fsync, rename).
+
+    On failure the temporary file is removed; an ``OSError`` is raised as
+    :class:`WriteError` (an ``OSError`` with the same ``errno``) naming ``path``."""
     directory = path.parent
     prefix = f".{path.name[:_TMP_STEM_CHARS]}."
-    fd, tmp_name = tempfile.mkstemp(prefix=prefix, suffix=TMP_SUFFIX, dir=directory)
+    try:
+        fd, tmp_name = tempfile.mkstemp(prefix=prefix, suffix=TMP_SUFFIX, dir=directory)
+    except OSError as exc:
+        raise WriteError(path, exc) from exc
     try:
         os.fchmod(fd, _FILE_MODE)
         with os.fdopen(fd, "wb") as handle:
@@ -44,9 +50,12 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(tmp_name, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
+    except BaseException as exc:
+        with contextlib.suppress(OSError):
             os.unlink(tmp_name)
+        if isinstance(exc, OSError) and not isinstance(exc, WriteError):
+            # ENOSPC, EFBIG, EIO ...: name the file (the OS error does not)
+            raise WriteError(path, exc) from exc
         raise
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import click
 
 from opguard_core import __version__
-from opguard_core.errors import ExitCode, OpGuardError, PluginError
+from opguard_core.errors import ExitCode, OpGuardError, PluginError, one_line
 from opguard_core.logs import configure_logging
 from opguard_core.model import (
     DEFAULT_CONTEXT_DEPTH,
@@ -271,8 +271,10 @@ def create_cli(manager: OpGuardPluginManager) -> click.Group:
             ctx.exit(int(ExitCode.STAGE_FAILED))
         failed = [r for r in runner.records if r.status == "failed"]
         for record in failed:
-            where = f"{record.stage}" + (f" [{record.entry}]" if record.entry else "")
+            where = f"{record.stage}" + (f" [{one_line(record.entry)}]" if record.entry else "")
             click.echo(f"opguard: {where} failed: {record.error}", err=True)
+        if runner.summary_error is not None:
+            click.echo(f"opguard: summary not written: {runner.summary_error}", err=True)
         click.echo(str(runner.run_dir))
         ctx.exit(int(code))
 

@@ -32,6 +32,7 @@ from opguard_core.trace_format import (
     load_trace,
     validate_frame_ids,
 )
+from opguard_core.values import same_json
 
 #: key of a callsite in an accumulator: (stack of global frame ids, api, op, stream)
 SiteKey = tuple[tuple[int, ...], str | None, str, int]
@@ -173,9 +174,8 @@ class _Agreement:
             self.values = dict(mapping)
             return
         for key in list(self.values):
-            if (
-                self.values[key] is not _CONFLICT
-                and mapping.get(key, _CONFLICT) != self.values[key]
+            if self.values[key] is not _CONFLICT and not same_json(
+                mapping.get(key, _CONFLICT), self.values[key]
             ):
                 self.values[key] = _CONFLICT
 
@@ -186,7 +186,7 @@ class _Agreement:
             self.values = dict(other.values)
             return
         for key in list(self.values):
-            if other.values.get(key, _CONFLICT) != self.values[key]:
+            if not same_json(other.values.get(key, _CONFLICT), self.values[key]):
                 self.values[key] = _CONFLICT
 
     def result(self) -> dict[str, Any]:
@@ -307,7 +307,10 @@ class TraceAccumulator:
     def add_file(self, path: Path | str) -> None:
         """Read, decode and :meth:`add` one trace file. Decoding leaves the frame-id
         check to :meth:`add`, which makes it while re-interning, with the same error."""
-        self.add(load_trace(Path(path), check_frame_ids=False))
+        try:
+            self.add(load_trace(Path(path), check_frame_ids=False))
+        except MemoryError:
+            raise InputError(path, "out of memory reading this file") from None
 
     def update(self, other: TraceAccumulator) -> None:
         """Fold another accumulator (for example a worker's partial result) into this one."""

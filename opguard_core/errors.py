@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import re
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -23,6 +24,28 @@ class ExitCode(enum.IntEnum):
     INTERRUPTED = 130
 
 
+#: characters that could start a new line or restyle a terminal: C0 and C1 controls
+#: (newline, carriage return, ESC of ANSI sequences, NEL, ...), DEL, U+2028/2029
+_CONTROLS = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029]")
+_NAMED = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
+
+
+def _escape(match: re.Match[str]) -> str:
+    char = match.group()
+    named = _NAMED.get(char)
+    if named is not None:
+        return named
+    code = ord(char)
+    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}"
+
+
+def one_line(text: str) -> str:
+    """``text`` with every control character escaped (``\\n``, ``\\x1b``,
+    ``\\u2028``, ...): what a user's string becomes in an error, a log line or the
+    comparison log, so no input can forge a line or an ANSI sequence."""
+    return _CONTROLS.sub(_escape, text)
+
+
 class OpGuardError(Exception):
     """Base class of every error OpGuard reports to a user as one line."""
 
@@ -35,9 +58,21 @@ class InputError(OpGuardError):
 
     def __init__(self, path: Path | str | None, problem: str) -> None:
         self.path = str(path) if path is not None else None
-        self.problem = " ".join(problem.split())
-        where = f"{self.path}: " if self.path else ""
+        self.problem = one_line(" ".join(problem.split()))
+        where = f"{one_line(self.path)}: " if self.path else ""
         super().__init__(f"{where}{self.problem}")
+
+
+class WriteError(OpGuardError, OSError):
+    """Writing an artifact failed (disk full, file too large, ...): one line naming the
+    file, and still an ``OSError`` with the original ``errno``."""
+
+    def __init__(self, path: Path | str, error: OSError) -> None:
+        reason = error.strerror or str(error) or type(error).__name__
+        super().__init__(error.errno, f"{one_line(str(path))}: cannot write: {one_line(reason)}")
+
+    def __str__(self) -> str:
+        return str(self.strerror)
 
 
 class PluginError(OpGuardError):

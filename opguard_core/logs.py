@@ -15,6 +15,8 @@ from typing import Any
 
 import structlog
 
+from opguard_core.errors import one_line
+
 _state: dict[str, Any] = {"format": "json", "tty": False}
 
 
@@ -32,8 +34,10 @@ def configure_logging(log_format: str | None = None, verbose: int = 0) -> str:
     _state["tty"] = sys.stderr.isatty()
     level = logging.DEBUG if verbose else logging.INFO
     renderer: Any
+    escape: list[Any] = []
     if fmt == "console":
         renderer = structlog.dev.ConsoleRenderer(colors=_state["tty"])
+        escape = [escape_controls]  # JSON escapes them itself
     else:
         renderer = structlog.processors.JSONRenderer()
     structlog.configure(
@@ -41,6 +45,7 @@ def configure_logging(log_format: str | None = None, verbose: int = 0) -> str:
             structlog.contextvars.merge_contextvars,
             structlog.processors.add_log_level,
             structlog.processors.TimeStamper(fmt="iso", utc=True),
+            *escape,
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(level),
@@ -48,6 +53,23 @@ def configure_logging(log_format: str | None = None, verbose: int = 0) -> str:
         cache_logger_on_first_use=False,
     )
     return fmt
+
+
+def escape_controls(logger: Any, method: str, event: dict[str, Any]) -> dict[str, Any]:
+    """A structlog processor: control characters in the event and in every string
+    value (and in strings inside lists, tuples and dicts) escaped, so a file name
+    or a trace string cannot forge a console log line."""
+    return {key: _escaped(value) for key, value in event.items()}
+
+
+def _escaped(value: Any) -> Any:
+    if isinstance(value, str):
+        return one_line(value)
+    if isinstance(value, list | tuple):
+        return [_escaped(v) for v in value]
+    if isinstance(value, dict):
+        return {_escaped(k): _escaped(v) for k, v in value.items()}
+    return value
 
 
 def get_logger(**initial: Any) -> Any:

@@ -36,7 +36,7 @@ from opguard_core.atomic import (
 from opguard_core.combined import CallsiteTrace
 from opguard_core.config_chain import active_filters, apply_filters
 from opguard_core.config_format import dump_config, entry_key, validate_config
-from opguard_core.errors import ExitCode, Interrupted, OpGuardError
+from opguard_core.errors import ExitCode, Interrupted, OpGuardError, one_line
 from opguard_core.logs import get_logger
 from opguard_core.model import STAGES, Discovery, InputEntry, RunOptions
 from opguard_core.plugins import OpGuardPluginManager, call_impl
@@ -95,6 +95,13 @@ class Runner:
         self.interrupted: dict[str, Any] | None = None
         self.current: tuple[str, str | None] = ("setup", None)
         self.entries: list[InputEntry] = []
+        #: the last failure to write the summary (None: the last write succeeded)
+        self.summary_error: str | None = None
+        self.finished = False
+        #: SIGINT goes through :meth:`_on_sigint` (when Python's default handler was
+        #: installed), so a KeyboardInterrupt without one is a plugin's, not the user's
+        self.sigint_tracked = False
+        self.sigint_received = False
 
     # ----------------------------------------------------------------- helpers
 
@@ -123,18 +130,17 @@ class Runner:
         with structlog.contextvars.bound_contextvars(stage=name, entry=entry):
             try:
                 yield record
-            except (Interrupted, KeyboardInterrupt):
-                record.status = "interrupted"
-                record.seconds = round(time.perf_counter() - started, 6)
-                self.records.append(record)
-                raise
-            except Exception as exc:
+            except (Interrupted, KeyboardInterrupt, SystemExit, Exception) as exc:
+                if isinstance(exc, Interrupted) or (
+                    isinstance(exc, KeyboardInterrupt) and not self._spurious(exc)
+                ):
+                    record.status = "interrupted"
+                    record.seconds = round(time.perf_counter() - started, 6)
+                    self.records.append(record)
+                    raise
                 record.status = "failed"
                 record.seconds = round(time.perf_counter() - started, 6)
-                if isinstance(exc, OpGuardError):
-                    record.error = str(exc)
-                else:
-                    record.error = f"{type(exc).__name__}: {exc}"
+                record.error = one_line(failure_reason(exc, record))
                 self.records.append(record)
                 self.log.error(
                     "stage failed",
@@ -180,10 +186,12 @@ class Runner:
             record.outputs = [e.name for e in found.entries]
         for problem in found.problems:
             self.records.append(
-                StageRecord("discover", problem.spec, status="failed", error=problem.error)
+                StageRecord(
+                    "discover", problem.spec, status="failed", error=one_line(problem.error)
+                )
             )
             self.log.error(
-                "input refused", stage="discover", input=problem.spec, error=problem.error
+                "input refused", stage="discover", input=problem.spec, error=one_line(problem.error)
             )
         return found.entries
 
@@ -405,7 +413,11 @@ class Runner:
         log = self.log = get_logger(run_dir=str(self.run_dir))
         log.info("run started", inputs=self.inputs)
         previous = signal.getsignal(signal.SIGTERM)
+        previous_int = signal.getsignal(signal.SIGINT)
         signal.signal(signal.SIGTERM, _raise_interrupted)
+        if previous_int is signal.default_int_handler:
+            signal.signal(signal.SIGINT, self._on_sigint)
+            self.sigint_tracked = True
         try:
             self._run_stages()
         except (Interrupted, KeyboardInterrupt) as exc:
@@ -415,8 +427,11 @@ class Runner:
             log.error("run interrupted", **self.interrupted)
         finally:
             signal.signal(signal.SIGTERM, previous)
-            code = self.exit_code()
+            if self.sigint_tracked:
+                signal.signal(signal.SIGINT, previous_int)
             self._write_summary(final=True)
+            self.finished = True
+            code = self.exit_code()
             self._run_finished()
             log.info("run finished", exit_code=int(code), run_dir=str(self.run_dir))
         return code
@@ -444,7 +459,17 @@ class Runner:
             return ExitCode.INTERRUPTED
         if any(r.status == "failed" for r in self.records):
             return ExitCode.STAGE_FAILED
+        if self.summary_error is not None and self.finished:
+            return ExitCode.STAGE_FAILED  # the final summary could not be written
         return ExitCode.OK
+
+    def _spurious(self, exc: KeyboardInterrupt) -> bool:
+        """A KeyboardInterrupt that no SIGINT caused (a plugin raised it)."""
+        return self.sigint_tracked and not self.sigint_received
+
+    def _on_sigint(self, signum: int, frame: FrameType | None) -> None:
+        self.sigint_received = True
+        raise KeyboardInterrupt
 
     def summary(self, final: bool = False) -> dict[str, Any]:
         finished = _dt.datetime.now(_dt.UTC)
@@ -500,14 +525,48 @@ class Runner:
         for impl in self.manager.implementations("opguard_run_finished"):
             try:
                 call_impl(impl, {"run_dir": self.run_dir, "summary": summary})
-            except Exception as exc:
-                self.log.error("run_finished failed", plugin=impl.plugin_name, error=str(exc))
+            except (KeyboardInterrupt, SystemExit, Exception) as exc:
+                if isinstance(exc, KeyboardInterrupt) and not self._spurious(exc):
+                    raise
+                self.log.error(
+                    "run_finished failed",
+                    plugin=impl.plugin_name,
+                    error=one_line(failure_reason(exc, None)),
+                )
 
     def _write_summary(self, final: bool = False) -> None:
+        """Rewrite ``pipeline_summary.json``. A failure (disk full, ...) never stops the
+        run: it is logged once, the next write tries again, and ``summary_error``
+        holds the last failure (None once a write succeeds)."""
         if self.run_dir is None:
             return
-        data = msgspec.json.format(msgspec.json.encode(self.summary(final)), indent=2) + b"\n"
-        atomic_write_bytes(self._path("pipeline_summary.json"), data)
+        try:
+            data = msgspec.json.format(msgspec.json.encode(self.summary(final)), indent=2)
+            atomic_write_bytes(self._path("pipeline_summary.json"), data + b"\n")
+        except (OSError, OpGuardError, MemoryError, msgspec.EncodeError) as exc:
+            error = one_line(str(exc) or type(exc).__name__)
+            if error != self.summary_error:
+                self.log.error("summary not written", file="pipeline_summary.json", error=error)
+            self.summary_error = error
+        else:
+            self.summary_error = None
+
+
+def failure_reason(exc: BaseException, record: StageRecord | None) -> str:
+    """What a failed stage's record (and the log) says about ``exc``: an
+    :class:`OpGuardError`'s own line; for a plugin that tried to end the process,
+    which one; a MemoryError names the stage's inputs."""
+    plugin = f" by plugin {record.plugin}" if record is not None and record.plugin else ""
+    if isinstance(exc, SystemExit):
+        return f"SystemExit({exc.code!r}) raised{plugin}: a plugin may not end the process"
+    if isinstance(exc, KeyboardInterrupt):
+        return f"KeyboardInterrupt raised{plugin} without a SIGINT"
+    if isinstance(exc, OpGuardError):
+        return str(exc)
+    if isinstance(exc, MemoryError):
+        inputs = ", ".join(record.inputs) if record is not None and record.inputs else "?"
+        return f"out of memory{plugin} (inputs: {inputs})"
+    return f"{type(exc).__name__}: {exc}"
 
 
 def _jsonable(value: Any) -> Any:

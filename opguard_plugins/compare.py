@@ -11,11 +11,13 @@ from typing import Any
 
 from opguard_core import hookimpl
 from opguard_core.config_format import EntryKey, entry_key
+from opguard_core.errors import one_line
 
 
 def _label(key: EntryKey) -> str:
+    """``target  [context > …]``, control characters escaped: one entry, one line."""
     target, context = key
-    return f"{target}  [{' > '.join(context)}]" if context else target
+    return one_line(f"{target}  [{' > '.join(context)}]" if context else target)
 
 
 def _total(config: dict[str, Any]) -> int:
@@ -28,7 +30,8 @@ def _count_changes(name: str, a: dict[Any, int], b: dict[Any, int]) -> list[str]
     for key in sorted(set(a) | set(b), key=str):
         before, after = int(a.get(key, 0)), int(b.get(key, 0))
         if before != after:
-            lines.append(f"      {name} {key}: {before} -> {after} ({after - before:+d})")
+            shown = one_line(str(key))
+            lines.append(f"      {name} {shown}: {before} -> {after} ({after - before:+d})")
     return lines
 
 
@@ -41,8 +44,8 @@ def _changes(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
     lines += _count_changes("stream", a.get("stream_counts") or {}, b.get("stream_counts") or {})
     ta, tb = set(a.get("tags") or ()), set(b.get("tags") or ())
     if ta != tb:
-        added = " ".join(f"+{t}" for t in sorted(tb - ta))
-        removed = " ".join(f"-{t}" for t in sorted(ta - tb))
+        added = " ".join(f"+{one_line(str(t))}" for t in sorted(tb - ta))
+        removed = " ".join(f"-{one_line(str(t))}" for t in sorted(ta - tb))
         lines.append(f"      tags: {' '.join(x for x in (added, removed) if x)}")
     return lines
 

@@ -17,6 +17,7 @@ from ruamel.yaml.comments import CommentedMap, CommentedSeq
 from opguard_core import hookimpl
 from opguard_core.config_format import block_map, entry_key, flow_seq
 from opguard_core.tree_format import TORCH_API
+from opguard_core.values import same_json, value_order
 
 _ENTRY_FIELDS = frozenset(
     {"target", "context", "kind", "file", "lines", "tags", "ops", "stream_counts", "count", "ranks"}
@@ -25,11 +26,14 @@ _ENTRY_FIELDS = frozenset(
 
 def _carry_extras(into: dict[str, Any], other: dict[str, Any], known: frozenset[str]) -> None:
     """Carry fields this version does not know. On a conflict the value whose repr sorts
-    first wins, which keeps merging associative and commutative."""
+    first wins, which keeps merging associative and commutative; values are compared
+    by type and value (``1``, ``true`` and ``1.0`` conflict: ``opguard_core.values``)."""
     for field, value in other.items():
         if field in known:
             continue
-        if field not in into or (into[field] != value and repr(value) < repr(into[field])):
+        if field not in into or (
+            not same_json(into[field], value) and value_order(value) < value_order(into[field])
+        ):
             into[field] = copy.deepcopy(value)
 
 
