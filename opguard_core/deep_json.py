@@ -206,9 +206,7 @@ def _parse(data: bytes) -> Any:
         kind = token.lastgroup
         text = token.group(kind or 0)
         if want == "," and not containers:
-            raise DeepJSONError(
-                f"JSON is malformed: trailing characters (byte {token.start()})"
-            )
+            raise DeepJSONError(f"JSON is malformed: trailing characters (byte {token.start()})")
         if kind == "p":
             if text in b"]}":
                 if not containers or (want != "," and not empty):
