@@ -277,6 +277,7 @@ def _reset_sigint() -> None:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
+@pytest.mark.slow  # a real signal to a subprocess combining 2 x 200k callsites
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
 def test_real_signal_during_combine_exits_130_with_summary(
     tmp_path: Path, signum: signal.Signals

@@ -21,6 +21,7 @@ def run_benchmark(*args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
+@pytest.mark.slow  # runs the benchmark script
 def test_benchmark_reports_stages_ratio_and_memory(tmp_path: Path) -> None:
     pytest.importorskip("psutil")
     data, report = tmp_path / "data", tmp_path / "report.md"

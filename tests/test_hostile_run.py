@@ -665,3 +665,34 @@ def test_memory_error_names_the_file(
     [(stage, entry, error)] = failed_stages(summary_of(run))
     assert (stage, entry) == ("combine", "gpt_callsite")
     assert error == f"{samples / 'gpt_callsite_rank1.json'}: out of memory reading this file"
+
+
+# ----------------------------------------------------------------------------- 2. configs
+
+AWKWARD = ["?q", ":q", "-q", "!q", "&q", "*q", "#q", "a: b", "a #b", "n\x85l", "l\u2028s",
+           "p\u2029s", "t\tb", "'q", '"q', "b\\s"]  # fmt: skip
+
+
+def test_every_trace_string_reads_back_from_the_config(
+    opguard: Callable[..., Any], tmp_path: Path
+) -> None:
+    """Through the whole pipeline (tests/test_fast_yaml.py proves it for arbitrary
+    text): op names, modules, qualnames, files and apis that YAML would misread, and
+    a frame with a null module and an empty file."""
+    from opguard_core.config_format import load_config
+
+    frames = [
+        {"file": "", "line": 1, "function": "f", "qualname": "?f", "module": None},
+        *({"file": f"{s}.py", "line": 2, "function": "g", "qualname": f"{s}g", "module": s}
+          for s in AWKWARD),
+    ]  # fmt: skip
+    sites = [site([0, i + 1], f"aten::{s}", api=f"torch.{s}") for i, s in enumerate(AWKWARD)]
+    source = tmp_path / "awkward.json"
+    source.write_bytes(trace(frames, sites))
+    run = opguard("run", "-i", source, "--min-fraction", "0", "--no-default-hide", expect=0)
+    config = load_config(run.run_dir / "awkward_instrumentation.yaml")
+    targets = {str(e["target"]) for e in config["entries"]}
+    assert "?:?f" in targets
+    assert {f"{s}:{s}g" for s in AWKWARD} <= targets
+    ops = {str(op) for e in config["entries"] for op in e["ops"]}
+    assert ops == {f"aten::{s}" for s in AWKWARD}

@@ -188,6 +188,7 @@ def open_in_chromium(report: Path, tmp_path: Path) -> tuple[_Dom, list[str]]:
     return dom, console
 
 
+@pytest.mark.slow  # a headless browser
 @pytest.mark.skipif(CHROMIUM is None, reason="chromium (Debian package) is not installed")
 def test_report_renders_in_headless_chromium(
     opguard: Callable[..., Any], samples: Path, tmp_path: Path
@@ -205,6 +206,7 @@ def test_report_renders_in_headless_chromium(
     assert dom.bars > 50  # the icicle graphs drew their frames
 
 
+@pytest.mark.slow  # a headless browser
 @pytest.mark.skipif(CHROMIUM is None, reason="chromium (Debian package) is not installed")
 def test_hostile_names_stay_text_in_the_browser(
     opguard: Callable[..., Any], tmp_path: Path

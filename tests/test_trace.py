@@ -28,7 +28,8 @@ from opguard_plugins.tracer import (  # noqa: E402
     trace_callsites,
 )
 
-pytestmark = pytest.mark.torch
+# traced torch programs take tens of seconds: the slow group (README, .ci/run)
+pytestmark = [pytest.mark.torch, pytest.mark.slow]
 
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLES = REPO / "examples"
@@ -257,7 +258,6 @@ def test_trace_command_exit_code_and_chained_sitecustomize(tmp_path: Path) -> No
     assert trace.meta["command"] == str(script)
 
 
-@pytest.mark.slow
 def test_trace_ddp_two_ranks_with_collectives(tmp_path: Path) -> None:
     out = tmp_path / "traces"
     proc = subprocess.run(
