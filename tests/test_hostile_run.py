@@ -446,11 +446,13 @@ def test_values_equal_in_python_but_not_in_bytes_conflict(
     where: str, opguard: Callable[..., Any], tmp_path: Path
 ) -> None:
     outputs = set()
-    for order in itertools.permutations(range(3)):
+    # three orders (each value first once), each local, and one on a pool of 2
+    runs = [((0, 1, 2), "1"), ((1, 2, 0), "1"), ((2, 0, 1), "1"), ((2, 1, 0), "2")]
+    for order, job in runs:
         directory = tmp_path / "".join(map(str, order))
         directory.mkdir()
         _rank_files(directory, [CARRIED[i] for i in order], where)
-        for jobs in ("1", "2"):
+        for jobs in (job,):
             run = opguard("run", "-i", directory / "x_rank*.json", "--jobs", jobs, expect=0)
             outputs.add(run.read("x_combined.json"))
     [combined] = outputs  # one set of bytes for every order and --jobs
