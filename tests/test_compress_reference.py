@@ -110,6 +110,7 @@ def check_against_reference(trace: CallsiteTrace, hide: list[str], floor: float)
     assert state(root) == state(expected)
 
 
+@pytest.mark.slow  # > 4 s: the slow group
 @settings(max_examples=150, deadline=None)
 @given(
     rank_file_sets(min_files=1, max_files=3),

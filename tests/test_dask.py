@@ -40,6 +40,7 @@ def _summary(run: RunResult) -> dict[str, Any]:
     return summary
 
 
+@pytest.mark.slow  # > 4 s: the slow group
 def test_dask_gives_the_same_bytes_as_local(
     opguard: Callable[..., RunResult],
     samples: Path,

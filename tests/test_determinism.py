@@ -31,6 +31,7 @@ def rank_files(samples: Path, name: str) -> list[Path]:
     return sorted(samples.glob(f"{name}_rank*.json"))
 
 
+@pytest.mark.slow  # > 4 s: the slow group
 def test_rerun_gives_byte_identical_artifacts(opguard: Callable[..., Any], samples: Path) -> None:
     args = [
         "run",
@@ -59,6 +60,7 @@ def test_parallel_combine_gives_the_same_bytes(opguard: Callable[..., Any], samp
     assert artifacts(serial.run_dir) == artifacts(parallel.run_dir)
 
 
+@pytest.mark.slow  # > 4 s: the slow group
 def test_entry_order_does_not_change_any_entry_or_the_final_config(
     opguard: Callable[..., Any], samples: Path
 ) -> None:

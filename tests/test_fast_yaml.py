@@ -179,6 +179,7 @@ def test_adversarial_strings_are_identical(config: CommentedMap) -> None:
     assert dump_config(config) == annotate_entries(slow, config)
 
 
+@pytest.mark.slow  # > 4 s: the slow group
 @SETTINGS
 @given(configs(strings))
 def test_adversarial_strings_round_trip(config: CommentedMap) -> None:

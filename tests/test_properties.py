@@ -7,6 +7,7 @@ import copy
 from collections import Counter
 from typing import Any
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from ruamel.yaml.comments import CommentedMap
@@ -287,6 +288,7 @@ def test_config_yaml_round_trip_is_lossless(config: CommentedMap) -> None:
     assert dump_config(loaded) == text
 
 
+@pytest.mark.slow  # > 4 s: the slow group
 @SETTINGS
 @given(configs(source="a"), configs(source="b"), st.data())
 def test_person_added_comments_survive_load_merge_and_dump(
