@@ -27,12 +27,7 @@ import structlog
 from ruamel.yaml.comments import CommentedMap
 
 from opguard_core import __version__
-from opguard_core.atomic import (
-    atomic_write_bytes,
-    atomic_write_text,
-    create_run_directory,
-    safe_child,
-)
+from opguard_core.atomic import atomic_write_bytes, atomic_write_text, safe_child
 from opguard_core.combined import CallsiteTrace
 from opguard_core.config_chain import active_filters, apply_filters
 from opguard_core.config_format import dump_config, entry_key, validate_config
@@ -40,6 +35,8 @@ from opguard_core.errors import ExitCode, Interrupted, OpGuardError
 from opguard_core.logs import get_logger
 from opguard_core.model import STAGES, Discovery, InputEntry, RunOptions
 from opguard_core.plugins import OpGuardPluginManager, call_impl
+from opguard_core.run_warnings import collecting, warn
+from opguard_core.stale_runs import find_stale_runs, release_run_directory, start_run_directory
 from opguard_core.tree_format import check_tree, encode_tree
 
 OUTPUT_BASE_ENV = "OPGUARD_TRACE_OUTPUT_BASE"
@@ -95,6 +92,9 @@ class Runner:
         self.interrupted: dict[str, Any] | None = None
         self.current: tuple[str, str | None] = ("setup", None)
         self.entries: list[InputEntry] = []
+        #: run warnings (opguard_core.run_warnings), also in the summary
+        self.warnings: list[dict[str, Any]] = []
+        self._lock: int | None = None
 
     # ----------------------------------------------------------------- helpers
 
@@ -401,13 +401,17 @@ class Runner:
 
     def run(self) -> ExitCode:
         """Run every stage; return the exit code (non-zero when anything failed)."""
-        self.run_dir = create_run_directory(self.output_base).resolve()
+        run_dir, self._lock = start_run_directory(self.output_base)
+        self.run_dir = run_dir.resolve()
         log = self.log = get_logger(run_dir=str(self.run_dir))
         log.info("run started", inputs=self.inputs)
         previous = signal.getsignal(signal.SIGTERM)
         signal.signal(signal.SIGTERM, _raise_interrupted)
         try:
-            self._run_stages()
+            with collecting(self.warnings):
+                for stale in find_stale_runs(self.output_base, exclude=self.run_dir):
+                    warn(stale.line(), stale_run_dir=str(stale.run_dir))
+                self._run_stages()
         except (Interrupted, KeyboardInterrupt) as exc:
             name = exc.signal_name if isinstance(exc, Interrupted) else "SIGINT"
             stage, entry = self.current
@@ -418,6 +422,8 @@ class Runner:
             code = self.exit_code()
             self._write_summary(final=True)
             self._run_finished()
+            release_run_directory(self._lock)
+            self._lock = None
             log.info("run finished", exit_code=int(code), run_dir=str(self.run_dir))
         return code
 
@@ -490,6 +496,7 @@ class Runner:
                 for p in self.manager.describe()
             ],
             "stages": [dataclasses.asdict(r) for r in self.records],
+            "warnings": self.warnings,
         }
 
     def _run_finished(self) -> None:

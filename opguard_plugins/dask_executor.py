@@ -35,6 +35,9 @@ from opguard_core.model import InputEntry, RunOptions
 from opguard_plugins.combine import combine_files_portable, portable_error, split_evenly
 
 EXECUTOR_NAME = "dask"
+#: modules ``--executor dask`` needs (checked before the run: opguard_core.options_check)
+EXECUTOR_REQUIRES = ("dask", "distributed")
+EXECUTOR_INSTALL = "pip install 'opguard[dask]'"
 SCHEDULER_ENV = "OPGUARD_DASK_SCHEDULER"
 #: Files per map task: small enough to spread over workers and show progress,
 #: large enough that a task is not mostly overhead.
