@@ -27,6 +27,7 @@ import structlog
 from ruamel.yaml.comments import CommentedMap
 
 from opguard_core import __version__
+from opguard_core.artifact_names import check_entry_names
 from opguard_core.atomic import atomic_write_bytes, atomic_write_text, safe_child
 from opguard_core.combined import CallsiteTrace
 from opguard_core.config_chain import active_filters, apply_filters
@@ -177,6 +178,9 @@ class Runner:
                 "opguard_discover", record, inputs=self.inputs, base_dir=self.options.base_dir
             )
             record.counts = {"entries": len(found.entries), "problems": len(found.problems)}
+            clashes = check_entry_names(e.name for e in found.entries)
+            if clashes:
+                raise OpGuardError(f"plugin {record.plugin!r} refused: {'; '.join(clashes)}")
             record.outputs = [e.name for e in found.entries]
         for problem in found.problems:
             self.records.append(
