@@ -84,11 +84,7 @@ def check_executor(name: str, plugins: Iterable[Any]) -> str:
             param_hint="--executor",
         )
     plugin = known[name]
-    missing = [
-        module
-        for module in getattr(plugin, "EXECUTOR_REQUIRES", ())
-        if importlib.util.find_spec(module) is None
-    ]
+    missing = [m for m in getattr(plugin, "EXECUTOR_REQUIRES", ()) if not _importable(m)]
     if missing:
         hint = getattr(plugin, "EXECUTOR_INSTALL", "")
         raise click.BadParameter(
@@ -97,6 +93,13 @@ def check_executor(name: str, plugins: Iterable[Any]) -> str:
             param_hint="--executor",
         )
     return name
+
+
+def _importable(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
 
 
 def unknown_disabled(disabled: Sequence[str], builtin: Iterable[str]) -> list[str]:

@@ -32,6 +32,7 @@ from opguard_core.combined import CallsiteTrace, TraceAccumulator, gc_paused
 from opguard_core.errors import OpGuardError
 from opguard_core.logs import get_logger, progress
 from opguard_core.model import InputEntry, RunOptions
+from opguard_core.rank_claims import check_rank_claims
 from opguard_plugins.combine import combine_files_portable, portable_error, split_evenly
 
 EXECUTOR_NAME = "dask"
@@ -116,6 +117,7 @@ def combine_on_dask(entry: InputEntry, options: RunOptions) -> CallsiteTrace:
                     finished.add(client.submit(merge_partials, *ready, pure=False))
                     ready = []
             total: TraceAccumulator = ready[0].result()
+        check_rank_claims(total.claims)
         with gc_paused():
             return total.result()
     finally:
