@@ -30,6 +30,8 @@ from opguard_core import ENTRY_POINT_GROUP
 
 #: The executor every installation has (combine in this process, or its own pool).
 LOCAL_EXECUTOR = "local"
+#: the built-in combine plugin's module (it is the ``local`` executor)
+BUILTIN_COMBINE = "opguard_plugins.combine"
 
 
 def compile_patterns(option_name: str, patterns: Iterable[str]) -> list[re.Pattern[str]]:
@@ -75,9 +77,21 @@ def check_executor(name: str, plugins: Iterable[Any]) -> str:
     """``name`` if an installed plugin provides that executor and its requirements import.
 
     A plugin states its requirements as ``EXECUTOR_REQUIRES`` (module names) and the
-    install hint as ``EXECUTOR_INSTALL``.
+    install hint as ``EXECUTOR_INSTALL``. While a plugin implements ``opguard_combine``
+    without declaring ``EXECUTOR_NAME``, an unknown name is let through (it may be
+    that plugin's).
     """
+    plugins = list(plugins)
     known = executors(plugins)
+    undeclared = [
+        p
+        for p in plugins
+        if hasattr(p, "opguard_combine")
+        and not hasattr(p, "EXECUTOR_NAME")
+        and getattr(p, "__name__", "") != BUILTIN_COMBINE
+    ]
+    if name not in known and undeclared:
+        return name  # an executor plugin that does not say its name may take it
     if name not in known:
         raise click.BadParameter(
             f"{name!r}: no such executor (installed: {', '.join(sorted(known))})",
