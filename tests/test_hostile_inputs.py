@@ -340,7 +340,6 @@ def test_invalid_meta_rank_values_are_errors(
         pytest.param(["--executor", "nosuch"], "'nosuch': no such executor", id="executor"),
         pytest.param(["--min-fraction", "nan"], "nan is not a finite number", id="nan_fraction"),
         pytest.param(["--hide", "a{99999999999}"], "'a{99999999999}'", id="hide_overflow"),
-        pytest.param(["--hide", "ok", "--hide", "(unclosed"], "'(unclosed'", id="hide_bad"),
     ],
 )
 def test_bad_option_values_are_usage_errors(
@@ -606,11 +605,10 @@ def test_trace_without_output_dir_writes_under_the_output_base(tmp_path: Path) -
 
 
 @pytest.mark.parametrize(
+    # (examples/opguard_traces/ was already covered by the root .gitignore)
     "written",
-    ["examples/opguard_traces/preprocessing_1/pipeline_summary.json",
-     "examples/trace_callsite_rank0.json", "examples/.trace_callsite.123.tracing",
-     "examples/opguard_traces/trace_callsite_rank0.json"],
-)  # fmt: skip
+    ["examples/trace_callsite_rank0.json", "examples/.trace_callsite.123.tracing"],
+)
 def test_files_the_tools_write_in_examples_are_ignored(written: str) -> None:
     if not (REPO / ".git").exists():
         pytest.skip("not a git checkout")
