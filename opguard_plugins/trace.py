@@ -155,6 +155,7 @@ def _terminal_delivered(signum: int) -> bool:
 def launch(command: Sequence[str], label: str, output_dir: Path) -> TraceOutcome:
     """Run COMMAND traced, forwarding SIGINT and SIGTERM to it, and wait for it."""
     output_dir = output_dir.resolve()
+    output_dir.mkdir(parents=True, exist_ok=True)
     started = time.time() - 1.0  # file systems with coarse timestamps
     env = build_env(label, output_dir, command)
     received: list[int] = []
