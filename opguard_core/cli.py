@@ -8,6 +8,7 @@ commands (``opguard_register_commands``) without import-time side effects.
 from __future__ import annotations
 
 import json
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -24,13 +25,22 @@ from opguard_core.model import (
     STAGES,
     RunOptions,
 )
+from opguard_core.options_check import (
+    check_executor,
+    check_fraction,
+    compile_patterns,
+    unknown_disabled,
+)
+from opguard_core.paths import OutputLocationError, prepare_output_dir
 from opguard_core.plugins import (
+    BUILTIN_PLUGINS,
     EssentialPluginError,
     OpGuardPluginManager,
     call_impl,
     create_plugin_manager,
 )
-from opguard_core.runner import Runner
+from opguard_core.runner import OUTPUT_BASE_ENV, Runner, trace_output_base
+from opguard_core.stale_runs import clean_stale_runs
 
 DISABLE_OPTION = "--disable-plugin"
 
@@ -118,6 +128,8 @@ def create_cli(manager: OpGuardPluginManager) -> click.Group:
         ctx.obj["log_format"] = log_format
         ctx.obj["verbose"] = verbose
         configure_logging(log_format, verbose)
+        for name in unknown_disabled(manager.disabled, BUILTIN_PLUGINS):
+            click.echo(f"opguard: warning: {DISABLE_OPTION} {name!r}: no such plugin", err=True)
 
     @cli.command(cls=RunCommand)
     @click.option(
@@ -138,7 +150,7 @@ def create_cli(manager: OpGuardPluginManager) -> click.Group:
     )
     @click.option(
         "--output-base",
-        type=click.Path(file_okay=False, path_type=Path),
+        type=click.Path(path_type=Path),
         default=None,
         help="Trace output directory for the run directory "
         "(default: $OPGUARD_TRACE_OUTPUT_BASE, else ./opguard_traces).",
@@ -167,6 +179,7 @@ def create_cli(manager: OpGuardPluginManager) -> click.Group:
     @click.option(
         "--min-fraction",
         type=click.FloatRange(min=0.0, max=1.0),
+        callback=lambda _ctx, param, value: check_fraction("--min-fraction", value),
         default=DEFAULT_MIN_FRACTION,
         show_default=True,
         help="Subtree pruning: fold subtrees below this fraction of all ops.",
@@ -211,6 +224,12 @@ def create_cli(manager: OpGuardPluginManager) -> click.Group:
         show_default=True,
         help="Processes for combine; 0 picks one per CPU for large multi-file entries.",
     )
+    @click.option(
+        "--clean-stale",
+        is_flag=True,
+        help="Remove the temporaries of runs killed in the output base (and mark them "
+        "abandoned); without --input, only that.",
+    )
     @_disable_option
     @click.pass_context
     def run(
@@ -231,10 +250,11 @@ def create_cli(manager: OpGuardPluginManager) -> click.Group:
         compressor: str | None,
         executor: str,
         jobs: int,
+        clean_stale: bool,
     ) -> None:
         """Preprocess callsite traces into instrumentation configs."""
         inputs = list(input_options)
-        if not inputs:
+        if not inputs and not clean_stale:
             raise click.UsageError("give at least one --input")
         verbose = verbose + ctx.obj.get("verbose", 0)
         if verbose:
@@ -247,7 +267,18 @@ def create_cli(manager: OpGuardPluginManager) -> click.Group:
                 raise click.UsageError(f"--compressor {compressor}: no such compressor plugin")
         if basic and "basic_filter" in manager.disabled:
             raise click.UsageError("--basic needs the basic_filter plugin, which is disabled")
-        _check_regexes(hide)
+        compile_patterns("--hide", hide)
+        check_executor(executor, manager.get_plugins())
+        base = _output_base(output_base)
+        if clean_stale:
+            for stale in clean_stale_runs(base):
+                click.echo(
+                    f"opguard: cleaned stale run directory {str(stale.run_dir)!r}: "
+                    f"removed {len(stale.temporaries)} temporary file(s)",
+                    err=True,
+                )
+            if not inputs:
+                return
         options = RunOptions(
             base_dir=base_dir,
             min_count=min_count,
@@ -263,12 +294,21 @@ def create_cli(manager: OpGuardPluginManager) -> click.Group:
             jobs=jobs,
             verbose=bool(verbose),
         )
-        runner = Runner(manager, inputs, options, skip=skip, output_base=output_base)
+        runner = Runner(manager, inputs, options, skip=skip, output_base=base)
         try:
             code = runner.run()
+        except OutputLocationError as exc:
+            click.echo(f"opguard: error: {exc}", err=True)
+            ctx.exit(int(ExitCode.USAGE_ERROR))
         except OpGuardError as exc:
             click.echo(f"opguard: error: {exc}", err=True)
             ctx.exit(int(ExitCode.STAGE_FAILED))
+        for warning in runner.warnings:
+            where = warning["stage"] or ""
+            if warning["entry"]:
+                where += f" [{warning['entry']}]"
+            prefix = f"opguard: {where.strip()} " if where.strip() else "opguard: "
+            click.echo(f"{prefix}warning: {warning['message']}", err=True)
         failed = [r for r in runner.records if r.status == "failed"]
         for record in failed:
             where = f"{record.stage}" + (f" [{one_line(record.entry)}]" if record.entry else "")
@@ -324,14 +364,17 @@ def create_cli(manager: OpGuardPluginManager) -> click.Group:
     return cli
 
 
-def _check_regexes(patterns: Sequence[str]) -> None:
-    import re
-
-    for pattern in patterns:
-        try:
-            re.compile(pattern)
-        except re.error as exc:
-            raise click.BadParameter(f"{pattern!r}: {exc}", param_hint="--hide") from None
+def _output_base(explicit: Path | None) -> Path:
+    """The run's output base, checked: one line and exit 2 when it cannot be used."""
+    base = trace_output_base(explicit)
+    what = "--output-base" if explicit is not None else f"${OUTPUT_BASE_ENV}"
+    if explicit is None and not os.environ.get(OUTPUT_BASE_ENV):
+        what = "output base"
+    try:
+        return prepare_output_dir(base, what)
+    except OutputLocationError as exc:
+        click.echo(f"opguard: error: {exc}", err=True)
+        sys.exit(int(ExitCode.USAGE_ERROR))
 
 
 def cli_for(args: Sequence[str]) -> click.Group:

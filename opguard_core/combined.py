@@ -222,6 +222,9 @@ class TraceAccumulator:
         #: sites as they arrived pickled (see __getstate__), not yet unpacked into ``sites``
         self._packed: _PackedSites | None = None
         self.rank_mask = 0
+        #: one (path, ranks, callsites, meta states a rank) per file added: what
+        #: opguard_core.rank_claims checks (two files of one entry claiming one rank)
+        self.claims: list[tuple[str, tuple[int, ...], int, bool]] = []
         self.inputs = 0
         self.meta = _Agreement()
         self.extras = _Agreement()
@@ -301,6 +304,8 @@ class TraceAccumulator:
         # bookkeeping last, so a file refused above leaves the accumulator's header alone
         self.rank_mask |= file_mask
         self.inputs += 1
+        stated = "rank" in trace.meta or "ranks" in trace.meta
+        self.claims.append((trace.path, tuple(file_ranks), len(callsites), stated))
         self.meta.add(meta)
         self.extras.add(trace.extras)
 
@@ -330,6 +335,7 @@ class TraceAccumulator:
             self.frame_extras.setdefault(frame, _Agreement()).update(agreement)
         self.rank_mask |= other.rank_mask
         self.inputs += other.inputs
+        self.claims += other.claims
         self.meta.update(other.meta)
         self.extras.update(other.extras)
 

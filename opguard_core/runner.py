@@ -27,12 +27,8 @@ import structlog
 from ruamel.yaml.comments import CommentedMap
 
 from opguard_core import __version__
-from opguard_core.atomic import (
-    atomic_write_bytes,
-    atomic_write_text,
-    create_run_directory,
-    safe_child,
-)
+from opguard_core.artifact_names import check_entry_names
+from opguard_core.atomic import atomic_write_bytes, atomic_write_text, safe_child
 from opguard_core.combined import CallsiteTrace
 from opguard_core.config_chain import active_filters, apply_filters
 from opguard_core.config_format import dump_config, entry_key, validate_config
@@ -40,6 +36,8 @@ from opguard_core.errors import ExitCode, Interrupted, OpGuardError, one_line
 from opguard_core.logs import get_logger
 from opguard_core.model import STAGES, Discovery, InputEntry, RunOptions
 from opguard_core.plugins import OpGuardPluginManager, call_impl
+from opguard_core.run_warnings import collecting, warn
+from opguard_core.stale_runs import find_stale_runs, release_run_directory, start_run_directory
 from opguard_core.tree_format import check_tree, encode_tree
 
 OUTPUT_BASE_ENV = "OPGUARD_TRACE_OUTPUT_BASE"
@@ -102,6 +100,9 @@ class Runner:
         #: installed), so a KeyboardInterrupt without one is a plugin's, not the user's
         self.sigint_tracked = False
         self.sigint_received = False
+        #: run warnings (opguard_core.run_warnings), also in the summary
+        self.warnings: list[dict[str, Any]] = []
+        self._lock: int | None = None
 
     # ----------------------------------------------------------------- helpers
 
@@ -183,6 +184,9 @@ class Runner:
                 "opguard_discover", record, inputs=self.inputs, base_dir=self.options.base_dir
             )
             record.counts = {"entries": len(found.entries), "problems": len(found.problems)}
+            clashes = check_entry_names(e.name for e in found.entries)
+            if clashes:
+                raise OpGuardError(f"plugin {record.plugin!r} refused: {'; '.join(clashes)}")
             record.outputs = [e.name for e in found.entries]
         for problem in found.problems:
             self.records.append(
@@ -409,7 +413,8 @@ class Runner:
 
     def run(self) -> ExitCode:
         """Run every stage; return the exit code (non-zero when anything failed)."""
-        self.run_dir = create_run_directory(self.output_base).resolve()
+        run_dir, self._lock = start_run_directory(self.output_base)
+        self.run_dir = run_dir.resolve()
         log = self.log = get_logger(run_dir=str(self.run_dir))
         log.info("run started", inputs=self.inputs)
         previous = signal.getsignal(signal.SIGTERM)
@@ -419,7 +424,10 @@ class Runner:
             signal.signal(signal.SIGINT, self._on_sigint)
             self.sigint_tracked = True
         try:
-            self._run_stages()
+            with collecting(self.warnings):
+                for stale in find_stale_runs(self.output_base, exclude=self.run_dir):
+                    warn(stale.line(), stale_run_dir=str(stale.run_dir))
+                self._run_stages()
         except (Interrupted, KeyboardInterrupt) as exc:
             name = exc.signal_name if isinstance(exc, Interrupted) else "SIGINT"
             stage, entry = self.current
@@ -433,6 +441,8 @@ class Runner:
             self.finished = True
             code = self.exit_code()
             self._run_finished()
+            release_run_directory(self._lock)
+            self._lock = None
             log.info("run finished", exit_code=int(code), run_dir=str(self.run_dir))
         return code
 
@@ -515,6 +525,7 @@ class Runner:
                 for p in self.manager.describe()
             ],
             "stages": [dataclasses.asdict(r) for r in self.records],
+            "warnings": self.warnings,
         }
 
     def _run_finished(self) -> None:

@@ -242,7 +242,21 @@ def validate_frame_ids(frames: list[Frame], callsites: list[Callsite], path: Pat
 
 
 def _check_ranks(meta: dict[str, Any], callsites: list[Callsite], path: Path | str) -> None:
-    """Refuse ranks at or above :data:`MAX_RANK` (in meta, the file name or a callsite)."""
+    """Refuse invalid ``meta.rank``/``meta.ranks`` values (never a silent fallback to the
+    file name or rank 0) and ranks at or above :data:`MAX_RANK` (in meta, the file name
+    or a callsite)."""
+    if "ranks" in meta:
+        ranks = meta["ranks"]
+        if not (isinstance(ranks, list) and ranks and all(_is_rank(r) for r in ranks)):
+            raise InputError(
+                path,
+                "meta.ranks must be a non-empty list of non-negative integers, "
+                f"got {_short(ranks)}",
+            )
+    if "rank" in meta and not _is_rank(meta["rank"]):
+        raise InputError(
+            path, f"meta.rank must be a non-negative integer, got {_short(meta['rank'])}"
+        )
     covered = trace_ranks(meta, str(path))
     if covered[-1] >= MAX_RANK:
         raise InputError(path, f"rank {covered[-1]} is too large (ranks must be < {MAX_RANK})")
@@ -253,6 +267,15 @@ def _check_ranks(meta: dict[str, Any], callsites: list[Callsite], path: Path | s
                 f"callsites[{index}].ranks has rank {max(site.ranks)}, "
                 f"too large (ranks must be < {MAX_RANK})",
             )
+
+
+def _short(value: object, limit: int = 40) -> str:
+    """A JSON value as text, cut to ``limit`` characters (for one-line messages)."""
+    try:
+        text = msgspec.json.encode(value).decode()
+    except (TypeError, ValueError, OverflowError):
+        text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _problem(exc: Exception) -> str:

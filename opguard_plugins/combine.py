@@ -29,6 +29,7 @@ from opguard_core.combined import CallsiteTrace, TraceAccumulator, gc_paused
 from opguard_core.errors import InputError, OpGuardError
 from opguard_core.logs import progress
 from opguard_core.model import InputEntry, RunOptions
+from opguard_core.rank_claims import check_rank_claims
 
 #: Below this many input bytes a pool costs more (process start-up) than it saves.
 AUTO_POOL_MIN_BYTES = 24 * 1024 * 1024
@@ -232,6 +233,7 @@ def combine_entry(entry: InputEntry, options: RunOptions) -> CallsiteTrace:
             accumulator = combine_parallel(entry.files, jobs, advance)
         else:
             accumulator = combine_files(entry.files, advance)
+    check_rank_claims(accumulator.claims)
     with gc_paused():
         return accumulator.result()
 

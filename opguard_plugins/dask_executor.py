@@ -32,9 +32,13 @@ from opguard_core.combined import CallsiteTrace, TraceAccumulator, gc_paused
 from opguard_core.errors import OpGuardError
 from opguard_core.logs import get_logger, progress
 from opguard_core.model import InputEntry, RunOptions
+from opguard_core.rank_claims import check_rank_claims
 from opguard_plugins.combine import combine_files_portable, portable_error, split_evenly
 
 EXECUTOR_NAME = "dask"
+#: modules ``--executor dask`` needs (checked before the run: opguard_core.options_check)
+EXECUTOR_REQUIRES = ("dask", "distributed")
+EXECUTOR_INSTALL = "pip install 'opguard[dask]'"
 SCHEDULER_ENV = "OPGUARD_DASK_SCHEDULER"
 #: Files per map task: small enough to spread over workers and show progress,
 #: large enough that a task is not mostly overhead.
@@ -113,6 +117,7 @@ def combine_on_dask(entry: InputEntry, options: RunOptions) -> CallsiteTrace:
                     finished.add(client.submit(merge_partials, *ready, pure=False))
                     ready = []
             total: TraceAccumulator = ready[0].result()
+        check_rank_claims(total.claims)
         with gc_paused():
             return total.result()
     finally:

@@ -4,12 +4,17 @@
 script, ``python -m pkg``, ``torchrun ...``) with tracing on in every Python process it
 starts that imports torch: a bootstrap directory holding a ``sitecustomize`` module is
 put first on ``PYTHONPATH`` (see ``_trace_bootstrap/sitecustomize.py``). Each traced
-process writes ``{L}_callsite_rank{R}.json`` into D (formats.md §1). The command exits
-with COMMAND's exit code. torch is needed only by the traced program, not here.
+process writes ``{L}_callsite_rank{R}.json`` into D (formats.md §1; default: the trace
+output base). SIGINT and SIGTERM sent to ``opguard trace`` are forwarded to COMMAND. The
+command exits with COMMAND's exit code (128+N after signal N). torch is needed only by
+the traced program, not here.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import json
 import os
 import re
 import shlex
@@ -20,10 +25,14 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import click
 
 from opguard_core import hookimpl
+from opguard_core.errors import ExitCode
+from opguard_core.paths import OutputLocationError, prepare_output_dir
+from opguard_core.runner import OUTPUT_BASE_ENV, trace_output_base
 
 BOOTSTRAP_DIR = Path(__file__).resolve().parent / "_trace_bootstrap"
 PACKAGE_ROOT = Path(__file__).resolve().parent.parent
@@ -63,30 +72,122 @@ def build_env(label: str, output_dir: Path, command: Sequence[str]) -> dict[str,
 
 
 def written_traces(output_dir: Path, label: str, since: float) -> list[Path]:
-    """The trace files for ``label`` in ``output_dir`` modified at or after ``since``."""
-    pattern = re.compile(rf"^{re.escape(label)}_callsite_rank(\d+)\.json$")
-    found: list[tuple[int, Path]] = []
-    for path in output_dir.glob(f"{label}_callsite_rank*.json"):
+    """The trace files for ``label`` in ``output_dir`` modified at or after ``since``:
+    ``{label}_callsite_rank{R}.json`` and forked children's
+    ``{label}.fork{PID}_callsite_rank{R}.json``, by rank then name."""
+    pattern = re.compile(rf"^{re.escape(label)}(\.fork\d+)?_callsite_rank(\d+)\.json$")
+    found: list[tuple[int, str, Path]] = []
+    for path in output_dir.glob(f"{label}*_callsite_rank*.json"):
         match = pattern.match(path.name)
         if match and path.stat().st_mtime >= since:
-            found.append((int(match.group(1)), path))
-    return [path for _, path in sorted(found)]
+            found.append((int(match.group(2)), path.name, path))
+    return [path for _, _, path in sorted(found)]
 
 
-def run_traced(command: Sequence[str], label: str, output_dir: Path) -> tuple[int, list[Path]]:
-    """Run COMMAND traced; return its exit code and the trace files it wrote."""
+def lost_processes(output_dir: Path, label: str) -> list[dict[str, Any]]:
+    """Traced processes that ended without writing their trace; their markers are removed.
+
+    A traced process leaves a marker (``opguard_plugins.tracer.MARKER_SUFFIX``) until
+    its exit handler has run; one still there after the command ended means the
+    process ended by ``os._exit`` or was killed by a signal.
+    """
+    lost: list[dict[str, Any]] = []
+    for marker in sorted(output_dir.glob(f".{label}_callsite.*.tracing")):
+        try:
+            info = json.loads(marker.read_text())
+        except (OSError, ValueError):
+            info = {}
+        lost.append(info if isinstance(info, dict) else {})
+        with contextlib.suppress(OSError):
+            marker.unlink()
+    return lost
+
+
+@dataclasses.dataclass
+class TraceOutcome:
+    """What :func:`launch` saw: the command's status, the signals forwarded to it, the
+    trace files written, and the traced processes that wrote none."""
+
+    returncode: int
+    signals: list[int]
+    files: list[Path]
+    lost: list[dict[str, Any]]
+
+    @property
+    def exit_code(self) -> int:
+        """``opguard trace``'s exit code: 128+N after signal N was sent to it (130 for
+        SIGINT, 143 for SIGTERM), else the command's code, 128+N if a signal killed it."""
+        if self.signals:
+            return 128 + self.signals[-1]
+        if self.returncode < 0:
+            return 128 - self.returncode
+        return self.returncode
+
+    def status_line(self) -> str | None:
+        """One line on how the command ended, when that was not a plain exit."""
+        own = (
+            f"killed by {signal.Signals(-self.returncode).name}"
+            if self.returncode < 0
+            else f"exited with {self.returncode}"
+        )
+        if self.signals:
+            names = ", ".join(signal.Signals(n).name for n in self.signals)
+            return f"received {names}, forwarded to the command, which {own}"
+        if self.returncode < 0:
+            return f"the command was {own} (exit {self.exit_code})"
+        return None
+
+
+def _terminal_delivered(signum: int) -> bool:
+    """Whether a SIGINT most likely came from the terminal (Ctrl-C), which sends it to
+    the whole foreground process group, so the command has it already."""
+    if signum != signal.SIGINT:
+        return False
+    for fd in (0, 1, 2):
+        try:
+            if os.isatty(fd):
+                return os.tcgetpgrp(fd) == os.getpgrp()
+        except OSError:
+            continue
+    return False
+
+
+def launch(command: Sequence[str], label: str, output_dir: Path) -> TraceOutcome:
+    """Run COMMAND traced, forwarding SIGINT and SIGTERM to it, and wait for it."""
     output_dir = output_dir.resolve()
     output_dir.mkdir(parents=True, exist_ok=True)
     started = time.time() - 1.0  # file systems with coarse timestamps
     env = build_env(label, output_dir, command)
+    received: list[int] = []
     try:
-        process = subprocess.run(build_argv(command), env=env, check=False)
+        process = subprocess.Popen(build_argv(command), env=env)
     except FileNotFoundError:
         raise click.ClickException(f"command not found: {command[0]}") from None
-    code = process.returncode
-    if code < 0:  # killed by a signal: report it like a shell does
-        code = 128 - code
-    return code, written_traces(output_dir, label, started)
+
+    def forward(signum: int, _frame: Any) -> None:
+        received.append(signum)
+        if not _terminal_delivered(signum) and process.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                process.send_signal(signum)
+
+    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        returncode = process.wait()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    return TraceOutcome(
+        returncode=returncode,
+        signals=received,
+        files=written_traces(output_dir, label, started),
+        lost=lost_processes(output_dir, label),
+    )
+
+
+def run_traced(command: Sequence[str], label: str, output_dir: Path) -> tuple[int, list[Path]]:
+    """Run COMMAND traced; return its exit code and the trace files it wrote."""
+    outcome = launch(command, label, output_dir)
+    return outcome.exit_code, outcome.files
 
 
 @click.command(
@@ -101,40 +202,62 @@ def run_traced(command: Sequence[str], label: str, output_dir: Path) -> tuple[in
 )
 @click.option(
     "--output-dir",
-    type=click.Path(file_okay=False, path_type=Path),
-    default=Path("."),
-    show_default=True,
-    help="Directory for the trace files (created if missing).",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="Directory for the trace files (created if missing; default: the trace "
+    "output base, $OPGUARD_TRACE_OUTPUT_BASE or ./opguard_traces).",
 )
 @click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
-def trace_command(label: str, output_dir: Path, command: tuple[str, ...]) -> None:
+def trace_command(label: str, output_dir: Path | None, command: tuple[str, ...]) -> None:
     """Run COMMAND with callsite tracing on, writing one trace per rank.
 
     COMMAND is a Python script (train.py ARGS), python -m PKG ARGS, or
     torchrun --nproc-per-node N train.py ARGS; put it after "--". Every Python
     process it starts that imports torch is traced and writes
-    {label}_callsite_rank{R}.json into --output-dir at exit. Exits with COMMAND's
-    exit code.
+    {label}_callsite_rank{R}.json into --output-dir at exit (a forked child:
+    {label}.fork{PID}_callsite_rank{R}.json). SIGINT and SIGTERM are forwarded to
+    COMMAND. Exits with COMMAND's exit code (128+N after signal N).
     """
     if not _SAFE_LABEL.match(label):
         raise click.BadParameter(
             "use letters, digits, '.', '_' or '-' (it becomes part of file names)",
             param_hint="--label",
         )
-    code, files = run_traced(command, label, output_dir)
+    what = "--output-dir"
+    if output_dir is None:
+        output_dir = trace_output_base()
+        what = f"${OUTPUT_BASE_ENV}" if os.environ.get(OUTPUT_BASE_ENV) else "output base"
+    try:
+        prepare_output_dir(output_dir, what)
+    except OutputLocationError as exc:
+        click.echo(f"opguard trace: error: {exc}", err=True)
+        sys.exit(int(ExitCode.USAGE_ERROR))
+    outcome = launch(command, label, output_dir)
+    files = outcome.files
+    status = outcome.status_line()
+    if status:
+        click.echo(f"opguard trace: {status}", err=True)
+    for info in outcome.lost:
+        pid = info.get("pid", "?")
+        forked = f" (forked from {info['forked_from']})" if info.get("forked_from") else ""
+        click.echo(
+            f"opguard trace: process {pid}{forked} ended without writing its trace "
+            "(os._exit, or killed by a signal): its operators are lost",
+            err=True,
+        )
     if files:
         names = ", ".join(path.name for path in files)
         click.echo(
             f"opguard trace: wrote {len(files)} trace file(s) to {files[0].parent}: {names}",
             err=True,
         )
-    else:
+    elif not outcome.lost:
         click.echo(
             f"opguard trace: no trace written to {output_dir} "
             "(did the command import torch and run any operator?)",
             err=True,
         )
-    sys.exit(code)
+    sys.exit(outcome.exit_code)
 
 
 @hookimpl
@@ -143,7 +266,15 @@ def opguard_register_commands(cli: click.Group) -> None:
     cli.add_command(trace_command)
 
 
-__all__ = ["build_argv", "build_env", "opguard_register_commands", "run_traced", "trace_command"]
+__all__ = [
+    "TraceOutcome",
+    "build_argv",
+    "build_env",
+    "launch",
+    "opguard_register_commands",
+    "run_traced",
+    "trace_command",
+]
 
 if __name__ == "__main__":  # python -m opguard_plugins.trace -- COMMAND...
     signal.signal(signal.SIGINT, signal.default_int_handler)

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import json
 import os
 import platform
 import shlex
@@ -221,6 +222,13 @@ class CallsiteRecorder:
         self._local = threading.local()
         self._backward: list[_BackwardContext] = []
         self._cuda = torch.cuda.is_available()
+
+    def reset_after_fork(self) -> None:
+        """In a forked child: forget the parent's counts; new locks (a lock held by
+        another thread at the fork would stay held forever), no running backward."""
+        self._lock = threading.Lock()
+        self.counts = {}
+        self._backward = []
 
     # -- api (TorchFunctionMode side) ---------------------------------------
 
@@ -476,6 +484,9 @@ class CallsiteTracer:
         extra_meta: dict[str, Any] | None = None,
     ) -> None:
         self.label = label
+        #: the label given; ``label`` differs in a forked child (:func:`fork_label`)
+        self.base_label = label
+        self.marker: Path | None = None
         self.output_dir = Path(output_dir)
         self.fixed_rank = rank
         self.command = command
@@ -635,6 +646,54 @@ def trace_callsites(
 # ---------------------------------------------------------------------------
 
 _PROCESS_TRACER: CallsiteTracer | None = None
+_FORK_HOOK_INSTALLED = False
+#: a traced process announces itself with an empty marker file in the output
+#: directory and removes it once it has written (or decided not to write) its trace;
+#: a marker left behind tells ``opguard trace`` that a process ended without running
+#: its exit handlers (``os._exit``, a signal), so its operators were lost
+MARKER_SUFFIX = ".tracing"
+
+
+def marker_path(output_dir: str | os.PathLike[str], label: str, pid: int) -> Path:
+    """The marker of traced process ``pid`` (see :data:`MARKER_SUFFIX`)."""
+    return Path(output_dir) / f".{label}_callsite.{pid}{MARKER_SUFFIX}"
+
+
+def fork_label(label: str, pid: int) -> str:
+    """The label a forked child writes under: ``{label}.fork{pid}``, so that no two
+    processes write the same file (the child inherits its parent's rank)."""
+    return f"{label}.fork{pid}"
+
+
+def _write_marker(tracer: CallsiteTracer, parent: int | None) -> None:
+    path = marker_path(tracer.output_dir, tracer.base_label, os.getpid())
+    with contextlib.suppress(OSError):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(
+            f'{{"pid": {os.getpid()}, "forked_from": {json.dumps(parent)}, '
+            f'"label": {json.dumps(tracer.label)}}}\n'
+        )
+    tracer.marker = path
+
+
+def _remove_marker(tracer: CallsiteTracer) -> None:
+    if tracer.marker is not None:
+        with contextlib.suppress(OSError):
+            tracer.marker.unlink()
+        tracer.marker = None
+
+
+def _after_fork_in_child() -> None:
+    """A forked child traces on (its modes are inherited) but records only its own ops,
+    under its own file name, with fresh locks."""
+    tracer = _PROCESS_TRACER
+    if tracer is None:
+        return
+    parent = os.getppid()
+    tracer.recorder.reset_after_fork()
+    tracer.label = fork_label(tracer.base_label, os.getpid())
+    tracer.marker = None
+    _write_marker(tracer, parent)
 
 
 def start_process_tracer(label: str, output_dir: str) -> CallsiteTracer | None:
@@ -647,10 +706,15 @@ def start_process_tracer(label: str, output_dir: str) -> CallsiteTracer | None:
     global _PROCESS_TRACER
     if _PROCESS_TRACER is not None or _is_launcher():
         return _PROCESS_TRACER
+    global _FORK_HOOK_INSTALLED
     tracer = CallsiteTracer(label, output_dir)
     tracer.start()
     _PROCESS_TRACER = tracer
+    _write_marker(tracer, None)
     atexit.register(_finish_process_tracer)
+    if not _FORK_HOOK_INSTALLED:
+        os.register_at_fork(after_in_child=_after_fork_in_child)
+        _FORK_HOOK_INSTALLED = True
     return tracer
 
 
@@ -659,12 +723,14 @@ def _finish_process_tracer() -> None:
     if tracer is None:
         return
     tracer.stop()
-    if not tracer.recorder.counts or _is_launcher():  # `python -m torch.distributed.run`
-        return
     try:
+        if not tracer.recorder.counts or _is_launcher():  # `python -m torch.distributed.run`
+            return
         tracer.write()
     except Exception as exc:  # never turn a finished training run into a crash
         print(f"opguard trace: could not write the trace: {exc}", file=sys.stderr)
+    finally:
+        _remove_marker(tracer)
 
 
 def _is_launcher() -> bool:

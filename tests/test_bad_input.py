@@ -358,7 +358,9 @@ def test_cli_with_verbose_still_gives_the_one_line_error(
         pytest.param("missing_rank0.json", "no such file", id="missing_file"),
         pytest.param("nothing_here_*.json", "matched no files", id="pattern_matches_nothing"),
         pytest.param("a_directory", "is a directory", id="directory"),
-        pytest.param("dir_glob_*", "matched no files", id="pattern_matches_only_directories"),
+        pytest.param(
+            "dir_glob_*", "dir_glob_1: is a directory", id="pattern_matches_only_directories"
+        ),
     ],
 )
 def test_cli_reports_unusable_inputs_and_processes_the_good_entry(

@@ -106,11 +106,12 @@ def test_without_dask_the_error_is_one_clear_line(
     monkeypatch.setitem(sys.modules, "distributed", None)  # import fails
     monkeypatch.delenv(dask_executor.SCHEDULER_ENV, raising=False)
     run = opguard("run", "--input", str(samples / "gpt_callsite_rank*.json"),
-                  "--executor", "dask", expect=1)  # fmt: skip
-    failed = [s for s in _summary(run)["stages"] if s["status"] == "failed"]
-    assert failed[0]["error"] == (
-        "--executor dask needs dask[distributed]: pip install 'opguard[dask]'"
-    )
+                  "--executor", "dask", expect=2)  # fmt: skip
+    # refused before the run starts (issue 10 point 9): a usage error naming the value
+    assert run.run_dir is None
+    assert "'dask': executor is not installed (missing distributed)" in run.stderr
+    assert "pip install 'opguard[dask]'" in run.stderr
+    assert "Traceback" not in run.stderr
 
 
 def test_partials_pickle_with_conflicting_meta(samples: Path) -> None:

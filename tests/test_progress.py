@@ -81,7 +81,8 @@ def test_combine_advances_once_per_file(
         yield advanced.append
 
     monkeypatch.setattr(combine, "progress", recording)
-    files = tuple(sorted(samples.glob("*_rank*.json")))
+    # one entry, one file per rank (two files claiming one rank are refused)
+    files = tuple(sorted(samples.glob("gpt_callsite_rank*.json")))
     entry = InputEntry(name="all", files=files, index=1)
     trace = combine.combine_entry(entry, RunOptions(jobs=jobs))
     assert calls == [("combine all", len(files))]

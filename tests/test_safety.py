@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-import opguard_core.runner as runner_module
+import opguard_core.stale_runs as stale_runs
 from opguard_core import ENTRY_POINT_GROUP
 from opguard_core.atomic import create_run_directory, safe_child
 from opguard_core.config_format import dump_config, load_config
@@ -231,12 +231,12 @@ def test_two_cli_runs_in_the_same_second_get_different_directories(
     opguard: Callable[..., Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     frozen = dt.datetime(2024, 5, 6, 7, 8, 9)
-    real = runner_module.create_run_directory
+    real = stale_runs.create_run_directory
 
     def create(base: Path, now: dt.datetime | None = None) -> Path:
         return real(base, frozen)
 
-    monkeypatch.setattr(runner_module, "create_run_directory", create)
+    monkeypatch.setattr(stale_runs, "create_run_directory", create)
     first = opguard("run", "-i", SAMPLE, expect=0)
     second = opguard("run", "-i", SAMPLE, expect=0)
     assert first.run_dir != second.run_dir

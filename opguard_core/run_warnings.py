@@ -1,0 +1,57 @@
+"""Run warnings: things a run did not refuse but a person should know.
+
+:func:`warn` logs a warning (structlog, stderr) and, while a run collects them
+(:func:`collecting`, the runner does), adds it to the run's list, which
+``pipeline_summary.json`` carries as ``warnings`` and ``opguard run`` prints at
+the end, one ``opguard: warning: ...`` line each. Stages and plugins call it for an
+unmatched ``--hide`` pattern, a rank file whose name disagrees with ``meta.rank``,
+a trace without callsites, a stale run directory, ...
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Iterator
+from typing import Any
+
+import structlog
+
+from opguard_core.logs import get_logger
+
+_COLLECTED: contextvars.ContextVar[list[dict[str, Any]] | None] = contextvars.ContextVar(
+    "opguard_run_warnings", default=None
+)
+
+
+def warn(message: str, **fields: Any) -> None:
+    """Log ``message`` as a warning and add it to the current run's warnings.
+
+    :param message: one line, complete on its own (it is printed as is).
+    :param fields: JSON-able details (``pattern=``, ``file=``, ...); the bound
+        ``stage`` and ``entry`` are added.
+    """
+    bound = structlog.contextvars.get_contextvars()
+    record: dict[str, Any] = {
+        "message": " ".join(message.split()),
+        "stage": bound.get("stage"),
+        "entry": bound.get("entry"),
+        **fields,
+    }
+    get_logger().warning(record["message"], **fields)
+    collected = _COLLECTED.get()
+    if collected is not None:
+        collected.append(record)
+
+
+@contextlib.contextmanager
+def collecting(into: list[dict[str, Any]]) -> Iterator[list[dict[str, Any]]]:
+    """Collect every :func:`warn` made inside the block into ``into``."""
+    token = _COLLECTED.set(into)
+    try:
+        yield into
+    finally:
+        _COLLECTED.reset(token)
+
+
+__all__ = ["collecting", "warn"]
