@@ -3,8 +3,10 @@
 Entries match on (``target``, ``context``): ``ops`` and ``stream_counts`` add per
 key, ``count`` adds, ``tags``, ``lines`` and ``ranks`` become sorted unions.
 Unmatched entries are kept. The left config's mappings are reused, so comments a
-person wrote there survive. ``meta.ranks`` is the union, ``meta.total`` the sum,
-and ``source`` lists every merged source, sorted, joined by ``+``.
+person wrote there survive; so do the right's, where the left has none on a key,
+and the comment lines above an entry in either (the left's first). ``meta.ranks`` is
+the union, ``meta.total`` the sum, and ``source`` lists every merged source, sorted,
+joined by ``+``.
 """
 
 from __future__ import annotations
@@ -15,7 +17,13 @@ from typing import Any
 from ruamel.yaml.comments import CommentedMap, CommentedSeq
 
 from opguard_core import hookimpl
-from opguard_core.config_format import block_map, entry_key, flow_seq
+from opguard_core.config_format import (
+    block_map,
+    entry_comments,
+    entry_key,
+    flow_seq,
+    set_entry_comments,
+)
 from opguard_core.tree_format import TORCH_API
 
 _ENTRY_FIELDS = frozenset(
@@ -73,6 +81,10 @@ def merge_entries(
     """Merge ``right`` into ``left`` (same key) and return ``left``."""
     _carry_extras(left, right, _ENTRY_FIELDS)
     _keep_comments(left, left, right)
+    mine = entry_comments(left)
+    theirs = [line for line in entry_comments(right) if line not in mine]
+    if theirs:
+        set_entry_comments(left, mine + theirs)
     kind = _merge_kind(left.get("kind"), right.get("kind"))
     if kind is not None:
         left["kind"] = kind
