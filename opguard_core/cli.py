@@ -184,6 +184,18 @@ def create_cli(manager: OpGuardPluginManager) -> click.Group:
         help="Also hide frames whose module:qualname matches REGEX whole (repeatable).",
     )
     @click.option(
+        "--focus",
+        multiple=True,
+        metavar="REGEX",
+        help="Keep only callsites with a frame, api or op matching REGEX whole (repeatable).",
+    )
+    @click.option(
+        "--ignore",
+        multiple=True,
+        metavar="REGEX",
+        help="Drop callsites with a frame, api or op matching REGEX whole (repeatable).",
+    )
+    @click.option(
         "--no-default-hide", is_flag=True, help="Do not hide the default plumbing frames."
     )
     @click.option(
@@ -226,6 +238,8 @@ def create_cli(manager: OpGuardPluginManager) -> click.Group:
         min_fraction: float,
         chains: bool,
         hide: tuple[str, ...],
+        focus: tuple[str, ...],
+        ignore: tuple[str, ...],
         no_default_hide: bool,
         context_depth: int,
         compressor: str | None,
@@ -236,6 +250,7 @@ def create_cli(manager: OpGuardPluginManager) -> click.Group:
         inputs = list(input_options)
         if not inputs:
             raise click.UsageError("give at least one --input")
+        _refuse_configs(inputs)
         verbose = verbose + ctx.obj.get("verbose", 0)
         if verbose:
             configure_logging(ctx.obj.get("log_format"), verbose)
@@ -247,13 +262,16 @@ def create_cli(manager: OpGuardPluginManager) -> click.Group:
                 raise click.UsageError(f"--compressor {compressor}: no such compressor plugin")
         if basic and "basic_filter" in manager.disabled:
             raise click.UsageError("--basic needs the basic_filter plugin, which is disabled")
-        _check_regexes(hide)
+        for option, patterns in (("--hide", hide), ("--focus", focus), ("--ignore", ignore)):
+            _check_regexes(patterns, option)
         options = RunOptions(
             base_dir=base_dir,
             min_count=min_count,
             min_fraction=min_fraction,
             chains=chains,
             hide=tuple(hide),
+            focus=tuple(focus),
+            ignore=tuple(ignore),
             default_hide=not no_default_hide,
             context_depth=context_depth,
             basic=basic,
@@ -273,6 +291,7 @@ def create_cli(manager: OpGuardPluginManager) -> click.Group:
         for record in failed:
             where = f"{record.stage}" + (f" [{record.entry}]" if record.entry else "")
             click.echo(f"opguard: {where} failed: {record.error}", err=True)
+        _print_summary(runner)
         click.echo(str(runner.run_dir))
         ctx.exit(int(code))
 
@@ -322,14 +341,42 @@ def create_cli(manager: OpGuardPluginManager) -> click.Group:
     return cli
 
 
-def _check_regexes(patterns: Sequence[str]) -> None:
-    import re
+def _print_summary(runner: Runner) -> None:
+    """The end-of-run summary: lines for a person on a console, one record in JSON."""
+    from opguard_core.logs import current_format, get_logger
+    from opguard_core.run_summary import summary_fields, summary_lines
 
-    for pattern in patterns:
-        try:
-            re.compile(pattern)
-        except re.error as exc:
-            raise click.BadParameter(f"{pattern!r}: {exc}", param_hint="--hide") from None
+    if runner.run_dir is None:
+        return
+    summary = runner.summary(final=True)
+    if current_format() == "console":
+        click.echo("\n".join(summary_lines(summary)), err=True)
+    else:
+        get_logger().info("run summary", **summary_fields(summary))
+
+
+def _check_regexes(patterns: Sequence[str], option: str) -> None:
+    """Compile each pattern on its own; a bad one is a usage error naming it."""
+    from opguard_core.selection import PatternError, compile_patterns
+
+    try:
+        compile_patterns(patterns, option)
+    except PatternError as exc:
+        raise click.UsageError(str(exc)) from None
+
+
+CONFIG_SUFFIXES = (".yaml", ".yml")
+
+
+def _refuse_configs(inputs: Sequence[str]) -> None:
+    """``run`` reads traces; a YAML config given as input is a usage error that names
+    the commands made for configs."""
+    for spec in inputs:
+        if spec.lower().endswith(CONFIG_SUFFIXES):
+            raise click.UsageError(
+                f"--input {spec}: a YAML config, not a callsite trace; "
+                "use opguard compare, merge, filter or show on configs"
+            )
 
 
 def cli_for(args: Sequence[str]) -> click.Group:

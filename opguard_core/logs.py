@@ -50,6 +50,11 @@ def configure_logging(log_format: str | None = None, verbose: int = 0) -> str:
     return fmt
 
 
+def current_format() -> str:
+    """The log format :func:`configure_logging` set: ``console`` or ``json``."""
+    return str(_state["format"])
+
+
 def get_logger(**initial: Any) -> Any:
     return structlog.get_logger("opguard").bind(**initial)
 

@@ -40,6 +40,7 @@ from opguard_core.errors import ExitCode, Interrupted, OpGuardError
 from opguard_core.logs import get_logger
 from opguard_core.model import STAGES, Discovery, InputEntry, RunOptions
 from opguard_core.plugins import OpGuardPluginManager, call_impl
+from opguard_core.selection import Selection, select_trace, unmatched_hide
 from opguard_core.tree_format import check_tree, encode_tree
 
 OUTPUT_BASE_ENV = "OPGUARD_TRACE_OUTPUT_BASE"
@@ -95,6 +96,8 @@ class Runner:
         self.interrupted: dict[str, Any] | None = None
         self.current: tuple[str, str | None] = ("setup", None)
         self.entries: list[InputEntry] = []
+        #: warnings of the run (unmatched patterns, compare base), for the summary
+        self.warnings: list[dict[str, Any]] = []
 
     # ----------------------------------------------------------------- helpers
 
@@ -108,6 +111,11 @@ class Runner:
             return str(path.relative_to(self.run_dir.resolve()))
         except ValueError:
             return str(path)
+
+    def warn(self, message: str, **fields: Any) -> None:
+        """Log a warning and list it under ``warnings`` in the summary."""
+        self.warnings.append({"message": message, **fields})
+        self.log.warning(message, **fields)
 
     def _skipped(self, stage: str, entry: str | None, reason: str) -> None:
         self.records.append(StageRecord(stage, entry, status="skipped", error=reason))
@@ -243,6 +251,7 @@ class Runner:
     def _compress(self, entry: InputEntry, trace: CallsiteTrace) -> dict[str, Any]:
         with self.stage("compress", entry.name) as record:
             record.inputs = [f"{entry.name}_combined.json"]
+            trace = self._select(entry, trace)
             tree: dict[str, Any] = self.call_first(
                 "opguard_compress", record, trace=trace, options=self.options
             )
@@ -257,6 +266,17 @@ class Runner:
                 "total": tree["root"]["count"],
             }
         return tree
+
+    def _select(self, entry: InputEntry, trace: CallsiteTrace) -> CallsiteTrace:
+        """The callsites ``--focus`` and ``--ignore`` keep (every compressor sees the
+        same selection); every user pattern that matched nothing is a warning."""
+        selection = Selection.of(self.options.focus, self.options.ignore)
+        selected = select_trace(trace, selection)
+        unmatched = selection.unmatched()
+        unmatched += [("--hide", p) for p in unmatched_hide(trace, self.options.hide)]
+        for option, pattern in unmatched:
+            self.warn("pattern matched nothing", option=option, pattern=pattern, entry=entry.name)
+        return selected
 
     def _generate(self, entry: InputEntry, tree: dict[str, Any]) -> CommentedMap:
         with self.stage("generate", entry.name) as record:
@@ -280,7 +300,7 @@ class Runner:
         base = min(configs) if configs else 1
         first = configs.get(base)
         if first is not None and base != 1:
-            self.log.warning(
+            self.warn(
                 "compare base is not entry 1", base=base, entry=first[0].name,
                 reason="entry 1 made no config",
             )  # fmt: skip
@@ -317,6 +337,7 @@ class Runner:
                 a = {entry_key(e) for e in first[1]["entries"]}
                 b = {entry_key(e) for e in configs[index][1]["entries"]}
                 record.counts = {
+                    "base": base,
                     "only_first": len(a - b),
                     "only_other": len(b - a),
                     "common": len(a & b),
@@ -402,8 +423,9 @@ class Runner:
     def run(self) -> ExitCode:
         """Run every stage; return the exit code (non-zero when anything failed)."""
         self.run_dir = create_run_directory(self.output_base).resolve()
-        log = self.log = get_logger(run_dir=str(self.run_dir))
-        log.info("run started", inputs=self.inputs)
+        log = self.log = get_logger()
+        log.info("run started", run_dir=str(self.run_dir), inputs=self.inputs)
+        log.info("plugins", active=self.plugin_names(), disabled=list(self.manager.disabled))
         previous = signal.getsignal(signal.SIGTERM)
         signal.signal(signal.SIGTERM, _raise_interrupted)
         try:
@@ -418,8 +440,16 @@ class Runner:
             code = self.exit_code()
             self._write_summary(final=True)
             self._run_finished()
-            log.info("run finished", exit_code=int(code), run_dir=str(self.run_dir))
+            log.info("run finished", exit_code=int(code))
         return code
+
+    def plugin_names(self) -> list[str]:
+        """The loaded plugins, as pytest's ``plugins:`` line names them: a built-in by
+        name, a third-party one as ``name (distribution version)``."""
+        return [
+            p.name if p.builtin else f"{p.name} ({p.distribution or '?'} {p.version or ''})".strip()
+            for p in self.manager.describe()
+        ]
 
     def _run_stages(self) -> None:
         try:
@@ -490,6 +520,7 @@ class Runner:
                 for p in self.manager.describe()
             ],
             "stages": [dataclasses.asdict(r) for r in self.records],
+            "warnings": self.warnings,
         }
 
     def _run_finished(self) -> None:

@@ -378,6 +378,8 @@ def _compress_trace(trace: CallsiteTrace, options: RunOptions) -> dict[str, Any]
         "min_count": options.min_count,
         "min_fraction": options.min_fraction,
         "hide": hide,
+        "focus": list(options.focus),
+        "ignore": list(options.ignore),
         "nodes_before": nodes_before,
         "nodes_after": count_nodes(root),
         "total": root.count,
