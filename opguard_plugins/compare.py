@@ -157,16 +157,17 @@ def render_diff(diff: ConfigDiff, sort: Sort = "key", top: int | None = None) ->
     ``top`` keeps the first N of each section (a last line says how many more)."""
     diff = _ordered(diff, sort)
     first, other = diff.first, diff.other
+    w = max(24, len(first.label), len(other.label))  # labels of files can be long
     out = [
         f"comparison: {first.label} vs {other.label}",
         "",
         "totals:",
-        f"  {'':<18}{first.label:>24}  {other.label:>24}",
-        f"  {'entries':<18}{first.entries:>24}  {other.entries:>24}",
-        f"  {'total ops':<18}{first.total:>24}  {other.total:>24}",
-        f"  {'ranks':<18}{first.ranks!s:>24}  {other.ranks!s:>24}",
-        f"  {'only in one':<18}{len(diff.only_first):>24}  {len(diff.only_other):>24}",
-        f"  {'changed':<18}{len(diff.changed):>24}",
+        f"  {'':<18}{first.label:>{w}}  {other.label:>{w}}",
+        f"  {'entries':<18}{first.entries:>{w}}  {other.entries:>{w}}",
+        f"  {'total ops':<18}{first.total:>{w}}  {other.total:>{w}}",
+        f"  {'ranks':<18}{first.ranks!s:>{w}}  {other.ranks!s:>{w}}",
+        f"  {'only in one':<18}{len(diff.only_first):>{w}}  {len(diff.only_other):>{w}}",
+        f"  {'changed':<18}{len(diff.changed):>{w}}",
     ]
     sections = (
         (f"only in {first.label}", "-", diff.only_first),
