@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import json
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import click
+from click.decorators import FC
 from ruamel.yaml.comments import CommentedMap
 
 from opguard_core import hookimpl
@@ -37,7 +38,7 @@ from opguard_core.model import RunOptions
 from opguard_core.plugins import OpGuardPluginManager
 from opguard_core.run_summary import run_config
 from opguard_core.selection import PatternError, Selection, select_entries
-from opguard_plugins.compare import diff_configs, diff_to_json, render_diff
+from opguard_plugins.compare import Sort, diff_configs, diff_to_json, render_diff
 
 #: how many ops ``show`` names per entry
 MAIN_OPS = 3
@@ -66,8 +67,8 @@ def _verbose(ctx: click.Context, verbose: int) -> bool:
     return bool(verbose or (ctx.obj or {}).get("verbose"))
 
 
-def _config_argument(name: str) -> Any:
-    return click.argument(name, type=click.Path(exists=False, path_type=Path))
+def _config_argument(name: str) -> Callable[[FC], FC]:
+    return click.argument(name, type=click.Path(path_type=Path))
 
 
 _verbose_option = click.option("-v", "--verbose", count=True, help="Tracebacks on errors.")
@@ -122,9 +123,9 @@ def compare(
         other_path, second = read_input(other)
         diff = diff_configs(first, second, str(base_path), str(other_path))
     if fmt == "json":
-        click.echo(json.dumps(diff_to_json(diff, sort, top), indent=2))  # type: ignore[arg-type]
+        click.echo(json.dumps(diff_to_json(diff, cast(Sort, sort), top), indent=2))
     else:
-        click.echo(render_diff(diff, sort, top), nl=False)  # type: ignore[arg-type]
+        click.echo(render_diff(diff, cast(Sort, sort), top), nl=False)
     if fail_on_change and diff.differs:
         ctx.exit(int(ExitCode.STAGE_FAILED))
 
