@@ -122,7 +122,8 @@ def test_the_end_of_a_run_says_what_it_made(opguard, samples) -> None:
     (plugins,) = [e for e in events if e["event"] == "plugins"]
     listed = opguard("plugins", "--all", "--json", expect=0).result.stdout
     assert plugins["active"] == [p["name"] for p in json.loads(listed)]
-    assert events.index(plugins) < min(i for i, e in enumerate(events) if e["event"] == "stage done")
+    first_stage = min(i for i, e in enumerate(events) if e["event"] == "stage done")
+    assert events.index(plugins) < first_stage
     assert [e["event"] for e in events if "run_dir" in e] == ["run started"]
 
 
