@@ -16,12 +16,14 @@ from opguard_core.config_format import (
 from opguard_plugins.merge import merge_configs
 from tests.strategies import configs, plain
 
-TEXT = st.text(
-    st.characters(whitelist_categories=("L", "N", "P", "S", "Zs"), max_codepoint=0xFFFF),
-    min_size=1,
-    max_size=30,
-).map(lambda t: "# " + " ".join(t.split())).filter(
-    lambda c: c != "#" and SUMMARY_RE.fullmatch(f"  {c}\n") is None
+TEXT = (
+    st.text(
+        st.characters(whitelist_categories=("L", "N", "P", "S", "Zs"), max_codepoint=0xFFFF),
+        min_size=1,
+        max_size=30,
+    )
+    .map(lambda t: "# " + " ".join(t.split()))
+    .filter(lambda c: c != "#" and SUMMARY_RE.fullmatch(f"  {c}\n") is None)
 )
 
 
