@@ -548,6 +548,11 @@ def validate_config(config: object, path: Path | str) -> None:
         raise InputError(path, "meta.ranks must be a list of integers")
     if not _is_int(meta.get("total", 0)):
         raise InputError(path, "meta.total must be an integer")
+    steps = meta.get("steps", {})
+    if not isinstance(steps, dict) or not all(
+        isinstance(k, str) and _is_int(v) and v >= 0 for k, v in steps.items()
+    ):
+        raise InputError(path, "meta.steps must map sources to step counts")
     entries = config.get("entries")
     if not isinstance(entries, list):
         raise InputError(path, "'entries' must be a list")

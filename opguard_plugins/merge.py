@@ -21,6 +21,7 @@ from opguard_core.config_format import (
     block_map,
     entry_comments,
     entry_key,
+    flow_map,
     flow_seq,
     set_entry_comments,
 )
@@ -99,6 +100,16 @@ def merge_entries(
     return left
 
 
+def _merge_steps(a: Any, b: Any) -> CommentedMap:
+    """``meta.steps`` (source -> steps) of both: the union; where both name a source
+    with different values, the one whose repr sorts first (associative, commutative)."""
+    steps: dict[Any, Any] = dict(a or {})
+    for source, value in (b or {}).items():
+        if source not in steps or repr(value) < repr(steps[source]):
+            steps[source] = value
+    return flow_map(sorted(steps.items(), key=lambda kv: str(kv[0])))
+
+
 def _sources(config: dict[str, Any]) -> set[str]:
     return set(str(config.get("source", "")).split("+")) - {""}
 
@@ -132,11 +143,13 @@ def merge_configs(left: CommentedMap, right: CommentedMap) -> CommentedMap:
             del entry["ranks"]
         entries.append(entry)
     meta = CommentedMap(left_meta)
-    _carry_extras(meta, right_meta, frozenset({"ranks", "total", "sources"}))
+    _carry_extras(meta, right_meta, frozenset({"ranks", "total", "sources", "steps"}))
     meta["ranks"] = flow_seq(all_ranks)
     meta["total"] = int(left_meta.get("total", 0)) + int(right_meta.get("total", 0))
     if "sources" in left_meta or "sources" in right_meta:
         meta["sources"] = _sorted_union(left_meta.get("sources"), right_meta.get("sources"))
+    if "steps" in left_meta or "steps" in right_meta:
+        meta["steps"] = _merge_steps(left_meta.get("steps"), right_meta.get("steps"))
     meta.fa.set_block_style()
     _keep_comments(meta, left_meta, right_meta)
     result["meta"] = meta

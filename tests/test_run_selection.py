@@ -182,3 +182,14 @@ def test_the_summary_counts_divergence_findings_when_present(divergence, line) -
         summary["divergence"] = divergence
     lines = summary_lines(summary)
     assert (line in lines) if line else not any("divergence" in x for x in lines)
+
+
+def test_meta_records_the_steps_of_each_source(opguard, samples) -> None:
+    def steps(name: str) -> int:
+        return json.loads((samples / f"{name}_rank0.json").read_text())["meta"]["steps"]
+
+    run = opguard("run", "-i", str(samples / "fsdp_callsite_rank*.json"),
+                  "-i", str(samples / "gpt_callsite_rank*.json"), expect=0)  # fmt: skip
+    expected = {"fsdp_callsite": steps("fsdp_callsite"), "gpt_callsite": steps(GPT)}
+    assert _config(run)["meta"]["steps"] == {GPT: expected[GPT]}
+    assert _config(run, "final_combined_instrumentation.yaml")["meta"]["steps"] == expected
