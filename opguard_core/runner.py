@@ -446,10 +446,11 @@ class Runner:
     def plugin_names(self) -> list[str]:
         """The loaded plugins, as pytest's ``plugins:`` line names them: a built-in by
         name, a third-party one as ``name (distribution version)``."""
-        return [
-            p.name if p.builtin else f"{p.name} ({p.distribution or '?'} {p.version or ''})".strip()
-            for p in self.manager.describe()
-        ]
+        names = []
+        for p in self.manager.describe():
+            origin = " ".join(x for x in (p.distribution or "?", p.version) if x)
+            names.append(p.name if p.builtin else f"{p.name} ({origin})")
+        return names
 
     def _run_stages(self) -> None:
         try:

@@ -119,6 +119,8 @@ def select_trace(trace: CallsiteTrace, selection: Selection) -> CallsiteTrace:
 
 def unmatched_hide(trace: CallsiteTrace, patterns: Sequence[str]) -> list[str]:
     """The ``--hide`` patterns that match no frame of ``trace``."""
+    if not patterns:
+        return []
     names = [target_name(f.module, f.file, f.qualname) for f in trace.frames]
     return [
         pattern.pattern
