@@ -98,6 +98,23 @@ def _disable_option(func: click.decorators.FC) -> click.decorators.FC:
     )(func)
 
 
+def basic_options(func: click.decorators.FC) -> click.decorators.FC:
+    """``--basic`` and ``--basic-list``, shared by ``opguard run`` and ``opguard filter``."""
+    func = click.option(
+        "--basic-list",
+        type=click.Path(dir_okay=False, path_type=Path),
+        default=None,
+        help="YAML file replacing the basic filter's list of torch utilities.",
+    )(func)
+    return click.option("--basic", is_flag=True, help="Run the built-in basic filter.")(func)
+
+
+def check_basic(manager: OpGuardPluginManager, basic: bool) -> None:
+    """``--basic`` with the basic filter disabled is a usage error."""
+    if basic and "basic_filter" in manager.disabled:
+        raise click.UsageError("--basic needs the basic_filter plugin, which is disabled")
+
+
 def create_cli(manager: OpGuardPluginManager) -> click.Group:
     """Build the ``opguard`` command group around ``manager``."""
 
@@ -144,13 +161,7 @@ def create_cli(manager: OpGuardPluginManager) -> click.Group:
         "(default: $OPGUARD_TRACE_OUTPUT_BASE, else ./opguard_traces).",
     )
     @click.option("-v", "--verbose", count=True, help="Per-stage detail; tracebacks on failure.")
-    @click.option("--basic", is_flag=True, help="Run the built-in basic filter.")
-    @click.option(
-        "--basic-list",
-        type=click.Path(dir_okay=False, path_type=Path),
-        default=None,
-        help="YAML file replacing the basic filter's list of torch utilities.",
-    )
+    @basic_options
     @click.option(
         "--skip",
         multiple=True,
@@ -260,8 +271,7 @@ def create_cli(manager: OpGuardPluginManager) -> click.Group:
                 h.name for h in manager.get_hookcallers(plugin) or []
             ]:
                 raise click.UsageError(f"--compressor {compressor}: no such compressor plugin")
-        if basic and "basic_filter" in manager.disabled:
-            raise click.UsageError("--basic needs the basic_filter plugin, which is disabled")
+        check_basic(manager, basic)
         for option, patterns in (("--hide", hide), ("--focus", focus), ("--ignore", ignore)):
             _check_regexes(patterns, option)
         options = RunOptions(

@@ -24,8 +24,8 @@ from ruamel.yaml.comments import CommentedMap
 
 from opguard_core import hookimpl
 from opguard_core.atomic import atomic_write_text
+from opguard_core.cli import basic_options, check_basic
 from opguard_core.config_chain import (
-    BASIC_FILTER_PLUGIN,
     active_filters,
     apply_filters,
     fold,
@@ -166,13 +166,7 @@ def _record_selection(config: CommentedMap, focus: Sequence[str], ignore: Sequen
 def make_filter(manager: OpGuardPluginManager) -> click.Command:
     @click.command("filter")
     @_config_argument("config")
-    @click.option("--basic", is_flag=True, help="Run the built-in basic filter.")
-    @click.option(
-        "--basic-list",
-        type=click.Path(dir_okay=False, path_type=Path),
-        default=None,
-        help="YAML file replacing the basic filter's list of torch utilities.",
-    )
+    @basic_options
     @_focus_option
     @_ignore_option
     @click.option("-o", "--output", type=click.Path(path_type=Path), required=True)
@@ -190,8 +184,7 @@ def make_filter(manager: OpGuardPluginManager) -> click.Command:
     ) -> None:
         """Filter a config (or a run's final config) with the run's filter chain."""
         selection = _selection(focus, ignore)
-        if basic and BASIC_FILTER_PLUGIN in manager.disabled:
-            raise click.UsageError("--basic needs the basic_filter plugin, which is disabled")
+        check_basic(manager, basic)
         options = RunOptions(basic=basic, basic_list=basic_list, verbose=bool(verbose))
         with reported_errors(_verbose(ctx, verbose)):
             _, loaded = read_input(config, filtered=False)

@@ -382,3 +382,11 @@ def test_a_run_directory_without_a_final_config_is_refused(run_dir, tmp_path) ->
     result = invoke("show", copy)
     assert result.exit_code == 1
     assert "made no final config" in result.stderr
+
+
+def test_filter_basic_needs_the_basic_filter(run_dir, tmp_path) -> None:
+    out = tmp_path / "x.yaml"
+    result = invoke("--disable-plugin", "basic_filter", "filter", run_dir, "--basic", "-o", out)
+    assert result.exit_code == 2
+    assert "--basic needs the basic_filter plugin, which is disabled" in result.stderr
+    assert not out.exists()
