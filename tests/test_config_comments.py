@@ -22,8 +22,10 @@ TEXT = (
         min_size=1,
         max_size=30,
     )
-    .map(lambda t: "# " + " ".join(t.split()))
-    .filter(lambda c: c != "#" and SUMMARY_RE.fullmatch(f"  {c}\n") is None)
+    .map(lambda t: " ".join(t.split()))
+    .filter(bool)
+    .map(lambda t: "# " + t)
+    .filter(lambda c: SUMMARY_RE.fullmatch(f"  {c}\n") is None)
 )
 
 
