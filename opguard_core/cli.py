@@ -28,7 +28,6 @@ from opguard_core.model import (
 from opguard_core.options_check import (
     check_executor,
     check_fraction,
-    compile_patterns,
     unknown_disabled,
 )
 from opguard_core.paths import OutputLocationError, prepare_output_dir
@@ -108,6 +107,23 @@ def _disable_option(func: click.decorators.FC) -> click.decorators.FC:
     )(func)
 
 
+def basic_options(func: click.decorators.FC) -> click.decorators.FC:
+    """``--basic`` and ``--basic-list``, shared by ``opguard run`` and ``opguard filter``."""
+    func = click.option(
+        "--basic-list",
+        type=click.Path(dir_okay=False, path_type=Path),
+        default=None,
+        help="YAML file replacing the basic filter's list of torch utilities.",
+    )(func)
+    return click.option("--basic", is_flag=True, help="Run the built-in basic filter.")(func)
+
+
+def check_basic(manager: OpGuardPluginManager, basic: bool) -> None:
+    """``--basic`` with the basic filter disabled is a usage error."""
+    if basic and "basic_filter" in manager.disabled:
+        raise click.UsageError("--basic needs the basic_filter plugin, which is disabled")
+
+
 def create_cli(manager: OpGuardPluginManager) -> click.Group:
     """Build the ``opguard`` command group around ``manager``."""
 
@@ -156,13 +172,7 @@ def create_cli(manager: OpGuardPluginManager) -> click.Group:
         "(default: $OPGUARD_TRACE_OUTPUT_BASE, else ./opguard_traces).",
     )
     @click.option("-v", "--verbose", count=True, help="Per-stage detail; tracebacks on failure.")
-    @click.option("--basic", is_flag=True, help="Run the built-in basic filter.")
-    @click.option(
-        "--basic-list",
-        type=click.Path(dir_okay=False, path_type=Path),
-        default=None,
-        help="YAML file replacing the basic filter's list of torch utilities.",
-    )
+    @basic_options
     @click.option(
         "--skip",
         multiple=True,
@@ -195,6 +205,18 @@ def create_cli(manager: OpGuardPluginManager) -> click.Group:
         multiple=True,
         metavar="REGEX",
         help="Also hide frames whose module:qualname matches REGEX whole (repeatable).",
+    )
+    @click.option(
+        "--focus",
+        multiple=True,
+        metavar="REGEX",
+        help="Keep only callsites with a frame, api or op matching REGEX whole (repeatable).",
+    )
+    @click.option(
+        "--ignore",
+        multiple=True,
+        metavar="REGEX",
+        help="Drop callsites with a frame, api or op matching REGEX whole (repeatable).",
     )
     @click.option(
         "--no-default-hide", is_flag=True, help="Do not hide the default plumbing frames."
@@ -245,6 +267,8 @@ def create_cli(manager: OpGuardPluginManager) -> click.Group:
         min_fraction: float,
         chains: bool,
         hide: tuple[str, ...],
+        focus: tuple[str, ...],
+        ignore: tuple[str, ...],
         no_default_hide: bool,
         context_depth: int,
         compressor: str | None,
@@ -256,6 +280,7 @@ def create_cli(manager: OpGuardPluginManager) -> click.Group:
         inputs = list(input_options)
         if not inputs and not clean_stale:
             raise click.UsageError("give at least one --input")
+        _refuse_configs(inputs)
         verbose = verbose + ctx.obj.get("verbose", 0)
         if verbose:
             configure_logging(ctx.obj.get("log_format"), verbose)
@@ -265,9 +290,9 @@ def create_cli(manager: OpGuardPluginManager) -> click.Group:
                 h.name for h in manager.get_hookcallers(plugin) or []
             ]:
                 raise click.UsageError(f"--compressor {compressor}: no such compressor plugin")
-        if basic and "basic_filter" in manager.disabled:
-            raise click.UsageError("--basic needs the basic_filter plugin, which is disabled")
-        compile_patterns("--hide", hide)
+        check_basic(manager, basic)
+        for option, patterns in (("--hide", hide), ("--focus", focus), ("--ignore", ignore)):
+            _check_regexes(patterns, option)
         check_executor(executor, manager.get_plugins())
         base = _output_base(output_base)
         if clean_stale:
@@ -285,6 +310,8 @@ def create_cli(manager: OpGuardPluginManager) -> click.Group:
             min_fraction=min_fraction,
             chains=chains,
             hide=tuple(hide),
+            focus=tuple(focus),
+            ignore=tuple(ignore),
             default_hide=not no_default_hide,
             context_depth=context_depth,
             basic=basic,
@@ -303,18 +330,13 @@ def create_cli(manager: OpGuardPluginManager) -> click.Group:
         except OpGuardError as exc:
             click.echo(f"opguard: error: {exc}", err=True)
             ctx.exit(int(ExitCode.STAGE_FAILED))
-        for warning in runner.warnings:
-            where = warning["stage"] or ""
-            if warning["entry"]:
-                where += f" [{warning['entry']}]"
-            prefix = f"opguard: {where.strip()} " if where.strip() else "opguard: "
-            click.echo(f"{prefix}warning: {warning['message']}", err=True)
         failed = [r for r in runner.records if r.status == "failed"]
         for record in failed:
             where = f"{record.stage}" + (f" [{one_line(record.entry)}]" if record.entry else "")
             click.echo(f"opguard: {where} failed: {record.error}", err=True)
         if runner.summary_error is not None:
             click.echo(f"opguard: summary not written: {runner.summary_error}", err=True)
+        _print_summary(runner)
         click.echo(str(runner.run_dir))
         ctx.exit(int(code))
 
@@ -375,6 +397,44 @@ def _output_base(explicit: Path | None) -> Path:
     except OutputLocationError as exc:
         click.echo(f"opguard: error: {exc}", err=True)
         sys.exit(int(ExitCode.USAGE_ERROR))
+
+
+def _print_summary(runner: Runner) -> None:
+    """The end-of-run summary: lines for a person on a console, one record in JSON."""
+    from opguard_core.logs import current_format, get_logger
+    from opguard_core.run_summary import summary_fields, summary_lines
+
+    if runner.run_dir is None:
+        return
+    summary = runner.summary(final=True)
+    if current_format() == "console":
+        click.echo("\n".join(summary_lines(summary)), err=True)
+    else:
+        get_logger().info("run summary", **summary_fields(summary))
+
+
+def _check_regexes(patterns: Sequence[str], option: str) -> None:
+    """Compile each pattern on its own; a bad one is a usage error naming it."""
+    from opguard_core.selection import PatternError, compile_patterns
+
+    try:
+        compile_patterns(patterns, option)
+    except PatternError as exc:
+        raise click.UsageError(str(exc)) from None
+
+
+CONFIG_SUFFIXES = (".yaml", ".yml")
+
+
+def _refuse_configs(inputs: Sequence[str]) -> None:
+    """``run`` reads traces; a YAML config given as input is a usage error that names
+    the commands made for configs."""
+    for spec in inputs:
+        if spec.lower().endswith(CONFIG_SUFFIXES):
+            raise click.UsageError(
+                f"--input {spec}: a YAML config, not a callsite trace; "
+                "use opguard compare, merge, filter or show on configs"
+            )
 
 
 def cli_for(args: Sequence[str]) -> click.Group:

@@ -1,7 +1,9 @@
-"""The filter chain of ``opguard run``, shared with ``opguard filter``.
+"""The filter chain of ``opguard run``, shared with ``opguard filter``, and the merge
+fold shared with ``opguard merge``.
 
 Both call the same :func:`active_filters` and :func:`apply_filters`, so a config
-filtered by the command equals the one the run writes, byte for byte.
+filtered by the command equals the one the run writes, byte for byte; ``opguard
+merge`` folds through the same ``opguard_merge`` hook (:func:`fold`).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import structlog
 from ruamel.yaml.comments import CommentedMap
 
 from opguard_core.config_format import block_map, entry_key, flow_seq, validate_config
+from opguard_core.errors import OpGuardError
 from opguard_core.model import RunOptions
 from opguard_core.plugins import OpGuardPluginManager, call_impl
 
@@ -61,12 +64,39 @@ def apply_filters(
     return config, chain
 
 
-def record_filters(config: CommentedMap, names: list[str]) -> None:
-    """Add ``names`` to ``meta.settings.filters`` (after any already recorded)."""
+def settings_of(config: CommentedMap) -> CommentedMap:
+    """``meta.settings`` of ``config``, made (as block mappings) when missing."""
     meta = config.get("meta")
     if meta is None:
         meta = config["meta"] = block_map([])
     settings = meta.get("settings")
     if not isinstance(settings, dict):
         settings = meta["settings"] = block_map([])
+    return settings  # type: ignore[no-any-return]
+
+
+def record_filters(config: CommentedMap, names: list[str]) -> None:
+    """Add ``names`` to ``meta.settings.filters`` (after any already recorded)."""
+    settings = settings_of(config)
     settings["filters"] = flow_seq([*(settings.get("filters") or []), *names])
+
+
+def merge_step(
+    manager: OpGuardPluginManager, left: CommentedMap, right: CommentedMap
+) -> tuple[str, CommentedMap]:
+    """One merge: the first ``opguard_merge`` implementation (in call order) that
+    returns a config; returns its plugin's name and the validated result."""
+    for impl in manager.implementations("opguard_merge"):
+        result = call_impl(impl, {"left": left, "right": right})
+        if result is not None:
+            validate_config(result, f"merge result (from {impl.plugin_name})")
+            return impl.plugin_name, result
+    raise OpGuardError("no plugin returned a result for opguard_merge")
+
+
+def fold(manager: OpGuardPluginManager, configs: list[CommentedMap]) -> CommentedMap:
+    """``((1+2)+3)+…`` through :func:`merge_step`, as the run's merge stage folds."""
+    accumulated = configs[0]
+    for config in configs[1:]:
+        accumulated = merge_step(manager, accumulated, config)[1]
+    return accumulated

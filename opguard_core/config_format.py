@@ -171,13 +171,62 @@ def annotate_entries(text: str, config: dict[str, Any]) -> str:
 
 def strip_summaries(text: str) -> str:
     """``text`` without the summary lines :func:`annotate_entries` wrote (a summary
-    line is recognised only right before an entry, so a person's comments stay)."""
-    if "ops" not in text:
-        return text
+    line is recognised only in the comment block right above an entry, so a person's
+    comments stay)."""
+    return split_entry_comments(text)[0] if "ops" in text else text
+
+
+def _is_block_line(line: str) -> bool:
+    """A blank line, or a whole-line comment indented by at most two spaces: the lines
+    that may stand between two entries and belong to the entry below them."""
+    stripped = line.lstrip(" ")
+    return not stripped.strip() or (stripped.startswith("#") and len(line) - len(stripped) <= 2)
+
+
+def split_entry_comments(text: str) -> tuple[str, list[list[str]]]:
+    """Cut the comment block above each entry out of ``text``.
+
+    Returns the text without those blocks and, per entry in order, the comment lines
+    a person wrote there (``# …``, stripped). Blank lines and summary lines
+    (:data:`SUMMARY_RE`, the writer's own) are dropped. Comments indented deeper than
+    an entry's dash stay where they are: they belong to the lines around them.
+    """
     lines = text.splitlines(keepends=True)
-    starts = set(_entry_starts(lines))
-    drop = {i for i in range(len(lines) - 1) if i + 1 in starts and SUMMARY_RE.fullmatch(lines[i])}
-    return "".join(line for i, line in enumerate(lines) if i not in drop) if drop else text
+    starts = _entry_starts(lines)
+    drop: set[int] = set()
+    blocks: list[list[str]] = []
+    for start in starts:
+        first = start
+        while first > 0 and _is_block_line(lines[first - 1]):
+            first -= 1
+        block = range(first, start)
+        drop.update(block)
+        blocks.append(
+            [
+                lines[i].strip()
+                for i in block
+                if lines[i].strip() and not SUMMARY_RE.fullmatch(lines[i])
+            ]
+        )
+    if not drop:
+        return text, blocks
+    return "".join(line for i, line in enumerate(lines) if i not in drop), blocks
+
+
+def entry_comments(entry: object) -> list[str]:
+    """The comment lines a person wrote above ``entry`` (``# …``), as loaded."""
+    comment = getattr(entry, comment_attrib, None)
+    if comment is None or not comment.comment or len(comment.comment) < 2:
+        return []
+    return [token.value.strip() for token in comment.comment[1] or () if token.value.strip()]
+
+
+def set_entry_comments(entry: CommentedMap, lines: list[str]) -> None:
+    """Write ``lines`` (``# …``) as the comment block above ``entry``."""
+    if lines:
+        entry.yaml_set_start_comment("\n".join(lines), indent=2)
+    elif entry_comments(entry):
+        entry.ca.comment[1] = []
 
 
 def _dump_with_ruamel(config: CommentedMap) -> str:
@@ -439,12 +488,18 @@ def _dump_fast(config: CommentedMap) -> str | None:
 
 def parse_config(text: str, path: Path | str) -> CommentedMap:
     """Parse and validate config text; raise :class:`InputError` naming the problem."""
+    stripped, blocks = split_entry_comments(text)
     try:
-        config = _yaml().load(strip_summaries(text))
+        config = _yaml().load(stripped)
     except YAMLError as exc:
         problem = str(exc).splitlines()
         raise InputError(path, f"malformed YAML: {' '.join(problem)}") from None
     validate_config(config, path)
+    entries = config["entries"]
+    if len(blocks) == len(entries):
+        for entry, block in zip(entries, blocks, strict=True):
+            if block and isinstance(entry, CommentedMap):
+                set_entry_comments(entry, block)
     if config["version"] == 1:
         upgrade_v1(config)
     return config  # type: ignore[no-any-return]
@@ -498,6 +553,11 @@ def validate_config(config: object, path: Path | str) -> None:
         raise InputError(path, "meta.ranks must be a list of integers")
     if not _is_int(meta.get("total", 0)):
         raise InputError(path, "meta.total must be an integer")
+    steps = meta.get("steps", {})
+    if not isinstance(steps, dict) or not all(
+        isinstance(k, str) and _is_int(v) and v >= 0 for k, v in steps.items()
+    ):
+        raise InputError(path, "meta.steps must map sources to step counts")
     entries = config.get("entries")
     if not isinstance(entries, list):
         raise InputError(path, "'entries' must be a list")

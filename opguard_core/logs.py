@@ -72,6 +72,11 @@ def _escaped(value: Any) -> Any:
     return value
 
 
+def current_format() -> str:
+    """The log format :func:`configure_logging` set: ``console`` or ``json``."""
+    return str(_state["format"])
+
+
 def get_logger(**initial: Any) -> Any:
     return structlog.get_logger("opguard").bind(**initial)
 

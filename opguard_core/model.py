@@ -64,6 +64,9 @@ class RunOptions:
     min_fraction: float = DEFAULT_MIN_FRACTION
     chains: bool = True
     hide: tuple[str, ...] = ()
+    #: pprof's -focus / -ignore on the combined trace's callsites (opguard_core.selection)
+    focus: tuple[str, ...] = ()
+    ignore: tuple[str, ...] = ()
     default_hide: bool = True
     context_depth: int = DEFAULT_CONTEXT_DEPTH
     basic: bool = False

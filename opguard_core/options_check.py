@@ -4,10 +4,8 @@ Each check either returns the usable value or raises :class:`click.BadParameter`
 naming the option and the value (exit 2, one ``Error:`` line from click), so a bad
 value never reaches a stage as a silent fallback or a traceback.
 
-* :func:`compile_patterns`: every pattern compiled *on its own* (a pattern is never
-  joined with another, so inline flags, group names and backreferences mean what they
-  say); a pattern the ``re`` module refuses, or one that compiles only to overflow
-  (``a{99999999999}``), is a usage error.
+* patterns (``--hide``, ``--focus``, ``--ignore``) are compiled one by one by
+  :func:`opguard_core.selection.compile_patterns`.
 * :func:`check_fraction`: a finite number in [0, 1] (``nan`` is refused).
 * :func:`check_executor`: ``local`` or an executor an installed plugin provides,
   whose own requirements are importable.
@@ -19,7 +17,6 @@ from __future__ import annotations
 
 import importlib.util
 import math
-import re
 from collections.abc import Iterable, Sequence
 from importlib.metadata import entry_points
 from typing import Any
@@ -32,26 +29,6 @@ from opguard_core import ENTRY_POINT_GROUP
 LOCAL_EXECUTOR = "local"
 #: the built-in combine plugin's module (it is the ``local`` executor)
 BUILTIN_COMBINE = "opguard_plugins.combine"
-
-
-def compile_patterns(option_name: str, patterns: Iterable[str]) -> list[re.Pattern[str]]:
-    """Compile each pattern on its own; refuse the first bad one as a usage error.
-
-    :param option_name: the option the patterns came from (``--hide``), for the message.
-    :param patterns: regular expressions, matched later with ``fullmatch``.
-    :returns: the compiled patterns, in order.
-    :raises click.BadParameter: naming the option and the pattern.
-    """
-    compiled: list[re.Pattern[str]] = []
-    for pattern in patterns:
-        try:
-            compiled.append(re.compile(pattern))
-        except (re.error, OverflowError, RecursionError, ValueError) as exc:
-            raise click.BadParameter(
-                f"{pattern!r} is not a valid regular expression: {exc}",
-                param_hint=option_name,
-            ) from None
-    return compiled
 
 
 def check_fraction(option_name: str, value: float) -> float:
@@ -126,7 +103,6 @@ __all__ = [
     "LOCAL_EXECUTOR",
     "check_executor",
     "check_fraction",
-    "compile_patterns",
     "executors",
     "unknown_disabled",
 ]

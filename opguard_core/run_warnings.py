@@ -29,15 +29,14 @@ def warn(message: str, **fields: Any) -> None:
 
     :param message: one line, complete on its own (it is printed as is).
     :param fields: JSON-able details (``pattern=``, ``file=``, ...); the bound
-        ``stage`` and ``entry`` are added.
+        ``stage`` and ``entry`` are added where there are (a field overrides them).
     """
     bound = structlog.contextvars.get_contextvars()
-    record: dict[str, Any] = {
-        "message": " ".join(message.split()),
-        "stage": bound.get("stage"),
-        "entry": bound.get("entry"),
-        **fields,
-    }
+    record: dict[str, Any] = {"message": " ".join(message.split())}
+    for key in ("stage", "entry"):
+        if bound.get(key) is not None:
+            record[key] = bound[key]
+    record.update(fields)
     get_logger().warning(record["message"], **fields)
     collected = _COLLECTED.get()
     if collected is not None:

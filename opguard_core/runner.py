@@ -37,6 +37,7 @@ from opguard_core.logs import get_logger
 from opguard_core.model import STAGES, Discovery, InputEntry, RunOptions
 from opguard_core.plugins import OpGuardPluginManager, call_impl
 from opguard_core.run_warnings import collecting, warn
+from opguard_core.selection import Selection, select_trace, unmatched_hide
 from opguard_core.stale_runs import find_stale_runs, release_run_directory, start_run_directory
 from opguard_core.tree_format import check_tree, encode_tree
 
@@ -116,6 +117,11 @@ class Runner:
             return str(path.relative_to(self.run_dir.resolve()))
         except ValueError:
             return str(path)
+
+    def warn(self, message: str, **fields: Any) -> None:
+        """Log a warning and list it under ``warnings`` in the summary
+        (:func:`opguard_core.run_warnings.warn`)."""
+        warn(message, **fields)
 
     def _skipped(self, stage: str, entry: str | None, reason: str) -> None:
         self.records.append(StageRecord(stage, entry, status="skipped", error=reason))
@@ -255,6 +261,7 @@ class Runner:
     def _compress(self, entry: InputEntry, trace: CallsiteTrace) -> dict[str, Any]:
         with self.stage("compress", entry.name) as record:
             record.inputs = [f"{entry.name}_combined.json"]
+            trace = self._select(entry, trace)
             tree: dict[str, Any] = self.call_first(
                 "opguard_compress", record, trace=trace, options=self.options
             )
@@ -269,6 +276,17 @@ class Runner:
                 "total": tree["root"]["count"],
             }
         return tree
+
+    def _select(self, entry: InputEntry, trace: CallsiteTrace) -> CallsiteTrace:
+        """The callsites ``--focus`` and ``--ignore`` keep (every compressor sees the
+        same selection); every user pattern that matched nothing is a warning."""
+        selection = Selection.of(self.options.focus, self.options.ignore)
+        selected = select_trace(trace, selection)
+        unmatched = selection.unmatched()
+        unmatched += [("--hide", p) for p in unmatched_hide(trace, self.options.hide)]
+        for option, pattern in unmatched:
+            self.warn("pattern matched nothing", option=option, pattern=pattern, entry=entry.name)
+        return selected
 
     def _generate(self, entry: InputEntry, tree: dict[str, Any]) -> CommentedMap:
         with self.stage("generate", entry.name) as record:
@@ -292,7 +310,7 @@ class Runner:
         base = min(configs) if configs else 1
         first = configs.get(base)
         if first is not None and base != 1:
-            self.log.warning(
+            self.warn(
                 "compare base is not entry 1", base=base, entry=first[0].name,
                 reason="entry 1 made no config",
             )  # fmt: skip
@@ -329,6 +347,7 @@ class Runner:
                 a = {entry_key(e) for e in first[1]["entries"]}
                 b = {entry_key(e) for e in configs[index][1]["entries"]}
                 record.counts = {
+                    "base": base,
                     "only_first": len(a - b),
                     "only_other": len(b - a),
                     "common": len(a & b),
@@ -415,8 +434,9 @@ class Runner:
         """Run every stage; return the exit code (non-zero when anything failed)."""
         run_dir, self._lock = start_run_directory(self.output_base)
         self.run_dir = run_dir.resolve()
-        log = self.log = get_logger(run_dir=str(self.run_dir))
-        log.info("run started", inputs=self.inputs)
+        log = self.log = get_logger()
+        log.info("run started", run_dir=str(self.run_dir), inputs=self.inputs)
+        log.info("plugins", active=self.plugin_names(), disabled=list(self.manager.disabled))
         previous = signal.getsignal(signal.SIGTERM)
         previous_int = signal.getsignal(signal.SIGINT)
         signal.signal(signal.SIGTERM, _raise_interrupted)
@@ -443,8 +463,17 @@ class Runner:
             self._run_finished()
             release_run_directory(self._lock)
             self._lock = None
-            log.info("run finished", exit_code=int(code), run_dir=str(self.run_dir))
+            log.info("run finished", exit_code=int(code))
         return code
+
+    def plugin_names(self) -> list[str]:
+        """The loaded plugins, as pytest's ``plugins:`` line names them: a built-in by
+        name, a third-party one as ``name (distribution version)``."""
+        names = []
+        for p in self.manager.describe():
+            origin = " ".join(x for x in (p.distribution or "?", p.version) if x)
+            names.append(p.name if p.builtin else f"{p.name} ({origin})")
+        return names
 
     def _run_stages(self) -> None:
         try:

@@ -24,8 +24,7 @@ from typing import Any
 from opguard_core import hookimpl
 from opguard_core.combined import CallsiteTrace, gc_paused, mask_to_ranks, ranks_to_mask
 from opguard_core.model import RunOptions
-from opguard_core.options_check import compile_patterns
-from opguard_core.run_warnings import warn
+from opguard_core.selection import compile_patterns
 from opguard_core.tree_format import (
     TORCH_API,
     TREE_FORMAT,
@@ -50,7 +49,6 @@ DEFAULT_HIDE: tuple[str, ...] = (
 )
 
 _DEFAULT_SET = frozenset(DEFAULT_HIDE)
-_DEFAULT_MARK = "<default hide patterns>"
 
 _COMPREHENSIONS = {"<listcomp>", "<dictcomp>", "<setcomp>", "<genexpr>"}
 _new_counter = Counter.__new__
@@ -112,35 +110,29 @@ class Node:
         return target_name(self.module, self.file, self.qualname)
 
 
-def hidden_frames(
-    trace: CallsiteTrace, patterns: list[str], matched: set[str] | None = None
-) -> list[bool]:
+def hidden_frames(trace: CallsiteTrace, patterns: list[str]) -> list[bool]:
     """For every frame id, whether one of ``patterns`` matches it whole.
 
     Each pattern is compiled and matched on its own (never joined into one
     alternation, where inline flags, group names and backreferences would change
-    meaning or fail). ``matched``, when given, receives the patterns that hid a frame.
+    meaning or fail). Patterns that hide nothing are the runner's warnings
+    (:func:`opguard_core.selection.unmatched_hide`).
     """
     if not patterns:
         return [False] * len(trace.frames)
     # the built-in patterns are known to join safely: one regex for all of them
     defaults = [p for p in patterns if p in _DEFAULT_SET]
     own = [p for p in patterns if p not in _DEFAULT_SET]
-    regexes = list(zip(own, compile_patterns("--hide", own), strict=True))
+    regexes = compile_patterns(own, "--hide")
     if defaults:
-        regexes.insert(0, (_DEFAULT_MARK, re.compile("|".join(f"(?:{p})" for p in defaults))))
-    hidden = []
-    for frame in trace.frames:
-        name = target_name(frame.module, frame.file, frame.qualname)
-        hit = False
-        for pattern, regex in regexes:
-            if regex.fullmatch(name) is not None:
-                hit = True
-                if matched is None:
-                    break
-                matched.add(pattern)
-        hidden.append(hit)
-    return hidden
+        regexes.insert(0, re.compile("|".join(f"(?:{p})" for p in defaults)))
+    return [
+        any(
+            regex.fullmatch(target_name(frame.module, frame.file, frame.qualname)) is not None
+            for regex in regexes
+        )
+        for frame in trace.frames
+    ]
 
 
 def api_replaces_frame(
@@ -164,9 +156,7 @@ def _unchunk(chunk: bytes) -> int:
     return int.from_bytes(chunk, "big")
 
 
-def build_tree(
-    trace: CallsiteTrace, hide: list[str], floor: float = 0.0, matched: set[str] | None = None
-) -> tuple[Node, int]:
+def build_tree(trace: CallsiteTrace, hide: list[str], floor: float = 0.0) -> tuple[Node, int]:
     """The call tree of ``trace`` below a ``<root>`` node, pruned at ``floor``, and the
     number of non-root nodes the unpruned tree has.
 
@@ -201,7 +191,7 @@ def build_tree(
     # Paths are bytes, one fixed-width chunk per id, built with one C-level gather and
     # join per callsite; a hidden frame's chunk is empty, so the join drops it. Sorting
     # and slicing bytes is plain memory comparison.
-    hidden = hidden_frames(trace, hide, matched)
+    hidden = hidden_frames(trace, hide)
     key_chunks = [b"" if h else _chunk(kid) for h, kid in zip(hidden, frame_key_ids, strict=True)]
     frame_chunks = [b"" if h else _chunk(fid) for fid, h in enumerate(hidden)]
     apis: dict[str, tuple[bytes, str, str]] = {}  # api -> (key chunk, module, qualname)
@@ -427,15 +417,7 @@ def compress_trace(trace: CallsiteTrace, options: RunOptions) -> dict[str, Any]:
 def _compress_trace(trace: CallsiteTrace, options: RunOptions) -> dict[str, Any]:
     hide = [*(DEFAULT_HIDE if options.default_hide else ()), *options.hide]
     floor = threshold(trace.total, options.min_count, options.min_fraction)
-    matched: set[str] = set()
-    root, nodes_before = build_tree(trace, hide, floor, matched)
-    for pattern in options.hide:
-        if pattern not in matched and pattern not in _DEFAULT_SET:
-            warn(
-                f"--hide {pattern!r} matched no frame of this entry's trace",
-                option="--hide",
-                pattern=pattern,
-            )
+    root, nodes_before = build_tree(trace, hide, floor)
     if options.chains:
         fold_chains(root)
     root_children = _sorted_children(root)
@@ -445,6 +427,8 @@ def _compress_trace(trace: CallsiteTrace, options: RunOptions) -> dict[str, Any]
         "min_count": options.min_count,
         "min_fraction": options.min_fraction,
         "hide": hide,
+        "focus": list(options.focus),
+        "ignore": list(options.ignore),
         "nodes_before": nodes_before,
         "nodes_after": count_nodes(root),
         "total": root.count,

@@ -14,7 +14,7 @@ from typing import Any
 from ruamel.yaml.comments import CommentedMap
 
 from opguard_core import hookimpl
-from opguard_core.config_format import CONFIG_VERSION, EntryKey, block_map, flow_seq
+from opguard_core.config_format import CONFIG_VERSION, EntryKey, block_map, flow_map, flow_seq
 from opguard_core.model import RunOptions
 from opguard_core.tree_format import TORCH_API, node_target
 
@@ -178,11 +178,14 @@ def generate_config(tree: dict[str, Any], source: str, depth: int) -> CommentedM
     config = CommentedMap()
     config["version"] = CONFIG_VERSION
     config["source"] = source
+    steps = tree.get("meta", {}).get("steps")
+    known_steps = isinstance(steps, int) and not isinstance(steps, bool)
     config["meta"] = block_map(
         [
             ("ranks", flow_seq(meta_ranks)),
             ("total", tree["root"]["count"]),
             ("sources", flow_seq([source])),
+            *([("steps", flow_map([(source, steps)]))] if known_steps else []),
             ("settings", run_settings(tree, depth)),
         ]
     )

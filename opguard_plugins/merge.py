@@ -3,8 +3,10 @@
 Entries match on (``target``, ``context``): ``ops`` and ``stream_counts`` add per
 key, ``count`` adds, ``tags``, ``lines`` and ``ranks`` become sorted unions.
 Unmatched entries are kept. The left config's mappings are reused, so comments a
-person wrote there survive. ``meta.ranks`` is the union, ``meta.total`` the sum,
-and ``source`` lists every merged source, sorted, joined by ``+``.
+person wrote there survive; so do the right's, where the left has none on a key,
+and the comment lines above an entry in either (the left's first). ``meta.ranks`` is
+the union, ``meta.total`` the sum, and ``source`` lists every merged source, sorted,
+joined by ``+``.
 """
 
 from __future__ import annotations
@@ -15,7 +17,14 @@ from typing import Any
 from ruamel.yaml.comments import CommentedMap, CommentedSeq
 
 from opguard_core import hookimpl
-from opguard_core.config_format import block_map, entry_key, flow_seq
+from opguard_core.config_format import (
+    block_map,
+    entry_comments,
+    entry_key,
+    flow_map,
+    flow_seq,
+    set_entry_comments,
+)
 from opguard_core.tree_format import TORCH_API
 from opguard_core.values import same_json, value_order
 
@@ -77,6 +86,10 @@ def merge_entries(
     """Merge ``right`` into ``left`` (same key) and return ``left``."""
     _carry_extras(left, right, _ENTRY_FIELDS)
     _keep_comments(left, left, right)
+    mine = entry_comments(left)
+    theirs = [line for line in entry_comments(right) if line not in mine]
+    if theirs:
+        set_entry_comments(left, mine + theirs)
     kind = _merge_kind(left.get("kind"), right.get("kind"))
     if kind is not None:
         left["kind"] = kind
@@ -89,6 +102,16 @@ def merge_entries(
     left["count"] = int(left.get("count", 0)) + int(right.get("count", 0))
     left["ranks"] = _sorted_union(_entry_ranks(left, left_ranks), _entry_ranks(right, right_ranks))
     return left
+
+
+def _merge_steps(a: Any, b: Any) -> CommentedMap:
+    """``meta.steps`` (source -> steps) of both: the union; where both name a source
+    with different values, the one whose repr sorts first (associative, commutative)."""
+    steps: dict[Any, Any] = dict(a or {})
+    for source, value in (b or {}).items():
+        if source not in steps or repr(value) < repr(steps[source]):
+            steps[source] = value
+    return flow_map(sorted(steps.items(), key=lambda kv: str(kv[0])))
 
 
 def _sources(config: dict[str, Any]) -> set[str]:
@@ -124,11 +147,13 @@ def merge_configs(left: CommentedMap, right: CommentedMap) -> CommentedMap:
             del entry["ranks"]
         entries.append(entry)
     meta = CommentedMap(left_meta)
-    _carry_extras(meta, right_meta, frozenset({"ranks", "total", "sources"}))
+    _carry_extras(meta, right_meta, frozenset({"ranks", "total", "sources", "steps"}))
     meta["ranks"] = flow_seq(all_ranks)
     meta["total"] = int(left_meta.get("total", 0)) + int(right_meta.get("total", 0))
     if "sources" in left_meta or "sources" in right_meta:
         meta["sources"] = _sorted_union(left_meta.get("sources"), right_meta.get("sources"))
+    if "steps" in left_meta or "steps" in right_meta:
+        meta["steps"] = _merge_steps(left_meta.get("steps"), right_meta.get("steps"))
     meta.fa.set_block_style()
     _keep_comments(meta, left_meta, right_meta)
     result["meta"] = meta

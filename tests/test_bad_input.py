@@ -208,6 +208,7 @@ CONFIG_CASES: list[tuple[str, str, str]] = [
     ("unknown_version", "version: 7\nentries: []\n", "unknown config version 7"),
     ("meta_not_mapping", "version: 1\nmeta: [1, 2]\nentries: []\n", "'meta' must be a mapping"),
     ("meta_ranks_bad", "version: 1\nmeta: {ranks: [a]}\nentries: []\n", "meta.ranks"),
+    ("meta_steps_bad", "version: 2\nmeta: {steps: {a: -1}}\nentries: []\n", "meta.steps"),
     ("meta_total_bad", "version: 1\nmeta: {total: lots}\nentries: []\n", "meta.total"),
     ("entries_not_list", "version: 1\nentries: {}\n", "'entries' must be a list"),
     ("entry_not_mapping", "version: 1\nentries: [3]\n", "entries[0] must be a mapping"),

@@ -42,6 +42,12 @@ def _summary(run: RunResult) -> dict[str, Any]:
     return dict(json.loads(run.read("pipeline_summary.json")))
 
 
+def _logged_warnings(text: str) -> list[str]:
+    """The messages of the warnings logged on stderr (JSON log lines)."""
+    events = [json.loads(line) for line in text.splitlines() if line.startswith("{")]
+    return [e["event"] for e in events if e["level"] == "warning"]
+
+
 def _lines(text: str) -> list[str]:
     """stderr lines that are not JSON log lines."""
     return [line for line in text.splitlines() if line.strip() and not line.startswith("{")]
@@ -301,7 +307,7 @@ def test_rank_warnings_name_the_file(
     [warning] = _summary(run)["warnings"]
     assert warning["stage"] == "combine" and expected in warning["message"]
     assert name in warning["message"]
-    assert any(expected in line and "warning" in line for line in _lines(run.stderr))
+    assert any(expected in line for line in _logged_warnings(run.stderr))
 
 
 @pytest.mark.parametrize(
@@ -425,7 +431,7 @@ def test_stale_run_directory_is_reported_and_cleaned(
     try:
         sample = write(tmp_path / "t.json", trace_doc(SITES))
         run = opguard("run", "-i", sample, expect=0)
-        [line] = [x for x in _lines(run.stderr) if "stale" in x]
+        [line] = [x for x in _logged_warnings(run.stderr) if "stale" in x]
         assert str(stale) in line and "1 temporary file" in line and "--clean-stale" in line
         assert [w.get("stale_run_dir") for w in _summary(run)["warnings"]] == [str(stale)]
         cleaned = opguard("run", "--clean-stale", expect=0)

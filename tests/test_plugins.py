@@ -717,3 +717,21 @@ def test_minimal_plugin_package_in_the_docs(
     (step,) = stage(json.loads(run.read("pipeline_summary.json")), "filter")["counts"]["filters"]
     assert step["plugin"] == "drop_modules"
     assert step["dropped"] == [label(e) for e in gone]
+
+
+def test_opguard_filter_runs_installed_filters_as_the_run_does(
+    opguard, example: Site, samples: Path, tmp_path: Path
+) -> None:
+    run = opguard("run", *gpt_inputs(samples), "--basic", expect=0)
+    events = [json.loads(line) for line in run.stderr.splitlines() if line.startswith("{")]
+    (plugins,) = [e for e in events if e["event"] == "plugins"]
+    assert "drop_small (opguard-plugin-example 0.1.0)" in plugins["active"]
+    assert "compress" in plugins["active"]
+    out = tmp_path / "filtered.yaml"
+    command = opguard("filter", run.run_dir, "--basic", "-o", out, expect=0)
+    assert command.result.stdout.strip() == str(out)
+    assert (
+        out.read_bytes()
+        == (run.run_dir / "gpt_callsite_filtered_instrumentation.yaml").read_bytes()
+    )
+    assert load_yaml(out)["meta"]["settings"]["filters"] == ["drop_small", "basic_filter"]

@@ -1,0 +1,392 @@
+"""opguard compare, merge, filter and show on configs and run directories, through the CLI.
+
+The round trips hold the commands to the run: merging the run's per-entry configs
+gives its final config byte for byte, filtering its final config gives its filtered
+config, and comparing a config with itself finds nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+from click.testing import CliRunner, Result
+from ruamel.yaml import YAML
+
+from opguard_core.cli import cli_for
+
+SAMPLES = Path(__file__).parent / "data" / "samples"
+V1 = Path(__file__).parent / "data" / "configs" / "gpt_callsite_v1.yaml"
+FSDP = "fsdp_callsite_instrumentation.yaml"
+GPT = "gpt_callsite_instrumentation.yaml"
+FINAL = "final_combined_instrumentation.yaml"
+FILTERED = "final_combined_filtered_instrumentation.yaml"
+
+
+def invoke(*args: str | Path) -> Result:
+    argv = ["--log-format", "json", *[str(a) for a in args]]
+    return CliRunner().invoke(cli_for(argv), argv, catch_exceptions=False)
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One two-entry run of the samples with --basic (shared: the commands only read it)."""
+    out = tmp_path_factory.mktemp("out")
+    result = invoke(
+        "run", "--output-base", out, "--basic",
+        "-i", str(SAMPLES / "fsdp_callsite_rank*.json"),
+        "-i", str(SAMPLES / "gpt_callsite_rank*.json"),
+    )  # fmt: skip
+    assert result.exit_code == 0, result.stderr
+    return Path(result.stdout.strip())
+
+
+def safe(path: Path) -> Any:
+    return YAML(typ="safe", pure=True).load(path.read_text())
+
+
+# ----------------------------------------------------------------- round trips
+
+
+def test_merge_of_the_runs_configs_is_its_final_config_byte_for_byte(run_dir, tmp_path) -> None:
+    out = tmp_path / "merged.yaml"
+    result = invoke("merge", run_dir / FSDP, run_dir / GPT, "-o", out)
+    assert result.exit_code == 0, result.stderr
+    assert result.stdout.strip() == str(out)
+    assert out.read_bytes() == (run_dir / FINAL).read_bytes()
+
+
+@pytest.mark.parametrize("given", ["run_dir", "file"])
+def test_filter_basic_of_the_final_config_is_the_runs_filtered_config(
+    run_dir, tmp_path, given
+) -> None:
+    out = tmp_path / "filtered.yaml"
+    source = run_dir if given == "run_dir" else run_dir / FINAL
+    result = invoke("filter", source, "--basic", "-o", out)
+    assert result.exit_code == 0, result.stderr
+    assert out.read_bytes() == (run_dir / FILTERED).read_bytes()
+
+
+@pytest.mark.parametrize("fmt", ["text", "json"])
+def test_compare_a_config_with_itself_reports_no_change(run_dir, fmt) -> None:
+    result = invoke("compare", run_dir, run_dir / FILTERED, "--format", fmt, "--fail-on-change")
+    assert result.exit_code == 0, result.stderr
+    if fmt == "json":
+        data = json.loads(result.stdout)
+        assert data["differs"] is False
+        assert [data[s]["count"] for s in ("only_first", "only_other", "changed")] == [0, 0, 0]
+    else:
+        assert "changed: 0" in result.stdout
+        assert result.stdout.count(": 0\n") == 3  # only in one, only in the other, changed
+
+
+# ----------------------------------------------------------------- compare
+
+
+def _entries(path: Path) -> dict[tuple[str, tuple[str, ...]], dict[str, Any]]:
+    return {(e["target"], tuple(e["context"])): e for e in safe(path)["entries"]}
+
+
+def test_compare_exits_0_on_change_unless_asked(run_dir) -> None:
+    assert invoke("compare", run_dir / FSDP, run_dir / GPT).exit_code == 0
+    failing = invoke("compare", run_dir / FSDP, run_dir / GPT, "--fail-on-change")
+    assert failing.exit_code == 1
+    assert "comparison:" in failing.stdout
+
+
+def test_compare_json_sections_match_the_configs(run_dir) -> None:
+    a, b = _entries(run_dir / FSDP), _entries(run_dir / GPT)
+    data = json.loads(invoke("compare", run_dir / FSDP, run_dir / GPT, "--format", "json").stdout)
+    assert data["differs"] is True
+    assert data["first"]["entries"] == len(a) and data["other"]["entries"] == len(b)
+    only = {(e["target"], tuple(e["context"])): e["count"] for e in data["only_first"]["entries"]}
+    assert only == {k: e["count"] for k, e in a.items() if k not in b}
+    only = {(e["target"], tuple(e["context"])): e["count"] for e in data["only_other"]["entries"]}
+    assert only == {k: e["count"] for k, e in b.items() if k not in a}
+    fields = ("count", "ops", "stream_counts")
+    expected = {
+        k
+        for k in set(a) & set(b)
+        if [a[k][f] for f in fields] != [b[k][f] for f in fields]
+        or set(a[k]["tags"]) != set(b[k]["tags"])
+    }
+    changed = {(e["target"], tuple(e["context"])): e for e in data["changed"]["entries"]}
+    assert set(changed) == expected and expected
+    for key, entry in changed.items():
+        assert (entry["before"], entry["after"]) == (a[key]["count"], b[key]["count"])
+        ops = {o["op"]: (o["before"], o["after"]) for o in entry["ops"]}
+        every = set(a[key]["ops"]) | set(b[key]["ops"])
+        assert ops == {
+            op: (a[key]["ops"].get(op, 0), b[key]["ops"].get(op, 0))
+            for op in every
+            if a[key]["ops"].get(op, 0) != b[key]["ops"].get(op, 0)
+        }
+
+
+def test_compare_sorts_by_size_by_default_and_by_key_on_request(run_dir) -> None:
+    def changed(*extra: str) -> list[dict[str, Any]]:
+        args = ("compare", run_dir / FSDP, run_dir / GPT, "--format", "json", *extra)
+        return json.loads(invoke(*args).stdout)["changed"]["entries"]
+
+    by_delta, by_key = changed(), changed("--sort", "key")
+    assert len(by_delta) == len(by_key) >= 2
+    sizes = [abs(e["delta"]) for e in by_delta]
+    assert sizes == sorted(sizes, reverse=True)
+    keys = [(e["target"], e["context"]) for e in by_key]
+    assert keys == sorted(keys)
+    for entry in by_delta:
+        op_sizes = [abs(o["delta"]) for o in entry["ops"]]
+        assert op_sizes == sorted(op_sizes, reverse=True)
+
+
+@pytest.mark.parametrize("top", [1, 3])
+def test_compare_top_cuts_every_section(run_dir, top) -> None:
+    args = ("compare", run_dir / FSDP, run_dir / GPT, "--top", top)
+    data = json.loads(invoke(*args, "--format", "json").stdout)
+    for section in ("only_first", "only_other", "changed"):
+        assert len(data[section]["entries"]) == min(top, data[section]["count"])
+    text = invoke(*args).stdout
+    more = data["only_first"]["count"] - top
+    assert f"  … {more} more (--top {top})" in text
+    assert text.count("\n  - ") == top
+
+
+def test_the_runs_comparison_log_is_the_commands_text_sorted_by_key(run_dir) -> None:
+    # the stage and the command share one difference; the labels (and so the width of
+    # the totals' columns) differ
+    text = invoke("compare", run_dir / FSDP, run_dir / GPT, "--sort", "key").stdout
+    text = text.replace(str(run_dir / FSDP), "1 (fsdp_callsite)")
+    text = text.replace(str(run_dir / GPT), "2 (gpt_callsite)")
+    log = (run_dir / "comparison_1_vs_2.log").read_text()
+    assert log.split("\n\nonly in ", 1)[1] == text.split("\n\nonly in ", 1)[1]
+
+
+# ----------------------------------------------------------------- show
+
+
+def test_show_json_lists_the_largest_entries(run_dir) -> None:
+    result = invoke("show", run_dir, "--format", "json", "--top", "5")
+    assert result.exit_code == 0, result.stderr
+    data = json.loads(result.stdout)
+    config = safe(run_dir / FILTERED)
+    assert data["config"] == str(run_dir / FILTERED)
+    assert (data["total"], data["ranks"]) == (config["meta"]["total"], config["meta"]["ranks"])
+    assert data["entries_in_config"] == data["entries_selected"] == len(config["entries"])
+    assert data["shown"] == len(data["entries"]) == 5
+    counts = sorted((e["count"] for e in config["entries"]), reverse=True)
+    assert [e["count"] for e in data["entries"]] == counts[:5]
+    by_key = {(e["target"], tuple(e["context"])): e for e in config["entries"]}
+    for row in data["entries"]:
+        entry = by_key[(row["target"], tuple(row["context"]))]
+        assert row["share"] == round(entry["count"] / config["meta"]["total"], 6)
+        assert set(row) == {"target", "context", "kind", "count", "share", "main_ops", "tags"}
+        ops = sorted(entry["ops"].items(), key=lambda kv: (-kv[1], kv[0]))[:3]
+        assert [(o["op"], o["count"]) for o in row["main_ops"]] == ops
+
+
+def test_show_top_0_shows_all_and_tag_selects(run_dir) -> None:
+    config = safe(run_dir / FILTERED)
+    everything = json.loads(invoke("show", run_dir, "--format", "json", "--top", "0").stdout)
+    assert everything["shown"] == len(config["entries"])
+    tagged = json.loads(
+        invoke("show", run_dir, "--format", "json", "--top", "0", "--tag", "communication").stdout
+    )
+    expected = [e for e in config["entries"] if "communication" in e["tags"]]
+    assert 0 < tagged["shown"] == len(expected) < everything["shown"]
+
+
+def test_show_focus_and_ignore_follow_entry_paths(run_dir) -> None:
+    config = safe(run_dir / FILTERED)
+    pattern = r"torch\.optim\..*"
+
+    def through(entry: dict[str, Any]) -> bool:
+        import re
+
+        return any(re.fullmatch(pattern, n) for n in (*entry["context"], entry["target"]))
+
+    def shown(*extra: str) -> set[tuple[str, tuple[str, ...]]]:
+        data = json.loads(invoke("show", run_dir, "--format", "json", "--top", "0", *extra).stdout)
+        return {(e["target"], tuple(e["context"])) for e in data["entries"]}
+
+    keys = {(e["target"], tuple(e["context"])): e for e in config["entries"]}
+    focused = shown("--focus", pattern)
+    assert focused == {k for k, e in keys.items() if through(e)} and focused
+    assert shown("--ignore", pattern) == set(keys) - focused
+
+
+def test_show_is_plain_text_when_piped_and_a_rich_table_on_a_terminal(run_dir, monkeypatch) -> None:
+    plain = invoke("show", run_dir, "--top", "3").stdout.splitlines()
+    assert plain[1].split() == ["count", "share", "target", "context", "main", "ops"]
+    assert len(plain) == 2 + 3 and "━" not in "".join(plain)
+    import opguard_plugins.config_commands as commands
+
+    monkeypatch.setattr(commands, "_on_terminal", lambda: True)
+    rich = invoke("show", run_dir, "--top", "3").stdout
+    assert "━" in rich or "─" in rich
+    assert "main ops" in rich
+
+
+# ----------------------------------------------------------------- filter
+
+
+def test_filter_focus_and_ignore_are_recorded_and_select_entries(run_dir, tmp_path) -> None:
+    out = tmp_path / "f.yaml"
+    result = invoke("filter", run_dir, "--focus", r"torch\..*", "--ignore", r"torch\.optim\..*",
+                    "--ignore", "no_such:frame", "-o", out)  # fmt: skip
+    assert result.exit_code == 0, result.stderr
+    config = safe(out)
+    assert config["entries"]
+    for entry in config["entries"]:
+        path = [*entry["context"], entry["target"]]
+        assert any(n.startswith("torch.") for n in path)
+        assert not any(n.startswith("torch.optim.") for n in path)
+    settings = config["meta"]["settings"]
+    assert settings["filter_focus"] == [r"torch\..*"]
+    assert settings["filter_ignore"] == [r"torch\.optim\..*", "no_such:frame"]
+    assert "filters" not in settings or settings["filters"] == []
+    warnings = [json.loads(line) for line in result.stderr.splitlines() if line.startswith("{")]
+    assert [(w["option"], w["pattern"]) for w in warnings if w["event"] == "pattern matched nothing"
+            ] == [("--ignore", "no_such:frame")]  # fmt: skip
+
+
+@pytest.mark.parametrize("command", ["filter", "show"])
+def test_a_bad_pattern_is_a_usage_error_naming_it(run_dir, tmp_path, command) -> None:
+    extra = ["-o", str(tmp_path / "x.yaml")] if command == "filter" else []
+    result = invoke(command, run_dir, "--focus", "ok", "--focus", "(unclosed", *extra)
+    assert result.exit_code == 2
+    assert "--focus '(unclosed': not a regular expression" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+# ----------------------------------------------------------------- comments, v1, errors
+
+
+def _commented(source: Path, target: Path) -> tuple[str, str]:
+    """``source`` with a comment line above its third entry and one at the end of an op
+    line of that entry; returns the third and fourth entries' targets."""
+    lines = source.read_text().splitlines(keepends=True)
+    out, seen, targets = [], 0, []
+    for line in lines:
+        if line.startswith("  - target: "):
+            seen += 1
+            if seen in (3, 4):
+                targets.append(line.split(": ", 1)[1].strip())
+            if seen == 3:
+                out.append("  # reviewed by a person: keep\n")
+        if seen == 3 and line.startswith("      aten::") and "# hot" not in "".join(out):
+            line = line.rstrip("\n") + "  # hot\n"
+        out.append(line)
+    target.write_text("".join(out))
+    return targets[0], targets[1]
+
+
+def _comment_above(text: str, comment: str) -> str:
+    """The first entry line below ``comment`` (summary lines between them allowed)."""
+    after = text.split(comment + "\n", 1)[1].splitlines()
+    return next(line for line in after if line.startswith("  - target: "))
+
+
+def test_person_comments_survive_merge_from_either_side(run_dir, tmp_path) -> None:
+    mine = tmp_path / "gpt.yaml"
+    third, _ = _commented(run_dir / GPT, mine)
+    for order in ((run_dir / FSDP, mine), (mine, run_dir / FSDP)):
+        out = tmp_path / "merged.yaml"
+        assert invoke("merge", *order, "-o", out).exit_code == 0
+        text = out.read_text()
+        assert _comment_above(text, "  # reviewed by a person: keep") == f"  - target: {third}"
+        assert text.count("  # hot\n") == 1
+        assert text.count("# reviewed by a person") == 1
+
+
+def test_person_comments_survive_filter_where_their_entry_does(run_dir, tmp_path) -> None:
+    mine = tmp_path / "gpt.yaml"
+    third, _ = _commented(run_dir / GPT, mine)
+    kept = tmp_path / "kept.yaml"
+    assert invoke("filter", mine, "--focus", ".*", "-o", kept).exit_code == 0
+    assert _comment_above(kept.read_text(), "  # reviewed by a person: keep") == (
+        f"  - target: {third}"
+    )
+    gone = tmp_path / "gone.yaml"
+    pattern = third.replace(".", r"\.")
+    assert invoke("filter", mine, "--ignore", pattern, "-o", gone).exit_code == 0
+    assert "# reviewed by a person" not in gone.read_text()
+    assert "# hot" not in gone.read_text()
+
+
+def test_summary_lines_are_regenerated_not_kept(run_dir, tmp_path) -> None:
+    stale = tmp_path / "stale.yaml"
+    text = (run_dir / GPT).read_text()
+    first = text.index("  # ")
+    stale.write_text(text[:first] + "  # 1 ops, 99.9% of total\n" + text[first:])
+    out = tmp_path / "out.yaml"
+    assert invoke("filter", stale, "-o", out).exit_code == 0
+    assert "99.9% of total" not in out.read_text()
+    assert out.read_text() == text
+
+
+def test_a_v1_config_goes_through_every_command(run_dir, tmp_path) -> None:
+    v1 = safe(V1)
+    assert v1["version"] == 1
+    shown = json.loads(invoke("show", V1, "--format", "json").stdout)
+    assert shown["total"] == v1["meta"]["total"] and shown["entries_in_config"] == len(
+        v1["entries"]
+    )
+    filtered = tmp_path / "filtered.yaml"
+    assert invoke("filter", V1, "--basic", "-o", filtered).exit_code == 0
+    merged = tmp_path / "merged.yaml"
+    assert invoke("merge", V1, run_dir / FSDP, "-o", merged).exit_code == 0
+    for out in (filtered, merged):
+        text = out.read_text()
+        assert safe(out)["version"] == 2
+        assert "  ops:\n" in text and "ops: {" not in text  # block ops: v2 layout
+        assert "# reviewed: the training loop, keep\n" in text
+        assert "count: 5548  # checked against the profiler\n" in text
+        assert text.startswith("# gpt_callsite, reviewed 2026-11-26")
+    # v1 against the same data in v2 (the run's gpt config): the same entries and counts
+    same = invoke("compare", V1, run_dir / GPT, "--format", "json")
+    data = json.loads(same.stdout)
+    assert [data[s]["count"] for s in ("only_first", "only_other", "changed")] == [0, 0, 0]
+
+
+def test_commands_refuse_bad_inputs_in_one_line(tmp_path) -> None:
+    not_a_run = tmp_path / "empty_dir"
+    not_a_run.mkdir()
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("version: 2\nentries: {}\n")
+    for args, problem in (
+        (("show", not_a_run), f"{not_a_run}: not a run directory"),
+        (("show", tmp_path / "missing.yaml"), "missing.yaml: no such file"),
+        (("compare", V1, broken), f"{broken}: 'entries' must be a list"),
+    ):
+        result = invoke(*args)
+        assert result.exit_code == 1
+        (line,) = result.stderr.strip().splitlines()
+        assert line.startswith("opguard: error: ") and problem in line
+
+
+def test_merge_needs_two_configs(tmp_path) -> None:
+    result = invoke("merge", V1, "-o", tmp_path / "x.yaml")
+    assert result.exit_code == 2
+    assert "at least two configs" in result.stderr
+
+
+def test_a_run_directory_without_a_final_config_is_refused(run_dir, tmp_path) -> None:
+    copy = tmp_path / "run"
+    shutil.copytree(run_dir, copy)
+    summary = json.loads((copy / "pipeline_summary.json").read_text())
+    summary["stages"] = [s for s in summary["stages"] if s["stage"] not in ("merge", "filter")]
+    (copy / "pipeline_summary.json").write_text(json.dumps(summary))
+    result = invoke("show", copy)
+    assert result.exit_code == 1
+    assert "made no final config" in result.stderr
+
+
+def test_filter_basic_needs_the_basic_filter(run_dir, tmp_path) -> None:
+    out = tmp_path / "x.yaml"
+    result = invoke("--disable-plugin", "basic_filter", "filter", run_dir, "--basic", "-o", out)
+    assert result.exit_code == 2
+    assert "--basic needs the basic_filter plugin, which is disabled" in result.stderr
+    assert not out.exists()
