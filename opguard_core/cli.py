@@ -21,6 +21,7 @@ from opguard_core.model import (
     DEFAULT_CONTEXT_DEPTH,
     DEFAULT_MIN_COUNT,
     DEFAULT_MIN_FRACTION,
+    DEFAULT_SKEW,
     STAGES,
     RunOptions,
 )
@@ -211,6 +212,20 @@ def create_cli(manager: OpGuardPluginManager) -> click.Group:
         show_default=True,
         help="Processes for combine; 0 picks one per CPU for large multi-file entries.",
     )
+    @click.option(
+        "--skew",
+        type=click.FloatRange(min=0.0),
+        default=DEFAULT_SKEW,
+        show_default=True,
+        metavar="F",
+        help="Divergence: report a function whose ops on a rank differ from the median "
+        "over ranks by more than F times the median.",
+    )
+    @click.option(
+        "--fail-on-divergence",
+        is_flag=True,
+        help="Exit 4 when a divergence finding is an error (a collective mismatch).",
+    )
     @_disable_option
     @click.pass_context
     def run(
@@ -231,6 +246,8 @@ def create_cli(manager: OpGuardPluginManager) -> click.Group:
         compressor: str | None,
         executor: str,
         jobs: int,
+        skew: float,
+        fail_on_divergence: bool,
     ) -> None:
         """Preprocess callsite traces into instrumentation configs."""
         inputs = list(input_options)
@@ -262,6 +279,8 @@ def create_cli(manager: OpGuardPluginManager) -> click.Group:
             executor=executor,
             jobs=jobs,
             verbose=bool(verbose),
+            skew=skew,
+            fail_on_divergence=fail_on_divergence,
         )
         runner = Runner(manager, inputs, options, skip=skip, output_base=output_base)
         try:

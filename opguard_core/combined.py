@@ -432,16 +432,19 @@ class TraceAccumulator:
                     site.stream,
                 )
                 count = site.count
-                if not single:
+                slot = get(key)
+                if slot is not None and slot[1] & mask:
+                    # the same callsite twice in one file (or a rank seen before): its
+                    # per-rank count is no longer known, so statistics are dropped
+                    slot[0] += count
+                    stats_valid = False
+                elif not single:
                     incoming = _incoming_slot(site, mask, trace.path, position, stats_valid)
-                    slot = get(key)
                     if slot is None:
                         sites[key] = incoming
                     else:
                         merge_slot(slot, incoming, is_collective(op, api))
-                    continue
-                slot = get(key)
-                if slot is None:
+                elif slot is None:
                     sites[key] = [count, mask, count, None, count, None, None]
                 elif count == slot[2] and count == slot[4] and slot[3] is None:
                     slot[0] += count  # same count as every rank so far: the common case

@@ -37,6 +37,7 @@ BUILTIN_PLUGINS: dict[str, str] = {
     "export": "opguard_plugins.export",
     "export_formats": "opguard_plugins.export_formats",
     "report": "opguard_plugins.report",
+    "divergence": "opguard_plugins.divergence",
 }
 
 #: Built-ins the pipeline cannot run without; use ``--skip STAGE`` to skip a stage.

@@ -71,6 +71,7 @@ def check_tree(tree: dict[str, Any], expected_total: int | None = None) -> None:
         root["count"], settings.get("min_count", 1), settings.get("min_fraction", 0.0)
     )
     chains = settings.get("chains", False)
+    all_ranks = tree.get("meta", {}).get("ranks")
     for node, parent in iter_nodes(root):
         where = "root" if parent is None else node_target(node)
         if "stack" in node:
@@ -85,7 +86,7 @@ def check_tree(tree: dict[str, Any], expected_total: int | None = None) -> None:
             raise InvariantError(f"{where}: self_ops and self_streams sums differ")
         if parent is None:
             continue
-        if node["count"] < floor:
+        if node["count"] < floor and not _kept_for_ranks(node, parent, all_ranks, settings):
             raise InvariantError(f"{where}: count {node['count']} below threshold {floor:g}")
         children = node["children"]
         if (
@@ -94,8 +95,22 @@ def check_tree(tree: dict[str, Any], expected_total: int | None = None) -> None:
             and own == 0
             and len(children) == 1
             and children[0]["kind"] != TORCH_API
+            and node.get("ranks")
+            == (parent.get("ranks", all_ranks) if "kind" in parent else all_ranks)
         ):
             raise InvariantError(f"{where}: linear chain left after chain pruning")
+
+
+def _kept_for_ranks(
+    node: dict[str, Any], parent: dict[str, Any], all_ranks: Any, settings: dict[str, Any]
+) -> bool:
+    """Whether a node below the fraction threshold may stay: its count is at least
+    ``min_count`` and its ranks differ from its parent's (the root's are
+    ``meta.ranks``), or it is a chain-folded node merged with a sibling."""
+    if node["count"] < settings.get("min_count", 1):
+        return False
+    parent_ranks = parent.get("ranks", all_ranks) if "kind" in parent else all_ranks
+    return node.get("ranks") != parent_ranks or bool(node.get("chain"))
 
 
 def load_tree(path: Path) -> dict[str, Any]:

@@ -138,9 +138,21 @@ def _unchunk(chunk: bytes) -> int:
     return int.from_bytes(chunk, "big")
 
 
-def build_tree(trace: CallsiteTrace, hide: list[str], floor: float = 0.0) -> tuple[Node, int]:
+#: At most this many nodes below the fraction threshold are kept because their ranks
+#: differ from their parent's; past it, the smallest are folded (docs/compression.md).
+MAX_RANK_NODES = 1000
+
+
+def build_tree(
+    trace: CallsiteTrace, hide: list[str], floor: float = 0.0, rank_floor: float | None = None
+) -> tuple[Node, int]:
     """The call tree of ``trace`` below a ``<root>`` node, pruned at ``floor``, and the
     number of non-root nodes the unpruned tree has.
+
+    With ``rank_floor`` (the ``min_count``), a subtree below ``floor`` is kept all the
+    same when its count is at least ``rank_floor`` and its ranks differ from its
+    parent's (the root's ranks are all of the trace's): divergence is never pruned
+    away by the fraction (:func:`bound_rank_nodes` bounds how many such nodes stay).
 
     The tree is the one you get by walking every callsite's stack (without hidden
     frames) from the root, one node per function identity, with a ``torch_api`` leaf
@@ -239,6 +251,9 @@ def build_tree(trace: CallsiteTrace, hide: list[str], floor: float = 0.0) -> tup
             node.ranks = reduce(or_, masks[start:end], 0)
         return node
 
+    def run_mask(start: int, end: int) -> int:
+        return all_mask if full[end] > full[start] else reduce(or_, masks[start:end], 0)
+
     root = Node(None, None, "<root>", "root")
     root.count = below[-1]
     nodes_before = 0
@@ -256,7 +271,12 @@ def build_tree(trace: CallsiteTrace, hide: list[str], floor: float = 0.0) -> tup
         while start < high:
             piece = paths[start][at]
             end = bisect_right(paths, piece, start, high, key=next_id)
-            if below[end] - below[start] >= floor:
+            weight = below[end] - below[start]
+            if weight >= floor or (
+                rank_floor is not None
+                and weight >= rank_floor
+                and run_mask(start, end) != (all_mask if node is root else node.ranks)
+            ):
                 key = keys[_unchunk(piece)]
                 child = make_node(key, at, start, end)
                 node.children[key] = child
@@ -274,6 +294,45 @@ def build_tree(trace: CallsiteTrace, hide: list[str], floor: float = 0.0) -> tup
                         nodes_before += len(path) // WIDTH - shared // WIDTH
             start = end
     return root, nodes_before
+
+
+def bound_rank_nodes(root: Node, floor: float, limit: int = MAX_RANK_NODES) -> tuple[int, int]:
+    """Keep at most ``limit`` nodes below ``floor`` (those :func:`build_tree` kept for
+    their ranks): fold the smallest (by count, then path of identities) into their
+    parents, a whole subtree at a time, until at most ``limit`` are left. Returns
+    (kept, folded) counts of such nodes. Deterministic: it depends on the tree only."""
+    small: list[tuple[int, tuple[tuple[str, str, str], ...], Node, Node]] = []
+    todo: list[tuple[Node, tuple[tuple[str, str, str], ...]]] = [(root, ())]
+    while todo:
+        node, path = todo.pop()
+        for key, child in node.children.items():
+            child_path = (*path, key)
+            if child.count < floor:
+                small.append((child.count, child_path, child, node))
+            todo.append((child, child_path))
+    left = len(small)
+    if left <= limit:
+        return left, 0
+    small.sort(key=lambda item: (item[0], item[1]))
+    gone: set[int] = set()
+    folded = 0
+    for _, _, node, parent in small:
+        if left <= limit:
+            break
+        if id(node) in gone:
+            continue
+        del parent.children[node.key]
+        below = [node]
+        while below:
+            part = below.pop()
+            gone.add(id(part))
+            if part.count < floor:
+                left -= 1
+                folded += 1
+            parent.self_ops.update(part.self_ops)
+            parent.self_streams.update(part.self_streams)
+            below.extend(part.children.values())
+    return left, folded
 
 
 def _common_prefix(a: bytes, b: bytes) -> int:
@@ -320,12 +379,17 @@ def _is_chain_link(node: Node) -> bool:
     return only.kind != TORCH_API
 
 
-def fold_chains(node: Node) -> None:
-    """Fold linear chains below ``node`` (bottom-up), merging siblings that collide."""
+def fold_chains(node: Node, ranks: int | None = None) -> None:
+    """Fold linear chains below ``node`` (bottom-up), merging siblings that collide.
+
+    A link whose ranks differ from its parent's (``ranks``, the node's own unless
+    given: the root's are all of them) is kept, so that the function where a path
+    becomes rank-specific stays a node (and a config entry) of its own."""
+    mine = node.ranks if ranks is None else ranks
     folded: dict[tuple[str, str, str], Node] = {}
     for child in node.children.values():
         fold_chains(child)
-        while _is_chain_link(child):
+        while _is_chain_link(child) and child.ranks == mine:
             (only,) = child.children.values()
             only.chain = [*child.chain, child.target, *only.chain]
             child = only
@@ -363,12 +427,13 @@ def compress_trace(trace: CallsiteTrace, options: RunOptions) -> dict[str, Any]:
 def _compress_trace(trace: CallsiteTrace, options: RunOptions) -> dict[str, Any]:
     hide = [*(DEFAULT_HIDE if options.default_hide else ()), *options.hide]
     floor = threshold(trace.total, options.min_count, options.min_fraction)
-    root, nodes_before = build_tree(trace, hide, floor)
+    root, nodes_before = build_tree(trace, hide, floor, rank_floor=options.min_count)
+    rank_kept, rank_folded = bound_rank_nodes(root, floor)
     if options.chains:
         limit = sys.getrecursionlimit()
         sys.setrecursionlimit(max(limit, 20_000))
         try:
-            fold_chains(root)
+            fold_chains(root, ranks_to_mask(trace.ranks))
         finally:
             sys.setrecursionlimit(limit)
     root_children = sorted(root.children.values(), key=lambda n: (-n.count, n.key))
@@ -380,6 +445,9 @@ def _compress_trace(trace: CallsiteTrace, options: RunOptions) -> dict[str, Any]
         "hide": hide,
         "nodes_before": nodes_before,
         "nodes_after": count_nodes(root),
+        "rank_nodes_kept": rank_kept,
+        "rank_nodes_folded": rank_folded,
+        "max_rank_nodes": MAX_RANK_NODES,
         "total": root.count,
     }
     return {
