@@ -428,7 +428,7 @@ def _compress_trace(trace: CallsiteTrace, options: RunOptions) -> dict[str, Any]
     hide = [*(DEFAULT_HIDE if options.default_hide else ()), *options.hide]
     floor = threshold(trace.total, options.min_count, options.min_fraction)
     root, nodes_before = build_tree(trace, hide, floor, rank_floor=options.min_count)
-    rank_kept, rank_folded = bound_rank_nodes(root, floor)
+    rank_kept, rank_folded = bound_rank_nodes(root, floor, MAX_RANK_NODES)
     if options.chains:
         limit = sys.getrecursionlimit()
         sys.setrecursionlimit(max(limit, 20_000))

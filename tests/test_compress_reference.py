@@ -70,13 +70,19 @@ def reference_tree(trace: CallsiteTrace, hide: list[str]) -> Node:
     return root
 
 
-def prune_subtrees(root: Node, floor: float) -> None:
-    """Fold every non-root subtree with ``count < floor`` into its parent's own ops."""
+def prune_subtrees(
+    root: Node, floor: float, rank_floor: float | None = None, all_mask: int = 0
+) -> None:
+    """Fold every non-root subtree with ``count < floor`` into its parent's own ops;
+    with ``rank_floor``, keep one whose count is at least that and whose ranks differ
+    from its parent's (the root's are ``all_mask``)."""
     stack = [root]
     while stack:
         node = stack.pop()
+        parent_ranks = all_mask if node is root else node.ranks
         for key, child in list(node.children.items()):
-            if child.count < floor:
+            keep = rank_floor is not None and child.count >= rank_floor
+            if child.count < floor and not (keep and child.ranks != parent_ranks):
                 del node.children[key]
                 folded = [child]
                 while folded:
@@ -101,11 +107,13 @@ def state(node: Node) -> dict[str, Any]:
     }
 
 
-def check_against_reference(trace: CallsiteTrace, hide: list[str], floor: float) -> None:
+def check_against_reference(
+    trace: CallsiteTrace, hide: list[str], floor: float, rank_floor: float | None = None
+) -> None:
     expected = reference_tree(trace, hide)
     nodes_before = count_nodes(expected)
-    prune_subtrees(expected, floor)
-    root, before = build_tree(trace, hide, floor)
+    prune_subtrees(expected, floor, rank_floor, ranks_to_mask(trace.ranks))
+    root, before = build_tree(trace, hide, floor, rank_floor)
     assert before == nodes_before
     assert state(root) == state(expected)
 
@@ -123,6 +131,20 @@ def test_build_tree_matches_the_reference(
     check_against_reference(combined(*docs), hide, floor)
 
 
+@settings(max_examples=150, deadline=None)
+@given(
+    rank_file_sets(min_files=2, max_files=4),
+    st.integers(1, 60).map(float),
+    st.integers(1, 5).map(float),
+)
+def test_rank_specific_subtrees_are_kept_like_the_reference(
+    docs: list[dict[str, Any]], floor: float, rank_floor: float
+) -> None:
+    """With ``rank_floor`` (``min_count``) a subtree below ``floor`` whose ranks differ
+    from its parent's stays, in the fast pass as in the reference."""
+    check_against_reference(combined(*docs), list(DEFAULT_HIDE), floor, rank_floor)
+
+
 @pytest.mark.parametrize("name", ["gpt_callsite", "fsdp_callsite"])
 @pytest.mark.parametrize("min_fraction", [0.0, 0.001, 0.01, 0.1])
 def test_build_tree_matches_the_reference_on_real_traces(
@@ -138,3 +160,4 @@ def test_build_tree_matches_the_reference_on_real_traces(
     options = RunOptions()
     floor = threshold(trace.total, options.min_count, min_fraction)
     check_against_reference(trace, list(DEFAULT_HIDE), floor)
+    check_against_reference(trace, list(DEFAULT_HIDE), floor, options.min_count)

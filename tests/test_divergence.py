@@ -342,3 +342,31 @@ def test_record_the_divergent_job_live(tmp_path: Path) -> None:
     ]
     assert load_trace(paths[1]).meta["rank"] == 1
     check_divergent_job(find_divergence(combine(paths), RunOptions()))
+
+
+def test_rank_specific_nodes_are_bounded(
+    opguard: Callable[..., Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Past MAX_RANK_NODES the smallest rank-specific nodes are folded into their
+    parents (counts conserved, the tree still checks), and the summary says how many."""
+    import opguard_plugins.compress as compress
+
+    monkeypatch.setattr(compress, "MAX_RANK_NODES", 5)
+    for rank in (0, 1):
+        sites = [([("app", "main"), ("app", "bulk")], None, "aten::mm", 100_000)]
+        sites += [([("app", "main"), ("app", f"only{rank}_{i}")], None, "aten::add", 1 + i)
+                  for i in range(10)]  # fmt: skip
+        (tmp_path / f"job_rank{rank}.json").write_text(json.dumps(trace_doc(sites, rank=rank)))
+    run = opguard("run", "-i", str(tmp_path / "job_rank*.json"), expect=0)
+    tree = json.loads(run.read("job_compressed.json"))
+    settings_ = tree["meta"]["compression"]
+    assert (settings_["rank_nodes_kept"], settings_["rank_nodes_folded"]) == (5, 15)
+    (main,) = tree["root"]["children"]
+    kept = sorted(child["qualname"] for child in main["children"] if child["qualname"] != "bulk")
+    # the largest five stay; of the two with count 8, the one whose path sorts first
+    # (only0_7) is folded first
+    assert kept == ["only0_8", "only0_9", "only1_7", "only1_8", "only1_9"]
+    small = 2 * sum(range(1, 11))
+    kept_ops = sum(c["count"] for c in main["children"] if c["qualname"] != "bulk")
+    assert kept_ops == 10 + 10 + 9 + 9 + 8
+    assert main["self_ops"] == {"aten::add": small - kept_ops}
