@@ -88,9 +88,15 @@ class _Stacks:
         self.names = [target_name(f.module, f.file, f.qualname) for f in trace.frames]
         self.user = [not (f.module or "").startswith("torch") for f in trace.frames]
         self.hidden = hidden
+        self._visible: dict[int, list[int]] = {}
 
     def visible(self, site: Callsite) -> list[int]:
-        return [fid for fid in site.stack if not self.hidden[fid]]
+        """The site's frame ids without hidden ones (cached: several passes ask)."""
+        found = self._visible.get(id(site))
+        if found is None:
+            hidden = self.hidden
+            found = self._visible[id(site)] = [fid for fid in site.stack if not hidden[fid]]
+        return found
 
     def caller(self, frames: list[int]) -> int | None:
         """Position in ``frames`` of the calling function: the innermost frame outside
@@ -180,13 +186,20 @@ def _collectives(trace: CallsiteTrace, stacks: _Stacks, exact: bool) -> Iterator
 def _rank_specific(trace: CallsiteTrace, stacks: _Stacks) -> Iterator[Finding]:
     """The outermost function of each path some ranks never took."""
     all_mask = ranks_to_mask(trace.ranks)
-    function_mask: dict[str, int] = {}
     visible = [stacks.visible(site) for site in trace.callsites]
     masks = [all_mask if s.ranks is None else ranks_to_mask(s.ranks) for s in trace.callsites]
+    # a function in any callsite that every rank ran is run by every rank: one C-level
+    # set update per such callsite; only the (few) other callsites are walked
+    everywhere: set[int] = set()
     for frames, mask in zip(visible, masks, strict=True):
-        for fid in frames:
-            name = stacks.names[fid]
-            function_mask[name] = function_mask.get(name, 0) | mask
+        if mask == all_mask:
+            everywhere.update(frames)
+    function_mask: dict[str, int] = dict.fromkeys({stacks.names[f] for f in everywhere}, all_mask)
+    for frames, mask in zip(visible, masks, strict=True):
+        if mask != all_mask:
+            for fid in frames:
+                name = stacks.names[fid]
+                function_mask[name] = function_mask.get(name, 0) | mask
     roots: dict[str, dict[str, Any]] = {}
     for site, frames, mask in zip(trace.callsites, visible, masks, strict=True):
         names = [stacks.names[fid] for fid in frames]
@@ -199,7 +212,10 @@ def _rank_specific(trace: CallsiteTrace, stacks: _Stacks) -> Iterator[Finding]:
                     break
     if not roots:
         return
+    root_frames = {fid for fid, name in enumerate(stacks.names) if name in roots}
     for site, frames in zip(trace.callsites, visible, strict=True):
+        if root_frames.isdisjoint(frames):
+            continue
         for name in {stacks.names[fid] for fid in frames}:
             if name in roots:
                 roots[name]["ops"] += site.count
