@@ -72,7 +72,9 @@ def check_tree(tree: dict[str, Any], expected_total: int | None = None) -> None:
     )
     chains = settings.get("chains", False)
     all_ranks = tree.get("meta", {}).get("ranks")
-    for node, parent in iter_nodes(root):
+    nodes = iter_nodes(root)
+    holds = _holds_divergence(nodes, all_ranks)
+    for node, parent in nodes:
         where = "root" if parent is None else node_target(node)
         if "stack" in node:
             raise InvariantError(f"{where}: compressed tree nodes must not carry a stack")
@@ -86,7 +88,9 @@ def check_tree(tree: dict[str, Any], expected_total: int | None = None) -> None:
             raise InvariantError(f"{where}: self_ops and self_streams sums differ")
         if parent is None:
             continue
-        if node["count"] < floor and not _kept_for_ranks(node, parent, all_ranks, settings):
+        if node["count"] < floor and not (
+            node["count"] >= settings.get("min_count", 1) and holds[id(node)]
+        ):
             raise InvariantError(f"{where}: count {node['count']} below threshold {floor:g}")
         children = node["children"]
         if (
@@ -101,16 +105,24 @@ def check_tree(tree: dict[str, Any], expected_total: int | None = None) -> None:
             raise InvariantError(f"{where}: linear chain left after chain pruning")
 
 
-def _kept_for_ranks(
-    node: dict[str, Any], parent: dict[str, Any], all_ranks: Any, settings: dict[str, Any]
-) -> bool:
-    """Whether a node below the fraction threshold may stay: its count is at least
-    ``min_count`` and its ranks differ from its parent's (the root's are
-    ``meta.ranks``), or it is a chain-folded node merged with a sibling."""
-    if node["count"] < settings.get("min_count", 1):
-        return False
-    parent_ranks = parent.get("ranks", all_ranks) if "kind" in parent else all_ranks
-    return node.get("ranks") != parent_ranks or bool(node.get("chain"))
+def _parent_ranks(parent: dict[str, Any], all_ranks: Any) -> Any:
+    """A node's parent's ranks; the root's are ``meta.ranks``."""
+    return parent.get("ranks", all_ranks) if "kind" in parent else all_ranks
+
+
+def _holds_divergence(
+    nodes: list[tuple[dict[str, Any], dict[str, Any] | None]], all_ranks: Any
+) -> dict[int, bool]:
+    """For every node (by id): whether it or a node below it has ranks that differ from
+    its parent's, or is a chain-folded node (merged siblings can end up with their
+    parent's ranks). Such a node may stay below the fraction threshold."""
+    holds: dict[int, bool] = {}
+    for node, parent in reversed(nodes):  # children before their parents
+        mine = parent is not None and (
+            node.get("ranks") != _parent_ranks(parent, all_ranks) or bool(node.get("chain"))
+        )
+        holds[id(node)] = mine or any(holds[id(child)] for child in node["children"])
+    return holds
 
 
 def load_tree(path: Path) -> dict[str, Any]:

@@ -18,7 +18,7 @@ import sys
 from bisect import bisect_right
 from collections import Counter
 from functools import reduce
-from itertools import accumulate
+from itertools import accumulate, pairwise
 from operator import itemgetter, or_
 from typing import Any
 
@@ -149,10 +149,11 @@ def build_tree(
     """The call tree of ``trace`` below a ``<root>`` node, pruned at ``floor``, and the
     number of non-root nodes the unpruned tree has.
 
-    With ``rank_floor`` (the ``min_count``), a subtree below ``floor`` is kept all the
-    same when its count is at least ``rank_floor`` and its ranks differ from its
-    parent's (the root's ranks are all of the trace's): divergence is never pruned
-    away by the fraction (:func:`bound_rank_nodes` bounds how many such nodes stay).
+    With ``rank_floor`` (the ``min_count``), a node is *divergent* when its count is at
+    least ``rank_floor`` and its ranks differ from its parent's (the root's ranks are
+    all of the trace's); a subtree below ``floor`` is kept all the same when it holds
+    a divergent node, so every path to one survives: divergence is never pruned away
+    by the fraction (:func:`bound_rank_nodes` bounds how many such nodes stay).
 
     The tree is the one you get by walking every callsite's stack (without hidden
     frames) from the root, one node per function identity, with a ``torch_api`` leaf
@@ -232,6 +233,9 @@ def build_tree(
     # a run's ranks are all of them as soon as it has one callsite seen on every rank
     # (a callsite's ranks are a subset of the trace's: formats.md §1)
     full = [0, *accumulate(mask == all_mask for mask in masks)]
+    # changes[i]: how many j < i have masks[j] != masks[j - 1]; a run [s, e) has one
+    # mask for all its callsites when changes[e] == changes[s + 1]
+    changes = [0, 0, *accumulate(a != b for a, b in pairwise(masks))]
     chunk_lines = {_chunk(fid): frame.line for fid, frame in enumerate(frames)}
 
     def make_node(key: tuple[str | None, str, str], at: slice, start: int, end: int) -> Node:
@@ -254,6 +258,30 @@ def build_tree(
     def run_mask(start: int, end: int) -> int:
         return all_mask if full[end] > full[start] else reduce(or_, masks[start:end], 0)
 
+    def holds_divergence(offset: int, start: int, end: int, parent_mask: int) -> bool:
+        """Whether the run [start, end), a child at ``offset`` of a node whose ranks are
+        ``parent_mask``, is or holds a divergent node (see above)."""
+        assert rank_floor is not None
+        todo = [(offset, start, end, parent_mask)]
+        while todo:
+            offset, start, end, parent = todo.pop()
+            if below[end] - below[start] < rank_floor:
+                continue  # counts only shrink downwards: nothing below qualifies
+            mask = run_mask(start, end)
+            if mask != parent:
+                return True
+            if changes[end] == changes[start + 1]:
+                continue  # one mask for every callsite: every node below has it
+            while start < end and len(paths[start]) == offset + WIDTH:
+                start += 1  # the node's own ops
+            at = slice(offset + WIDTH, offset + 2 * WIDTH)
+            next_id = itemgetter(at)
+            while start < end:
+                stop = bisect_right(paths, paths[start][at], start, end, key=next_id)
+                todo.append((offset + WIDTH, start, stop, mask))
+                start = stop
+        return False
+
     root = Node(None, None, "<root>", "root")
     root.count = below[-1]
     nodes_before = 0
@@ -275,7 +303,7 @@ def build_tree(
             if weight >= floor or (
                 rank_floor is not None
                 and weight >= rank_floor
-                and run_mask(start, end) != (all_mask if node is root else node.ranks)
+                and holds_divergence(offset, start, end, all_mask if node is root else node.ranks)
             ):
                 key = keys[_unchunk(piece)]
                 child = make_node(key, at, start, end)

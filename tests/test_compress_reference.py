@@ -74,15 +74,26 @@ def prune_subtrees(
     root: Node, floor: float, rank_floor: float | None = None, all_mask: int = 0
 ) -> None:
     """Fold every non-root subtree with ``count < floor`` into its parent's own ops;
-    with ``rank_floor``, keep one whose count is at least that and whose ranks differ
-    from its parent's (the root's are ``all_mask``)."""
+    with ``rank_floor``, keep one that is or holds a *divergent* node: a count of at
+    least ``rank_floor`` and ranks that differ from its parent's (the root's are
+    ``all_mask``), all computed on the whole tree."""
+    holds: dict[int, bool] = {}  # node id -> it or a node below it is divergent
+
+    def mark(node: Node, parent_ranks: int) -> bool:
+        divergent = (
+            rank_floor is not None and node.count >= rank_floor and node.ranks != parent_ranks
+        )
+        below = [mark(child, node.ranks) for child in node.children.values()]
+        holds[id(node)] = divergent or any(below)
+        return holds[id(node)]
+
+    for child in root.children.values():
+        mark(child, all_mask)
     stack = [root]
     while stack:
         node = stack.pop()
-        parent_ranks = all_mask if node is root else node.ranks
         for key, child in list(node.children.items()):
-            keep = rank_floor is not None and child.count >= rank_floor
-            if child.count < floor and not (keep and child.ranks != parent_ranks):
+            if child.count < floor and not holds[id(child)]:
                 del node.children[key]
                 folded = [child]
                 while folded:
