@@ -324,43 +324,75 @@ def build_tree(
     return root, nodes_before
 
 
-def bound_rank_nodes(root: Node, floor: float, limit: int = MAX_RANK_NODES) -> tuple[int, int]:
-    """Keep at most ``limit`` nodes below ``floor`` (those :func:`build_tree` kept for
-    their ranks): fold the smallest (by count, then path of identities) into their
-    parents, a whole subtree at a time, until at most ``limit`` are left. Returns
-    (kept, folded) counts of such nodes. Deterministic: it depends on the tree only."""
-    small: list[tuple[int, tuple[tuple[str, str, str], ...], Node, Node]] = []
-    todo: list[tuple[Node, tuple[tuple[str, str, str], ...]]] = [(root, ())]
+def bound_rank_nodes(
+    root: Node, floor: float, limit: int = MAX_RANK_NODES, all_mask: int = 0
+) -> tuple[int, int]:
+    """Keep at most ``limit`` of the nodes below ``floor`` (those :func:`build_tree`
+    kept for divergence) and fold the others into their parents.
+
+    The divergent nodes below ``floor`` (ranks differ from the parent's; the root's
+    are ``all_mask``) are taken largest first (by count, then path of identities);
+    each is kept with the nodes below ``floor`` on the way to it while the total
+    stays within ``limit``; one that does not fit is skipped, a smaller one may still
+    fit. Every other node below ``floor`` is folded, a whole subtree at a time.
+    Returns (kept, folded) counts of nodes below ``floor``. Deterministic: it depends
+    on the tree only."""
+    parents: dict[int, Node] = {}
+    small: list[Node] = []
+    divergent: list[tuple[int, tuple[tuple[str, str, str], ...], Node]] = []
+    todo: list[tuple[Node, int, tuple[tuple[str, str, str], ...]]] = [(root, all_mask, ())]
     while todo:
-        node, path = todo.pop()
+        node, ranks, path = todo.pop()
         for key, child in node.children.items():
+            parents[id(child)] = node
             child_path = (*path, key)
             if child.count < floor:
-                small.append((child.count, child_path, child, node))
-            todo.append((child, child_path))
-    left = len(small)
-    if left <= limit:
-        return left, 0
-    small.sort(key=lambda item: (item[0], item[1]))
-    gone: set[int] = set()
+                small.append(child)
+                if child.ranks != ranks:
+                    divergent.append((child.count, child_path, child))
+            todo.append((child, child.ranks, child_path))
+    if len(small) <= limit:
+        return len(small), 0
+    divergent.sort(key=lambda item: (-item[0], item[1]))
+    kept: set[int] = set()
+    for _, _, node in divergent:
+        way = []
+        step: Node | None = node
+        while step is not None and step is not root and step.count < floor:
+            if id(step) in kept:
+                break
+            way.append(step)
+            step = parents.get(id(step))
+        if len(kept) + len(way) <= limit:
+            kept.update(map(id, way))
     folded = 0
-    for _, _, node, parent in small:
-        if left <= limit:
-            break
-        if id(node) in gone:
-            continue
-        del parent.children[node.key]
-        below = [node]
-        while below:
-            part = below.pop()
-            gone.add(id(part))
-            if part.count < floor:
-                left -= 1
-                folded += 1
-            parent.self_ops.update(part.self_ops)
-            parent.self_streams.update(part.self_streams)
-            below.extend(part.children.values())
-    return left, folded
+    gone: set[int] = set()
+    todo_nodes = [root]
+    while todo_nodes:
+        node = todo_nodes.pop()
+        for child in list(node.children.values()):
+            if child.count < floor and id(child) not in kept:
+                folded += _fold_subtree(node, child, floor, gone)
+            else:
+                todo_nodes.append(child)
+    return len(kept), folded
+
+
+def _fold_subtree(parent: Node, node: Node, floor: float, gone: set[int]) -> int:
+    """Fold ``node``'s whole subtree into ``parent``'s own ops; returns how many of its
+    nodes were below ``floor``."""
+    del parent.children[node.key]
+    removed = 0
+    below = [node]
+    while below:
+        part = below.pop()
+        gone.add(id(part))
+        if part.count < floor:
+            removed += 1
+        parent.self_ops.update(part.self_ops)
+        parent.self_streams.update(part.self_streams)
+        below.extend(part.children.values())
+    return removed
 
 
 def _common_prefix(a: bytes, b: bytes) -> int:
@@ -456,7 +488,9 @@ def _compress_trace(trace: CallsiteTrace, options: RunOptions) -> dict[str, Any]
     hide = [*(DEFAULT_HIDE if options.default_hide else ()), *options.hide]
     floor = threshold(trace.total, options.min_count, options.min_fraction)
     root, nodes_before = build_tree(trace, hide, floor, rank_floor=options.min_count)
-    rank_kept, rank_folded = bound_rank_nodes(root, floor, MAX_RANK_NODES)
+    rank_kept, rank_folded = bound_rank_nodes(
+        root, floor, MAX_RANK_NODES, ranks_to_mask(trace.ranks)
+    )
     if options.chains:
         limit = sys.getrecursionlimit()
         sys.setrecursionlimit(max(limit, 20_000))

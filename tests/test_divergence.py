@@ -347,8 +347,8 @@ def test_record_the_divergent_job_live(tmp_path: Path) -> None:
 def test_rank_specific_nodes_are_bounded(
     opguard: Callable[..., Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Past MAX_RANK_NODES the smallest rank-specific nodes are folded into their
-    parents (counts conserved, the tree still checks), and the summary says how many."""
+    """Past MAX_RANK_NODES the largest rank-specific nodes are kept (ties: the path
+    that sorts first) and the others folded into their parents (counts conserved, the tree still checks), and the summary says how many."""
     import opguard_plugins.compress as compress
 
     monkeypatch.setattr(compress, "MAX_RANK_NODES", 5)
@@ -364,8 +364,8 @@ def test_rank_specific_nodes_are_bounded(
     (main,) = tree["root"]["children"]
     kept = sorted(child["qualname"] for child in main["children"] if child["qualname"] != "bulk")
     # the largest five stay; of the two with count 8, the one whose path sorts first
-    # (only0_7) is folded first
-    assert kept == ["only0_8", "only0_9", "only1_7", "only1_8", "only1_9"]
+    # (only0_7) is kept
+    assert kept == ["only0_7", "only0_8", "only0_9", "only1_8", "only1_9"]
     small = 2 * sum(range(1, 11))
     kept_ops = sum(c["count"] for c in main["children"] if c["qualname"] != "bulk")
     assert kept_ops == 10 + 10 + 9 + 9 + 8
