@@ -348,7 +348,8 @@ def test_rank_specific_nodes_are_bounded(
     opguard: Callable[..., Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Past MAX_RANK_NODES the largest rank-specific nodes are kept (ties: the path
-    that sorts first) and the others folded into their parents (counts conserved, the tree still checks), and the summary says how many."""
+    that sorts first) and the others folded into their parents (counts conserved, the
+    tree still checks), and the summary says how many."""
     import opguard_plugins.compress as compress
 
     monkeypatch.setattr(compress, "MAX_RANK_NODES", 5)
