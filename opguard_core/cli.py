@@ -22,6 +22,7 @@ from opguard_core.model import (
     DEFAULT_CONTEXT_DEPTH,
     DEFAULT_MIN_COUNT,
     DEFAULT_MIN_FRACTION,
+    DEFAULT_SKEW,
     STAGES,
     RunOptions,
 )
@@ -252,6 +253,20 @@ def create_cli(manager: OpGuardPluginManager) -> click.Group:
         help="Remove the temporaries of runs killed in the output base (and mark them "
         "abandoned); without --input, only that.",
     )
+    @click.option(
+        "--skew",
+        type=click.FloatRange(min=0.0),
+        default=DEFAULT_SKEW,
+        show_default=True,
+        metavar="F",
+        help="Divergence: report a function whose ops on a rank differ from the median "
+        "over ranks by more than F times the median.",
+    )
+    @click.option(
+        "--fail-on-divergence",
+        is_flag=True,
+        help="Exit 4 when a divergence finding is an error (a collective mismatch).",
+    )
     @_disable_option
     @click.pass_context
     def run(
@@ -275,6 +290,8 @@ def create_cli(manager: OpGuardPluginManager) -> click.Group:
         executor: str,
         jobs: int,
         clean_stale: bool,
+        skew: float,
+        fail_on_divergence: bool,
     ) -> None:
         """Preprocess callsite traces into instrumentation configs."""
         inputs = list(input_options)
@@ -320,6 +337,8 @@ def create_cli(manager: OpGuardPluginManager) -> click.Group:
             executor=executor,
             jobs=jobs,
             verbose=bool(verbose),
+            skew=skew,
+            fail_on_divergence=fail_on_divergence,
         )
         runner = Runner(manager, inputs, options, skip=skip, output_base=base)
         try:

@@ -6,6 +6,17 @@ processes or a Dask cluster fold together). Callsite identity is
 (stack as frame values, api, op, stream); ranks are kept as an integer bit mask.
 The result is canonical: frames sorted by value, callsites by stack, so the output
 does not depend on the order the inputs came in.
+
+Per-rank statistics (docs/divergence.md): besides the summed count and the rank
+mask, every callsite keeps the smallest and largest per-rank count and the masks of
+the ranks that hold them, and, once three or more distinct per-rank counts appear,
+a histogram ``{count: rank mask}`` (capped at :data:`MAX_DISTINCT` values except for
+collective callsites, whose histogram is exact). All of it merges associatively
+and commutatively, so pool, Dask and any input order give the same result, and none
+of it grows with the number of ranks beyond the width of a rank mask. The
+statistics are exact only when every rank comes from one input; an accumulator
+that sees a rank twice, or a multi-rank input without statistics (a version-1
+combined file), drops them (``stats_valid``).
 """
 
 from __future__ import annotations
@@ -25,9 +36,11 @@ import msgspec
 
 from opguard_core.errors import InputError
 from opguard_core.trace_format import (
+    COMBINED_VERSION,
     Callsite,
     DecodedTrace,
     Frame,
+    PerRank,
     encode_trace,
     load_trace,
     validate_frame_ids,
@@ -36,6 +49,117 @@ from opguard_core.values import same_json
 
 #: key of a callsite in an accumulator: (stack of global frame ids, api, op, stream)
 SiteKey = tuple[tuple[int, ...], str | None, str, int]
+
+#: A non-collective callsite's histogram of per-rank counts is kept while it has at
+#: most this many distinct values; past it only min and max (with their ranks) are.
+MAX_DISTINCT = 8
+#: ``meta`` key of a combined trace whose callsites carry exact per-rank statistics
+PER_RANK_KEY = "per_rank_stats"
+
+#: Python-level collective apis (``torch.distributed.*``); any op ``c10d::*`` is one too
+COLLECTIVE_APIS = frozenset(
+    f"torch.distributed.{name}"
+    for name in (
+        "all_reduce",
+        "all_gather",
+        "all_gather_into_tensor",
+        "all_gather_object",
+        "all_to_all",
+        "all_to_all_single",
+        "barrier",
+        "broadcast",
+        "broadcast_object_list",
+        "gather",
+        "gather_object",
+        "irecv",
+        "isend",
+        "recv",
+        "reduce",
+        "reduce_scatter",
+        "reduce_scatter_tensor",
+        "scatter",
+        "scatter_object_list",
+        "send",
+        "batch_isend_irecv",
+        "monitored_barrier",
+    )
+)
+
+
+def is_collective(op: str, api: str | None) -> bool:
+    """Whether a callsite is a collective: op ``c10d::*`` or a known collective api."""
+    return op.startswith("c10d::") or api in COLLECTIVE_APIS
+
+
+#: a histogram that outgrew :data:`MAX_DISTINCT` (the slot keeps min and max only)
+_OVERFLOW = False
+
+# A site's slot: [count, mask, min, min_mask, max, max_mask, hist]. ``min_mask`` and
+# ``max_mask`` are None while every rank of ``mask`` has the same count (min == max),
+# the common case the hot loop keeps cheap; ``hist`` is None while the counts take
+# at most two values (min and max say it all), else {count: mask} or _OVERFLOW.
+_COUNT, _MASK, _MIN, _MIN_MASK, _MAX, _MAX_MASK, _HIST = range(7)
+
+
+def _histogram(slot: list[Any]) -> dict[int, int] | None:
+    """The slot's exact {per-rank count: rank mask}, or None when it overflowed."""
+    hist = slot[_HIST]
+    if hist is _OVERFLOW:
+        return None
+    if hist is not None:
+        return dict(hist)
+    if slot[_MIN_MASK] is None:
+        return {slot[_MIN]: slot[_MASK]}
+    return {slot[_MIN]: slot[_MIN_MASK], slot[_MAX]: slot[_MAX_MASK]}
+
+
+def merge_slot(slot: list[Any], other: list[Any], collective: bool) -> None:
+    """Fold ``other`` (a slot of the same callsite from disjoint ranks) into ``slot``.
+
+    Sum, union, min and max are associative and commutative, and so is the capped
+    histogram union: it overflows exactly when the union of all inputs' distinct
+    counts exceeds :data:`MAX_DISTINCT`, whatever the grouping.
+    """
+    if (
+        slot[_MIN_MASK] is None and other[_MIN_MASK] is None and slot[_MIN] == other[_MIN]
+    ):  # both uniform with the same count: the common case
+        slot[_COUNT] += other[_COUNT]
+        slot[_MASK] |= other[_MASK]
+        return
+    mine, theirs = _histogram(slot), _histogram(other)
+    low = min(slot[_MIN], other[_MIN])
+    high = max(slot[_MAX], other[_MAX])
+    low_mask = _mask_of(slot, low, True) | _mask_of(other, low, True)
+    high_mask = _mask_of(slot, high, False) | _mask_of(other, high, False)
+    slot[_COUNT] += other[_COUNT]
+    slot[_MASK] |= other[_MASK]
+    slot[_MIN], slot[_MAX] = low, high
+    if low == high:
+        slot[_MIN_MASK] = slot[_MAX_MASK] = None
+        slot[_HIST] = None
+        return
+    slot[_MIN_MASK], slot[_MAX_MASK] = low_mask, high_mask
+    if mine is None or theirs is None:
+        slot[_HIST] = _OVERFLOW
+        return
+    for value, mask in theirs.items():
+        mine[value] = mine.get(value, 0) | mask
+    if len(mine) <= 2:
+        slot[_HIST] = None
+    elif len(mine) > MAX_DISTINCT and not collective:
+        slot[_HIST] = _OVERFLOW
+    else:
+        slot[_HIST] = mine
+
+
+def _mask_of(slot: list[Any], value: int, low: bool) -> int:
+    """The ranks of ``slot`` whose count is ``value``, where ``value`` is the new min
+    (``low``) or max; 0 when none is."""
+    if slot[_MIN_MASK] is None:
+        return slot[_MASK] if slot[_MIN] == value else 0
+    if low:
+        return slot[_MIN_MASK] if slot[_MIN] == value else 0
+    return slot[_MAX_MASK] if slot[_MAX] == value else 0
 
 
 class _Conflict(enum.Enum):
@@ -105,6 +229,7 @@ class _SiteOut(msgspec.Struct, kw_only=True, omit_defaults=True):
     stream: int
     count: int
     ranks: list[int] | None = None
+    per_rank: PerRank | None = None
 
 
 @dataclasses.dataclass
@@ -142,10 +267,13 @@ class CallsiteTrace:
                     stream=site.stream,
                     count=site.count,
                     ranks=site.ranks,
+                    per_rank=site.per_rank,
                 )
                 for site in self.callsites
             ]
-            return encode_trace(self.meta, self.frames, outs, self.extras, self.frame_extras)
+            return encode_trace(
+                self.meta, self.frames, outs, self.extras, self.frame_extras, COMBINED_VERSION
+            )
         sites: list[Any] = []
         for index, site in enumerate(self.callsites):
             doc: dict[str, Any] = {"stack": site.stack}
@@ -156,11 +284,20 @@ class CallsiteTrace:
             doc["count"] = site.count
             if site.ranks is not None:
                 doc["ranks"] = site.ranks
+            if site.per_rank is not None:
+                doc["per_rank"] = site.per_rank
             extra = self.callsite_extras.get(index)
             if extra:
                 doc.update(extra)
             sites.append(doc)
-        return encode_trace(self.meta, self.frames, sites, self.extras, self.frame_extras)
+        return encode_trace(
+            self.meta, self.frames, sites, self.extras, self.frame_extras, COMBINED_VERSION
+        )
+
+    @property
+    def per_rank_stats(self) -> bool:
+        """Whether the callsites carry exact per-rank statistics (``meta.per_rank_stats``)."""
+        return bool(self.meta.get(PER_RANK_KEY))
 
 
 class _Agreement:
@@ -196,7 +333,9 @@ class _Agreement:
 
 class _PackedSites(NamedTuple):
     """An accumulator's sites in transit: every stack's frame ids end to end
-    (``array('I')`` bytes), the stacks' lengths (same), then one list per column."""
+    (``array('I')`` bytes), the stacks' lengths (same), then one list per column;
+    ``stats`` holds (min, min_mask, max, max_mask, hist) for the sites whose ranks
+    disagree, by position (the others are uniform: min = max = count / ranks)."""
 
     stacks: bytes
     lengths: bytes
@@ -205,6 +344,8 @@ class _PackedSites(NamedTuple):
     streams: list[int]
     counts: list[int]
     masks: list[int]
+    mins: list[int]
+    stats: dict[int, tuple[Any, ...]]
 
 
 class TraceAccumulator:
@@ -217,8 +358,10 @@ class TraceAccumulator:
         #: and comparing two keys compares these by identity, not by their bytes
         self.apis: dict[str | None, str | None] = {}
         self.ops: dict[str, str] = {}
-        #: key -> [count, rank mask]
-        self.sites: dict[SiteKey, list[int]] = {}
+        #: key -> [count, rank mask, min, min mask, max, max mask, histogram] (see _COUNT)
+        self.sites: dict[SiteKey, list[Any]] = {}
+        #: False once a rank came twice or an input had no per-rank statistics
+        self.stats_valid = True
         #: sites as they arrived pickled (see __getstate__), not yet unpacked into ``sites``
         self._packed: _PackedSites | None = None
         self.rank_mask = 0
@@ -254,7 +397,13 @@ class TraceAccumulator:
         self._unpack()
         file_ranks = trace.ranks()
         file_mask = ranks_to_mask(file_ranks)
-        meta = {k: v for k, v in trace.meta.items() if k not in ("rank", "ranks")}
+        meta = {k: v for k, v in trace.meta.items() if k not in ("rank", "ranks", PER_RANK_KEY)}
+        single = len(file_ranks) == 1
+        # a multi-rank input (an earlier combined trace) has exact per-rank counts
+        # only if it says so; a rank seen before makes every statistic inexact
+        stats_valid = (single or bool(trace.meta.get(PER_RANK_KEY))) and not (
+            file_mask & self.rank_mask
+        )
         local = [self._intern(frame) for frame in trace.frames]
         remap = local.__getitem__
         gather = itemgetter
@@ -285,12 +434,27 @@ class TraceAccumulator:
                     intern_op(op, op),
                     site.stream,
                 )
+                count = site.count
                 slot = get(key)
-                if slot is None:
-                    sites[key] = [site.count, mask]
-                else:
-                    slot[0] += site.count
+                if slot is not None and slot[1] & mask:
+                    # the same callsite twice in one file (or a rank seen before): its
+                    # per-rank count is no longer known, so statistics are dropped
+                    slot[0] += count
+                    stats_valid = False
+                elif not single:
+                    incoming = _incoming_slot(site, mask, trace.path, position, stats_valid)
+                    if slot is None:
+                        sites[key] = incoming
+                    else:
+                        merge_slot(slot, incoming, is_collective(op, api))
+                elif slot is None:
+                    sites[key] = [count, mask, count, None, count, None, None]
+                elif count == slot[2] and count == slot[4] and slot[3] is None:
+                    slot[0] += count  # same count as every rank so far: the common case
                     slot[1] |= mask
+                else:
+                    merge_slot(slot, [count, mask, count, None, count, None, None],
+                               is_collective(op, api))  # fmt: skip
         except IndexError:  # a frame id out of range (decoding may leave this check to us)
             validate_frame_ids(trace.frames, callsites, trace.path)
             raise
@@ -302,6 +466,7 @@ class TraceAccumulator:
         for index, extra in trace.frame_extras.items():
             self.frame_extras.setdefault(trace.frames[index], _Agreement()).add(extra)
         # bookkeeping last, so a file refused above leaves the accumulator's header alone
+        self.stats_valid = self.stats_valid and stats_valid
         self.rank_mask |= file_mask
         self.inputs += 1
         stated = "rank" in trace.meta or "ranks" in trace.meta
@@ -325,14 +490,17 @@ class TraceAccumulator:
         if other._packed is not None:
             self._merge_packed(other._packed, None if identity else remap)
         self._fold(
-            ((stack if identity else remap_stack(stack, remap), api, op, stream), count, mask)
-            for (stack, api, op, stream), (count, mask) in other.sites.items()
+            ((stack if identity else remap_stack(stack, remap), api, op, stream), slot)
+            for (stack, api, op, stream), slot in other.sites.items()
         )
         for (stack, api, op, stream), extra in other.site_extras.items():
             key = (stack if identity else remap_stack(stack, remap), api, op, stream)
             self.site_extras.setdefault(key, _Agreement()).update(extra)
         for frame, agreement in other.frame_extras.items():
             self.frame_extras.setdefault(frame, _Agreement()).update(agreement)
+        self.stats_valid = (
+            self.stats_valid and other.stats_valid and not (self.rank_mask & other.rank_mask)
+        )
         self.rank_mask |= other.rank_mask
         self.inputs += other.inputs
         self.claims += other.claims
@@ -359,8 +527,14 @@ class TraceAccumulator:
             [key[1] for key in keys],
             [key[2] for key in keys],
             [key[3] for key in keys],
-            [value[0] for value in values],
-            [value[1] for value in values],
+            [value[_COUNT] for value in values],
+            [value[_MASK] for value in values],
+            [value[_MIN] for value in values],
+            {
+                position: tuple(value[_MIN_MASK:])
+                for position, value in enumerate(values)
+                if value[_MIN_MASK] is not None
+            },
         )
         return state
 
@@ -386,31 +560,39 @@ class TraceAccumulator:
         flat = ids.tolist() if remap is None else list(map(remap.__getitem__, ids))
         ends = list(itertools.accumulate(lengths))
         starts = [0, *ends][:-1]
+        stats = packed.stats
         self._fold(
-            ((tuple(flat[start:end]), api, op, stream), count, mask)
-            for start, end, api, op, stream, count, mask in zip(
-                starts,
-                ends,
-                packed.apis,
-                packed.ops,
-                packed.streams,
-                packed.counts,
-                packed.masks,
-                strict=True,
+            (
+                (tuple(flat[start:end]), api, op, stream),
+                [count, mask, low, *stats[position]]
+                if position in stats
+                else [count, mask, low, None, low, None, None],
+            )
+            for position, (start, end, api, op, stream, count, mask, low) in enumerate(
+                zip(
+                    starts,
+                    ends,
+                    packed.apis,
+                    packed.ops,
+                    packed.streams,
+                    packed.counts,
+                    packed.masks,
+                    packed.mins,
+                    strict=True,
+                )
             )
         )
 
-    def _fold(self, items: Iterable[tuple[SiteKey, int, int]]) -> None:
-        """Add (key, count, rank mask) triples to the sites (partials; ``add`` inlines this)."""
+    def _fold(self, items: Iterable[tuple[SiteKey, list[Any]]]) -> None:
+        """Add (key, slot) pairs to the sites (partials; ``add`` inlines this)."""
         sites = self.sites
         get = sites.get
-        for key, count, mask in items:
+        for key, incoming in items:
             slot = get(key)
             if slot is None:
-                sites[key] = [count, mask]
+                sites[key] = _copy_slot(incoming)
             else:
-                slot[0] += count
-                slot[1] |= mask
+                merge_slot(slot, incoming, is_collective(key[2], key[1]))
 
     def result(self) -> CallsiteTrace:
         """The canonical combined trace."""
@@ -432,18 +614,25 @@ class TraceAccumulator:
         all_mask = self.rank_mask
         sites = self.sites
         site_extras = self.site_extras
+        stats_valid = self.stats_valid
         callsites = []
         callsite_extras = {}
         for position, (stack, _, op, stream, _, key) in enumerate(keyed):
-            count, mask = sites[key]
+            slot = sites[key]
+            mask = slot[_MASK]
             callsites.append(
                 Callsite(
                     stack=stack,
                     api=key[1],
                     op=op,
                     stream=stream,
-                    count=count,
+                    count=slot[_COUNT],
                     ranks=None if mask == all_mask else mask_to_ranks(mask),
+                    per_rank=(
+                        _per_rank(slot, is_collective(op, key[1]))
+                        if stats_valid and slot[_MIN_MASK] is not None
+                        else None
+                    ),
                 )
             )
             if site_extras:
@@ -457,6 +646,8 @@ class TraceAccumulator:
                 frame_extras[position] = agreement.result()
         meta = self.meta.result()
         meta["ranks"] = mask_to_ranks(all_mask)
+        if stats_valid and self.inputs:
+            meta[PER_RANK_KEY] = True
         return CallsiteTrace(
             meta=dict(sorted(meta.items())),
             frames=frames,
@@ -465,3 +656,55 @@ class TraceAccumulator:
             frame_extras=frame_extras,
             callsite_extras=callsite_extras,
         )
+
+
+def _copy_slot(slot: list[Any]) -> list[Any]:
+    """A slot that shares no mutable histogram with ``slot``."""
+    copied = list(slot)
+    if isinstance(copied[_HIST], dict):
+        copied[_HIST] = dict(copied[_HIST])
+    return copied
+
+
+def _per_rank(slot: list[Any], collective: bool) -> PerRank:
+    """The written statistics of a site whose ranks disagree."""
+    hist = _histogram(slot)
+    return PerRank(
+        min=slot[_MIN],
+        min_ranks=mask_to_ranks(slot[_MIN_MASK]),
+        max=slot[_MAX],
+        max_ranks=mask_to_ranks(slot[_MAX_MASK]),
+        counts=None
+        if hist is None
+        else [(value, mask_to_ranks(mask)) for value, mask in sorted(hist.items())],
+    )
+
+
+def _incoming_slot(site: Callsite, mask: int, path: str, position: int, trusted: bool) -> list[Any]:
+    """A multi-rank input's callsite as a slot: its ``per_rank`` statistics, or, without
+    them, the same count on each of its ranks (only trusted when the input says
+    ``meta.per_rank_stats``; otherwise the accumulator's statistics are dropped)."""
+    stats = site.per_rank
+    if stats is None:
+        ranks = mask.bit_count()
+        if trusted and site.count % ranks:
+            raise InputError(
+                path,
+                f"callsites[{position}]: count {site.count} is not the same on each of its "
+                f"{ranks} ranks, but the callsite has no per_rank statistics",
+            )
+        return [site.count, mask, max(1, site.count // ranks), None,
+                max(1, site.count // ranks), None, None]  # fmt: skip
+    low_mask, high_mask = ranks_to_mask(stats.min_ranks), ranks_to_mask(stats.max_ranks)
+    if (low_mask | high_mask) & ~mask or stats.min >= stats.max:
+        raise InputError(
+            path,
+            f"callsites[{position}].per_rank: min_ranks/max_ranks must lie within the "
+            f"callsite's ranks and min < max",
+        )
+    hist: Any = None
+    if stats.counts is None:
+        hist = _OVERFLOW
+    elif len(stats.counts) > 2:
+        hist = {value: ranks_to_mask(ranks) for value, ranks in stats.counts}
+    return [site.count, mask, stats.min, low_mask, stats.max, high_mask, hist]

@@ -20,6 +20,8 @@ class ExitCode(enum.IntEnum):
     USAGE_ERROR = 2
     #: a plugin could not be loaded or registered
     PLUGIN_ERROR = 3
+    #: ``--fail-on-divergence`` and an error-severity divergence finding (and no failed stage)
+    DIVERGENCE = 4
     #: stopped by SIGINT or SIGTERM
     INTERRUPTED = 130
 

@@ -71,6 +71,27 @@ def opguard_combine(entry: InputEntry, options: RunOptions) -> CallsiteTrace | N
 
 
 # -------------------------------------------------------------------------
+# Stage 2b: divergence
+# -------------------------------------------------------------------------
+
+
+@hookspec(firstresult=True)
+def opguard_divergence(trace: CallsiteTrace, options: RunOptions) -> list[dict[str, Any]] | None:
+    """Find the ranks of an entry that did something different (docs/divergence.md).
+
+    Stops at first non-None result. Called for entries with two or more ranks.
+
+    :param trace: the combined trace, with per-rank statistics when
+        ``trace.per_rank_stats`` (formats.md §1, version 2).
+    :param options: run settings (``skew``, the hide settings).
+    :returns: the findings, each a dict with ``kind``, ``severity`` (``error`` or
+        ``warning``), ``ranks`` (the deviating ranks), ``target`` and ``message``
+        (plus what the kind carries); the runner writes ``{name}_divergence.json``
+        and ``{name}_divergence.log``. An empty list means no divergence.
+    """
+
+
+# -------------------------------------------------------------------------
 # Stage 3: compress
 # -------------------------------------------------------------------------
 

@@ -10,10 +10,13 @@ from typing import Any
 DEFAULT_MIN_COUNT = 1
 DEFAULT_MIN_FRACTION = 0.001
 DEFAULT_CONTEXT_DEPTH = 1
+#: ``--skew``: a function's ops on a rank may stray this far from the median (docs/divergence.md)
+DEFAULT_SKEW = 0.25
 
 STAGES: tuple[str, ...] = (
     "discover",
     "combine",
+    "divergence",
     "compress",
     "generate",
     "compare",
@@ -76,4 +79,8 @@ class RunOptions:
     #: processes for combine; 0 = automatic (opguard_plugins.combine.auto_jobs)
     jobs: int = 0
     verbose: bool = False
+    #: count_skew threshold, as a fraction of the median over ranks
+    skew: float = DEFAULT_SKEW
+    #: exit with ExitCode.DIVERGENCE when a divergence finding is an error
+    fail_on_divergence: bool = False
     extra: dict[str, Any] = dataclasses.field(default_factory=dict)

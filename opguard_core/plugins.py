@@ -38,6 +38,7 @@ BUILTIN_PLUGINS: dict[str, str] = {
     "export_formats": "opguard_plugins.export_formats",
     "report": "opguard_plugins.report",
     "config_commands": "opguard_plugins.config_commands",
+    "divergence": "opguard_plugins.divergence",
 }
 
 #: Built-ins the pipeline cannot run without; use ``--skip STAGE`` to skip a stage.

@@ -32,6 +32,13 @@ from opguard_core.atomic import atomic_write_bytes, atomic_write_text, safe_chil
 from opguard_core.combined import CallsiteTrace
 from opguard_core.config_chain import active_filters, apply_filters
 from opguard_core.config_format import dump_config, entry_key, validate_config
+from opguard_core.divergence_format import (
+    check_findings,
+    encode_divergence,
+    render_log,
+    sort_findings,
+    tally,
+)
 from opguard_core.errors import ExitCode, Interrupted, OpGuardError, one_line
 from opguard_core.logs import get_logger
 from opguard_core.model import STAGES, Discovery, InputEntry, RunOptions
@@ -220,6 +227,12 @@ class Runner:
                 self._skipped("combine", entry.name, reason)
             else:
                 trace = self._combine(entry)
+            if trace is not None and len(trace.ranks) >= 2:
+                if "divergence" in self.skip:
+                    self._skipped("divergence", entry.name, "--skip divergence")
+                else:
+                    with contextlib.suppress(StageFailed):  # later stages do not need it
+                        self._divergence(entry, trace)
             if trace is not None and "compress" in self.skip:
                 reason = "--skip compress"
                 self._skipped("compress", entry.name, reason)
@@ -257,6 +270,40 @@ class Runner:
                 "total": trace.total,
             }
         return trace
+
+    def _divergence(self, entry: InputEntry, trace: CallsiteTrace) -> None:
+        with self.stage("divergence", entry.name) as record:
+            record.inputs = [f"{entry.name}_combined.json"]
+            where = f"divergence findings of {entry.name}"
+            findings = sort_findings(
+                check_findings(
+                    self.call_first(
+                        "opguard_divergence", record, trace=trace, options=self.options
+                    ),
+                    where,
+                )
+            )
+            meta = {
+                "source": entry.name,
+                "ranks": trace.ranks,
+                "skew": self.options.skew,
+                "per_rank_stats": trace.per_rank_stats,
+            }
+            outputs = [
+                self._path(f"{entry.name}_divergence.json"),
+                self._path(f"{entry.name}_divergence.log"),
+            ]
+            atomic_write_bytes(outputs[0], encode_divergence(meta, findings))
+            atomic_write_text(outputs[1], render_log(meta, findings))
+            record.outputs = [self._rel(o) for o in outputs]
+            record.counts = tally(findings)
+            if findings:
+                self.log.warning(
+                    "ranks diverge",
+                    errors=record.counts["errors"],
+                    warnings=record.counts["warnings"],
+                    log=record.outputs[-1],
+                )
 
     def _compress(self, entry: InputEntry, trace: CallsiteTrace) -> dict[str, Any]:
         with self.stage("compress", entry.name) as record:
@@ -500,6 +547,10 @@ class Runner:
             return ExitCode.STAGE_FAILED
         if self.summary_error is not None and self.finished:
             return ExitCode.STAGE_FAILED  # the final summary could not be written
+        if self.options.fail_on_divergence and any(
+            r.stage == "divergence" and r.counts.get("errors") for r in self.records
+        ):
+            return ExitCode.DIVERGENCE
         return ExitCode.OK
 
     def _spurious(self, exc: KeyboardInterrupt) -> bool:

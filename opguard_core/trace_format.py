@@ -17,7 +17,11 @@ import msgspec
 from opguard_core.errors import InputError
 
 TRACE_FORMAT = "opguard-callsites"
+#: the version rank files are written in (the tracer's); version 2 adds per-rank
+#: statistics (``meta.per_rank_stats``, a callsite's ``per_rank``) for combined traces
 TRACE_VERSION = 1
+COMBINED_VERSION = 2
+READ_VERSIONS = (1, 2)
 RANK_IN_NAME = re.compile(r"_rank(\d+)$")
 #: Ranks are kept as bits of an integer mask, so an absurd rank (``10**12``) would
 #: allocate gigabytes; anything at or above this is refused as bad input.
@@ -40,6 +44,23 @@ class Frame(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tru
         return (self.file, self.line, self.function, self.qualname, self.module or "")
 
 
+class PerRank(msgspec.Struct, kw_only=True, omit_defaults=True, forbid_unknown_fields=True):
+    """How a callsite's count varies between the ranks that ran it (version 2).
+
+    Written only where the ranks disagree: ``min``/``max`` are the smallest and
+    largest per-rank counts and ``min_ranks``/``max_ranks`` the ranks that hold them;
+    ``counts`` lists every distinct per-rank count with its ranks, ascending, when
+    known: always for a collective callsite, for any other while it has at most
+    :data:`opguard_core.combined.MAX_DISTINCT` distinct counts.
+    """
+
+    min: PositiveInt
+    min_ranks: list[NonNegativeInt]
+    max: PositiveInt
+    max_ranks: list[NonNegativeInt]
+    counts: list[tuple[PositiveInt, list[NonNegativeInt]]] | None = None
+
+
 class Callsite(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """One (stack, api, op, stream) with its count; ``stack`` holds frame ids.
 
@@ -53,6 +74,7 @@ class Callsite(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     stream: int = 0
     count: PositiveInt
     ranks: list[NonNegativeInt] | None = None
+    per_rank: PerRank | None = None
 
 
 class TraceDocument(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -219,11 +241,12 @@ def _extras(items: list[dict[str, Any]], known: frozenset[str]) -> dict[int, dic
 
 
 def _check_header(fmt: object, version: object, path: Path | str) -> None:
-    if fmt != TRACE_FORMAT or version != TRACE_VERSION:
+    if fmt != TRACE_FORMAT or version not in READ_VERSIONS or isinstance(version, bool):
         raise InputError(
             path,
             f"unknown format {fmt!r} version {version!r} "
-            f"(expected format {TRACE_FORMAT!r} version {TRACE_VERSION})",
+            f"(expected format {TRACE_FORMAT!r} version "
+            f"{' or '.join(map(str, READ_VERSIONS))})",
         )
 
 
@@ -294,9 +317,10 @@ def encode_trace(
     callsites: Sequence[Any],
     extras: dict[str, Any] | None = None,
     frame_extras: dict[int, dict[str, Any]] | None = None,
+    version: int = TRACE_VERSION,
 ) -> bytes:
     """Encode a trace canonically: fixed key order, one callsite per line, trailing newline."""
-    head = {"format": TRACE_FORMAT, "version": TRACE_VERSION, "meta": meta, **(extras or {})}
+    head = {"format": TRACE_FORMAT, "version": version, "meta": meta, **(extras or {})}
     encoder = msgspec.json.Encoder()
     parts = [msgspec.json.Encoder(order="deterministic").encode(head)[:-1], b',\n"frames":[\n']
     frame_extras = frame_extras or {}

@@ -108,7 +108,10 @@ def check_tree(tree: dict[str, Any], expected_total: int | None = None) -> None:
         root["count"], settings.get("min_count", 1), settings.get("min_fraction", 0.0)
     )
     chains = settings.get("chains", False)
-    for node, parent in iter_nodes(root):
+    all_ranks = tree.get("meta", {}).get("ranks")
+    nodes = iter_nodes(root)
+    holds = _holds_divergence(nodes, all_ranks)
+    for node, parent in nodes:
         where = "root" if parent is None else node_target(node)
         if "stack" in node:
             raise InvariantError(f"{where}: compressed tree nodes must not carry a stack")
@@ -126,7 +129,9 @@ def check_tree(tree: dict[str, Any], expected_total: int | None = None) -> None:
             raise InvariantError(f"{where}: self_ops and self_streams sums differ")
         if parent is None:
             continue
-        if node["count"] < floor:
+        if node["count"] < floor and not (
+            node["count"] >= settings.get("min_count", 1) and holds[id(node)]
+        ):
             raise InvariantError(f"{where}: count {node['count']} below threshold {floor:g}")
         children = node["children"]
         if (
@@ -135,8 +140,30 @@ def check_tree(tree: dict[str, Any], expected_total: int | None = None) -> None:
             and own == 0
             and len(children) == 1
             and children[0]["kind"] != TORCH_API
+            and node.get("ranks")
+            == (parent.get("ranks", all_ranks) if "kind" in parent else all_ranks)
         ):
             raise InvariantError(f"{where}: linear chain left after chain pruning")
+
+
+def _parent_ranks(parent: dict[str, Any], all_ranks: Any) -> Any:
+    """A node's parent's ranks; the root's are ``meta.ranks``."""
+    return parent.get("ranks", all_ranks) if "kind" in parent else all_ranks
+
+
+def _holds_divergence(
+    nodes: list[tuple[dict[str, Any], dict[str, Any] | None]], all_ranks: Any
+) -> dict[int, bool]:
+    """For every node (by id): whether it or a node below it has ranks that differ from
+    its parent's, or is a chain-folded node (merged siblings can end up with their
+    parent's ranks). Such a node may stay below the fraction threshold."""
+    holds: dict[int, bool] = {}
+    for node, parent in reversed(nodes):  # children before their parents
+        mine = parent is not None and (
+            node.get("ranks") != _parent_ranks(parent, all_ranks) or bool(node.get("chain"))
+        )
+        holds[id(node)] = mine or any(holds[id(child)] for child in node["children"])
+    return holds
 
 
 def decode_json(data: bytes, path: Path | str) -> Any:

@@ -17,7 +17,7 @@ import re
 from bisect import bisect_right
 from collections import Counter, deque
 from functools import reduce
-from itertools import accumulate
+from itertools import accumulate, pairwise
 from operator import itemgetter, or_
 from typing import Any
 
@@ -156,9 +156,22 @@ def _unchunk(chunk: bytes) -> int:
     return int.from_bytes(chunk, "big")
 
 
-def build_tree(trace: CallsiteTrace, hide: list[str], floor: float = 0.0) -> tuple[Node, int]:
+#: At most this many nodes below the fraction threshold are kept because their ranks
+#: differ from their parent's; past it, the smallest are folded (docs/compression.md).
+MAX_RANK_NODES = 1000
+
+
+def build_tree(
+    trace: CallsiteTrace, hide: list[str], floor: float = 0.0, rank_floor: float | None = None
+) -> tuple[Node, int]:
     """The call tree of ``trace`` below a ``<root>`` node, pruned at ``floor``, and the
     number of non-root nodes the unpruned tree has.
+
+    With ``rank_floor`` (the ``min_count``), a node is *divergent* when its count is at
+    least ``rank_floor`` and its ranks differ from its parent's (the root's ranks are
+    all of the trace's); a subtree below ``floor`` is kept all the same when it holds
+    a divergent node, so every path to one survives: divergence is never pruned away
+    by the fraction (:func:`bound_rank_nodes` bounds how many such nodes stay).
 
     The tree is the one you get by walking every callsite's stack (without hidden
     frames) from the root, one node per function identity, with a ``torch_api`` leaf
@@ -238,6 +251,9 @@ def build_tree(trace: CallsiteTrace, hide: list[str], floor: float = 0.0) -> tup
     # a run's ranks are all of them as soon as it has one callsite seen on every rank
     # (a callsite's ranks are a subset of the trace's: formats.md §1)
     full = [0, *accumulate(mask == all_mask for mask in masks)]
+    # changes[i]: how many j < i have masks[j] != masks[j - 1]; a run [s, e) has one
+    # mask for all its callsites when changes[e] == changes[s + 1]
+    changes = [0, 0, *accumulate(a != b for a, b in pairwise(masks))]
     chunk_lines = {_chunk(fid): frame.line for fid, frame in enumerate(frames)}
 
     def make_node(key: tuple[str | None, str, str], at: slice, start: int, end: int) -> Node:
@@ -257,6 +273,33 @@ def build_tree(trace: CallsiteTrace, hide: list[str], floor: float = 0.0) -> tup
             node.ranks = reduce(or_, masks[start:end], 0)
         return node
 
+    def run_mask(start: int, end: int) -> int:
+        return all_mask if full[end] > full[start] else reduce(or_, masks[start:end], 0)
+
+    def holds_divergence(offset: int, start: int, end: int, parent_mask: int) -> bool:
+        """Whether the run [start, end), a child at ``offset`` of a node whose ranks are
+        ``parent_mask``, is or holds a divergent node (see above)."""
+        assert rank_floor is not None
+        todo = [(offset, start, end, parent_mask)]
+        while todo:
+            offset, start, end, parent = todo.pop()
+            if below[end] - below[start] < rank_floor:
+                continue  # counts only shrink downwards: nothing below qualifies
+            mask = run_mask(start, end)
+            if mask != parent:
+                return True
+            if changes[end] == changes[start + 1]:
+                continue  # one mask for every callsite: every node below has it
+            while start < end and len(paths[start]) == offset + WIDTH:
+                start += 1  # the node's own ops
+            at = slice(offset + WIDTH, offset + 2 * WIDTH)
+            next_id = itemgetter(at)
+            while start < end:
+                stop = bisect_right(paths, paths[start][at], start, end, key=next_id)
+                todo.append((offset + WIDTH, start, stop, mask))
+                start = stop
+        return False
+
     root = Node(None, None, "<root>", "root")
     root.count = below[-1]
     nodes_before = 0
@@ -274,7 +317,12 @@ def build_tree(trace: CallsiteTrace, hide: list[str], floor: float = 0.0) -> tup
         while start < high:
             piece = paths[start][at]
             end = bisect_right(paths, piece, start, high, key=next_id)
-            if below[end] - below[start] >= floor:
+            weight = below[end] - below[start]
+            if weight >= floor or (
+                rank_floor is not None
+                and weight >= rank_floor
+                and holds_divergence(offset, start, end, all_mask if node is root else node.ranks)
+            ):
                 key = keys[_unchunk(piece)]
                 child = make_node(key, at, start, end)
                 node.children[key] = child
@@ -292,6 +340,77 @@ def build_tree(trace: CallsiteTrace, hide: list[str], floor: float = 0.0) -> tup
                         nodes_before += len(path) // WIDTH - shared // WIDTH
             start = end
     return root, nodes_before
+
+
+def bound_rank_nodes(
+    root: Node, floor: float, limit: int = MAX_RANK_NODES, all_mask: int = 0
+) -> tuple[int, int]:
+    """Keep at most ``limit`` of the nodes below ``floor`` (those :func:`build_tree`
+    kept for divergence) and fold the others into their parents.
+
+    The divergent nodes below ``floor`` (ranks differ from the parent's; the root's
+    are ``all_mask``) are taken largest first (by count, then path of identities);
+    each is kept with the nodes below ``floor`` on the way to it while the total
+    stays within ``limit``; one that does not fit is skipped, a smaller one may still
+    fit. Every other node below ``floor`` is folded, a whole subtree at a time.
+    Returns (kept, folded) counts of nodes below ``floor``. Deterministic: it depends
+    on the tree only."""
+    parents: dict[int, Node] = {}
+    small: list[Node] = []
+    divergent: list[tuple[int, tuple[tuple[str, str, str], ...], Node]] = []
+    todo: list[tuple[Node, int, tuple[tuple[str, str, str], ...]]] = [(root, all_mask, ())]
+    while todo:
+        node, ranks, path = todo.pop()
+        for key, child in node.children.items():
+            parents[id(child)] = node
+            child_path = (*path, key)
+            if child.count < floor:
+                small.append(child)
+                if child.ranks != ranks:
+                    divergent.append((child.count, child_path, child))
+            todo.append((child, child.ranks, child_path))
+    if len(small) <= limit:
+        return len(small), 0
+    divergent.sort(key=lambda item: (-item[0], item[1]))
+    kept: set[int] = set()
+    for _, _, node in divergent:
+        way = []
+        step: Node | None = node
+        while step is not None and step is not root and step.count < floor:
+            if id(step) in kept:
+                break
+            way.append(step)
+            step = parents.get(id(step))
+        if len(kept) + len(way) <= limit:
+            kept.update(map(id, way))
+    folded = 0
+    gone: set[int] = set()
+    todo_nodes = [root]
+    while todo_nodes:
+        node = todo_nodes.pop()
+        for child in list(node.children.values()):
+            if child.count < floor and id(child) not in kept:
+                folded += _fold_subtree(node, child, floor, gone)
+            else:
+                todo_nodes.append(child)
+    return len(kept), folded
+
+
+def _fold_subtree(parent: Node, node: Node, floor: float, gone: set[int]) -> int:
+    """Fold ``node``'s whole subtree into ``parent``'s own ops; returns how many of its
+    nodes were below ``floor``."""
+    del parent.children[node.key]
+    removed = 0
+    below = [node]
+    while below:
+        part = below.pop()
+        gone.add(id(part))
+        if part.count < floor:
+            removed += 1
+        parent.self_ops.update(part.self_ops)
+        parent.self_streams.update(part.self_streams)
+        below.extend(part.children.values())
+    return removed
 
 
 def _common_prefix(a: bytes, b: bytes) -> int:
@@ -342,12 +461,15 @@ def _is_chain_link(node: Node) -> bool:
     return only.kind != TORCH_API
 
 
-def fold_chains(root: Node) -> None:
+def fold_chains(root: Node, ranks: int | None = None) -> None:
     """Fold linear chains below ``root`` (bottom-up), merging siblings that collide.
 
     Every node's children are folded after all of their descendants' (reversed
     pre-order, an explicit stack: no recursion per tree level). A chain's targets
     are prepended to a deque, so a chain thousands of links long costs linear time.
+    A link whose ranks differ from its parent's (``ranks`` for the root: all of them;
+    the root's own otherwise) is kept, so that the function where a path becomes
+    rank-specific stays a node (and a config entry) of its own.
     """
     order: list[Node] = []
     todo = [root]
@@ -356,11 +478,12 @@ def fold_chains(root: Node) -> None:
         order.append(node)
         todo.extend(node.children.values())
     for node in reversed(order):
+        mine = ranks if node is root and ranks is not None else node.ranks
         folded: dict[tuple[str, str, str], Node] = {}
         for child in node.children.values():
-            if _is_chain_link(child):
+            if _is_chain_link(child) and child.ranks == mine:
                 links: list[str] = []
-                while _is_chain_link(child):
+                while _is_chain_link(child) and child.ranks == mine:
                     links.extend(child.chain)
                     links.append(child.target)
                     (child,) = child.children.values()
@@ -417,9 +540,12 @@ def compress_trace(trace: CallsiteTrace, options: RunOptions) -> dict[str, Any]:
 def _compress_trace(trace: CallsiteTrace, options: RunOptions) -> dict[str, Any]:
     hide = [*(DEFAULT_HIDE if options.default_hide else ()), *options.hide]
     floor = threshold(trace.total, options.min_count, options.min_fraction)
-    root, nodes_before = build_tree(trace, hide, floor)
+    root, nodes_before = build_tree(trace, hide, floor, rank_floor=options.min_count)
+    rank_kept, rank_folded = bound_rank_nodes(
+        root, floor, MAX_RANK_NODES, ranks_to_mask(trace.ranks)
+    )
     if options.chains:
-        fold_chains(root)
+        fold_chains(root, ranks_to_mask(trace.ranks))
     root_children = _sorted_children(root)
     meta = dict(trace.meta)
     meta["compression"] = {
@@ -431,6 +557,9 @@ def _compress_trace(trace: CallsiteTrace, options: RunOptions) -> dict[str, Any]
         "ignore": list(options.ignore),
         "nodes_before": nodes_before,
         "nodes_after": count_nodes(root),
+        "rank_nodes_kept": rank_kept,
+        "rank_nodes_folded": rank_folded,
+        "max_rank_nodes": MAX_RANK_NODES,
         "total": root.count,
     }
     return {

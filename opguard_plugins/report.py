@@ -72,6 +72,13 @@ def config_rows(config: Any) -> list[list[Any]]:
     return rows
 
 
+def _short_ranks(ranks: list[Any], shown: int = 8) -> str:
+    """A finding's ranks for the table: the first few, then how many there are, so the
+    report does not grow with the number of ranks."""
+    text = ", ".join(map(str, ranks[:shown]))
+    return text + (f", … ({len(ranks)} ranks)" if len(ranks) > shown else "")
+
+
 def divergence_rows(path: Path) -> list[list[Any]]:
     """Findings of ``{name}_divergence.json`` (a list, or an object with
     ``findings``); an unreadable or unexpected file gives none."""
@@ -93,7 +100,7 @@ def divergence_rows(path: Path) -> list[list[Any]]:
                 str(f.get("kind", "")),
                 str(f.get("target", "")),
                 str(f.get("op", "") or ""),
-                ", ".join(map(str, ranks)) if isinstance(ranks, list) else str(ranks or ""),
+                _short_ranks(ranks) if isinstance(ranks, list) else str(ranks or ""),
                 str(f.get("message", "")),
             ]
         )

@@ -22,6 +22,7 @@ import opguard_core.atomic as atomic
 import opguard_plugins.compress as compress_plugin
 import opguard_plugins.generate as generate_plugin
 from opguard_core.atomic import TMP_SUFFIX, atomic_write_bytes, atomic_write_text
+from opguard_core.divergence_format import load_divergence
 from opguard_core.trace_format import load_trace
 from opguard_core.tree_format import load_tree
 from tests.builders import sample_inputs
@@ -45,6 +46,8 @@ def assert_every_artifact_parses(run_dir: Path) -> None:
             load_trace(path)
         elif name.endswith("_compressed.json"):
             load_tree(path)
+        elif name.endswith("_divergence.json"):
+            load_divergence(path)
         elif name.endswith(".yaml"):
             config = YAML(typ="safe").load(path.read_text())
             assert isinstance(config, dict) and "entries" in config, name
@@ -184,8 +187,12 @@ def test_keyboard_interrupt_mid_stage_stops_cleanly(
     names = sorted(p.name for p in run.run_dir.iterdir())
     assert names == [
         "fsdp_callsite_combined.json",
+        "fsdp_callsite_divergence.json",
+        "fsdp_callsite_divergence.log",
         "gpt_callsite_combined.json",
         "gpt_callsite_compressed.json",
+        "gpt_callsite_divergence.json",
+        "gpt_callsite_divergence.log",
         "gpt_callsite_instrumentation.yaml",
         "pipeline_summary.json",
         "report.html",  # the report of an interrupted run shows how far it got

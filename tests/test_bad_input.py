@@ -84,7 +84,7 @@ TRACE_CASES: list[tuple[str, bytes, str]] = [
     ("top_level_null", b"null", "expected a JSON object at top level, got null"),
     ("unknown_format", doc(format="pprof"), "unknown format 'pprof'"),
     ("missing_format", doc(format=...), "unknown format None"),
-    ("unknown_version", doc(version=2), "version 2 (expected"),
+    ("unknown_version", doc(version=3), "version 3 (expected"),
     ("version_string", doc(version="1"), "version '1'"),
     ("missing_frames", doc(frames=...), "missing required field `frames`"),
     ("frames_not_list", doc(frames={"0": {}}), "$.frames"),

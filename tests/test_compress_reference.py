@@ -70,13 +70,30 @@ def reference_tree(trace: CallsiteTrace, hide: list[str]) -> Node:
     return root
 
 
-def prune_subtrees(root: Node, floor: float) -> None:
-    """Fold every non-root subtree with ``count < floor`` into its parent's own ops."""
+def prune_subtrees(
+    root: Node, floor: float, rank_floor: float | None = None, all_mask: int = 0
+) -> None:
+    """Fold every non-root subtree with ``count < floor`` into its parent's own ops;
+    with ``rank_floor``, keep one that is or holds a *divergent* node: a count of at
+    least ``rank_floor`` and ranks that differ from its parent's (the root's are
+    ``all_mask``), all computed on the whole tree."""
+    holds: dict[int, bool] = {}  # node id -> it or a node below it is divergent
+
+    def mark(node: Node, parent_ranks: int) -> bool:
+        divergent = (
+            rank_floor is not None and node.count >= rank_floor and node.ranks != parent_ranks
+        )
+        below = [mark(child, node.ranks) for child in node.children.values()]
+        holds[id(node)] = divergent or any(below)
+        return holds[id(node)]
+
+    for child in root.children.values():
+        mark(child, all_mask)
     stack = [root]
     while stack:
         node = stack.pop()
         for key, child in list(node.children.items()):
-            if child.count < floor:
+            if child.count < floor and not holds[id(child)]:
                 del node.children[key]
                 folded = [child]
                 while folded:
@@ -101,11 +118,13 @@ def state(node: Node) -> dict[str, Any]:
     }
 
 
-def check_against_reference(trace: CallsiteTrace, hide: list[str], floor: float) -> None:
+def check_against_reference(
+    trace: CallsiteTrace, hide: list[str], floor: float, rank_floor: float | None = None
+) -> None:
     expected = reference_tree(trace, hide)
     nodes_before = count_nodes(expected)
-    prune_subtrees(expected, floor)
-    root, before = build_tree(trace, hide, floor)
+    prune_subtrees(expected, floor, rank_floor, ranks_to_mask(trace.ranks))
+    root, before = build_tree(trace, hide, floor, rank_floor)
     assert before == nodes_before
     assert state(root) == state(expected)
 
@@ -124,6 +143,20 @@ def test_build_tree_matches_the_reference(
     check_against_reference(combined(*docs), hide, floor)
 
 
+@settings(max_examples=150, deadline=None)
+@given(
+    rank_file_sets(min_files=2, max_files=4),
+    st.integers(1, 60).map(float),
+    st.integers(1, 5).map(float),
+)
+def test_rank_specific_subtrees_are_kept_like_the_reference(
+    docs: list[dict[str, Any]], floor: float, rank_floor: float
+) -> None:
+    """With ``rank_floor`` (``min_count``) a subtree below ``floor`` whose ranks differ
+    from its parent's stays, in the fast pass as in the reference."""
+    check_against_reference(combined(*docs), list(DEFAULT_HIDE), floor, rank_floor)
+
+
 @pytest.mark.parametrize("name", ["gpt_callsite", "fsdp_callsite"])
 @pytest.mark.parametrize("min_fraction", [0.0, 0.001, 0.01, 0.1])
 def test_build_tree_matches_the_reference_on_real_traces(
@@ -139,3 +172,4 @@ def test_build_tree_matches_the_reference_on_real_traces(
     options = RunOptions()
     floor = threshold(trace.total, options.min_count, min_fraction)
     check_against_reference(trace, list(DEFAULT_HIDE), floor)
+    check_against_reference(trace, list(DEFAULT_HIDE), floor, options.min_count)

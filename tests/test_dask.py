@@ -14,6 +14,7 @@ from opguard_core.combined import TraceAccumulator
 from opguard_core.model import RunOptions
 from opguard_plugins import dask_executor
 from opguard_plugins.combine import combine_files
+from tests.builders import trace_doc, write
 from tests.conftest import RunResult
 
 pytestmark = pytest.mark.dask
@@ -57,6 +58,31 @@ def test_dask_gives_the_same_bytes_as_local(
         assert dask.read(name) == local.read(name)
     combines = [s for s in _summary(dask)["stages"] if s["stage"] == "combine"]
     assert [s["plugin"] for s in combines] == ["dask_executor"] * len(ENTRIES)
+
+
+def test_per_rank_statistics_are_the_same_on_pool_and_dask(
+    opguard: Callable[..., RunResult],
+    tmp_path: Path,
+    scheduler: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The divergent job and a 3-rank job whose ranks ran one callsite 1, 2 and 3
+    times: sequential, the pool and Dask give the same combined statistics and
+    findings."""
+    divergent = Path(__file__).parent / "data" / "divergent" / "divergent_callsite_rank*.json"
+    for rank in range(3):
+        sites = [([("app", "main"), ("app", "step")], None, "aten::mm", rank + 1)]
+        write(tmp_path / f"skewed_rank{rank}.json", trace_doc(sites, rank=rank))
+    inputs = ["-i", str(divergent), "-i", str(tmp_path / "skewed_rank*.json")]
+    local = opguard("run", *inputs, "--jobs", "1", expect=0)
+    pool = opguard("run", *inputs, "--jobs", "2", expect=0)
+    monkeypatch.setenv(dask_executor.SCHEDULER_ENV, scheduler)
+    dask = opguard("run", *inputs, "--executor", "dask", expect=0)
+    assert b'"per_rank":' in (local.run_dir / "skewed_combined.json").read_bytes()
+    for entry in ("divergent_callsite", "skewed"):
+        for suffix in ("_combined.json", "_divergence.json", "_divergence.log"):
+            assert pool.read(entry + suffix) == local.read(entry + suffix), entry + suffix
+            assert dask.read(entry + suffix) == local.read(entry + suffix), entry + suffix
 
 
 def test_dask_reports_a_bad_rank_file_by_name(
