@@ -1,0 +1,309 @@
+"""The ``profiler`` tracer backend: callsites from torch's own observer machinery.
+
+Where the ``modes`` backend (:mod:`opguard_plugins.tracer`) pushes two Python modes,
+this backend records with torch's profiler (RecordFunction observers on every
+operator, plus the profiler's Python tracer for stacks: ``with_stack=True``). Nothing
+sits between the program and the dispatcher, so the program runs the ops it runs
+untraced: ``add_`` stays ``add_``, no ``aten::detach`` is added, fused fast paths stay
+fused, and ``torch.compile`` compiles.
+
+Memory stays bounded: the profiler is stopped and restarted every ``fold_every``
+optimizer steps (a global ``register_optimizer_step_post_hook``) and when tracing
+stops; each cycle's event tree is folded into callsite counts and dropped.
+
+What is counted, per thread's event tree:
+
+* an **operator** is a ``RecordScope.FUNCTION`` event named ``namespace::name``
+  (``aten::addmm``, ``c10d::allreduce_``); only the *outermost* one is counted (the op
+  the program issued: ``aten::linear``, not the ``aten::t`` / ``aten::addmm`` it runs);
+* a ``torch.compile`` frame that runs compiled (``Torch-Compiled Region: F/G``) is
+  counted as the op ``dynamo::compiled_region``, and the operators its graph calls
+  (extern kernels such as ``aten::mm``; not Inductor's fused C++/Triton kernels) are
+  counted beneath it;
+* record-function annotations (``autograd::engine::evaluate_function: ...``,
+  ``Optimizer.step#AdamW.step``, ``## Call CompiledFxGraph ... ##``) are not counted,
+  the operators inside them are.
+
+The stack is the chain of Python calls the profiler saw above the op, outermost first;
+frame lines are the lines of the calls between them; the innermost frame's line is
+the line of the last Python-visible call before the op (exact when the op is reached
+through a function call, approximate for operator syntax such as ``a + b``).
+``api`` is not recorded (the profiler does not see torch's Python function layer),
+``stream`` is 0.
+
+The trace is built and written by the same code as the modes backend's
+(:class:`~opguard_plugins.tracer.CallsiteTracer`), so the format is identical.
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+import re
+import sys
+import threading
+from typing import Any
+
+import torch
+from torch._C._profiler import RecordScope, _EventType
+from torch.optim.optimizer import register_optimizer_step_post_hook
+
+from opguard_plugins.tracer import CallsiteRecorder, CallsiteTracer
+
+BACKEND_NAME = "profiler"
+#: The pseudo-operator counted once per run of a ``torch.compile``d frame.
+COMPILED_REGION_OP = "dynamo::compiled_region"
+_COMPILED_REGION_PREFIX = "Torch-Compiled Region"
+_OP_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*::[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z0-9_]+)?$")
+
+
+class ProfiledCode:
+    """A stand-in for a code object, made from what the profiler reports for a frame.
+
+    Has the attributes :class:`~opguard_plugins.tracer._FrameMaker` reads
+    (``co_filename``, ``co_name``, ``co_qualname``, ``co_firstlineno``); interned, so
+    ``is`` compares frames as it does for real code objects.
+    """
+
+    __slots__ = ("co_filename", "co_firstlineno", "co_name", "co_qualname")
+
+    def __init__(self, filename: str, name: str, firstlineno: int) -> None:
+        self.co_filename = filename
+        self.co_name = name
+        self.co_firstlineno = firstlineno
+        self.co_qualname = name  # resolved when the trace is built
+
+    def __repr__(self) -> str:
+        return f"<ProfiledCode {self.co_qualname} {self.co_filename}:{self.co_firstlineno}>"
+
+
+RawStack = tuple[tuple[ProfiledCode, int], ...]
+
+
+class _Qualnames:
+    """``co_qualname`` for a (file, function name, first line), from the file's source."""
+
+    def __init__(self) -> None:
+        self._files: dict[str, list[tuple[int, int, str, str]]] = {}
+
+    def _definitions(self, filename: str) -> list[tuple[int, int, str, str]]:
+        found = self._files.get(filename)
+        if found is not None:
+            return found
+        found = []
+        try:
+            with open(filename, encoding="utf-8") as handle:
+                tree = ast.parse(handle.read(), filename=filename)
+        except (OSError, SyntaxError, ValueError, UnicodeDecodeError):
+            self._files[filename] = found
+            return found
+
+        def visit(node: ast.AST, prefix: str) -> None:
+            for child in ast.iter_child_nodes(node):
+                if isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef):
+                    qualname = f"{prefix}{child.name}"
+                    first = min([d.lineno for d in child.decorator_list] + [child.lineno])
+                    found.append((first, child.lineno, child.name, qualname))
+                    visit(child, f"{qualname}.<locals>.")
+                elif isinstance(child, ast.ClassDef):
+                    visit(child, f"{prefix}{child.name}.")
+                else:
+                    visit(child, prefix)
+
+        visit(tree, "")
+        self._files[filename] = found
+        return found
+
+    def resolve(self, code: ProfiledCode) -> str:
+        if code.co_name.startswith("<") or code.co_filename.startswith("<"):
+            return code.co_name
+        line = code.co_firstlineno
+        for first, def_line, name, qualname in self._definitions(code.co_filename):
+            if name == code.co_name and first <= line <= def_line:
+                return qualname
+        return code.co_name
+
+
+def _module_names() -> dict[str, str]:
+    """File → module name for every imported module with a file."""
+    names: dict[str, str] = {}
+    for name, module in list(sys.modules.items()):
+        filename = getattr(module, "__file__", None)
+        if isinstance(filename, str):
+            names.setdefault(os.path.normcase(os.path.abspath(filename)), name)
+    return names
+
+
+def _search_dirs() -> list[str]:
+    """Where the profiler's shortened file names are looked up (it strips sys.path)."""
+    dirs = [p or os.getcwd() for p in sys.path]
+    main = getattr(sys.modules.get("__main__"), "__file__", None)
+    if isinstance(main, str):
+        dirs.insert(0, os.path.dirname(os.path.abspath(main)))
+    dirs.append(os.getcwd())
+    return [d for d in dict.fromkeys(dirs) if os.path.isdir(d)]
+
+
+def _absolute(filename: str, search: list[str]) -> str:
+    """The absolute path of a file name as the profiler reports it."""
+    if filename.startswith("<") or os.path.isabs(filename):
+        return filename
+    for directory in search:
+        candidate = os.path.join(directory, filename)
+        if os.path.isfile(candidate):
+            return os.path.abspath(candidate)
+    return filename
+
+
+class ProfilerRecorder(CallsiteRecorder):
+    """Counts (stack, None, op, 0) tuples folded from the profiler's event trees."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._codes: dict[tuple[str, str, int], ProfiledCode] = {}
+        self.folds = 0
+
+    def code(self, filename: str, name: str, line: int) -> ProfiledCode:
+        key = (filename, name, line)
+        code = self._codes.get(key)
+        if code is None:
+            code = self._codes[key] = ProfiledCode(filename, name, line)
+        return code
+
+    def fold(self, roots: list[Any]) -> None:
+        """Count the operators of one cycle's event trees (one root per thread's top)."""
+        counts: dict[tuple[RawStack, str], int] = {}
+        op_tag, py_tag, c_tag = _EventType.TorchOp, _EventType.PyCall, _EventType.PyCCall
+        function_scope = RecordScope.FUNCTION
+        code_of = self.code
+        # explicit stack: (event, frames above its frame, its frame as [code, line]);
+        # a frame's line is shared by its children, so an op takes the line of the last
+        # call its frame made before it
+        work: list[tuple[Any, RawStack, list[Any] | None]] = [
+            (root, (), None) for root in reversed(roots)
+        ]
+        while work:
+            event, outer, cell = work.pop()
+            tag = event.tag
+            if tag == py_tag:
+                fields = event.extra_fields
+                site = fields.callsite
+                if cell is not None:
+                    cell[1] = fields.caller.line_number
+                    outer = (*outer, (cell[0], cell[1]))
+                code = code_of(site.file_name, site.function_name, site.line_number)
+                cell = [code, site.line_number]
+            elif tag == c_tag:
+                if cell is not None:
+                    cell[1] = event.extra_fields.caller.line_number
+            elif tag == op_tag:
+                name = event.name
+                if event.extra_fields.scope == function_scope:
+                    op = None
+                    if name.startswith(_COMPILED_REGION_PREFIX):
+                        op = COMPILED_REGION_OP
+                    elif _OP_NAME.match(name):
+                        op = name.split(".", 1)[0]
+                    if op is not None:
+                        stack = outer if cell is None else (*outer, (cell[0], cell[1]))
+                        key = (stack, op)
+                        counts[key] = counts.get(key, 0) + 1
+                        if op != COMPILED_REGION_OP:
+                            continue  # its sub-ops are not what the program issued
+            else:
+                continue
+            for child in reversed(event.children):
+                work.append((child, outer, cell))
+        with self._lock:
+            for (stack, op), count in counts.items():
+                key = (stack, None, op, 0)
+                self.counts[key] = self.counts.get(key, 0) + count  # type: ignore[index]
+            self.folds += 1
+
+
+class ProfilerTracer(CallsiteTracer):
+    """:class:`~opguard_plugins.tracer.CallsiteTracer` recording with torch's profiler."""
+
+    backend = BACKEND_NAME
+
+    def __init__(self, *args: Any, fold_every: int = 1, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.recorder = ProfilerRecorder()
+        self.fold_every = max(1, fold_every)
+        self._profile: Any = None
+        self._hook: Any = None
+        self._steps = 0
+        self._thread = threading.get_ident()
+        self._folding = threading.Lock()
+
+    def _begin(self) -> None:
+        profile = torch.autograd.profiler.profile(
+            use_cpu=True, use_kineto=True, with_stack=True, record_shapes=False
+        )
+        profile.__enter__()
+        self._profile = profile
+
+    def _end(self) -> None:
+        profile, self._profile = self._profile, None
+        if profile is None:
+            return
+        profile.__exit__(None, None, None)
+        results = profile.kineto_results
+        profile.kineto_results = None
+        if results is not None:
+            self.recorder.fold(results.experimental_event_tree())
+
+    def start(self) -> None:
+        """Start the profiler and the fold-every-N-optimizer-steps hook."""
+        if self._profile is not None:
+            return
+        self._thread = threading.get_ident()
+        self._begin()
+        self.recorder.active = True
+        self._hook = register_optimizer_step_post_hook(self._on_step)
+
+    def _on_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        self._steps += 1
+        if self._steps % self.fold_every or threading.get_ident() != self._thread:
+            return
+        self.fold()
+
+    def fold(self) -> None:
+        """End the profiler's current cycle, fold its events into counts, start the next."""
+        if not self._folding.acquire(blocking=False):
+            return
+        try:
+            if self._profile is None:
+                return
+            self._end()
+            self._begin()
+        finally:
+            self._folding.release()
+
+    def stop(self) -> None:
+        """Fold the last cycle and stop the profiler."""
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+        with self._folding:
+            self._end()
+        self.recorder.active = False
+        self.recorder.snapshot_rank()
+
+    def build(
+        self, program_roots: list[str] | None = None
+    ) -> tuple[dict[str, Any], list[Any], list[dict[str, Any]]]:
+        """Resolve qualnames and module names of the recorded frames, then build."""
+        qualnames = _Qualnames()
+        modules = _module_names()
+        recorder = self.recorder
+        assert isinstance(recorder, ProfilerRecorder)
+        search = _search_dirs()
+        for code in list(recorder._codes.values()):
+            code.co_filename = _absolute(code.co_filename, search)
+            code.co_qualname = qualnames.resolve(code)
+            name = modules.get(os.path.normcase(os.path.abspath(code.co_filename)))
+            if name is not None:
+                recorder.modules[code] = name  # type: ignore[index]
+        self.extra_meta.setdefault("tracer_backend", BACKEND_NAME)
+        return super().build(program_roots)
