@@ -48,7 +48,9 @@ def build_argv(command: Sequence[str]) -> list[str]:
     return argv
 
 
-def build_env(label: str, output_dir: Path, command: Sequence[str]) -> dict[str, str]:
+def build_env(
+    label: str, output_dir: Path, command: Sequence[str], backend: str = "modes"
+) -> dict[str, str]:
     """The environment that turns tracing on in COMMAND's Python processes."""
     env = dict(os.environ)
     python_path = env.get("PYTHONPATH")
@@ -59,6 +61,7 @@ def build_env(label: str, output_dir: Path, command: Sequence[str]) -> dict[str,
     env["OPGUARD_TRACE_DIR"] = str(output_dir)
     env["OPGUARD_TRACE_COMMAND"] = shlex.join(command)
     env["OPGUARD_TRACE_PKGROOT"] = str(PACKAGE_ROOT)
+    env["OPGUARD_TRACE_BACKEND"] = backend
     return env
 
 
@@ -73,12 +76,14 @@ def written_traces(output_dir: Path, label: str, since: float) -> list[Path]:
     return [path for _, path in sorted(found)]
 
 
-def run_traced(command: Sequence[str], label: str, output_dir: Path) -> tuple[int, list[Path]]:
+def run_traced(
+    command: Sequence[str], label: str, output_dir: Path, backend: str = "modes"
+) -> tuple[int, list[Path]]:
     """Run COMMAND traced; return its exit code and the trace files it wrote."""
     output_dir = output_dir.resolve()
     output_dir.mkdir(parents=True, exist_ok=True)
     started = time.time() - 1.0  # file systems with coarse timestamps
-    env = build_env(label, output_dir, command)
+    env = build_env(label, output_dir, command, backend)
     try:
         process = subprocess.run(build_argv(command), env=env, check=False)
     except FileNotFoundError:
@@ -106,8 +111,17 @@ def run_traced(command: Sequence[str], label: str, output_dir: Path) -> tuple[in
     show_default=True,
     help="Directory for the trace files (created if missing).",
 )
+@click.option(
+    "--backend",
+    type=click.Choice(["modes", "profiler"]),
+    default="modes",
+    show_default=True,
+    help="modes: torch's Python modes (exact dispatch view, api names); profiler: "
+    "torch's profiler (runs the program's own ops, torch.compile compiles). "
+    "See docs/tracing.md.",
+)
 @click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
-def trace_command(label: str, output_dir: Path, command: tuple[str, ...]) -> None:
+def trace_command(label: str, output_dir: Path, backend: str, command: tuple[str, ...]) -> None:
     """Run COMMAND with callsite tracing on, writing one trace per rank.
 
     COMMAND is a Python script (train.py ARGS), python -m PKG ARGS, or
@@ -121,7 +135,7 @@ def trace_command(label: str, output_dir: Path, command: tuple[str, ...]) -> Non
             "use letters, digits, '.', '_' or '-' (it becomes part of file names)",
             param_hint="--label",
         )
-    code, files = run_traced(command, label, output_dir)
+    code, files = run_traced(command, label, output_dir, backend)
     if files:
         names = ", ".join(path.name for path in files)
         click.echo(

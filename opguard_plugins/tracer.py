@@ -601,6 +601,8 @@ def trace_callsites(
     label: str = "trace",
     output_dir: str | os.PathLike[str] = ".",
     rank: int | None = None,
+    *,
+    backend: str = "modes",
     **extra_meta: Any,
 ) -> Iterator[CallsiteTracer]:
     """Trace the torch operators run inside the ``with`` block; write the trace on exit.
@@ -619,9 +621,11 @@ def trace_callsites(
     :param rank: the rank to record; by default torch.distributed's rank (if the
         default group exists at exit, or existed when a collective ran), else
         ``$RANK``, else 0.
+    :param backend: ``modes`` (Python modes) or ``profiler`` (torch's profiler;
+        :mod:`opguard_plugins.tracer_profiler`), see docs/tracing.md.
     :param extra_meta: more keys for the trace's ``meta``.
     """
-    tracer = CallsiteTracer(label, output_dir, rank=rank, extra_meta=extra_meta)
+    tracer = make_tracer(backend, label, output_dir, rank=rank, extra_meta=extra_meta)
     tracer.start()
     try:
         yield tracer
@@ -636,6 +640,20 @@ def trace_callsites(
 
 _PROCESS_TRACER: CallsiteTracer | None = None
 
+#: Tracer backends by name (``opguard trace --backend NAME``); the first is the default.
+BACKENDS = ("modes", "profiler")
+
+
+def make_tracer(backend: str, *args: Any, **kwargs: Any) -> CallsiteTracer:
+    """A tracer of the named backend (``modes`` or ``profiler``)."""
+    if backend == "modes":
+        return CallsiteTracer(*args, **kwargs)
+    if backend == "profiler":
+        from opguard_plugins.tracer_profiler import ProfilerTracer
+
+        return ProfilerTracer(*args, **kwargs)
+    raise ValueError(f"unknown tracer backend {backend!r} (choose from {', '.join(BACKENDS)})")
+
 
 def start_process_tracer(label: str, output_dir: str) -> CallsiteTracer | None:
     """Trace this whole process from now on and write the trace at interpreter exit.
@@ -647,7 +665,7 @@ def start_process_tracer(label: str, output_dir: str) -> CallsiteTracer | None:
     global _PROCESS_TRACER
     if _PROCESS_TRACER is not None or _is_launcher():
         return _PROCESS_TRACER
-    tracer = CallsiteTracer(label, output_dir)
+    tracer = make_tracer(os.environ.get("OPGUARD_TRACE_BACKEND") or BACKENDS[0], label, output_dir)
     tracer.start()
     _PROCESS_TRACER = tracer
     atexit.register(_finish_process_tracer)

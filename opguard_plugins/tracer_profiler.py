@@ -7,9 +7,11 @@ sits between the program and the dispatcher, so the program runs the ops it runs
 untraced: ``add_`` stays ``add_``, no ``aten::detach`` is added, fused fast paths stay
 fused, and ``torch.compile`` compiles.
 
-Memory stays bounded: the profiler is stopped and restarted every ``fold_every``
-optimizer steps (a global ``register_optimizer_step_post_hook``) and when tracing
-stops; each cycle's event tree is folded into callsite counts and dropped.
+Memory stays bounded: at the first optimizer step (a global
+``register_optimizer_step_post_hook``) at least ``FOLD_SECONDS`` after a cycle began,
+and when tracing stops, the profiler is stopped, the cycle's event tree is folded into
+callsite counts and dropped, and the profiler restarts. A program that never steps an
+optimizer keeps one cycle until the end (call :meth:`ProfilerTracer.fold` yourself).
 
 What is counted, per thread's event tree:
 
@@ -37,11 +39,12 @@ The trace is built and written by the same code as the modes backend's
 
 from __future__ import annotations
 
-import ast
 import os
 import re
 import sys
 import threading
+import time
+import types
 from typing import Any
 
 import torch
@@ -53,6 +56,8 @@ from opguard_plugins.tracer import CallsiteRecorder, CallsiteTracer
 BACKEND_NAME = "profiler"
 #: The pseudo-operator counted once per run of a ``torch.compile``d frame.
 COMPILED_REGION_OP = "dynamo::compiled_region"
+#: A cycle ends at the first optimizer step this many seconds after it began.
+FOLD_SECONDS = 2.0
 _COMPILED_REGION_PREFIX = "Torch-Compiled Region"
 _OP_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*::[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z0-9_]+)?$")
 
@@ -81,47 +86,53 @@ RawStack = tuple[tuple[ProfiledCode, int], ...]
 
 
 class _Qualnames:
-    """``co_qualname`` for a (file, function name, first line), from the file's source."""
+    """``co_qualname`` for a (file, function name, first line) the profiler reported.
 
-    def __init__(self) -> None:
-        self._files: dict[str, list[tuple[int, int, str, str]]] = {}
+    Looked up among the code objects of the module that owns the file (its functions,
+    its classes' methods, and the functions nested in those), found through
+    ``sys.modules``; a function that is not found keeps its bare name.
+    """
 
-    def _definitions(self, filename: str) -> list[tuple[int, int, str, str]]:
+    def __init__(self, modules: dict[str, str]) -> None:
+        self._modules = modules
+        self._files: dict[str, dict[tuple[str, int], str]] = {}
+
+    def _index(self, filename: str) -> dict[tuple[str, int], str]:
         found = self._files.get(filename)
         if found is not None:
             return found
-        found = []
-        try:
-            with open(filename, encoding="utf-8") as handle:
-                tree = ast.parse(handle.read(), filename=filename)
-        except (OSError, SyntaxError, ValueError, UnicodeDecodeError):
-            self._files[filename] = found
-            return found
-
-        def visit(node: ast.AST, prefix: str) -> None:
-            for child in ast.iter_child_nodes(node):
-                if isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef):
-                    qualname = f"{prefix}{child.name}"
-                    first = min([d.lineno for d in child.decorator_list] + [child.lineno])
-                    found.append((first, child.lineno, child.name, qualname))
-                    visit(child, f"{qualname}.<locals>.")
-                elif isinstance(child, ast.ClassDef):
-                    visit(child, f"{prefix}{child.name}.")
-                else:
-                    visit(child, prefix)
-
-        visit(tree, "")
+        found = {}
+        module = sys.modules.get(self._modules.get(filename, ""))
+        seen: set[int] = set()
+        pending: list[Any] = list(vars(module).values()) if module is not None else []
+        while pending:
+            value = pending.pop()
+            if id(value) in seen:
+                continue
+            seen.add(id(value))
+            if isinstance(value, staticmethod | classmethod):
+                value = value.__func__
+            elif isinstance(value, property):
+                pending.extend(f for f in (value.fget, value.fset, value.fdel) if f)
+                continue
+            if isinstance(value, type):
+                if getattr(value, "__module__", None) == module.__name__:  # type: ignore[union-attr]
+                    pending.extend(vars(value).values())
+                continue
+            code = getattr(value, "__code__", None)
+            if isinstance(code, types.CodeType) and code.co_filename == filename:
+                codes = [code]
+                while codes:
+                    code = codes.pop()
+                    found[(code.co_name, code.co_firstlineno)] = code.co_qualname
+                    codes.extend(c for c in code.co_consts if isinstance(c, types.CodeType))
         self._files[filename] = found
         return found
 
     def resolve(self, code: ProfiledCode) -> str:
-        if code.co_name.startswith("<") or code.co_filename.startswith("<"):
+        if code.co_name.startswith("<") and code.co_name != "<lambda>":
             return code.co_name
-        line = code.co_firstlineno
-        for first, def_line, name, qualname in self._definitions(code.co_filename):
-            if name == code.co_name and first <= line <= def_line:
-                return qualname
-        return code.co_name
+        return self._index(code.co_filename).get((code.co_name, code.co_firstlineno), code.co_name)
 
 
 def _module_names() -> dict[str, str]:
@@ -130,7 +141,7 @@ def _module_names() -> dict[str, str]:
     for name, module in list(sys.modules.items()):
         filename = getattr(module, "__file__", None)
         if isinstance(filename, str):
-            names.setdefault(os.path.normcase(os.path.abspath(filename)), name)
+            names.setdefault(os.path.abspath(filename), name)
     return names
 
 
@@ -226,10 +237,11 @@ class ProfilerTracer(CallsiteTracer):
 
     backend = BACKEND_NAME
 
-    def __init__(self, *args: Any, fold_every: int = 1, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, fold_seconds: float = FOLD_SECONDS, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.recorder = ProfilerRecorder()
-        self.fold_every = max(1, fold_every)
+        self.fold_seconds = fold_seconds
+        self._cycle_started = 0.0
         self._profile: Any = None
         self._hook: Any = None
         self._steps = 0
@@ -242,6 +254,7 @@ class ProfilerTracer(CallsiteTracer):
         )
         profile.__enter__()
         self._profile = profile
+        self._cycle_started = time.monotonic()
 
     def _end(self) -> None:
         profile, self._profile = self._profile, None
@@ -264,9 +277,10 @@ class ProfilerTracer(CallsiteTracer):
 
     def _on_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         self._steps += 1
-        if self._steps % self.fold_every or threading.get_ident() != self._thread:
+        if threading.get_ident() != self._thread:
             return
-        self.fold()
+        if time.monotonic() - self._cycle_started >= self.fold_seconds:
+            self.fold()
 
     def fold(self) -> None:
         """End the profiler's current cycle, fold its events into counts, start the next."""
@@ -294,15 +308,15 @@ class ProfilerTracer(CallsiteTracer):
         self, program_roots: list[str] | None = None
     ) -> tuple[dict[str, Any], list[Any], list[dict[str, Any]]]:
         """Resolve qualnames and module names of the recorded frames, then build."""
-        qualnames = _Qualnames()
         modules = _module_names()
+        qualnames = _Qualnames(modules)
         recorder = self.recorder
         assert isinstance(recorder, ProfilerRecorder)
         search = _search_dirs()
         for code in list(recorder._codes.values()):
             code.co_filename = _absolute(code.co_filename, search)
             code.co_qualname = qualnames.resolve(code)
-            name = modules.get(os.path.normcase(os.path.abspath(code.co_filename)))
+            name = modules.get(code.co_filename)
             if name is not None:
                 recorder.modules[code] = name  # type: ignore[index]
         self.extra_meta.setdefault("tracer_backend", BACKEND_NAME)
