@@ -39,6 +39,7 @@ The trace is built and written by the same code as the modes backend's
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import sys
@@ -95,9 +96,9 @@ class _Qualnames:
 
     def __init__(self, modules: dict[str, str]) -> None:
         self._modules = modules
-        self._files: dict[str, dict[tuple[str, int], str]] = {}
+        self._files: dict[str, dict[str, list[tuple[int, int, str]]]] = {}
 
-    def _index(self, filename: str) -> dict[tuple[str, int], str]:
+    def _index(self, filename: str) -> dict[str, list[tuple[int, int, str]]]:
         found = self._files.get(filename)
         if found is not None:
             return found
@@ -115,8 +116,8 @@ class _Qualnames:
             elif isinstance(value, property):
                 pending.extend(f for f in (value.fget, value.fset, value.fdel) if f)
                 continue
-            if isinstance(value, type):
-                if getattr(value, "__module__", None) == module.__name__:  # type: ignore[union-attr]
+            if isinstance(value, type):  # (torch.Tensor's __module__ is not its file's)
+                with contextlib.suppress(TypeError):
                     pending.extend(vars(value).values())
                 continue
             code = getattr(value, "__code__", None)
@@ -124,7 +125,11 @@ class _Qualnames:
                 codes = [code]
                 while codes:
                     code = codes.pop()
-                    found[(code.co_name, code.co_firstlineno)] = code.co_qualname
+                    lines = [line for _, _, line in code.co_lines() if line is not None]
+                    last = max(lines, default=code.co_firstlineno)
+                    found.setdefault(code.co_name, []).append(
+                        (code.co_firstlineno, last, code.co_qualname)
+                    )
                     codes.extend(c for c in code.co_consts if isinstance(c, types.CodeType))
         self._files[filename] = found
         return found
@@ -132,7 +137,14 @@ class _Qualnames:
     def resolve(self, code: ProfiledCode) -> str:
         if code.co_name.startswith("<") and code.co_name != "<lambda>":
             return code.co_name
-        return self._index(code.co_filename).get((code.co_name, code.co_firstlineno), code.co_name)
+        # the profiler reports the line a frame was at when it was first seen (its first
+        # line, or its current line for frames already running when a cycle starts)
+        line = code.co_firstlineno
+        best: tuple[int, int, str] | None = None
+        for first, last, qualname in self._index(code.co_filename).get(code.co_name, ()):
+            if first <= line <= last and (best is None or first > best[0]):
+                best = (first, last, qualname)
+        return best[2] if best is not None else code.co_name
 
 
 def _module_names() -> dict[str, str]:
@@ -202,8 +214,11 @@ class ProfilerRecorder(CallsiteRecorder):
                 if cell is not None:
                     cell[1] = fields.caller.line_number
                     outer = (*outer, (cell[0], cell[1]))
-                code = code_of(site.file_name, site.function_name, site.line_number)
-                cell = [code, site.line_number]
+                try:
+                    code = code_of(site.file_name, site.function_name, site.line_number)
+                except UnicodeDecodeError:  # seen on torch 2.13: a garbled name
+                    code = code_of("<unknown>", "<unknown>", 0)
+                cell = [code, code.co_firstlineno]
             elif tag == c_tag:
                 if cell is not None:
                     cell[1] = event.extra_fields.caller.line_number
