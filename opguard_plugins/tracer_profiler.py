@@ -104,33 +104,35 @@ class _Qualnames:
             return found
         found = {}
         module = sys.modules.get(self._modules.get(filename, ""))
-        seen: set[int] = set()
         pending: list[Any] = list(vars(module).values()) if module is not None else []
-        while pending:
+        seen: set[int] = set()
+        codes: list[types.CodeType] = []
+        while pending:  # exact type checks only: module globals may be lazy proxies
             value = pending.pop()
+            kind = type(value)
             if id(value) in seen:
                 continue
             seen.add(id(value))
-            if isinstance(value, staticmethod | classmethod):
-                value = value.__func__
-            elif isinstance(value, property):
-                pending.extend(f for f in (value.fget, value.fset, value.fdel) if f)
-                continue
-            if isinstance(value, type):  # (torch.Tensor's __module__ is not its file's)
-                with contextlib.suppress(TypeError):
-                    pending.extend(vars(value).values())
-                continue
-            code = getattr(value, "__code__", None)
-            if isinstance(code, types.CodeType) and code.co_filename == filename:
-                codes = [code]
-                while codes:
-                    code = codes.pop()
-                    lines = [line for _, _, line in code.co_lines() if line is not None]
-                    last = max(lines, default=code.co_firstlineno)
-                    found.setdefault(code.co_name, []).append(
-                        (code.co_firstlineno, last, code.co_qualname)
-                    )
-                    codes.extend(c for c in code.co_consts if isinstance(c, types.CodeType))
+            if kind is staticmethod or kind is classmethod:
+                value, kind = value.__func__, type(value.__func__)
+            if kind is property:
+                pending.extend(f for f in (value.fget, value.fset, value.fdel) if f is not None)
+            elif kind is types.FunctionType:
+                if value.__code__.co_filename == filename:
+                    codes.append(value.__code__)
+            elif issubclass(kind, type):
+                members = list(type.__dict__["__dict__"].__get__(value).values())
+                if any(
+                    type(m) is types.FunctionType and m.__code__.co_filename == filename
+                    for m in members
+                ) or any(issubclass(type(m), type) for m in members):
+                    pending.extend(members)
+        while codes:
+            code = codes.pop()
+            lines = [line for _, _, line in code.co_lines() if line is not None]
+            last = max(lines, default=code.co_firstlineno)
+            found.setdefault(code.co_name, []).append((code.co_firstlineno, last, code.co_qualname))
+            codes.extend(c for c in code.co_consts if isinstance(c, types.CodeType))
         self._files[filename] = found
         return found
 
