@@ -46,7 +46,8 @@ def library_roots() -> tuple[str, ...]:
         p for p in sys.path if p.rstrip(os.sep).endswith(("site-packages", "dist-packages"))
     )
     paths = sysconfig.get_paths()
-    candidates.extend(paths[k] for k in ("purelib", "platlib", "stdlib", "platstdlib") if k in paths)
+    keys = ("purelib", "platlib", "stdlib", "platstdlib")
+    candidates.extend(paths[k] for k in keys if k in paths)
     roots = {os.path.normcase(os.path.realpath(c)).rstrip(os.sep) + os.sep for c in candidates if c}
     return tuple(sorted(roots))
 

@@ -39,7 +39,6 @@ The trace is built and written by the same code as the modes backend's
 
 from __future__ import annotations
 
-import contextlib
 import os
 import re
 import sys

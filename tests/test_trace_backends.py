@@ -69,8 +69,9 @@ def test_fused_transformer_encoder_layer(tmp_path: Path) -> None:
         with torch.inference_mode():
             layer(x)
 
-    profiler, modes = op_counts(traced(tmp_path, "profiler", run)), op_counts(
-        traced(tmp_path, "modes", run)
+    profiler, modes = (
+        op_counts(traced(tmp_path, "profiler", run)),
+        op_counts(traced(tmp_path, "modes", run)),
     )
     assert profiler == {"aten::_transformer_encoder_layer_fwd": 1}
     assert "aten::_transformer_encoder_layer_fwd" not in modes
@@ -85,8 +86,9 @@ def test_composite_ops_outermost_vs_decomposed(tmp_path: Path) -> None:
     def run() -> None:
         x.t().reshape(24)  # a copy: reshape decomposes into clone + _unsafe_view
 
-    profiler, modes = op_counts(traced(tmp_path, "profiler", run)), op_counts(
-        traced(tmp_path, "modes", run)
+    profiler, modes = (
+        op_counts(traced(tmp_path, "profiler", run)),
+        op_counts(traced(tmp_path, "modes", run)),
     )
     assert profiler == {"aten::t": 1, "aten::reshape": 1}
     assert modes == {"aten::t": 1, "aten::clone": 1, "aten::_unsafe_view": 1}
@@ -98,8 +100,9 @@ def test_ops_from_cpp_below_python_are_seen_only_by_the_profiler(tmp_path: Path)
     def run() -> None:
         torch.nn.Parameter(torch.zeros(3))
 
-    profiler, modes = op_counts(traced(tmp_path, "profiler", run)), op_counts(
-        traced(tmp_path, "modes", run)
+    profiler, modes = (
+        op_counts(traced(tmp_path, "profiler", run)),
+        op_counts(traced(tmp_path, "modes", run)),
     )
     assert profiler["aten::detach"] == 1
     assert "aten::detach" not in modes
@@ -147,8 +150,7 @@ def test_profiler_stacks_on_transformers_style_and_checkpointed_models(
     backward_tanh = [
         s
         for s in trace.callsites
-        if s.op == "aten::tanh"
-        and "Tensor.backward" in {trace.frames[i].qualname for i in s.stack}
+        if s.op == "aten::tanh" and "Tensor.backward" in {trace.frames[i].qualname for i in s.stack}
     ]
     assert sum(s.count for s in backward_tanh) == blocks
     assert "ScaledTanh.forward" in qualnames_of(trace, "aten::tanh")
@@ -157,8 +159,11 @@ def test_profiler_stacks_on_transformers_style_and_checkpointed_models(
 
 def test_trace_command_profiler_backend(tmp_path: Path) -> None:
     proc = subprocess.run(
-        [*OPGUARD, "trace", "--backend", "profiler", "--label", "p", "--output-dir", str(tmp_path)]
-        + ["--", str(EXAMPLES / "train_single.py"), "--steps", "2"],
+        [
+            *OPGUARD,
+            *("trace", "--backend", "profiler", "--label", "p", "--output-dir", str(tmp_path)),
+            *("--", str(EXAMPLES / "train_single.py"), "--steps", "2"),
+        ],
         capture_output=True,
         text=True,
         timeout=300,
