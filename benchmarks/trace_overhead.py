@@ -9,9 +9,10 @@ plain torch, a conv net, and a model under activation checkpointing with a custo
   reference (including its stop, which collects the events; no export);
 * ``empty-mode``: a ``TorchDispatchMode`` whose ``__torch_dispatch__`` only calls the op
   (torch's price for a Python mode, the floor of the ``modes`` backend);
-* ``opguard-modes``: ``trace_callsites(backend="modes")`` (today's tracer);
-* ``opguard-modes-idkey``: the same, with raw stacks keyed by ``id(code)`` instead of
-  the code object (the cheap win the issue suggests; a benchmark-only variant);
+* ``opguard-modes``: ``trace_callsites(backend="modes")``, raw stacks keyed by
+  ``id(code)``;
+* ``opguard-modes-codekey``: the same with raw stacks keyed by the code objects
+  themselves, as before issue 15 (a benchmark-only variant, to measure the change);
 * ``opguard-profiler``: ``trace_callsites(backend="profiler")``.
 
 Every traced mode includes writing (or, for torch's profiler, collecting) its result.
@@ -63,7 +64,7 @@ MODES = (
     "profiler",
     "empty-mode",
     "opguard-modes",
-    "opguard-modes-idkey",
+    "opguard-modes-codekey",
     "opguard-profiler",
 )
 
@@ -73,49 +74,47 @@ class EmptyMode(TorchDispatchMode):  # type: ignore[misc]
         return func(*args, **(kwargs or {}))
 
 
-class IdKeyRecorder(CallsiteRecorder):
-    """Keys raw stacks by ``(id(code), line)``; code objects are kept alive in a table."""
+class CodeKeyRecorder(CallsiteRecorder):
+    """The previous recorder: raw stacks keyed by the code objects themselves (hashed)."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.codes: dict[int, types.CodeType] = {}
-        self.id_counts: dict[Any, int] = {}
+        self.code_counts: dict[Any, int] = {}
 
     def record(self, func: Any, frame: types.FrameType | None) -> None:
         if not self.active:
             return
         op = tracer_module.op_name(func)
         api = getattr(self._local, "api", None)
-        stack: list[tuple[int, int]] = []
+        stack: list[tuple[types.CodeType, int]] = []
         append = stack.append
-        codes = self.codes
+        modules = self.modules
         while frame is not None and frame.f_code.co_filename in tracer_module._WRAPPER_FILES:
             frame = frame.f_back
         while frame is not None:
             code = frame.f_code
-            key = id(code)
-            if key not in codes:
-                codes[key] = code
-                self.modules[code] = frame.f_globals.get("__name__")
-            append((key, frame.f_lineno))
+            if code not in modules:
+                modules[code] = frame.f_globals.get("__name__")
+            append((code, frame.f_lineno))
             frame = frame.f_back
         stack.reverse()
         full = (tuple(stack), api, op, 0)
         with self._lock:
-            self.id_counts[full] = self.id_counts.get(full, 0) + 1
+            self.code_counts[full] = self.code_counts.get(full, 0) + 1
 
     def finish(self) -> None:
-        """Turn id keys back into code keys (what :meth:`CallsiteTracer.build` reads)."""
-        codes = self.codes
-        for (stack, api, op, stream), count in self.id_counts.items():
-            key = (tuple((codes[i], line) for i, line in stack), api, op, stream)
+        """Turn code keys into the id keys :meth:`CallsiteTracer.build` reads."""
+        for (stack, api, op, stream), count in self.code_counts.items():
+            for code, _ in stack:
+                self.codes[id(code)] = code
+            key = (tuple((id(code), line) for code, line in stack), api, op, stream)
             self.counts[key] = self.counts.get(key, 0) + count
 
 
 @contextmanager
-def idkey_tracing(directory: str) -> Any:
+def codekey_tracing(directory: str) -> Any:
     tracer = tracer_module.CallsiteTracer("bench", directory, rank=0)
-    recorder = IdKeyRecorder()
+    recorder = CodeKeyRecorder()
     tracer.recorder = recorder
     tracer.start()
     try:
@@ -135,8 +134,8 @@ def wrapper(mode: str, directory: str) -> Callable[[], AbstractContextManager[An
         return EmptyMode
     if mode == "opguard-modes":
         return lambda: trace_callsites("bench", directory, rank=0, backend="modes")
-    if mode == "opguard-modes-idkey":
-        return lambda: idkey_tracing(directory)
+    if mode == "opguard-modes-codekey":
+        return lambda: codekey_tracing(directory)
     if mode == "opguard-profiler":
         return lambda: trace_callsites("bench", directory, rank=0, backend="profiler")
     raise ValueError(mode)

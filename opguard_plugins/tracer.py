@@ -77,7 +77,10 @@ _WRAPPER_FILES = frozenset(
 _REENTRY_DEPTH = 3
 _OPS_FILE = os.path.normcase(os.path.join(_TORCH_DIR, "_ops.py"))
 
-RawStack = tuple[tuple[types.CodeType, int], ...]
+#: A raw stack: ``(id(code), line)`` pairs, outermost first. Keying by ``id`` avoids
+#: hashing code objects (not cached on Python 3.11); the recorder's ``codes`` table
+#: keeps every code object alive, so an id stays unique.
+RawStack = tuple[tuple[int, int], ...]
 Key = tuple[RawStack, "str | None", str, int]
 
 
@@ -191,17 +194,23 @@ class _BackwardContext:
         self.thread = thread
 
 
-def _walk(frame: types.FrameType | None, modules: dict[types.CodeType, str | None]) -> RawStack:
+def _walk(
+    frame: types.FrameType | None,
+    codes: dict[int, types.CodeType],
+    modules: dict[types.CodeType, str | None],
+) -> RawStack:
     """The raw stack from ``frame`` outwards, returned outermost first."""
-    stack: list[tuple[types.CodeType, int]] = []
+    stack: list[tuple[int, int]] = []
     append = stack.append
     while frame is not None and frame.f_code.co_filename in _WRAPPER_FILES:
         frame = frame.f_back  # torch wraps __torch_dispatch__ in a dynamo-disable wrapper
     while frame is not None:
         code = frame.f_code
-        if code not in modules:
+        key = id(code)
+        if key not in codes:
+            codes[key] = code
             modules[code] = frame.f_globals.get("__name__")
-        append((code, frame.f_lineno))
+        append((key, frame.f_lineno))
         frame = frame.f_back
     stack.reverse()
     return tuple(stack)
@@ -213,6 +222,7 @@ class CallsiteRecorder:
     def __init__(self) -> None:
         self.counts: dict[Key, int] = {}
         self.modules: dict[types.CodeType, str | None] = {}
+        self.codes: dict[int, types.CodeType] = {}
         self.active = False
         self.rank: int | None = None
         self.world_size: int | None = None
@@ -245,7 +255,8 @@ class CallsiteRecorder:
                 return func(*args, **kwargs)
             finally:
                 local.api = None
-        context = _BackwardContext(_walk(frame, self.modules), name, threading.get_ident())
+        stack = _walk(frame, self.codes, self.modules)
+        context = _BackwardContext(stack, name, threading.get_ident())
         with self._lock:
             self._backward.append(context)
         try:
@@ -263,7 +274,7 @@ class CallsiteRecorder:
             return
         op = op_name(func)
         api = getattr(self._local, "api", None)
-        stack = _walk(frame, self.modules)
+        stack = _walk(frame, self.codes, self.modules)
         if api is None and self._backward:
             # An op on a thread that did not start the running backward: an autograd
             # engine thread. Attribute it to the stack that called .backward().
@@ -429,7 +440,7 @@ class _FrameMaker:
         self._module_names[code] = name
         return name
 
-    def clean(self, stack: RawStack) -> list[tuple[types.CodeType, int]]:
+    def clean(self, stack: list[tuple[types.CodeType, int]]) -> list[tuple[types.CodeType, int]]:
         """Drop hidden frames; where a call re-enters the function that dispatched it
         to a mode (``handle_torch_function``), keep only the inner, executing frame."""
         kept: list[tuple[types.CodeType, int]] = []
@@ -544,9 +555,10 @@ class CallsiteTracer:
             raw = list(self.recorder.counts.items())
         merged: dict[tuple[tuple[Frame, ...], str | None, str, int], int] = {}
         frame_cache: dict[tuple[types.CodeType, int], Frame] = {}
+        codes = self.recorder.codes
         for (stack, api, op, stream), count in raw:
             frames = []
-            for pair in maker.clean(stack):
+            for pair in maker.clean([(codes[key], line) for key, line in stack]):
                 value = frame_cache.get(pair)
                 if value is None:
                     value = frame_cache[pair] = maker.frame(*pair)

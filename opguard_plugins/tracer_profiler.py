@@ -82,7 +82,7 @@ class ProfiledCode:
         return f"<ProfiledCode {self.co_qualname} {self.co_filename}:{self.co_firstlineno}>"
 
 
-RawStack = tuple[tuple[ProfiledCode, int], ...]
+RawStack = tuple[tuple[int, int], ...]  # (id(code), line), as in the modes backend
 
 
 class _Qualnames:
@@ -192,6 +192,7 @@ class ProfilerRecorder(CallsiteRecorder):
         code = self._codes.get(key)
         if code is None:
             code = self._codes[key] = ProfiledCode(filename, name, line)
+            self.codes[id(code)] = code  # type: ignore[assignment]
         return code
 
     def fold(self, roots: list[Any]) -> None:
@@ -214,7 +215,7 @@ class ProfilerRecorder(CallsiteRecorder):
                 site = fields.callsite
                 if cell is not None:
                     cell[1] = fields.caller.line_number
-                    outer = (*outer, (cell[0], cell[1]))
+                    outer = (*outer, (id(cell[0]), cell[1]))
                 try:
                     code = code_of(site.file_name, site.function_name, site.line_number)
                 except UnicodeDecodeError:  # seen on torch 2.13: a garbled name
@@ -232,7 +233,7 @@ class ProfilerRecorder(CallsiteRecorder):
                     elif _OP_NAME.match(name):
                         op = name.split(".", 1)[0]
                     if op is not None:
-                        stack = outer if cell is None else (*outer, (cell[0], cell[1]))
+                        stack = outer if cell is None else (*outer, (id(cell[0]), cell[1]))
                         key = (stack, op)
                         counts[key] = counts.get(key, 0) + 1
                         if op != COMPILED_REGION_OP:
