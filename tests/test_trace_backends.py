@@ -224,7 +224,7 @@ def test_torch_compile_inductor_under_the_profiler_backend(tmp_path: Path) -> No
     assert graphs >= 1
     counts = op_counts(trace)
     assert counts[COMPILED_REGION_OP] == 2
-    assert counts["aten::addmm"] == 4  # extern kernels the generated code calls
+    assert counts["aten::addmm"] >= 4  # extern kernels the generated code calls
     assert "aten::gelu" not in counts  # fused into Inductor's own C++ kernel
 
 
