@@ -28,7 +28,9 @@ Figures:
 
 Rounds alternate between modes so that the machine's load drifts evenly over all of
 them. Run: ``python benchmarks/trace_overhead.py [--steps 20] [--repeat 5]
-[--loops tiny_gpt,hf_style,conv,checkpointed] [--modes ...]``.
+[--loops tiny_gpt,hf_style,conv,checkpointed] [--modes ...] [--ddp]`` (``--ddp``
+also times the whole ``torchrun --nproc-per-node 2 examples/train_ddp.py`` command,
+untraced and under ``opguard trace`` with each backend).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import threading
@@ -163,6 +166,29 @@ def cold_round(loop: str, wrap: Callable[[], Any]) -> float:
     return time.perf_counter() - start
 
 
+def run_command(argv: list[str]) -> float:
+    start = time.perf_counter()
+    subprocess.run(argv, check=True, capture_output=True)
+    return time.perf_counter() - start
+
+
+def ddp_rows(repeat: int, directory: str) -> list[tuple[str, float]]:
+    """Median seconds of the whole 2-rank DDP example, untraced and per backend."""
+    script = str(REPO / "examples" / "train_ddp.py")
+    plain = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", script]
+    rows = [("untraced", statistics.median(run_command(plain) for _ in range(repeat)))]
+    for backend in ("modes", "profiler"):
+        traced = [sys.executable, "-m", "opguard_core.cli", "trace", "--backend", backend]
+        traced += ["--label", "bench", "--output-dir", directory, "--", *plain]
+        rows.append(
+            (
+                f"opguard trace --backend {backend}",
+                statistics.median(run_command(traced) for _ in range(repeat)),
+            )
+        )
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--steps", type=int, default=20)
@@ -170,6 +196,7 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--loops", default=",".join(LOOPS))
     parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument("--ddp", action="store_true", help="also time the 2-rank DDP example")
     args = parser.parse_args()
     torch.set_num_threads(1)
     loops = [name for name in args.loops.split(",") if name]
@@ -187,6 +214,7 @@ def main() -> None:
                         steady_round(loop, wrap, args.warmup, args.steps)
                     )
                     cold.setdefault((loop, mode), []).append(cold_round(loop, wrap))
+        ddp = ddp_rows(args.repeat, tmp) if args.ddp else []
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     print(
         f"torch {torch.__version__}, Python {sys.version.split()[0]}, {os.cpu_count()} CPUs, "
@@ -206,6 +234,12 @@ def main() -> None:
                 f"| {loop} | {mode} | {s * 1e3:.2f} | {s / base_steady:.2f}x "
                 f"| {c * 1e3:.1f} | {c / base_cold:.2f}x |"
             )
+    if ddp:
+        print()
+        print("| DDP, 2 ranks, whole torchrun command | seconds | vs untraced |")
+        print("|---|---:|---:|")
+        for mode, seconds in ddp:
+            print(f"| {mode} | {seconds:.2f} | {seconds / ddp[0][1]:.2f}x |")
 
 
 if __name__ == "__main__":
