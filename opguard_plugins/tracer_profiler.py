@@ -22,6 +22,8 @@ What is counted, per thread's event tree:
   counted as the op ``dynamo::compiled_region``, and the operators its graph calls
   (extern kernels such as ``aten::mm``; not Inductor's fused C++/Triton kernels) are
   counted beneath it;
+* nothing below Dynamo compiling a frame (``torch/_dynamo/convert_frame.py``): the
+  ops of tracing the frame with fake tensors are not the program's;
 * record-function annotations (``autograd::engine::evaluate_function: ...``,
   ``Optimizer.step#AdamW.step``, ``## Call CompiledFxGraph ... ##``) are not counted,
   the operators inside them are.
@@ -58,6 +60,9 @@ BACKEND_NAME = "profiler"
 COMPILED_REGION_OP = "dynamo::compiled_region"
 #: A cycle ends at the first optimizer step this many seconds after it began.
 FOLD_SECONDS = 2.0
+#: Dynamo's frame conversion: the callback runs only to compile (or skip) a frame, and
+#: the ops it issues (tracing with fake tensors) are not the program's.
+_COMPILER_FILE = os.path.join("torch", "_dynamo", "convert_frame.py")
 _COMPILED_REGION_PREFIX = "Torch-Compiled Region"
 _OP_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*::[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z0-9_]+)?$")
 
@@ -213,6 +218,8 @@ class ProfilerRecorder(CallsiteRecorder):
             if tag == py_tag:
                 fields = event.extra_fields
                 site = fields.callsite
+                if site.file_name.endswith(_COMPILER_FILE):
+                    continue  # Dynamo compiling a frame: its tracing ops never run
                 if cell is not None:
                     cell[1] = fields.caller.line_number
                     outer = (*outer, (id(cell[0]), cell[1]))
