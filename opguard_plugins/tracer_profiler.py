@@ -218,15 +218,17 @@ class ProfilerRecorder(CallsiteRecorder):
             if tag == py_tag:
                 fields = event.extra_fields
                 site = fields.callsite
-                if site.file_name.endswith(_COMPILER_FILE):
+                try:
+                    file_name, function_name = site.file_name, site.function_name
+                except UnicodeDecodeError:  # seen on torch 2.13: a garbled name
+                    file_name = function_name = "<unknown>"
+                if file_name.endswith(_COMPILER_FILE):
                     continue  # Dynamo compiling a frame: its tracing ops never run
                 if cell is not None:
                     cell[1] = fields.caller.line_number
                     outer = (*outer, (id(cell[0]), cell[1]))
-                try:
-                    code = code_of(site.file_name, site.function_name, site.line_number)
-                except UnicodeDecodeError:  # seen on torch 2.13: a garbled name
-                    code = code_of("<unknown>", "<unknown>", 0)
+                line = site.line_number if file_name != "<unknown>" else 0
+                code = code_of(file_name, function_name, line)
                 cell = [code, code.co_firstlineno]
             elif tag == c_tag:
                 if cell is not None:
