@@ -17,6 +17,7 @@ from opguard_core import hookimpl
 from opguard_core.config_format import CONFIG_VERSION, EntryKey, block_map, flow_map, flow_seq
 from opguard_core.model import RunOptions
 from opguard_core.tree_format import TORCH_API, node_target
+from opguard_plugins import locations
 
 #: Op-name prefixes (after ``aten::``) that tag an entry ``compute``: matmuls,
 #: convolutions, attention, softmax, norms, embeddings, activations, losses.
@@ -38,10 +39,9 @@ DATA_MOVEMENT_OPS = frozenset(
     }
 )  # fmt: skip
 
-#: Top-level packages counted as library code (everything else is ``user``).
-LIBRARY_PACKAGES = frozenset(
-    {"torch", "transformers", "accelerate", "deepspeed", "apex", "triton", "numpy", "opguard_core"}
-) | frozenset(sys.stdlib_module_names)
+#: Top-level packages always counted as library code (an override; the rule is where the
+#: module lives, :mod:`opguard_plugins.locations`).
+LIBRARY_PACKAGES = locations.LIBRARY_PACKAGES | frozenset(sys.stdlib_module_names)
 
 
 def tags_for(target: str, kind: str, ops: dict[str, int]) -> list[str]:
@@ -63,8 +63,8 @@ def tags_for(target: str, kind: str, ops: dict[str, int]) -> list[str]:
         tags.add("compute")
     if kind == TORCH_API:
         tags.add("torch_api")
-    top = module.split(".", 1)[0]
-    tags.add("library" if top in LIBRARY_PACKAGES or kind == TORCH_API else "user")
+    library = kind == TORCH_API or locations.is_library_module(module)
+    tags.add("library" if library else "user")
     return sorted(tags)
 
 

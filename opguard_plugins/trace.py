@@ -57,7 +57,9 @@ def build_argv(command: Sequence[str]) -> list[str]:
     return argv
 
 
-def build_env(label: str, output_dir: Path, command: Sequence[str]) -> dict[str, str]:
+def build_env(
+    label: str, output_dir: Path, command: Sequence[str], backend: str = "modes"
+) -> dict[str, str]:
     """The environment that turns tracing on in COMMAND's Python processes."""
     env = dict(os.environ)
     python_path = env.get("PYTHONPATH")
@@ -68,6 +70,7 @@ def build_env(label: str, output_dir: Path, command: Sequence[str]) -> dict[str,
     env["OPGUARD_TRACE_DIR"] = str(output_dir)
     env["OPGUARD_TRACE_COMMAND"] = shlex.join(command)
     env["OPGUARD_TRACE_PKGROOT"] = str(PACKAGE_ROOT)
+    env["OPGUARD_TRACE_BACKEND"] = backend
     return env
 
 
@@ -152,12 +155,15 @@ def _terminal_delivered(signum: int) -> bool:
     return False
 
 
-def launch(command: Sequence[str], label: str, output_dir: Path) -> TraceOutcome:
-    """Run COMMAND traced, forwarding SIGINT and SIGTERM to it, and wait for it."""
+def launch(
+    command: Sequence[str], label: str, output_dir: Path, backend: str = "modes"
+) -> TraceOutcome:
+    """Run COMMAND traced (tracer ``backend``), forwarding SIGINT and SIGTERM to it, and
+    wait for it."""
     output_dir = output_dir.resolve()
     output_dir.mkdir(parents=True, exist_ok=True)
     started = time.time() - 1.0  # file systems with coarse timestamps
-    env = build_env(label, output_dir, command)
+    env = build_env(label, output_dir, command, backend)
     received: list[int] = []
     try:
         process = subprocess.Popen(build_argv(command), env=env)
@@ -184,9 +190,11 @@ def launch(command: Sequence[str], label: str, output_dir: Path) -> TraceOutcome
     )
 
 
-def run_traced(command: Sequence[str], label: str, output_dir: Path) -> tuple[int, list[Path]]:
+def run_traced(
+    command: Sequence[str], label: str, output_dir: Path, backend: str = "modes"
+) -> tuple[int, list[Path]]:
     """Run COMMAND traced; return its exit code and the trace files it wrote."""
-    outcome = launch(command, label, output_dir)
+    outcome = launch(command, label, output_dir, backend)
     return outcome.exit_code, outcome.files
 
 
@@ -207,8 +215,19 @@ def run_traced(command: Sequence[str], label: str, output_dir: Path) -> tuple[in
     help="Directory for the trace files (created if missing; default: the trace "
     "output base, $OPGUARD_TRACE_OUTPUT_BASE or ./opguard_traces).",
 )
+@click.option(
+    "--backend",
+    type=click.Choice(["modes", "profiler"]),
+    default="modes",
+    show_default=True,
+    help="modes: torch's Python modes (exact dispatch view, api names); profiler: "
+    "torch's profiler (runs the program's own ops, torch.compile compiles). "
+    "See docs/tracing.md.",
+)
 @click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
-def trace_command(label: str, output_dir: Path | None, command: tuple[str, ...]) -> None:
+def trace_command(
+    label: str, output_dir: Path | None, backend: str, command: tuple[str, ...]
+) -> None:
     """Run COMMAND with callsite tracing on, writing one trace per rank.
 
     COMMAND is a Python script (train.py ARGS), python -m PKG ARGS, or
@@ -232,7 +251,7 @@ def trace_command(label: str, output_dir: Path | None, command: tuple[str, ...])
     except OutputLocationError as exc:
         click.echo(f"opguard trace: error: {exc}", err=True)
         sys.exit(int(ExitCode.USAGE_ERROR))
-    outcome = launch(command, label, output_dir)
+    outcome = launch(command, label, output_dir, backend)
     files = outcome.files
     status = outcome.status_line()
     if status:

@@ -78,7 +78,10 @@ _WRAPPER_FILES = frozenset(
 _REENTRY_DEPTH = 3
 _OPS_FILE = os.path.normcase(os.path.join(_TORCH_DIR, "_ops.py"))
 
-RawStack = tuple[tuple[types.CodeType, int], ...]
+#: A raw stack: ``(id(code), line)`` pairs, outermost first. Keying by ``id`` avoids
+#: hashing code objects (not cached on Python 3.11); the recorder's ``codes`` table
+#: keeps every code object alive, so an id stays unique.
+RawStack = tuple[tuple[int, int], ...]
 Key = tuple[RawStack, "str | None", str, int]
 
 
@@ -192,17 +195,23 @@ class _BackwardContext:
         self.thread = thread
 
 
-def _walk(frame: types.FrameType | None, modules: dict[types.CodeType, str | None]) -> RawStack:
+def _walk(
+    frame: types.FrameType | None,
+    codes: dict[int, types.CodeType],
+    modules: dict[types.CodeType, str | None],
+) -> RawStack:
     """The raw stack from ``frame`` outwards, returned outermost first."""
-    stack: list[tuple[types.CodeType, int]] = []
+    stack: list[tuple[int, int]] = []
     append = stack.append
     while frame is not None and frame.f_code.co_filename in _WRAPPER_FILES:
         frame = frame.f_back  # torch wraps __torch_dispatch__ in a dynamo-disable wrapper
     while frame is not None:
         code = frame.f_code
-        if code not in modules:
+        key = id(code)
+        if key not in codes:
+            codes[key] = code
             modules[code] = frame.f_globals.get("__name__")
-        append((code, frame.f_lineno))
+        append((key, frame.f_lineno))
         frame = frame.f_back
     stack.reverse()
     return tuple(stack)
@@ -214,6 +223,7 @@ class CallsiteRecorder:
     def __init__(self) -> None:
         self.counts: dict[Key, int] = {}
         self.modules: dict[types.CodeType, str | None] = {}
+        self.codes: dict[int, types.CodeType] = {}
         self.active = False
         self.rank: int | None = None
         self.world_size: int | None = None
@@ -253,7 +263,8 @@ class CallsiteRecorder:
                 return func(*args, **kwargs)
             finally:
                 local.api = None
-        context = _BackwardContext(_walk(frame, self.modules), name, threading.get_ident())
+        stack = _walk(frame, self.codes, self.modules)
+        context = _BackwardContext(stack, name, threading.get_ident())
         with self._lock:
             self._backward.append(context)
         try:
@@ -271,7 +282,7 @@ class CallsiteRecorder:
             return
         op = op_name(func)
         api = getattr(self._local, "api", None)
-        stack = _walk(frame, self.modules)
+        stack = _walk(frame, self.codes, self.modules)
         if api is None and self._backward:
             # An op on a thread that did not start the running backward: an autograd
             # engine thread. Attribute it to the stack that called .backward().
@@ -437,7 +448,7 @@ class _FrameMaker:
         self._module_names[code] = name
         return name
 
-    def clean(self, stack: RawStack) -> list[tuple[types.CodeType, int]]:
+    def clean(self, stack: list[tuple[types.CodeType, int]]) -> list[tuple[types.CodeType, int]]:
         """Drop hidden frames; where a call re-enters the function that dispatched it
         to a mode (``handle_torch_function``), keep only the inner, executing frame."""
         kept: list[tuple[types.CodeType, int]] = []
@@ -555,9 +566,10 @@ class CallsiteTracer:
             raw = list(self.recorder.counts.items())
         merged: dict[tuple[tuple[Frame, ...], str | None, str, int], int] = {}
         frame_cache: dict[tuple[types.CodeType, int], Frame] = {}
+        codes = self.recorder.codes
         for (stack, api, op, stream), count in raw:
             frames = []
-            for pair in maker.clean(stack):
+            for pair in maker.clean([(codes[key], line) for key, line in stack]):
                 value = frame_cache.get(pair)
                 if value is None:
                     value = frame_cache[pair] = maker.frame(*pair)
@@ -612,6 +624,8 @@ def trace_callsites(
     label: str = "trace",
     output_dir: str | os.PathLike[str] = ".",
     rank: int | None = None,
+    *,
+    backend: str = "modes",
     **extra_meta: Any,
 ) -> Iterator[CallsiteTracer]:
     """Trace the torch operators run inside the ``with`` block; write the trace on exit.
@@ -630,9 +644,11 @@ def trace_callsites(
     :param rank: the rank to record; by default torch.distributed's rank (if the
         default group exists at exit, or existed when a collective ran), else
         ``$RANK``, else 0.
+    :param backend: ``modes`` (Python modes) or ``profiler`` (torch's profiler;
+        :mod:`opguard_plugins.tracer_profiler`), see docs/tracing.md.
     :param extra_meta: more keys for the trace's ``meta``.
     """
-    tracer = CallsiteTracer(label, output_dir, rank=rank, extra_meta=extra_meta)
+    tracer = make_tracer(backend, label, output_dir, rank=rank, extra_meta=extra_meta)
     tracer.start()
     try:
         yield tracer
@@ -696,6 +712,21 @@ def _after_fork_in_child() -> None:
     _write_marker(tracer, parent)
 
 
+#: Tracer backends by name (``opguard trace --backend NAME``); the first is the default.
+BACKENDS = ("modes", "profiler")
+
+
+def make_tracer(backend: str, *args: Any, **kwargs: Any) -> CallsiteTracer:
+    """A tracer of the named backend (``modes`` or ``profiler``)."""
+    if backend == "modes":
+        return CallsiteTracer(*args, **kwargs)
+    if backend == "profiler":
+        from opguard_plugins.tracer_profiler import ProfilerTracer
+
+        return ProfilerTracer(*args, **kwargs)
+    raise ValueError(f"unknown tracer backend {backend!r} (choose from {', '.join(BACKENDS)})")
+
+
 def start_process_tracer(label: str, output_dir: str) -> CallsiteTracer | None:
     """Trace this whole process from now on and write the trace at interpreter exit.
 
@@ -707,7 +738,7 @@ def start_process_tracer(label: str, output_dir: str) -> CallsiteTracer | None:
     if _PROCESS_TRACER is not None or _is_launcher():
         return _PROCESS_TRACER
     global _FORK_HOOK_INSTALLED
-    tracer = CallsiteTracer(label, output_dir)
+    tracer = make_tracer(os.environ.get("OPGUARD_TRACE_BACKEND") or BACKENDS[0], label, output_dir)
     tracer.start()
     _PROCESS_TRACER = tracer
     _write_marker(tracer, None)

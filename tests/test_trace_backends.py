@@ -1,0 +1,295 @@
+"""The tracer's backends (``modes``, ``profiler``): what each sees, torch.compile, memory,
+and library/user tags by location (docs/tracing.md, docs/tags.md)."""
+
+from __future__ import annotations
+
+import collections
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from opguard_core.trace_format import DecodedTrace, load_trace  # noqa: E402
+from opguard_plugins import locations  # noqa: E402
+from opguard_plugins.generate import tags_for  # noqa: E402
+from opguard_plugins.tracer import trace_callsites  # noqa: E402
+from opguard_plugins.tracer_profiler import COMPILED_REGION_OP  # noqa: E402
+
+pytestmark = pytest.mark.torch
+
+REPO = Path(__file__).resolve().parent.parent
+EXAMPLES = REPO / "examples"
+OPGUARD = [sys.executable, "-m", "opguard_core.cli"]
+
+
+@pytest.fixture
+def loops(monkeypatch: pytest.MonkeyPatch) -> Any:
+    monkeypatch.syspath_prepend(str(EXAMPLES))
+    import loops
+
+    return loops
+
+
+def traced(tmp_path: Path, backend: str, body: Callable[[], object]) -> DecodedTrace:
+    torch.manual_seed(0)
+    with trace_callsites("t", tmp_path / backend, rank=0, backend=backend) as tracer:
+        body()
+    assert tracer.written is not None
+    return load_trace(tracer.written)
+
+
+def op_counts(trace: DecodedTrace) -> collections.Counter[str]:
+    counts: collections.Counter[str] = collections.Counter()
+    for site in trace.callsites:
+        counts[site.op] += site.count
+    return counts
+
+
+def qualnames_of(trace: DecodedTrace, op: str) -> set[str]:
+    return {trace.frames[i].qualname for s in trace.callsites if s.op == op for i in s.stack}
+
+
+# ---------------------------------------------------------------------------
+# what each backend sees
+# ---------------------------------------------------------------------------
+
+
+def test_fused_transformer_encoder_layer(tmp_path: Path) -> None:
+    """The profiler sees the fused inference path; under modes torch takes the slow path."""
+    layer = torch.nn.TransformerEncoderLayer(16, 2, 32, batch_first=True).eval()
+    x = torch.randn(2, 5, 16)
+
+    def run() -> None:
+        with torch.inference_mode():
+            layer(x)
+
+    profiler, modes = (
+        op_counts(traced(tmp_path, "profiler", run)),
+        op_counts(traced(tmp_path, "modes", run)),
+    )
+    assert profiler == {"aten::_transformer_encoder_layer_fwd": 1}
+    assert "aten::_transformer_encoder_layer_fwd" not in modes
+    assert {"aten::scaled_dot_product_attention", "aten::linear", "aten::layer_norm"} <= set(modes)
+    assert sum(modes.values()) > 10
+
+
+def test_composite_ops_outermost_vs_decomposed(tmp_path: Path) -> None:
+    """The profiler counts the op the program called, modes what it decomposed into."""
+    x = torch.randn(4, 6)
+
+    def run() -> None:
+        x.t().reshape(24)  # a copy: reshape decomposes into clone + _unsafe_view
+
+    profiler, modes = (
+        op_counts(traced(tmp_path, "profiler", run)),
+        op_counts(traced(tmp_path, "modes", run)),
+    )
+    assert profiler == {"aten::t": 1, "aten::reshape": 1}
+    assert modes == {"aten::t": 1, "aten::clone": 1, "aten::_unsafe_view": 1}
+
+
+def test_ops_from_cpp_below_python_are_seen_only_by_the_profiler(tmp_path: Path) -> None:
+    """nn.Parameter creation detaches in C++ below the Python dispatch key."""
+
+    def run() -> None:
+        torch.nn.Parameter(torch.zeros(3))
+
+    profiler, modes = (
+        op_counts(traced(tmp_path, "profiler", run)),
+        op_counts(traced(tmp_path, "modes", run)),
+    )
+    assert profiler["aten::detach"] == 1
+    assert "aten::detach" not in modes
+    assert profiler["aten::zeros"] == modes["aten::zeros"] == 1
+
+
+def test_in_place_ops_and_gradient_accumulation(tmp_path: Path) -> None:
+    xs = [torch.randn(2, 4) for _ in range(2)]
+
+    for backend in ("profiler", "modes"):
+        lin = torch.nn.Linear(4, 4)
+
+        def run(lin: Any = lin) -> None:
+            for x in xs:  # the second backward accumulates into .grad
+                lin(x).sum().backward()
+            lin.weight.data.mul_(0.5)
+
+        counts = op_counts(traced(tmp_path, backend, run))
+        assert counts["aten::add_"] == 2, backend  # weight and bias, second micro-batch
+        assert counts["aten::mul_"] == 1, backend
+        assert counts["aten::sum"] == 4, backend  # two losses, two bias gradients
+
+
+def test_profiler_stacks_on_transformers_style_and_checkpointed_models(
+    tmp_path: Path, loops: Any
+) -> None:
+    hf_step = loops.hf_style_loop()
+    trace = traced(tmp_path, "profiler", lambda: hf_step())
+    counts = op_counts(trace)
+    assert counts["aten::softmax"] == 2  # two layers
+    assert {"HFSelfAttention.forward", "HFLayer.forward", "HFStyleModel.forward"} <= (
+        qualnames_of(trace, "aten::softmax")
+    )
+    assert counts["aten::_softmax_backward_data"] == 2
+    assert "Tensor.backward" in qualnames_of(trace, "aten::_softmax_backward_data")
+    frames = {(f.qualname, f.module) for f in trace.frames}
+    assert ("HFSelfAttention.split_heads", "loops") in frames
+
+    ck_step = loops.checkpointed_loop()
+    trace = traced(tmp_path, "profiler", lambda: ck_step())
+    counts = op_counts(trace)
+    blocks = 3
+    # forward and the checkpoint's recomputation during backward
+    assert counts["aten::tanh"] == 2 * blocks
+    backward_tanh = [
+        s
+        for s in trace.callsites
+        if s.op == "aten::tanh" and "Tensor.backward" in {trace.frames[i].qualname for i in s.stack}
+    ]
+    assert sum(s.count for s in backward_tanh) == blocks
+    assert "ScaledTanh.forward" in qualnames_of(trace, "aten::tanh")
+    assert "ScaledTanh.backward" in {f.qualname for f in trace.frames}
+
+
+def test_trace_command_profiler_backend(tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [
+            *OPGUARD,
+            *("trace", "--backend", "profiler", "--label", "p", "--output-dir", str(tmp_path)),
+            *("--", str(EXAMPLES / "train_single.py"), "--steps", "2"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    trace = load_trace(tmp_path / "p_callsite_rank0.json")
+    assert trace.meta["tracer_backend"] == "profiler"
+    assert {"TinyGPT.forward", "Block.forward", "train_step", "main"} <= qualnames_of(
+        trace, "aten::linear"
+    )
+    assert all(site.api is None and site.stream == 0 for site in trace.callsites)
+    bad = subprocess.run(
+        [*OPGUARD, "trace", "--backend", "nope", "--", "true"], capture_output=True, text=True
+    )
+    assert bad.returncode == 2 and "nope" in bad.stderr
+
+
+# ---------------------------------------------------------------------------
+# torch.compile
+# ---------------------------------------------------------------------------
+
+
+def _compiled_run(backend: str, compile_backend: str, tmp_path: Path) -> tuple[DecodedTrace, int]:
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 4))
+    compiled = torch.compile(model, backend=compile_backend)
+    x = torch.randn(4, 8)
+
+    def run() -> None:
+        for _ in range(2):
+            compiled(x).sum().backward()
+
+    trace = traced(tmp_path, backend, run)
+    return trace, int(counters["stats"]["unique_graphs"])
+
+
+@pytest.mark.slow
+def test_torch_compile_compiles_under_the_profiler_backend(tmp_path: Path) -> None:
+    trace, graphs = _compiled_run("profiler", "aot_eager", tmp_path)
+    assert graphs >= 1
+    counts = op_counts(trace)
+    assert counts[COMPILED_REGION_OP] == 2
+    # the graphs' ops (aot_eager runs them as aten ops; its backward recomputes gelu)
+    assert counts["aten::addmm"] == 4 and counts["aten::gelu"] >= 2
+    # the modes backend: Dynamo compiles no frame under a TorchDispatchMode
+    trace, graphs = _compiled_run("modes", "aot_eager", tmp_path)
+    assert graphs == 0
+    assert COMPILED_REGION_OP not in op_counts(trace)
+
+
+@pytest.mark.slow
+def test_torch_compile_inductor_under_the_profiler_backend(tmp_path: Path) -> None:
+    trace, graphs = _compiled_run("profiler", "inductor", tmp_path)
+    assert graphs >= 1
+    counts = op_counts(trace)
+    assert counts[COMPILED_REGION_OP] == 2
+    assert counts["aten::addmm"] >= 4  # extern kernels the generated code calls
+    assert "aten::gelu" not in counts  # fused into Inductor's own C++ kernel
+
+
+# ---------------------------------------------------------------------------
+# memory over a long run
+# ---------------------------------------------------------------------------
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as handle:
+        return int(handle.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="needs /proc")
+@pytest.mark.parametrize("backend", ["modes", "profiler"])
+def test_memory_is_flat_over_10000_steps(tmp_path: Path, backend: str) -> None:
+    from opguard_plugins.tracer import make_tracer
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 8)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    x = torch.randn(4, 8)
+    tracer = make_tracer(backend, "m", tmp_path, rank=0)
+    if backend == "profiler":
+        tracer.fold_seconds = 0.5  # type: ignore[attr-defined]
+    samples: dict[int, int] = {}
+    tracer.start()
+    try:
+        for step in range(1, 10_001):
+            optimizer.zero_grad()
+            model(x).sum().backward()
+            optimizer.step()
+            if step in (1_000, 10_000):
+                samples[step] = _rss_bytes()
+                sites = len(tracer.recorder.counts)
+    finally:
+        tracer.stop()
+    growth = samples[10_000] - samples[1_000]
+    print(f"{backend}: RSS {samples[1_000] / 2**20:.1f} -> {samples[10_000] / 2**20:.1f} MiB")
+    assert growth < 8 * 2**20, f"{backend} grew {growth / 2**20:.1f} MiB over 9,000 steps"
+    assert len(tracer.recorder.counts) == sites
+    assert sum(tracer.recorder.counts.values()) > 10_000
+
+
+# ---------------------------------------------------------------------------
+# library / user by location
+# ---------------------------------------------------------------------------
+
+
+def test_library_or_user_by_location(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    package = tmp_path / "myproject_mod15"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import pluggy  # installed: under site-packages, and on no list
+
+    assert locations.is_library_path(pluggy.__file__)
+    assert "library" in tags_for("pluggy._hooks:HookCaller.__call__", "method", {})
+    assert "library" in tags_for("json.decoder:JSONDecoder.decode", "method", {})
+    assert "user" in tags_for("myproject_mod15.model:Net.forward", "method", {})
+    assert "user" in tags_for("not_installed_anywhere_15:f", "function", {})
+    # the fixed list is an override: library even where it is not installed
+    assert "library" in tags_for("deepspeed.runtime.engine:DeepSpeedEngine.forward", "method", {})
+    monkeypatch.setenv("OPGUARD_USER_PACKAGES", "pluggy")
+    assert "user" in tags_for("pluggy._hooks:HookCaller.__call__", "method", {})
+    monkeypatch.setenv("OPGUARD_LIBRARY_PACKAGES", "myproject_mod15")
+    assert "library" in tags_for("myproject_mod15.model:Net.forward", "method", {})
