@@ -28,7 +28,7 @@ import enum
 import gc
 import itertools
 from collections.abc import Iterable, Iterator
-from operator import itemgetter
+from operator import attrgetter, itemgetter
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -45,6 +45,7 @@ from opguard_core.trace_format import (
     load_trace,
     validate_frame_ids,
 )
+from opguard_core.tree_format import MAX_COUNT
 from opguard_core.values import same_json
 
 #: key of a callsite in an accumulator: (stack of global frame ids, api, op, stream)
@@ -331,6 +332,9 @@ class _Agreement:
         return {k: v for k, v in values.items() if v is not _CONFLICT}
 
 
+_count_of = attrgetter("count")
+
+
 class _PackedSites(NamedTuple):
     """An accumulator's sites in transit: every stack's frame ids end to end
     (``array('I')`` bytes), the stacks' lengths (same), then one list per column;
@@ -369,6 +373,8 @@ class TraceAccumulator:
         #: opguard_core.rank_claims checks (two files of one entry claiming one rank)
         self.claims: list[tuple[str, tuple[int, ...], int, bool]] = []
         self.inputs = 0
+        #: every op added so far; refused past MAX_COUNT (no reader holds more exactly)
+        self.total = 0
         self.meta = _Agreement()
         self.extras = _Agreement()
         self.frame_extras: dict[Frame, _Agreement] = {}
@@ -404,6 +410,12 @@ class TraceAccumulator:
         stats_valid = (single or bool(trace.meta.get(PER_RANK_KEY))) and not (
             file_mask & self.rank_mask
         )
+        total = self.total + sum(map(_count_of, trace.callsites))
+        if total > MAX_COUNT:
+            raise InputError(
+                trace.path,
+                f"the counts add up to {total}, more than 2**63-1 ops (with the files before)",
+            )
         local = [self._intern(frame) for frame in trace.frames]
         remap = local.__getitem__
         gather = itemgetter
@@ -469,6 +481,7 @@ class TraceAccumulator:
         self.stats_valid = self.stats_valid and stats_valid
         self.rank_mask |= file_mask
         self.inputs += 1
+        self.total = total
         stated = "rank" in trace.meta or "ranks" in trace.meta
         self.claims.append((trace.path, tuple(file_ranks), len(callsites), stated))
         self.meta.add(meta)
@@ -484,6 +497,10 @@ class TraceAccumulator:
 
     def update(self, other: TraceAccumulator) -> None:
         """Fold another accumulator (for example a worker's partial result) into this one."""
+        total = self.total + other.total
+        if total > MAX_COUNT:
+            last = other.claims[-1][0] if other.claims else None
+            raise InputError(last, f"the counts add up to {total}, more than 2**63-1 ops")
         self._unpack()
         remap = [self._intern(frame) for frame in other.frames]
         identity = remap == list(range(len(remap)))
@@ -503,6 +520,7 @@ class TraceAccumulator:
         )
         self.rank_mask |= other.rank_mask
         self.inputs += other.inputs
+        self.total = total
         self.claims += other.claims
         self.meta.update(other.meta)
         self.extras.update(other.extras)

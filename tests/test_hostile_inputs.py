@@ -472,7 +472,7 @@ def test_a_real_sigkill_leaves_a_run_the_next_run_reports(tmp_path: Path) -> Non
         env=env, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert after.returncode == 0, after.stderr
-    [line] = [x for x in _lines(after.stderr) if "stale" in x]
+    [line] = [x for x in _logged_warnings(after.stderr) if "stale" in x]
     assert str(killed) in line
 
 
@@ -629,3 +629,20 @@ def test_bundled_traces_are_not_ignored() -> None:
         ["git", "check-ignore", "-q", "examples/traces/ddp_callsite_rank0.json"], cwd=REPO
     )
     assert proc.returncode == 1
+
+
+def test_counts_adding_up_past_2_63_fail_the_entry_naming_the_file(
+    opguard: Callable[..., RunResult], tmp_path: Path
+) -> None:
+    """Each file's counts are in range, their sum is not: combine refuses the file that
+    takes it past 2**63-1 (no JSON or YAML reader would hold the total exactly)."""
+    sites = [([("app", "main")], None, "aten::mm", 2**62)]
+    for rank in (0, 1):
+        write(tmp_path / f"huge_rank{rank}.json", trace_doc(sites, rank=rank))
+    write(tmp_path / "fine.json", trace_doc(SITES))
+    run = opguard("run", "-i", tmp_path / "huge_rank*.json", "-i", tmp_path / "fine.json")
+    assert run.exit_code == 1
+    [failed] = [s for s in _summary(run)["stages"] if s["status"] == "failed"]
+    assert failed["stage"] == "combine" and "huge_rank1.json" in failed["error"]
+    assert "more than 2**63-1 ops" in failed["error"]
+    assert run.read("fine_instrumentation.yaml")
