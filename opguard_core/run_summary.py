@@ -53,20 +53,23 @@ def run_config(run_dir: Path, filtered: bool = True) -> Path:
     return run_dir / name
 
 
-def _count(value: Any) -> int | None:
-    """How many findings a ``divergence`` summary value holds (a number, a list, or a
-    mapping with ``findings`` or ``count``)."""
-    if isinstance(value, bool):
+def divergence_counts(summary: dict[str, Any]) -> dict[str, Any] | None:
+    """The divergence stage's findings over the run (``findings``, ``errors``,
+    ``warnings`` and the ``entries`` with findings), or None when no entry ran it."""
+    records = [
+        r for r in summary.get("stages", []) if r.get("stage") == "divergence"
+        and r.get("status") == "ok"
+    ]  # fmt: skip
+    if not records:
         return None
-    if isinstance(value, int):
-        return value
-    if isinstance(value, list):
-        return len(value)
-    if isinstance(value, dict):
-        for key in ("findings", "count"):
-            if key in value:
-                return _count(value[key])
-    return None
+    totals: dict[str, Any] = {"findings": 0, "errors": 0, "warnings": 0, "entries": []}
+    for record in records:
+        counts = record.get("counts") or {}
+        for key in ("findings", "errors", "warnings"):
+            totals[key] += int(counts.get(key, 0))
+        if counts.get("findings"):
+            totals["entries"].append(record.get("entry"))
+    return totals
 
 
 def summary_lines(summary: dict[str, Any]) -> list[str]:
@@ -95,9 +98,13 @@ def summary_lines(summary: dict[str, Any]) -> list[str]:
             f"{k}={v}" for k, v in warning.items() if k != "message" and v is not None
         )
         lines.append(f"  warning: {warning.get('message')}" + (f" ({fields})" if fields else ""))
-    findings = _count(summary.get("divergence"))
-    if findings is not None:
-        lines.append(f"  divergence: {findings} findings")
+    found = divergence_counts(summary)
+    if found is not None:
+        where = f" in {', '.join(found['entries'])}" if found["entries"] else ""
+        lines.append(
+            f"  divergence: {found['findings']} findings ({found['errors']} errors, "
+            f"{found['warnings']} warnings){where}"
+        )
     return lines
 
 
@@ -116,10 +123,18 @@ def summary_fields(summary: dict[str, Any]) -> dict[str, Any]:
         "failures": len(failed),
         "warnings": len(summary.get("warnings") or []),
     }
-    findings = _count(summary.get("divergence"))
-    if findings is not None:
-        fields["divergence_findings"] = findings
+    found = divergence_counts(summary)
+    if found is not None:
+        fields["divergence_findings"] = found["findings"]
+        fields["divergence_errors"] = found["errors"]
     return fields
 
 
-__all__ = ["final_configs", "read_summary", "run_config", "summary_fields", "summary_lines"]
+__all__ = [
+    "divergence_counts",
+    "final_configs",
+    "read_summary",
+    "run_config",
+    "summary_fields",
+    "summary_lines",
+]

@@ -117,7 +117,10 @@ def test_the_end_of_a_run_says_what_it_made(opguard, samples) -> None:
         run.run_dir / "final_combined_filtered_instrumentation.yaml"
     )
     assert (summary["failures"], summary["warnings"], summary["failed_entries"]) == (0, 0, [])
-    assert "divergence_findings" not in summary
+    stages = json.loads((run.run_dir / "pipeline_summary.json").read_text())["stages"]
+    assert summary["divergence_findings"] == sum(
+        r["counts"]["findings"] for r in stages if r["stage"] == "divergence"
+    )
     # the plugins once, at the start; run_dir once
     (plugins,) = [e for e in events if e["event"] == "plugins"]
     listed = opguard("plugins", "--all", "--json", expect=0).result.stdout
@@ -167,21 +170,24 @@ def test_compare_uses_the_first_config_that_exists_and_says_so(opguard, samples,
     assert len(logged) == 1 and logged[0]["level"] == "warning"
 
 
-@pytest.mark.parametrize(
-    ("divergence", "line"),
-    [
-        ([{"a": 1}, {"b": 2}], "  divergence: 2 findings"),
-        ({"findings": [{"a": 1}]}, "  divergence: 1 findings"),
-        ({"count": 0}, "  divergence: 0 findings"),
-        (None, None),
-    ],
-)
-def test_the_summary_counts_divergence_findings_when_present(divergence, line) -> None:
-    summary: dict[str, Any] = {"status": "ok", "run_dir": "/r", "entries": [], "stages": []}
-    if divergence is not None:
-        summary["divergence"] = divergence
-    lines = summary_lines(summary)
-    assert (line in lines) if line else not any("divergence" in x for x in lines)
+def test_the_summary_counts_divergence_findings(opguard, samples) -> None:
+    """The recorded divergent job (rank 1 issues an extra all_reduce) beside the FSDP
+    sample: the console summary and the JSON record count the divergence stage's
+    findings and name the entry; without the stage there is no divergence line."""
+    divergent = Path(__file__).parent / "data" / "divergent" / "divergent_callsite_rank*.json"
+    run = opguard("run", "-i", str(divergent), "-i", str(samples / "fsdp_callsite_rank*.json"))
+    summary = _summary(run)
+    records = [s for s in summary["stages"] if s["stage"] == "divergence"]
+    findings = sum(r["counts"]["findings"] for r in records)
+    errors = sum(r["counts"]["errors"] for r in records)
+    assert errors >= 1  # the extra all_reduce
+    (record,) = [e for e in _events(run.stderr) if e["event"] == "run summary"]
+    assert (record["divergence_findings"], record["divergence_errors"]) == (findings, errors)
+    (line,) = [x for x in summary_lines(summary) if x.startswith("  divergence:")]
+    assert line.startswith(f"  divergence: {findings} findings ({errors} errors, ")
+    assert "divergent_callsite" in line
+    skipped = _summary(opguard("run", "-i", str(divergent), "--skip", "divergence"))
+    assert not any("divergence" in x for x in summary_lines(skipped))
 
 
 def test_meta_records_the_steps_of_each_source(opguard, samples) -> None:
