@@ -1,8 +1,11 @@
 """The ``opguard`` command line.
 
-The CLI is built by :func:`create_cli` from a plugin manager, so plugins can add
-commands (``opguard_register_commands``) without import-time side effects.
-``--disable-plugin`` is read from the arguments *before* any plugin is loaded.
+The CLI is built by :func:`create_cli` from a plugin manager, or from a function that
+makes one, so plugins can add commands (``opguard_register_commands``) without
+import-time side effects. ``--disable-plugin`` is read from the arguments *before*
+any plugin is loaded. Plugins are loaded only when a command needs them: ``opguard
+--version`` and ``opguard run --help`` load none, and import neither pluggy,
+structlog, msgspec nor rich (start-up: docs/performance.md).
 """
 
 from __future__ import annotations
@@ -10,8 +13,9 @@ from __future__ import annotations
 import json
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import click
 
@@ -32,15 +36,11 @@ from opguard_core.options_check import (
     unknown_disabled,
 )
 from opguard_core.paths import OutputLocationError, prepare_output_dir
-from opguard_core.plugins import (
-    BUILTIN_PLUGINS,
-    EssentialPluginError,
-    OpGuardPluginManager,
-    call_impl,
-    create_plugin_manager,
-)
-from opguard_core.runner import OUTPUT_BASE_ENV, Runner, trace_output_base
-from opguard_core.stale_runs import clean_stale_runs
+from opguard_core.plugin_names import BUILTIN_PLUGINS, disabled_from_env
+
+if TYPE_CHECKING:
+    from opguard_core.plugins import OpGuardPluginManager
+    from opguard_core.runner import Runner
 
 DISABLE_OPTION = "--disable-plugin"
 
@@ -125,10 +125,55 @@ def check_basic(manager: OpGuardPluginManager, basic: bool) -> None:
         raise click.UsageError("--basic needs the basic_filter plugin, which is disabled")
 
 
-def create_cli(manager: OpGuardPluginManager) -> click.Group:
-    """Build the ``opguard`` command group around ``manager``."""
+class PluginCommandGroup(click.Group):
+    """The ``opguard`` group: its own commands (``run``, ``plugins``) resolve without
+    loading a plugin; any other name, or listing the commands, loads the plugins and
+    adds the commands they register (``opguard_register_commands``) first."""
 
-    @click.group(context_settings={"help_option_names": ["-h", "--help"]})
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.plugin_commands: Callable[[], None] = lambda: None
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        if cmd_name not in self.commands:
+            self.plugin_commands()
+        return super().get_command(ctx, cmd_name)
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        self.plugin_commands()
+        return super().list_commands(ctx)
+
+
+class ManagerHandle:
+    """The plugin manager, made on first use from ``make`` (or given made)."""
+
+    def __init__(self, source: OpGuardPluginManager | Callable[[], OpGuardPluginManager]) -> None:
+        self._made: OpGuardPluginManager | None = None if callable(source) else source
+        self._make = source if callable(source) else None
+
+    def get(self) -> OpGuardPluginManager:
+        if self._made is None:
+            assert self._make is not None
+            self._made = self._make()
+        return self._made
+
+    def disabled(self, args_disabled: Sequence[str]) -> list[str]:
+        """The disabled names, without loading plugins when the manager is not made."""
+        if self._made is not None:
+            return list(self._made.disabled)
+        return [*args_disabled, *disabled_from_env()]
+
+
+def create_cli(
+    manager_source: OpGuardPluginManager | Callable[[], OpGuardPluginManager],
+    args_disabled: Sequence[str] = (),
+) -> click.Group:
+    """Build the ``opguard`` command group around a plugin manager, or around a
+    function that makes one when a command first needs it (``args_disabled``: the
+    ``--disable-plugin`` names that function blocks)."""
+    handle = ManagerHandle(manager_source)
+
+    @click.group(cls=PluginCommandGroup, context_settings={"help_option_names": ["-h", "--help"]})
     @click.version_option(__version__, prog_name="opguard")
     @click.option(
         "--log-format",
@@ -145,7 +190,7 @@ def create_cli(manager: OpGuardPluginManager) -> click.Group:
         ctx.obj["log_format"] = log_format
         ctx.obj["verbose"] = verbose
         configure_logging(log_format, verbose)
-        for name in unknown_disabled(manager.disabled, BUILTIN_PLUGINS):
+        for name in unknown_disabled(handle.disabled(args_disabled), BUILTIN_PLUGINS):
             click.echo(f"opguard: warning: {DISABLE_OPTION} {name!r}: no such plugin", err=True)
 
     @cli.command(cls=RunCommand)
@@ -294,6 +339,10 @@ def create_cli(manager: OpGuardPluginManager) -> click.Group:
         fail_on_divergence: bool,
     ) -> None:
         """Preprocess callsite traces into instrumentation configs."""
+        from opguard_core.runner import Runner
+        from opguard_core.stale_runs import clean_stale_runs
+
+        manager = handle.get()
         inputs = list(input_options)
         if not inputs and not clean_stale:
             raise click.UsageError("give at least one --input")
@@ -365,6 +414,7 @@ def create_cli(manager: OpGuardPluginManager) -> click.Group:
     @_disable_option
     def plugins(show_all: bool, as_json: bool) -> None:
         """List installed plugins: name, distribution, version and hooks."""
+        manager = handle.get()
         infos = [p for p in manager.describe() if show_all or not p.builtin]
         if as_json:
             click.echo(
@@ -395,18 +445,30 @@ def create_cli(manager: OpGuardPluginManager) -> click.Group:
         if manager.disabled:
             click.echo(f"disabled: {', '.join(manager.disabled)}")
 
-    for impl in manager.implementations("opguard_register_commands"):
-        try:
-            call_impl(impl, {"cli": cli, "manager": manager})
-        except Exception as exc:
-            raise PluginError(
-                f'plugin "{impl.plugin_name}": opguard_register_commands failed: {exc}'
-            ) from exc
+    def register_plugin_commands() -> None:
+        from opguard_core.plugins import call_impl
+
+        cli.plugin_commands = lambda: None  # once
+        manager = handle.get()
+        for impl in manager.implementations("opguard_register_commands"):
+            try:
+                call_impl(impl, {"cli": cli, "manager": manager})
+            except Exception as exc:
+                raise PluginError(
+                    f'plugin "{impl.plugin_name}": opguard_register_commands failed: {exc}'
+                ) from exc
+
+    assert isinstance(cli, PluginCommandGroup)
+    cli.plugin_commands = register_plugin_commands
+    if not callable(manager_source):
+        register_plugin_commands()  # a manager given made: its commands at once
     return cli
 
 
 def _output_base(explicit: Path | None) -> Path:
     """The run's output base, checked: one line and exit 2 when it cannot be used."""
+    from opguard_core.runner import OUTPUT_BASE_ENV, trace_output_base
+
     base = trace_output_base(explicit)
     what = "--output-base" if explicit is not None else f"${OUTPUT_BASE_ENV}"
     if explicit is None and not os.environ.get(OUTPUT_BASE_ENV):
@@ -457,22 +519,33 @@ def _refuse_configs(inputs: Sequence[str]) -> None:
 
 
 def cli_for(args: Sequence[str]) -> click.Group:
-    """The CLI for ``args``: plugins named by ``--disable-plugin`` are blocked first."""
-    return create_cli(create_plugin_manager(disabled_from_args(args)))
+    """The CLI for ``args``: plugins named by ``--disable-plugin`` are blocked first;
+    the plugins load when a command needs them."""
+    disabled = disabled_from_args(args)
+
+    def make() -> OpGuardPluginManager:
+        from opguard_core.plugins import create_plugin_manager
+
+        return create_plugin_manager(disabled)
+
+    return create_cli(make, disabled)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
     """Console-script entry point."""
     args = list(sys.argv[1:] if argv is None else argv)
     try:
-        cli = cli_for(args)
-    except EssentialPluginError as exc:
-        click.echo(f"Usage error: {exc}", err=True)
-        sys.exit(int(ExitCode.USAGE_ERROR))
-    except PluginError as exc:
+        cli_for(args).main(args, prog_name="opguard")
+    except OpGuardError as exc:  # loading the plugins failed
+        from opguard_core.plugins import EssentialPluginError
+
+        if isinstance(exc, EssentialPluginError):
+            click.echo(f"Usage error: {exc}", err=True)
+            sys.exit(int(ExitCode.USAGE_ERROR))
+        if not isinstance(exc, PluginError):
+            raise
         click.echo(f"opguard: error: {exc}", err=True)
         sys.exit(int(ExitCode.PLUGIN_ERROR))
-    cli.main(args, prog_name="opguard")
 
 
 if __name__ == "__main__":

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 from typing import Any
 
-import structlog
 from ruamel.yaml.comments import CommentedMap
 
 from opguard_core.config_format import block_map, entry_key, flow_seq, validate_config
 from opguard_core.errors import OpGuardError
+from opguard_core.logs import get_logger
 from opguard_core.model import RunOptions
 from opguard_core.plugins import OpGuardPluginManager, call_impl
 
@@ -38,7 +38,7 @@ def apply_filters(
     """Fold ``config`` through ``filters``; return the result and, per filter, what
     it kept and dropped. The names of the filters are added to
     ``meta.settings.filters``. ``on_plugin(name)`` is told which filter runs."""
-    log = log or structlog.get_logger()
+    log = log or get_logger()
     chain = []
     for impl in filters:
         if on_plugin is not None:

@@ -1,6 +1,9 @@
 """Logging and progress: structlog to stderr, console on a terminal, JSON otherwise.
 
-``configure_logging`` is called once by the CLI. ``progress`` shows a rich progress
+``configure_logging`` is called once by the CLI; it only records the format and
+level, and structlog is imported and configured on the first :func:`get_logger`, so
+a command that logs nothing (``opguard --version``, ``--help``) never imports it.
+``progress`` shows a rich progress
 bar only in console mode on a terminal; in JSON mode, or when stderr is not a
 terminal, it shows nothing.
 """
@@ -13,11 +16,9 @@ import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
-import structlog
-
 from opguard_core.errors import one_line
 
-_state: dict[str, Any] = {"format": "json", "tty": False}
+_state: dict[str, Any] = {"format": "json", "tty": False, "level": logging.INFO, "applied": False}
 
 
 def resolve_format(requested: str | None) -> str:
@@ -28,14 +29,25 @@ def resolve_format(requested: str | None) -> str:
 
 
 def configure_logging(log_format: str | None = None, verbose: int = 0) -> str:
-    """Configure structlog for this process; returns the format in use."""
+    """Set the format and level of this process's logs; returns the format in use.
+    structlog itself is configured when the first logger is made."""
     fmt = resolve_format(log_format)
     _state["format"] = fmt
     _state["tty"] = sys.stderr.isatty()
-    level = logging.DEBUG if verbose else logging.INFO
+    _state["level"] = logging.DEBUG if verbose else logging.INFO
+    _state["applied"] = False
+    if "structlog" in sys.modules:  # already in use: apply now, as before
+        _apply()
+    return fmt
+
+
+def _apply() -> None:
+    """Configure structlog from ``_state``."""
+    import structlog
+
     renderer: Any
     escape: list[Any] = []
-    if fmt == "console":
+    if _state["format"] == "console":
         renderer = structlog.dev.ConsoleRenderer(colors=_state["tty"])
         escape = [escape_controls]  # JSON escapes them itself
     else:
@@ -48,11 +60,11 @@ def configure_logging(log_format: str | None = None, verbose: int = 0) -> str:
             *escape,
             renderer,
         ],
-        wrapper_class=structlog.make_filtering_bound_logger(level),
+        wrapper_class=structlog.make_filtering_bound_logger(_state["level"]),
         logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
         cache_logger_on_first_use=False,
     )
-    return fmt
+    _state["applied"] = True
 
 
 def escape_controls(logger: Any, method: str, event: dict[str, Any]) -> dict[str, Any]:
@@ -78,6 +90,11 @@ def current_format() -> str:
 
 
 def get_logger(**initial: Any) -> Any:
+    """The ``opguard`` structlog logger (structlog configured first if it is not yet)."""
+    import structlog
+
+    if not _state["applied"]:
+        _apply()
     return structlog.get_logger("opguard").bind(**initial)
 
 

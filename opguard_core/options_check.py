@@ -18,7 +18,6 @@ from __future__ import annotations
 import importlib.util
 import math
 from collections.abc import Iterable, Sequence
-from importlib.metadata import entry_points
 from typing import Any
 
 import click
@@ -95,7 +94,12 @@ def _importable(module: str) -> bool:
 
 def unknown_disabled(disabled: Sequence[str], builtin: Iterable[str]) -> list[str]:
     """Names in ``disabled`` that are neither built-in nor an installed entry point."""
-    known = set(builtin) | {ep.name for ep in entry_points(group=ENTRY_POINT_GROUP)}
+    builtin = set(builtin)
+    if all(name in builtin for name in disabled):
+        return []  # no need to read the installed plugins' metadata
+    from importlib.metadata import entry_points
+
+    known = builtin | {ep.name for ep in entry_points(group=ENTRY_POINT_GROUP)}
     return [name for name in disabled if name not in known]
 
 

@@ -12,7 +12,6 @@ import dataclasses
 import difflib
 import importlib
 import inspect
-import os
 from collections.abc import Iterable
 from importlib.metadata import EntryPoint, entry_points
 from typing import Any
@@ -21,30 +20,11 @@ import pluggy
 
 from opguard_core import ENTRY_POINT_GROUP, PROJECT_NAME, hookspecs
 from opguard_core.errors import OpGuardError, PluginError
-
-#: Built-in plugins, as declared in pyproject.toml; used only when the package's
-#: metadata is missing (running from a source tree that was not pip-installed).
-BUILTIN_PLUGINS: dict[str, str] = {
-    "discover": "opguard_plugins.discover",
-    "combine": "opguard_plugins.combine",
-    "compress": "opguard_plugins.compress",
-    "generate": "opguard_plugins.generate",
-    "compare": "opguard_plugins.compare",
-    "merge": "opguard_plugins.merge",
-    "basic_filter": "opguard_plugins.basic_filter",
-    "trace": "opguard_plugins.trace",
-    "dask_executor": "opguard_plugins.dask_executor",
-    "export": "opguard_plugins.export",
-    "export_formats": "opguard_plugins.export_formats",
-    "report": "opguard_plugins.report",
-    "config_commands": "opguard_plugins.config_commands",
-    "divergence": "opguard_plugins.divergence",
-}
-
-#: Built-ins the pipeline cannot run without; use ``--skip STAGE`` to skip a stage.
-ESSENTIAL_PLUGINS = frozenset({"discover", "combine", "compress", "generate", "compare", "merge"})
-
-DISABLE_ENV = "OPGUARD_DISABLE_PLUGINS"
+from opguard_core.plugin_names import (
+    BUILTIN_PLUGINS,
+    ESSENTIAL_PLUGINS,
+    disabled_from_env,
+)
 
 #: Every hook's name starts with this; so must an unmarked function meant as a hook.
 HOOK_PREFIX = "opguard_"
@@ -61,11 +41,6 @@ class PluginInfo:
     version: str | None
     hooks: list[str]
     builtin: bool
-
-
-def disabled_from_env(environ: dict[str, str] | None = None) -> list[str]:
-    raw = (environ if environ is not None else os.environ).get(DISABLE_ENV, "")
-    return [name.strip() for name in raw.replace(";", ",").split(",") if name.strip()]
 
 
 def hook_names() -> list[str]:
