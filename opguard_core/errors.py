@@ -19,6 +19,8 @@ class ExitCode(enum.IntEnum):
     USAGE_ERROR = 2
     #: a plugin could not be loaded or registered
     PLUGIN_ERROR = 3
+    #: ``opguard check``: a trace or the config could not be read
+    INPUT_UNREADABLE = 4
     #: stopped by SIGINT or SIGTERM
     INTERRUPTED = 130
 

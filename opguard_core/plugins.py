@@ -37,6 +37,9 @@ BUILTIN_PLUGINS: dict[str, str] = {
     "export": "opguard_plugins.export",
     "export_formats": "opguard_plugins.export_formats",
     "report": "opguard_plugins.report",
+    "check": "opguard_plugins.check",
+    "check_rules": "opguard_plugins.check_rules",
+    "guard": "opguard_plugins.guard",
 }
 
 #: Built-ins the pipeline cannot run without; use ``--skip STAGE`` to skip a stage.

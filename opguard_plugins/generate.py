@@ -176,14 +176,12 @@ def generate_config(tree: dict[str, Any], source: str, depth: int) -> CommentedM
     config = CommentedMap()
     config["version"] = CONFIG_VERSION
     config["source"] = source
-    config["meta"] = block_map(
-        [
-            ("ranks", flow_seq(meta_ranks)),
-            ("total", tree["root"]["count"]),
-            ("sources", flow_seq([source])),
-            ("settings", run_settings(tree, depth)),
-        ]
-    )
+    meta = [("ranks", flow_seq(meta_ranks)), ("total", tree["root"]["count"])]
+    steps = tree.get("meta", {}).get("steps")
+    if isinstance(steps, int) and not isinstance(steps, bool):
+        meta.append(("steps", steps))  # optimizer steps the trace covered (the tracer's)
+    meta += [("sources", flow_seq([source])), ("settings", run_settings(tree, depth))]
+    config["meta"] = block_map(meta)
     config["entries"] = out
     return config
 

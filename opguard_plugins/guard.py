@@ -1,0 +1,1 @@
+"""Built-in plugin: ``opguard guard`` (see guard_runtime.py)."""
