@@ -168,6 +168,36 @@ def check_report(config: str, violations: Sequence[Violation]) -> dict[str, Any]
     }
 
 
+def guard_report(
+    config: str,
+    rank: int,
+    violations: list[dict[str, Any]],
+    unwrapped: list[dict[str, str]],
+    on_violation: str,
+    sample: float,
+    steps: int,
+    checked_steps: int,
+    wrapped: int,
+) -> dict[str, Any]:
+    """The ``opguard-guard-report`` document of one rank (``violations`` already carry
+    ``rank``, ``count`` and ``stack``)."""
+    return {
+        "format": GUARD_FORMAT,
+        "version": REPORT_VERSION,
+        "config": config,
+        "rank": rank,
+        "on_violation": on_violation,
+        "sample": sample,
+        "steps": steps,
+        "checked_steps": checked_steps,
+        "errors": sum(v["severity"] == ERROR for v in violations),
+        "warnings": sum(v["severity"] == WARNING for v in violations),
+        "violations": violations,
+        "wrapped": wrapped,
+        "unwrapped": unwrapped,
+    }
+
+
 def write_json(path: Path, document: dict[str, Any]) -> None:
     """Write a report atomically (sorted keys are not used: field order is the contract's)."""
     atomic_write_text(path, json.dumps(document, indent=2) + "\n")
@@ -225,6 +255,7 @@ __all__ = [
     "CheckInput",
     "Violation",
     "check_report",
+    "guard_report",
     "join_ranks",
     "load_report",
     "write_json",

@@ -48,18 +48,43 @@ def build_argv(command: Sequence[str]) -> list[str]:
     return argv
 
 
-def build_env(label: str, output_dir: Path, command: Sequence[str]) -> dict[str, str]:
-    """The environment that turns tracing on in COMMAND's Python processes."""
+def bootstrap_env(variables: dict[str, str], command: Sequence[str]) -> dict[str, str]:
+    """The environment that runs the bootstrap in COMMAND's Python processes.
+
+    The bootstrap directory goes first on ``PYTHONPATH``; ``variables`` (the
+    ``OPGUARD_TRACE_*`` or ``OPGUARD_GUARD_*`` settings) say what it starts. Shared by
+    ``opguard trace`` and ``opguard guard``.
+    """
     env = dict(os.environ)
     python_path = env.get("PYTHONPATH")
     env["PYTHONPATH"] = (
         f"{BOOTSTRAP_DIR}{os.pathsep}{python_path}" if python_path else str(BOOTSTRAP_DIR)
     )
-    env["OPGUARD_TRACE_LABEL"] = label
-    env["OPGUARD_TRACE_DIR"] = str(output_dir)
+    env.update(variables)
     env["OPGUARD_TRACE_COMMAND"] = shlex.join(command)
     env["OPGUARD_TRACE_PKGROOT"] = str(PACKAGE_ROOT)
     return env
+
+
+def build_env(label: str, output_dir: Path, command: Sequence[str]) -> dict[str, str]:
+    """The environment that turns tracing on in COMMAND's Python processes."""
+    variables = {"OPGUARD_TRACE_LABEL": label, "OPGUARD_TRACE_DIR": str(output_dir)}
+    return bootstrap_env(variables, command)
+
+
+def run_bootstrapped(command: Sequence[str], env: dict[str, str]) -> int:
+    """Run COMMAND (see :func:`build_argv`) with ``env``; return its exit code.
+
+    A command killed by a signal returns 128 + the signal number, like a shell.
+    """
+    try:
+        process = subprocess.run(build_argv(command), env=env, check=False)
+    except FileNotFoundError:
+        raise click.ClickException(f"command not found: {command[0]}") from None
+    code = process.returncode
+    if code < 0:  # killed by a signal: report it like a shell does
+        code = 128 - code
+    return code
 
 
 def written_traces(output_dir: Path, label: str, since: float) -> list[Path]:
@@ -78,14 +103,7 @@ def run_traced(command: Sequence[str], label: str, output_dir: Path) -> tuple[in
     output_dir = output_dir.resolve()
     output_dir.mkdir(parents=True, exist_ok=True)
     started = time.time() - 1.0  # file systems with coarse timestamps
-    env = build_env(label, output_dir, command)
-    try:
-        process = subprocess.run(build_argv(command), env=env, check=False)
-    except FileNotFoundError:
-        raise click.ClickException(f"command not found: {command[0]}") from None
-    code = process.returncode
-    if code < 0:  # killed by a signal: report it like a shell does
-        code = 128 - code
+    code = run_bootstrapped(command, build_env(label, output_dir, command))
     return code, written_traces(output_dir, label, started)
 
 
@@ -143,7 +161,15 @@ def opguard_register_commands(cli: click.Group) -> None:
     cli.add_command(trace_command)
 
 
-__all__ = ["build_argv", "build_env", "opguard_register_commands", "run_traced", "trace_command"]
+__all__ = [
+    "bootstrap_env",
+    "build_argv",
+    "build_env",
+    "opguard_register_commands",
+    "run_bootstrapped",
+    "run_traced",
+    "trace_command",
+]
 
 if __name__ == "__main__":  # python -m opguard_plugins.trace -- COMMAND...
     signal.signal(signal.SIGINT, signal.default_int_handler)
