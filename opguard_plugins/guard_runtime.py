@@ -123,7 +123,18 @@ def main_module_alias() -> str | None:
 class _State:
     """What is active on a thread: the innermost target's key and the active entries."""
 
-    __slots__ = ("allowed", "children", "key", "known", "ok", "path", "streams", "unknown")
+    __slots__ = (
+        "allowed",
+        "chain",
+        "children",
+        "key",
+        "known",
+        "ok",
+        "path",
+        "streams",
+        "unknown",
+        "watch",
+    )
 
     def __init__(
         self,
@@ -141,15 +152,19 @@ class _State:
         self.ok: dict[Any, bool] = {}
         self.children: dict[str, _State] = {}
         self.unknown: tuple[Any, ...] | None = None  # an unknown_context identity
+        #: the unknown_context identities active here (own and ancestors'): their op counts
+        self.chain: tuple[tuple[Any, ...], ...] = ()
+        self.watch = bool(known)  # anything to do per op: known entries or a chain
 
 
 class _Record:
-    __slots__ = ("count", "stack", "violation")
+    __slots__ = ("count", "ops", "stack", "violation")
 
     def __init__(self, violation: Violation, stack: list[dict[str, Any]]) -> None:
         self.violation = violation
         self.stack = stack
         self.count = 0
+        self.ops = 0  # ops run while it was active (unknown_context)
 
 
 class _Mode(TorchDispatchMode):  # type: ignore[no-untyped-call]
@@ -158,6 +173,8 @@ class _Mode(TorchDispatchMode):  # type: ignore[no-untyped-call]
     def __init__(self, guard: Guard) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
         self.guard = guard
+        self.local = guard.local
+        self.cuda = guard.cuda
 
     def __torch_dispatch__(
         self,
@@ -166,18 +183,21 @@ class _Mode(TorchDispatchMode):  # type: ignore[no-untyped-call]
         args: tuple[Any, ...] = (),
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
-        guard = self.guard
-        state = getattr(guard.local, "state", None)
-        if state is not None and state.known and guard.checking:
-            if guard.cuda and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
-                key: Any = (func, int(torch.cuda.current_stream().stream_id))
-            else:
-                key = func
-            ok = state.ok.get(key)
-            if ok is None:
-                guard.check_op(state, key)
-            elif not ok:
-                guard.repeat_op(state, key)
+        state = getattr(self.local, "state", None)
+        if state is not None and state.watch and self.guard.checking:
+            guard = self.guard
+            if state.chain:
+                guard.count_ops(state.chain)
+            if state.known:
+                if self.cuda and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
+                    key: Any = (func, int(torch.cuda.current_stream().stream_id))
+                else:
+                    key = func
+                ok = state.ok.get(key)
+                if ok is None:
+                    guard.check_op(state, key)
+                elif not ok:
+                    guard.repeat_op(state, key)
         return func(*args, **(kwargs or {}))
 
 
@@ -236,7 +256,14 @@ class Guard:
         self.every = sample_every(sample)
         self.fixed_rank = rank
         self.rank: int | None = None
-        settings = (config.get("meta") or {}).get("settings") or {}
+        meta = config.get("meta") or {}
+        settings = meta.get("settings") or {}
+        ranks = len(meta.get("ranks") or [0]) or 1
+        #: an unknown_context with fewer ops (per rank) is below what the config keeps
+        self.threshold = max(
+            float(settings.get("min_count", 1) or 0),
+            float(settings.get("min_fraction", 0) or 0) * float(meta.get("total", 0) or 0) / ranks,
+        )
         self.depth = int(settings.get("context_depth", 1) or 0)
         self.entries: dict[EntryKey, Any] = {entry_key(e): e for e in config["entries"]}
         self.ops = {
@@ -263,7 +290,7 @@ class Guard:
         self.unwrapped: dict[str, str] = {}
         self.wrapped: set[str] = set()
         self._restore: list[tuple[Any, str, Any, Any]] = []
-        self._states: dict[tuple[tuple[str, ...], frozenset[EntryKey]], _State] = {}
+        self._states: dict[tuple[Any, ...], _State] = {}
         self._tops: dict[tuple[tuple[str, ...], str], _State] = {}
         self.records: dict[tuple[Any, ...], _Record] = {}
         #: (state, op key) -> the identities of the violations it makes
@@ -296,12 +323,15 @@ class Guard:
     def start(self) -> None:
         """Wrap the targets (now and on import), push the mode, count optimizer steps."""
         alias = main_module_alias()
+        replaced: dict[Any, Any] = {}
         for module_name in list(self.pending):
             module = sys.modules.get(module_name)
             if module is None and module_name == alias:
                 module = sys.modules.get("__main__")
             if module is not None:
-                self.wrap_module(module_name, module)
+                self.wrap_module(module_name, module, replaced)
+        if replaced:
+            self._replace_references(replaced)
         self._watcher = _ImportWatcher(self)
         sys.meta_path.insert(0, self._watcher)
         self._step_hook = count_optimizer_steps(self._after_step)
@@ -352,11 +382,19 @@ class Guard:
 
     # -- wrapping -------------------------------------------------------------
 
-    def wrap_module(self, module_name: str, module: types.ModuleType) -> None:
-        """Wrap every pending target of ``module_name`` found in ``module``."""
+    def wrap_module(
+        self,
+        module_name: str,
+        module: types.ModuleType,
+        replaced: dict[Any, Any] | None = None,
+    ) -> None:
+        """Wrap every pending target of ``module_name`` found in ``module``; module-level
+        functions are replaced in other modules too (now, or by the caller that passes
+        ``replaced`` to collect them)."""
+        scan = replaced is None
+        replaced = {} if replaced is None else replaced
         with self._lock:
             qualnames = self.pending.pop(module_name, set())
-            replaced: dict[int, tuple[Any, Any]] = {}
             for qualname in sorted(qualnames):
                 target = f"{module_name}:{qualname}"
                 try:
@@ -368,7 +406,7 @@ class Guard:
                     self.unwrapped.pop(target, None)
                 else:
                     self.unwrapped[target] = reason
-            if replaced:
+            if scan and replaced:
                 self._replace_references(replaced)
 
     def _wrap(
@@ -376,7 +414,7 @@ class Guard:
         module: types.ModuleType,
         target: str,
         qualname: str,
-        replaced: dict[int, tuple[Any, Any]],
+        replaced: dict[Any, Any],
     ) -> str | None:
         if "<locals>" in qualname or "<" in qualname:
             return "a nested or generated function (its qualname has <...>) cannot be reached"
@@ -405,21 +443,58 @@ class Guard:
         new_value = descriptor(wrapper) if descriptor is not None else wrapper
         setattr(owner, name, new_value)
         self._restore.append((owner, name, value, new_value))
-        if not is_class:
-            replaced[id(function)] = (function, wrapper)
+        if is_class:
+            self._wrap_subclass_copies(owner, name, function, target)
+        else:
+            replaced[function] = wrapper
         return None
 
-    def _replace_references(self, replaced: dict[int, tuple[Any, Any]]) -> None:
+    def _wrap_subclass_copies(
+        self, owner: type, name: str, function: types.FunctionType, target: str
+    ) -> None:
+        """Subclasses that already hold a decorated copy of the method (torch's
+        optimizers patch ``step`` per class) get that copy wrapped too."""
+        seen: set[type] = set()
+        todo: list[type] = list(owner.__subclasses__())
+        while todo:
+            sub = todo.pop()
+            if sub in seen:
+                continue
+            seen.add(sub)
+            todo.extend(sub.__subclasses__())
+            link, hops = sub.__dict__.get(name), 0
+            while link is not None and hops < 8:
+                inner = getattr(link, "__wrapped__", None)
+                if inner is function:
+                    self._wrap_closure(link, function, target)
+                    break
+                link, hops = inner, hops + 1
+
+    def _wrap_closure(self, link: Any, function: types.FunctionType, target: str) -> None:
+        """Wrap ``function`` inside the decorator ``link`` that closes over it, so the
+        decorator's own work stays outside the target (as in the trace)."""
+        for cell in getattr(link, "__closure__", None) or ():
+            if cell.cell_contents is function:
+                wrapper = self._make_wrapper(function, target)
+                cell.cell_contents = wrapper
+                self._restore.append((cell, "cell_contents", function, wrapper))
+                return
+
+    def _replace_references(self, replaced: dict[Any, Any]) -> None:
         """Replace ``from m import f`` copies of wrapped functions in every module."""
+        function = types.FunctionType
         for module in list(sys.modules.values()):
             namespace = getattr(module, "__dict__", None)
             if not isinstance(namespace, dict):
                 continue
-            for name, value in list(namespace.items()):
-                pair = replaced.get(id(value))
-                if pair is not None and pair[0] is value:
-                    namespace[name] = pair[1]
-                    self._restore.append((namespace, name, value, pair[1]))
+            hits = [
+                (name, value)
+                for name, value in namespace.items()
+                if type(value) is function and value in replaced
+            ]
+            for name, value in hits:
+                namespace[name] = replaced[value]
+                self._restore.append((namespace, name, value, replaced[value]))
 
     def _make_wrapper(self, original: types.FunctionType, target: str) -> Any:
         local = self.local
@@ -427,6 +502,8 @@ class Guard:
 
         @functools.wraps(original)
         def opguard_guarded(*args: Any, **kwargs: Any) -> Any:
+            if not guard.checking:  # an unsampled step: ops inside go to the last state
+                return original(*args, **kwargs)
             parent = getattr(local, "state", None)
             if parent is None:
                 child = guard.top_state(target)
@@ -434,7 +511,7 @@ class Guard:
                 child = parent.children.get(target)
                 if child is None:
                     child = guard.child_state(parent, target)
-            if child.unknown is not None and guard.checking:
+            if child.unknown is not None:
                 guard.hit(child.unknown)
             local.state = child
             try:
@@ -447,13 +524,19 @@ class Guard:
 
     # -- states ---------------------------------------------------------------
 
-    def _state(self, path: tuple[str, ...], target: str, known: frozenset[EntryKey]) -> _State:
+    def _state(
+        self,
+        path: tuple[str, ...],
+        target: str,
+        known: frozenset[EntryKey],
+        chain: tuple[tuple[Any, ...], ...] = (),
+    ) -> _State:
         context = path[-self.depth :] if self.depth > 0 else ()
         key = (target, context)
         if key in self.entries:
             known = known | {key}
         child_path = (*path, target)[-self.depth :] if self.depth > 0 else ()
-        interned = self._states.get((child_path, known))
+        interned = self._states.get((child_path, known, chain))
         if interned is not None and interned.key == key:
             return interned
         allowed: frozenset[str] | None = None
@@ -476,12 +559,14 @@ class Guard:
                 f"{target} ran under [{' > '.join(context)}]; the config has it under {listed}",
             )
             state.unknown = self.remember(violation)
-        self._states[(child_path, known)] = state
+        state.chain = (*chain, state.unknown) if state.unknown is not None else chain
+        state.watch = bool(state.known or state.chain)
+        self._states[(child_path, known, chain)] = state
         return state
 
     def child_state(self, parent: _State, target: str) -> _State:
         with self._lock:
-            state = self._state(parent.path, target, parent.known)
+            state = self._state(parent.path, target, parent.known, parent.chain)
             parent.children[target] = state
             return state
 
@@ -573,6 +658,10 @@ class Guard:
                 self.records[identity] = _Record(violation, [])
         return identity
 
+    def count_ops(self, chain: tuple[tuple[Any, ...], ...]) -> None:
+        for identity in chain:
+            self.records[identity].ops += 1
+
     def hit(self, identity: tuple[Any, ...]) -> None:
         """Count one occurrence; the first keeps the stack and (``warn``) is logged."""
         record = self.records[identity]
@@ -626,6 +715,8 @@ class Guard:
         for record in sorted(self.records.values(), key=lambda r: sort_key(r.violation)):
             if record.count == 0:
                 continue
+            if record.violation.kind == "unknown_context" and record.ops < self.threshold:
+                continue  # the config's thresholds would have pruned it too
             data = record.violation.to_dict()
             data["ranks"] = [rank]
             data.update({"rank": rank, "count": record.count, "stack": record.stack})
@@ -751,7 +842,7 @@ def start_process_guard() -> Guard | None:
     )
     guard.start()
     _PROCESS_GUARD = guard
-    atexit.register(guard.finish, False)
+    atexit.register(_finish_process_guard)
     if threading.current_thread() is threading.main_thread():
         with contextlib.suppress(ValueError, OSError):
             if signal.getsignal(signal.SIGTERM) in (signal.SIG_DFL, None):
@@ -759,9 +850,18 @@ def start_process_guard() -> Guard | None:
     return guard
 
 
+def _finish_process_guard() -> None:
+    """At exit: write the report, except in torchrun's launcher (known only by now)."""
+    if _PROCESS_GUARD is None:
+        return
+    if _is_launcher():
+        _PROCESS_GUARD.stop(unwrap=False)
+        return
+    _PROCESS_GUARD.finish(unwrap=False)
+
+
 def _on_sigterm(signum: int, frame: Any) -> None:
-    if _PROCESS_GUARD is not None:
-        _PROCESS_GUARD.finish(unwrap=False)
+    _finish_process_guard()
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     os.kill(os.getpid(), signal.SIGTERM)
 
