@@ -43,7 +43,6 @@ import atexit
 import contextlib
 import functools
 import importlib.abc
-import importlib.machinery
 import os
 import signal
 import sys
@@ -213,13 +212,13 @@ class _ImportWatcher(importlib.abc.MetaPathFinder):
             return None
         self._busy.on = True
         try:
-            spec = importlib.machinery.PathFinder.find_spec(name, path)
-            for finder in sys.meta_path:
-                if spec is not None:
-                    break
+            spec = None
+            for finder in sys.meta_path:  # the finders after us, in their order
                 if finder is self or not hasattr(finder, "find_spec"):
                     continue
                 spec = finder.find_spec(name, path, target)
+                if spec is not None:
+                    break
         finally:
             self._busy.on = False
         if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
@@ -670,7 +669,8 @@ class Guard:
             record.stack = python_stack(sys._getframe(1))
             v = record.violation
             if self.on_violation == "warn":
-                self.log.warning(
+                log = self.log.error if v.severity == ERROR else self.log.warning
+                log(
                     "opguard guard: violation",
                     kind=v.kind,
                     severity=v.severity,

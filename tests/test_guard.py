@@ -167,7 +167,7 @@ def test_an_extra_op_in_forward_is_unexpected_op(
     # warn logs each violation once, on stderr
     logged = [json.loads(line) for line in capsys.readouterr().err.splitlines() if line[:1] == "{"]
     mine = [e for e in logged if e.get("op") == "aten::sigmoid" and e["target"] == hit["target"]]
-    assert len(mine) == 1 and mine[0]["level"] == "warning"
+    assert len(mine) == 1 and mine[0]["level"] == "error"
 
 
 def test_raise_stops_the_offending_call(tmp_path: Path, gmodel: Any, config: Path) -> None:
@@ -178,6 +178,21 @@ def test_raise_stops_the_offending_call(tmp_path: Path, gmodel: Any, config: Pat
     document = report_of(guard)
     hits = [v for v in errors_of(document) if v["op"] == "aten::sigmoid"]
     assert hits and all(v["count"] == 1 for v in hits)
+
+
+def test_modules_imported_later_and_imported_names_are_wrapped(
+    tmp_path: Path, gmodel: Any, config: Path
+) -> None:
+    sys.modules.pop("gmodel", None)
+    with guarded(config, report_dir=tmp_path, rank=0) as guard:
+        fresh = importlib.import_module("gmodel")  # imported after the guard started
+        assert fresh is not gmodel and getattr(fresh.Net.forward, "__opguard_guard__", False)
+        namespace: dict[str, Any] = {}
+        exec("from gmodel import step", namespace)  # a by-name copy made now
+        assert getattr(namespace["step"], "__opguard_guard__", False)
+        fresh.train(extra=("op",))
+    found = {(v["target"], v["op"]) for v in errors_of(report_of(guard))}
+    assert ("gmodel:Net.forward", "aten::sigmoid") in found
 
 
 def test_sampling_checks_every_nth_step(tmp_path: Path, gmodel: Any, config: Path) -> None:
@@ -351,18 +366,34 @@ def test_a_new_helper_is_unknown_target(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_an_extra_collective_is_reported_on_its_rank_only(tmp_path: Path) -> None:
+    # rank 1 gathers on a group of its own (a collective on the world group issued
+    # by one rank only would wait for the other forever)
     def collective(source: str) -> str:
         old = "    loss.backward()\n"
         assert old in source
         extra = (
-            "    import torch.distributed as dist\n"
-            "    if dist.is_initialized() and dist.get_rank() == 1:\n"
-            "        dist.all_reduce(loss.detach().clone())\n"
+            "    if SOLO is not None and dist.get_rank() == 1:\n"
+            "        value = loss.detach().reshape(1)\n"
+            "        dist.all_gather_into_tensor(torch.empty_like(value), value, group=SOLO)\n"
         )
-        return source.replace(old, old + extra)
+        source = source.replace(old, old + extra)
+        return source.replace(
+            "from torch import nn\n",
+            "from torch import nn\nimport torch.distributed as dist\n\nSOLO = None\n",
+        )
+
+    def solo_group(folder: Path) -> None:
+        path = folder / "train_ddp.py"
+        old = '    dist.init_process_group(backend="gloo")\n'
+        source = path.read_text()
+        assert old in source
+        new = old + "    import tiny_gpt\n\n    tiny_gpt.SOLO = dist.new_group([1])\n"
+        path.write_text(source.replace(old, new))
 
     config = make_config(tmp_path, trace(tmp_path, "t1", program("ddp", EXAMPLES)))
-    edited = program("ddp", copy_examples(tmp_path, collective))
+    folder = copy_examples(tmp_path, collective)
+    solo_group(folder)
+    edited = program("ddp", folder)
     code, report = check(config, trace(tmp_path, "t2", edited))
     hits = [
         v
