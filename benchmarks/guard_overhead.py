@@ -17,7 +17,7 @@ The table's ratios are of the timed loop; entering and leaving each mode (the gu
 wraps its targets and scans ``sys.modules`` once, then writes its report; the tracer
 writes its trace) is a per-process cost, printed in its own column.
 
-Run: ``python benchmarks/guard_overhead.py [--steps 20] [--repeat 5]``. Goals
+Run: ``python benchmarks/guard_overhead.py [--steps 200] [--repeat 3]``. Goals
 (docs/performance.md): guard ≤ 1.3× the empty mode; ``--sample 0.1`` ≤ 1.3× untraced.
 """
 
@@ -90,8 +90,8 @@ def make_config(steps: int, directory: Path) -> Path:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--steps", type=int, default=50)
-    parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--repeat", type=int, default=3)
     args = parser.parse_args()
     torch.set_num_threads(1)
 
