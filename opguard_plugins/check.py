@@ -86,10 +86,12 @@ def _plain(value: Any) -> Any:
 
 @dataclasses.dataclass
 class Observed:
-    """The new traces as configs, one per rank, made the way the config was."""
+    """The new traces as configs, one per rank, made the way the config was, and all
+    ranks together (``combined``: made exactly as the config was, from one tree)."""
 
     configs: dict[int, CommentedMap]
     problems: list[str]
+    combined: CommentedMap | None = None
 
 
 def observe(manager: OpGuardPluginManager, inputs: Sequence[str], options: RunOptions) -> Observed:
@@ -123,10 +125,21 @@ def observe(manager: OpGuardPluginManager, inputs: Sequence[str], options: RunOp
                         "opguard_merge", record, left=configs[rank], right=config
                     )
                 configs[rank] = config
+        combined: CommentedMap | None = None
+        for entry in entries:
+            whole = runner.process_entry(entry)
+            if whole is None:
+                continue
+            if filters:
+                whole, _ = apply_filters(filters, whole, options, runner.log)
+            if combined is not None:
+                record = StageRecord("merge", entry.name)
+                whole = runner.call_first("opguard_merge", record, left=combined, right=whole)
+            combined = whole
         problems = [
             f"{r.entry or r.stage}: {r.error}" for r in runner.records if r.status == "failed"
         ]
-    return Observed(configs, problems)
+    return Observed(configs, problems, combined)
 
 
 def _steps(config: dict[str, Any]) -> int | None:
@@ -134,22 +147,23 @@ def _steps(config: dict[str, Any]) -> int | None:
     return steps if isinstance(steps, int) and not isinstance(steps, bool) else None
 
 
-def check_configs(
+#: Kinds that depend on the tree's shape (chain folding, pruning): a per-rank tree can
+#: fold differently from the combined one the config was made from, so these are
+#: kept only when the combined observed config shows them too.
+STRUCTURAL_KINDS = frozenset(
+    {"unexpected_op", "unexpected_stream", "unknown_context", "unknown_target"}
+)
+
+
+def _run_rules(
     manager: OpGuardPluginManager,
     config: dict[str, Any],
-    observed: dict[int, CommentedMap],
-    tolerance: float = DEFAULT_TOLERANCE,
-    strict: bool = False,
+    seen: dict[int, dict[EntryKey, dict[str, Any]]],
+    steps: dict[int, int | None],
+    tolerance: float,
 ) -> list[Violation]:
-    """Every violation of ``config`` by the observed per-rank configs, ranks joined.
-
-    With ``strict`` every warning becomes an error.
-    """
+    """Every ``opguard_check_entry`` result for every observed rank and key (unjoined)."""
     expected: dict[EntryKey, dict[str, Any]] = {entry_key(e): e for e in config["entries"]}
-    seen: dict[int, dict[EntryKey, dict[str, Any]]] = {
-        rank: {entry_key(e): e for e in observed[rank]["entries"]} for rank in sorted(observed)
-    }
-    steps = {rank: _steps(observed[rank]) for rank in seen}
     ranks = [int(r) for r in (config.get("meta") or {}).get("ranks") or []]
     impls = manager.implementations("opguard_check_entry")
     found: list[Violation] = []
@@ -174,6 +188,42 @@ def check_configs(
                     raise PluginError(
                         f'plugin "{impl.plugin_name}": opguard_check_entry: {exc}'
                     ) from exc
+    return found
+
+
+def check_configs(
+    manager: OpGuardPluginManager,
+    config: dict[str, Any],
+    observed: dict[int, CommentedMap],
+    tolerance: float = DEFAULT_TOLERANCE,
+    strict: bool = False,
+    combined: dict[str, Any] | None = None,
+) -> list[Violation]:
+    """Every violation of ``config`` by the observed per-rank configs, ranks joined.
+
+    With ``combined`` (all observed ranks in one config, made as the config was), a
+    violation of a :data:`STRUCTURAL_KINDS` kind is kept only when the combined view
+    has it too; one only the combined view has is attributed to the ranks where its
+    entry ran. With ``strict`` every warning becomes an error.
+    """
+    seen: dict[int, dict[EntryKey, dict[str, Any]]] = {
+        rank: {entry_key(e): e for e in observed[rank]["entries"]} for rank in sorted(observed)
+    }
+    steps = {rank: _steps(observed[rank]) for rank in seen}
+    found = _run_rules(manager, config, seen, steps, tolerance)
+    if combined is not None:
+        whole_entries = {entry_key(e): e for e in combined["entries"]}
+        # rank -1 stands for "all ranks together"
+        whole = _run_rules(manager, config, {-1: whole_entries}, {-1: _steps(combined)}, tolerance)
+        wanted = {v.identity(): v for v in whole if v.kind in STRUCTURAL_KINDS}
+        found = [v for v in found if v.kind not in STRUCTURAL_KINDS or v.identity() in wanted]
+        attributed = {v.identity() for v in found}
+        for identity, item in wanted.items():
+            if identity in attributed:
+                continue
+            key = (item.target, tuple(item.context))
+            ranks = [r for r, entries in seen.items() if key in entries] or sorted(seen)
+            found.append(dataclasses.replace(item, ranks=ranks))
     if strict:
         found = [dataclasses.replace(v, severity=ERROR) for v in found]
     return join_ranks(found)
@@ -290,7 +340,9 @@ def make_command(manager: OpGuardPluginManager) -> click.Command:
                 click.echo(f"opguard: error: {problem}", err=True)
             sys.exit(int(ExitCode.INPUT_UNREADABLE))
         try:
-            violations = check_configs(manager, config, observed.configs, tolerance, strict)
+            violations = check_configs(
+                manager, config, observed.configs, tolerance, strict, observed.combined
+            )
         except OpGuardError as exc:
             if verbose:
                 raise

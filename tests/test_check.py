@@ -338,15 +338,15 @@ sites = st.lists(
 
 
 @settings(
-    max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+    max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )
-@given(per_rank=st.lists(sites, min_size=1, max_size=1))
+@given(per_rank=st.lists(sites, min_size=1, max_size=3))
 def test_property_a_config_never_errors_on_its_own_traces(
     tmp_path_factory: pytest.TempPathFactory, per_rank: list[Any]
 ) -> None:
-    """For arbitrary single-rank traces, the config made from them checks them clean
-    of errors. (Several ranks: see docs/guard.md, known limitation — chain folding
-    of one rank's tree can differ from the combined tree's.)"""
+    """For arbitrary 1-3 rank traces, the config made from them checks them clean of
+    errors (per-rank trees can fold chains differently from the combined tree: the
+    structural kinds are confirmed on the combined observed config)."""
     folder = tmp_path_factory.mktemp("prop")
     for rank, rank_sites in enumerate(per_rank):
         doc = trace_doc([(stack, None, op, n) for stack, op, n in rank_sites], rank, len(per_rank))
