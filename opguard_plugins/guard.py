@@ -99,7 +99,9 @@ def summarize(reports: list[Path]) -> tuple[int, int, list[str]]:
     help="Check only every round(1/P)-th optimizer step (step 0 always).",
 )
 @click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
+@click.pass_context
 def guard_command(
+    ctx: click.Context,
     config_path: Path,
     report_dir: Path,
     on_violation: str,
@@ -120,6 +122,9 @@ def guard_command(
     report_dir.mkdir(parents=True, exist_ok=True)
     started = time.time() - 1.0  # file systems with coarse timestamps
     env = guard_env(config_path, report_dir, on_violation, sample, command)
+    log_format = (ctx.obj or {}).get("log_format")
+    if log_format:  # `opguard --log-format X guard ...`: the guarded processes log as X
+        env["OPGUARD_GUARD_LOG_FORMAT"] = log_format
     code = run_bootstrapped(command, env)
     reports = written_reports(report_dir, started)
     errors, warnings, problems = summarize(reports)

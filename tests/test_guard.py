@@ -409,3 +409,30 @@ def test_an_extra_collective_is_reported_on_its_rank_only(tmp_path: Path) -> Non
     assert any(
         v["target"] == "tiny_gpt:train_step" and v["op"].startswith("c10d::") for v in by_rank[1]
     )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("ending", "code"),
+    [
+        ("raise ValueError('boom')", 1),
+        ("os.kill(os.getpid(), signal.SIGTERM)", 128 + 15),  # as torchrun stops a worker
+    ],
+)
+def test_the_report_is_written_when_the_program_fails(
+    tmp_path: Path, ending: str, code: int
+) -> None:
+    config = make_config(tmp_path, str(REPO / "examples" / "traces" / "single_callsite_rank0.json"))
+    script = tmp_path / "failing.py"
+    script.write_text(
+        "import os, signal\nimport torch\n\n"
+        f"x = torch.ones(3) + 1\n{ending}\nprint('not reached')\n"
+    )
+    proc = run("guard", "--config", config, "--report-dir", tmp_path / "rep", "--", script)
+    assert proc.returncode == code, proc.stderr
+    assert "not reached" not in proc.stdout
+    [document] = [load_report(p) for p in (tmp_path / "rep").glob("guard_report_rank*.json")]
+    assert document["rank"] == 0 and document["errors"] == 0
+    assert {"target": "train_single:main", "reason": "module train_single was never imported"} in (
+        document["unwrapped"]
+    )
