@@ -242,7 +242,30 @@ def load_report(path: Path) -> dict[str, Any]:
         raise InputError(path, "'violations' is not a list")
     for index, item in enumerate(violations):
         validate_violation(item, f"{path} violations[{index}]")
+    if document["format"] == GUARD_FORMAT:
+        _validate_guard(document, path)
     return document
+
+
+def _validate_guard(document: dict[str, Any], path: Path) -> None:
+    """The guard report's own fields: ``rank``, each violation's ``rank``, ``count``
+    and ``stack``, and ``unwrapped``."""
+    if not isinstance(document.get("rank"), int):
+        raise InputError(path, "'rank' is not an integer")
+    for index, item in enumerate(document["violations"]):
+        where = f"violations[{index}]"
+        if not isinstance(item.get("count"), int) or item["count"] < 1:
+            raise InputError(path, f"{where}: 'count' is not an integer >= 1")
+        if not isinstance(item.get("rank"), int) or not isinstance(item.get("stack"), list):
+            raise InputError(path, f"{where}: 'rank' or 'stack' is missing")
+    unwrapped = document.get("unwrapped")
+    if not isinstance(unwrapped, list) or not all(
+        isinstance(u, dict)
+        and isinstance(u.get("target"), str)
+        and isinstance(u.get("reason"), str)
+        for u in unwrapped
+    ):
+        raise InputError(path, "'unwrapped' is not a list of {target, reason} objects")
 
 
 __all__ = [

@@ -29,7 +29,7 @@ from ruamel.yaml import YAML  # noqa: E402
 
 from opguard_core.check_format import GUARD_FORMAT, load_report  # noqa: E402
 from opguard_core.cli import create_cli  # noqa: E402
-from opguard_core.errors import ExitCode  # noqa: E402
+from opguard_core.errors import ExitCode, InputError  # noqa: E402
 from opguard_core.plugins import create_plugin_manager  # noqa: E402
 from opguard_core.trace_format import load_trace  # noqa: E402
 from opguard_plugins.guard_runtime import OpGuardViolation, guarded, sample_every  # noqa: E402
@@ -246,6 +246,25 @@ def test_guard_command_usage_and_unreadable_config(tmp_path: Path) -> None:
     assert result.exit_code == ExitCode.USAGE_ERROR
     result = invoke("guard", "--config", good, "--on-violation", "stop", "--", "prog.py")
     assert result.exit_code == ExitCode.USAGE_ERROR
+
+
+def test_a_damaged_guard_report_is_refused_naming_the_file(
+    tmp_path: Path, gmodel: Any, config: Path
+) -> None:
+    with guarded(config, report_dir=tmp_path, rank=0) as guard:
+        gmodel.train(extra=("op",))
+    assert guard.written is not None
+    document = json.loads(guard.written.read_text())
+    document["violations"][0]["count"] = 0
+    bad = tmp_path / "bad_report.json"
+    bad.write_text(json.dumps(document))
+    with pytest.raises(InputError, match=r"bad_report\.json.*'count' is not an integer >= 1"):
+        load_report(bad)
+    del document["unwrapped"]
+    document["violations"][0]["count"] = 1
+    bad.write_text(json.dumps(document))
+    with pytest.raises(InputError, match="'unwrapped'"):
+        load_report(bad)
 
 
 # ---------------------------------------------------------------------------
