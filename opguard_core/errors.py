@@ -22,6 +22,8 @@ class ExitCode(enum.IntEnum):
     PLUGIN_ERROR = 3
     #: ``--fail-on-divergence`` and an error-severity divergence finding (and no failed stage)
     DIVERGENCE = 4
+    #: ``opguard check``/``guard``: a trace or the config could not be read
+    INPUT_UNREADABLE = 5
     #: stopped by SIGINT or SIGTERM
     INTERRUPTED = 130
 

@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     import click
     from ruamel.yaml.comments import CommentedMap
 
+    from opguard_core.check_format import CheckInput, Violation
     from opguard_core.combined import CallsiteTrace
     from opguard_core.model import Discovery, InputEntry, RunOptions
     from opguard_core.plugins import OpGuardPluginManager
@@ -238,4 +239,30 @@ def opguard_run_finished(run_dir: Path, summary: dict[str, Any]) -> None:
 
     :param run_dir: the run directory, with every artifact the run wrote.
     :param summary: the run's summary, as written to ``pipeline_summary.json``.
+    """
+
+
+# -------------------------------------------------------------------------
+# Check and guard
+# -------------------------------------------------------------------------
+
+
+@hookspec
+def opguard_check_entry(
+    observed: dict[str, Any] | None, expected: dict[str, Any] | None, check: CheckInput
+) -> list[Violation] | None:
+    """Compare one observed config entry with the config's entry of the same key.
+
+    Called by ``opguard check`` for every observed rank and every (target, context)
+    key that the rank's observed config or the enforced config has, for every
+    plugin; the violations of all plugins are joined (the same violation on several
+    ranks becomes one, its ``ranks`` the union). The built-in rules are the
+    ``check_rules`` plugin (docs/guard.md).
+
+    :param observed: the rank's observed entry (inclusive ``ops``, ``stream_counts``,
+        ``count``), or None when the key did not run on this rank.
+    :param expected: the config's entry, or None when the config lacks the key.
+    :param check: the rank, the key, both configs, ``tolerance`` and step counts
+        (:class:`~opguard_core.check_format.CheckInput`).
+    :returns: the violations found (an empty list or None for none).
     """

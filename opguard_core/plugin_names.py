@@ -22,6 +22,9 @@ BUILTIN_PLUGINS: dict[str, str] = {
     "report": "opguard_plugins.report",
     "config_commands": "opguard_plugins.config_commands",
     "divergence": "opguard_plugins.divergence",
+    "check": "opguard_plugins.check",
+    "check_rules": "opguard_plugins.check_rules",
+    "guard": "opguard_plugins.guard",
 }
 
 #: Built-ins the pipeline cannot run without; use ``--skip STAGE`` to skip a stage.

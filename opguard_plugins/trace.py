@@ -57,21 +57,34 @@ def build_argv(command: Sequence[str]) -> list[str]:
     return argv
 
 
-def build_env(
-    label: str, output_dir: Path, command: Sequence[str], backend: str = "modes"
-) -> dict[str, str]:
-    """The environment that turns tracing on in COMMAND's Python processes."""
+def bootstrap_env(variables: dict[str, str], command: Sequence[str]) -> dict[str, str]:
+    """The environment that runs the bootstrap in COMMAND's Python processes.
+
+    The bootstrap directory goes first on ``PYTHONPATH``; ``variables`` (the
+    ``OPGUARD_TRACE_*`` or ``OPGUARD_GUARD_*`` settings) say what it starts. Shared by
+    ``opguard trace`` and ``opguard guard``.
+    """
     env = dict(os.environ)
     python_path = env.get("PYTHONPATH")
     env["PYTHONPATH"] = (
         f"{BOOTSTRAP_DIR}{os.pathsep}{python_path}" if python_path else str(BOOTSTRAP_DIR)
     )
-    env["OPGUARD_TRACE_LABEL"] = label
-    env["OPGUARD_TRACE_DIR"] = str(output_dir)
+    env.update(variables)
     env["OPGUARD_TRACE_COMMAND"] = shlex.join(command)
     env["OPGUARD_TRACE_PKGROOT"] = str(PACKAGE_ROOT)
-    env["OPGUARD_TRACE_BACKEND"] = backend
     return env
+
+
+def build_env(
+    label: str, output_dir: Path, command: Sequence[str], backend: str = "modes"
+) -> dict[str, str]:
+    """The environment that turns tracing on in COMMAND's Python processes."""
+    variables = {
+        "OPGUARD_TRACE_LABEL": label,
+        "OPGUARD_TRACE_DIR": str(output_dir),
+        "OPGUARD_TRACE_BACKEND": backend,
+    }
+    return bootstrap_env(variables, command)
 
 
 def written_traces(output_dir: Path, label: str, since: float) -> list[Path]:
@@ -163,7 +176,18 @@ def launch(
     output_dir = output_dir.resolve()
     output_dir.mkdir(parents=True, exist_ok=True)
     started = time.time() - 1.0  # file systems with coarse timestamps
-    env = build_env(label, output_dir, command, backend)
+    returncode, received = run_forwarding(command, build_env(label, output_dir, command, backend))
+    return TraceOutcome(
+        returncode=returncode,
+        signals=received,
+        files=written_traces(output_dir, label, started),
+        lost=lost_processes(output_dir, label),
+    )
+
+
+def run_forwarding(command: Sequence[str], env: dict[str, str]) -> tuple[int, list[int]]:
+    """Run COMMAND (see :func:`build_argv`) with ``env``, forwarding SIGINT and SIGTERM
+    to it; return its return code and the signals forwarded."""
     received: list[int] = []
     try:
         process = subprocess.Popen(build_argv(command), env=env)
@@ -182,12 +206,14 @@ def launch(
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-    return TraceOutcome(
-        returncode=returncode,
-        signals=received,
-        files=written_traces(output_dir, label, started),
-        lost=lost_processes(output_dir, label),
-    )
+    return returncode, received
+
+
+def run_bootstrapped(command: Sequence[str], env: dict[str, str]) -> int:
+    """Run COMMAND with ``env`` (signals forwarded); return the exit code a shell would
+    give: 128+N after signal N was sent to us or killed the command."""
+    returncode, received = run_forwarding(command, env)
+    return TraceOutcome(returncode, received, [], []).exit_code
 
 
 def run_traced(
@@ -287,10 +313,13 @@ def opguard_register_commands(cli: click.Group) -> None:
 
 __all__ = [
     "TraceOutcome",
+    "bootstrap_env",
     "build_argv",
     "build_env",
     "launch",
     "opguard_register_commands",
+    "run_bootstrapped",
+    "run_forwarding",
     "run_traced",
     "trace_command",
 ]

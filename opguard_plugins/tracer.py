@@ -350,6 +350,17 @@ class _DispatchMode(TorchDispatchMode):  # type: ignore[no-untyped-call]
         return func(*args, **(kwargs or {}))
 
 
+def count_optimizer_steps(callback: Callable[[], None]) -> Any:
+    """Call ``callback()`` after every optimizer step of the process (any optimizer).
+
+    Uses torch's global ``register_optimizer_step_post_hook``; returns its removable
+    handle. Shared by the tracer (``meta.steps``) and the guard (``--sample``).
+    """
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    return register_optimizer_step_post_hook(lambda optimizer, args, kwargs: callback())
+
+
 # ---------------------------------------------------------------------------
 # Frames and paths
 # ---------------------------------------------------------------------------
@@ -504,6 +515,9 @@ class CallsiteTracer:
         self.extra_meta = dict(extra_meta or {})
         self.recorder = CallsiteRecorder()
         self._modes: list[Any] = []
+        self._step_hook: Any = None
+        #: optimizer steps finished while started (torch's global step hook); ``meta.steps``
+        self.steps = 0
         self.written: Path | None = None
 
     # -- lifecycle ------------------------------------------------------------
@@ -522,11 +536,19 @@ class CallsiteTracer:
             raise
         self._modes = [function_mode, dispatch_mode]
         self.recorder.active = True
+        self._step_hook = count_optimizer_steps(self._count_step)
+
+    def _count_step(self) -> None:
+        if self.recorder.active:
+            self.steps += 1
 
     def stop(self) -> None:
         """Stop counting and pop the modes (when they are still on top of the stack)."""
         self.recorder.active = False
         self.recorder.snapshot_rank()
+        if self._step_hook is not None:
+            self._step_hook.remove()
+            self._step_hook = None
         modes, self._modes = self._modes, []
         for mode in reversed(modes):
             # fails when another mode was pushed above ours and left in place
@@ -601,8 +623,10 @@ class CallsiteTracer:
             or shlex.join(sys.argv),
             "python_version": platform.python_version(),
             "tracer": TRACER_NAME,
-            **self.extra_meta,
         }
+        if self.steps:
+            meta["steps"] = self.steps
+        meta.update(self.extra_meta)
         return meta, unique, callsites
 
     def path(self) -> Path:

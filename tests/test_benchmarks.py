@@ -51,3 +51,23 @@ def test_benchmark_fails_when_the_run_fails(tmp_path: Path) -> None:
     )  # fmt: skip
     assert result.returncode != 0
     assert "opguard run failed (2 ranks, exit code 2)" in result.stderr
+
+
+@pytest.mark.slow
+def test_guard_overhead_benchmark_prints_every_mode() -> None:
+    pytest.importorskip("torch")
+    script = str(REPO / "benchmarks" / "guard_overhead.py")
+    result = subprocess.run(
+        [sys.executable, script, "--steps", "10", "--repeat", "1"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=REPO,
+    )
+    assert result.returncode == 0, result.stderr
+    rows = [line.split("  ")[0] for line in result.stdout.splitlines()]
+    for mode in ("untraced", "empty TorchDispatchMode", "opguard guard", "opguard trace"):
+        assert mode in rows, result.stdout
+    assert any(row.startswith("opguard guard --sample 0.1") for row in rows)
+    assert "goal guard <= 1.3x empty mode:" in result.stdout
+    assert "goal --sample 0.1 <= 1.3x untraced:" in result.stdout

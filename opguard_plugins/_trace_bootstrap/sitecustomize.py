@@ -1,11 +1,14 @@
-"""``opguard trace`` bootstrap: turns callsite tracing on in every Python process.
+"""``opguard trace`` / ``opguard guard`` bootstrap: starts the tracer or the guard in
+every Python process.
 
 ``opguard trace`` puts this directory first on ``PYTHONPATH``, so every Python
 process the traced command starts (torchrun's workers included) imports this module
 at start-up. When ``OPGUARD_TRACE_LABEL`` and ``OPGUARD_TRACE_DIR`` are set it adds an
 import hook that starts :func:`opguard_plugins.tracer.start_process_tracer` right after
 ``torch`` has been imported (processes that never import torch pay nothing); the tracer
-writes ``{label}_callsite_rank{R}.json`` at interpreter exit.
+writes ``{label}_callsite_rank{R}.json`` at interpreter exit. When
+``OPGUARD_GUARD_CONFIG`` is set (``opguard guard``) it starts
+:func:`opguard_plugins.guard_runtime.start_process_guard` at the same point instead.
 
 Any ``sitecustomize`` module that was already on the path is still run (chained).
 Nothing here may break the traced program: every failure is reported on stderr and
@@ -41,21 +44,45 @@ def _chain_existing_sitecustomize() -> None:
         _warn(f"the existing sitecustomize failed: {exc!r}")
 
 
-def _start_tracer() -> None:
-    label = os.environ.get("OPGUARD_TRACE_LABEL", "")
-    directory = os.environ.get("OPGUARD_TRACE_DIR", "")
+def _tracing() -> bool:
+    return bool(os.environ.get("OPGUARD_TRACE_LABEL") and os.environ.get("OPGUARD_TRACE_DIR"))
+
+
+def _guarding() -> bool:
+    return bool(os.environ.get("OPGUARD_GUARD_CONFIG"))
+
+
+def _import_opguard() -> None:
+    """Make ``opguard_plugins`` importable (the package root may not be on the path)."""
     try:
+        import opguard_plugins  # noqa: F401
+    except ImportError:
+        root = os.environ.get("OPGUARD_TRACE_PKGROOT")
+        if not root:
+            raise
+        sys.path.append(root)
+
+
+def _start_tracer() -> None:
+    """Start what the environment asks for: the tracer and/or the guard."""
+    if _tracing():
         try:
+            _import_opguard()
             from opguard_plugins.tracer import start_process_tracer
-        except ImportError:
-            root = os.environ.get("OPGUARD_TRACE_PKGROOT")
-            if not root:
-                raise
-            sys.path.append(root)
-            from opguard_plugins.tracer import start_process_tracer
-        start_process_tracer(label, directory)
-    except Exception as exc:
-        _warn(f"tracing disabled in process {os.getpid()}: {exc!r}")
+
+            start_process_tracer(
+                os.environ.get("OPGUARD_TRACE_LABEL", ""), os.environ.get("OPGUARD_TRACE_DIR", "")
+            )
+        except Exception as exc:
+            _warn(f"tracing disabled in process {os.getpid()}: {exc!r}")
+    if _guarding():
+        try:
+            _import_opguard()
+            from opguard_plugins.guard_runtime import start_process_guard
+
+            start_process_guard()
+        except Exception as exc:
+            print(f"opguard guard: disabled in process {os.getpid()}: {exc!r}", file=sys.stderr)
 
 
 class _TorchImportWatcher:
@@ -87,7 +114,7 @@ class _TorchImportWatcher:
 
 
 def _install() -> None:
-    if not os.environ.get("OPGUARD_TRACE_LABEL") or not os.environ.get("OPGUARD_TRACE_DIR"):
+    if not _tracing() and not _guarding():
         return
     if "torch" in sys.modules:
         _start_tracer()

@@ -1,0 +1,159 @@
+"""Overhead of the runtime guard on the example training loop, side by side.
+
+In one process, on ``--steps`` training steps of ``examples/tiny_gpt.py`` (AdamW, CPU,
+one thread, after one untimed warm-up step), interleaved so that machine noise hits
+every mode alike, median of ``--repeat`` rounds:
+
+* untraced;
+* an empty ``TorchDispatchMode`` (``return func(*args, **kwargs)``): the floor of any
+  Python-level per-op check;
+* the guard (:func:`opguard_plugins.guard_runtime.guarded`, what ``opguard guard``
+  starts in each process), enforcing a config made from a trace of this very loop,
+  report written at the end included;
+* the guard with ``sample=0.1`` (every 10th optimizer step checked);
+* the tracer (``trace_callsites``, what ``opguard trace`` starts), trace written.
+
+The table's ratios are of the timed loop; entering and leaving each mode (the guard
+wraps its targets and scans ``sys.modules`` once, then writes its report; the tracer
+writes its trace) is a per-process cost, printed in its own column.
+
+Run: ``python benchmarks/guard_overhead.py [--steps 200] [--repeat 3]``. Goals
+(docs/performance.md): guard ≤ 1.3× the empty mode; ``--sample 0.1`` ≤ 1.3× untraced.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from pathlib import Path
+from typing import Any
+
+import torch
+from click.testing import CliRunner
+from torch.utils._python_dispatch import TorchDispatchMode
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "examples"))
+sys.path.insert(0, str(REPO))
+
+from tiny_gpt import GPTConfig, TinyGPT, make_batch, train_step  # noqa: E402
+
+from opguard_core.cli import create_cli  # noqa: E402
+from opguard_core.config_format import load_config  # noqa: E402
+from opguard_core.plugins import create_plugin_manager  # noqa: E402
+from opguard_plugins.guard_runtime import guarded  # noqa: E402
+from opguard_plugins.tracer import trace_callsites  # noqa: E402
+
+
+class EmptyMode(TorchDispatchMode):  # type: ignore[no-untyped-call]
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        return func(*args, **(kwargs or {}))
+
+
+def run_steps(
+    steps: int, wrap: Callable[[], AbstractContextManager[object]]
+) -> tuple[float, float]:
+    """(seconds of ``steps`` training steps inside ``wrap()``, seconds of entering and
+    leaving ``wrap()``), after one untimed warm-up step."""
+    torch.manual_seed(0)
+    config = GPTConfig()
+    model = TinyGPT(config)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    train_step(model, optimizer, *make_batch(0, config))
+    start = time.perf_counter()
+    with wrap():
+        loop_start = time.perf_counter()
+        for step in range(steps):
+            train_step(model, optimizer, *make_batch(step, config))
+        loop = time.perf_counter() - loop_start
+    return loop, time.perf_counter() - start - loop
+
+
+def make_config(steps: int, directory: Path) -> Path:
+    """Trace the loop once and turn the trace into a config with ``opguard run``."""
+    with trace_callsites(label="bench", output_dir=directory, rank=0):
+        run_steps(steps, nullcontext)
+    cli = create_cli(create_plugin_manager())
+    trace = directory / "bench_callsite_rank0.json"
+    result = CliRunner().invoke(cli, ["run", "-i", str(trace), "--output-base", str(directory)])
+    if result.exit_code != 0:
+        raise SystemExit(f"opguard run failed: {result.output}")
+    run_dir = Path(result.stdout.strip().splitlines()[-1])
+    return run_dir / "bench_callsite_instrumentation.yaml"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--repeat", type=int, default=3)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+
+    with tempfile.TemporaryDirectory() as tmp:
+        directory = Path(tmp)
+        config = load_config(make_config(args.steps, directory))  # loaded once, not timed
+
+        @contextmanager
+        def guard(sample: float) -> Iterator[None]:
+            with guarded(config, report_dir=directory / "reports", sample=sample) as g:
+                yield
+            errors = [v for v in g.violations() if v["severity"] == "error"]
+            if errors:
+                raise SystemExit(f"the guard found errors in its own loop: {errors[:3]}")
+
+        @contextmanager
+        def tracing() -> Iterator[None]:
+            with trace_callsites(label="timed", output_dir=directory, rank=0):
+                yield
+
+        modes: list[tuple[str, Callable[[], AbstractContextManager[object]]]] = [
+            ("untraced", nullcontext),
+            ("empty TorchDispatchMode", EmptyMode),
+            ("opguard guard", lambda: guard(1.0)),
+            ("opguard guard --sample 0.1", lambda: guard(0.1)),
+            ("opguard trace", tracing),
+        ]
+        for _, wrap in modes:  # warm every mode's one-time set-up (torch's mode machinery)
+            run_steps(2, wrap)
+        times: dict[str, list[float]] = {name: [] for name, _ in modes}
+        setup: dict[str, list[float]] = {name: [] for name, _ in modes}
+        for _ in range(args.repeat):
+            for name, wrap in modes:
+                loop, fixed = run_steps(args.steps, wrap)
+                times[name].append(loop)
+                setup[name].append(fixed)
+
+    median = {name: statistics.median(values) for name, values in times.items()}
+    fixed_cost = {name: statistics.median(values) for name, values in setup.items()}
+    base, floor = median["untraced"], median["empty TorchDispatchMode"]
+    print(
+        f"torch {torch.__version__}, {os.cpu_count()} CPUs, tiny_gpt {args.steps} steps, "
+        f"median of {args.repeat} interleaved rounds"
+    )
+    print(
+        f"{'mode':<28} {'loop s':>8} {'vs untraced':>12} {'vs empty mode':>14} {'enter+exit s':>13}"
+    )
+    for name, _ in modes:
+        seconds = median[name]
+        print(
+            f"{name:<28} {seconds:>8.3f} {seconds / base:>11.2f}x {seconds / floor:>13.2f}x "
+            f"{fixed_cost[name]:>13.3f}"
+        )
+    guard_ratio = median["opguard guard"] / floor
+    sample_ratio = median["opguard guard --sample 0.1"] / base
+    verdict = "met" if guard_ratio <= 1.3 else "NOT met"
+    print(f"goal guard <= 1.3x empty mode: {guard_ratio:.2f}x {verdict}")
+    print(
+        f"goal --sample 0.1 <= 1.3x untraced: {sample_ratio:.2f}x "
+        f"{'met' if sample_ratio <= 1.3 else 'NOT met'}"
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,357 @@
+"""``opguard check``: violations, exit codes, the JSON report and the check-rule hook.
+
+Configs are made by ``opguard run`` from the bundled example traces or from small
+hand-made traces; checking is always done through the CLI.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from click.testing import CliRunner, Result
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from opguard_core import hookimpl
+from opguard_core.check_format import CHECK_FORMAT, KINDS, Violation, load_report
+from opguard_core.cli import create_cli
+from opguard_core.config_format import load_config
+from opguard_core.errors import ExitCode
+from opguard_core.plugins import create_plugin_manager
+from opguard_plugins.check import options_from_settings
+from tests.builders import trace_doc, write
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples" / "traces"
+
+MAIN = ("app", "main")
+STEP = ("app", "step")
+FWD = ("app", "Model.forward")
+HELPER = ("app", "helper")
+
+
+def invoke(*args: str | Path, manager: Any = None) -> Result:
+    argv = ["--log-format", "json", *[str(a) for a in args]]
+    cli = create_cli(manager or create_plugin_manager())
+    return CliRunner().invoke(cli, argv, catch_exceptions=False)
+
+
+def make_config(tmp_path: Path, inputs: list[str], *extra: str) -> Path:
+    out = tmp_path / f"run{len(list(tmp_path.glob('run*')))}"
+    result = invoke("run", *[a for i in inputs for a in ("-i", i)], "--output-base", out, *extra)
+    assert result.exit_code == 0, result.stderr
+    run_dir = Path(result.stdout.strip().splitlines()[-1])
+    filtered = sorted(run_dir.glob("*_filtered_instrumentation.yaml"))
+    if filtered:
+        return filtered[0]
+    final = run_dir / "final_combined_instrumentation.yaml"
+    return final if final.exists() else sorted(run_dir.glob("*_instrumentation.yaml"))[0]
+
+
+def check_json(config: Path, *inputs: str | Path, expect: int | None = None, **kw: Any) -> Any:
+    args: list[str | Path] = ["check", "--config", config, "--format", "json"]
+    for i in inputs:
+        args += ["-i", i]
+    for name, value in kw.items():
+        flag = f"--{name.replace('_', '-')}"
+        args += [flag] if value is True else [flag, str(value)]
+    result = invoke(*args)
+    if expect is not None:
+        assert result.exit_code == expect, (result.stdout, result.stderr)
+    return result, json.loads(result.stdout) if result.stdout.strip().startswith("{") else None
+
+
+def program(
+    rank: int = 0,
+    extra_op: bool = False,
+    helper: bool = False,
+    steps: int = 2,
+    record_steps: bool = True,
+) -> dict[str, Any]:
+    """A tiny 'program' trace: main > step > Model.forward with a few ops."""
+    sites: list[tuple[list[tuple[str, str]], str | None, str, int]] = [
+        ([MAIN, STEP, FWD], None, "aten::addmm", 4 * steps),
+        ([MAIN, STEP, FWD], None, "aten::relu", 2 * steps),
+        ([MAIN, STEP], None, "aten::sum", steps),
+        ([MAIN], None, "aten::empty", 3),
+    ]
+    if extra_op:
+        sites.append(([MAIN, STEP, FWD], None, "aten::mul", steps))
+    if helper:
+        sites.append(([MAIN, STEP, FWD, HELPER], None, "aten::addmm", 2 * steps))
+    meta = {"steps": steps} if record_steps else {}
+    return trace_doc(sites, rank=rank, world_size=2, **meta)
+
+
+@pytest.fixture
+def app(tmp_path: Path) -> Callable[..., Path]:
+    """Write a rank-0/1 pair of program traces into a fresh directory; return the glob."""
+
+    def make(name: str, **kw: Any) -> Path:
+        folder = tmp_path / name
+        folder.mkdir()
+        for rank in (0, 1):
+            options = dict(kw)
+            if options.pop("only_rank", rank) != rank:
+                options = {"steps": options.get("steps", 2)}
+            write(folder / f"app_rank{rank}.json", program(rank=rank, **options))
+        return folder / "app_rank*.json"
+
+    return make
+
+
+@pytest.mark.parametrize("example", ["single", "ddp", "fsdp"])
+@pytest.mark.parametrize("basic", [False, True])
+def test_a_config_accepts_the_traces_it_was_made_from(
+    tmp_path: Path, example: str, basic: bool
+) -> None:
+    pattern = str(EXAMPLES / f"{example}_callsite_rank*.json")
+    config = make_config(tmp_path, [pattern], *(["--basic"] if basic else []))
+    _, report = check_json(config, pattern, expect=0)
+    assert report["violations"] == []
+    assert report["format"] == CHECK_FORMAT and report["version"] == 1
+    assert report["config"] == str(config)
+
+
+def test_an_extra_op_is_unexpected_op_naming_the_function_and_op(
+    tmp_path: Path, app: Callable[..., Path]
+) -> None:
+    config = make_config(tmp_path, [str(app("base"))])
+    _, report = check_json(config, app("changed", extra_op=True), expect=1)
+    ops = [v for v in report["violations"] if v["kind"] == "unexpected_op"]
+    assert {(v["target"], v["op"]) for v in ops} == {
+        ("app:Model.forward", "aten::mul"),
+        ("app:step", "aten::mul"),
+        ("app:main", "aten::mul"),
+    }
+    assert all(v["severity"] == "error" and v["ranks"] == [0, 1] for v in ops)
+    forward = next(v for v in ops if v["target"] == "app:Model.forward")
+    assert forward["context"] == ["app:step"]
+    assert "aten::mul" in forward["message"] and "app:Model.forward" in forward["message"]
+
+
+def test_an_extra_op_on_one_rank_is_reported_on_that_rank(
+    tmp_path: Path, app: Callable[..., Path]
+) -> None:
+    config = make_config(tmp_path, [str(app("base"))])
+    _, report = check_json(config, app("changed", extra_op=True, only_rank=1), expect=1)
+    ops = [v for v in report["violations"] if v["kind"] == "unexpected_op"]
+    assert ops and all(v["ranks"] == [1] for v in ops)
+
+
+def test_a_new_helper_is_unknown_target(tmp_path: Path, app: Callable[..., Path]) -> None:
+    config = make_config(tmp_path, [str(app("base"))])
+    _, report = check_json(config, app("changed", helper=True), expect=0)
+    kinds = {(v["kind"], v["target"]) for v in report["violations"]}
+    assert ("unknown_target", "app:helper") in kinds
+    helper = next(v for v in report["violations"] if v["target"] == "app:helper")
+    assert helper["severity"] == "warning" and helper["context"] == ["app:Model.forward"]
+
+
+def test_strict_makes_warnings_errors(tmp_path: Path, app: Callable[..., Path]) -> None:
+    config = make_config(tmp_path, [str(app("base"))])
+    _, report = check_json(config, app("changed", helper=True), strict=True, expect=1)
+    assert report["violations"] and {v["severity"] for v in report["violations"]} == {"error"}
+
+
+def test_unknown_context_missing_and_rank_mismatch(tmp_path: Path) -> None:
+    folder = tmp_path / "base"
+    folder.mkdir()
+    write(folder / "a_rank0.json", program(rank=0))
+    write(
+        folder / "a_rank1.json",
+        trace_doc([([MAIN, STEP], None, "aten::sum", 2), ([MAIN], None, "aten::empty", 3)], 1, 2),
+    )
+    config = make_config(tmp_path, [str(folder / "a_rank*.json")])
+    new = tmp_path / "new"
+    new.mkdir()
+    # rank 0: forward called from main directly (new context); step never runs
+    write(
+        new / "a_rank0.json",
+        trace_doc([([MAIN, FWD], None, "aten::addmm", 8), ([MAIN], None, "aten::empty", 3)], 0, 2),
+    )
+    # rank 1: forward runs on rank 1, where the config does not have it
+    write(new / "a_rank1.json", program(rank=1))
+    _, report = check_json(config, new / "a_rank*.json", expect=0)
+    found = {
+        (v["kind"], v["target"], tuple(v["context"]), tuple(v["ranks"]))
+        for v in report["violations"]
+    }
+    assert ("unknown_context", "app:Model.forward", ("app:main",), (0,)) in found
+    # ran on rank 1 (not in the config there), did not on rank 0 (where the config has it)
+    assert ("rank_mismatch", "app:Model.forward", ("app:step",), (0, 1)) in found
+    assert ("rank_mismatch", "app:step", ("app:main",), (0,)) in found
+    assert not any(kind == "missing" for kind, *_ in found)
+    # a run of rank 0 alone that never reaches step: missing
+    only = tmp_path / "only"
+    only.mkdir()
+    write(only / "a_rank0.json", trace_doc([([MAIN], None, "aten::empty", 3)], 0, 2))
+    _, report = check_json(config, only / "a_rank0.json", expect=0)
+    missing = {v["target"] for v in report["violations"] if v["kind"] == "missing"}
+    assert missing == {"app:step", "app:Model.forward"}
+
+
+@pytest.mark.parametrize("record_steps", [True, False])
+def test_counts_are_compared_per_step(
+    tmp_path: Path, app: Callable[..., Path], record_steps: bool
+) -> None:
+    config = make_config(tmp_path, [str(app("base", steps=2))])
+    assert load_config(config)["meta"]["steps"] == 2
+    _, report = check_json(config, app("longer", steps=4, record_steps=record_steps), expect=0)
+    drifted = {v["target"] for v in report["violations"] if v["kind"] == "count_drift"}
+    # twice the steps: the same per step, twice the count per rank
+    assert ("app:Model.forward" in drifted) is not record_steps
+    assert ("app:step" in drifted) is not record_steps
+
+
+def test_count_drift_beyond_tolerance(tmp_path: Path) -> None:
+    base = write(tmp_path / "base.json", trace_doc([([MAIN, STEP], None, "aten::add", 10)]))
+    config = make_config(tmp_path, [str(base)])
+    more = write(tmp_path / "more.json", trace_doc([([MAIN, STEP], None, "aten::add", 12)]))
+    _, report = check_json(config, more, expect=0)
+    # 12 vs 10 is +20%; (the chain main > step is folded into step)
+    assert [(v["kind"], v["target"]) for v in report["violations"]] == [("count_drift", "app:step")]
+    assert "+20%" in report["violations"][0]["message"]
+    _, report = check_json(config, more, tolerance=0.25, expect=0)
+    assert report["violations"] == []
+
+
+def test_text_report_and_output_file(tmp_path: Path, app: Callable[..., Path]) -> None:
+    config = make_config(tmp_path, [str(app("base"))])
+    changed = app("changed", extra_op=True)
+    result = invoke("check", "--config", config, "-i", changed)
+    assert result.exit_code == 1
+    lines = result.stdout.splitlines()
+    assert lines[0].endswith("3 error(s), 3 warning(s)")  # the mul also drifts counts
+    assert any("unexpected_op" in line and "app:Model.forward" in line for line in lines[1:])
+    out = tmp_path / "report.json"
+    result = invoke("check", "--config", config, "-i", changed, "--format", "json", "-o", out)
+    assert result.exit_code == 1 and result.stdout == ""
+    report = load_report(out)
+    assert len(report["violations"]) == 6 and report["errors"] == 3
+
+
+def test_unreadable_inputs_have_their_own_exit_code(
+    tmp_path: Path, app: Callable[..., Path]
+) -> None:
+    config = make_config(tmp_path, [str(app("base"))])
+    bad = tmp_path / "bad_rank0.json"
+    bad.write_text("{not json")
+    result = invoke("check", "--config", config, "-i", bad)
+    assert result.exit_code == ExitCode.INPUT_UNREADABLE == 5
+    assert "bad_rank0.json" in result.stderr and "Traceback" not in result.stderr
+    result = invoke("check", "--config", config, "-i", tmp_path / "nothing*.json")
+    assert result.exit_code == 5 and "nothing" in result.stderr
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("version: 2\nentries: 7\n")
+    result = invoke("check", "--config", broken, "-i", app("other"))
+    assert result.exit_code == 5 and "broken.yaml" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_usage_errors_exit_2(tmp_path: Path, app: Callable[..., Path]) -> None:
+    config = make_config(tmp_path, [str(app("base"))])
+    assert invoke("check", "--config", config).exit_code == 2
+    assert invoke("check", "--config", tmp_path / "none.yaml", "-i", "x").exit_code == 2
+    assert invoke("check", "--config", config, "-i", "x", "--tolerance", "-1").exit_code == 2
+
+
+def test_settings_are_read_tolerantly(tmp_path: Path) -> None:
+    config: dict[str, Any] = {
+        "meta": {
+            "settings": {
+                "min_count": 3,
+                "chains": False,
+                "hide": ["a:b"],
+                "context_depth": 2,
+                "filters": ["basic_filter"],
+                "focus": ["x"],
+                "someday": 1,
+            }
+        }
+    }
+    options = options_from_settings(config)
+    assert (options.min_count, options.chains, options.context_depth) == (3, False, 2)
+    assert options.hide == ("a:b",) and options.default_hide is False and options.basic
+    defaults = options_from_settings({"meta": {}})
+    assert defaults.default_hide and not defaults.basic and defaults.min_count == 1
+
+
+def test_hook_check_entry(tmp_path: Path, app: Callable[..., Path]) -> None:
+    """A third-party rule adds its own violations; --disable-plugin check_rules turns
+    the built-in rules off."""
+
+    class NoRelu:
+        @hookimpl
+        def opguard_check_entry(
+            self, observed: dict[str, Any] | None, expected: dict[str, Any] | None, check: Any
+        ) -> list[Violation]:
+            if observed is None or "aten::relu" not in (observed.get("ops") or {}):
+                return []
+            target, context = check.key
+            return [Violation("no_relu", "error", target, list(context), [check.rank], "relu!")]
+
+    config = make_config(tmp_path, [str(app("base"))])
+    manager = create_plugin_manager()
+    manager.register(NoRelu(), name="no_relu")
+    result = invoke(
+        "check", "--config", config, "-i", app("same"), "--format", "json", manager=manager
+    )
+    assert result.exit_code == 1
+    found = json.loads(result.stdout)["violations"]
+    assert {(v["kind"], v["target"], tuple(v["ranks"])) for v in found} == {
+        ("no_relu", t, (0, 1)) for t in ("app:main", "app:step", "app:Model.forward")
+    }
+    manager = create_plugin_manager(disabled=["check_rules"])
+    result = invoke(
+        "check", "--config", config, "-i", app("changed", extra_op=True), manager=manager
+    )
+    assert result.exit_code == 0, result.stdout
+
+
+def test_every_kind_has_a_default_severity() -> None:
+    assert set(KINDS) == {
+        "unexpected_op", "unexpected_stream", "unknown_context", "unknown_target",
+        "missing", "count_drift", "rank_mismatch",
+    }  # fmt: skip
+
+
+def test_unexpected_stream(tmp_path: Path) -> None:
+    base = write(tmp_path / "s.json", trace_doc([([MAIN], None, "aten::add", 4)], stream=0))
+    config = make_config(tmp_path, [str(base)])
+    other = write(tmp_path / "o.json", trace_doc([([MAIN], None, "aten::add", 4)], stream=7))
+    _, report = check_json(config, other, expect=1)
+    assert [(v["kind"], v["stream"]) for v in report["violations"]] == [("unexpected_stream", 7)]
+
+
+ops = st.sampled_from(["aten::add", "aten::mm", "aten::relu", "c10d::allreduce_"])
+frames = st.sampled_from([MAIN, STEP, FWD, HELPER, ("lib", "util")])
+sites = st.lists(
+    st.tuples(st.lists(frames, min_size=1, max_size=4), ops, st.integers(1, 30)),
+    min_size=1,
+    max_size=8,
+)
+
+
+@settings(
+    max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(per_rank=st.lists(sites, min_size=1, max_size=3))
+def test_property_a_config_never_errors_on_its_own_traces(
+    tmp_path_factory: pytest.TempPathFactory, per_rank: list[Any]
+) -> None:
+    """For arbitrary 1-3 rank traces, the config made from them checks them clean of
+    errors (per-rank trees can fold chains differently from the combined tree: the
+    structural kinds are confirmed on the combined observed config)."""
+    folder = tmp_path_factory.mktemp("prop")
+    for rank, rank_sites in enumerate(per_rank):
+        doc = trace_doc([(stack, None, op, n) for stack, op, n in rank_sites], rank, len(per_rank))
+        write(folder / f"p_rank{rank}.json", doc)
+    config = make_config(folder, [str(folder / "p_rank*.json")])
+    _, report = check_json(config, folder / "p_rank*.json", expect=0)
+    assert not [v for v in report["violations"] if v["severity"] == "error"]
+    shutil.rmtree(folder)

@@ -1,0 +1,457 @@
+"""``opguard guard`` and ``guarded()``: the runtime guard on real torch programs.
+
+Fast tests run in-process: a small model module is written to a temporary
+directory, traced with ``trace_callsites``, turned into a config by ``opguard run``
+(CliRunner), then run again under :func:`guarded`. The whole-program tests
+(``opguard trace`` twice, ``opguard check``, ``opguard guard`` on the bundled
+examples and on edited copies of them, under torchrun too) run subprocesses and are
+marked slow.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from click.testing import CliRunner  # noqa: E402
+from ruamel.yaml import YAML  # noqa: E402
+
+from opguard_core.check_format import GUARD_FORMAT, load_report  # noqa: E402
+from opguard_core.cli import create_cli  # noqa: E402
+from opguard_core.errors import ExitCode, InputError  # noqa: E402
+from opguard_core.plugins import create_plugin_manager  # noqa: E402
+from opguard_core.trace_format import load_trace  # noqa: E402
+from opguard_plugins.guard_runtime import OpGuardViolation, guarded, sample_every  # noqa: E402
+from opguard_plugins.tracer import trace_callsites  # noqa: E402
+
+pytestmark = pytest.mark.torch
+
+REPO = Path(__file__).resolve().parent.parent
+EXAMPLES = REPO / "examples"
+OPGUARD = [sys.executable, "-m", "opguard_core.cli"]
+
+MODEL = """
+import torch
+from torch import nn
+
+
+def gate(x):
+    return x * torch.sigmoid(x)
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.extra = set()
+
+    def forward(self, x):
+        x = torch.relu(self.fc(x))
+        if "op" in self.extra:
+            x = x * torch.sigmoid(x)
+        if "helper" in self.extra:
+            x = gate(x)
+        return x.sum()
+
+
+def step(model, optimizer, x):
+    optimizer.zero_grad()
+    loss = model(x)
+    loss.backward()
+    optimizer.step()
+
+
+def train(steps=3, extra=(), extra_steps=None):
+    torch.manual_seed(0)
+    model = Net()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for i in range(steps):
+        model.extra = set(extra) if extra_steps is None or i in extra_steps else set()
+        step(model, optimizer, torch.randn(4, 8))
+"""
+
+
+def invoke(*args: str | Path) -> Any:
+    cli = create_cli(create_plugin_manager())
+    return CliRunner().invoke(cli, [str(a) for a in args], catch_exceptions=False)
+
+
+def make_config(tmp_path: Path, traces: str, *extra: str) -> Path:
+    """``opguard run`` on ``traces``; the (filtered, with --basic) config it wrote."""
+    out = tmp_path / f"run{len(list(tmp_path.glob('run*')))}"
+    result = invoke("run", "-i", traces, "--output-base", out, *extra)
+    assert result.exit_code == 0, result.stderr
+    run_dir = Path(result.stdout.strip().splitlines()[-1])
+    filtered = sorted(run_dir.glob("*_filtered_instrumentation.yaml"))
+    return filtered[0] if filtered else sorted(run_dir.glob("*_instrumentation.yaml"))[0]
+
+
+@pytest.fixture
+def gmodel(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+    """The small model module, importable as ``gmodel``."""
+    folder = tmp_path / "src"
+    folder.mkdir()
+    (folder / "gmodel.py").write_text(MODEL)
+    monkeypatch.syspath_prepend(str(folder))
+    sys.modules.pop("gmodel", None)
+    yield importlib.import_module("gmodel")
+    sys.modules.pop("gmodel", None)
+
+
+@pytest.fixture
+def config(tmp_path: Path, gmodel: Any) -> Path:
+    """A config made from one in-process trace of ``gmodel.train``."""
+    with trace_callsites(label="g", output_dir=tmp_path / "traces", rank=0):
+        gmodel.train()
+    return make_config(tmp_path, str(tmp_path / "traces" / "g_callsite_rank0.json"))
+
+
+def report_of(guard: Any) -> dict[str, Any]:
+    assert guard.written is not None
+    document = load_report(guard.written)
+    assert document["format"] == GUARD_FORMAT
+    return document
+
+
+def errors_of(document: dict[str, Any]) -> list[dict[str, Any]]:
+    return [v for v in document["violations"] if v["severity"] == "error"]
+
+
+# ---------------------------------------------------------------------------
+# in-process: guarded()
+# ---------------------------------------------------------------------------
+
+
+def test_tracer_records_optimizer_steps(tmp_path: Path, gmodel: Any) -> None:
+    with trace_callsites(label="s", output_dir=tmp_path, rank=0) as tracer:
+        gmodel.train(steps=4)
+    assert tracer.written is not None
+    assert load_trace(tracer.written).meta["steps"] == 4
+
+
+def test_the_same_program_has_no_error(tmp_path: Path, gmodel: Any, config: Path) -> None:
+    with guarded(config, report_dir=tmp_path / "rep", rank=0) as guard:
+        gmodel.train()
+    document = report_of(guard)
+    assert errors_of(document) == []
+    assert document["rank"] == 0 and document["steps"] == 3
+    assert guard.written == tmp_path / "rep" / "guard_report_rank0.json"
+    assert "gmodel:Net.forward" in guard.wrapped
+    # wrapping is undone when the block ends
+    assert not hasattr(gmodel.Net.forward, "__opguard_guard__")
+    assert not hasattr(gmodel.step, "__opguard_guard__")
+
+
+def test_an_extra_op_in_forward_is_unexpected_op(
+    tmp_path: Path, gmodel: Any, config: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with guarded(config, report_dir=tmp_path, rank=0) as guard:
+        gmodel.train(extra=("op",))
+    found = {(v["target"], v["op"]): v for v in errors_of(report_of(guard))}
+    hit = found[("gmodel:Net.forward", "aten::sigmoid")]
+    assert hit["kind"] == "unexpected_op" and hit["count"] == 3  # once per step
+    assert hit["rank"] == 0 and hit["ranks"] == [0]
+    assert any(f["function"] == "Net.forward" for f in hit["stack"])
+    assert ("gmodel:step", "aten::sigmoid") in found  # inclusive: the caller too
+    # warn logs each violation once, on stderr
+    logged = [json.loads(line) for line in capsys.readouterr().err.splitlines() if line[:1] == "{"]
+    mine = [e for e in logged if e.get("op") == "aten::sigmoid" and e["target"] == hit["target"]]
+    assert len(mine) == 1 and mine[0]["level"] == "error"
+
+
+def test_raise_stops_the_offending_call(tmp_path: Path, gmodel: Any, config: Path) -> None:
+    raised = pytest.raises(OpGuardViolation, match=r"aten::sigmoid ran inside gmodel:Net\.forward")
+    with raised, guarded(config, report_dir=tmp_path, on_violation="raise", rank=0) as guard:
+        gmodel.train(extra=("op",))
+    # the report is written on the exception path too
+    document = report_of(guard)
+    hits = [v for v in errors_of(document) if v["op"] == "aten::sigmoid"]
+    assert hits and all(v["count"] == 1 for v in hits)
+
+
+def test_modules_imported_later_and_imported_names_are_wrapped(
+    tmp_path: Path, gmodel: Any, config: Path
+) -> None:
+    sys.modules.pop("gmodel", None)
+    with guarded(config, report_dir=tmp_path, rank=0) as guard:
+        fresh = importlib.import_module("gmodel")  # imported after the guard started
+        assert fresh is not gmodel and getattr(fresh.Net.forward, "__opguard_guard__", False)
+        namespace: dict[str, Any] = {}
+        exec("from gmodel import step", namespace)  # a by-name copy made now
+        assert getattr(namespace["step"], "__opguard_guard__", False)
+        fresh.train(extra=("op",))
+    found = {(v["target"], v["op"]) for v in errors_of(report_of(guard))}
+    assert ("gmodel:Net.forward", "aten::sigmoid") in found
+
+
+def test_sampling_checks_every_nth_step(tmp_path: Path, gmodel: Any, config: Path) -> None:
+    assert sample_every(0.1) == 10 and sample_every(0.5) == 2 and sample_every(1.0) == 1
+    # the extra op only in step 1: every 2nd step (0, 2, ...) is checked, so it is missed
+    with guarded(config, report_dir=tmp_path / "a", sample=0.5, rank=0) as guard:
+        gmodel.train(steps=4, extra=("op",), extra_steps={1})
+    document = report_of(guard)
+    assert errors_of(document) == []
+    assert document["steps"] == 4 and document["checked_steps"] == 3  # steps 0, 2, 4
+    # in step 2 it is caught
+    with guarded(config, report_dir=tmp_path / "b", sample=0.5, rank=0) as guard:
+        gmodel.train(steps=4, extra=("op",), extra_steps={2})
+    assert any(v["op"] == "aten::sigmoid" for v in errors_of(report_of(guard)))
+
+
+def test_unwrappable_targets_are_listed_not_fatal(
+    tmp_path: Path, gmodel: Any, config: Path
+) -> None:
+    yaml = YAML()
+    data = yaml.load(config.read_text())
+    template = {"kind": "function", "context": [], "ops": {"aten::add": 1}, "count": 1}
+    for target in (
+        "no_such_module_xyz:f",
+        "gmodel:missing_function",
+        "gmodel:Net.<locals>.inner",
+        "torch.nn.functional:linear",  # not torch_api here: a builtin, cannot be wrapped
+    ):
+        data["entries"].append({"target": target, **template})
+    edited = tmp_path / "edited.yaml"
+    with edited.open("w") as handle:
+        yaml.dump(data, handle)
+    with guarded(edited, report_dir=tmp_path, rank=0) as guard:
+        gmodel.train()
+    reasons = {u["target"]: u["reason"] for u in report_of(guard)["unwrapped"]}
+    assert "never imported" in reasons["no_such_module_xyz:f"]
+    assert "not found" in reasons["gmodel:missing_function"]
+    assert "<...>" in reasons["gmodel:Net.<locals>.inner"]
+    assert "not a Python function" in reasons["torch.nn.functional:linear"]
+    assert "gmodel:Net.forward" not in reasons
+
+
+def test_guard_command_usage_and_unreadable_config(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("version: 2\nentries: [\n")
+    result = invoke("guard", "--config", bad, "--", "prog.py")
+    assert result.exit_code == ExitCode.INPUT_UNREADABLE
+    assert "bad.yaml" in result.stderr and "Traceback" not in result.stderr
+    good = make_config(tmp_path, str(REPO / "examples" / "traces" / "single_callsite_rank0.json"))
+    result = invoke("guard", "--config", good, "--sample", "0", "--", "prog.py")
+    assert result.exit_code == ExitCode.USAGE_ERROR
+    result = invoke("guard", "--config", good, "--on-violation", "stop", "--", "prog.py")
+    assert result.exit_code == ExitCode.USAGE_ERROR
+
+
+def test_a_damaged_guard_report_is_refused_naming_the_file(
+    tmp_path: Path, gmodel: Any, config: Path
+) -> None:
+    with guarded(config, report_dir=tmp_path, rank=0) as guard:
+        gmodel.train(extra=("op",))
+    assert guard.written is not None
+    document = json.loads(guard.written.read_text())
+    document["violations"][0]["count"] = 0
+    bad = tmp_path / "bad_report.json"
+    bad.write_text(json.dumps(document))
+    with pytest.raises(InputError, match=r"bad_report\.json.*'count' is not an integer >= 1"):
+        load_report(bad)
+    del document["unwrapped"]
+    document["violations"][0]["count"] = 1
+    bad.write_text(json.dumps(document))
+    with pytest.raises(InputError, match="'unwrapped'"):
+        load_report(bad)
+
+
+# ---------------------------------------------------------------------------
+# whole programs (subprocesses): trace twice, check the second run, guard a third
+# ---------------------------------------------------------------------------
+
+
+def run(*args: str | Path, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ)
+    env.pop("OPGUARD_DISABLE_PLUGINS", None)
+    return subprocess.run(
+        [*OPGUARD, *[str(a) for a in args]],
+        env=env,
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+
+
+def program(example: str, folder: Path) -> list[str]:
+    script = folder / f"train_{example}.py"
+    if example == "single":
+        return [str(script), "--steps", "2"]
+    return ["torchrun", "--nproc-per-node", "2", str(script), "--steps", "2"]
+
+
+def trace(tmp_path: Path, name: str, command: list[str]) -> str:
+    proc = run("trace", "--label", "p", "--output-dir", tmp_path / name, "--", *command)
+    assert proc.returncode == 0, proc.stderr
+    return str(tmp_path / name / "p_callsite_rank*.json")
+
+
+def check(config: Path, traces: str) -> tuple[int, dict[str, Any]]:
+    proc = run("check", "--config", config, "--format", "json", "-i", traces)
+    assert proc.returncode in (0, 1), proc.stderr
+    return proc.returncode, json.loads(proc.stdout)
+
+
+def guard(
+    config: Path, report_dir: Path, command: list[str], *options: str
+) -> tuple[int, list[dict[str, Any]]]:
+    proc = run("guard", "--config", config, "--report-dir", report_dir, *options, "--", *command)
+    reports = [load_report(p) for p in sorted(report_dir.glob("guard_report_rank*.json"))]
+    assert reports, proc.stderr
+    return proc.returncode, reports
+
+
+def copy_examples(tmp_path: Path, edit: Callable[[str], str] | None = None) -> Path:
+    folder = tmp_path / "edited"
+    shutil.copytree(EXAMPLES, folder, ignore=shutil.ignore_patterns("traces", "opguard-*"))
+    if edit is not None:
+        path = folder / "tiny_gpt.py"
+        path.write_text(edit(path.read_text()))
+    return folder
+
+
+def gated(source: str) -> str:
+    old = "        return self.proj(F.gelu(self.fc(x)))"
+    assert old in source
+    new = (
+        "        x = F.gelu(self.fc(x))\n"
+        "        x = x * torch.sigmoid(x)\n"
+        "        return self.proj(x)"
+    )
+    return source.replace(old, new)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("example", ["single", "ddp", "fsdp"])
+def test_no_false_positives(tmp_path: Path, example: str) -> None:
+    command = program(example, EXAMPLES)
+    first, second = trace(tmp_path, "t1", command), trace(tmp_path, "t2", command)
+    for basic in ([], ["--basic"]):
+        config = make_config(tmp_path, first, *basic)
+        code, report = check(config, second)
+        errors = [v for v in report["violations"] if v["severity"] == "error"]
+        assert code == 0 and errors == [], (basic, errors)
+        report_dir = tmp_path / f"guard{len(basic)}"
+        code, reports = guard(config, report_dir, command)
+        assert code == 0, reports
+        assert [r["rank"] for r in reports] == ([0] if example == "single" else [0, 1])
+        assert all(r["errors"] == 0 for r in reports), [errors_of(r) for r in reports]
+
+
+@pytest.mark.slow
+def test_extra_op_in_forward_is_caught_by_check_and_guard(tmp_path: Path) -> None:
+    config = make_config(tmp_path, trace(tmp_path, "t1", program("single", EXAMPLES)))
+    edited = program("single", copy_examples(tmp_path, gated))
+    code, report = check(config, trace(tmp_path, "t2", edited))
+    found = {(v["kind"], v["target"], v.get("op")) for v in report["violations"]}
+    assert code == 1
+    assert ("unexpected_op", "tiny_gpt:MLP.forward", "aten::sigmoid") in found
+    for mode in ("warn", "raise"):
+        code, [document] = guard(config, tmp_path / mode, edited, "--on-violation", mode)
+        assert code == 1
+        hits = [v for v in document["violations"] if v["target"] == "tiny_gpt:MLP.forward"]
+        assert any(v["kind"] == "unexpected_op" and v["op"] == "aten::sigmoid" for v in hits)
+        assert all(v["count"] == 1 for v in hits) if mode == "raise" else True
+        assert any("tiny_gpt.py" in f["file"] for f in hits[0]["stack"])
+
+
+@pytest.mark.slow
+def test_a_new_helper_is_unknown_target(tmp_path: Path) -> None:
+    def helper(source: str) -> str:
+        source = source.replace(
+            "        return self.proj(F.gelu(self.fc(x)))",
+            "        return self.proj(scale(F.gelu(self.fc(x))))",
+        )
+        return source + "\n\ndef scale(x):\n    return x.mul(1.0)\n"
+
+    config = make_config(tmp_path, trace(tmp_path, "t1", program("single", EXAMPLES)))
+    edited = program("single", copy_examples(tmp_path, helper))
+    _, report = check(config, trace(tmp_path, "t2", edited))
+    unknown = [v for v in report["violations"] if v["kind"] == "unknown_target"]
+    assert any(v["target"] == "tiny_gpt:scale" for v in unknown), report["violations"]
+
+
+@pytest.mark.slow
+def test_an_extra_collective_is_reported_on_its_rank_only(tmp_path: Path) -> None:
+    # rank 1 gathers on a group of its own (a collective on the world group issued
+    # by one rank only would wait for the other forever)
+    def collective(source: str) -> str:
+        old = "    loss.backward()\n"
+        assert old in source
+        extra = (
+            "    if SOLO is not None and dist.get_rank() == 1:\n"
+            "        value = loss.detach().reshape(1)\n"
+            "        dist.all_gather_into_tensor(torch.empty_like(value), value, group=SOLO)\n"
+        )
+        source = source.replace(old, old + extra)
+        return source.replace(
+            "from torch import nn\n",
+            "from torch import nn\nimport torch.distributed as dist\n\nSOLO = None\n",
+        )
+
+    def solo_group(folder: Path) -> None:
+        path = folder / "train_ddp.py"
+        old = '    dist.init_process_group(backend="gloo")\n'
+        source = path.read_text()
+        assert old in source
+        new = old + "    import tiny_gpt\n\n    tiny_gpt.SOLO = dist.new_group([1])\n"
+        path.write_text(source.replace(old, new))
+
+    config = make_config(tmp_path, trace(tmp_path, "t1", program("ddp", EXAMPLES)))
+    folder = copy_examples(tmp_path, collective)
+    solo_group(folder)
+    edited = program("ddp", folder)
+    code, report = check(config, trace(tmp_path, "t2", edited))
+    hits = [
+        v
+        for v in report["violations"]
+        if v["kind"] == "unexpected_op" and v["target"] == "tiny_gpt:train_step"
+    ]
+    assert code == 1 and hits and all(v["ranks"] == [1] for v in hits), report["violations"]
+    assert any(v["op"].startswith("c10d::") for v in hits)
+    code, reports = guard(config, tmp_path / "g", edited)
+    assert code == 1
+    by_rank = {r["rank"]: errors_of(r) for r in reports}
+    assert by_rank[0] == []
+    assert any(
+        v["target"] == "tiny_gpt:train_step" and v["op"].startswith("c10d::") for v in by_rank[1]
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("ending", "code"),
+    [
+        ("raise ValueError('boom')", 1),
+        ("os.kill(os.getpid(), signal.SIGTERM)", 128 + 15),  # as torchrun stops a worker
+    ],
+)
+def test_the_report_is_written_when_the_program_fails(
+    tmp_path: Path, ending: str, code: int
+) -> None:
+    config = make_config(tmp_path, str(REPO / "examples" / "traces" / "single_callsite_rank0.json"))
+    script = tmp_path / "failing.py"
+    script.write_text(
+        "import os, signal\nimport torch\n\n"
+        f"x = torch.ones(3) + 1\n{ending}\nprint('not reached')\n"
+    )
+    proc = run("guard", "--config", config, "--report-dir", tmp_path / "rep", "--", script)
+    assert proc.returncode == code, proc.stderr
+    assert "not reached" not in proc.stdout
+    [document] = [load_report(p) for p in (tmp_path / "rep").glob("guard_report_rank*.json")]
+    assert document["rank"] == 0 and document["errors"] == 0
+    assert {"target": "train_single:main", "reason": "module train_single was never imported"} in (
+        document["unwrapped"]
+    )
