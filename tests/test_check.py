@@ -200,7 +200,7 @@ def test_counts_are_compared_per_step(
     tmp_path: Path, app: Callable[..., Path], record_steps: bool
 ) -> None:
     config = make_config(tmp_path, [str(app("base", steps=2))])
-    assert load_config(config)["meta"]["steps"] == 2
+    assert load_config(config)["meta"]["steps"] == {"app": 2}  # source -> steps
     _, report = check_json(config, app("longer", steps=4, record_steps=record_steps), expect=0)
     drifted = {v["target"] for v in report["violations"] if v["kind"] == "count_drift"}
     # twice the steps: the same per step, twice the count per rank
@@ -337,6 +337,7 @@ sites = st.lists(
 )
 
 
+@pytest.mark.slow  # ~6 s: 25 examples, each a run and a check
 @settings(
     max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )

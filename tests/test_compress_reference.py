@@ -149,6 +149,7 @@ def test_build_tree_matches_the_reference(
     st.integers(1, 60).map(float),
     st.integers(1, 5).map(float),
 )
+@pytest.mark.slow  # over 2 s in the quick group
 def test_rank_specific_subtrees_are_kept_like_the_reference(
     docs: list[dict[str, Any]], floor: float, rank_floor: float
 ) -> None:

@@ -289,6 +289,7 @@ def _comment_above(text: str, comment: str) -> str:
     return next(line for line in after if line.startswith("  - target: "))
 
 
+@pytest.mark.slow  # over 2 s in the quick group
 def test_person_comments_survive_merge_from_either_side(run_dir, tmp_path) -> None:
     mine = tmp_path / "gpt.yaml"
     third, _ = _commented(run_dir / GPT, mine)
@@ -327,6 +328,7 @@ def test_summary_lines_are_regenerated_not_kept(run_dir, tmp_path) -> None:
     assert out.read_text() == text
 
 
+@pytest.mark.slow  # over 2 s in the quick group
 def test_a_v1_config_goes_through_every_command(run_dir, tmp_path) -> None:
     v1 = safe(V1)
     assert v1["version"] == 1

@@ -112,7 +112,7 @@ def failed_stages(summary: dict[str, Any]) -> list[tuple[str, str, str]]:
 DEEP_ROWS = [
     pytest.param("recursion_600", True, id="recursion_600-chains"),
     pytest.param("recursion_600", False, id="recursion_600-no_chains"),
-    pytest.param("stack_30000", True, id="stack_30000-chains"),
+    pytest.param("stack_30000", True, id="stack_30000-chains", marks=pytest.mark.slow),
     pytest.param("stack_30000", False, id="stack_30000-no_chains", marks=pytest.mark.slow),
     pytest.param("staircase", True, id="staircase_10000-chains"),
     pytest.param("staircase", False, id="staircase_10000-no_chains", marks=pytest.mark.slow),
@@ -360,6 +360,7 @@ def test_every_summary_write_failing_is_one_line_and_exit_1(
     assert leftovers(run.run_dir) == []
 
 
+@pytest.mark.slow  # over 2 s in the quick group
 def test_summary_writes_failing_mid_run_still_leave_the_final_summary(
     opguard: Callable[..., Any], samples: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

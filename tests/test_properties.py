@@ -212,6 +212,7 @@ def test_merge_is_commutative(a: CommentedMap, b: CommentedMap) -> None:
     validate_config(ab, "merged")
 
 
+@pytest.mark.slow  # over 2 s in the quick group
 @SETTINGS
 @given(configs(), configs(), configs())
 def test_merge_is_associative(a: CommentedMap, b: CommentedMap, c: CommentedMap) -> None:

@@ -96,6 +96,7 @@ def test_report_command_bad_run_dir(opguard: Callable[..., Any], tmp_path: Path)
     assert result.stderr == f"opguard: error: {tmp_path / 'pipeline_summary.json'}: no such file\n"
 
 
+@pytest.mark.slow  # over 2 s in the quick group
 def test_report_embeds_the_tree_not_the_ranks(opguard: Callable[..., Any], tmp_path: Path) -> None:
     """A 1024-rank entry: the report does not grow with the ranks each node lists."""
     ranks = list(range(1024))

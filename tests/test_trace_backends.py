@@ -157,6 +157,7 @@ def test_profiler_stacks_on_transformers_style_and_checkpointed_models(
     assert "ScaledTanh.backward" in {f.qualname for f in trace.frames}
 
 
+@pytest.mark.slow  # ~15 s: a traced subprocess with the profiler
 def test_trace_command_profiler_backend(tmp_path: Path) -> None:
     proc = subprocess.run(
         [
