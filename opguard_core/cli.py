@@ -108,6 +108,16 @@ def _disable_option(func: click.decorators.FC) -> click.decorators.FC:
     )(func)
 
 
+#: ``--base-dir``, shared by ``opguard run`` and ``opguard check``
+base_dir_option = click.option(
+    "--base-dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=Path("."),
+    show_default=True,
+    help="Directory that relative inputs resolve against.",
+)
+
+
 def basic_options(func: click.decorators.FC) -> click.decorators.FC:
     """``--basic`` and ``--basic-list``, shared by ``opguard run`` and ``opguard filter``."""
     func = click.option(
@@ -203,13 +213,7 @@ def create_cli(
         help="A trace file or a quoted glob; shell-expanded rank files may follow it "
         "(repeatable). Relative to --base-dir.",
     )
-    @click.option(
-        "--base-dir",
-        type=click.Path(file_okay=False, path_type=Path),
-        default=Path("."),
-        show_default=True,
-        help="Directory that relative inputs resolve against.",
-    )
+    @base_dir_option
     @click.option(
         "--output-base",
         type=click.Path(path_type=Path),

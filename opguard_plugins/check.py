@@ -34,7 +34,7 @@ from opguard_core.check_format import (
     join_ranks,
     write_json,
 )
-from opguard_core.cli import spread_inputs
+from opguard_core.cli import base_dir_option, spread_inputs
 from opguard_core.config_chain import BASIC_FILTER_PLUGIN, active_filters, apply_filters
 from opguard_core.config_format import entry_key, load_config
 from opguard_core.errors import ExitCode, InputError, OpGuardError, PluginError
@@ -253,6 +253,16 @@ class CheckCommand(click.Command):
         return super().parse_args(ctx, spread_inputs(args))
 
 
+#: ``--config CONFIG``, shared by ``opguard check`` and ``opguard guard``
+config_option = click.option(
+    "--config",
+    "config_path",
+    required=True,
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    help="The instrumentation config to enforce.",
+)
+
+
 def _fail_unreadable(message: str) -> None:
     click.echo(f"opguard: error: {message}", err=True)
     sys.exit(int(ExitCode.INPUT_UNREADABLE))
@@ -260,13 +270,7 @@ def _fail_unreadable(message: str) -> None:
 
 def make_command(manager: OpGuardPluginManager) -> click.Command:
     @click.command("check", cls=CheckCommand)
-    @click.option(
-        "--config",
-        "config_path",
-        required=True,
-        type=click.Path(exists=True, dir_okay=False, path_type=Path),
-        help="The instrumentation config to enforce.",
-    )
+    @config_option
     @click.option(
         "--input",
         "-i",
@@ -275,13 +279,7 @@ def make_command(manager: OpGuardPluginManager) -> click.Command:
         metavar="FILE|PATTERN",
         help="New traces: files or quoted globs (repeatable), relative to --base-dir.",
     )
-    @click.option(
-        "--base-dir",
-        type=click.Path(file_okay=False, path_type=Path),
-        default=Path("."),
-        show_default=True,
-        help="Directory that relative inputs resolve against.",
-    )
+    @base_dir_option
     @click.option(
         "--format",
         "fmt",

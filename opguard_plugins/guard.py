@@ -22,6 +22,7 @@ from opguard_core import hookimpl
 from opguard_core.check_format import ERROR, load_report
 from opguard_core.config_format import load_config
 from opguard_core.errors import ExitCode, OpGuardError
+from opguard_plugins.check import config_option
 from opguard_plugins.trace import bootstrap_env, run_bootstrapped
 
 
@@ -70,13 +71,7 @@ def summarize(reports: list[Path]) -> tuple[int, int, list[str]]:
     "guard",
     context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False},
 )
-@click.option(
-    "--config",
-    "config_path",
-    required=True,
-    type=click.Path(exists=True, dir_okay=False, path_type=Path),
-    help="The instrumentation config to enforce.",
-)
+@config_option
 @click.option(
     "--report-dir",
     type=click.Path(file_okay=False, path_type=Path),
