@@ -10,7 +10,6 @@ apply to the tree's stacks, and the writer that a plugin's
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -23,6 +22,7 @@ from opguard_core.combined import TraceAccumulator
 from opguard_core.errors import PluginError, reported_errors
 from opguard_core.model import RunOptions
 from opguard_core.plugins import OpGuardPluginManager, call_impl
+from opguard_core.selection import PatternError, Selection, compile_patterns
 from opguard_core.stacks import Stack, tree_stacks
 from opguard_core.trace_format import read_bytes
 from opguard_core.tree_format import TREE_FORMAT, check_tree, checked_tree, decode_json
@@ -71,22 +71,19 @@ def select_stacks(
     """Drop hidden frames (their callees move up), keep stacks with a frame matching
     ``focus`` (all when empty), then drop stacks with a frame matching ``ignore``.
 
-    A pattern matches a frame name (``module:qualname``, or the op) whole.
+    A pattern matches a frame name (``module:qualname``, or the op) whole. Every
+    pattern is compiled and matched on its own, as in ``opguard run``
+    (:mod:`opguard_core.selection`): never joined into one alternation, where inline
+    flags, group names and backreferences would change meaning or fail.
     """
-
-    def regex(patterns: Sequence[str]) -> re.Pattern[str] | None:
-        return re.compile("|".join(f"(?:{p})" for p in patterns)) if patterns else None
-
-    hidden, focused, ignored = regex(hide), regex(focus), regex(ignore)
+    hidden = compile_patterns(hide, "--hide")
+    selection = Selection.of(focus, ignore)
     out = []
     for stack in stacks:
         frames = stack.frames
-        if hidden is not None:
-            frames = tuple(f for f in frames if hidden.fullmatch(f) is None)
-        names = (*frames, stack.op)
-        if focused is not None and not any(focused.fullmatch(n) for n in names):
-            continue
-        if ignored is not None and any(ignored.fullmatch(n) for n in names):
+        if hidden:
+            frames = tuple(f for f in frames if not any(h.fullmatch(f) for h in hidden))
+        if selection and not selection.keeps((*frames, stack.op)):
             continue
         out.append(stack._replace(frames=frames))
     return out
@@ -95,11 +92,10 @@ def select_stacks(
 def _regexes(
     ctx: click.Context, param: click.Parameter, values: tuple[str, ...]
 ) -> tuple[str, ...]:
-    for pattern in values:
-        try:
-            re.compile(pattern)
-        except re.error as exc:
-            raise click.BadParameter(f"{pattern!r}: {exc}") from None
+    try:
+        compile_patterns(values, f"--{param.name}")
+    except PatternError as exc:
+        raise click.BadParameter(str(exc)) from None
     return values
 
 

@@ -90,6 +90,38 @@ def test_hide_focus_ignore(tmp_path: Path) -> None:
     assert folded(out) == {"app:main;app:other;aten::add": 3}
 
 
+@pytest.mark.parametrize(
+    ("option", "patterns", "expected"),
+    [
+        # joined into one alternation these failed: two groups named m, a global flag
+        # not at the start, a backreference to the other pattern's group
+        ("--focus", ["(?P<m>lib):.*", "(?P<m>app):other"], {"mm": 5, "add": 3}),
+        ("--ignore", ["x:y", "(?i)LIB:.*"], {"add": 3}),
+        ("--hide", [r"(x)y:.*", r"(a)\1:nothing", "(?i)APP:STEP"], {"mm": 5, "add": 3}),
+    ],
+)
+def test_patterns_are_compiled_one_by_one(
+    tmp_path: Path, option: str, patterns: list[str], expected: dict[str, int]
+) -> None:
+    """Like opguard run's (issue 10, point 9): each pattern on its own, never joined."""
+    src = write(
+        tmp_path / "t.json",
+        trace_doc(
+            [
+                ([("app", "main"), ("app", "step"), ("lib", "inner")], None, "aten::mm", 5),
+                ([("app", "main"), ("app", "other")], None, "aten::add", 3),
+            ]
+        ),
+    )
+    out = tmp_path / "o.folded"
+    export(src, "--format", "collapsed", "-o", out, *[x for p in patterns for x in (option, p)])
+    stacks = folded(out)
+    assert {k.rsplit("aten::", 1)[1]: v for k, v in stacks.items()} == expected
+    if option == "--hide":
+        assert not any("app:step" in k for k in stacks)
+    export(src, "--format", "collapsed", "--focus", "a{99999999999}", expect=2)
+
+
 def test_speedscope_matches_the_published_schema(tree_file: Path, tmp_path: Path) -> None:
     jsonschema = pytest.importorskip("jsonschema")
     out = tmp_path / "t.speedscope.json"
