@@ -27,7 +27,7 @@ import dataclasses
 import enum
 import gc
 import itertools
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from operator import attrgetter, itemgetter
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -145,6 +145,55 @@ def merge_slot(slot: list[Any], other: list[Any], collective: bool) -> None:
         return
     for value, mask in theirs.items():
         mine[value] = mine.get(value, 0) | mask
+    if len(mine) <= 2:
+        slot[_HIST] = None
+    elif len(mine) > MAX_DISTINCT and not collective:
+        slot[_HIST] = _OVERFLOW
+    else:
+        slot[_HIST] = mine
+
+
+def add_rank_count(slot: list[Any], count: int, mask: int, collective: bool) -> None:
+    """``merge_slot(slot, [count, mask, count, None, count, None, None], collective)``
+    for one rank's count (``mask``: ranks that are not yet in ``slot``) that differs
+    from ``slot``'s uniform count or meets a non-uniform slot: the hot path of a
+    combine whose ranks disagree, without building the incoming slot, its histogram
+    or a copy of ``slot``'s (which ``slot`` owns: :func:`_copy_slot`)."""
+    old_min, old_max, min_mask = slot[_MIN], slot[_MAX], slot[_MIN_MASK]
+    if min_mask is None and count == old_min:  # the same count as every rank so far
+        slot[_COUNT] += count
+        slot[_MASK] |= mask
+        return
+    hist = slot[_HIST]
+    if min_mask is None:  # uniform so far (with another count)
+        mine: dict[int, int] | None = {old_min: slot[_MASK]}
+        min_mask = max_mask = slot[_MASK]
+    else:
+        max_mask = slot[_MAX_MASK]
+        if hist is _OVERFLOW:
+            mine = None
+        elif hist is None:
+            mine = {old_min: min_mask, old_max: max_mask}
+        else:
+            mine = hist
+    slot[_COUNT] += count
+    slot[_MASK] |= mask
+    if count < old_min:
+        slot[_MIN], slot[_MIN_MASK] = count, mask
+    elif count == old_min:
+        slot[_MIN_MASK] = min_mask | mask
+    else:
+        slot[_MIN_MASK] = min_mask
+    if count > old_max:
+        slot[_MAX], slot[_MAX_MASK] = count, mask
+    elif count == old_max:
+        slot[_MAX_MASK] = max_mask | mask
+    else:
+        slot[_MAX_MASK] = max_mask
+    if mine is None:
+        slot[_HIST] = _OVERFLOW
+        return
+    mine[count] = mine.get(count, 0) | mask
     if len(mine) <= 2:
         slot[_HIST] = None
     elif len(mine) > MAX_DISTINCT and not collective:
@@ -465,8 +514,7 @@ class TraceAccumulator:
                     slot[0] += count  # same count as every rank so far: the common case
                     slot[1] |= mask
                 else:
-                    merge_slot(slot, [count, mask, count, None, count, None, None],
-                               is_collective(op, api))  # fmt: skip
+                    add_rank_count(slot, count, mask, is_collective(op, api))
         except IndexError:  # a frame id out of range (decoding may leave this check to us)
             validate_frame_ids(trace.frames, callsites, trace.path)
             raise
@@ -635,6 +683,7 @@ class TraceAccumulator:
         stats_valid = self.stats_valid
         callsites = []
         callsite_extras = {}
+        ranks_of = _RankLists()
         for position, (stack, _, op, stream, _, key) in enumerate(keyed):
             slot = sites[key]
             mask = slot[_MASK]
@@ -645,9 +694,9 @@ class TraceAccumulator:
                     op=op,
                     stream=stream,
                     count=slot[_COUNT],
-                    ranks=None if mask == all_mask else mask_to_ranks(mask),
+                    ranks=None if mask == all_mask else ranks_of(mask),
                     per_rank=(
-                        _per_rank(slot, is_collective(op, key[1]))
+                        _per_rank(slot, is_collective(op, key[1]), ranks_of)
                         if stats_valid and slot[_MIN_MASK] is not None
                         else None
                     ),
@@ -684,17 +733,34 @@ def _copy_slot(slot: list[Any]) -> list[Any]:
     return copied
 
 
-def _per_rank(slot: list[Any], collective: bool) -> PerRank:
+class _RankLists:
+    """:func:`mask_to_ranks` with the lists of masks seen before kept (a combined
+    trace's masks repeat: the same rank sets over and over); each call returns a
+    list of its own."""
+
+    def __init__(self) -> None:
+        self.known: dict[int, list[int]] = {}
+
+    def __call__(self, mask: int) -> list[int]:
+        ranks = self.known.get(mask)
+        if ranks is None:
+            ranks = self.known[mask] = mask_to_ranks(mask)
+        return ranks.copy()
+
+
+def _per_rank(
+    slot: list[Any], collective: bool, ranks_of: Callable[[int], list[int]] = mask_to_ranks
+) -> PerRank:
     """The written statistics of a site whose ranks disagree."""
     hist = _histogram(slot)
     return PerRank(
         min=slot[_MIN],
-        min_ranks=mask_to_ranks(slot[_MIN_MASK]),
+        min_ranks=ranks_of(slot[_MIN_MASK]),
         max=slot[_MAX],
-        max_ranks=mask_to_ranks(slot[_MAX_MASK]),
+        max_ranks=ranks_of(slot[_MAX_MASK]),
         counts=None
         if hist is None
-        else [(value, mask_to_ranks(mask)) for value, mask in sorted(hist.items())],
+        else [(value, ranks_of(mask)) for value, mask in sorted(hist.items())],
     )
 
 

@@ -371,3 +371,21 @@ def test_rank_specific_nodes_are_bounded(
     kept_ops = sum(c["count"] for c in main["children"] if c["qualname"] != "bulk")
     assert kept_ops == 10 + 10 + 9 + 9 + 8
     assert main["self_ops"] == {"aten::add": small - kept_ops}
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    counts=st.lists(st.integers(1, 12), min_size=1, max_size=40),
+    collective=st.booleans(),
+)
+def test_add_rank_count_is_merge_slot_of_one_rank(counts: list[int], collective: bool) -> None:
+    """The combine's hot path for one rank's count gives the slot merge_slot gives."""
+    from opguard_core.combined import add_rank_count, merge_slot
+
+    fast = [counts[0], 1, counts[0], None, counts[0], None, None]
+    slow = list(fast)
+    for rank, count in enumerate(counts[1:], start=1):
+        mask = 1 << rank
+        add_rank_count(fast, count, mask, collective)
+        merge_slot(slow, [count, mask, count, None, count, None, None], collective)
+        assert fast == slow, (rank, count)
