@@ -140,17 +140,24 @@ def merge_slot(slot: list[Any], other: list[Any], collective: bool) -> None:
         slot[_HIST] = None
         return
     slot[_MIN_MASK], slot[_MAX_MASK] = low_mask, high_mask
-    if mine is None or theirs is None:
+    if mine is not None and theirs is not None:
+        for value, mask in theirs.items():
+            mine[value] = mine.get(value, 0) | mask
+    _store_histogram(slot, mine if theirs is not None else None, collective)
+
+
+def _store_histogram(slot: list[Any], hist: dict[int, int] | None, collective: bool) -> None:
+    """Set ``slot``'s histogram to ``hist`` (None: it overflowed): kept only while the
+    counts take three or more values, and at most :data:`MAX_DISTINCT` of them unless
+    the callsite is a collective."""
+    if hist is None:
         slot[_HIST] = _OVERFLOW
-        return
-    for value, mask in theirs.items():
-        mine[value] = mine.get(value, 0) | mask
-    if len(mine) <= 2:
+    elif len(hist) <= 2:
         slot[_HIST] = None
-    elif len(mine) > MAX_DISTINCT and not collective:
+    elif len(hist) > MAX_DISTINCT and not collective:
         slot[_HIST] = _OVERFLOW
     else:
-        slot[_HIST] = mine
+        slot[_HIST] = hist
 
 
 def add_rank_count(slot: list[Any], count: int, mask: int, collective: bool) -> None:
@@ -190,16 +197,9 @@ def add_rank_count(slot: list[Any], count: int, mask: int, collective: bool) -> 
         slot[_MAX_MASK] = max_mask | mask
     else:
         slot[_MAX_MASK] = max_mask
-    if mine is None:
-        slot[_HIST] = _OVERFLOW
-        return
-    mine[count] = mine.get(count, 0) | mask
-    if len(mine) <= 2:
-        slot[_HIST] = None
-    elif len(mine) > MAX_DISTINCT and not collective:
-        slot[_HIST] = _OVERFLOW
-    else:
-        slot[_HIST] = mine
+    if mine is not None:
+        mine[count] = mine.get(count, 0) | mask
+    _store_histogram(slot, mine, collective)
 
 
 def _mask_of(slot: list[Any], value: int, low: bool) -> int:
