@@ -32,13 +32,7 @@ from opguard_core.atomic import atomic_write_bytes, atomic_write_text, safe_chil
 from opguard_core.combined import CallsiteTrace
 from opguard_core.config_chain import active_filters, apply_filters
 from opguard_core.config_format import dump_config, entry_key, validate_config
-from opguard_core.divergence_format import (
-    check_findings,
-    encode_divergence,
-    render_log,
-    sort_findings,
-    tally,
-)
+from opguard_core.divergence_format import check_findings, tally, write_divergence
 from opguard_core.errors import ExitCode, Interrupted, OpGuardError, one_line
 from opguard_core.logs import get_logger
 from opguard_core.model import STAGES, Discovery, InputEntry, RunOptions
@@ -124,11 +118,6 @@ class Runner:
             return str(path.relative_to(self.run_dir.resolve()))
         except ValueError:
             return str(path)
-
-    def warn(self, message: str, **fields: Any) -> None:
-        """Log a warning and list it under ``warnings`` in the summary
-        (:func:`opguard_core.run_warnings.warn`)."""
-        warn(message, **fields)
 
     def _skipped(self, stage: str, entry: str | None, reason: str) -> None:
         self.records.append(StageRecord(stage, entry, status="skipped", error=reason))
@@ -275,13 +264,9 @@ class Runner:
         with self.stage("divergence", entry.name) as record:
             record.inputs = [f"{entry.name}_combined.json"]
             where = f"divergence findings of {entry.name}"
-            findings = sort_findings(
-                check_findings(
-                    self.call_first(
-                        "opguard_divergence", record, trace=trace, options=self.options
-                    ),
-                    where,
-                )
+            findings = check_findings(
+                self.call_first("opguard_divergence", record, trace=trace, options=self.options),
+                where,
             )
             meta = {
                 "source": entry.name,
@@ -289,12 +274,7 @@ class Runner:
                 "skew": self.options.skew,
                 "per_rank_stats": trace.per_rank_stats,
             }
-            outputs = [
-                self._path(f"{entry.name}_divergence.json"),
-                self._path(f"{entry.name}_divergence.log"),
-            ]
-            atomic_write_bytes(outputs[0], encode_divergence(meta, findings))
-            atomic_write_text(outputs[1], render_log(meta, findings))
+            outputs = write_divergence(self._path, entry.name, meta, findings)
             record.outputs = [self._rel(o) for o in outputs]
             record.counts = tally(findings)
             if findings:
@@ -332,7 +312,7 @@ class Runner:
         unmatched = selection.unmatched()
         unmatched += [("--hide", p) for p in unmatched_hide(trace, self.options.hide)]
         for option, pattern in unmatched:
-            self.warn("pattern matched nothing", option=option, pattern=pattern, entry=entry.name)
+            warn("pattern matched nothing", option=option, pattern=pattern, entry=entry.name)
         return selected
 
     def _generate(self, entry: InputEntry, tree: dict[str, Any]) -> CommentedMap:
@@ -357,7 +337,7 @@ class Runner:
         base = min(configs) if configs else 1
         first = configs.get(base)
         if first is not None and base != 1:
-            self.warn(
+            warn(
                 "compare base is not entry 1", base=base, entry=first[0].name,
                 reason="entry 1 made no config",
             )  # fmt: skip

@@ -115,31 +115,38 @@ def observe(manager: OpGuardPluginManager, inputs: Sequence[str], options: RunOp
                 config = runner.process_entry(single)
                 if config is None:
                     continue
-                if filters:
-                    config, _ = apply_filters(filters, config, options, runner.log)
-                ranks = list((config.get("meta") or {}).get("ranks") or [0])
+                config = _filtered(runner, filters, config, options)
+                ranks = (config.get("meta") or {}).get("ranks") or [0]
                 rank = int(ranks[0])
-                if rank in configs:
-                    record = StageRecord("merge", single.name)
-                    config = runner.call_first(
-                        "opguard_merge", record, left=configs[rank], right=config
-                    )
-                configs[rank] = config
+                configs[rank] = _merged(runner, configs.get(rank), config, single.name)
         combined: CommentedMap | None = None
         for entry in entries:
             whole = runner.process_entry(entry)
-            if whole is None:
-                continue
-            if filters:
-                whole, _ = apply_filters(filters, whole, options, runner.log)
-            if combined is not None:
-                record = StageRecord("merge", entry.name)
-                whole = runner.call_first("opguard_merge", record, left=combined, right=whole)
-            combined = whole
+            if whole is not None:
+                whole = _filtered(runner, filters, whole, options)
+                combined = _merged(runner, combined, whole, entry.name)
         problems = [
             f"{r.entry or r.stage}: {r.error}" for r in runner.records if r.status == "failed"
         ]
     return Observed(configs, problems, combined)
+
+
+def _filtered(
+    runner: Runner, filters: list[Any], config: CommentedMap, options: RunOptions
+) -> CommentedMap:
+    """``config`` through the run's filter chain (as the config was made)."""
+    return apply_filters(filters, config, options, runner.log)[0] if filters else config
+
+
+def _merged(
+    runner: Runner, left: CommentedMap | None, right: CommentedMap, name: str
+) -> CommentedMap:
+    """``right`` folded into ``left`` by ``opguard_merge`` (just ``right`` without one)."""
+    if left is None:
+        return right
+    record = StageRecord("merge", name)
+    merged: CommentedMap = runner.call_first("opguard_merge", record, left=left, right=right)
+    return merged
 
 
 def _steps(config: dict[str, Any]) -> int | None:
@@ -173,6 +180,7 @@ def _run_rules(
     ranks = [int(r) for r in (config.get("meta") or {}).get("ranks") or []]
     impls = manager.implementations("opguard_check_entry")
     found: list[Violation] = []
+    expected_steps = _steps(config)
     for rank, entries in seen.items():
         for key in sorted(set(entries) | set(expected)):
             check = CheckInput(
@@ -183,7 +191,7 @@ def _run_rules(
                 observed=seen,
                 ranks=ranks,
                 tolerance=tolerance,
-                expected_steps=_steps(config),
+                expected_steps=expected_steps,
                 observed_steps=steps,
             )
             kwargs = {"observed": entries.get(key), "expected": expected.get(key), "check": check}
