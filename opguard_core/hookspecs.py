@@ -14,7 +14,7 @@ installed plugin wins, or hands over by returning None.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -231,7 +231,9 @@ def opguard_export_formats() -> dict[str, Callable[[list[Stack]], bytes]] | None
 
 
 @hookspec
-def opguard_run_finished(run_dir: Path, summary: dict[str, Any]) -> None:
+def opguard_run_finished(
+    run_dir: Path, summary: dict[str, Any], configs: Mapping[str, Any]
+) -> None:
     """Called once at the end of ``opguard run``, after the last stage.
 
     Every implementation is called; one that raises is logged and does not change
@@ -239,6 +241,11 @@ def opguard_run_finished(run_dir: Path, summary: dict[str, Any]) -> None:
 
     :param run_dir: the run directory, with every artifact the run wrote.
     :param summary: the run's summary, as written to ``pipeline_summary.json``.
+    :param configs: every instrumentation config the run wrote, by its file name in
+        ``run_dir`` (``gpt_instrumentation.yaml``, ``final_combined_instrumentation.yaml``,
+        ...), as the objects that were dumped: the same data as loading the file,
+        without parsing the YAML back (seconds for a config of a few hundred kB).
+        Read them; do not change them.
     """
 
 

@@ -89,6 +89,9 @@ class Runner:
         self.skip = [s for s in STAGES if s in set(skip)]
         self.output_base = trace_output_base(output_base)
         self.records: list[StageRecord] = []
+        #: every config this run wrote, by file name in the run directory, handed to
+        #: ``opguard_run_finished`` so the report need not parse the YAML back
+        self.written_configs: dict[str, CommentedMap] = {}
         self.log = get_logger()
         self.run_dir: Path | None = None
         self.started = _dt.datetime.now(_dt.UTC)
@@ -324,6 +327,7 @@ class Runner:
             validate_config(config, f"{entry.name}_instrumentation.yaml (from {record.plugin})")
             out = self._path(f"{entry.name}_instrumentation.yaml")
             atomic_write_text(out, dump_config(config))
+            self.written_configs[out.name] = config
             record.outputs = [self._rel(out)]
             record.counts = {
                 "entries": len(config["entries"]),
@@ -415,6 +419,7 @@ class Runner:
                         outputs.append(self._path("final_combined_instrumentation.yaml"))
                     for out in outputs:
                         atomic_write_text(out, text)
+                        self.written_configs[out.name] = accumulated
                     record.outputs = [self._rel(o) for o in outputs]
                     record.counts = {"entries": len(accumulated["entries"])}
             except StageFailed:
@@ -452,6 +457,7 @@ class Runner:
             record.plugin = ",".join(i.plugin_name for i in filters)
             out = self._path(f"{name}_filtered_instrumentation.yaml")
             atomic_write_text(out, dump_config(config))
+            self.written_configs[out.name] = config
             record.outputs = [self._rel(out)]
             record.counts = {"entries": len(config["entries"]), "filters": chain}
 
@@ -595,7 +601,10 @@ class Runner:
         summary = self.summary(final=True)
         for impl in self.manager.implementations("opguard_run_finished"):
             try:
-                call_impl(impl, {"run_dir": self.run_dir, "summary": summary})
+                call_impl(
+                    impl,
+                    {"run_dir": self.run_dir, "summary": summary, "configs": self.written_configs},
+                )
             except (KeyboardInterrupt, SystemExit, Exception) as exc:
                 if isinstance(exc, KeyboardInterrupt) and not self._spurious(exc):
                     raise

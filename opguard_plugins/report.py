@@ -11,6 +11,7 @@ embedded (slimmed to name, kind, count, own ops), never the raw callsites.
 from __future__ import annotations
 
 import html
+from collections.abc import Mapping
 from importlib.resources import files
 from pathlib import Path
 from typing import Any
@@ -107,8 +108,12 @@ def divergence_rows(path: Path) -> list[list[Any]]:
     return rows
 
 
-def report_data(run_dir: Path, summary: dict[str, Any]) -> dict[str, Any]:
-    """Everything the page shows, read from the run directory's artifacts."""
+def report_data(
+    run_dir: Path, summary: dict[str, Any], configs: Mapping[str, Any] | None = None
+) -> dict[str, Any]:
+    """Everything the page shows, read from the run directory's artifacts; a config
+    found in ``configs`` (by file name: the objects the run wrote) is not read back."""
+    configs = configs or {}
     entries = []
     for item in summary.get("entries") or []:
         name = str(item["name"])
@@ -122,7 +127,10 @@ def report_data(run_dir: Path, summary: dict[str, Any]) -> dict[str, Any]:
         if tree_path.exists():
             entry["tree"] = slim_tree(load_tree(tree_path)["root"])
         config_path = safe_child(run_dir, f"{name}_instrumentation.yaml")
-        if config_path.exists():
+        written = configs.get(config_path.name)
+        if written is not None and len(written["entries"]) <= MAX_CONFIG_ROWS:
+            entry["config"] = config_rows(written)
+        elif config_path.exists():
             # the round-trip YAML loader reads ~100 kB/s: a config of tens of
             # thousands of entries (a deep tree without chain pruning) would hold
             # up the end of the run for minutes, so its table is left out
@@ -149,7 +157,9 @@ def _script_json(data: Any) -> str:
     return text.replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
 
 
-def render_report(run_dir: Path, summary: dict[str, Any]) -> str:
+def render_report(
+    run_dir: Path, summary: dict[str, Any], configs: Mapping[str, Any] | None = None
+) -> str:
     assets = files("opguard_plugins") / "_report"
     title = html.escape(f"OpGuard run {run_dir.name}")
     return (
@@ -160,12 +170,16 @@ def render_report(run_dir: Path, summary: dict[str, Any]) -> str:
         f"<style>\n{(assets / 'report.css').read_text()}</style></head>\n"
         f'<body><h1>{title}</h1><div id="content"></div>\n'
         '<script type="application/json" id="opguard-data">'
-        f"{_script_json(report_data(run_dir, summary))}</script>\n"
+        f"{_script_json(report_data(run_dir, summary, configs))}</script>\n"
         f"<script>\n{(assets / 'report.js').read_text()}</script>\n</body></html>\n"
     )
 
 
-def write_report(run_dir: Path, summary: dict[str, Any] | None = None) -> Path:
+def write_report(
+    run_dir: Path,
+    summary: dict[str, Any] | None = None,
+    configs: Mapping[str, Any] | None = None,
+) -> Path:
     """Write ``report.html`` into ``run_dir`` (atomically); returns its path."""
     if summary is None:
         path = run_dir / SUMMARY_NAME
@@ -176,13 +190,15 @@ def write_report(run_dir: Path, summary: dict[str, Any] | None = None) -> Path:
         if not isinstance(summary, dict):
             raise InputError(path, "expected a JSON object at top level")
     out = safe_child(run_dir, REPORT_NAME)
-    atomic_write_text(out, render_report(run_dir, summary))
+    atomic_write_text(out, render_report(run_dir, summary, configs))
     return out
 
 
 @hookimpl
-def opguard_run_finished(run_dir: Path, summary: dict[str, Any]) -> None:
-    write_report(run_dir, summary)
+def opguard_run_finished(
+    run_dir: Path, summary: dict[str, Any], configs: Mapping[str, Any]
+) -> None:
+    write_report(run_dir, summary, configs)
 
 
 @click.command("report")

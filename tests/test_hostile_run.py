@@ -585,7 +585,7 @@ def test_a_report_plugin_exiting_does_not_end_the_run(
 ) -> None:
     from opguard_plugins import report
 
-    def write_report(run_dir: Path, summary: dict[str, Any]) -> None:
+    def write_report(run_dir: Path, *args: Any) -> None:
         raise SystemExit(0)
 
     monkeypatch.setattr(report, "write_report", write_report)

@@ -50,6 +50,10 @@ def test_every_run_writes_a_self_contained_report(
         assert entry["tree"]["c"] == tree["root"]["count"]
     assert [c["name"] for c in data["comparisons"]] == ["comparison_1_vs_2.log"]
     assert data["comparisons"][0]["text"] == run.read("comparison_1_vs_2.log")
+    # the run hands the report the configs it wrote; reading them back gives the same page
+    report.unlink()
+    opguard("report", run.run_dir, expect=0)
+    assert embedded(report)["entries"] == data["entries"]
 
 
 EVIL = "</script><script>alert(1)</script><b>x</b>"
@@ -115,11 +119,15 @@ def test_report_embeds_the_tree_not_the_ranks(opguard: Callable[..., Any], tmp_p
 
 def test_hook_run_finished(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, samples: Path) -> None:
     seen: list[tuple[Path, dict[str, Any]]] = []
+    written: dict[str, Any] = {}
 
     class Recorder:
         @hookimpl
-        def opguard_run_finished(self, run_dir: Path, summary: dict[str, Any]) -> None:
+        def opguard_run_finished(
+            self, run_dir: Path, summary: dict[str, Any], configs: dict[str, Any]
+        ) -> None:
             seen.append((run_dir, summary))
+            written.update(configs)
             raise RuntimeError("a broken end-of-run plugin")
 
     monkeypatch.setenv("OPGUARD_TRACE_OUTPUT_BASE", str(tmp_path / "out"))
@@ -133,6 +141,10 @@ def test_hook_run_finished(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, samp
     assert seen[0][1]["status"] == "ok" and seen[0][1]["exit_code"] == 0
     assert "run_finished failed" in result.stderr and "recorder" in result.stderr
     assert (run_dir / "report.html").exists()
+    # every config the run wrote, as the objects dumped: the same data as the files
+    assert sorted(written) == sorted(p.name for p in run_dir.glob("*instrumentation.yaml"))
+    for name, config in written.items():
+        assert json.dumps(config) == json.dumps(load_config(run_dir / name))
 
 
 # ---------------------------------------------------------------- in a browser
