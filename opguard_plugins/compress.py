@@ -14,12 +14,14 @@ Steps, in order (formats.md §2, docs/compression.md):
 from __future__ import annotations
 
 import re
+import sys
+from array import array
 from bisect import bisect_right
 from collections import Counter, deque
 from functools import reduce
 from itertools import accumulate, pairwise
 from operator import itemgetter, or_
-from typing import Any
+from typing import Any, NamedTuple
 
 from opguard_core import hookimpl
 from opguard_core.combined import CallsiteTrace, gc_paused, mask_to_ranks, ranks_to_mask
@@ -148,6 +150,10 @@ def api_replaces_frame(
 WIDTH = 4
 
 
+#: an array type code of WIDTH bytes, to read a path's ids back in one call
+_ID_TYPE = next(code for code in "IL" if array(code).itemsize == WIDTH)
+
+
 def _chunk(number: int) -> bytes:
     return number.to_bytes(WIDTH, "big")
 
@@ -161,9 +167,28 @@ def _unchunk(chunk: bytes) -> int:
 MAX_RANK_NODES = 1000
 
 
+class TreeBuild(NamedTuple):
+    """What :func:`build_tree` returns."""
+
+    root: Node
+    #: non-root nodes of the unpruned tree
+    nodes_before: int
+    #: nodes below ``floor`` kept for divergence, and those the ``limit`` folded
+    rank_kept: int
+    rank_folded: int
+
+
+def _sortable(key: tuple[str | None, str, str]) -> tuple[str, str, str]:
+    return (key[0] or "", key[1], key[2])
+
+
 def build_tree(
-    trace: CallsiteTrace, hide: list[str], floor: float = 0.0, rank_floor: float | None = None
-) -> tuple[Node, int]:
+    trace: CallsiteTrace,
+    hide: list[str],
+    floor: float = 0.0,
+    rank_floor: float | None = None,
+    limit: int | None = None,
+) -> TreeBuild:
     """The call tree of ``trace`` below a ``<root>`` node, pruned at ``floor``, and the
     number of non-root nodes the unpruned tree has.
 
@@ -171,7 +196,13 @@ def build_tree(
     least ``rank_floor`` and its ranks differ from its parent's (the root's ranks are
     all of the trace's); a subtree below ``floor`` is kept all the same when it holds
     a divergent node, so every path to one survives: divergence is never pruned away
-    by the fraction (:func:`bound_rank_nodes` bounds how many such nodes stay).
+    by the fraction. With ``limit``, at most that many nodes below ``floor`` stay:
+    the divergent ones are taken largest first (by count, then path of identities),
+    each with the nodes below ``floor`` on its way up, while the total stays within
+    ``limit`` (one that does not fit is skipped; a smaller one may still fit); every
+    other node below ``floor`` is folded into its parent. The nodes to keep are chosen
+    before any is made (tests/test_compress_reference.py checks the result against
+    the whole tree, pruned, then bounded).
 
     The tree is the one you get by walking every callsite's stack (without hidden
     frames) from the root, one node per function identity, with a ``torch_api`` leaf
@@ -255,17 +286,17 @@ def build_tree(
     # mask for all its callsites when changes[e] == changes[s + 1]
     changes = [0, 0, *accumulate(a != b for a, b in pairwise(masks))]
     chunk_lines = {_chunk(fid): frame.line for fid, frame in enumerate(frames)}
+    sorted_frame_paths = [frame_paths[j] for j in order]
 
     def make_node(key: tuple[str | None, str, str], at: slice, start: int, end: int) -> Node:
         if key[2] == TORCH_API:
             node = Node(key[0], None, key[1], TORCH_API)
         else:
-            run = order[start:end]
-            frame = frames[_unchunk(frame_paths[min(run)][at])]
+            frame = frames[_unchunk(frame_paths[min(order[start:end])][at])]
             node = Node(frame.module, frame.file, frame.qualname, key[2])
-            node.lines = set(
-                map(chunk_lines.__getitem__, map(itemgetter(at), map(frame_paths.__getitem__, run)))
-            )
+            # the distinct frames at this depth first, then their lines
+            chunks = set(map(itemgetter(at), sorted_frame_paths[start:end]))
+            node.lines = set(map(chunk_lines.__getitem__, chunks))
         node.count = below[end] - below[start]
         if full[end] > full[start]:
             node.ranks = all_mask
@@ -276,29 +307,86 @@ def build_tree(
     def run_mask(start: int, end: int) -> int:
         return all_mask if full[end] > full[start] else reduce(or_, masks[start:end], 0)
 
-    def holds_divergence(offset: int, start: int, end: int, parent_mask: int) -> bool:
-        """Whether the run [start, end), a child at ``offset`` of a node whose ranks are
-        ``parent_mask``, is or holds a divergent node (see above)."""
+    def divergent_runs() -> tuple[set[tuple[int, int]], int]:
+        """The nodes below ``floor`` to keep for divergence, as (path length, run start),
+        and how many such nodes the unbounded tree has. Nothing is materialised: the
+        runs below ``floor`` under every node at or above it are searched once; each
+        node met gets an id and its parent's (-1: a node at or above ``floor``)."""
         assert rank_floor is not None
-        todo = [(offset, start, end, parent_mask)]
-        while todo:
-            offset, start, end, parent = todo.pop()
-            if below[end] - below[start] < rank_floor:
+        parent_of: list[int] = []
+        idents: list[tuple[int, int]] = []  # id -> (path length, run start)
+        found: list[tuple[int, int]] = []  # (count, id) of the divergent nodes
+        search: list[tuple[int, int, int, int, int]] = []
+        skeleton = [(0, 0, len(paths), all_mask)]
+        while skeleton:  # the nodes at or above floor (as the build below makes them)
+            own, start, end, mask = skeleton.pop()
+            while start < end and len(paths[start]) == own:
+                start += 1
+            at = slice(own, own + WIDTH)
+            while start < end:
+                stop = bisect_right(paths, paths[start][at], start, end, key=itemgetter(at))
+                weight = below[stop] - below[start]
+                if weight >= floor:
+                    skeleton.append((own + WIDTH, start, stop, run_mask(start, stop)))
+                elif weight >= rank_floor:
+                    search.append((own + WIDTH, start, stop, mask, -1))
+                start = stop
+        while search:  # below floor: every node that is or may hold a divergent one
+            own, start, end, parent_mask, parent = search.pop()
+            weight = below[end] - below[start]
+            if weight < rank_floor:
                 continue  # counts only shrink downwards: nothing below qualifies
+            node = len(parent_of)
+            parent_of.append(parent)
+            idents.append((own, start))
             mask = run_mask(start, end)
-            if mask != parent:
-                return True
+            if mask != parent_mask:
+                found.append((weight, node))
             if changes[end] == changes[start + 1]:
                 continue  # one mask for every callsite: every node below has it
-            while start < end and len(paths[start]) == offset + WIDTH:
-                start += 1  # the node's own ops
-            at = slice(offset + WIDTH, offset + 2 * WIDTH)
-            next_id = itemgetter(at)
+            while start < end and len(paths[start]) == own:
+                start += 1
+            at = slice(own, own + WIDTH)
             while start < end:
-                stop = bisect_right(paths, paths[start][at], start, end, key=next_id)
-                todo.append((offset + WIDTH, start, stop, mask))
+                stop = bisect_right(paths, paths[start][at], start, end, key=itemgetter(at))
+                search.append((own + WIDTH, start, stop, mask, node))
                 start = stop
-        return False
+        # the unbounded tree keeps every divergent node with its way up to floor
+        wanted: set[int] = set()
+        for _, node in found:
+            while node >= 0 and node not in wanted:
+                wanted.add(node)
+                node = parent_of[node]
+        if limit is None or len(wanted) <= limit:
+            return {idents[n] for n in wanted}, len(wanted)
+        # largest first; ties by the path of identities, as key tuples would sort
+        key_order = sorted(range(len(keys)), key=lambda k: _sortable(keys[k]))
+        rank_of = [0] * len(keys)
+        for position, kid in enumerate(key_order):
+            rank_of[kid] = position
+
+        def path_order(node: int) -> tuple[int, ...]:
+            own, start = idents[node]
+            ids = array(_ID_TYPE, paths[start][:own])
+            if sys.byteorder == "little":
+                ids.byteswap()
+            return tuple(map(rank_of.__getitem__, ids))
+
+        found.sort(key=lambda item: (-item[0], path_order(item[1])))
+        kept: set[int] = set()
+        for _, node in found:
+            way = []
+            while node >= 0 and node not in kept:
+                way.append(node)
+                node = parent_of[node]
+            if len(kept) + len(way) <= limit:
+                kept.update(way)
+        return {idents[n] for n in kept}, len(wanted)
+
+    rank_keep: set[tuple[int, int]] = set()
+    rank_total = 0
+    if rank_floor is not None:
+        rank_keep, rank_total = divergent_runs()
 
     root = Node(None, None, "<root>", "root")
     root.count = below[-1]
@@ -318,11 +406,7 @@ def build_tree(
             piece = paths[start][at]
             end = bisect_right(paths, piece, start, high, key=next_id)
             weight = below[end] - below[start]
-            if weight >= floor or (
-                rank_floor is not None
-                and weight >= rank_floor
-                and holds_divergence(offset, start, end, all_mask if node is root else node.ranks)
-            ):
+            if weight >= floor or (offset + WIDTH, start) in rank_keep:
                 key = keys[_unchunk(piece)]
                 child = make_node(key, at, start, end)
                 node.children[key] = child
@@ -339,78 +423,7 @@ def build_tree(
                         shared = _common_prefix(previous, path)
                         nodes_before += len(path) // WIDTH - shared // WIDTH
             start = end
-    return root, nodes_before
-
-
-def bound_rank_nodes(
-    root: Node, floor: float, limit: int = MAX_RANK_NODES, all_mask: int = 0
-) -> tuple[int, int]:
-    """Keep at most ``limit`` of the nodes below ``floor`` (those :func:`build_tree`
-    kept for divergence) and fold the others into their parents.
-
-    The divergent nodes below ``floor`` (ranks differ from the parent's; the root's
-    are ``all_mask``) are taken largest first (by count, then path of identities);
-    each is kept with the nodes below ``floor`` on the way to it while the total
-    stays within ``limit``; one that does not fit is skipped, a smaller one may still
-    fit. Every other node below ``floor`` is folded, a whole subtree at a time.
-    Returns (kept, folded) counts of nodes below ``floor``. Deterministic: it depends
-    on the tree only."""
-    parents: dict[int, Node] = {}
-    small: list[Node] = []
-    divergent: list[tuple[int, tuple[tuple[str, str, str], ...], Node]] = []
-    todo: list[tuple[Node, int, tuple[tuple[str, str, str], ...]]] = [(root, all_mask, ())]
-    while todo:
-        node, ranks, path = todo.pop()
-        for key, child in node.children.items():
-            parents[id(child)] = node
-            child_path = (*path, key)
-            if child.count < floor:
-                small.append(child)
-                if child.ranks != ranks:
-                    divergent.append((child.count, child_path, child))
-            todo.append((child, child.ranks, child_path))
-    if len(small) <= limit:
-        return len(small), 0
-    divergent.sort(key=lambda item: (-item[0], item[1]))
-    kept: set[int] = set()
-    for _, _, node in divergent:
-        way = []
-        step: Node | None = node
-        while step is not None and step is not root and step.count < floor:
-            if id(step) in kept:
-                break
-            way.append(step)
-            step = parents.get(id(step))
-        if len(kept) + len(way) <= limit:
-            kept.update(map(id, way))
-    folded = 0
-    gone: set[int] = set()
-    todo_nodes = [root]
-    while todo_nodes:
-        node = todo_nodes.pop()
-        for child in list(node.children.values()):
-            if child.count < floor and id(child) not in kept:
-                folded += _fold_subtree(node, child, floor, gone)
-            else:
-                todo_nodes.append(child)
-    return len(kept), folded
-
-
-def _fold_subtree(parent: Node, node: Node, floor: float, gone: set[int]) -> int:
-    """Fold ``node``'s whole subtree into ``parent``'s own ops; returns how many of its
-    nodes were below ``floor``."""
-    del parent.children[node.key]
-    removed = 0
-    below = [node]
-    while below:
-        part = below.pop()
-        gone.add(id(part))
-        if part.count < floor:
-            removed += 1
-        parent.self_ops.update(part.self_ops)
-        parent.self_streams.update(part.self_streams)
-        below.extend(part.children.values())
-    return removed
+    return TreeBuild(root, nodes_before, len(rank_keep), rank_total - len(rank_keep))
 
 
 def _common_prefix(a: bytes, b: bytes) -> int:
@@ -540,9 +553,8 @@ def compress_trace(trace: CallsiteTrace, options: RunOptions) -> dict[str, Any]:
 def _compress_trace(trace: CallsiteTrace, options: RunOptions) -> dict[str, Any]:
     hide = [*(DEFAULT_HIDE if options.default_hide else ()), *options.hide]
     floor = threshold(trace.total, options.min_count, options.min_fraction)
-    root, nodes_before = build_tree(trace, hide, floor, rank_floor=options.min_count)
-    rank_kept, rank_folded = bound_rank_nodes(
-        root, floor, MAX_RANK_NODES, ranks_to_mask(trace.ranks)
+    root, nodes_before, rank_kept, rank_folded = build_tree(
+        trace, hide, floor, rank_floor=options.min_count, limit=MAX_RANK_NODES
     )
     if options.chains:
         fold_chains(root, ranks_to_mask(trace.ranks))

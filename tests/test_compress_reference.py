@@ -27,6 +27,7 @@ from opguard_plugins.compress import (
     frame_kind,
     hidden_frames,
 )
+from tests.builders import trace_doc
 from tests.strategies import rank_file_sets
 from tests.test_properties import combined
 
@@ -105,6 +106,57 @@ def prune_subtrees(
                 stack.append(child)
 
 
+def bound_rank_nodes(root: Node, floor: float, limit: int, all_mask: int) -> tuple[int, int]:
+    """Keep at most ``limit`` of the nodes below ``floor`` and fold the others into
+    their parents, on the whole, pruned tree: the divergent nodes below ``floor``
+    (ranks differ from the parent's; the root's are ``all_mask``) largest first (by
+    count, then path of identities), each with the nodes below ``floor`` on its way
+    up while the total stays within ``limit``. Returns (kept, folded)."""
+    parents: dict[int, Node] = {}
+    small: list[Node] = []
+    divergent: list[tuple[int, tuple[tuple[str, str, str], ...], Node]] = []
+    todo: list[tuple[Node, int, tuple[tuple[str, str, str], ...]]] = [(root, all_mask, ())]
+    while todo:
+        node, ranks, path = todo.pop()
+        for key, child in node.children.items():
+            parents[id(child)] = node
+            child_path = (*path, (key[0] or "", key[1], key[2]))
+            if child.count < floor:
+                small.append(child)
+                if child.ranks != ranks:
+                    divergent.append((child.count, child_path, child))
+            todo.append((child, child.ranks, child_path))
+    if len(small) <= limit:
+        return len(small), 0
+    divergent.sort(key=lambda item: (-item[0], item[1]))
+    kept: set[int] = set()
+    for _, _, node in divergent:
+        way = []
+        step: Node | None = node
+        while step is not None and step is not root and step.count < floor:
+            if id(step) in kept:
+                break
+            way.append(step)
+            step = parents.get(id(step))
+        if len(kept) + len(way) <= limit:
+            kept.update(map(id, way))
+    stack = [root]
+    while stack:
+        node = stack.pop()
+        for key, child in list(node.children.items()):
+            if child.count < floor and id(child) not in kept:
+                del node.children[key]
+                folded = [child]
+                while folded:
+                    below = folded.pop()
+                    node.self_ops.update(below.self_ops)
+                    node.self_streams.update(below.self_streams)
+                    folded.extend(below.children.values())
+            else:
+                stack.append(child)
+    return len(kept), len(small) - len(kept)
+
+
 def state(node: Node) -> dict[str, Any]:
     """Everything a node holds after building and pruning, children by key."""
     return {
@@ -119,14 +171,24 @@ def state(node: Node) -> dict[str, Any]:
 
 
 def check_against_reference(
-    trace: CallsiteTrace, hide: list[str], floor: float, rank_floor: float | None = None
+    trace: CallsiteTrace,
+    hide: list[str],
+    floor: float,
+    rank_floor: float | None = None,
+    limit: int | None = None,
 ) -> None:
     expected = reference_tree(trace, hide)
     nodes_before = count_nodes(expected)
     prune_subtrees(expected, floor, rank_floor, ranks_to_mask(trace.ranks))
-    root, before = build_tree(trace, hide, floor, rank_floor)
-    assert before == nodes_before
-    assert state(root) == state(expected)
+    bounded = (0, 0)
+    if rank_floor is not None:
+        bounded = bound_rank_nodes(
+            expected, floor, 10**9 if limit is None else limit, ranks_to_mask(trace.ranks)
+        )
+    built = build_tree(trace, hide, floor, rank_floor, limit)
+    assert built.nodes_before == nodes_before
+    assert (built.rank_kept, built.rank_folded) == bounded
+    assert state(built.root) == state(expected)
 
 
 @pytest.mark.slow  # > 4 s: the slow group
@@ -158,6 +220,22 @@ def test_rank_specific_subtrees_are_kept_like_the_reference(
     check_against_reference(combined(*docs), list(DEFAULT_HIDE), floor, rank_floor)
 
 
+@settings(max_examples=150, deadline=None)
+@given(
+    rank_file_sets(min_files=2, max_files=4),
+    st.integers(1, 60).map(float),
+    st.integers(1, 3).map(float),
+    st.integers(0, 6),
+)
+@pytest.mark.slow  # over 2 s in the quick group
+def test_the_bound_on_rank_nodes_matches_the_reference(
+    docs: list[dict[str, Any]], floor: float, rank_floor: float, limit: int
+) -> None:
+    """With a ``limit``, the nodes kept for divergence are chosen before any is made,
+    and the tree is the one the whole pruned tree gives once bounded."""
+    check_against_reference(combined(*docs), list(DEFAULT_HIDE), floor, rank_floor, limit)
+
+
 @pytest.mark.parametrize("name", ["gpt_callsite", "fsdp_callsite"])
 @pytest.mark.parametrize("min_fraction", [0.0, 0.001, 0.01, 0.1])
 def test_build_tree_matches_the_reference_on_real_traces(
@@ -174,3 +252,26 @@ def test_build_tree_matches_the_reference_on_real_traces(
     floor = threshold(trace.total, options.min_count, min_fraction)
     check_against_reference(trace, list(DEFAULT_HIDE), floor)
     check_against_reference(trace, list(DEFAULT_HIDE), floor, options.min_count)
+    check_against_reference(trace, list(DEFAULT_HIDE), floor, options.min_count, limit=3)
+
+
+def test_the_bound_breaks_ties_by_the_path_from_the_root() -> None:
+    """Two rank-specific nodes of one count, one slot left: the one whose path from the
+    root sorts first stays (``main.a.q`` before ``main.b.p``, though ``p`` < ``q``)."""
+    bulk = [
+        ([("app", "main"), ("app", "a")], None, "aten::mm", 1000),
+        ([("app", "main"), ("app", "b")], None, "aten::mm", 1000),
+    ]
+    docs = [
+        trace_doc([*bulk, ([("app", "main"), ("app", "a"), ("app", "q")], None, "aten::add", 5)]),
+        trace_doc(
+            [*bulk, ([("app", "main"), ("app", "b"), ("app", "p")], None, "aten::add", 5)], rank=1
+        ),
+    ]
+    trace = combined(*docs)
+    check_against_reference(trace, [], 100.0, 1.0, limit=1)
+    built = build_tree(trace, [], 100.0, 1.0, limit=1)
+    (main,) = built.root.children.values()
+    kept = {key[1]: [k[1] for k in child.children] for key, child in main.children.items()}
+    assert kept == {"a": ["q"], "b": []}
+    assert (built.rank_kept, built.rank_folded) == (1, 1)
