@@ -27,6 +27,7 @@ import dataclasses
 import enum
 import gc
 import itertools
+import sys
 from collections.abc import Callable, Iterable, Iterator
 from operator import attrgetter, itemgetter
 from pathlib import Path
@@ -553,7 +554,9 @@ class TraceAccumulator:
         remap = [self._intern(frame) for frame in other.frames]
         identity = remap == list(range(len(remap)))
         if other._packed is not None:
-            self._merge_packed(other._packed, None if identity else remap)
+            # always through ``remap``: its ids are the very int objects this
+            # accumulator's keys hold, so a key found compares by identity
+            self._merge_packed(other._packed, remap)
         self._fold(
             ((stack if identity else remap_stack(stack, remap), api, op, stream), slot)
             for (stack, api, op, stream), slot in other.sites.items()
@@ -618,7 +621,8 @@ class TraceAccumulator:
             self._merge_packed(packed, None)
 
     def _merge_packed(self, packed: _PackedSites, remap: list[int] | None) -> None:
-        """Fold packed sites in; their frame ids become ``remap[id]`` (unchanged if None)."""
+        """Fold packed sites in; their frame ids become ``remap[id]`` (unchanged if None).
+        Their slots are built here, so they are taken over, not copied."""
         ids = array.array("I")
         ids.frombytes(packed.stacks)
         lengths = array.array("I")
@@ -629,34 +633,38 @@ class TraceAccumulator:
         stats = packed.stats
         self._fold(
             (
-                (tuple(flat[start:end]), api, op, stream),
-                [count, mask, low, *stats[position]]
-                if position in stats
-                else [count, mask, low, None, low, None, None],
-            )
-            for position, (start, end, api, op, stream, count, mask, low) in enumerate(
-                zip(
-                    starts,
-                    ends,
-                    packed.apis,
-                    packed.ops,
-                    packed.streams,
-                    packed.counts,
-                    packed.masks,
-                    packed.mins,
-                    strict=True,
+                (
+                    (tuple(flat[start:end]), api, op, stream),
+                    [count, mask, low, *stats[position]]
+                    if position in stats
+                    else [count, mask, low, None, low, None, None],
                 )
-            )
+                for position, (start, end, api, op, stream, count, mask, low) in enumerate(
+                    zip(
+                        starts,
+                        ends,
+                        packed.apis,
+                        packed.ops,
+                        packed.streams,
+                        packed.counts,
+                        packed.masks,
+                        packed.mins,
+                        strict=True,
+                    )
+                )
+            ),
+            owned=True,
         )
 
-    def _fold(self, items: Iterable[tuple[SiteKey, list[Any]]]) -> None:
-        """Add (key, slot) pairs to the sites (partials; ``add`` inlines this)."""
+    def _fold(self, items: Iterable[tuple[SiteKey, list[Any]]], owned: bool = False) -> None:
+        """Add (key, slot) pairs to the sites (partials; ``add`` inlines this); an
+        ``owned`` slot is nobody else's and is taken over, others are copied."""
         sites = self.sites
         get = sites.get
         for key, incoming in items:
             slot = get(key)
             if slot is None:
-                sites[key] = _copy_slot(incoming)
+                sites[key] = incoming if owned else _copy_slot(incoming)
             else:
                 merge_slot(slot, incoming, is_collective(key[2], key[1]))
 
@@ -668,14 +676,21 @@ class TraceAccumulator:
         for new, old in enumerate(order):
             new_id[old] = new
         frames = [self.frames[old] for old in order]
-        # (canonical stack, api or "", op, stream, api is set, original key)
-        keyed = [
-            (remap_stack(key[0], new_id), key[1] or "", key[2], key[3], key[1] is not None, key)
-            for key in self.sites
-        ]
+        # (canonical stack as big-endian bytes, api or "", op, stream, api is set,
+        # canonical stack, original key): the bytes sort as the tuple of ids would
+        # (fixed width, a prefix first) but compare with one memcmp, not id by id;
         # the first five fields already differ between any two sites, so a plain
-        # tuple sort orders by them alone (as a key of item[:5] would), without
-        # building a 5-tuple per site
+        # tuple sort orders by them alone, without building a 5-tuple per site
+        keyed = []
+        swap = sys.byteorder == "little"
+        for key in self.sites:
+            stack = remap_stack(key[0], new_id)
+            ids = array.array("I", stack)  # 4 bytes a frame id
+            if swap:
+                ids.byteswap()
+            keyed.append(
+                (ids.tobytes(), key[1] or "", key[2], key[3], key[1] is not None, stack, key)
+            )
         keyed.sort()
         all_mask = self.rank_mask
         sites = self.sites
@@ -684,7 +699,7 @@ class TraceAccumulator:
         callsites = []
         callsite_extras = {}
         ranks_of = _RankLists()
-        for position, (stack, _, op, stream, _, key) in enumerate(keyed):
+        for position, (_, _, op, stream, _, stack, key) in enumerate(keyed):
             slot = sites[key]
             mask = slot[_MASK]
             callsites.append(
