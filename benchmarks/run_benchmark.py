@@ -5,9 +5,11 @@ For one shape (``--ranks N --callsites M``) it:
 1. generates the rank files (benchmarks/generate_traces.py) unless they exist;
 2. times a **bare parse** of the same files with the fastest available parser
    (``msgspec.json.decode`` untyped and ``orjson.loads`` if installed: the faster
-   one counts), reading each file and decoding it, one after the other, in this
-   process, with the garbage collector as Python leaves it (also reported: the
-   same with the collector off);
+   one counts), reading each file and decoding it, one after the other, in a fresh
+   child process, with the garbage collector as Python leaves it; then the same
+   with the collector off (the strict floor; its peak RSS is the memory
+   reference), and with the collector off split over two forked processes (half
+   the files each: the floor on two cores);
 3. runs ``opguard run`` on them **as a subprocess**, measuring wall seconds and
    peak RSS of the child and its helper processes (the peak of their summed RSS,
    polled every 50 ms with psutil; and the largest single process's max RSS from
@@ -66,6 +68,12 @@ class ParseFigures:
     seconds: float
     seconds_gc_off: float
     all_parsers: dict[str, float]
+    #: the GC-off parse split over ``processes`` forked processes (half the files each
+    #: on two), the floor where the machine has that many cores
+    seconds_parallel: float = float("nan")
+    processes: int = 2
+    #: peak RSS of the GC-off single-process parse (its process tree)
+    peak_rss: int = 0
 
 
 def data_dir(base: Path, shape: Shape) -> Path:
@@ -92,46 +100,64 @@ def _parsers() -> dict[str, Callable[[bytes], Any]]:
     return parsers
 
 
-def _parse_all(paths: Sequence[Path], parse: Callable[[bytes], Any]) -> float:
-    started = time.perf_counter()
+def _parse_all(paths: Sequence[str], parse: Callable[[bytes], Any]) -> None:
     for path in paths:
         with open(path, "rb") as handle:
             parse(handle.read())
-    return time.perf_counter() - started
 
 
-def bare_parse(paths: Sequence[Path], repeat: int = 1) -> ParseFigures:
-    """Best-of-``repeat`` time to read and parse every file, per parser; the fastest wins."""
-    for path in paths:  # warm the page cache, as for the opguard run
-        path.read_bytes()
-    times = {}
-    for name, parse in _parsers().items():
-        times[name] = min(_parse_all(paths, parse) for _ in range(repeat))
-    best = min(times, key=lambda k: times[k])
-    was = gc.isenabled()
-    gc.disable()
-    try:
-        gc_off = min(_parse_all(paths, _parsers()[best]) for _ in range(repeat))
-    finally:
-        if was:
-            gc.enable()
-    return ParseFigures(best, times[best], gc_off, times)
+def parse_child(parser: str, gc_mode: str, processes: int) -> None:
+    """The body of a bare-parse child: file paths on stdin, seconds on stdout.
+
+    With ``processes`` > 1 the files are dealt round-robin to that many forked
+    processes, and the time is until the last one is done.
+    """
+    paths = sys.stdin.read().split("\n")
+    paths = [p for p in paths if p]
+    parse = _parsers()[parser]
+    if gc_mode == "off":
+        gc.disable()
+    started = time.perf_counter()
+    children = []
+    for index in range(1, processes):
+        pid = os.fork()
+        if pid == 0:
+            _parse_all(paths[index::processes], parse)
+            os._exit(0)
+        children.append(pid)
+    _parse_all(paths[0::processes], parse)
+    for pid in children:
+        os.waitpid(pid, 0)
+    print(f"{time.perf_counter() - started:.6f}")
 
 
-def run_opguard(
-    paths: Sequence[Path], out: Path, extra: Sequence[str], env: dict[str, str] | None = None
-) -> RunFigures:
-    """``opguard run`` on ``paths`` as a child process; wall time and peak RSS."""
-    out.mkdir(parents=True, exist_ok=True)
-    pattern = str(paths[0].parent / paths[0].name.replace("_rank0.json", "_rank*.json"))
-    args = [
-        sys.executable, "-m", "opguard_core.cli", "--log-format", "json", "run",
-        "--output-base", str(out), "--input", pattern, *extra,
-    ]  # fmt: skip
+@dataclasses.dataclass
+class ChildFigures:
+    wall: float
+    peak_rss_tree: int
+    peak_rss_single: int
+    exit_code: int
+    stdout: str
+    stderr: str
+
+
+def measure_child(
+    args: Sequence[str], stdin: bytes = b"", env: dict[str, str] | None = None
+) -> ChildFigures:
+    """Run ``args``; wall seconds, peak RSS of its process tree (the largest sum of the
+    RSS of the child and its descendants, polled every 50 ms) and of its largest
+    single process (``wait4``)."""
     started = time.perf_counter()
     child = subprocess.Popen(
-        args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, **(env or {})}
+        args,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env={**os.environ, **(env or {})},
     )
+    assert child.stdin is not None
+    child.stdin.write(stdin)
+    child.stdin.close()
     peak = 0
     proc = psutil.Process(child.pid)
     while True:
@@ -152,9 +178,57 @@ def run_opguard(
     stdout = child.stdout.read().decode() if child.stdout else ""
     stderr = child.stderr.read().decode() if child.stderr else ""
     child.returncode = code
-    if code != 0:
-        print(stderr[-4000:], file=sys.stderr)
-    run_dir = Path(stdout.strip().splitlines()[-1]) if stdout.strip() else None
+    return ChildFigures(wall, peak, usage.ru_maxrss * 1024, code, stdout, stderr)
+
+
+def _timed_parse(
+    paths: Sequence[Path], parser: str, gc_mode: str, processes: int
+) -> tuple[float, int]:
+    """(seconds, peak RSS of the process tree) of one bare-parse child."""
+    args = [sys.executable, __file__, "--parse-child", parser, gc_mode, str(processes)]
+    fig = measure_child(args, "\n".join(map(str, paths)).encode())
+    if fig.exit_code != 0:
+        sys.exit(f"the bare parse failed: {fig.stderr[-2000:]}")
+    return float(fig.stdout.strip()), max(fig.peak_rss_tree, fig.peak_rss_single)
+
+
+def bare_parse(paths: Sequence[Path], repeat: int = 1, processes: int = 2) -> ParseFigures:
+    """Best-of-``repeat`` time to read and parse every file in a fresh process, per
+    parser (the fastest wins), with the collector on; then the winner with the
+    collector off, in one process and split over ``processes``."""
+    for path in paths:  # warm the page cache, as for the opguard run
+        path.read_bytes()
+    times = {}
+    for name in _parsers():
+        times[name] = min(_timed_parse(paths, name, "on", 1)[0] for _ in range(repeat))
+    best = min(times, key=lambda k: times[k])
+    runs = [_timed_parse(paths, best, "off", 1) for _ in range(repeat)]
+    parallel = min(_timed_parse(paths, best, "off", processes)[0] for _ in range(repeat))
+    return ParseFigures(
+        best,
+        times[best],
+        min(r[0] for r in runs),
+        times,
+        seconds_parallel=parallel,
+        processes=processes,
+        peak_rss=max(r[1] for r in runs),
+    )
+
+
+def run_opguard(
+    paths: Sequence[Path], out: Path, extra: Sequence[str], env: dict[str, str] | None = None
+) -> RunFigures:
+    """``opguard run`` on ``paths`` as a child process; wall time and peak RSS."""
+    out.mkdir(parents=True, exist_ok=True)
+    pattern = str(paths[0].parent / paths[0].name.replace("_rank0.json", "_rank*.json"))
+    args = [
+        sys.executable, "-m", "opguard_core.cli", "--log-format", "json", "run",
+        "--output-base", str(out), "--input", pattern, *extra,
+    ]  # fmt: skip
+    fig = measure_child(args, env=env)
+    if fig.exit_code != 0:
+        print(fig.stderr[-4000:], file=sys.stderr)
+    run_dir = Path(fig.stdout.strip().splitlines()[-1]) if fig.stdout.strip() else None
     stages: list[dict[str, Any]] = []
     if run_dir and (run_dir / "pipeline_summary.json").exists():
         summary = json.loads((run_dir / "pipeline_summary.json").read_text())
@@ -164,10 +238,10 @@ def run_opguard(
         ranks=len(paths),
         callsites=0,
         megabytes=size,
-        wall=wall,
-        peak_rss_tree=peak,
-        peak_rss_single=usage.ru_maxrss * 1024,
-        exit_code=code,
+        wall=fig.wall,
+        peak_rss_tree=fig.peak_rss_tree,
+        peak_rss_single=fig.peak_rss_single,
+        exit_code=fig.exit_code,
         stages=stages,
         command="opguard run " + " ".join(args[args.index("run") + 1 :]),
     )
@@ -203,8 +277,10 @@ def report(
         "| what | wall s | peak RSS (process tree) | ratio to bare parse |",
         "|---|---:|---:|---:|",
         f"| bare parse ({parse.parser}, read + decode every file) | {parse.seconds:.2f} | | 1.00 |",
-        f"| bare parse, GC off | {parse.seconds_gc_off:.2f} | | "
+        f"| bare parse, GC off | {parse.seconds_gc_off:.2f} | {_mib(parse.peak_rss)} | "
         f"{parse.seconds_gc_off / parse.seconds:.2f} |",
+        f"| bare parse, GC off, {parse.processes} processes | {parse.seconds_parallel:.2f} | | "
+        f"{parse.seconds_parallel / parse.seconds:.2f} |",
     ]
     for stage in run.stages:
         if stage.get("status") == "skipped":
@@ -219,9 +295,16 @@ def report(
     )
     lines += [
         "",
-        f"End to end / bare parse: **{run.wall / parse.seconds:.2f}×** "
-        f"(against the GC-off parse: {run.wall / parse.seconds_gc_off:.2f}×). "
-        "Parsers: "
+        f"End to end / bare parse: **{run.wall / parse.seconds:.2f}×**; "
+        f"against the GC-off parse: **{run.wall / parse.seconds_gc_off:.2f}×**; "
+        f"against the GC-off parse in {parse.processes} processes: "
+        f"**{run.wall / parse.seconds_parallel:.2f}×**. "
+        + (
+            f"Peak RSS / the GC-off parse's: **{run.peak_rss_tree / parse.peak_rss:.2f}×**. "
+            if parse.peak_rss
+            else ""
+        )
+        + "Parsers: "
         + ", ".join(f"{k} {v:.2f} s" for k, v in sorted(parse.all_parsers.items()))
         + f". Largest single process: {_mib(run.peak_rss_single)}.",
     ]
@@ -279,6 +362,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
+    if argv is None and sys.argv[1:2] == ["--parse-child"]:
+        parser, gc_mode, processes = sys.argv[2:5]
+        parse_child(parser, gc_mode, int(processes))
+        return
     args = parse_args(argv)
     extra = list(args.opguard_args)
     if args.jobs is not None:

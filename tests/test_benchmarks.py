@@ -33,11 +33,14 @@ def test_benchmark_reports_stages_ratio_and_memory(tmp_path: Path) -> None:
     text = report.read_text()
     assert text == result.stdout.rstrip("\n") + "\n"
     assert "## 4 ranks × 300 callsites" in text
-    for row in ("| bare parse (", "| bare parse, GC off |", "| stage combine [bench_callsite] |",
+    for row in ("| bare parse (", "| bare parse, GC off |", "| bare parse, GC off, 2 processes |",
+                "| stage combine [bench_callsite] |",
                 "| stage compress [bench_callsite] |", "| stage generate [bench_callsite] |",
                 "| **opguard run, end to end** |"):  # fmt: skip
         assert row in text
     assert "End to end / bare parse: **" in text
+    assert "against the GC-off parse: **" in text and "in 2 processes: **" in text
+    assert "Peak RSS / the GC-off parse's: **" in text
     assert "| 2 | " in text and "| 4 | " in text
     assert "Peak RSS 4 vs 2 ranks: **" in text
     assert not any(data.iterdir())  # --cleanup removed the generated traces
