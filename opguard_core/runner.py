@@ -34,6 +34,7 @@ from opguard_core.config_chain import active_filters, apply_filters
 from opguard_core.config_format import dump_config, entry_key, validate_config
 from opguard_core.divergence_format import check_findings, tally, write_divergence
 from opguard_core.errors import ExitCode, Interrupted, OpGuardError, one_line
+from opguard_core.forked import ForkedCall
 from opguard_core.logs import get_logger
 from opguard_core.model import STAGES, Discovery, InputEntry, RunOptions
 from opguard_core.plugins import OpGuardPluginManager, call_impl
@@ -68,8 +69,28 @@ class StageRecord:
     error: str | None = None
 
 
+#: below this many distinct callsites the divergence stage takes less time than a
+#: fork and a summary exchange are worth, so it runs in-process (:meth:`Runner._start_divergence`)
+OVERLAP_MIN_CALLSITES = 20_000
+
+
 class StageFailed(Exception):
     """Internal: a stage failed for one entry; already recorded."""
+
+
+class _EventRecorder:
+    """A logger for a forked helper: keeps (method, event, fields) of every call, for
+    the parent to log (its logs go where the parent's go, and in order)."""
+
+    def __init__(self, events: list[tuple[str, str, dict[str, Any]]]) -> None:
+        self.events = events
+
+    def __getattr__(self, method: str) -> Any:
+        def record(event: str, **fields: Any) -> None:
+            fields.pop("exc_info", None)  # the exception does not cross processes
+            self.events.append((method, event, fields))
+
+        return record
 
 
 class Runner:
@@ -97,6 +118,8 @@ class Runner:
         self.started = _dt.datetime.now(_dt.UTC)
         self.interrupted: dict[str, Any] | None = None
         self.current: tuple[str, str | None] = ("setup", None)
+        #: True in a forked helper (:meth:`_start_divergence`), which writes no summary
+        self.in_helper = False
         self.entries: list[InputEntry] = []
         #: the last failure to write the summary (None: the last write succeeded)
         self.summary_error: str | None = None
@@ -213,6 +236,7 @@ class Runner:
         tree: dict[str, Any] | None = None
         config: CommentedMap | None = None
         reason: str | None = None
+        divergence: tuple[ForkedCall, int] | None = None
         try:
             if "combine" in self.skip:
                 reason = "--skip combine"
@@ -223,8 +247,7 @@ class Runner:
                 if "divergence" in self.skip:
                     self._skipped("divergence", entry.name, "--skip divergence")
                 else:
-                    with contextlib.suppress(StageFailed):  # later stages do not need it
-                        self._divergence(entry, trace)
+                    divergence = self._start_divergence(entry, trace)
             if trace is not None and "compress" in self.skip:
                 reason = "--skip compress"
                 self._skipped("compress", entry.name, reason)
@@ -238,6 +261,12 @@ class Runner:
                 config = self._generate(entry, tree)
         except StageFailed as exc:
             reason = f"an earlier stage failed: {exc}"
+        except BaseException:  # interrupted (or worse): the helper's work is moot
+            if divergence is not None:
+                divergence[0].cancel()
+            raise
+        if divergence is not None:
+            self._finish_divergence(entry, *divergence)
         if config is None:
             done = {r.stage for r in self.records if r.entry == entry.name}
             for stage in ("combine", "compress", "generate"):
@@ -262,6 +291,59 @@ class Runner:
                 "total": trace.total,
             }
         return trace
+
+    def _start_divergence(
+        self, entry: InputEntry, trace: CallsiteTrace
+    ) -> tuple[ForkedCall, int] | None:
+        """Run the divergence stage, in a forked child while compress and generate go
+        on here when that pays (a large trace, more than one job, and this process may
+        fork: :mod:`opguard_core.forked`), else in-process (None). The stage reads the
+        combined trace only; the child sends back its record, warnings and log events,
+        and :meth:`_finish_divergence` puts them where an in-process stage would have."""
+        slot = len(self.records)
+        if self.options.jobs == 1 or len(trace.callsites) < OVERLAP_MIN_CALLSITES:
+            job = None
+        else:
+            job = ForkedCall.start(
+                lambda: self._divergence_in_child(entry, trace, slot),
+                f"divergence of {entry.name}",
+            )
+        if job is None:
+            with contextlib.suppress(StageFailed):  # later stages do not need it
+                self._divergence(entry, trace)
+            return None
+        return job, slot
+
+    def _divergence_in_child(
+        self, entry: InputEntry, trace: CallsiteTrace, slot: int
+    ) -> tuple[list[StageRecord], list[dict[str, Any]], list[tuple[str, str, dict[str, Any]]]]:
+        self.in_helper = True  # the parent alone writes the summary
+        events: list[tuple[str, str, dict[str, Any]]] = []
+        self.log = _EventRecorder(events)
+        mark = len(self.warnings)
+        with contextlib.suppress(StageFailed):
+            self._divergence(entry, trace)
+        return self.records[slot:], self.warnings[mark:], events
+
+    def _finish_divergence(self, entry: InputEntry, job: ForkedCall, slot: int) -> None:
+        """Wait for the forked divergence stage (or kill it when the run is being
+        interrupted) and record it as if it had run in-process."""
+        try:
+            records, warnings, events = job.result()
+        except (KeyboardInterrupt, Interrupted):
+            job.cancel()
+            raise
+        except OpGuardError as exc:
+            error = one_line(str(exc))
+            records = [StageRecord("divergence", entry.name, status="failed", error=error)]
+            warnings = []
+            events = [("error", "stage failed", {"plugin": None, "error": error})]
+        with structlog.contextvars.bound_contextvars(stage="divergence", entry=entry.name):
+            for method, event, fields in events:
+                getattr(self.log, method)(event, **fields)
+        self.records[slot:slot] = records
+        self.warnings.extend(warnings)
+        self._write_summary()
 
     def _divergence(self, entry: InputEntry, trace: CallsiteTrace) -> None:
         with self.stage("divergence", entry.name) as record:
@@ -618,7 +700,7 @@ class Runner:
         """Rewrite ``pipeline_summary.json``. A failure (disk full, ...) never stops the
         run: it is logged once, the next write tries again, and ``summary_error``
         holds the last failure (None once a write succeeds)."""
-        if self.run_dir is None:
+        if self.run_dir is None or self.in_helper:
             return
         try:
             data = msgspec.json.format(msgspec.json.encode(self.summary(final)), indent=2)

@@ -1,0 +1,106 @@
+"""One piece of work in a forked child while this process goes on: the second core.
+
+``ForkedCall.start(work)`` forks; the child runs ``work()`` and sends its result back
+pickled through a pipe, then leaves with ``os._exit`` (no ``atexit`` handler, no
+``finally`` of the parent's stack runs twice). ``result()`` waits for it; ``cancel()``
+kills it. The child shares the parent's memory copy-on-write, so it starts at once
+with everything already loaded and built.
+
+A fork is only safe with a single thread (another thread may hold a lock the child
+would never see released), so :func:`can_fork` says no while any other thread runs
+(a progress bar refreshing, a queue's feeder thread) and callers then do the work
+in-process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing
+import os
+import pickle
+import signal
+import sys
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from opguard_core.errors import OpGuardError
+
+
+def can_fork() -> bool:
+    """Whether :meth:`ForkedCall.start` may fork here and now."""
+    return "fork" in multiprocessing.get_all_start_methods() and threading.active_count() == 1
+
+
+class ForkedCall:
+    """A call running in a forked child (see the module docstring)."""
+
+    def __init__(self, pid: int, fd: int, what: str) -> None:
+        self.pid = pid
+        self.fd = fd
+        self.what = what
+
+    @classmethod
+    def start(cls, work: Callable[[], Any], what: str) -> ForkedCall | None:
+        """Fork and run ``work()`` in the child; None (nothing started) when this
+        process may not fork. ``what`` names the work in errors."""
+        if not can_fork():
+            return None
+        for stream in (sys.stdout, sys.stderr):  # or the child would write them again
+            with contextlib.suppress(Exception):
+                stream.flush()
+        read_fd, write_fd = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child
+            code = 0
+            try:
+                os.close(read_fd)
+                signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides
+                signal.signal(signal.SIGTERM, signal.SIG_DFL)
+                try:
+                    data = pickle.dumps(("ok", work()), protocol=pickle.HIGHEST_PROTOCOL)
+                except BaseException as exc:  # everything goes back
+                    data = pickle.dumps(("error", f"{type(exc).__name__}: {exc}"))
+                view = memoryview(data)
+                while view:
+                    view = view[os.write(write_fd, view) :]
+                for stream in (sys.stdout, sys.stderr):
+                    with contextlib.suppress(Exception):
+                        stream.flush()
+            except BaseException:  # never return into the parent's stack
+                code = 1
+            finally:
+                os._exit(code)
+        os.close(write_fd)
+        return cls(pid, read_fd, what)
+
+    def result(self) -> Any:
+        """Wait for the child; its ``work()`` result. Raises :class:`OpGuardError`
+        naming ``what`` when ``work()`` raised or the child died without a result."""
+        chunks = []
+        try:
+            while chunk := os.read(self.fd, 1 << 20):
+                chunks.append(chunk)
+        finally:
+            os.close(self.fd)
+            _, status = os.waitpid(self.pid, 0)
+        data = b"".join(chunks)
+        if not data:
+            if os.WIFSIGNALED(status):
+                how = f"killed by {signal.Signals(os.WTERMSIG(status)).name}"
+            else:
+                how = f"exit code {os.waitstatus_to_exitcode(status)}"
+            raise OpGuardError(f"{self.what}: its helper process died ({how}; out of memory?)")
+        kind, value = pickle.loads(data)
+        if kind == "error":
+            raise OpGuardError(f"{self.what}: {value}")
+        return value
+
+    def cancel(self) -> None:
+        """Kill the child (if it still runs) and reap it."""
+        with contextlib.suppress(OSError):
+            os.close(self.fd)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.pid, signal.SIGKILL)
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(self.pid, 0)
