@@ -1,27 +1,33 @@
 """The divergence stage in a forked helper while compress and generate go on
 (``opguard_core.forked``, ``Runner._start_divergence``): the same artifacts, records
 and logs as in-process, and a helper that fails, dies or is cut short by an
-interruption is recorded, never waited on forever, never left behind."""
+interruption is recorded, never waited on forever, never left behind.
+
+Each run is a fresh ``python`` process that imports a small patch module first
+(every divergence stage forks, the helpers' pids are logged, a stage misbehaves):
+a fork is refused while another thread runs, and a test process may hold threads
+other tests left (Dask's offload thread), so in-process runs would not fork at all.
+"""
 
 from __future__ import annotations
 
 import json
 import os
-import signal
+import subprocess
+import sys
+import textwrap
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from opguard_core import runner as runner_module
-from opguard_core.forked import ForkedCall, can_fork
-from opguard_plugins import compress as compress_plugin
-from opguard_plugins import divergence as divergence_plugin
+from opguard_core.forked import can_fork
 from tests.builders import sample_inputs
 
-pytestmark = pytest.mark.skipif(not can_fork(), reason="needs fork and a single thread")
+pytestmark = pytest.mark.skipif(
+    "fork" not in __import__("multiprocessing").get_all_start_methods(), reason="needs fork"
+)
 
 ARTIFACTS = (
     "gpt_callsite_combined.json",
@@ -31,118 +37,202 @@ ARTIFACTS = (
     "gpt_callsite_instrumentation.yaml",
 )
 
+#: run before the CLI in every child: every divergence stage forks (no size
+#: threshold), and each helper's pid is appended to the file named by OVERLAP_PIDS
+PATCH = """
+import os
+from opguard_core import runner
+from opguard_core.forked import ForkedCall
 
-@pytest.fixture
-def forks(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """Every divergence stage forks (no size threshold); the pids of the helpers."""
-    started: list[int] = []
-    real = ForkedCall.start.__func__  # type: ignore[attr-defined]
+runner.OVERLAP_MIN_CALLSITES = 0
+_start = ForkedCall.start.__func__
 
-    def start(cls: type[ForkedCall], work: Callable[[], Any], what: str) -> ForkedCall | None:
-        job = real(cls, work, what)
-        if job is not None:
-            started.append(job.pid)
-        return job
+def _logged(cls, work, what):
+    job = _start(cls, work, what)
+    if job is not None:
+        with open(os.environ["OVERLAP_PIDS"], "a") as pids:
+            pids.write(f"{job.pid}\\n")
+    return job
 
-    monkeypatch.setattr(runner_module, "OVERLAP_MIN_CALLSITES", 0)
-    monkeypatch.setattr(ForkedCall, "start", classmethod(start))
-    return started
-
-
-def stages(run_dir: Path) -> list[tuple[str, str | None, str, Any, Any]]:
-    summary = json.loads((run_dir / "pipeline_summary.json").read_text())
-    return [
-        (r["stage"], r["entry"], r["status"], r["counts"], r["error"]) for r in summary["stages"]
-    ]
+ForkedCall.start = classmethod(_logged)
+"""
 
 
-def events(stderr: str) -> list[tuple[str, str | None]]:
-    logged = [json.loads(line) for line in stderr.splitlines() if line.startswith("{")]
-    return [(e["event"], e.get("stage")) for e in logged]
+class Run:
+    def __init__(self, proc: subprocess.CompletedProcess[str], out: Path, pids: Path) -> None:
+        self.stderr = proc.stderr
+        self.exit_code = proc.returncode
+        dirs = sorted(out.iterdir()) if out.exists() else []
+        self.run_dir = dirs[-1]
+        self.pids = [int(p) for p in pids.read_text().split()] if pids.exists() else []
+
+    def read(self, name: str) -> str:
+        return (self.run_dir / name).read_text()
+
+    def stages(self) -> list[tuple[str, str | None, str, Any, Any]]:
+        summary = json.loads(self.read("pipeline_summary.json"))
+        return [
+            (r["stage"], r["entry"], r["status"], r["counts"], r["error"])
+            for r in summary["stages"]
+        ]
+
+    def events(self) -> list[tuple[str, str | None]]:
+        logged = [json.loads(line) for line in self.stderr.splitlines() if line.startswith("{")]
+        return [(e["event"], e.get("stage")) for e in logged]
+
+
+def run(tmp_path: Path, name: str, *args: str, patch: str = "") -> Run:
+    """``opguard run ARGS`` in a fresh process, after PATCH and ``patch``."""
+    where = tmp_path / name
+    where.mkdir()
+    (where / "overlap_patch.py").write_text(PATCH + textwrap.dedent(patch))
+    code = (
+        f"import sys; sys.path.insert(0, {str(where)!r}); import overlap_patch\n"
+        "from opguard_core.cli import main\n"
+        "main(sys.argv[1:])\n"
+    )
+    env = {
+        **os.environ,
+        "OVERLAP_PIDS": str(where / "pids"),
+        "PYTHONPATH": str(Path(__file__).parents[1]),
+    }
+    env.pop("OPGUARD_DISABLE_PLUGINS", None)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            code,
+            "--log-format",
+            "json",
+            "run",
+            "--output-base",
+            str(where / "out"),
+            *args,
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    return Run(proc, where / "out", where / "pids")
+
+
+def gone(pid: int) -> bool:
+    """Whether no process ``pid`` exists (a helper killed and reaped)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
 
 
 def test_a_forked_divergence_stage_gives_what_an_in_process_one_gives(
-    opguard: Callable[..., Any], samples: Path, forks: list[int]
+    tmp_path: Path, samples: Path
 ) -> None:
-    alone = opguard("run", "--jobs", "1", *sample_inputs(samples, "gpt"), expect=0)
-    assert forks == []  # --jobs 1: one process
-    overlapped = opguard("run", *sample_inputs(samples, "gpt"), expect=0)
-    assert len(forks) == 1
+    alone = run(tmp_path, "alone", "--jobs", "1", *sample_inputs(samples, "gpt"))
+    assert alone.exit_code == 0, alone.stderr
+    assert alone.pids == []  # --jobs 1: one process
+    overlapped = run(tmp_path, "overlapped", *sample_inputs(samples, "gpt"))
+    assert overlapped.exit_code == 0, overlapped.stderr
+    assert len(overlapped.pids) == 1
     for name in ARTIFACTS:
         assert overlapped.read(name) == alone.read(name), name
-    assert stages(overlapped.run_dir) == stages(alone.run_dir)
-    assert [s[0] for s in stages(overlapped.run_dir)][:5] == [
+    assert overlapped.stages() == alone.stages()
+    assert [s[0] for s in overlapped.stages()][:5] == [
         "discover", "combine", "divergence", "compress", "generate",
     ]  # fmt: skip
     # the helper's log events are logged by the run, with their stage
-    assert ("ranks diverge", "divergence") in events(overlapped.stderr)
-    assert sorted(events(overlapped.stderr)) == sorted(events(alone.stderr))
-    with pytest.raises(ChildProcessError):
-        os.waitpid(forks[0], os.WNOHANG)  # reaped
+    assert ("ranks diverge", "divergence") in overlapped.events()
+    assert sorted(overlapped.events()) == sorted(alone.events())
+    assert gone(overlapped.pids[0])
 
 
 def test_a_divergence_plugin_failing_in_the_helper_fails_its_stage_only(
-    opguard: Callable[..., Any], samples: Path, forks: list[int], monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, samples: Path
 ) -> None:
-    def broken(trace: Any, options: Any) -> Any:
-        raise RuntimeError("no findings today")
+    broken = run(tmp_path, "broken", *sample_inputs(samples, "gpt"), patch="""
+        from opguard_plugins import divergence
 
-    monkeypatch.setattr(divergence_plugin, "find_divergence", broken)
-    run = opguard("run", *sample_inputs(samples, "gpt"), expect=1)
-    assert len(forks) == 1
-    records = {s[0]: s for s in stages(run.run_dir)}
+        def broken(trace, options):
+            raise RuntimeError("no findings today")
+
+        divergence.find_divergence = broken
+    """)  # fmt: skip
+    assert broken.exit_code == 1, broken.stderr
+    assert len(broken.pids) == 1
+    records = {s[0]: s for s in broken.stages()}
     assert records["divergence"][2] == "failed"
     assert "RuntimeError: no findings today" in records["divergence"][4]
     assert records["compress"][2] == records["generate"][2] == "ok"
-    assert (run.run_dir / "gpt_callsite_instrumentation.yaml").exists()
-    assert ("stage failed", "divergence") in events(run.stderr)
+    assert (broken.run_dir / "gpt_callsite_instrumentation.yaml").exists()
+    assert ("stage failed", "divergence") in broken.events()
 
 
-def test_a_helper_that_dies_is_named_and_the_run_goes_on(
-    opguard: Callable[..., Any], samples: Path, forks: list[int], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    parent = os.getpid()
+def test_a_helper_that_dies_is_named_and_the_run_goes_on(tmp_path: Path, samples: Path) -> None:
+    dies = run(tmp_path, "dies", *sample_inputs(samples, "gpt"), patch="""
+        import os
+        from opguard_plugins import divergence
 
-    def dies(trace: Any, options: Any) -> Any:
-        if os.getpid() == parent:  # never end the test process itself
-            raise AssertionError("the divergence stage did not run in a helper")
-        os._exit(7)
+        parent = os.getpid()
 
-    monkeypatch.setattr(divergence_plugin, "find_divergence", dies)
-    run = opguard("run", *sample_inputs(samples, "gpt"), expect=1)
-    records = {s[0]: s for s in stages(run.run_dir)}
+        def dies(trace, options):
+            if os.getpid() == parent:
+                raise AssertionError("the divergence stage did not run in a helper")
+            os._exit(7)
+
+        divergence.find_divergence = dies
+    """)  # fmt: skip
+    assert dies.exit_code == 1, dies.stderr
+    records = {s[0]: s for s in dies.stages()}
     assert records["divergence"][2] == "failed"
     assert records["divergence"][4] == (
         "divergence of gpt_callsite: its helper process died (exit code 7; out of memory?)"
     )
     assert records["generate"][2] == "ok"
-    assert not (run.run_dir / "gpt_callsite_divergence.json").exists()
+    assert not (dies.run_dir / "gpt_callsite_divergence.json").exists()
 
 
 def test_an_interrupted_run_kills_the_helper_instead_of_waiting(
-    opguard: Callable[..., Any], samples: Path, forks: list[int], monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, samples: Path
 ) -> None:
-    parent = os.getpid()
-    real_compress = compress_plugin.compress_trace
-
-    def slow(trace: Any, options: Any) -> Any:
-        if os.getpid() != parent:
-            time.sleep(120)  # the helper: far longer than the test may take
-        return []
-
-    def interrupted(trace: Any, options: Any) -> Any:
-        os.kill(os.getpid(), signal.SIGTERM)  # the runner turns it into Interrupted
-        return real_compress(trace, options)
-
-    monkeypatch.setattr(divergence_plugin, "find_divergence", slow)
-    monkeypatch.setattr(compress_plugin, "compress_trace", interrupted)
     started = time.monotonic()
-    run = opguard(
-        "run", *sample_inputs(samples, "gpt"), expect=130
-    )  # interrupted (the runner uses 130 for any signal)
+    stopped = run(tmp_path, "stopped", *sample_inputs(samples, "gpt"), patch="""
+        import os, signal, time
+        from opguard_plugins import compress, divergence
+
+        parent = os.getpid()
+        real_compress = compress.compress_trace
+
+        def slow(trace, options):
+            if os.getpid() != parent:
+                time.sleep(120)  # the helper: far longer than the test may take
+            return []
+
+        def interrupted(trace, options):
+            os.kill(os.getpid(), signal.SIGTERM)  # the runner turns it into Interrupted
+            return real_compress(trace, options)
+
+        divergence.find_divergence = slow
+        compress.compress_trace = interrupted
+    """)  # fmt: skip
+    assert stopped.exit_code == 130, stopped.stderr  # the runner uses 130 for any signal
     assert time.monotonic() - started < 60
-    summary = json.loads((run.run_dir / "pipeline_summary.json").read_text())
+    summary = json.loads(stopped.read("pipeline_summary.json"))
     assert summary["interrupted"]["signal"] == "SIGTERM"
     assert summary["interrupted"]["stage"] == "compress"
-    with pytest.raises(ChildProcessError):
-        os.waitpid(forks[0], os.WNOHANG)  # killed and reaped
+    assert len(stopped.pids) == 1 and gone(stopped.pids[0])  # killed, not left sleeping
+
+
+def test_no_fork_while_another_thread_runs() -> None:
+    """A fork with another thread running could inherit a lock held forever: refused."""
+    import threading
+
+    assert can_fork() == (threading.active_count() == 1)
+    release = threading.Event()
+    other = threading.Thread(target=release.wait)
+    other.start()
+    try:
+        assert not can_fork()
+    finally:
+        release.set()
+        other.join()
