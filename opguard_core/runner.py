@@ -13,6 +13,7 @@ import contextlib
 import copy
 import dataclasses
 import datetime as _dt
+import gc
 import os
 import signal
 import time
@@ -29,7 +30,7 @@ from ruamel.yaml.comments import CommentedMap
 from opguard_core import __version__
 from opguard_core.artifact_names import check_entry_names
 from opguard_core.atomic import atomic_write_bytes, atomic_write_text, safe_child
-from opguard_core.combined import CallsiteTrace
+from opguard_core.combined import CallsiteTrace, gc_paused
 from opguard_core.config_chain import active_filters, apply_filters
 from opguard_core.config_format import dump_config, entry_key, validate_config
 from opguard_core.divergence_format import check_findings, tally, write_divergence
@@ -559,7 +560,11 @@ class Runner:
             signal.signal(signal.SIGINT, self._on_sigint)
             self.sigint_tracked = True
         try:
-            with collecting(self.warnings):
+            # the cyclic collector stays off for the run: every collection would rescan
+            # the millions of acyclic objects a large entry holds (traces, trees) and
+            # free nothing; reference counting frees them, and _run_stages collects
+            # once between entries, when those objects are gone
+            with collecting(self.warnings), gc_paused():
                 for stale in find_stale_runs(self.output_base, exclude=self.run_dir):
                     warn(stale.line(), stale_run_dir=str(stale.run_dir))
                 self._run_stages()
@@ -601,6 +606,8 @@ class Runner:
                 config = self.process_entry(entry)
             except StageFailed:
                 continue
+            finally:
+                gc.collect()  # cycles an entry's plugins left (the run pauses the collector)
             if config is not None:
                 configs[entry.index] = (entry, config)
         if len(self.entries) > 1:

@@ -31,7 +31,7 @@ PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
 NonNegativeInt = Annotated[int, msgspec.Meta(ge=0)]
 
 
-class Frame(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+class Frame(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True, gc=False):
     """One Python code location; hashable, so it can be interned by value."""
 
     file: str
@@ -61,7 +61,7 @@ class PerRank(msgspec.Struct, kw_only=True, omit_defaults=True, forbid_unknown_f
     counts: list[tuple[PositiveInt, list[NonNegativeInt]]] | None = None
 
 
-class Callsite(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+class Callsite(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, gc=False):
     """One (stack, api, op, stream) with its count; ``stack`` holds frame ids.
 
     ``stack`` is a tuple: msgspec decodes a JSON array into an exactly sized tuple
