@@ -9,6 +9,7 @@ count of nodes before pruning, for any traces and thresholds.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -90,11 +91,17 @@ def prune_subtrees(
 
     for child in root.children.values():
         mark(child, all_mask)
+    fold_small(root, floor, lambda child: holds[id(child)])
+
+
+def fold_small(root: Node, floor: float, keep: Callable[[Node], bool]) -> None:
+    """Fold every node below ``floor`` that ``keep`` refuses, with its subtree, into
+    its parent's own ops and streams."""
     stack = [root]
     while stack:
         node = stack.pop()
         for key, child in list(node.children.items()):
-            if child.count < floor and not holds[id(child)]:
+            if child.count < floor and not keep(child):
                 del node.children[key]
                 folded = [child]
                 while folded:
@@ -140,20 +147,7 @@ def bound_rank_nodes(root: Node, floor: float, limit: int, all_mask: int) -> tup
             step = parents.get(id(step))
         if len(kept) + len(way) <= limit:
             kept.update(map(id, way))
-    stack = [root]
-    while stack:
-        node = stack.pop()
-        for key, child in list(node.children.items()):
-            if child.count < floor and id(child) not in kept:
-                del node.children[key]
-                folded = [child]
-                while folded:
-                    below = folded.pop()
-                    node.self_ops.update(below.self_ops)
-                    node.self_streams.update(below.self_streams)
-                    folded.extend(below.children.values())
-            else:
-                stack.append(child)
+    fold_small(root, floor, lambda child: id(child) in kept)
     return len(kept), len(small) - len(kept)
 
 
