@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime as _dt
+import glob
 import os
 import tempfile
 from pathlib import Path
@@ -57,6 +58,15 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
             # ENOSPC, EFBIG, EIO ...: name the file (the OS error does not)
             raise WriteError(path, exc) from exc
         raise
+
+
+def remove_temporaries(path: Path) -> None:
+    """Remove the temporary files :func:`atomic_write_bytes` may have left for
+    ``path`` when a process writing it was killed (SIGKILL runs no cleanup)."""
+    pattern = f".{glob.escape(path.name[:_TMP_STEM_CHARS])}.*{TMP_SUFFIX}"
+    for leftover in path.parent.glob(pattern):
+        with contextlib.suppress(OSError):
+            leftover.unlink()
 
 
 def atomic_write_text(path: Path, text: str) -> None:

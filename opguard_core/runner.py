@@ -29,13 +29,18 @@ from ruamel.yaml.comments import CommentedMap
 
 from opguard_core import __version__
 from opguard_core.artifact_names import check_entry_names
-from opguard_core.atomic import atomic_write_bytes, atomic_write_text, safe_child
+from opguard_core.atomic import (
+    atomic_write_bytes,
+    atomic_write_text,
+    remove_temporaries,
+    safe_child,
+)
 from opguard_core.combined import CallsiteTrace, gc_paused
 from opguard_core.config_chain import active_filters, apply_filters
 from opguard_core.config_format import dump_config, entry_key, validate_config
 from opguard_core.divergence_format import check_findings, tally, write_divergence
 from opguard_core.errors import ExitCode, Interrupted, OpGuardError, one_line
-from opguard_core.forked import ForkedCall
+from opguard_core.forked import ForkedCall, can_fork
 from opguard_core.logs import get_logger
 from opguard_core.model import STAGES, Discovery, InputEntry, RunOptions
 from opguard_core.plugins import OpGuardPluginManager, call_impl
@@ -70,8 +75,9 @@ class StageRecord:
     error: str | None = None
 
 
-#: below this many distinct callsites the divergence stage takes less time than a
-#: fork and a summary exchange are worth, so it runs in-process (:meth:`Runner._start_divergence`)
+#: below this many distinct callsites writing the combined trace and the divergence
+#: stage take less time than a fork and a summary exchange are worth, so they run
+#: in-process (:meth:`Runner._start_helper`)
 OVERLAP_MIN_CALLSITES = 20_000
 
 
@@ -119,7 +125,7 @@ class Runner:
         self.started = _dt.datetime.now(_dt.UTC)
         self.interrupted: dict[str, Any] | None = None
         self.current: tuple[str, str | None] = ("setup", None)
-        #: True in a forked helper (:meth:`_start_divergence`), which writes no summary
+        #: True in a forked helper (:meth:`_start_helper`), which writes no summary
         self.in_helper = False
         self.entries: list[InputEntry] = []
         #: the last failure to write the summary (None: the last write succeeded)
@@ -237,18 +243,18 @@ class Runner:
         tree: dict[str, Any] | None = None
         config: CommentedMap | None = None
         reason: str | None = None
-        divergence: tuple[ForkedCall, int] | None = None
+        helper: tuple[ForkedCall, int, Path | None] | None = None
         try:
             if "combine" in self.skip:
                 reason = "--skip combine"
                 self._skipped("combine", entry.name, reason)
             else:
-                trace = self._combine(entry)
-            if trace is not None and len(trace.ranks) >= 2:
-                if "divergence" in self.skip:
+                trace, unwritten = self._combine(entry)
+                divergence = len(trace.ranks) >= 2
+                if divergence and "divergence" in self.skip:
                     self._skipped("divergence", entry.name, "--skip divergence")
-                else:
-                    divergence = self._start_divergence(entry, trace)
+                    divergence = False
+                helper = self._start_helper(entry, trace, unwritten, divergence)
             if trace is not None and "compress" in self.skip:
                 reason = "--skip compress"
                 self._skipped("compress", entry.name, reason)
@@ -263,11 +269,11 @@ class Runner:
         except StageFailed as exc:
             reason = f"an earlier stage failed: {exc}"
         except BaseException:  # interrupted (or worse): the helper's work is moot
-            if divergence is not None:
-                divergence[0].cancel()
+            if helper is not None:
+                self._cancel_helper(entry, helper[0], helper[2])
             raise
-        if divergence is not None:
-            self._finish_divergence(entry, *divergence)
+        if helper is not None:
+            self._finish_helper(entry, *helper)
         if config is None:
             done = {r.stage for r in self.records if r.entry == entry.name}
             for stage in ("combine", "compress", "generate"):
@@ -275,14 +281,25 @@ class Runner:
                     self._skipped(stage, entry.name, f"{reason}")
         return config
 
-    def _combine(self, entry: InputEntry) -> CallsiteTrace:
+    def _overlaps(self, trace: CallsiteTrace) -> bool:
+        """Whether this entry's helper work (writing the combined trace, the divergence
+        stage) pays to run in a forked child beside compress and generate."""
+        return (
+            self.options.jobs != 1 and len(trace.callsites) >= OVERLAP_MIN_CALLSITES and can_fork()
+        )
+
+    def _combine(self, entry: InputEntry) -> tuple[CallsiteTrace, Path | None]:
+        """The combine stage; with the combined trace's file, when its encoding and
+        writing are left to the entry's helper (:meth:`_start_helper`), else None."""
         with self.stage("combine", entry.name) as record:
             record.inputs = [str(f) for f in entry.files]
             trace: CallsiteTrace = self.call_first(
                 "opguard_combine", record, entry=entry, options=self.options
             )
             out = self._path(f"{entry.name}_combined.json")
-            atomic_write_bytes(out, trace.to_json())
+            unwritten = out if self._overlaps(trace) else None
+            if unwritten is None:
+                atomic_write_bytes(out, trace.to_json())
             record.outputs = [self._rel(out)]
             record.counts = {
                 "files": len(entry.files),
@@ -291,60 +308,114 @@ class Runner:
                 "callsites": len(trace.callsites),
                 "total": trace.total,
             }
-        return trace
+        return trace, unwritten
 
-    def _start_divergence(
-        self, entry: InputEntry, trace: CallsiteTrace
-    ) -> tuple[ForkedCall, int] | None:
-        """Run the divergence stage, in a forked child while compress and generate go
-        on here when that pays (a large trace, more than one job, and this process may
-        fork: :mod:`opguard_core.forked`), else in-process (None). The stage reads the
-        combined trace only; the child sends back its record, warnings and log events,
-        and :meth:`_finish_divergence` puts them where an in-process stage would have."""
+    def _start_helper(
+        self, entry: InputEntry, trace: CallsiteTrace, unwritten: Path | None, divergence: bool
+    ) -> tuple[ForkedCall, int, Path | None] | None:
+        """Write the combined trace to ``unwritten`` (None: already written) and run the
+        divergence stage (if ``divergence``): in a forked child while compress and
+        generate go on here when that pays (:meth:`_overlaps`; the combine left the
+        write to it), else in-process (None). Both read the combined trace only; the
+        child sends back the write's error, the stage's record, warnings and log
+        events, and :meth:`_finish_helper` puts them where in-process work would
+        have."""
         slot = len(self.records)
-        if self.options.jobs == 1 or len(trace.callsites) < OVERLAP_MIN_CALLSITES:
-            job = None
-        else:
+        job = None
+        if unwritten is not None or (divergence and self._overlaps(trace)):
+            what = f"divergence of {entry.name}" if divergence else f"writing {unwritten}"
             job = ForkedCall.start(
-                lambda: self._divergence_in_child(entry, trace, slot),
-                f"divergence of {entry.name}",
+                lambda: self._helper_work(entry, trace, unwritten, divergence, slot), what
             )
-        if job is None:
+        if job is not None:
+            return job, slot, unwritten
+        if unwritten is not None:  # could not fork after all
+            error = self._write_combined(trace, unwritten)
+            if error is not None:
+                self._combine_failed(entry, error)
+                raise StageFailed(error)
+        if divergence:
             with contextlib.suppress(StageFailed):  # later stages do not need it
                 self._divergence(entry, trace)
-            return None
-        return job, slot
+        return None
 
-    def _divergence_in_child(
-        self, entry: InputEntry, trace: CallsiteTrace, slot: int
-    ) -> tuple[list[StageRecord], list[dict[str, Any]], list[tuple[str, str, dict[str, Any]]]]:
+    def _write_combined(self, trace: CallsiteTrace, path: Path) -> str | None:
+        """Encode and write the combined trace; the one-line error, or None."""
+        try:
+            atomic_write_bytes(path, trace.to_json())
+        except MemoryError:
+            return f"{path.name}: out of memory encoding the combined trace"
+        except (OpGuardError, OSError) as exc:
+            return one_line(str(exc))
+        return None
+
+    def _helper_work(
+        self,
+        entry: InputEntry,
+        trace: CallsiteTrace,
+        unwritten: Path | None,
+        divergence: bool,
+        slot: int,
+    ) -> tuple[
+        str | None,
+        list[StageRecord],
+        list[dict[str, Any]],
+        list[tuple[str, str, dict[str, Any]]],
+    ]:
+        """In the forked child: the write, then the divergence stage."""
         self.in_helper = True  # the parent alone writes the summary
         events: list[tuple[str, str, dict[str, Any]]] = []
         self.log = _EventRecorder(events)
         mark = len(self.warnings)
-        with contextlib.suppress(StageFailed):
-            self._divergence(entry, trace)
-        return self.records[slot:], self.warnings[mark:], events
+        error = None if unwritten is None else self._write_combined(trace, unwritten)
+        if divergence:
+            with contextlib.suppress(StageFailed):
+                self._divergence(entry, trace)
+        return error, self.records[slot:], self.warnings[mark:], events
 
-    def _finish_divergence(self, entry: InputEntry, job: ForkedCall, slot: int) -> None:
-        """Wait for the forked divergence stage (or kill it when the run is being
-        interrupted) and record it as if it had run in-process."""
+    def _finish_helper(
+        self, entry: InputEntry, job: ForkedCall, slot: int, unwritten: Path | None
+    ) -> None:
+        """Wait for the entry's forked helper (or kill it when the run is being
+        interrupted) and record its work as if it had run in-process. A failed write
+        of the combined trace fails the combine stage (compress and generate, which
+        read the trace in memory, have run)."""
         try:
-            records, warnings, events = job.result()
+            error, records, warnings, events = job.result()
         except (KeyboardInterrupt, Interrupted):
-            job.cancel()
+            self._cancel_helper(entry, job, unwritten)
             raise
         except OpGuardError as exc:
-            error = one_line(str(exc))
-            records = [StageRecord("divergence", entry.name, status="failed", error=error)]
-            warnings = []
-            events = [("error", "stage failed", {"plugin": None, "error": error})]
+            failure = one_line(str(exc))
+            # the write is atomic: the file exists only if it was written whole
+            error = None if unwritten is None or unwritten.exists() else failure
+            records, warnings, events = [], [], []
+            if job.what.startswith("divergence"):
+                records = [StageRecord("divergence", entry.name, status="failed", error=failure)]
+                events = [("error", "stage failed", {"plugin": None, "error": failure})]
         with structlog.contextvars.bound_contextvars(stage="divergence", entry=entry.name):
             for method, event, fields in events:
                 getattr(self.log, method)(event, **fields)
         self.records[slot:slot] = records
         self.warnings.extend(warnings)
+        if error is not None:
+            self._combine_failed(entry, error)
         self._write_summary()
+
+    def _cancel_helper(self, entry: InputEntry, job: ForkedCall, unwritten: Path | None) -> None:
+        """Kill the helper; a combined trace it had not written yet is not claimed."""
+        job.cancel()
+        if unwritten is not None and not unwritten.exists():
+            remove_temporaries(unwritten)
+            self._combine_failed(entry, f"interrupted before {unwritten.name} was written")
+
+    def _combine_failed(self, entry: InputEntry, error: str) -> None:
+        """The combine stage's record, once ``ok``, failed by its deferred write."""
+        for record in self.records:
+            if record.stage == "combine" and record.entry == entry.name:
+                record.status, record.error, record.outputs = "failed", error, []
+        with structlog.contextvars.bound_contextvars(stage="combine", entry=entry.name):
+            self.log.error("stage failed", plugin=None, error=error)
 
     def _divergence(self, entry: InputEntry, trace: CallsiteTrace) -> None:
         with self.stage("divergence", entry.name) as record:

@@ -236,3 +236,104 @@ def test_no_fork_while_another_thread_runs() -> None:
     finally:
         release.set()
         other.join()
+
+
+def test_the_helper_writes_the_combined_trace_of_a_single_rank_entry(
+    tmp_path: Path, samples: Path
+) -> None:
+    """No divergence stage (one rank): the helper only encodes and writes the file."""
+    one = ["-i", str(samples / "gpt_callsite_rank0.json")]
+    alone = run(tmp_path, "alone", "--jobs", "1", *one)
+    helped = run(tmp_path, "helped", *one)
+    assert alone.exit_code == helped.exit_code == 0, helped.stderr
+    assert alone.pids == [] and len(helped.pids) == 1
+    (written,) = helped.run_dir.glob("*_combined.json")
+    assert helped.read(written.name) == alone.read(written.name)
+    assert "divergence" not in [s[0] for s in helped.stages()]
+    assert [s[2] for s in helped.stages()] == [s[2] for s in alone.stages()]
+
+
+WRITE_FAILS = """
+    import errno
+    from opguard_core import runner
+    from opguard_core.errors import WriteError
+
+    real_write = runner.atomic_write_bytes
+
+    def write(path, data):
+        if path.name.endswith("_combined.json"):
+            {action}
+        real_write(path, data)
+
+    runner.atomic_write_bytes = write
+"""
+
+
+def test_a_failed_write_in_the_helper_fails_the_combine_stage(
+    tmp_path: Path, samples: Path
+) -> None:
+    action = 'raise WriteError(path, OSError(errno.ENOSPC, "No space left on device"))'
+    full = run(tmp_path, "full", *sample_inputs(samples, "gpt"),
+               patch=WRITE_FAILS.format(action=action))  # fmt: skip
+    assert full.exit_code == 1, full.stderr
+    assert len(full.pids) == 1
+    records = {s[0]: s for s in full.stages()}
+    assert records["combine"][2] == "failed"
+    assert "gpt_callsite_combined.json" in records["combine"][4]
+    assert "No space left on device" in records["combine"][4]
+    assert "\n" not in records["combine"][4]
+    # compress and generate read the trace in memory: they ran; so did divergence
+    assert records["divergence"][2] == records["compress"][2] == records["generate"][2] == "ok"
+    assert not (full.run_dir / "gpt_callsite_combined.json").exists()
+    assert ("stage failed", "combine") in full.events()
+    assert not list(full.run_dir.glob(".*.tmp"))
+
+
+def test_a_helper_dying_before_the_write_fails_combine_and_divergence(
+    tmp_path: Path, samples: Path
+) -> None:
+    dies = run(tmp_path, "dies", *sample_inputs(samples, "gpt"),
+               patch=WRITE_FAILS.format(action="os._exit(9)"))  # fmt: skip
+    assert dies.exit_code == 1, dies.stderr
+    records = {s[0]: s for s in dies.stages()}
+    died = "divergence of gpt_callsite: its helper process died (exit code 9; out of memory?)"
+    assert records["combine"][2] == "failed" and records["combine"][4] == died
+    assert records["divergence"][4] == died
+    assert records["generate"][2] == "ok"
+
+
+def test_an_interrupted_run_removes_what_the_helper_left_half_written(
+    tmp_path: Path, samples: Path
+) -> None:
+    """The helper is killed mid-write (SIGKILL: no cleanup of its own); the run removes
+    the temporary file and does not claim the combined trace."""
+    half = run(tmp_path, "half", *sample_inputs(samples, "gpt"), patch="""
+        import os, signal, tempfile, time
+        from opguard_core import runner
+        from opguard_plugins import compress
+
+        parent = os.getpid()
+        real_compress = compress.compress_trace
+
+        def write(path, data):
+            if os.getpid() != parent and path.name.endswith("_combined.json"):
+                tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+                time.sleep(120)  # half-way through, far longer than the test may take
+            runner_write(path, data)
+
+        def interrupted(trace, options):
+            time.sleep(0.5)  # the helper has made its temporary file
+            os.kill(os.getpid(), signal.SIGTERM)
+            return real_compress(trace, options)
+
+        runner_write = runner.atomic_write_bytes
+        runner.atomic_write_bytes = write
+        compress.compress_trace = interrupted
+    """)  # fmt: skip
+    assert half.exit_code == 130, half.stderr
+    assert len(half.pids) == 1 and gone(half.pids[0])
+    assert not list(half.run_dir.glob(".*"))
+    records = {s[0]: s for s in half.stages()}
+    assert records["combine"][2] == "failed"
+    assert records["combine"][4] == "interrupted before gpt_callsite_combined.json was written"
+    assert not (half.run_dir / "gpt_callsite_combined.json").exists()
