@@ -133,6 +133,8 @@ class Shape:
     max_depth: int = 60
     specific: float = 0.03
     variant_spread: int = 4
+    #: the chance that a callsite's count on a rank is off by 1-3 (per-rank noise)
+    noise: float = 0.1
     label: str = "bench"
     seed: int = 0
 
@@ -311,7 +313,7 @@ def rank_document(
     for site in sites:
         doc = dict(site)
         doc["stack"] = [local[f] for f in site["stack"]]  # type: ignore[attr-defined]
-        if rng.random() < 0.1:  # per-rank count noise on some callsites
+        if rng.random() < shape.noise:  # per-rank count noise on some callsites
             doc["count"] = int(site["count"]) + rng.randint(0, 3)  # type: ignore[call-overload]
         lines.append(encoder.encode(doc))
     meta = {
@@ -384,6 +386,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         default=4,
         help="a rank-specific variant is on about 1/this of the ranks",
     )
+    parser.add_argument(
+        "--noise",
+        type=float,
+        default=0.1,
+        help="chance that a callsite's count on a rank is off by 1-3 (0.1: 81%% of "
+        "callsites differ somewhere at 16 ranks, a worst case for per-rank statistics)",
+    )
     parser.add_argument("--label", default="bench")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", "-o", type=Path, required=True)
@@ -401,6 +410,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         max_depth=args.max_depth,
         specific=args.specific,
         variant_spread=args.variant_spread,
+        noise=args.noise,
         label=args.label,
         seed=args.seed,
     )
