@@ -60,6 +60,8 @@ class RunFigures:
     exit_code: int
     stages: list[dict[str, Any]]
     command: str
+    #: the tree's peak with shared pages split between their processes (PSS)
+    peak_pss_tree: int = 0
 
 
 @dataclasses.dataclass
@@ -139,13 +141,17 @@ class ChildFigures:
     exit_code: int
     stdout: str
     stderr: str
+    peak_pss_tree: int = 0
 
 
 def measure_child(
-    args: Sequence[str], stdin: bytes = b"", env: dict[str, str] | None = None
+    args: Sequence[str], stdin: bytes = b"", env: dict[str, str] | None = None, pss: bool = False
 ) -> ChildFigures:
     """Run ``args``; wall seconds, peak RSS of its process tree (the largest sum of the
-    RSS of the child and its descendants, polled every 50 ms) and of its largest
+    RSS of the child and its descendants, polled every 50 ms), the same with PSS (a
+    forked process's pages shared with its parent counted once, split between them;
+    only with ``pss``, as reading it slows a large run by 4-8 %, and only while the
+    tree has more than one process, else its RSS) and the peak of its largest
     single process (``wait4``)."""
     started = time.perf_counter()
     child = subprocess.Popen(
@@ -158,15 +164,19 @@ def measure_child(
     assert child.stdin is not None
     child.stdin.write(stdin)
     child.stdin.close()
-    peak = 0
+    peak = peak_pss = 0
+    pss_wanted = pss
     proc = psutil.Process(child.pid)
     while True:
         try:
+            subs = proc.children(recursive=True)
             rss = proc.memory_info().rss
-            for sub in proc.children(recursive=True):
+            pss = proc.memory_full_info().pss if subs and pss_wanted else rss
+            for sub in subs:
                 with contextlib.suppress(psutil.Error):
                     rss += sub.memory_info().rss
-            peak = max(peak, rss)
+                    pss += sub.memory_full_info().pss if pss_wanted else sub.memory_info().rss
+            peak, peak_pss = max(peak, rss), max(peak_pss, pss)
         except psutil.Error:
             pass
         finished, status, usage = os.wait4(child.pid, os.WNOHANG)
@@ -178,7 +188,7 @@ def measure_child(
     stdout = child.stdout.read().decode() if child.stdout else ""
     stderr = child.stderr.read().decode() if child.stderr else ""
     child.returncode = code
-    return ChildFigures(wall, peak, usage.ru_maxrss * 1024, code, stdout, stderr)
+    return ChildFigures(wall, peak, usage.ru_maxrss * 1024, code, stdout, stderr, peak_pss)
 
 
 def _timed_parse(
@@ -216,7 +226,11 @@ def bare_parse(paths: Sequence[Path], repeat: int = 1, processes: int = 2) -> Pa
 
 
 def run_opguard(
-    paths: Sequence[Path], out: Path, extra: Sequence[str], env: dict[str, str] | None = None
+    paths: Sequence[Path],
+    out: Path,
+    extra: Sequence[str],
+    env: dict[str, str] | None = None,
+    pss: bool = False,
 ) -> RunFigures:
     """``opguard run`` on ``paths`` as a child process; wall time and peak RSS."""
     out.mkdir(parents=True, exist_ok=True)
@@ -225,7 +239,7 @@ def run_opguard(
         sys.executable, "-m", "opguard_core.cli", "--log-format", "json", "run",
         "--output-base", str(out), "--input", pattern, *extra,
     ]  # fmt: skip
-    fig = measure_child(args, env=env)
+    fig = measure_child(args, env=env, pss=pss)
     if fig.exit_code != 0:
         print(fig.stderr[-4000:], file=sys.stderr)
     run_dir = Path(fig.stdout.strip().splitlines()[-1]) if fig.stdout.strip() else None
@@ -244,6 +258,7 @@ def run_opguard(
         exit_code=fig.exit_code,
         stages=stages,
         command="opguard run " + " ".join(args[args.index("run") + 1 :]),
+        peak_pss_tree=fig.peak_pss_tree,
     )
 
 
@@ -266,6 +281,7 @@ def report(
     run: RunFigures,
     memory: list[RunFigures],
     extra: Sequence[str],
+    pss: bool = False,
 ) -> str:
     lines = [
         f"## {shape.ranks} ranks × {shape.callsites:,} callsites ({run.megabytes:,.0f} MB)",
@@ -300,7 +316,14 @@ def report(
         f"against the GC-off parse in {parse.processes} processes: "
         f"**{run.wall / parse.seconds_parallel:.2f}×**. "
         + (
-            f"Peak RSS / the GC-off parse's: **{run.peak_rss_tree / parse.peak_rss:.2f}×**. "
+            f"Peak RSS / the GC-off parse's: **{run.peak_rss_tree / parse.peak_rss:.2f}×**"
+            + (
+                f" (peak PSS {_mib(run.peak_pss_tree)}: "
+                f"**{run.peak_pss_tree / parse.peak_rss:.2f}×**)"
+                if pss
+                else ""
+            )
+            + ". "
             if parse.peak_rss
             else ""
         )
@@ -352,6 +375,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--executor", default=None, help="pass --executor to opguard run")
     parser.add_argument("--no-parse", action="store_true", help="skip the bare parse")
+    parser.add_argument(
+        "--pss",
+        action="store_true",
+        help="also poll the process tree's PSS (shared pages counted once; slows the "
+        "run by 4-8 %%: take times from a run without it)",
+    )
     parser.add_argument("--repeat", type=int, default=1, help="bare parse: best of this many")
     parser.add_argument(
         "--cleanup", action="store_true", help="delete the generated traces afterwards"
@@ -382,17 +411,17 @@ def main(argv: Sequence[str] | None = None) -> None:
             parse = ParseFigures("none", float("nan"), float("nan"), {})
         else:
             parse = bare_parse(paths, args.repeat)
-        run = run_opguard(paths, out / "main", extra)
+        run = run_opguard(paths, out / "main", extra, pss=args.pss)
         run.callsites = shape.callsites
         memory = []
         for count in [int(x) for x in args.memory_ranks.split(",") if x.strip()]:
             other = dataclasses.replace(shape, ranks=count)
             other_paths = ensure_data(args.data, other)
             made.append(data_dir(args.data, other))
-            memory.append(run_opguard(other_paths, out / f"mem{count}", extra))
+            memory.append(run_opguard(other_paths, out / f"mem{count}", extra, pss=args.pss))
             if args.cleanup and count != shape.ranks:
                 shutil.rmtree(data_dir(args.data, other), ignore_errors=True)
-        text = report(shape, parse, run, memory, extra)
+        text = report(shape, parse, run, memory, extra, pss=args.pss)
         print(text)
         if args.output:
             args.output.parent.mkdir(parents=True, exist_ok=True)

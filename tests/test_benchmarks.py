@@ -27,7 +27,7 @@ def test_benchmark_reports_stages_ratio_and_memory(tmp_path: Path) -> None:
     data, report = tmp_path / "data", tmp_path / "report.md"
     result = run_benchmark(
         "--ranks", "4", "--callsites", "300", "--data", str(data),
-        "--memory-ranks", "2,4", "--output", str(report), "--cleanup",
+        "--memory-ranks", "2,4", "--pss", "--output", str(report), "--cleanup",
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
     text = report.read_text()
@@ -40,7 +40,7 @@ def test_benchmark_reports_stages_ratio_and_memory(tmp_path: Path) -> None:
         assert row in text
     assert "End to end / bare parse: **" in text
     assert "against the GC-off parse: **" in text and "in 2 processes: **" in text
-    assert "Peak RSS / the GC-off parse's: **" in text
+    assert "Peak RSS / the GC-off parse's: **" in text and "(peak PSS " in text
     assert "| 2 | " in text and "| 4 | " in text
     assert "Peak RSS 4 vs 2 ranks: **" in text
     assert not any(data.iterdir())  # --cleanup removed the generated traces
