@@ -29,18 +29,13 @@ from ruamel.yaml.comments import CommentedMap
 
 from opguard_core import __version__
 from opguard_core.artifact_names import check_entry_names
-from opguard_core.atomic import (
-    atomic_write_bytes,
-    atomic_write_text,
-    remove_temporaries,
-    safe_child,
-)
+from opguard_core.atomic import atomic_write_bytes, atomic_write_text, safe_child
 from opguard_core.combined import CallsiteTrace, gc_paused
 from opguard_core.config_chain import active_filters, apply_filters
 from opguard_core.config_format import dump_config, entry_key, validate_config
 from opguard_core.divergence_format import check_findings, tally, write_divergence
+from opguard_core.entry_helper import EntryHelper, overlaps
 from opguard_core.errors import ExitCode, Interrupted, OpGuardError, one_line
-from opguard_core.forked import ForkedCall, can_fork
 from opguard_core.logs import get_logger
 from opguard_core.model import STAGES, Discovery, InputEntry, RunOptions
 from opguard_core.plugins import OpGuardPluginManager, call_impl
@@ -75,29 +70,8 @@ class StageRecord:
     error: str | None = None
 
 
-#: below this many distinct callsites writing the combined trace and the divergence
-#: stage take less time than a fork and a summary exchange are worth, so they run
-#: in-process (:meth:`Runner._start_helper`)
-OVERLAP_MIN_CALLSITES = 20_000
-
-
 class StageFailed(Exception):
     """Internal: a stage failed for one entry; already recorded."""
-
-
-class _EventRecorder:
-    """A logger for a forked helper: keeps (method, event, fields) of every call, for
-    the parent to log (its logs go where the parent's go, and in order)."""
-
-    def __init__(self, events: list[tuple[str, str, dict[str, Any]]]) -> None:
-        self.events = events
-
-    def __getattr__(self, method: str) -> Any:
-        def record(event: str, **fields: Any) -> None:
-            fields.pop("exc_info", None)  # the exception does not cross processes
-            self.events.append((method, event, fields))
-
-        return record
 
 
 class Runner:
@@ -125,7 +99,7 @@ class Runner:
         self.started = _dt.datetime.now(_dt.UTC)
         self.interrupted: dict[str, Any] | None = None
         self.current: tuple[str, str | None] = ("setup", None)
-        #: True in a forked helper (:meth:`_start_helper`), which writes no summary
+        #: True in a forked helper (:mod:`opguard_core.entry_helper`): no summary writes
         self.in_helper = False
         self.entries: list[InputEntry] = []
         #: the last failure to write the summary (None: the last write succeeded)
@@ -155,7 +129,7 @@ class Runner:
     def _skipped(self, stage: str, entry: str | None, reason: str) -> None:
         self.records.append(StageRecord(stage, entry, status="skipped", error=reason))
         self.log.info("stage skipped", stage=stage, entry=entry, reason=reason)
-        self._write_summary()
+        self.write_summary()
 
     @contextlib.contextmanager
     def stage(self, name: str, entry: str | None) -> Iterator[StageRecord]:
@@ -186,14 +160,14 @@ class Runner:
                 )
                 if self.options.verbose and not isinstance(exc, OpGuardError):
                     self.log.debug("traceback", traceback=traceback.format_exc())
-                self._write_summary()
+                self.write_summary()
                 raise StageFailed(record.error) from exc
             record.seconds = round(time.perf_counter() - started, 6)
             self.records.append(record)
             scalars = {k: v for k, v in record.counts.items() if not isinstance(v, list | dict)}
             self.log.info("stage done", seconds=record.seconds, **scalars)
             self.log.debug("stage detail", plugin=record.plugin, outputs=record.outputs)
-            self._write_summary()
+            self.write_summary()
 
     def call_first(self, hook: str, record: StageRecord, **kwargs: Any) -> Any:
         """Call implementations in order until one returns non-None; note which one."""
@@ -243,7 +217,7 @@ class Runner:
         tree: dict[str, Any] | None = None
         config: CommentedMap | None = None
         reason: str | None = None
-        helper: tuple[ForkedCall, int, Path | None] | None = None
+        helper: EntryHelper | None = None
         try:
             if "combine" in self.skip:
                 reason = "--skip combine"
@@ -254,7 +228,7 @@ class Runner:
                 if divergence and "divergence" in self.skip:
                     self._skipped("divergence", entry.name, "--skip divergence")
                     divergence = False
-                helper = self._start_helper(entry, trace, unwritten, divergence)
+                helper = EntryHelper.start(self, entry, trace, unwritten, divergence)
             if trace is not None and "compress" in self.skip:
                 reason = "--skip compress"
                 self._skipped("compress", entry.name, reason)
@@ -270,10 +244,10 @@ class Runner:
             reason = f"an earlier stage failed: {exc}"
         except BaseException:  # interrupted (or worse): the helper's work is moot
             if helper is not None:
-                self._cancel_helper(entry, helper[0], helper[2])
+                helper.cancel()
             raise
         if helper is not None:
-            self._finish_helper(entry, *helper)
+            helper.finish()
         if config is None:
             done = {r.stage for r in self.records if r.entry == entry.name}
             for stage in ("combine", "compress", "generate"):
@@ -281,23 +255,17 @@ class Runner:
                     self._skipped(stage, entry.name, f"{reason}")
         return config
 
-    def _overlaps(self, trace: CallsiteTrace) -> bool:
-        """Whether this entry's helper work (writing the combined trace, the divergence
-        stage) pays to run in a forked child beside compress and generate."""
-        return (
-            self.options.jobs != 1 and len(trace.callsites) >= OVERLAP_MIN_CALLSITES and can_fork()
-        )
-
     def _combine(self, entry: InputEntry) -> tuple[CallsiteTrace, Path | None]:
         """The combine stage; with the combined trace's file, when its encoding and
-        writing are left to the entry's helper (:meth:`_start_helper`), else None."""
+        writing are left to the entry's helper (:mod:`opguard_core.entry_helper`), else
+        None."""
         with self.stage("combine", entry.name) as record:
             record.inputs = [str(f) for f in entry.files]
             trace: CallsiteTrace = self.call_first(
                 "opguard_combine", record, entry=entry, options=self.options
             )
             out = self._path(f"{entry.name}_combined.json")
-            unwritten = out if self._overlaps(trace) else None
+            unwritten = out if overlaps(self.options, trace) else None
             if unwritten is None:
                 atomic_write_bytes(out, trace.to_json())
             record.outputs = [self._rel(out)]
@@ -310,114 +278,8 @@ class Runner:
             }
         return trace, unwritten
 
-    def _start_helper(
-        self, entry: InputEntry, trace: CallsiteTrace, unwritten: Path | None, divergence: bool
-    ) -> tuple[ForkedCall, int, Path | None] | None:
-        """Write the combined trace to ``unwritten`` (None: already written) and run the
-        divergence stage (if ``divergence``): in a forked child while compress and
-        generate go on here when that pays (:meth:`_overlaps`; the combine left the
-        write to it), else in-process (None). Both read the combined trace only; the
-        child sends back the write's error, the stage's record, warnings and log
-        events, and :meth:`_finish_helper` puts them where in-process work would
-        have."""
-        slot = len(self.records)
-        job = None
-        if unwritten is not None or (divergence and self._overlaps(trace)):
-            what = f"divergence of {entry.name}" if divergence else f"writing {unwritten}"
-            job = ForkedCall.start(
-                lambda: self._helper_work(entry, trace, unwritten, divergence, slot), what
-            )
-        if job is not None:
-            return job, slot, unwritten
-        if unwritten is not None:  # could not fork after all
-            error = self._write_combined(trace, unwritten)
-            if error is not None:
-                self._combine_failed(entry, error)
-                raise StageFailed(error)
-        if divergence:
-            with contextlib.suppress(StageFailed):  # later stages do not need it
-                self._divergence(entry, trace)
-        return None
-
-    def _write_combined(self, trace: CallsiteTrace, path: Path) -> str | None:
-        """Encode and write the combined trace; the one-line error, or None."""
-        try:
-            atomic_write_bytes(path, trace.to_json())
-        except MemoryError:
-            return f"{path.name}: out of memory encoding the combined trace"
-        except (OpGuardError, OSError) as exc:
-            return one_line(str(exc))
-        return None
-
-    def _helper_work(
-        self,
-        entry: InputEntry,
-        trace: CallsiteTrace,
-        unwritten: Path | None,
-        divergence: bool,
-        slot: int,
-    ) -> tuple[
-        str | None,
-        list[StageRecord],
-        list[dict[str, Any]],
-        list[tuple[str, str, dict[str, Any]]],
-    ]:
-        """In the forked child: the write, then the divergence stage."""
-        self.in_helper = True  # the parent alone writes the summary
-        events: list[tuple[str, str, dict[str, Any]]] = []
-        self.log = _EventRecorder(events)
-        mark = len(self.warnings)
-        error = None if unwritten is None else self._write_combined(trace, unwritten)
-        if divergence:
-            with contextlib.suppress(StageFailed):
-                self._divergence(entry, trace)
-        return error, self.records[slot:], self.warnings[mark:], events
-
-    def _finish_helper(
-        self, entry: InputEntry, job: ForkedCall, slot: int, unwritten: Path | None
-    ) -> None:
-        """Wait for the entry's forked helper (or kill it when the run is being
-        interrupted) and record its work as if it had run in-process. A failed write
-        of the combined trace fails the combine stage (compress and generate, which
-        read the trace in memory, have run)."""
-        try:
-            error, records, warnings, events = job.result()
-        except (KeyboardInterrupt, Interrupted):
-            self._cancel_helper(entry, job, unwritten)
-            raise
-        except OpGuardError as exc:
-            failure = one_line(str(exc))
-            # the write is atomic: the file exists only if it was written whole
-            error = None if unwritten is None or unwritten.exists() else failure
-            records, warnings, events = [], [], []
-            if job.what.startswith("divergence"):
-                records = [StageRecord("divergence", entry.name, status="failed", error=failure)]
-                events = [("error", "stage failed", {"plugin": None, "error": failure})]
-        with structlog.contextvars.bound_contextvars(stage="divergence", entry=entry.name):
-            for method, event, fields in events:
-                getattr(self.log, method)(event, **fields)
-        self.records[slot:slot] = records
-        self.warnings.extend(warnings)
-        if error is not None:
-            self._combine_failed(entry, error)
-        self._write_summary()
-
-    def _cancel_helper(self, entry: InputEntry, job: ForkedCall, unwritten: Path | None) -> None:
-        """Kill the helper; a combined trace it had not written yet is not claimed."""
-        job.cancel()
-        if unwritten is not None and not unwritten.exists():
-            remove_temporaries(unwritten)
-            self._combine_failed(entry, f"interrupted before {unwritten.name} was written")
-
-    def _combine_failed(self, entry: InputEntry, error: str) -> None:
-        """The combine stage's record, once ``ok``, failed by its deferred write."""
-        for record in self.records:
-            if record.stage == "combine" and record.entry == entry.name:
-                record.status, record.error, record.outputs = "failed", error, []
-        with structlog.contextvars.bound_contextvars(stage="combine", entry=entry.name):
-            self.log.error("stage failed", plugin=None, error=error)
-
-    def _divergence(self, entry: InputEntry, trace: CallsiteTrace) -> None:
+    def divergence_stage(self, entry: InputEntry, trace: CallsiteTrace) -> None:
+        """The divergence stage, here or in the entry's helper (:mod:`.entry_helper`)."""
         with self.stage("divergence", entry.name) as record:
             record.inputs = [f"{entry.name}_combined.json"]
             where = f"divergence findings of {entry.name}"
@@ -648,7 +510,7 @@ class Runner:
             signal.signal(signal.SIGTERM, previous)
             if self.sigint_tracked:
                 signal.signal(signal.SIGINT, previous_int)
-            self._write_summary(final=True)
+            self.write_summary(final=True)
             self.finished = True
             code = self.exit_code()
             self._run_finished()
@@ -774,7 +636,7 @@ class Runner:
                     error=one_line(failure_reason(exc, None)),
                 )
 
-    def _write_summary(self, final: bool = False) -> None:
+    def write_summary(self, final: bool = False) -> None:
         """Rewrite ``pipeline_summary.json``. A failure (disk full, ...) never stops the
         run: it is logged once, the next write tries again, and ``summary_error``
         holds the last failure (None once a write succeeds)."""

@@ -1,5 +1,5 @@
 """The divergence stage in a forked helper while compress and generate go on
-(``opguard_core.forked``, ``Runner._start_divergence``): the same artifacts, records
+(``opguard_core.entry_helper``, ``opguard_core.forked``): the same artifacts, records
 and logs as in-process, and a helper that fails, dies or is cut short by an
 interruption is recorded, never waited on forever, never left behind.
 
@@ -41,10 +41,10 @@ ARTIFACTS = (
 #: threshold), and each helper's pid is appended to the file named by OVERLAP_PIDS
 PATCH = """
 import os
-from opguard_core import runner
+from opguard_core import entry_helper
 from opguard_core.forked import ForkedCall
 
-runner.OVERLAP_MIN_CALLSITES = 0
+entry_helper.OVERLAP_MIN_CALLSITES = 0
 _start = ForkedCall.start.__func__
 
 def _logged(cls, work, what):
@@ -255,17 +255,17 @@ def test_the_helper_writes_the_combined_trace_of_a_single_rank_entry(
 
 WRITE_FAILS = """
     import errno
-    from opguard_core import runner
+    from opguard_core import entry_helper
     from opguard_core.errors import WriteError
 
-    real_write = runner.atomic_write_bytes
+    real_write = entry_helper.atomic_write_bytes
 
     def write(path, data):
         if path.name.endswith("_combined.json"):
             {action}
         real_write(path, data)
 
-    runner.atomic_write_bytes = write
+    entry_helper.atomic_write_bytes = write
 """
 
 
@@ -309,7 +309,7 @@ def test_an_interrupted_run_removes_what_the_helper_left_half_written(
     the temporary file and does not claim the combined trace."""
     half = run(tmp_path, "half", *sample_inputs(samples, "gpt"), patch="""
         import os, signal, tempfile, time
-        from opguard_core import runner
+        from opguard_core import entry_helper
         from opguard_plugins import compress
 
         parent = os.getpid()
@@ -326,8 +326,8 @@ def test_an_interrupted_run_removes_what_the_helper_left_half_written(
             os.kill(os.getpid(), signal.SIGTERM)
             return real_compress(trace, options)
 
-        runner_write = runner.atomic_write_bytes
-        runner.atomic_write_bytes = write
+        runner_write = entry_helper.atomic_write_bytes
+        entry_helper.atomic_write_bytes = write
         compress.compress_trace = interrupted
     """)  # fmt: skip
     assert half.exit_code == 130, half.stderr
