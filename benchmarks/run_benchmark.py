@@ -165,18 +165,18 @@ def measure_child(
     child.stdin.write(stdin)
     child.stdin.close()
     peak = peak_pss = 0
-    pss_wanted = pss
     proc = psutil.Process(child.pid)
     while True:
         try:
             subs = proc.children(recursive=True)
             rss = proc.memory_info().rss
-            pss = proc.memory_full_info().pss if subs and pss_wanted else rss
+            shared = proc.memory_full_info().pss if subs and pss else rss
             for sub in subs:
                 with contextlib.suppress(psutil.Error):
-                    rss += sub.memory_info().rss
-                    pss += sub.memory_full_info().pss if pss_wanted else sub.memory_info().rss
-            peak, peak_pss = max(peak, rss), max(peak_pss, pss)
+                    sub_rss = sub.memory_info().rss
+                    rss += sub_rss
+                    shared += sub.memory_full_info().pss if pss else sub_rss
+            peak, peak_pss = max(peak, rss), max(peak_pss, shared)
         except psutil.Error:
             pass
         finished, status, usage = os.wait4(child.pid, os.WNOHANG)

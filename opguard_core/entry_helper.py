@@ -23,6 +23,7 @@ import structlog
 from opguard_core.atomic import atomic_write_bytes, remove_temporaries
 from opguard_core.errors import Interrupted, OpGuardError, one_line
 from opguard_core.forked import ForkedCall, can_fork
+from opguard_core.model import StageFailed, StageRecord
 
 if TYPE_CHECKING:
     from opguard_core.combined import CallsiteTrace
@@ -101,8 +102,6 @@ class EntryHelper:
             helper.job = ForkedCall.start(lambda: helper._work(trace), what)
         if helper.job is not None:
             return helper
-        from opguard_core.runner import StageFailed
-
         if unwritten is not None:  # could not fork after all
             error = write_combined(trace, unwritten)
             if error is not None:
@@ -115,8 +114,6 @@ class EntryHelper:
 
     def _work(self, trace: CallsiteTrace) -> tuple[str | None, list[Any], list[Any], list[Event]]:
         """In the forked child: the write, then the divergence stage; what they left."""
-        from opguard_core.runner import StageFailed
-
         runner = self.runner
         runner.in_helper = True  # the parent alone writes the summary
         events: list[Event] = []
@@ -133,8 +130,6 @@ class EntryHelper:
         its work as if it had run in-process. A failed write of the combined trace
         fails the combine stage (compress and generate, which read the trace in
         memory, have run)."""
-        from opguard_core.runner import StageRecord
-
         assert self.job is not None
         runner, name = self.runner, self.entry.name
         try:

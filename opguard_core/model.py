@@ -84,3 +84,23 @@ class RunOptions:
     #: exit with ExitCode.DIVERGENCE when a divergence finding is an error
     fail_on_divergence: bool = False
     extra: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass
+class StageRecord:
+    """One stage's outcome for one entry (or the run), as ``pipeline_summary.json``
+    lists it."""
+
+    stage: str
+    entry: str | None
+    status: str = "ok"
+    plugin: str | None = None
+    inputs: list[str] = dataclasses.field(default_factory=list)
+    outputs: list[str] = dataclasses.field(default_factory=list)
+    seconds: float = 0.0
+    counts: dict[str, Any] = dataclasses.field(default_factory=dict)
+    error: str | None = None
+
+
+class StageFailed(Exception):
+    """Internal: a stage failed for one entry; already recorded."""

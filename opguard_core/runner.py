@@ -37,7 +37,14 @@ from opguard_core.divergence_format import check_findings, tally, write_divergen
 from opguard_core.entry_helper import EntryHelper, overlaps
 from opguard_core.errors import ExitCode, Interrupted, OpGuardError, one_line
 from opguard_core.logs import get_logger
-from opguard_core.model import STAGES, Discovery, InputEntry, RunOptions
+from opguard_core.model import (
+    STAGES,
+    Discovery,
+    InputEntry,
+    RunOptions,
+    StageFailed,
+    StageRecord,
+)
 from opguard_core.plugins import OpGuardPluginManager, call_impl
 from opguard_core.run_warnings import collecting, warn
 from opguard_core.selection import Selection, select_trace, unmatched_hide
@@ -55,23 +62,6 @@ def trace_output_base(explicit: Path | None = None) -> Path:
         return explicit
     env = os.environ.get(OUTPUT_BASE_ENV)
     return Path(env) if env else DEFAULT_OUTPUT_BASE
-
-
-@dataclasses.dataclass
-class StageRecord:
-    stage: str
-    entry: str | None
-    status: str = "ok"
-    plugin: str | None = None
-    inputs: list[str] = dataclasses.field(default_factory=list)
-    outputs: list[str] = dataclasses.field(default_factory=list)
-    seconds: float = 0.0
-    counts: dict[str, Any] = dataclasses.field(default_factory=dict)
-    error: str | None = None
-
-
-class StageFailed(Exception):
-    """Internal: a stage failed for one entry; already recorded."""
 
 
 class Runner:

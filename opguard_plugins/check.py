@@ -39,9 +39,9 @@ from opguard_core.config_chain import BASIC_FILTER_PLUGIN, active_filters, apply
 from opguard_core.config_format import entry_key, load_config
 from opguard_core.errors import ExitCode, InputError, OpGuardError, PluginError
 from opguard_core.logs import configure_logging
-from opguard_core.model import InputEntry, RunOptions
+from opguard_core.model import InputEntry, RunOptions, StageRecord
 from opguard_core.plugins import OpGuardPluginManager, call_impl
-from opguard_core.runner import Runner, StageRecord
+from opguard_core.runner import Runner
 from opguard_plugins.check_rules import DEFAULT_TOLERANCE
 
 #: ``meta.settings`` keys that are not RunOptions fields of the same name.
