@@ -12,9 +12,11 @@ Two of torch's Python-level modes are pushed for the traced region:
   ``api`` and the device stream.
 
 Identical (stack, api, op, stream) tuples are counted. Stacks are kept as raw
-``(code, line)`` tuples while recording; turning code objects into frames (relative
-paths, module names) and dropping the tracer's own frames and torch's dispatch plumbing
-happens once, when the trace is written.
+``(id(code), f_lasti)`` positions while recording; turning positions into lines, code
+objects into frames (relative paths, module names) and dropping the tracer's own frames
+and torch's dispatch plumbing happens once, when the trace is written. The per-operator
+path runs in C (``opguard_plugins/_recorder.c``) when that extension was built, and in
+Python otherwise: same keys, same trace (tracing.md, "The recorder's fast path").
 
 Backward: on CPU the autograd engine runs backward on the thread that called
 ``.backward()``, so backward ops carry that Python stack naturally, with ``api``
@@ -36,6 +38,7 @@ Public API: :func:`trace_callsites` (a context manager) and :func:`start_process
 from __future__ import annotations
 
 import atexit
+import bisect
 import contextlib
 import json
 import os
@@ -78,11 +81,21 @@ _WRAPPER_FILES = frozenset(
 _REENTRY_DEPTH = 3
 _OPS_FILE = os.path.normcase(os.path.join(_TORCH_DIR, "_ops.py"))
 
-#: A raw stack: ``(id(code), line)`` pairs, outermost first. Keying by ``id`` avoids
-#: hashing code objects (not cached on Python 3.11); the recorder's ``codes`` table
-#: keeps every code object alive, so an id stays unique.
-RawStack = tuple[tuple[int, int], ...]
+#: A raw stack: ``id(code), position`` flattened, outermost first; a position is the
+#: frame's ``f_lasti`` (the modes backend; turned into a line when the trace is built)
+#: or a line (the profiler backend). Keying by ``id`` avoids hashing code objects (not
+#: cached on Python 3.11); the recorder's ``codes`` table keeps every code object
+#: alive, so an id stays unique.
+RawStack = tuple[int, ...]
 Key = tuple[RawStack, "str | None", str, int]
+
+#: ``OPGUARD_TRACE_RECORDER=python`` keeps the modes backend on its Python path.
+RECORDER_ENV = "OPGUARD_TRACE_RECORDER"
+
+try:  # the C fast path of the modes backend; optional (built when a compiler exists)
+    from opguard_plugins._recorder import Counter as _Counter
+except ImportError:  # pragma: no cover - exercised by the fallback tests
+    _Counter = None
 
 
 # ---------------------------------------------------------------------------
@@ -200,8 +213,8 @@ def _walk(
     codes: dict[int, types.CodeType],
     modules: dict[types.CodeType, str | None],
 ) -> RawStack:
-    """The raw stack from ``frame`` outwards, returned outermost first."""
-    stack: list[tuple[int, int]] = []
+    """The raw stack from ``frame`` outwards, outermost first (``_recorder.c`` mirrors it)."""
+    stack: list[int] = []
     append = stack.append
     while frame is not None and frame.f_code.co_filename in _WRAPPER_FILES:
         frame = frame.f_back  # torch wraps __torch_dispatch__ in a dynamo-disable wrapper
@@ -211,34 +224,108 @@ def _walk(
         if key not in codes:
             codes[key] = code
             modules[code] = frame.f_globals.get("__name__")
-        append((key, frame.f_lineno))
+        append(frame.f_lasti)  # reversed below: (id, position) pairs, outermost first
+        append(key)
         frame = frame.f_back
     stack.reverse()
     return tuple(stack)
 
 
+_LINE_TABLES: dict[types.CodeType, tuple[list[int], list[int | None]]] = {}
+
+
+def line_at(code: types.CodeType, offset: int) -> int:
+    """The line of the instruction at byte ``offset`` (what ``frame.f_lineno`` reads
+    when ``frame.f_lasti == offset``); the first line when the offset has none."""
+    table = _LINE_TABLES.get(code)
+    if table is None:
+        starts: list[int] = []
+        lines: list[int | None] = []
+        for start, _end, line in code.co_lines():
+            starts.append(start)
+            lines.append(line)
+        table = _LINE_TABLES[code] = (starts, lines)
+    index = bisect.bisect_right(table[0], offset) - 1
+    line = table[1][index] if index >= 0 else None
+    return code.co_firstlineno if line is None else line
+
+
+class _ThreadApi(threading.local):
+    """Per thread: the public torch callable running (None outside one); a class
+    default, so reading it on a new thread raises no AttributeError (the C path)."""
+
+    api: str | None = None
+
+
 class CallsiteRecorder:
     """Counts (stack, api, op, stream) tuples; thread-safe."""
 
-    def __init__(self) -> None:
-        self.counts: dict[Key, int] = {}
+    #: positions in raw stacks are ``f_lasti`` offsets (see :meth:`line`)
+    positions_are_offsets = True
+
+    def __init__(self, *, accelerated: bool | None = None) -> None:
+        self._counts: dict[Key, int] = {}
         self.modules: dict[types.CodeType, str | None] = {}
         self.codes: dict[int, types.CodeType] = {}
-        self.active = False
         self.rank: int | None = None
         self.world_size: int | None = None
         self.device = "cpu"
         self._lock = threading.Lock()
-        self._local = threading.local()
+        self._local = _ThreadApi()
         self._backward: list[_BackwardContext] = []
         self._cuda = torch.cuda.is_available()
+        self._active = False
+        #: the C fast path (``_recorder.Counter``), or None: :meth:`record` does it all
+        self.counter: Any = None
+        if accelerated is None:
+            accelerated = os.environ.get(RECORDER_ENV, "").lower() != "python"
+        if accelerated and _Counter is not None and type(self).record is CallsiteRecorder.record:
+            self.counter = _Counter(
+                self._counts,
+                self.codes,
+                self.modules,
+                _OP_CACHE,
+                self._local,
+                self._backward,
+                _WRAPPER_FILES,
+                self.record,
+                _API_CACHE,
+                BACKWARD_APIS,
+                self.call,
+                self.current_stream if self._cuda else None,
+            )
+
+    @property
+    def counts(self) -> dict[Key, int]:
+        """Count per (stack, api, op, stream), the C path's pending counts included."""
+        if self.counter is not None:
+            self.counter.flush()
+        return self._counts
+
+    @property
+    def active(self) -> bool:
+        return self._active
+
+    @active.setter
+    def active(self, value: bool) -> None:
+        self._active = value
+        if self.counter is not None:
+            self.counter.active = value
+
+    def line(self, code: types.CodeType, position: int) -> int:
+        """The line of a raw stack's position in ``code``."""
+        return line_at(code, position) if self.positions_are_offsets else position
 
     def reset_after_fork(self) -> None:
         """In a forked child: forget the parent's counts; new locks (a lock held by
         another thread at the fork would stay held forever), no running backward."""
         self._lock = threading.Lock()
-        self.counts = {}
+        self._counts = {}
         self._backward = []
+        if self.counter is not None:
+            self.counter.discard()
+            self.counter.counts = self._counts
+            self.counter.backward = self._backward
 
     # -- api (TorchFunctionMode side) ---------------------------------------
 
@@ -277,8 +364,9 @@ class CallsiteRecorder:
     # -- ops (TorchDispatchMode side) -----------------------------------------
 
     def record(self, func: Any, frame: types.FrameType | None) -> None:
-        """Count one operator call issued from ``frame``."""
-        if not self.active:
+        """Count one operator call issued from ``frame`` (the C fast path hands over the
+        cases it leaves to Python: a new operator, CUDA, a collective, a backward)."""
+        if not self._active:
             return
         op = op_name(func)
         api = getattr(self._local, "api", None)
@@ -293,15 +381,19 @@ class CallsiteRecorder:
                 context = contexts[-1]
                 stack = context.stack + stack
                 api = context.api
-        stream = 0
-        if self._cuda and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
-            self.device = "cuda"
-            stream = int(torch.cuda.current_stream().stream_id)
+        stream = self.current_stream() if self._cuda else 0
         if op.startswith("c10d::") and self.rank is None:
             self.snapshot_rank()
         key = (stack, api, op, stream)
         with self._lock:
-            self.counts[key] = self.counts.get(key, 0) + 1
+            self._counts[key] = self._counts.get(key, 0) + 1
+
+    def current_stream(self) -> int:
+        """The id of this thread's current CUDA stream (0 before CUDA is initialised)."""
+        if not torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
+            return 0
+        self.device = "cuda"
+        return int(torch.cuda.current_stream().stream_id)
 
     def snapshot_rank(self) -> None:
         """Remember rank and world size while the default process group exists."""
@@ -321,6 +413,8 @@ class _FunctionMode(TorchFunctionMode):
     def __init__(self, recorder: CallsiteRecorder) -> None:
         super().__init__()
         self.recorder = recorder
+        if recorder.counter is not None:  # the C path, bound as a method (torch wants one)
+            self.__torch_function__ = types.MethodType(recorder.counter.function, self)  # type: ignore[method-assign]
 
     def __torch_function__(
         self,
@@ -338,6 +432,8 @@ class _DispatchMode(TorchDispatchMode):  # type: ignore[no-untyped-call]
     def __init__(self, recorder: CallsiteRecorder) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
         self.recorder = recorder
+        if recorder.counter is not None:  # the C path: no Python frame per operator
+            self.__torch_dispatch__ = types.MethodType(recorder.counter.dispatch, self)  # type: ignore[method-assign]
 
     def __torch_dispatch__(
         self,
@@ -589,9 +685,19 @@ class CallsiteTracer:
         merged: dict[tuple[tuple[Frame, ...], str | None, str, int], int] = {}
         frame_cache: dict[tuple[types.CodeType, int], Frame] = {}
         codes = self.recorder.codes
+        line = self.recorder.line
+        positions: dict[tuple[int, int], tuple[types.CodeType, int]] = {}
         for (stack, api, op, stream), count in raw:
+            pairs = []
+            for index in range(0, len(stack), 2):
+                at = (stack[index], stack[index + 1])
+                pair = positions.get(at)
+                if pair is None:
+                    code = codes[at[0]]
+                    pair = positions[at] = (code, line(code, at[1]))
+                pairs.append(pair)
             frames = []
-            for pair in maker.clean([(codes[key], line) for key, line in stack]):
+            for pair in maker.clean(pairs):
                 value = frame_cache.get(pair)
                 if value is None:
                     value = frame_cache[pair] = maker.frame(*pair)

@@ -87,7 +87,7 @@ class ProfiledCode:
         return f"<ProfiledCode {self.co_qualname} {self.co_filename}:{self.co_firstlineno}>"
 
 
-RawStack = tuple[tuple[int, int], ...]  # (id(code), line), as in the modes backend
+RawStack = tuple[int, ...]  # id(code), line, ... flattened, as in the modes backend
 
 
 class _Qualnames:
@@ -187,8 +187,10 @@ def _absolute(filename: str, search: list[str]) -> str:
 class ProfilerRecorder(CallsiteRecorder):
     """Counts (stack, None, op, 0) tuples folded from the profiler's event trees."""
 
+    positions_are_offsets = False  # the profiler reports lines
+
     def __init__(self) -> None:
-        super().__init__()
+        super().__init__(accelerated=False)
         self._codes: dict[tuple[str, str, int], ProfiledCode] = {}
         self.folds = 0
 
@@ -226,7 +228,7 @@ class ProfilerRecorder(CallsiteRecorder):
                     continue  # Dynamo compiling a frame: its tracing ops never run
                 if cell is not None:
                     cell[1] = fields.caller.line_number
-                    outer = (*outer, (id(cell[0]), cell[1]))
+                    outer = (*outer, id(cell[0]), cell[1])
                 line = site.line_number if file_name != "<unknown>" else 0
                 code = code_of(file_name, function_name, line)
                 cell = [code, code.co_firstlineno]
@@ -242,7 +244,7 @@ class ProfilerRecorder(CallsiteRecorder):
                     elif _OP_NAME.match(name):
                         op = name.split(".", 1)[0]
                     if op is not None:
-                        stack = outer if cell is None else (*outer, (id(cell[0]), cell[1]))
+                        stack = outer if cell is None else (*outer, id(cell[0]), cell[1])
                         key = (stack, op)
                         counts[key] = counts.get(key, 0) + 1
                         if op != COMPILED_REGION_OP:
