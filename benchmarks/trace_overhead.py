@@ -9,10 +9,11 @@ plain torch, a conv net, and a model under activation checkpointing with a custo
   reference (including its stop, which collects the events; no export);
 * ``empty-mode``: a ``TorchDispatchMode`` whose ``__torch_dispatch__`` only calls the op
   (torch's price for a Python mode, the floor of the ``modes`` backend);
-* ``opguard-modes``: ``trace_callsites(backend="modes")``, raw stacks keyed by
-  ``id(code)``;
-* ``opguard-modes-codekey``: the same with raw stacks keyed by the code objects
-  themselves, as before issue 15 (a benchmark-only variant, to measure the change);
+* ``empty-modes``: an empty ``TorchFunctionMode`` above the empty dispatch mode (the
+  two Python modes the ``modes`` backend pushes, doing nothing: its floor);
+* ``opguard-modes``: ``trace_callsites(backend="modes")``, its per-operator path in C
+  (``opguard_plugins/_recorder.c``) when built;
+* ``opguard-modes-python``: the same on its Python path (as without the extension);
 * ``opguard-profiler``: ``trace_callsites(backend="profiler")``.
 
 Every traced mode includes writing (or, for torch's profiler, collecting) its result.
@@ -22,9 +23,11 @@ Figures:
 * **steady**: seconds per step over ``--steps`` steps after ``--warmup`` traced steps
   (the tracer already started), including the end of tracing (writing the trace, the
   profiler's collection), median over ``--repeat`` rounds;
-* **cold**: the first step of a freshly built loop right after the tracer starts
+* **cold**: the first step of a freshly built loop, from the tracer's start to its stop
   (per-tracer caches empty), median over ``--repeat`` rounds; the very first use of a
-  mode in the process (torch's one-time set-up) is paid in an untimed round first.
+  mode in the process (torch's one-time set-up) is paid in an untimed round first;
+* **write**: then writing that trace (build, encode, atomic write with fsync), once per
+  traced process; not in the cold figure, as torch.profiler's export is not in its.
 
 Rounds alternate between modes so that the machine's load drifts evenly over all of
 them. Run: ``python benchmarks/trace_overhead.py [--steps 20] [--repeat 5]
@@ -43,13 +46,13 @@ import sys
 import tempfile
 import threading
 import time
-import types
 from collections.abc import Callable
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch.overrides import TorchFunctionMode
 from torch.profiler import ProfilerActivity, profile
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -60,14 +63,15 @@ sys.path.insert(0, str(REPO))
 from loops import LOOPS  # noqa: E402
 
 from opguard_plugins import tracer as tracer_module  # noqa: E402
-from opguard_plugins.tracer import CallsiteRecorder, trace_callsites  # noqa: E402
+from opguard_plugins.tracer import CallsiteRecorder  # noqa: E402
 
 MODES = (
     "untraced",
     "profiler",
     "empty-mode",
+    "empty-modes",
     "opguard-modes",
-    "opguard-modes-codekey",
+    "opguard-modes-python",
     "opguard-profiler",
 )
 
@@ -77,55 +81,35 @@ class EmptyMode(TorchDispatchMode):  # type: ignore[misc]
         return func(*args, **(kwargs or {}))
 
 
-class CodeKeyRecorder(CallsiteRecorder):
-    """The previous recorder: raw stacks keyed by the code objects themselves (hashed)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.code_counts: dict[Any, int] = {}
-
-    def record(self, func: Any, frame: types.FrameType | None) -> None:
-        if not self.active:
-            return
-        op = tracer_module.op_name(func)
-        api = getattr(self._local, "api", None)
-        stack: list[tuple[types.CodeType, int]] = []
-        append = stack.append
-        modules = self.modules
-        while frame is not None and frame.f_code.co_filename in tracer_module._WRAPPER_FILES:
-            frame = frame.f_back
-        while frame is not None:
-            code = frame.f_code
-            if code not in modules:
-                modules[code] = frame.f_globals.get("__name__")
-            append((code, frame.f_lineno))
-            frame = frame.f_back
-        stack.reverse()
-        full = (tuple(stack), api, op, 0)
-        with self._lock:
-            self.code_counts[full] = self.code_counts.get(full, 0) + 1
-
-    def finish(self) -> None:
-        """Turn code keys into the id keys :meth:`CallsiteTracer.build` reads."""
-        for (stack, api, op, stream), count in self.code_counts.items():
-            for code, _ in stack:
-                self.codes[id(code)] = code
-            key = (tuple((id(code), line) for code, line in stack), api, op, stream)
-            self.counts[key] = self.counts.get(key, 0) + count
+class EmptyFunctionMode(TorchFunctionMode):
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        return func(*args, **(kwargs or {}))
 
 
 @contextmanager
-def codekey_tracing(directory: str) -> Any:
-    tracer = tracer_module.CallsiteTracer("bench", directory, rank=0)
-    recorder = CodeKeyRecorder()
-    tracer.recorder = recorder
-    tracer.start()
-    try:
+def empty_modes() -> Any:
+    with EmptyFunctionMode(), EmptyMode():
         yield
-    finally:
-        tracer.stop()
-        recorder.finish()
-        tracer.write()
+
+
+class Traced:
+    """An opguard tracer as a context manager that stops on exit; :meth:`finish` writes
+    the trace (timed on its own in the cold rounds)."""
+
+    def __init__(self, directory: str, backend: str, python_path: bool = False) -> None:
+        self.tracer = tracer_module.make_tracer(backend, "bench", directory, rank=0)
+        if python_path:  # the modes backend as without the C extension
+            self.tracer.recorder = CallsiteRecorder(accelerated=False)
+
+    def __enter__(self) -> Traced:
+        self.tracer.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.tracer.stop()
+
+    def finish(self) -> None:
+        self.tracer.write()
 
 
 def wrapper(mode: str, directory: str) -> Callable[[], AbstractContextManager[Any]]:
@@ -135,35 +119,50 @@ def wrapper(mode: str, directory: str) -> Callable[[], AbstractContextManager[An
         return lambda: profile(activities=[ProfilerActivity.CPU], with_stack=True)
     if mode == "empty-mode":
         return EmptyMode
+    if mode == "empty-modes":
+        return empty_modes
     if mode == "opguard-modes":
-        return lambda: trace_callsites("bench", directory, rank=0, backend="modes")
-    if mode == "opguard-modes-codekey":
-        return lambda: codekey_tracing(directory)
+        return lambda: Traced(directory, "modes")
+    if mode == "opguard-modes-python":
+        return lambda: Traced(directory, "modes", python_path=True)
     if mode == "opguard-profiler":
-        return lambda: trace_callsites("bench", directory, rank=0, backend="profiler")
+        return lambda: Traced(directory, "profiler")
     raise ValueError(mode)
+
+
+def finish(context: Any) -> float:
+    """Seconds to write the trace of an opguard mode (0 for the others)."""
+    if not isinstance(context, Traced):
+        return 0.0
+    start = time.perf_counter()
+    context.finish()
+    return time.perf_counter() - start
 
 
 def steady_round(loop: str, wrap: Callable[[], Any], warmup: int, steps: int) -> float:
     torch.manual_seed(0)
     step = LOOPS[loop]()
     step()  # untraced warm-up: lazy initialisation of the model and the optimizer
-    with wrap():
+    start = 0.0
+    with wrap() as context:
         for _ in range(warmup):
             step()
         start = time.perf_counter()
         for _ in range(steps):
             step()
+    finish(context)
     return (time.perf_counter() - start) / steps
 
 
-def cold_round(loop: str, wrap: Callable[[], Any]) -> float:
+def cold_round(loop: str, wrap: Callable[[], Any]) -> tuple[float, float]:
+    """(first step incl. the tracer's start and stop, writing its trace) in seconds."""
     torch.manual_seed(0)
     step = LOOPS[loop]()
     start = time.perf_counter()
-    with wrap():
+    with wrap() as context:
         step()
-    return time.perf_counter() - start
+    cold = time.perf_counter() - start
+    return cold, finish(context)
 
 
 def run_command(argv: list[str]) -> float:
@@ -203,6 +202,7 @@ def main() -> None:
     modes = [name for name in args.modes.split(",") if name]
     steady: dict[tuple[str, str], list[float]] = {}
     cold: dict[tuple[str, str], list[float]] = {}
+    writes: dict[tuple[str, str], list[float]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for mode in modes:  # torch's one-time set-up of each mechanism, untimed
             cold_round(loops[0], wrapper(mode, tmp))
@@ -213,26 +213,39 @@ def main() -> None:
                     steady.setdefault((loop, mode), []).append(
                         steady_round(loop, wrap, args.warmup, args.steps)
                     )
-                    cold.setdefault((loop, mode), []).append(cold_round(loop, wrap))
+                    first, write = cold_round(loop, wrap)
+                    cold.setdefault((loop, mode), []).append(first)
+                    writes.setdefault((loop, mode), []).append(write)
         ddp = ddp_rows(args.repeat, tmp) if args.ddp else []
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     print(
         f"torch {torch.__version__}, Python {sys.version.split()[0]}, {os.cpu_count()} CPUs, "
         f"1 torch thread, load average {load:.1f}, {threading.active_count()} thread(s); "
-        f"median of {args.repeat} rounds, steady = median of {args.steps} steps"
+        f"median of {args.repeat} rounds, steady = mean of {args.steps} steps; "
+        f"C recorder {'built' if tracer_module._Counter is not None else 'NOT built'}"
     )
     print()
-    print("| loop | mode | steady ms/step | steady vs untraced | cold ms | cold vs untraced |")
-    print("|---|---|---:|---:|---:|---:|")
+    reference = "empty-mode" if "empty-mode" in modes else None
+    print(
+        "| loop | mode | steady ms/step | steady vs untraced | vs empty mode "
+        "| cold ms | cold vs untraced | vs empty mode | write ms |"
+    )
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
     for loop in loops:
         base_steady = statistics.median(steady[(loop, modes[0])])
         base_cold = statistics.median(cold[(loop, modes[0])])
+        ref_steady = statistics.median(steady[(loop, reference)]) if reference else None
+        ref_cold = statistics.median(cold[(loop, reference)]) if reference else None
         for mode in modes:
             s = statistics.median(steady[(loop, mode)])
             c = statistics.median(cold[(loop, mode)])
+            w = statistics.median(writes[(loop, mode)])
+            vs_s = f"{s / ref_steady:.2f}x" if ref_steady else "-"
+            vs_c = f"{c / ref_cold:.2f}x" if ref_cold else "-"
             print(
-                f"| {loop} | {mode} | {s * 1e3:.2f} | {s / base_steady:.2f}x "
-                f"| {c * 1e3:.1f} | {c / base_cold:.2f}x |"
+                f"| {loop} | {mode} | {s * 1e3:.2f} | {s / base_steady:.2f}x | {vs_s} "
+                f"| {c * 1e3:.1f} | {c / base_cold:.2f}x | {vs_c} "
+                f"| {f'{w * 1e3:.1f}' if w else '-'} |"
             )
     if ddp:
         print()
