@@ -279,7 +279,10 @@ class CallsiteRecorder:
         self.counter: Any = None
         if accelerated is None:
             accelerated = os.environ.get(RECORDER_ENV, "").lower() != "python"
-        if accelerated and _Counter is not None and type(self).record is CallsiteRecorder.record:
+        overridden = type(self).record is not CallsiteRecorder.record or (
+            type(self).call is not CallsiteRecorder.call
+        )
+        if accelerated and _Counter is not None and not overridden:
             self.counter = _Counter(
                 self._counts,
                 self.codes,
@@ -365,7 +368,7 @@ class CallsiteRecorder:
 
     def record(self, func: Any, frame: types.FrameType | None) -> None:
         """Count one operator call issued from ``frame`` (the C fast path hands over the
-        cases it leaves to Python: a new operator, CUDA, a collective, a backward)."""
+        cases it leaves to Python: a new operator, a collective, a backward)."""
         if not self._active:
             return
         op = op_name(func)
