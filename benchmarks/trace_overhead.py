@@ -32,7 +32,8 @@ Figures:
 Rounds alternate between modes so that the machine's load drifts evenly over all of
 them. Run: ``python benchmarks/trace_overhead.py [--steps 20] [--repeat 5]
 [--loops tiny_gpt,hf_style,conv,checkpointed] [--modes ...] [--ddp]`` (``--ddp``
-also times the whole ``torchrun --nproc-per-node 2 examples/train_ddp.py`` command,
+also times the whole ``torchrun --standalone --nproc-per-node 2 examples/train_ddp.py``
+command (``--standalone``: a free port, so back-to-back runs do not collide),
 untraced and under ``opguard trace`` with each backend).
 """
 
@@ -174,7 +175,15 @@ def run_command(argv: list[str]) -> float:
 def ddp_rows(repeat: int, directory: str) -> list[tuple[str, float]]:
     """Median seconds of the whole 2-rank DDP example, untraced and per backend."""
     script = str(REPO / "examples" / "train_ddp.py")
-    plain = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", script]
+    plain = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        script,
+    ]
     rows = [("untraced", statistics.median(run_command(plain) for _ in range(repeat)))]
     for backend in ("modes", "profiler"):
         traced = [sys.executable, "-m", "opguard_core.cli", "trace", "--backend", backend]
