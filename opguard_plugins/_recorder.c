@@ -73,7 +73,9 @@ typedef struct {
     PyObject *slow;       /* callable(func, frame): the Python path */
     PyObject *api_names;  /* dict: torch callable -> its public name */
     PyObject *backward_apis; /* frozenset of names that start a backward pass */
-    PyObject *slow_call;  /* callable(func, args, kwargs, frame): the Python path */
+    PyObject *enter_api;  /* callable(func, frame) -> context: marks the api in Python */
+    PyObject *exit_api;   /* callable(context): unmarks it */
+    PyObject *overload_type; /* torch._ops.OpOverload: called through its ``_op`` */
     PyObject *stream_of;  /* callable() -> the current stream id, or None (no CUDA) */
     int active;
     IdTable ids;
@@ -90,6 +92,7 @@ typedef struct {
 static PyObject *api_str;    /* "api" */
 static PyObject *name_str;   /* "__name__" */
 static PyObject *collective; /* "c10d::" */
+static PyObject *op_attr_str; /* "_op" */
 
 static inline size_t
 mix(size_t h, size_t value)
@@ -584,6 +587,18 @@ Counter_dispatch(Counter *self, PyObject *const *args, Py_ssize_t nargs)
         return NULL;
     }
     Py_DECREF(counted);
+    if (Py_TYPE(func) == (PyTypeObject *)self->overload_type) {
+        /* OpOverload.__call__ is ``return self._op(*args, **kwargs)``: calling ``_op``
+         * leaves no Python frame between the program and the kernel, so a warning the
+         * kernel raises points at the program's line, as it does untraced */
+        PyObject *op = PyObject_GetAttr(func, op_attr_str);
+        if (op == NULL) {
+            return NULL;
+        }
+        PyObject *result = call_with(op, call_args, kwargs);
+        Py_DECREF(op);
+        return result;
+    }
     return call_with(func, call_args, kwargs);
 }
 
@@ -611,18 +626,31 @@ Counter_function(Counter *self, PyObject *const *args, Py_ssize_t nargs)
         backward = PySet_Contains(self->backward_apis, name);
     }
     if (name == NULL || backward != 0) {
-        PyErr_Clear(); /* not named yet, unhashable, or a backward pass: Python does it */
+        /* not named yet, unhashable, or a backward pass: Python marks the api (and the
+         * backward's stack), but the call itself runs from here, with no Python frame
+         * of the tracer in between (a warning points at the program's line) */
+        PyErr_Clear();
         PyObject *frame = (PyObject *)running_frame();
-        PyObject *positional = call_args != NULL ? Py_NewRef(call_args) : PyTuple_New(0);
-        PyObject *keywords = kwargs != NULL ? Py_NewRef(kwargs) : PyDict_New();
-        PyObject *result = NULL;
-        if (positional != NULL && keywords != NULL) {
-            result = PyObject_CallFunctionObjArgs(self->slow_call, func, positional, keywords,
-                                                  frame != NULL ? frame : Py_None, NULL);
-        }
-        Py_XDECREF(positional);
-        Py_XDECREF(keywords);
+        PyObject *context = PyObject_CallFunctionObjArgs(self->enter_api, func,
+                                                         frame != NULL ? frame : Py_None, NULL);
         Py_XDECREF(frame);
+        if (context == NULL) {
+            return NULL;
+        }
+        PyObject *result = call_with(func, call_args, kwargs);
+        PyObject *type, *value, *traceback;
+        PyErr_Fetch(&type, &value, &traceback);
+        PyObject *done = PyObject_CallOneArg(self->exit_api, context);
+        Py_DECREF(context);
+        if (done == NULL) {
+            Py_CLEAR(result);
+            Py_XDECREF(type);
+            Py_XDECREF(value);
+            Py_XDECREF(traceback);
+            return NULL;
+        }
+        Py_DECREF(done);
+        PyErr_Restore(type, value, traceback);
         return result;
     }
     Py_INCREF(name);
@@ -735,16 +763,18 @@ Counter_init(Counter *self, PyObject *args, PyObject *kwargs)
 {
     static char *names[] = {"counts",    "codes",         "modules",   "op_names",
                             "local",     "backward",      "skip_files", "slow",
-                            "api_names", "backward_apis", "slow_call", "stream_of",
+                            "api_names", "backward_apis", "enter_api", "exit_api",
+                            "overload_type", "stream_of",
                             NULL};
     PyObject *counts, *codes, *modules, *op_names, *local, *backward, *skip_files, *slow;
-    PyObject *api_names, *backward_apis, *slow_call;
+    PyObject *api_names, *backward_apis, *enter_api, *exit_api, *overload_type;
     PyObject *stream_of = Py_None;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O!O!O!O!OO!OOO!OO|O", names, &PyDict_Type,
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O!O!O!O!OO!OOO!OOOO!|O", names, &PyDict_Type,
                                      &counts, &PyDict_Type, &codes, &PyDict_Type, &modules,
                                      &PyDict_Type, &op_names, &local, &PyList_Type, &backward,
                                      &skip_files, &slow, &PyDict_Type, &api_names,
-                                     &backward_apis, &slow_call, &stream_of)) {
+                                     &backward_apis, &enter_api, &exit_api, &PyType_Type,
+                                     &overload_type, &stream_of)) {
         return -1;
     }
     if (!PyAnySet_Check(skip_files) || !PyAnySet_Check(backward_apis)) {
@@ -753,7 +783,9 @@ Counter_init(Counter *self, PyObject *args, PyObject *kwargs)
     }
     Py_XSETREF(self->api_names, Py_NewRef(api_names));
     Py_XSETREF(self->backward_apis, Py_NewRef(backward_apis));
-    Py_XSETREF(self->slow_call, Py_NewRef(slow_call));
+    Py_XSETREF(self->enter_api, Py_NewRef(enter_api));
+    Py_XSETREF(self->exit_api, Py_NewRef(exit_api));
+    Py_XSETREF(self->overload_type, Py_NewRef(overload_type));
     Counter_free_tables(self);
     Py_XSETREF(self->counts, Py_NewRef(counts));
     Py_XSETREF(self->codes, Py_NewRef(codes));
@@ -791,7 +823,9 @@ Counter_traverse(Counter *self, visitproc visit, void *arg)
     Py_VISIT(self->slow);
     Py_VISIT(self->api_names);
     Py_VISIT(self->backward_apis);
-    Py_VISIT(self->slow_call);
+    Py_VISIT(self->enter_api);
+    Py_VISIT(self->exit_api);
+    Py_VISIT(self->overload_type);
     Py_VISIT(self->stream_of);
     return 0;
 }
@@ -809,7 +843,9 @@ Counter_clear(Counter *self)
     Py_CLEAR(self->slow);
     Py_CLEAR(self->api_names);
     Py_CLEAR(self->backward_apis);
-    Py_CLEAR(self->slow_call);
+    Py_CLEAR(self->enter_api);
+    Py_CLEAR(self->exit_api);
+    Py_CLEAR(self->overload_type);
     Py_CLEAR(self->stream_of);
     return 0;
 }
@@ -923,7 +959,8 @@ PyInit__recorder(void)
     api_str = PyUnicode_InternFromString("api");
     name_str = PyUnicode_InternFromString("__name__");
     collective = PyUnicode_FromString("c10d::");
-    if (api_str == NULL || name_str == NULL || collective == NULL) {
+    op_attr_str = PyUnicode_InternFromString("_op");
+    if (api_str == NULL || name_str == NULL || collective == NULL || op_attr_str == NULL) {
         return NULL;
     }
     if (PyType_Ready(&CounterType) < 0) {

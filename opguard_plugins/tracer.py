@@ -279,8 +279,9 @@ class CallsiteRecorder:
         self.counter: Any = None
         if accelerated is None:
             accelerated = os.environ.get(RECORDER_ENV, "").lower() != "python"
-        overridden = type(self).record is not CallsiteRecorder.record or (
-            type(self).call is not CallsiteRecorder.call
+        overridden = any(
+            getattr(type(self), name) is not getattr(CallsiteRecorder, name)
+            for name in ("record", "call", "enter_api", "exit_api")
         )
         if accelerated and _Counter is not None and not overridden:
             self.counter = _Counter(
@@ -294,7 +295,9 @@ class CallsiteRecorder:
                 self.record,
                 _API_CACHE,
                 BACKWARD_APIS,
-                self.call,
+                self.enter_api,
+                self.exit_api,
+                torch._ops.OpOverload,
                 self.current_stream if self._cuda else None,
             )
 
@@ -343,24 +346,34 @@ class CallsiteRecorder:
         frame: types.FrameType | None,
     ) -> Any:
         """Run ``func`` with it marked as this thread's current api."""
-        local = self._local
-        if getattr(local, "api", None) is not None:
+        if getattr(self._local, "api", None) is not None:
             return func(*args, **kwargs)
-        name = api_name(func)
-        local.api = name
-        if name not in BACKWARD_APIS:
-            try:
-                return func(*args, **kwargs)
-            finally:
-                local.api = None
-        stack = _walk(frame, self.codes, self.modules)
-        context = _BackwardContext(stack, name, threading.get_ident())
-        with self._lock:
-            self._backward.append(context)
+        context = self.enter_api(func, frame)
         try:
             return func(*args, **kwargs)
         finally:
-            local.api = None
+            self.exit_api(context)
+
+    def enter_api(
+        self, func: Callable[..., Any], frame: types.FrameType | None
+    ) -> _BackwardContext | None:
+        """Mark ``func``'s public name as this thread's api; for a backward pass, also
+        remember the stack that started it (returned, for :meth:`exit_api`)."""
+        name = api_name(func)
+        self._local.api = name
+        if name not in BACKWARD_APIS:
+            return None
+        context = _BackwardContext(
+            _walk(frame, self.codes, self.modules), name, threading.get_ident()
+        )
+        with self._lock:
+            self._backward.append(context)
+        return context
+
+    def exit_api(self, context: _BackwardContext | None) -> None:
+        """Undo :meth:`enter_api` once the call returned or raised."""
+        self._local.api = None
+        if context is not None:
             with self._lock:
                 self._backward.remove(context)
 

@@ -208,3 +208,21 @@ def test_ops_carry_the_current_stream(
     adds = {key[3]: n for key, n in tracer.recorder.counts.items() if key[2] == "aten::add"}
     assert len(adds) >= 2 and all(stream >= 3 for stream in adds)
     assert sum(adds.values()) == 4
+
+
+@needs_c
+def test_a_warning_from_a_kernel_points_at_the_programs_line(tmp_path: Path) -> None:
+    import warnings
+
+    def resize_out() -> None:
+        out = torch.empty(2)
+        torch.add(torch.ones(3), torch.ones(3), out=out)  # the kernel warns: out resized
+
+    line = resize_out.__code__.co_firstlineno + 2
+    for _ in range(2):  # the first call names torch.add in Python, the second does not
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            _trace(tmp_path, "w", True, resize_out)
+        assert [(Path(w.filename).name, w.lineno) for w in caught] == [
+            ("test_trace_recorder.py", line)
+        ]
