@@ -865,55 +865,6 @@ Counter_dealloc(Counter *self)
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
-static PyObject *
-Counter_get_counts(Counter *self, void *closure)
-{
-    return Py_NewRef(self->counts ? self->counts : Py_None);
-}
-
-static int
-Counter_set_counts(Counter *self, PyObject *value, void *closure)
-{
-    if (value == NULL || !PyDict_Check(value)) {
-        PyErr_SetString(PyExc_TypeError, "counts must be a dict");
-        return -1;
-    }
-    Py_XSETREF(self->counts, Py_NewRef(value));
-    return 0;
-}
-
-static PyObject *
-Counter_get_backward(Counter *self, void *closure)
-{
-    return Py_NewRef(self->backward ? self->backward : Py_None);
-}
-
-static int
-Counter_set_backward(Counter *self, PyObject *value, void *closure)
-{
-    if (value == NULL || !PyList_Check(value)) {
-        PyErr_SetString(PyExc_TypeError, "backward must be a list");
-        return -1;
-    }
-    Py_XSETREF(self->backward, Py_NewRef(value));
-    return 0;
-}
-
-static PyObject *
-Counter_get_stacks(Counter *self, void *closure)
-{
-    return PyLong_FromSsize_t(self->n_stacks);
-}
-
-static PyGetSetDef Counter_getset[] = {
-    {"counts", (getter)Counter_get_counts, (setter)Counter_set_counts,
-     "the dict flush() adds into", NULL},
-    {"backward", (getter)Counter_get_backward, (setter)Counter_set_backward,
-     "the running backward contexts", NULL},
-    {"stacks", (getter)Counter_get_stacks, NULL, "distinct stacks seen", NULL},
-    {NULL},
-};
-
 static PyMemberDef Counter_members[] = {
     {"active", T_BOOL, offsetof(Counter, active), 0, "count only while true"},
     {NULL},
@@ -945,7 +896,6 @@ static PyTypeObject CounterType = {
     .tp_clear = (inquiry)Counter_clear,
     .tp_methods = Counter_methods,
     .tp_members = Counter_members,
-    .tp_getset = Counter_getset,
 };
 
 static struct PyModuleDef recorder_module = {

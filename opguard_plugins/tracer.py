@@ -326,12 +326,10 @@ class CallsiteRecorder:
         """In a forked child: forget the parent's counts; new locks (a lock held by
         another thread at the fork would stay held forever), no running backward."""
         self._lock = threading.Lock()
-        self._counts = {}
-        self._backward = []
+        self._counts.clear()  # in place: the C path holds these two
+        self._backward.clear()
         if self.counter is not None:
             self.counter.discard()
-            self.counter.counts = self._counts
-            self.counter.backward = self._backward
 
     # -- api (TorchFunctionMode side) ---------------------------------------
 
