@@ -231,20 +231,25 @@ def _walk(
     return tuple(stack)
 
 
-_LINE_TABLES: dict[types.CodeType, tuple[list[int], list[int | None]]] = {}
+LineTable = tuple[list[int], list["int | None"]]
 
 
-def line_at(code: types.CodeType, offset: int) -> int:
+def line_at(
+    code: types.CodeType, offset: int, tables: dict[types.CodeType, LineTable] | None = None
+) -> int:
     """The line of the instruction at byte ``offset`` (what ``frame.f_lineno`` reads
-    when ``frame.f_lasti == offset``); the first line when the offset has none."""
-    table = _LINE_TABLES.get(code)
+    when ``frame.f_lasti == offset``); the first line when the offset has none.
+    ``tables`` caches each code's line table between calls (one trace's build)."""
+    table = tables.get(code) if tables is not None else None
     if table is None:
         starts: list[int] = []
         lines: list[int | None] = []
         for start, _end, line in code.co_lines():
             starts.append(start)
             lines.append(line)
-        table = _LINE_TABLES[code] = (starts, lines)
+        table = (starts, lines)
+        if tables is not None:
+            tables[code] = table
     index = bisect.bisect_right(table[0], offset) - 1
     line = table[1][index] if index >= 0 else None
     return code.co_firstlineno if line is None else line
@@ -259,9 +264,6 @@ class _ThreadApi(threading.local):
 
 class CallsiteRecorder:
     """Counts (stack, api, op, stream) tuples; thread-safe."""
-
-    #: positions in raw stacks are ``f_lasti`` offsets (see :meth:`line`)
-    positions_are_offsets = True
 
     def __init__(self, *, accelerated: bool | None = None) -> None:
         self._counts: dict[Key, int] = {}
@@ -318,9 +320,11 @@ class CallsiteRecorder:
         if self.counter is not None:
             self.counter.active = value
 
-    def line(self, code: types.CodeType, position: int) -> int:
-        """The line of a raw stack's position in ``code``."""
-        return line_at(code, position) if self.positions_are_offsets else position
+    def line(
+        self, code: types.CodeType, position: int, tables: dict[types.CodeType, LineTable]
+    ) -> int:
+        """The line of a raw stack's position in ``code`` (an ``f_lasti`` offset here)."""
+        return line_at(code, position, tables)
 
     def reset_after_fork(self) -> None:
         """In a forked child: forget the parent's counts; new locks (a lock held by
@@ -700,6 +704,7 @@ class CallsiteTracer:
         frame_cache: dict[tuple[types.CodeType, int], Frame] = {}
         codes = self.recorder.codes
         line = self.recorder.line
+        tables: dict[types.CodeType, LineTable] = {}
         positions: dict[tuple[int, int], tuple[types.CodeType, int]] = {}
         for (stack, api, op, stream), count in raw:
             pairs = []
@@ -708,7 +713,7 @@ class CallsiteTracer:
                 pair = positions.get(at)
                 if pair is None:
                     code = codes[at[0]]
-                    pair = positions[at] = (code, line(code, at[1]))
+                    pair = positions[at] = (code, line(code, at[1], tables))
                 pairs.append(pair)
             frames = []
             for pair in maker.clean(pairs):

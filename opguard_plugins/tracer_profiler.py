@@ -53,7 +53,7 @@ import torch
 from torch._C._profiler import RecordScope, _EventType
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from opguard_plugins.tracer import CallsiteRecorder, CallsiteTracer
+from opguard_plugins.tracer import CallsiteRecorder, CallsiteTracer, LineTable, RawStack
 
 BACKEND_NAME = "profiler"
 #: The pseudo-operator counted once per run of a ``torch.compile``d frame.
@@ -85,9 +85,6 @@ class ProfiledCode:
 
     def __repr__(self) -> str:
         return f"<ProfiledCode {self.co_qualname} {self.co_filename}:{self.co_firstlineno}>"
-
-
-RawStack = tuple[int, ...]  # id(code), line, ... flattened, as in the modes backend
 
 
 class _Qualnames:
@@ -187,12 +184,14 @@ def _absolute(filename: str, search: list[str]) -> str:
 class ProfilerRecorder(CallsiteRecorder):
     """Counts (stack, None, op, 0) tuples folded from the profiler's event trees."""
 
-    positions_are_offsets = False  # the profiler reports lines
-
     def __init__(self) -> None:
         super().__init__(accelerated=False)
         self._codes: dict[tuple[str, str, int], ProfiledCode] = {}
         self.folds = 0
+
+    def line(self, code: Any, position: int, tables: dict[Any, LineTable]) -> int:
+        """The profiler reports lines: a raw stack's position is already one."""
+        return position
 
     def code(self, filename: str, name: str, line: int) -> ProfiledCode:
         key = (filename, name, line)
