@@ -1,8 +1,9 @@
-"""The optional C extension; everything else is declared in pyproject.toml.
+"""The optional C extensions; everything else is declared in pyproject.toml.
 
 ``opguard_plugins._recorder`` is the modes backend's per-operator hot path
-(docs/tracing.md, "The recorder's fast path"). It is optional: without a C compiler
-and Python's headers the install goes on, and the tracer runs its Python path.
+(docs/tracing.md, "The recorder's fast path"); ``opguard_core._scan`` is the combine's
+(docs/performance.md, "Folding from the bytes"). Both are optional: without a C
+compiler and Python's headers the install goes on, and Python paths run instead.
 """
 
 from setuptools import Extension, setup
@@ -13,6 +14,11 @@ setup(
             "opguard_plugins._recorder",
             sources=["opguard_plugins/_recorder.c"],
             optional=True,
-        )
+        ),
+        Extension(
+            "opguard_core._scan",
+            sources=["opguard_core/_scan.c"],
+            optional=True,
+        ),
     ]
 )

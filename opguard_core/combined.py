@@ -26,31 +26,38 @@ import contextlib
 import dataclasses
 import enum
 import gc
-import itertools
 import sys
 from collections.abc import Callable, Iterable, Iterator
-from operator import attrgetter, itemgetter
+from operator import itemgetter
 from pathlib import Path
 from typing import Any, NamedTuple
 
 import msgspec
 
 from opguard_core.errors import InputError
+from opguard_core.stack_table import new_table, scan_callsites
 from opguard_core.trace_format import (
     COMBINED_VERSION,
+    READ_VERSIONS,
+    TRACE_FORMAT,
     Callsite,
     DecodedTrace,
     Frame,
     PerRank,
+    TraceHead,
+    check_ranks,
+    decode_trace,
     encode_trace,
-    load_trace,
+    read_bytes,
+    trace_ranks,
     validate_frame_ids,
 )
 from opguard_core.tree_format import MAX_COUNT
 from opguard_core.values import same_json
 
-#: key of a callsite in an accumulator: (stack of global frame ids, api, op, stream)
-SiteKey = tuple[tuple[int, ...], str | None, str, int]
+#: key of a callsite in an accumulator: (stack id in its :attr:`TraceAccumulator.stacks`,
+#: api, op, stream)
+SiteKey = tuple[int, str | None, str, int]
 
 #: A non-collective callsite's histogram of per-rank counts is kept while it has at
 #: most this many distinct values; past it only min and max (with their ranks) are.
@@ -382,17 +389,16 @@ class _Agreement:
         return {k: v for k, v in values.items() if v is not _CONFLICT}
 
 
-_count_of = attrgetter("count")
+_HEAD_DECODER = msgspec.json.Decoder(TraceHead)
 
 
 class _PackedSites(NamedTuple):
-    """An accumulator's sites in transit: every stack's frame ids end to end
-    (``array('I')`` bytes), the stacks' lengths (same), then one list per column;
+    """An accumulator's sites in transit: their stack ids (``array('I')`` bytes; the
+    stacks travel once each, in the accumulator's table), then one list per column;
     ``stats`` holds (min, min_mask, max, max_mask, hist) for the sites whose ranks
     disagree, by position (the others are uniform: min = max = count / ranks)."""
 
-    stacks: bytes
-    lengths: bytes
+    stack_ids: bytes
     apis: list[str | None]
     ops: list[str]
     streams: list[int]
@@ -408,6 +414,8 @@ class TraceAccumulator:
     def __init__(self) -> None:
         self.frame_ids: dict[Frame, int] = {}
         self.frames: list[Frame] = []
+        #: every stack of global frame ids seen, interned: a site's key holds its id
+        self.stacks = new_table()
         #: one object per distinct api / op string, so that the sites' keys share them
         #: and comparing two keys compares these by identity, not by their bytes
         self.apis: dict[str | None, str | None] = {}
@@ -441,108 +449,175 @@ class TraceAccumulator:
     def add(self, trace: DecodedTrace) -> None:
         """Add one decoded trace (one rank file, or an earlier combined trace).
 
-        The loop below is the hot path of a combine (once per callsite per rank):
-        a stack is re-interned with one C-level gather over the file's frame table
-        (:func:`remap_stack`, inlined), its api and op strings are interned (a lookup
-        in a small dict that stays in cache, which saves loading two strings' bytes
-        from all over memory to compare keys), and a callsite costs one dict lookup. The
-        gather also refuses frame ids out of range, so decoding may skip that check
-        (``check_frame_ids=False``); the error is the same, and comes before any
-        rank error, as if decoding had checked.
+        Every callsite becomes a key (stack id, api, op, stream): its stack is
+        re-interned with one C-level gather over the file's frame table
+        (:func:`remap_stack`, inlined) and then interned in :attr:`stacks`, its api
+        and op strings are interned (so keys compare them by identity). The gather
+        also refuses frame ids out of range, so decoding may skip that check
+        (``check_frame_ids=False``); the error is the same, and comes before any rank
+        error, as if decoding had checked.
         """
         self._unpack()
+        callsites = trace.callsites
+        counts = [site.count for site in callsites]
         file_ranks = trace.ranks()
-        file_mask = ranks_to_mask(file_ranks)
-        meta = {k: v for k, v in trace.meta.items() if k not in ("rank", "ranks", PER_RANK_KEY)}
-        single = len(file_ranks) == 1
-        # a multi-rank input (an earlier combined trace) has exact per-rank counts
-        # only if it says so; a rank seen before makes every statistic inexact
-        stats_valid = (single or bool(trace.meta.get(PER_RANK_KEY))) and not (
-            file_mask & self.rank_mask
-        )
-        total = self.total + sum(map(_count_of, trace.callsites))
-        if total > MAX_COUNT:
-            raise InputError(
-                trace.path,
-                f"the counts add up to {total}, more than 2**63-1 ops (with the files before)",
-            )
+        total = self._checked_total(trace.path, sum(counts))
         local = [self._intern(frame) for frame in trace.frames]
         remap = local.__getitem__
         gather = itemgetter
+        intern = self.stacks.intern
         intern_api, intern_op = self.apis.setdefault, self.ops.setdefault
-        callsites = trace.callsites
+        try:
+            keys = [
+                (
+                    intern(gather(*site.stack)(local))
+                    if len(site.stack) > 1
+                    else intern(tuple(map(remap, site.stack))),
+                    intern_api(site.api, site.api),
+                    intern_op(site.op, site.op),
+                    site.stream,
+                )
+                for site in callsites
+            ]
+        except IndexError:  # a frame id out of range (decoding may leave this check to us)
+            validate_frame_ids(trace.frames, callsites, trace.path)
+            raise
+        self._fold_file(trace.path, trace.meta, file_ranks, total, keys, counts, callsites)
+        for position, site_extra in trace.callsite_extras.items():
+            if site_extra:
+                self.site_extras.setdefault(keys[position], _Agreement()).add(site_extra)
+        for index, extra in trace.frame_extras.items():
+            self.frame_extras.setdefault(trace.frames[index], _Agreement()).add(extra)
+        self.extras.add(trace.extras)
+
+    def _checked_total(self, path: str, file_total: int) -> int:
+        """The ops added so far with a file's; refused past :data:`MAX_COUNT`."""
+        total = self.total + file_total
+        if total > MAX_COUNT:
+            raise InputError(
+                path,
+                f"the counts add up to {total}, more than 2**63-1 ops (with the files before)",
+            )
+        return total
+
+    def _fold_file(
+        self,
+        path: str,
+        file_meta: dict[str, Any],
+        file_ranks: list[int],
+        total: int,
+        keys: list[SiteKey],
+        counts: list[int],
+        callsites: list[Callsite] | None,
+    ) -> None:
+        """Fold one file's callsites, as ``keys`` and ``counts`` in file order, into
+        :attr:`sites`, then its header into the bookkeeping (``callsites``, with their
+        ``ranks`` and ``per_rank``, is needed only for a multi-rank file).
+
+        The loop is the hot path of a combine (once per callsite per rank): a callsite
+        costs one dict lookup, and a rank with the same count as every rank before it
+        (the common case) an add and an or.
+        """
+        file_mask = ranks_to_mask(file_ranks)
+        meta = {k: v for k, v in file_meta.items() if k not in ("rank", "ranks", PER_RANK_KEY)}
+        single = len(file_ranks) == 1
+        # a multi-rank input (an earlier combined trace) has exact per-rank counts
+        # only if it says so; a rank seen before makes every statistic inexact
+        stats_valid = (single or bool(file_meta.get(PER_RANK_KEY))) and not (
+            file_mask & self.rank_mask
+        )
         sites = self.sites
         get = sites.get
-        try:
-            for position, site in enumerate(callsites):
+        if single:
+            mask = file_mask
+            for key, count in zip(keys, counts, strict=True):
+                slot = get(key)
+                if slot is None:
+                    sites[key] = [count, mask, count, None, count, None, None]
+                elif slot[1] & mask:
+                    # the same callsite twice in one file (or a rank seen before): its
+                    # per-rank count is no longer known, so statistics are dropped
+                    slot[0] += count
+                    stats_valid = False
+                elif count == slot[2] and count == slot[4] and slot[3] is None:
+                    slot[0] += count  # same count as every rank so far: the common case
+                    slot[1] |= mask
+                else:
+                    add_rank_count(slot, count, mask, is_collective(key[2], key[1]))
+        else:
+            assert callsites is not None
+            for position, (key, site) in enumerate(zip(keys, callsites, strict=True)):
                 ranks = site.ranks
                 if ranks is None:
                     mask = file_mask
                 else:
                     mask = ranks_to_mask(ranks)
                     if mask & ~file_mask:
-                        # a frame id out of range anywhere in the file is reported first
-                        validate_frame_ids(trace.frames, callsites, trace.path)
                         raise InputError(
-                            trace.path,
+                            path,
                             f"callsites[{position}].ranks {ranks} names ranks outside "
                             f"meta.ranks {file_ranks}",
                         )
-                stack = site.stack
-                api, op = site.api, site.op
-                key = (
-                    gather(*stack)(local) if len(stack) > 1 else tuple(map(remap, stack)),
-                    intern_api(api, api),
-                    intern_op(op, op),
-                    site.stream,
-                )
-                count = site.count
                 slot = get(key)
                 if slot is not None and slot[1] & mask:
-                    # the same callsite twice in one file (or a rank seen before): its
-                    # per-rank count is no longer known, so statistics are dropped
-                    slot[0] += count
+                    slot[0] += site.count
                     stats_valid = False
-                elif not single:
-                    incoming = _incoming_slot(site, mask, trace.path, position, stats_valid)
+                else:
+                    incoming = _incoming_slot(site, mask, path, position, stats_valid)
                     if slot is None:
                         sites[key] = incoming
                     else:
-                        merge_slot(slot, incoming, is_collective(op, api))
-                elif slot is None:
-                    sites[key] = [count, mask, count, None, count, None, None]
-                elif count == slot[2] and count == slot[4] and slot[3] is None:
-                    slot[0] += count  # same count as every rank so far: the common case
-                    slot[1] |= mask
-                else:
-                    add_rank_count(slot, count, mask, is_collective(op, api))
-        except IndexError:  # a frame id out of range (decoding may leave this check to us)
-            validate_frame_ids(trace.frames, callsites, trace.path)
-            raise
-        for position, site_extra in trace.callsite_extras.items():
-            if site_extra:
-                site = trace.callsites[position]
-                key = (remap_stack(site.stack, local), site.api, site.op, site.stream)
-                self.site_extras.setdefault(key, _Agreement()).add(site_extra)
-        for index, extra in trace.frame_extras.items():
-            self.frame_extras.setdefault(trace.frames[index], _Agreement()).add(extra)
+                        merge_slot(slot, incoming, is_collective(key[2], key[1]))
         # bookkeeping last, so a file refused above leaves the accumulator's header alone
         self.stats_valid = self.stats_valid and stats_valid
         self.rank_mask |= file_mask
         self.inputs += 1
         self.total = total
-        stated = "rank" in trace.meta or "ranks" in trace.meta
-        self.claims.append((trace.path, tuple(file_ranks), len(callsites), stated))
+        stated = "rank" in file_meta or "ranks" in file_meta
+        self.claims.append((path, tuple(file_ranks), len(keys), stated))
         self.meta.add(meta)
-        self.extras.add(trace.extras)
 
     def add_file(self, path: Path | str) -> None:
-        """Read, decode and :meth:`add` one trace file. Decoding leaves the frame-id
-        check to :meth:`add`, which makes it while re-interning, with the same error."""
+        """Read, decode and :meth:`add` one trace file. A plain rank file is read by
+        the C scanner when it is built (:meth:`_add_scanned`); anything else, and any
+        file it declines, is decoded by msgspec, which leaves the frame-id check to
+        :meth:`add`, which makes it while re-interning, with the same error."""
         try:
-            self.add(load_trace(Path(path), check_frame_ids=False))
+            data = read_bytes(Path(path))
+            if scan_callsites is None or not self._add_scanned(data, str(path)):
+                self.add(decode_trace(data, path, check_frame_ids=False))
         except MemoryError:
             raise InputError(path, "out of memory reading this file") from None
+
+    def _add_scanned(self, data: bytes, path: str) -> bool:
+        """Add a one-rank file with the header decoded by msgspec and the callsites
+        read from the bytes by ``scan_callsites``; False, having added nothing, when
+        the file is not of the plain shape it reads (msgspec's path then decodes it
+        and explains any problem)."""
+        try:
+            head = _HEAD_DECODER.decode(data)
+        except (msgspec.ValidationError, msgspec.DecodeError, RecursionError):
+            return False
+        if head.format != TRACE_FORMAT or head.version not in READ_VERSIONS:
+            return False
+        try:
+            check_ranks(head.meta, [], path)
+        except InputError:
+            return False
+        file_ranks = trace_ranks(head.meta, path)
+        if len(file_ranks) != 1:
+            return False
+        self._unpack()
+        local = array.array("I", [self._intern(frame) for frame in head.frames])
+        assert scan_callsites is not None
+        scanned = scan_callsites(head.callsites, local.tobytes(), self.stacks, self.apis, self.ops)
+        if scanned is None:
+            return False
+        keys, counts, file_total = scanned
+        total = self._checked_total(path, file_total)
+        self._fold_file(path, head.meta, file_ranks, total, keys, counts, None)
+        self.extras.add({})
+        return True
 
     def update(self, other: TraceAccumulator) -> None:
         """Fold another accumulator (for example a worker's partial result) into this one."""
@@ -553,16 +628,15 @@ class TraceAccumulator:
         self._unpack()
         remap = [self._intern(frame) for frame in other.frames]
         identity = remap == list(range(len(remap)))
+        new_ids = self.stacks.absorb(other.stacks, None if identity else remap)
         if other._packed is not None:
-            # always through ``remap``: its ids are the very int objects this
-            # accumulator's keys hold, so a key found compares by identity
-            self._merge_packed(other._packed, remap)
+            self._merge_packed(other._packed, new_ids)
         self._fold(
-            ((stack if identity else remap_stack(stack, remap), api, op, stream), slot)
+            ((new_ids[stack], api, op, stream), slot)
             for (stack, api, op, stream), slot in other.sites.items()
         )
         for (stack, api, op, stream), extra in other.site_extras.items():
-            key = (stack if identity else remap_stack(stack, remap), api, op, stream)
+            key = (new_ids[stack], api, op, stream)
             self.site_extras.setdefault(key, _Agreement()).update(extra)
         for frame, agreement in other.frame_extras.items():
             self.frame_extras.setdefault(frame, _Agreement()).update(agreement)
@@ -589,10 +663,8 @@ class TraceAccumulator:
         sites = state.pop("sites")
         keys = list(sites)
         values = list(sites.values())
-        stacks = [key[0] for key in keys]
         state["_packed"] = _PackedSites(
-            array.array("I", itertools.chain.from_iterable(stacks)).tobytes(),
-            array.array("I", map(len, stacks)).tobytes(),
+            array.array("I", [key[0] for key in keys]).tobytes(),
             [key[1] for key in keys],
             [key[2] for key in keys],
             [key[3] for key in keys],
@@ -620,29 +692,24 @@ class TraceAccumulator:
             self._packed = None
             self._merge_packed(packed, None)
 
-    def _merge_packed(self, packed: _PackedSites, remap: list[int] | None) -> None:
-        """Fold packed sites in; their frame ids become ``remap[id]`` (unchanged if None).
-        Their slots are built here, so they are taken over, not copied."""
+    def _merge_packed(self, packed: _PackedSites, new_ids: list[int] | None) -> None:
+        """Fold packed sites in; their stack ids become ``new_ids[id]`` (unchanged if
+        None). Their slots are built here, so they are taken over, not copied."""
         ids = array.array("I")
-        ids.frombytes(packed.stacks)
-        lengths = array.array("I")
-        lengths.frombytes(packed.lengths)
-        flat = ids.tolist() if remap is None else list(map(remap.__getitem__, ids))
-        ends = list(itertools.accumulate(lengths))
-        starts = [0, *ends][:-1]
+        ids.frombytes(packed.stack_ids)
+        stack_ids = ids.tolist() if new_ids is None else list(map(new_ids.__getitem__, ids))
         stats = packed.stats
         self._fold(
             (
                 (
-                    (tuple(flat[start:end]), api, op, stream),
+                    (stack, api, op, stream),
                     [count, mask, low, *stats[position]]
                     if position in stats
                     else [count, mask, low, None, low, None, None],
                 )
-                for position, (start, end, api, op, stream, count, mask, low) in enumerate(
+                for position, (stack, api, op, stream, count, mask, low) in enumerate(
                     zip(
-                        starts,
-                        ends,
+                        stack_ids,
                         packed.apis,
                         packed.ops,
                         packed.streams,
@@ -683,13 +750,18 @@ class TraceAccumulator:
         # tuple sort orders by them alone, without building a 5-tuple per site
         keyed = []
         swap = sys.byteorder == "little"
+        table = self.stacks
+        canonical: dict[int, tuple[bytes, tuple[int, ...]]] = {}  # by stack id, once each
         for key in self.sites:
-            stack = remap_stack(key[0], new_id)
-            ids = array.array("I", stack)  # 4 bytes a frame id
-            if swap:
-                ids.byteswap()
+            known = canonical.get(key[0])
+            if known is None:
+                stack = remap_stack(table[key[0]], new_id)
+                ids = array.array("I", stack)  # 4 bytes a frame id
+                if swap:
+                    ids.byteswap()
+                known = canonical[key[0]] = (ids.tobytes(), stack)
             keyed.append(
-                (ids.tobytes(), key[1] or "", key[2], key[3], key[1] is not None, stack, key)
+                (known[0], key[1] or "", key[2], key[3], key[1] is not None, known[1], key)
             )
         keyed.sort()
         all_mask = self.rank_mask

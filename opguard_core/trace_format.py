@@ -87,6 +87,17 @@ class TraceDocument(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     callsites: list[Callsite]
 
 
+class TraceHead(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """A trace's header decoded, its ``callsites`` left as bytes for a scanner
+    (``opguard_core.stack_table.scan_callsites``)."""
+
+    format: str
+    version: int
+    meta: dict[str, Any] = {}
+    frames: list[Frame]
+    callsites: msgspec.Raw
+
+
 class _LaxFrame(Frame, frozen=True, kw_only=True, forbid_unknown_fields=False):
     pass
 
@@ -181,10 +192,10 @@ def decode_trace(data: bytes, path: Path | str, check_frame_ids: bool = True) ->
     _check_header(doc.format, doc.version, path)
     if check_frame_ids:
         validate_frame_ids(doc.frames, doc.callsites, path)
-        _check_ranks(doc.meta, doc.callsites, path)
+        check_ranks(doc.meta, doc.callsites, path)
     else:
         try:
-            _check_ranks(doc.meta, doc.callsites, path)
+            check_ranks(doc.meta, doc.callsites, path)
         except InputError:
             validate_frame_ids(doc.frames, doc.callsites, path)
             raise
@@ -216,7 +227,7 @@ def _decode_lax(data: bytes, path: Path | str) -> DecodedTrace:
     frames = [Frame(**msgspec.structs.asdict(f)) for f in doc.frames]
     callsites = [Callsite(**msgspec.structs.asdict(c)) for c in doc.callsites]
     validate_frame_ids(frames, callsites, path)
-    _check_ranks(doc.meta, callsites, path)
+    check_ranks(doc.meta, callsites, path)
     frame_extras = _extras(raw["frames"], _FRAME_FIELDS)
     callsite_extras = _extras(raw["callsites"], _CALLSITE_FIELDS)
     extras = {k: v for k, v in raw.items() if k not in _TRACE_FIELDS}
@@ -264,7 +275,7 @@ def validate_frame_ids(frames: list[Frame], callsites: list[Callsite], path: Pat
             )
 
 
-def _check_ranks(meta: dict[str, Any], callsites: list[Callsite], path: Path | str) -> None:
+def check_ranks(meta: dict[str, Any], callsites: list[Callsite], path: Path | str) -> None:
     """Refuse invalid ``meta.rank``/``meta.ranks`` values (never a silent fallback to the
     file name or rank 0) and ranks at or above :data:`MAX_RANK` (in meta, the file name
     or a callsite)."""

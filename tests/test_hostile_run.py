@@ -655,14 +655,14 @@ def test_memory_error_names_the_file(
 ) -> None:
     from opguard_core import combined
 
-    real = combined.load_trace
+    real = combined.read_bytes
 
-    def load_trace(path: Path, check_frame_ids: bool = True) -> Any:
+    def read_bytes(path: Path) -> Any:
         if path.name == "gpt_callsite_rank1.json":
             raise MemoryError
-        return real(path, check_frame_ids)
+        return real(path)
 
-    monkeypatch.setattr(combined, "load_trace", load_trace)
+    monkeypatch.setattr(combined, "read_bytes", read_bytes)
     run = opguard("run", *sample_inputs(samples, "gpt", "fsdp"), "--jobs", "1")
     assert run.exit_code == 1
     [(stage, entry, error)] = failed_stages(summary_of(run))

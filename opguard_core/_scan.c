@@ -1,0 +1,730 @@
+/* The combine's per-callsite hot path in C (performance.md, "Folding from the bytes").
+ *
+ * ``StackTable`` interns stacks (sequences of global frame ids) as dense ids, stored
+ * end to end in one array of uint32 with an open-addressing hash table over them: a
+ * stack seen before is found without building a tuple or a Python int per frame.
+ *
+ * ``scan_callsites(raw, remap, table, apis, ops)`` reads the ``callsites`` array of a
+ * rank file straight from its JSON bytes (the ``msgspec.Raw`` the header decoder left
+ * undecoded): every stack's frame ids are mapped through ``remap`` (the file's frame
+ * ids -> the accumulator's) and interned in ``table``, api and op are interned in the
+ * dicts ``apis``/``ops``, and it returns ``(keys, counts, total)``: one key
+ * ``(stack id, api, op, stream)`` and one count per callsite, in file order, and the
+ * sum of the counts. It accepts only the plain shape a tracer writes (the keys
+ * ``stack``, ``api``, ``op``, ``stream``, ``count``, each at most once; strings without
+ * escapes; ids within ``remap``; small integers) and returns None for anything else,
+ * without raising: the caller then decodes the file with msgspec (the reference path),
+ * which explains any error. A None may leave stacks interned that no key refers to;
+ * nothing else is touched before success.
+ *
+ * The pure-Python StackTable (opguard_core/stack_table.py) is the reference for the
+ * table; CPython >= 3.11; the package works without this module.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <string.h>
+
+/* ---------------------------------------------------------------- StackTable */
+
+typedef struct {
+    PyObject_HEAD
+    uint32_t *flat;      /* every stack's frame ids, end to end */
+    size_t flat_len, flat_cap;
+    uint64_t *starts;    /* stack i is flat[starts[i] : starts[i + 1]] */
+    uint64_t *hashes;    /* hash of stack i */
+    size_t count, cap;   /* stacks held; room in starts (cap + 1) and hashes */
+    uint32_t *slots;     /* hash table: stack id + 1, 0 when empty */
+    size_t mask;         /* number of slots - 1 (a power of two) */
+} StackTable;
+
+static uint64_t
+hash_ids(const uint32_t *ids, size_t n)
+{
+    uint64_t h = 0x9E3779B97F4A7C15ULL ^ n;
+    for (size_t i = 0; i < n; i++) {
+        h = (h ^ ids[i]) * 0xFF51AFD7ED558CCDULL;
+        h ^= h >> 29;
+    }
+    return h;
+}
+
+static int
+table_grow_slots(StackTable *t)
+{
+    size_t size = (t->mask + 1) * 2;
+    uint32_t *slots = PyMem_Calloc(size, sizeof(uint32_t));
+    if (slots == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    for (size_t id = 0; id < t->count; id++) {
+        size_t at = (size_t)t->hashes[id] & (size - 1);
+        while (slots[at])
+            at = (at + 1) & (size - 1);
+        slots[at] = (uint32_t)(id + 1);
+    }
+    PyMem_Free(t->slots);
+    t->slots = slots;
+    t->mask = size - 1;
+    return 0;
+}
+
+/* The id of ``ids[:n]``, interned if new; -1 with an exception set on failure. */
+static Py_ssize_t
+table_intern(StackTable *t, const uint32_t *ids, size_t n)
+{
+    uint64_t h = hash_ids(ids, n);
+    size_t at = (size_t)h & t->mask;
+    uint32_t slot;
+    while ((slot = t->slots[at]) != 0) {
+        size_t id = slot - 1;
+        uint64_t start = t->starts[id];
+        if (t->hashes[id] == h && t->starts[id + 1] - start == n &&
+            memcmp(t->flat + start, ids, n * sizeof(uint32_t)) == 0)
+            return (Py_ssize_t)id;
+        at = (at + 1) & t->mask;
+    }
+    if (t->count >= UINT32_MAX - 1) {
+        PyErr_SetString(PyExc_OverflowError, "too many distinct stacks");
+        return -1;
+    }
+    if (t->count == t->cap) {
+        size_t cap = t->cap ? t->cap * 2 : 1024;
+        uint64_t *starts = PyMem_Realloc(t->starts, (cap + 1) * sizeof(uint64_t));
+        if (starts == NULL) {
+            PyErr_NoMemory();
+            return -1;
+        }
+        t->starts = starts;
+        uint64_t *hashes = PyMem_Realloc(t->hashes, cap * sizeof(uint64_t));
+        if (hashes == NULL) {
+            PyErr_NoMemory();
+            return -1;
+        }
+        t->hashes = hashes;
+        t->cap = cap;
+    }
+    if (t->flat_len + n > t->flat_cap) {
+        size_t cap = t->flat_cap ? t->flat_cap * 2 : 16384;
+        while (cap < t->flat_len + n)
+            cap *= 2;
+        uint32_t *flat = PyMem_Realloc(t->flat, cap * sizeof(uint32_t));
+        if (flat == NULL) {
+            PyErr_NoMemory();
+            return -1;
+        }
+        t->flat = flat;
+        t->flat_cap = cap;
+    }
+    size_t id = t->count;
+    if (n)
+        memcpy(t->flat + t->flat_len, ids, n * sizeof(uint32_t));
+    t->flat_len += n;
+    t->hashes[id] = h;
+    t->starts[id + 1] = t->flat_len;
+    t->count++;
+    t->slots[at] = (uint32_t)(id + 1);
+    if (t->count * 2 > t->mask + 1 && table_grow_slots(t) < 0) {
+        t->count--; /* keep the table consistent: forget the stack just added */
+        t->flat_len -= n;
+        return -1;
+    }
+    return (Py_ssize_t)id;
+}
+
+static StackTable *
+table_alloc(PyTypeObject *type)
+{
+    StackTable *t = (StackTable *)type->tp_alloc(type, 0);
+    if (t == NULL)
+        return NULL;
+    t->starts = PyMem_Calloc(1, sizeof(uint64_t));
+    t->slots = PyMem_Calloc(1024, sizeof(uint32_t));
+    if (t->starts == NULL || t->slots == NULL) {
+        Py_DECREF(t);
+        PyErr_NoMemory();
+        return NULL;
+    }
+    t->mask = 1023;
+    return t;
+}
+
+static PyObject *
+table_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
+{
+    if (PyTuple_GET_SIZE(args) || (kwds != NULL && PyDict_GET_SIZE(kwds))) {
+        PyErr_SetString(PyExc_TypeError, "StackTable() takes no arguments");
+        return NULL;
+    }
+    return (PyObject *)table_alloc(type);
+}
+
+static void
+table_dealloc(StackTable *t)
+{
+    PyMem_Free(t->flat);
+    PyMem_Free(t->starts);
+    PyMem_Free(t->hashes);
+    PyMem_Free(t->slots);
+    Py_TYPE(t)->tp_free((PyObject *)t);
+}
+
+static Py_ssize_t
+table_len(StackTable *t)
+{
+    return (Py_ssize_t)t->count;
+}
+
+static PyObject *
+table_item(StackTable *t, Py_ssize_t id)
+{
+    if (id < 0 || (size_t)id >= t->count) {
+        PyErr_SetString(PyExc_IndexError, "stack id out of range");
+        return NULL;
+    }
+    uint64_t start = t->starts[id], n = t->starts[id + 1] - start;
+    PyObject *stack = PyTuple_New((Py_ssize_t)n);
+    if (stack == NULL)
+        return NULL;
+    for (uint64_t i = 0; i < n; i++) {
+        PyObject *value = PyLong_FromUnsignedLong(t->flat[start + i]);
+        if (value == NULL) {
+            Py_DECREF(stack);
+            return NULL;
+        }
+        PyTuple_SET_ITEM(stack, (Py_ssize_t)i, value);
+    }
+    return stack;
+}
+
+/* Frame ids of a Python sequence of ints into ``*buffer`` (grown as needed). */
+static Py_ssize_t
+ids_from_sequence(PyObject *seq, uint32_t **buffer, size_t *cap)
+{
+    PyObject *fast = PySequence_Fast(seq, "a stack must be a sequence of frame ids");
+    if (fast == NULL)
+        return -1;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
+    if ((size_t)n > *cap) {
+        uint32_t *grown = PyMem_Realloc(*buffer, (size_t)n * sizeof(uint32_t));
+        if (grown == NULL) {
+            Py_DECREF(fast);
+            PyErr_NoMemory();
+            return -1;
+        }
+        *buffer = grown;
+        *cap = (size_t)n;
+    }
+    PyObject **items = PySequence_Fast_ITEMS(fast);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        unsigned long value = PyLong_AsUnsignedLong(items[i]);
+        if (value == (unsigned long)-1 && PyErr_Occurred()) {
+            Py_DECREF(fast);
+            return -1;
+        }
+        if (value > UINT32_MAX) {
+            Py_DECREF(fast);
+            PyErr_SetString(PyExc_OverflowError, "frame id too large");
+            return -1;
+        }
+        (*buffer)[i] = (uint32_t)value;
+    }
+    Py_DECREF(fast);
+    return n;
+}
+
+static PyObject *
+table_intern_py(StackTable *t, PyObject *stack)
+{
+    uint32_t *buffer = NULL;
+    size_t cap = 0;
+    Py_ssize_t n = ids_from_sequence(stack, &buffer, &cap);
+    if (n < 0) {
+        PyMem_Free(buffer);
+        return NULL;
+    }
+    Py_ssize_t id = table_intern(t, buffer, (size_t)n);
+    PyMem_Free(buffer);
+    return id < 0 ? NULL : PyLong_FromSsize_t(id);
+}
+
+/* absorb(other, remap): intern every stack of ``other`` with each frame id i replaced
+ * by remap[i] (kept when remap is None); return the new ids as a list, by old id. */
+static PyObject *
+table_absorb(StackTable *t, PyObject *args)
+{
+    StackTable *other;
+    PyObject *remap_obj;
+    if (!PyArg_ParseTuple(args, "O!O", Py_TYPE(t), &other, &remap_obj))
+        return NULL;
+    uint32_t *remap = NULL, *buffer = NULL;
+    size_t remap_len = 0, cap = 0;
+    PyObject *result = NULL;
+    if (remap_obj != Py_None) {
+        Py_ssize_t n = ids_from_sequence(remap_obj, &remap, &remap_len);
+        if (n < 0)
+            goto done;
+        remap_len = (size_t)n;
+    }
+    result = PyList_New((Py_ssize_t)other->count);
+    if (result == NULL)
+        goto done;
+    for (size_t id = 0; id < other->count; id++) {
+        uint64_t start = other->starts[id], n = other->starts[id + 1] - start;
+        const uint32_t *ids = other->flat + start;
+        if (remap != NULL) {
+            if (n > cap) {
+                uint32_t *grown = PyMem_Realloc(buffer, n * sizeof(uint32_t));
+                if (grown == NULL) {
+                    PyErr_NoMemory();
+                    Py_CLEAR(result);
+                    goto done;
+                }
+                buffer = grown;
+                cap = n;
+            }
+            for (uint64_t i = 0; i < n; i++) {
+                if (other->flat[start + i] >= remap_len) {
+                    PyErr_SetString(PyExc_IndexError, "frame id out of range of remap");
+                    Py_CLEAR(result);
+                    goto done;
+                }
+                buffer[i] = remap[other->flat[start + i]];
+            }
+            ids = buffer;
+        }
+        Py_ssize_t new_id = table_intern(t, ids, n);
+        PyObject *value = new_id < 0 ? NULL : PyLong_FromSsize_t(new_id);
+        if (value == NULL) {
+            Py_CLEAR(result);
+            goto done;
+        }
+        PyList_SET_ITEM(result, (Py_ssize_t)id, value);
+    }
+done:
+    PyMem_Free(remap);
+    PyMem_Free(buffer);
+    return result;
+}
+
+/* Pickled as (flat ids, lengths), both native uint32 bytes, rebuilt by ``from_flat``. */
+static PyObject *
+table_flat(StackTable *t, PyObject *Py_UNUSED(ignored))
+{
+    PyObject *lengths = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)(t->count * sizeof(uint32_t)));
+    if (lengths == NULL)
+        return NULL;
+    uint32_t *out = (uint32_t *)PyBytes_AS_STRING(lengths);
+    for (size_t id = 0; id < t->count; id++)
+        out[id] = (uint32_t)(t->starts[id + 1] - t->starts[id]);
+    PyObject *flat = PyBytes_FromStringAndSize((const char *)t->flat,
+                                               (Py_ssize_t)(t->flat_len * sizeof(uint32_t)));
+    if (flat == NULL) {
+        Py_DECREF(lengths);
+        return NULL;
+    }
+    return Py_BuildValue("(NN)", flat, lengths);
+}
+
+static PyObject *table_from_flat(PyObject *cls, PyObject *args);
+
+static PyObject *
+table_reduce(StackTable *t, PyObject *Py_UNUSED(ignored))
+{
+    PyObject *flat = table_flat(t, NULL);
+    if (flat == NULL)
+        return NULL;
+    PyObject *builder = PyObject_GetAttrString((PyObject *)Py_TYPE(t), "from_flat");
+    if (builder == NULL) {
+        Py_DECREF(flat);
+        return NULL;
+    }
+    return Py_BuildValue("(NN)", builder, flat);
+}
+
+static PyMethodDef table_methods[] = {
+    {"intern", (PyCFunction)table_intern_py, METH_O,
+     "intern(stack) -> id: the id of a sequence of frame ids, added if new."},
+    {"absorb", (PyCFunction)table_absorb, METH_VARARGS,
+     "absorb(other, remap) -> list: intern other's stacks (frame ids through remap, "
+     "unless None); their new ids, by old id."},
+    {"flat", (PyCFunction)table_flat, METH_NOARGS,
+     "flat() -> (ids, lengths): every stack end to end and their lengths, uint32 bytes."},
+    {"from_flat", (PyCFunction)table_from_flat, METH_VARARGS | METH_CLASS,
+     "from_flat(ids, lengths) -> StackTable: the inverse of flat()."},
+    {"__reduce__", (PyCFunction)table_reduce, METH_NOARGS, NULL},
+    {NULL, NULL, 0, NULL},
+};
+
+static PySequenceMethods table_as_sequence = {
+    .sq_length = (lenfunc)table_len,
+    .sq_item = (ssizeargfunc)table_item,
+};
+
+static PyTypeObject StackTableType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "opguard_core._scan.StackTable",
+    .tp_basicsize = sizeof(StackTable),
+    .tp_dealloc = (destructor)table_dealloc,
+    .tp_as_sequence = &table_as_sequence,
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "Stacks (sequences of frame ids) interned as dense ids.",
+    .tp_methods = table_methods,
+    .tp_new = table_new,
+};
+
+static PyObject *
+table_from_flat(PyObject *cls, PyObject *args)
+{
+    Py_buffer flat, lengths;
+    if (!PyArg_ParseTuple(args, "y*y*", &flat, &lengths))
+        return NULL;
+    PyObject *result = NULL;
+    StackTable *t = NULL;
+    if (flat.len % sizeof(uint32_t) || lengths.len % sizeof(uint32_t)) {
+        PyErr_SetString(PyExc_ValueError, "StackTable.from_flat: not uint32 arrays");
+        goto done;
+    }
+    t = table_alloc((PyTypeObject *)cls);
+    if (t == NULL)
+        goto done;
+    const uint32_t *ids = flat.buf, *lens = lengths.buf;
+    size_t n_ids = (size_t)flat.len / sizeof(uint32_t), used = 0;
+    for (Py_ssize_t i = 0; i < lengths.len / (Py_ssize_t)sizeof(uint32_t); i++) {
+        if (lens[i] > n_ids - used) {
+            PyErr_SetString(PyExc_ValueError, "StackTable.from_flat: lengths exceed ids");
+            goto done;
+        }
+        if (table_intern(t, ids + used, lens[i]) != i) {
+            if (!PyErr_Occurred())
+                PyErr_SetString(PyExc_ValueError, "StackTable.from_flat: a stack twice");
+            goto done;
+        }
+        used += lens[i];
+    }
+    result = (PyObject *)t;
+    t = NULL;
+done:
+    Py_XDECREF(t);
+    PyBuffer_Release(&flat);
+    PyBuffer_Release(&lengths);
+    return result;
+}
+
+/* ------------------------------------------------------------- scan_callsites */
+
+typedef struct {
+    const char *p, *end;
+} Cursor;
+
+static inline void
+skip_ws(Cursor *c)
+{
+    while (c->p < c->end && (*c->p == ' ' || *c->p == '\n' || *c->p == '\r' || *c->p == '\t'))
+        c->p++;
+}
+
+static inline int
+expect(Cursor *c, char ch)
+{
+    skip_ws(c);
+    if (c->p < c->end && *c->p == ch) {
+        c->p++;
+        return 1;
+    }
+    return 0;
+}
+
+/* A string without escapes or control characters: [*start, *start + *len). */
+static inline int
+read_string(Cursor *c, const char **start, Py_ssize_t *len)
+{
+    skip_ws(c);
+    if (c->p >= c->end || *c->p != '"')
+        return 0;
+    const char *s = ++c->p;
+    while (c->p < c->end) {
+        unsigned char ch = (unsigned char)*c->p;
+        if (ch == '"') {
+            *start = s;
+            *len = c->p - s;
+            c->p++;
+            return 1;
+        }
+        if (ch == '\\' || ch < 0x20)
+            return 0;
+        c->p++;
+    }
+    return 0;
+}
+
+/* A JSON integer of at most 18 digits (no fraction, exponent or leading zero). */
+static inline int
+read_int(Cursor *c, int allow_negative, int64_t *out)
+{
+    skip_ws(c);
+    int negative = 0;
+    if (allow_negative && c->p < c->end && *c->p == '-') {
+        negative = 1;
+        c->p++;
+    }
+    const char *s = c->p;
+    int64_t value = 0;
+    while (c->p < c->end && *c->p >= '0' && *c->p <= '9') {
+        value = value * 10 + (*c->p - '0');
+        c->p++;
+    }
+    Py_ssize_t digits = c->p - s;
+    if (digits == 0 || digits > 18 || (digits > 1 && *s == '0'))
+        return 0;
+    if (c->p < c->end && (*c->p == '.' || *c->p == 'e' || *c->p == 'E'))
+        return 0;
+    *out = negative ? -value : value;
+    return 1;
+}
+
+#define CACHE_SIZE 256
+
+typedef struct {
+    const char *bytes; /* into the scanned buffer */
+    Py_ssize_t len;
+    PyObject *value;   /* borrowed from the intern dict */
+} CacheEntry;
+
+/* The interned str of bytes [s, s + n): a small cache by content, then the dict. */
+static PyObject *
+intern_string(CacheEntry *cache, PyObject *table, const char *s, Py_ssize_t n)
+{
+    uint64_t h = 1469598103934665603ULL;
+    for (Py_ssize_t i = 0; i < n; i++)
+        h = (h ^ (unsigned char)s[i]) * 1099511628211ULL;
+    CacheEntry *entry = &cache[(h ^ (h >> 32)) & (CACHE_SIZE - 1)];
+    if (entry->value != NULL && entry->len == n && memcmp(entry->bytes, s, (size_t)n) == 0)
+        return entry->value;
+    PyObject *text = PyUnicode_DecodeUTF8(s, n, NULL);
+    if (text == NULL)
+        return NULL;
+    PyObject *interned = PyDict_SetDefault(table, text, text);
+    Py_DECREF(text);
+    if (interned == NULL)
+        return NULL;
+    entry->bytes = s;
+    entry->len = n;
+    entry->value = interned;
+    return interned;
+}
+
+enum { HAS_STACK = 1, HAS_API = 2, HAS_OP = 4, HAS_STREAM = 8, HAS_COUNT = 16 };
+
+static PyObject *
+scan_callsites(PyObject *module, PyObject *args)
+{
+    Py_buffer data, remap_buf;
+    StackTable *table;
+    PyObject *apis, *ops;
+    if (!PyArg_ParseTuple(args, "y*y*O!O!O!", &data, &remap_buf, &StackTableType, &table,
+                          &PyDict_Type, &apis, &PyDict_Type, &ops))
+        return NULL;
+    const uint32_t *remap = remap_buf.buf;
+    size_t n_frames = (size_t)remap_buf.len / sizeof(uint32_t);
+    CacheEntry api_cache[CACHE_SIZE] = {{0}}, op_cache[CACHE_SIZE] = {{0}};
+    uint32_t *ids = NULL;
+    size_t ids_cap = 0;
+    int64_t total = 0;
+    PyObject *keys = PyList_New(0), *counts = PyList_New(0), *result = NULL;
+    Cursor c = {data.buf, (const char *)data.buf + data.len};
+    if (keys == NULL || counts == NULL)
+        goto fail;
+    if (!expect(&c, '['))
+        goto fallback;
+    skip_ws(&c);
+    if (c.p < c.end && *c.p == ']') {
+        c.p++;
+        goto finish;
+    }
+    for (;;) {
+        if (!expect(&c, '{'))
+            goto fallback;
+        int seen = 0;
+        size_t n_ids = 0;
+        PyObject *api = Py_None, *op = NULL;
+        int64_t stream = 0, count = 0;
+        skip_ws(&c);
+        if (c.p < c.end && *c.p == '}') {
+            goto fallback; /* no op, stack or count */
+        }
+        for (;;) {
+            const char *key;
+            Py_ssize_t key_len;
+            if (!read_string(&c, &key, &key_len) || !expect(&c, ':'))
+                goto fallback;
+            int field = 0;
+            if (key_len == 5 && memcmp(key, "stack", 5) == 0)
+                field = HAS_STACK;
+            else if (key_len == 3 && memcmp(key, "api", 3) == 0)
+                field = HAS_API;
+            else if (key_len == 2 && memcmp(key, "op", 2) == 0)
+                field = HAS_OP;
+            else if (key_len == 6 && memcmp(key, "stream", 6) == 0)
+                field = HAS_STREAM;
+            else if (key_len == 5 && memcmp(key, "count", 5) == 0)
+                field = HAS_COUNT;
+            if (field == 0 || (seen & field))
+                goto fallback; /* another field, or one twice: msgspec decides */
+            seen |= field;
+            if (field == HAS_STACK) {
+                if (!expect(&c, '['))
+                    goto fallback;
+                skip_ws(&c);
+                if (c.p < c.end && *c.p == ']') {
+                    c.p++;
+                }
+                else {
+                    for (;;) {
+                        int64_t id;
+                        if (!read_int(&c, 0, &id) || (uint64_t)id >= n_frames)
+                            goto fallback;
+                        if (n_ids == ids_cap) {
+                            size_t cap = ids_cap ? ids_cap * 2 : 256;
+                            uint32_t *grown = PyMem_Realloc(ids, cap * sizeof(uint32_t));
+                            if (grown == NULL) {
+                                PyErr_NoMemory();
+                                goto fail;
+                            }
+                            ids = grown;
+                            ids_cap = cap;
+                        }
+                        ids[n_ids++] = remap[id];
+                        skip_ws(&c);
+                        if (c.p < c.end && *c.p == ',') {
+                            c.p++;
+                            continue;
+                        }
+                        if (c.p < c.end && *c.p == ']') {
+                            c.p++;
+                            break;
+                        }
+                        goto fallback;
+                    }
+                }
+            }
+            else if (field == HAS_API || field == HAS_OP) {
+                const char *s;
+                Py_ssize_t n;
+                skip_ws(&c);
+                if (field == HAS_API && c.end - c.p >= 4 && memcmp(c.p, "null", 4) == 0) {
+                    c.p += 4;
+                    api = Py_None;
+                }
+                else {
+                    if (!read_string(&c, &s, &n))
+                        goto fallback;
+                    PyObject *text = intern_string(field == HAS_API ? api_cache : op_cache,
+                                                   field == HAS_API ? apis : ops, s, n);
+                    if (text == NULL) {
+                        if (!PyErr_ExceptionMatches(PyExc_UnicodeDecodeError))
+                            goto fail;
+                        PyErr_Clear();
+                        goto fallback;
+                    }
+                    if (field == HAS_API)
+                        api = text;
+                    else
+                        op = text;
+                }
+            }
+            else if (field == HAS_STREAM) {
+                if (!read_int(&c, 1, &stream))
+                    goto fallback;
+            }
+            else {
+                if (!read_int(&c, 0, &count) || count < 1)
+                    goto fallback;
+            }
+            skip_ws(&c);
+            if (c.p < c.end && *c.p == ',') {
+                c.p++;
+                continue;
+            }
+            if (c.p < c.end && *c.p == '}') {
+                c.p++;
+                break;
+            }
+            goto fallback;
+        }
+        if (!(seen & HAS_STACK) || !(seen & HAS_OP) || !(seen & HAS_COUNT))
+            goto fallback;
+        if (total > INT64_MAX - count)
+            goto fallback; /* msgspec's path reports the sum */
+        total += count;
+        Py_ssize_t id = table_intern(table, ids, n_ids);
+        if (id < 0)
+            goto fail;
+        PyObject *key = Py_BuildValue("(nOOL)", id, api, op, (long long)stream);
+        if (key == NULL)
+            goto fail;
+        int failed = PyList_Append(keys, key);
+        Py_DECREF(key);
+        PyObject *number = failed ? NULL : PyLong_FromLongLong(count);
+        if (number == NULL)
+            goto fail;
+        failed = PyList_Append(counts, number);
+        Py_DECREF(number);
+        if (failed)
+            goto fail;
+        skip_ws(&c);
+        if (c.p < c.end && *c.p == ',') {
+            c.p++;
+            continue;
+        }
+        if (expect(&c, ']'))
+            break;
+        goto fallback;
+    }
+finish:
+    skip_ws(&c);
+    if (c.p != c.end)
+        goto fallback;
+    result = Py_BuildValue("(OOL)", keys, counts, (long long)total);
+    goto fail; /* not a failure: the shared clean-up */
+fallback:
+    result = Py_NewRef(Py_None);
+fail:
+    Py_XDECREF(keys);
+    Py_XDECREF(counts);
+    PyMem_Free(ids);
+    PyBuffer_Release(&data);
+    PyBuffer_Release(&remap_buf);
+    return result;
+}
+
+static PyMethodDef module_methods[] = {
+    {"scan_callsites", scan_callsites, METH_VARARGS,
+     "scan_callsites(raw, remap, table, apis, ops) -> (keys, counts, total) or None."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef scan_module = {
+    PyModuleDef_HEAD_INIT,
+    .m_name = "opguard_core._scan",
+    .m_doc = "The combine's per-callsite hot path: stacks interned and callsites read "
+             "straight from a rank file's bytes.",
+    .m_size = -1,
+    .m_methods = module_methods,
+};
+
+PyMODINIT_FUNC
+PyInit__scan(void)
+{
+    if (PyType_Ready(&StackTableType) < 0)
+        return NULL;
+    PyObject *module = PyModule_Create(&scan_module);
+    if (module == NULL)
+        return NULL;
+    if (PyModule_AddObjectRef(module, "StackTable", (PyObject *)&StackTableType) < 0) {
+        Py_DECREF(module);
+        return NULL;
+    }
+    return module;
+}

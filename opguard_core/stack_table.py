@@ -1,0 +1,115 @@
+"""Stacks interned as dense ids, and the scanner that reads callsites from bytes.
+
+A combine keys its callsites by (stack id, api, op, stream) instead of by the stack's
+tuple of frame ids: the tuple is hashed and compared once per distinct stack, not
+once per callsite per rank, and a partial result travels with each stack once.
+
+:class:`PyStackTable` is the reference implementation. The C extension
+``opguard_core._scan`` (built by ``setup.py`` where a compiler is found) provides
+the same table and ``scan_callsites``, which reads a rank file's ``callsites`` array
+straight from its JSON bytes into keys (performance.md, "Folding from the bytes").
+``OPGUARD_COMBINE_SCAN=python`` forces the Python path, which decodes every file
+with msgspec as before.
+"""
+
+from __future__ import annotations
+
+import array
+import os
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+
+class StackTableLike(Protocol):
+    """What the accumulator needs of a stack table (both implementations have it)."""
+
+    def intern(self, stack: Sequence[int]) -> int: ...
+
+    def absorb(self, other: Any, remap: Sequence[int] | None) -> list[int]: ...
+
+    def flat(self) -> tuple[bytes, bytes]: ...
+
+    def __getitem__(self, index: int) -> tuple[int, ...]: ...
+
+    def __len__(self) -> int: ...
+
+
+class PyStackTable:
+    """Stacks interned as dense ids (0, 1, ...) in the order first seen."""
+
+    def __init__(self) -> None:
+        self.ids: dict[tuple[int, ...], int] = {}
+        self.stacks: list[tuple[int, ...]] = []
+
+    def intern(self, stack: Sequence[int]) -> int:
+        """The id of ``stack``, added if new."""
+        key = tuple(stack)
+        index = self.ids.get(key)
+        if index is None:
+            index = self.ids[key] = len(self.stacks)
+            self.stacks.append(key)
+        return index
+
+    def absorb(self, other: Any, remap: Sequence[int] | None) -> list[int]:
+        """Intern every stack of ``other`` (frame id ``i`` becoming ``remap[i]``, kept
+        when ``remap`` is None); the new ids, by ``other``'s id."""
+        if remap is None:
+            return [self.intern(other[index]) for index in range(len(other))]
+        table = list(remap)
+        return [
+            self.intern([table[frame] for frame in other[index]]) for index in range(len(other))
+        ]
+
+    def flat(self) -> tuple[bytes, bytes]:
+        """Every stack's frame ids end to end, and the stacks' lengths (uint32 bytes)."""
+        ids = array.array("I")
+        for stack in self.stacks:
+            ids.extend(stack)
+        return ids.tobytes(), array.array("I", map(len, self.stacks)).tobytes()
+
+    @classmethod
+    def from_flat(cls, ids: bytes, lengths: bytes) -> PyStackTable:
+        """The inverse of :meth:`flat`."""
+        table = cls()
+        flat = array.array("I")
+        flat.frombytes(ids)
+        sizes = array.array("I")
+        sizes.frombytes(lengths)
+        start = 0
+        for size in sizes:
+            table.intern(flat[start : start + size])
+            start += size
+        return table
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self).from_flat, self.flat())
+
+    def __getitem__(self, index: int) -> tuple[int, ...]:
+        return self.stacks[index]
+
+    def __len__(self) -> int:
+        return len(self.stacks)
+
+
+#: (raw callsites, remap, table, apis, ops) -> (keys, counts, total) or None
+Scanner = Callable[[Any, bytes, Any, dict[Any, Any], dict[Any, Any]], Any]
+
+
+def _implementation() -> tuple[type, Scanner | None]:
+    if os.environ.get("OPGUARD_COMBINE_SCAN") == "python":
+        return PyStackTable, None
+    try:
+        from opguard_core._scan import StackTable, scan_callsites  # type: ignore[import-not-found,unused-ignore]
+    except ImportError:
+        return PyStackTable, None
+    return StackTable, scan_callsites
+
+
+#: the table the accumulator uses, and the scanner (None: decode with msgspec)
+StackTable, scan_callsites = _implementation()
+
+
+def new_table() -> StackTableLike:
+    """An empty stack table of the implementation in use."""
+    table: StackTableLike = StackTable()
+    return table

@@ -1,0 +1,218 @@
+"""The combine's C scanner (``opguard_core._scan``) against msgspec's path.
+
+``scan_callsites`` reads a rank file's callsites straight from the bytes and declines
+(None) anything but the plain shape; msgspec's path is the reference. For any document,
+well formed or not, the accumulator must end the same (same combined bytes) or refuse
+the file with the same one-line error, whichever path read it. The stack tables (C
+and Python) must agree on every operation. Skipped where the extension was not built,
+unless ``OPGUARD_REQUIRE_C_SCAN=1`` (set by .ci/run) makes that a failure.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from strategies import trace_documents
+
+from opguard_core import combined, stack_table
+from opguard_core.combined import TraceAccumulator
+from opguard_core.errors import InputError
+from opguard_core.stack_table import PyStackTable
+
+REPO = Path(__file__).resolve().parent.parent
+try:
+    from opguard_core._scan import StackTable as CStackTable  # type: ignore[import-not-found]
+except ImportError:
+    CStackTable = None
+
+needs_c = pytest.mark.skipif(CStackTable is None, reason="opguard_core._scan was not built")
+TABLES = [PyStackTable, pytest.param(CStackTable, marks=needs_c, id="c")]
+
+
+def test_the_c_scanner_is_built_where_required() -> None:
+    if os.environ.get("OPGUARD_REQUIRE_C_SCAN") != "1":
+        pytest.skip("OPGUARD_REQUIRE_C_SCAN is not set")
+    assert CStackTable is not None, "opguard_core._scan did not build"
+    assert stack_table.scan_callsites is not None, "the scanner is built but not in use"
+
+
+@pytest.mark.parametrize("table_type", TABLES)
+def test_stack_tables_intern_absorb_and_pickle(table_type: Any) -> None:
+    table = table_type()
+    stacks = [(3, 1, 2), (), (7,), (3, 1, 2, 0), (3, 1), (2**32 - 1,)]
+    ids = [table.intern(stack) for stack in stacks]
+    assert ids == list(range(len(stacks)))
+    assert [table.intern(list(stack)) for stack in stacks] == ids  # any sequence, same id
+    assert len(table) == len(stacks)
+    assert [table[i] for i in ids] == stacks
+    with pytest.raises(IndexError):
+        table[len(stacks)]
+    copy = pickle.loads(pickle.dumps(table))
+    assert type(copy) is type(table) and [copy[i] for i in ids] == stacks
+    assert table_type.from_flat(*table.flat())[3] == (3, 1, 2, 0)
+    other = table_type()
+    other.intern((1, 0))
+    assert other.absorb(table, None) == [1, 2, 3, 4, 5, 6]
+    remapped = table_type()
+    with pytest.raises(IndexError):  # a frame id the remap does not cover
+        remapped.absorb(other, [5, 4, 3, 2, 1, 0, 9, 9])
+    assert remapped.absorb(
+        table_type.from_flat(*other.flat()[:1], other.flat()[1][:20]), [5, 4, 3, 2, 1, 0, 9, 9]
+    ) == [0, 1, 2, 3, 4]
+    assert remapped[0] == (4, 5) and remapped[1] == (2, 4, 3)
+
+
+@needs_c
+def test_c_table_grows_past_its_first_sizes() -> None:
+    c, py = CStackTable(), PyStackTable()
+    for n in range(5000):
+        stack = (*range(n % 300), n)
+        assert c.intern(stack) == py.intern(stack)
+    assert c.flat() == py.flat()
+    assert c.intern((*range(299), 299)) == 299
+
+
+# ------------------------------------------------------------------ the scanner
+
+WHITESPACE = st.sampled_from(["", " ", "\n", "\t", "\r\n", "  "])
+
+
+@st.composite
+def written(draw: st.DrawFn, doc: dict[str, Any]) -> bytes:
+    """``doc`` as JSON with its callsites written by hand: random whitespace, key order,
+    an explicit ``"api": null`` or ``"stream": 0``, and sometimes one fault."""
+    ws = lambda: draw(WHITESPACE)  # noqa: E731
+    sites = []
+    for site in doc["callsites"]:
+        fields = dict(site)
+        if "api" not in fields and draw(st.booleans()):
+            fields["api"] = None
+        items = [
+            (key, json.dumps(value, separators=(",", ws() + ":" + ws())))
+            for key, value in fields.items()
+        ]
+        items = draw(st.permutations(items))
+        body = ("," + ws()).join(f'{ws()}"{key}"{ws()}:{ws()}{value}{ws()}' for key, value in items)
+        sites.append("{" + body + "}")
+    callsites = "[" + ws() + ("," + ws()).join(sites) + ws() + "]"
+    fault = draw(st.sampled_from([None] * 6 + list(FAULTS)))
+    if fault is not None and sites:
+        callsites = FAULTS[fault](callsites)
+    head = {k: v for k, v in doc.items() if k != "callsites"}
+    text = json.dumps(head)[:-1] + ', "callsites"' + ws() + ":" + ws() + callsites + ws() + "}"
+    return text.encode("utf-8", "surrogatepass")
+
+
+def _first(old: str, new: str) -> Any:
+    return lambda text: text.replace(old, new, 1)
+
+
+FAULTS: dict[str, Any] = {
+    "escaped op": _first('"aten::', '"aten\\u003a:'),
+    "escaped quote in op": _first('"aten::', '"aten\\"::'),
+    "unknown key": _first("{", '{"extra": [1, {"a": null}],'),
+    "duplicate key": _first("{", '{"count": 3,'),
+    "negative id": _first('"stack":[', '"stack":[-1,'),
+    "float count": lambda t: t.replace('"count":', '"count": 2.0, "x":', 1),
+    "leading zero": _first('"stack":[', '"stack":[00,'),
+    "id out of range": _first('"stack":[', '"stack":[999999,'),
+    "count zero": _first('"count":', '"count": 0, "c":'),
+    "huge int": _first('"stack":[', '"stack":[123456789012345678901234567890,'),
+    "missing op": lambda t: t.replace('"op"', '"operator"', 1),
+    "trailing comma": lambda t: t[:-1] + ",]",
+    "control character": _first('"aten::', '"aten\t::'),
+    "bad utf-8": _first('"aten::', '"aten\udcff::'),
+    "nested op": _first('"aten::', '["aten::"], "o": "'),
+    "string id": _first('"stack":[', '"stack":["1",'),
+    "api not a string": _first('"op":', '"api": 5, "op":'),
+    "negative stream": lambda t: t.replace('"op":', '"stream": -3, "op":', 1),
+    "stream exponent": lambda t: t.replace('"op":', '"stream": 1e2, "op":', 1),
+    "true count": _first('"count":', '"count": true, "c":'),
+    "ranks": lambda t: t.replace('"op":', '"ranks": [0], "op":', 1),
+}
+
+
+def _outcome(path: Path, scanner: Any) -> bytes | str:
+    """Combine ``path`` and another rank's file with ``scanner`` (None: msgspec's path
+    and the Python stack table; else the C table)."""
+    original = combined.scan_callsites, combined.new_table
+    combined.scan_callsites = scanner
+    combined.new_table = PyStackTable if scanner is None else CStackTable
+    try:
+        accumulator = TraceAccumulator()
+        accumulator.add_file(path)
+        accumulator.add_file(path.with_name("other_rank5.json"))
+        return accumulator.result().to_json()
+    except InputError as exc:
+        return str(exc)
+    finally:
+        combined.scan_callsites, combined.new_table = original
+
+
+@needs_c
+@settings(
+    max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(data=st.data())
+def test_the_scanner_ends_where_msgspec_does(tmp_path_factory: Any, data: Any) -> None:
+    doc = data.draw(trace_documents(ranks=[data.draw(st.integers(0, 4))]))
+    raw = data.draw(written(doc))
+    directory = tmp_path_factory.mktemp("scan")
+    path = directory / "doc_rank1.json"
+    path.write_bytes(raw)
+    other = data.draw(trace_documents(ranks=[5]))
+    (directory / "other_rank5.json").write_text(json.dumps(other))
+    from opguard_core._scan import scan_callsites
+
+    assert _outcome(path, scan_callsites) == _outcome(path, None)
+
+
+@needs_c
+def test_the_scanner_reads_the_plain_shape_itself() -> None:
+    """Declining is always safe; this checks that it does not decline what tracers write."""
+    from opguard_core._scan import scan_callsites
+
+    raw = (
+        b'[{"stack":[1,0],"api":"torch.mm","op":"aten::mm","stream":0,"count":3},\n'
+        b'{"stack":[],"op":"aten::view","stream":-1,"count":1}]'
+    )
+    apis: dict[Any, Any] = {}
+    ops: dict[Any, Any] = {}
+    table = CStackTable()
+    keys, counts, total = scan_callsites(
+        raw, bytes(memoryview(b"\x07\0\0\0\x09\0\0\0")), table, apis, ops
+    )
+    assert keys == [(0, "torch.mm", "aten::mm", 0), (1, None, "aten::view", -1)]
+    assert counts == [3, 1] and total == 4
+    assert table[0] == (9, 7) and table[1] == ()
+    assert keys[0][2] is ops["aten::mm"]  # interned
+
+
+def test_the_python_path_writes_the_same_run(tmp_path: Path) -> None:
+    """``OPGUARD_COMBINE_SCAN=python`` (msgspec's path) and the default write the same
+    artifacts for the bundled traces."""
+    outputs = []
+    for scan in ("python", "default"):
+        base = tmp_path / scan
+        env = {**os.environ, "OPGUARD_TRACE_OUTPUT_BASE": str(base), "OPGUARD_COMBINE_SCAN": scan}
+        traces = sorted(map(str, (REPO / "examples" / "traces").glob("*_rank*.json")))
+        command = [sys.executable, "-m", "opguard_core.cli", "run", "--input", *traces]
+        subprocess.run([*command, "--basic", "--jobs", "1"], env=env, check=True)
+        [run] = base.iterdir()
+        outputs.append(
+            {
+                path.name: path.read_bytes()
+                for path in sorted(run.iterdir())
+                if path.suffix in (".json", ".yaml", ".log") and path.stem != "pipeline_summary"
+            }
+        )
+    assert outputs[0] == outputs[1] and len(outputs[0]) >= 8
