@@ -4,21 +4,28 @@
  * end to end in one array of uint32 with an open-addressing hash table over them: a
  * stack seen before is found without building a tuple or a Python int per frame.
  *
- * ``scan_callsites(raw, remap, table, apis, ops)`` reads the ``callsites`` array of a
- * rank file straight from its JSON bytes (the ``msgspec.Raw`` the header decoder left
- * undecoded): every stack's frame ids are mapped through ``remap`` (the file's frame
- * ids -> the accumulator's) and interned in ``table``, api and op are interned in the
- * dicts ``apis``/``ops``, and it returns ``(keys, counts, total)``: one key
- * ``(stack id, api, op, stream)`` and one count per callsite, in file order, and the
- * sum of the counts. It accepts only the plain shape a tracer writes (the keys
- * ``stack``, ``api``, ``op``, ``stream``, ``count``, each at most once; strings without
- * escapes; ids within ``remap``; small integers) and returns None for anything else,
- * without raising: the caller then decodes the file with msgspec (the reference path),
- * which explains any error. A None may leave stacks interned that no key refers to;
- * nothing else is touched before success.
+ * ``find_callsites(data)`` finds where the value of a document's top-level
+ * ``callsites`` starts, skipping the members before it without decoding them, so the
+ * header can be decoded by msgspec from the bytes before it alone.
  *
- * The pure-Python StackTable (opguard_core/stack_table.py) is the reference for the
- * table; CPython >= 3.11; the package works without this module.
+ * ``scan_callsites(data, offset, closes, remap, table, apis, ops)`` reads the
+ * ``callsites`` array at ``offset`` straight from the JSON bytes (with ``closes``, the
+ * document's closing brace must follow it): every stack's frame ids are mapped through
+ * ``remap`` (the file's frame ids -> the accumulator's, uint32 bytes) and interned in
+ * ``table``, api and op are interned in the dicts ``apis``/``ops``, and it returns
+ * ``(keys, counts, total)``: one key ``(stack id, api, op, stream)`` and one count per
+ * callsite, in file order, and the sum of the counts. It accepts only the plain shape
+ * a tracer writes (the keys ``stack``, ``api``, ``op``, ``stream``, ``count``, each at
+ * most once; strings without escapes; ids within ``remap``; integers of at most 18
+ * digits) and returns None for anything else, without raising: the caller then decodes
+ * the file with msgspec (the reference path), which explains any error. A None may
+ * leave stacks interned that no key refers to; nothing else is touched.
+ *
+ * ``fold_rank(sites, keys, counts, mask, differs)`` is the one-rank loop of
+ * ``TraceAccumulator._fold_file``, which stays the reference.
+ *
+ * The pure-Python ``PyStackTable`` (opguard_core/stack_table.py) is the table's
+ * reference. CPython >= 3.11; the package works without this module.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -517,14 +524,76 @@ intern_string(CacheEntry *cache, PyObject *table, const char *s, Py_ssize_t n)
 
 enum { HAS_STACK = 1, HAS_API = 2, HAS_OP = 4, HAS_STREAM = 8, HAS_COUNT = 16 };
 
+/* Past one JSON value (not checked: the decoder checks the text around the callsites);
+ * 0 if the text ends first. Strings skip their escapes; brackets count depth. */
+static int
+skip_value(Cursor *c)
+{
+    int depth = 0;
+    skip_ws(c);
+    do {
+        if (c->p >= c->end)
+            return 0;
+        char ch = *c->p++;
+        if (ch == '"') {
+            while (c->p < c->end && *c->p != '"')
+                c->p += (*c->p == '\\') ? 2 : 1;
+            if (c->p >= c->end)
+                return 0;
+            c->p++;
+        }
+        else if (ch == '[' || ch == '{')
+            depth++;
+        else if (ch == ']' || ch == '}')
+            depth--;
+        else if (depth == 0) { /* a scalar: up to the next delimiter */
+            while (c->p < c->end && !strchr(",]} \n\r\t", *c->p))
+                c->p++;
+        }
+    } while (depth > 0);
+    return depth == 0;
+}
+
+/* find_callsites(data) -> offset or None: where the value of the top-level key
+ * "callsites" starts, the members before it skipped (not decoded). */
+static PyObject *
+find_callsites(PyObject *module, PyObject *arg)
+{
+    Py_buffer data;
+    if (PyObject_GetBuffer(arg, &data, PyBUF_SIMPLE) < 0)
+        return NULL;
+    Cursor c = {data.buf, (const char *)data.buf + data.len};
+    PyObject *result = NULL;
+    if (!expect(&c, '{'))
+        goto done;
+    for (;;) {
+        const char *key;
+        Py_ssize_t key_len;
+        if (!read_string(&c, &key, &key_len) || !expect(&c, ':'))
+            goto done;
+        skip_ws(&c);
+        if (key_len == 9 && memcmp(key, "callsites", 9) == 0) {
+            result = PyLong_FromSsize_t(c.p - (const char *)data.buf);
+            goto done;
+        }
+        if (!skip_value(&c) || !expect(&c, ','))
+            goto done;
+    }
+done:
+    PyBuffer_Release(&data);
+    return result == NULL && !PyErr_Occurred() ? Py_NewRef(Py_None) : result;
+}
+
 static PyObject *
 scan_callsites(PyObject *module, PyObject *args)
 {
     Py_buffer data, remap_buf;
+    Py_ssize_t offset;
+    int closes;
     StackTable *table;
     PyObject *apis, *ops;
-    if (!PyArg_ParseTuple(args, "y*y*O!O!O!", &data, &remap_buf, &StackTableType, &table,
-                          &PyDict_Type, &apis, &PyDict_Type, &ops))
+    if (!PyArg_ParseTuple(args, "y*npy*O!O!O!", &data, &offset, &closes, &remap_buf,
+                          &StackTableType, &table, &PyDict_Type, &apis, &PyDict_Type, &ops))
         return NULL;
     const uint32_t *remap = remap_buf.buf;
     size_t n_frames = (size_t)remap_buf.len / sizeof(uint32_t);
@@ -533,9 +602,11 @@ scan_callsites(PyObject *module, PyObject *args)
     size_t ids_cap = 0;
     int64_t total = 0;
     PyObject *keys = PyList_New(0), *counts = PyList_New(0), *result = NULL;
-    Cursor c = {data.buf, (const char *)data.buf + data.len};
+    Cursor c = {(const char *)data.buf + offset, (const char *)data.buf + data.len};
     if (keys == NULL || counts == NULL)
         goto fail;
+    if (offset < 0 || offset > data.len)
+        goto fallback;
     if (!expect(&c, '['))
         goto fallback;
     skip_ws(&c);
@@ -661,12 +732,26 @@ scan_callsites(PyObject *module, PyObject *args)
         Py_ssize_t id = table_intern(table, ids, n_ids);
         if (id < 0)
             goto fail;
-        PyObject *key = Py_BuildValue("(nOOL)", id, api, op, (long long)stream);
+        PyObject *key = PyTuple_New(4);
         if (key == NULL)
             goto fail;
+        PyObject *number = PyLong_FromSsize_t(id);
+        if (number == NULL) {
+            Py_DECREF(key);
+            goto fail;
+        }
+        PyTuple_SET_ITEM(key, 0, number);
+        PyTuple_SET_ITEM(key, 1, Py_NewRef(api));
+        PyTuple_SET_ITEM(key, 2, Py_NewRef(op));
+        number = PyLong_FromLongLong(stream);
+        if (number == NULL) {
+            Py_DECREF(key);
+            goto fail;
+        }
+        PyTuple_SET_ITEM(key, 3, number);
         int failed = PyList_Append(keys, key);
         Py_DECREF(key);
-        PyObject *number = failed ? NULL : PyLong_FromLongLong(count);
+        number = failed ? NULL : PyLong_FromLongLong(count);
         if (number == NULL)
             goto fail;
         failed = PyList_Append(counts, number);
@@ -683,6 +768,8 @@ scan_callsites(PyObject *module, PyObject *args)
         goto fallback;
     }
 finish:
+    if (closes && !expect(&c, '}'))
+        goto fallback;
     skip_ws(&c);
     if (c.p != c.end)
         goto fallback;
@@ -699,9 +786,107 @@ fail:
     return result;
 }
 
+
+/* ------------------------------------------------------------------ fold_rank */
+
+/* slot[index] += value (op: PyNumber_Add or PyNumber_Or); -1 on failure. */
+static int
+slot_update(PyObject *slot, Py_ssize_t index, PyObject *value, binaryfunc op)
+{
+    PyObject *updated = op(PyList_GET_ITEM(slot, index), value);
+    if (updated == NULL)
+        return -1;
+    return PyList_SetItem(slot, index, updated); /* steals updated */
+}
+
+/* fold_rank(sites, keys, counts, mask, differs) -> bool: the one-rank loop of
+ * ``TraceAccumulator._fold_file`` in C. Each key gets a new slot [count, mask, count,
+ * None, count, None, None], or, on a slot of other ranks with this count on each
+ * (min mask None, min == max == count), its count added and mask or-ed in; a slot
+ * that already has a rank of ``mask`` gets the count added (and the result is False:
+ * per-rank statistics are no longer exact); any other slot (a count that differs) is
+ * handed to the Python callable ``differs(slot, count, mask, key)``. Returns whether
+ * no rank was seen twice. */
+static PyObject *
+fold_rank(PyObject *module, PyObject *args)
+{
+    PyObject *sites, *keys, *counts, *mask, *differs;
+    if (!PyArg_ParseTuple(args, "O!O!O!OO", &PyDict_Type, &sites, &PyList_Type, &keys,
+                          &PyList_Type, &counts, &mask, &differs))
+        return NULL;
+    Py_ssize_t n = PyList_GET_SIZE(keys);
+    if (PyList_GET_SIZE(counts) != n) {
+        PyErr_SetString(PyExc_ValueError, "fold_rank: keys and counts differ in length");
+        return NULL;
+    }
+    int exact = 1;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *key = PyList_GET_ITEM(keys, i), *count = PyList_GET_ITEM(counts, i);
+        PyObject *slot = PyDict_GetItemWithError(sites, key);
+        if (slot == NULL) {
+            if (PyErr_Occurred())
+                return NULL;
+            slot = PyList_New(7);
+            if (slot == NULL)
+                return NULL;
+            PyObject *values[7] = {count, mask, count, Py_None, count, Py_None, Py_None};
+            for (int j = 0; j < 7; j++)
+                PyList_SET_ITEM(slot, j, Py_NewRef(values[j]));
+            int failed = PyDict_SetItem(sites, key, slot);
+            Py_DECREF(slot);
+            if (failed)
+                return NULL;
+            continue;
+        }
+        if (!PyList_CheckExact(slot) || PyList_GET_SIZE(slot) != 7) {
+            PyErr_SetString(PyExc_TypeError, "fold_rank: a slot is not a list of 7");
+            return NULL;
+        }
+        PyObject *overlap = PyNumber_And(PyList_GET_ITEM(slot, 1), mask);
+        if (overlap == NULL)
+            return NULL;
+        int seen = PyObject_IsTrue(overlap);
+        Py_DECREF(overlap);
+        if (seen < 0)
+            return NULL;
+        if (seen) {
+            if (slot_update(slot, 0, count, PyNumber_Add) < 0)
+                return NULL;
+            exact = 0;
+            continue;
+        }
+        int same = PyList_GET_ITEM(slot, 3) == Py_None;
+        if (same) {
+            same = PyObject_RichCompareBool(count, PyList_GET_ITEM(slot, 2), Py_EQ);
+            if (same > 0)
+                same = PyObject_RichCompareBool(count, PyList_GET_ITEM(slot, 4), Py_EQ);
+            if (same < 0)
+                return NULL;
+        }
+        if (same) {
+            if (slot_update(slot, 0, count, PyNumber_Add) < 0 ||
+                slot_update(slot, 1, mask, PyNumber_Or) < 0)
+                return NULL;
+            continue;
+        }
+        Py_INCREF(slot); /* the callable is Python code: hold what it is given */
+        PyObject *done = PyObject_CallFunctionObjArgs(differs, slot, count, mask, key, NULL);
+        Py_DECREF(slot);
+        if (done == NULL)
+            return NULL;
+        Py_DECREF(done);
+    }
+    return PyBool_FromLong(exact);
+}
+
 static PyMethodDef module_methods[] = {
+    {"find_callsites", find_callsites, METH_O,
+     "find_callsites(data) -> offset or None: where the top-level callsites value starts."},
     {"scan_callsites", scan_callsites, METH_VARARGS,
-     "scan_callsites(raw, remap, table, apis, ops) -> (keys, counts, total) or None."},
+     "scan_callsites(data, offset, closes, remap, table, apis, ops) -> (keys, counts, "
+     "total) or None."},
+    {"fold_rank", fold_rank, METH_VARARGS,
+     "fold_rank(sites, keys, counts, mask, differs) -> bool: fold one rank's callsites."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -91,22 +91,34 @@ class PyStackTable:
         return len(self.stacks)
 
 
-#: (raw callsites, remap, table, apis, ops) -> (keys, counts, total) or None
-Scanner = Callable[[Any, bytes, Any, dict[Any, Any], dict[Any, Any]], Any]
+#: (data, offset, closes, remap, table, apis, ops) -> (keys, counts, total) or None
+Scanner = Callable[..., Any]
+#: data -> offset of the top-level callsites value, or None
+Finder = Callable[[bytes], int | None]
 
 
-def _implementation() -> tuple[type, Scanner | None]:
+#: (sites, keys, counts, mask, differs) -> no rank seen twice
+Folder = Callable[[dict[Any, Any], list[Any], list[int], int, Callable[..., None]], bool]
+
+
+def _implementation() -> tuple[type, Finder | None, Scanner | None, Folder | None]:
     if os.environ.get("OPGUARD_COMBINE_SCAN") == "python":
-        return PyStackTable, None
+        return PyStackTable, None, None, None
     try:
-        from opguard_core._scan import StackTable, scan_callsites  # type: ignore[import-not-found,unused-ignore]
+        from opguard_core._scan import (  # type: ignore[import-not-found,unused-ignore]
+            StackTable,
+            find_callsites,
+            fold_rank,
+            scan_callsites,
+        )
     except ImportError:
-        return PyStackTable, None
-    return StackTable, scan_callsites
+        return PyStackTable, None, None, None
+    return StackTable, find_callsites, scan_callsites, fold_rank
 
 
-#: the table the accumulator uses, and the scanner (None: decode with msgspec)
-StackTable, scan_callsites = _implementation()
+#: the table the accumulator uses; the scanner and its finder (None: decode with
+#: msgspec); the one-rank fold (None: TraceAccumulator._fold_file's Python loop)
+StackTable, find_callsites, scan_callsites, fold_rank = _implementation()
 
 
 def new_table() -> StackTableLike:

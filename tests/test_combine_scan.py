@@ -108,7 +108,13 @@ def written(draw: st.DrawFn, doc: dict[str, Any]) -> bytes:
     if fault is not None and sites:
         callsites = FAULTS[fault](callsites)
     head = {k: v for k, v in doc.items() if k != "callsites"}
-    text = json.dumps(head)[:-1] + ', "callsites"' + ws() + ":" + ws() + callsites + ws() + "}"
+    # text the finder must skip whole: brackets, quotes and escapes inside strings
+    head["meta"]["note"] = draw(st.sampled_from(['"callsites": [', "]}", '\\"', "{[", "\\"]))
+    member = '"callsites"' + ws() + ":" + ws() + callsites + ws()
+    if draw(st.integers(0, 4)) == 0:  # not the last member: the finder's path declines
+        text = "{" + ws() + member + "," + json.dumps(head)[1:]
+    else:
+        text = json.dumps(head)[:-1] + "," + ws() + member + "}" + ws()
     return text.encode("utf-8", "surrogatepass")
 
 
@@ -144,8 +150,10 @@ FAULTS: dict[str, Any] = {
 def _outcome(path: Path, scanner: Any) -> bytes | str:
     """Combine ``path`` and another rank's file with ``scanner`` (None: msgspec's path
     and the Python stack table; else the C table)."""
-    original = combined.scan_callsites, combined.new_table
-    combined.scan_callsites = scanner
+    names = ("find_callsites", "scan_callsites", "fold_rank", "new_table")
+    original = [getattr(combined, name) for name in names]
+    for name in names[:3]:
+        setattr(combined, name, None if scanner is None else getattr(scanner, name))
     combined.new_table = PyStackTable if scanner is None else CStackTable
     try:
         accumulator = TraceAccumulator()
@@ -155,7 +163,8 @@ def _outcome(path: Path, scanner: Any) -> bytes | str:
     except InputError as exc:
         return str(exc)
     finally:
-        combined.scan_callsites, combined.new_table = original
+        for name, value in zip(names, original, strict=True):
+            setattr(combined, name, value)
 
 
 @needs_c
@@ -171,15 +180,15 @@ def test_the_scanner_ends_where_msgspec_does(tmp_path_factory: Any, data: Any) -
     path.write_bytes(raw)
     other = data.draw(trace_documents(ranks=[5]))
     (directory / "other_rank5.json").write_text(json.dumps(other))
-    from opguard_core._scan import scan_callsites
+    from opguard_core import _scan
 
-    assert _outcome(path, scan_callsites) == _outcome(path, None)
+    assert _outcome(path, _scan) == _outcome(path, None)
 
 
 @needs_c
 def test_the_scanner_reads_the_plain_shape_itself() -> None:
     """Declining is always safe; this checks that it does not decline what tracers write."""
-    from opguard_core._scan import scan_callsites
+    from opguard_core._scan import find_callsites, scan_callsites
 
     raw = (
         b'[{"stack":[1,0],"api":"torch.mm","op":"aten::mm","stream":0,"count":3},\n'
@@ -188,13 +197,27 @@ def test_the_scanner_reads_the_plain_shape_itself() -> None:
     apis: dict[Any, Any] = {}
     ops: dict[Any, Any] = {}
     table = CStackTable()
-    keys, counts, total = scan_callsites(
-        raw, bytes(memoryview(b"\x07\0\0\0\x09\0\0\0")), table, apis, ops
-    )
+    remap = bytes(memoryview(b"\x07\0\0\0\x09\0\0\0"))
+    keys, counts, total = scan_callsites(raw, 0, False, remap, table, apis, ops)
     assert keys == [(0, "torch.mm", "aten::mm", 0), (1, None, "aten::view", -1)]
     assert counts == [3, 1] and total == 4
     assert table[0] == (9, 7) and table[1] == ()
     assert keys[0][2] is ops["aten::mm"]  # interned
+    # in a whole document: found past members whose strings hold brackets and quotes
+    head = b'{"meta": {"n": "\\"callsites\\": [{"}, "frames": [[], {"x": "]"}], "callsites" : '
+    offset = find_callsites(head + raw + b"\n}\n")
+    assert offset == len(head)
+    assert scan_callsites(head + raw + b"}", offset, True, remap, table, apis, ops) is not None
+    assert scan_callsites(head + raw + b', "x": 1}', offset, True, remap, table, apis, ops) is None
+    assert scan_callsites(head + raw + b"}", offset, False, remap, table, apis, ops) is None
+    for text in (
+        b"[]",
+        b'{"callsites"',
+        b'{"a": "\\',
+        b'{"a": [1, {"b": 2}]',
+        b'{"a": 1 "callsites": []}',
+    ):
+        assert find_callsites(text) is None, text
 
 
 def test_the_python_path_writes_the_same_run(tmp_path: Path) -> None:
