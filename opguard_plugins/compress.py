@@ -243,11 +243,18 @@ def build_tree(
     frame_paths: list[bytes] = []  # per callsite: its visible frame ids
     paths: list[bytes] = []  # per callsite: the ids of its nodes' identities
     join = b"".join
+    # a combined trace's callsites share one tuple per distinct stack (fewer stacks
+    # than callsites): its paths are built once, keyed by the tuple's identity
+    stack_paths: dict[int, tuple[bytes, bytes]] = {}
     for site in callsites:
         stack = site.stack
-        if len(stack) > 1:
+        known_paths = stack_paths.get(id(stack))
+        if known_paths is not None:
+            path, frame_path = known_paths
+        elif len(stack) > 1:
             gather = itemgetter(*stack)
             path, frame_path = join(gather(key_chunks)), join(gather(frame_chunks))
+            stack_paths[id(stack)] = path, frame_path
         else:
             path = join([key_chunks[fid] for fid in stack])
             frame_path = join([frame_chunks[fid] for fid in stack])
