@@ -762,15 +762,15 @@ class TraceAccumulator:
             new_id[old] = new
         frames = [self.frames[old] for old in order]
         # (canonical stack as big-endian bytes, api or "", op, stream, api is set,
-        # canonical stack, original key): the bytes sort as the tuple of ids would
-        # (fixed width, a prefix first) but compare with one memcmp, not id by id;
-        # the first five fields already differ between any two sites, so a plain
+        # canonical stack, original key, slot): the bytes sort as the tuple of ids
+        # would (fixed width, a prefix first) but compare with one memcmp, not id by
+        # id; the first five fields already differ between any two sites, so a plain
         # tuple sort orders by them alone, without building a 5-tuple per site
         keyed = []
         swap = sys.byteorder == "little"
         table = self.stacks
         canonical: dict[int, tuple[bytes, tuple[int, ...]]] = {}  # by stack id, once each
-        for key in self.sites:
+        for key, slot in self.sites.items():
             known = canonical.get(key[0])
             if known is None:
                 stack = remap_stack(table[key[0]], new_id)
@@ -779,18 +779,16 @@ class TraceAccumulator:
                     ids.byteswap()
                 known = canonical[key[0]] = (ids.tobytes(), stack)
             keyed.append(
-                (known[0], key[1] or "", key[2], key[3], key[1] is not None, known[1], key)
+                (known[0], key[1] or "", key[2], key[3], key[1] is not None, known[1], key, slot)
             )
         keyed.sort()
         all_mask = self.rank_mask
-        sites = self.sites
         site_extras = self.site_extras
         stats_valid = self.stats_valid
         callsites = []
         callsite_extras = {}
         ranks_of = _RankLists()
-        for position, (_, _, op, stream, _, stack, key) in enumerate(keyed):
-            slot = sites[key]
+        for position, (_, _, op, stream, _, stack, key, slot) in enumerate(keyed):
             mask = slot[_MASK]
             callsites.append(
                 Callsite(
@@ -801,7 +799,7 @@ class TraceAccumulator:
                     count=slot[_COUNT],
                     ranks=None if mask == all_mask else ranks_of(mask),
                     per_rank=(
-                        _per_rank(slot, is_collective(op, key[1]), ranks_of)
+                        _per_rank(slot, ranks_of)
                         if stats_valid and slot[_MIN_MASK] is not None
                         else None
                     ),
@@ -853,19 +851,22 @@ class _RankLists:
         return ranks.copy()
 
 
-def _per_rank(
-    slot: list[Any], collective: bool, ranks_of: Callable[[int], list[int]] = mask_to_ranks
-) -> PerRank:
-    """The written statistics of a site whose ranks disagree."""
-    hist = _histogram(slot)
+def _per_rank(slot: list[Any], ranks_of: Callable[[int], list[int]] = mask_to_ranks) -> PerRank:
+    """The written statistics of a site whose ranks disagree (min < max)."""
+    low, high, hist = slot[_MIN_MASK], slot[_MAX_MASK], slot[_HIST]
+    counts: list[tuple[int, list[int]]] | None
+    if hist is None:  # two distinct counts: min and max say it all
+        counts = [(slot[_MIN], ranks_of(low)), (slot[_MAX], ranks_of(high))]
+    elif hist is _OVERFLOW:
+        counts = None
+    else:
+        counts = [(value, ranks_of(mask)) for value, mask in sorted(hist.items())]
     return PerRank(
         min=slot[_MIN],
-        min_ranks=ranks_of(slot[_MIN_MASK]),
+        min_ranks=ranks_of(low),
         max=slot[_MAX],
-        max_ranks=ranks_of(slot[_MAX_MASK]),
-        counts=None
-        if hist is None
-        else [(value, ranks_of(mask)) for value, mask in sorted(hist.items())],
+        max_ranks=ranks_of(high),
+        counts=counts,
     )
 
 
