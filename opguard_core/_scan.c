@@ -45,6 +45,25 @@ typedef struct {
     size_t mask;         /* number of slots - 1 (a power of two) */
 } StackTable;
 
+/* Room for ``n`` ids in ``*buffer`` (``*cap`` now), doubling; -1 with MemoryError set. */
+static int
+reserve_ids(uint32_t **buffer, size_t *cap, size_t n)
+{
+    if (n <= *cap)
+        return 0;
+    size_t size = *cap ? *cap : 256;
+    while (size < n)
+        size *= 2;
+    uint32_t *grown = PyMem_Realloc(*buffer, size * sizeof(uint32_t));
+    if (grown == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    *buffer = grown;
+    *cap = size;
+    return 0;
+}
+
 static uint64_t
 hash_ids(const uint32_t *ids, size_t n)
 {
@@ -112,18 +131,8 @@ table_intern(StackTable *t, const uint32_t *ids, size_t n)
         t->hashes = hashes;
         t->cap = cap;
     }
-    if (t->flat_len + n > t->flat_cap) {
-        size_t cap = t->flat_cap ? t->flat_cap * 2 : 16384;
-        while (cap < t->flat_len + n)
-            cap *= 2;
-        uint32_t *flat = PyMem_Realloc(t->flat, cap * sizeof(uint32_t));
-        if (flat == NULL) {
-            PyErr_NoMemory();
-            return -1;
-        }
-        t->flat = flat;
-        t->flat_cap = cap;
-    }
+    if (reserve_ids(&t->flat, &t->flat_cap, t->flat_len + n) < 0)
+        return -1;
     size_t id = t->count;
     if (n)
         memcpy(t->flat + t->flat_len, ids, n * sizeof(uint32_t));
@@ -213,15 +222,9 @@ ids_from_sequence(PyObject *seq, uint32_t **buffer, size_t *cap)
     if (fast == NULL)
         return -1;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
-    if ((size_t)n > *cap) {
-        uint32_t *grown = PyMem_Realloc(*buffer, (size_t)n * sizeof(uint32_t));
-        if (grown == NULL) {
-            Py_DECREF(fast);
-            PyErr_NoMemory();
-            return -1;
-        }
-        *buffer = grown;
-        *cap = (size_t)n;
+    if (reserve_ids(buffer, cap, (size_t)n) < 0) {
+        Py_DECREF(fast);
+        return -1;
     }
     PyObject **items = PySequence_Fast_ITEMS(fast);
     for (Py_ssize_t i = 0; i < n; i++) {
@@ -280,16 +283,10 @@ table_absorb(StackTable *t, PyObject *args)
     for (size_t id = 0; id < other->count; id++) {
         uint64_t start = other->starts[id], n = other->starts[id + 1] - start;
         const uint32_t *ids = other->flat + start;
-        if (remap != NULL) {
-            if (n > cap) {
-                uint32_t *grown = PyMem_Realloc(buffer, n * sizeof(uint32_t));
-                if (grown == NULL) {
-                    PyErr_NoMemory();
-                    Py_CLEAR(result);
-                    goto done;
-                }
-                buffer = grown;
-                cap = n;
+        if (remap_obj != Py_None) {
+            if (reserve_ids(&buffer, &cap, n) < 0) {
+                Py_CLEAR(result);
+                goto done;
             }
             for (uint64_t i = 0; i < n; i++) {
                 if (other->flat[start + i] >= remap_len) {
@@ -441,6 +438,22 @@ expect(Cursor *c, char ch)
         return 1;
     }
     return 0;
+}
+
+/* After a member: 1 past a ',', 0 past ``close``, -1 for anything else. */
+static inline int
+comma_or(Cursor *c, char close)
+{
+    skip_ws(c);
+    if (c->p < c->end && *c->p == ',') {
+        c->p++;
+        return 1;
+    }
+    if (c->p < c->end && *c->p == close) {
+        c->p++;
+        return 0;
+    }
+    return -1;
 }
 
 /* A string without escapes or control characters: [*start, *start + *len). */
@@ -656,27 +669,14 @@ scan_callsites(PyObject *module, PyObject *args)
                         int64_t id;
                         if (!read_int(&c, 0, &id) || (uint64_t)id >= n_frames)
                             goto fallback;
-                        if (n_ids == ids_cap) {
-                            size_t cap = ids_cap ? ids_cap * 2 : 256;
-                            uint32_t *grown = PyMem_Realloc(ids, cap * sizeof(uint32_t));
-                            if (grown == NULL) {
-                                PyErr_NoMemory();
-                                goto fail;
-                            }
-                            ids = grown;
-                            ids_cap = cap;
-                        }
+                        if (reserve_ids(&ids, &ids_cap, n_ids + 1) < 0)
+                            goto fail;
                         ids[n_ids++] = remap[id];
-                        skip_ws(&c);
-                        if (c.p < c.end && *c.p == ',') {
-                            c.p++;
-                            continue;
-                        }
-                        if (c.p < c.end && *c.p == ']') {
-                            c.p++;
+                        int more = comma_or(&c, ']');
+                        if (more < 0)
+                            goto fallback;
+                        if (!more)
                             break;
-                        }
-                        goto fallback;
                     }
                 }
             }
@@ -713,16 +713,11 @@ scan_callsites(PyObject *module, PyObject *args)
                 if (!read_int(&c, 0, &count) || count < 1)
                     goto fallback;
             }
-            skip_ws(&c);
-            if (c.p < c.end && *c.p == ',') {
-                c.p++;
-                continue;
-            }
-            if (c.p < c.end && *c.p == '}') {
-                c.p++;
+            int more = comma_or(&c, '}');
+            if (more < 0)
+                goto fallback;
+            if (!more)
                 break;
-            }
-            goto fallback;
         }
         if (!(seen & HAS_STACK) || !(seen & HAS_OP) || !(seen & HAS_COUNT))
             goto fallback;
@@ -758,14 +753,11 @@ scan_callsites(PyObject *module, PyObject *args)
         Py_DECREF(number);
         if (failed)
             goto fail;
-        skip_ws(&c);
-        if (c.p < c.end && *c.p == ',') {
-            c.p++;
-            continue;
-        }
-        if (expect(&c, ']'))
+        int more = comma_or(&c, ']');
+        if (more < 0)
+            goto fallback;
+        if (!more)
             break;
-        goto fallback;
     }
 finish:
     if (closes && !expect(&c, '}'))
