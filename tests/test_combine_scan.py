@@ -239,3 +239,20 @@ def test_the_python_path_writes_the_same_run(tmp_path: Path) -> None:
             }
         )
     assert outputs[0] == outputs[1] and len(outputs[0]) >= 8
+
+
+@needs_c
+def test_rank_files_written_by_the_tracer_never_reach_msgspecs_path(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The bundled traces (written by ``opguard trace``) are all read by the scanner:
+    declining them would cost nothing in correctness, only the speed it is for."""
+
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError(f"msgspec's path decoded {args[1]}")
+
+    monkeypatch.setattr(combined, "decode_trace", refuse)
+    accumulator = TraceAccumulator()
+    for path in sorted((REPO / "examples" / "traces").glob("*_rank*.json")):
+        accumulator.add_file(path)
+    assert accumulator.inputs == 5 and accumulator.total > 0
