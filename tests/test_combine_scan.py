@@ -256,3 +256,26 @@ def test_rank_files_written_by_the_tracer_never_reach_msgspecs_path(
     for path in sorted((REPO / "examples" / "traces").glob("*_rank*.json")):
         accumulator.add_file(path)
     assert accumulator.inputs == 5 and accumulator.total > 0
+
+
+@needs_c
+@settings(max_examples=400, deadline=None)
+@given(
+    prefix=st.sampled_from([b"", b'{"callsites":', b'{"frames": [], "callsites" :', b"[", b"[{"]),
+    body=st.binary(max_size=80)
+    | st.text(alphabet='[]{}",:-0123456789 \\nule"stackopintr', max_size=80).map(str.encode),
+    closes=st.booleans(),
+)
+def test_the_scanner_survives_any_bytes(prefix: bytes, body: bytes, closes: bool) -> None:
+    """Hostile bytes: the finder and the scanner return a value or None and never
+    crash (run under AddressSanitizer too, for reads past the buffer: performance.md)."""
+    from opguard_core._scan import find_callsites, scan_callsites
+
+    data = prefix + body
+    offset = find_callsites(data)
+    assert offset is None or 0 <= offset <= len(data)
+    remap = bytes(4 * 3)
+    for start in {0, offset or 0, len(prefix)}:
+        result = scan_callsites(data, start, closes, remap, CStackTable(), {}, {})
+        assert result is None or len(result[0]) == len(result[1])
+    assert scan_callsites(data, len(data) + 1, closes, remap, CStackTable(), {}, {}) is None
