@@ -598,9 +598,9 @@ class TraceAccumulator:
 
     def _add_scanned(self, data: bytes, path: str) -> bool:
         """Add a one-rank file with the header decoded by msgspec and the callsites
-        read from the bytes by ``scan_callsites``; False, having added nothing, when
-        the file is not of the plain shape it reads (msgspec's path then decodes it
-        and explains any problem).
+        read from the bytes by ``scan_callsites``; False when the file is not of the
+        plain shape it reads (msgspec's path then decodes it and explains any
+        problem), having added at most the file's frames, which that path adds too.
 
         When the callsites are the document's last member (as every writer puts
         them), the header is decoded from the bytes before them (``find_callsites``),
