@@ -570,7 +570,7 @@ skip_value(Cursor *c)
 /* find_callsites(data) -> offset or None: where the value of the top-level key
  * "callsites" starts, the members before it skipped (not decoded). */
 static PyObject *
-find_callsites(PyObject *module, PyObject *arg)
+find_callsites(PyObject *Py_UNUSED(module), PyObject *arg)
 {
     Py_buffer data;
     if (PyObject_GetBuffer(arg, &data, PyBUF_SIMPLE) < 0)
@@ -598,7 +598,7 @@ done:
 }
 
 static PyObject *
-scan_callsites(PyObject *module, PyObject *args)
+scan_callsites(PyObject *Py_UNUSED(module), PyObject *args)
 {
     Py_buffer data, remap_buf;
     Py_ssize_t offset;
@@ -615,11 +615,11 @@ scan_callsites(PyObject *module, PyObject *args)
     size_t ids_cap = 0;
     int64_t total = 0;
     PyObject *keys = PyList_New(0), *counts = PyList_New(0), *result = NULL;
-    Cursor c = {(const char *)data.buf + offset, (const char *)data.buf + data.len};
     if (keys == NULL || counts == NULL)
         goto fail;
     if (offset < 0 || offset > data.len)
         goto fallback;
+    Cursor c = {(const char *)data.buf + offset, (const char *)data.buf + data.len};
     if (!expect(&c, '['))
         goto fallback;
     skip_ws(&c);
@@ -800,7 +800,7 @@ slot_update(PyObject *slot, Py_ssize_t index, PyObject *value, binaryfunc op)
  * handed to the Python callable ``differs(slot, count, mask, key)``. Returns whether
  * no rank was seen twice. */
 static PyObject *
-fold_rank(PyObject *module, PyObject *args)
+fold_rank(PyObject *Py_UNUSED(module), PyObject *args)
 {
     PyObject *sites, *keys, *counts, *mask, *differs;
     if (!PyArg_ParseTuple(args, "O!O!O!OO", &PyDict_Type, &sites, &PyList_Type, &keys,
