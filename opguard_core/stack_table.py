@@ -6,10 +6,11 @@ once per callsite per rank, and a partial result travels with each stack once.
 
 :class:`PyStackTable` is the reference implementation. The C extension
 ``opguard_core._scan`` (built by ``setup.py`` where a compiler is found) provides
-the same table and ``scan_callsites``, which reads a rank file's ``callsites`` array
-straight from its JSON bytes into keys (performance.md, "Folding from the bytes").
-``OPGUARD_COMBINE_SCAN=python`` forces the Python path, which decodes every file
-with msgspec as before.
+the same table; ``find_callsites`` and ``scan_callsites``, which read a rank file's
+``callsites`` array straight from its JSON bytes into keys; and ``fold_rank``, the
+common cases of folding one rank's keys in (performance.md, "Folding from the
+bytes"). ``OPGUARD_COMBINE_SCAN=python`` forces the Python path, which decodes every
+file with msgspec as before.
 """
 
 from __future__ import annotations
