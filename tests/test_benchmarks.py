@@ -74,3 +74,28 @@ def test_guard_overhead_benchmark_prints_every_mode() -> None:
     assert any(row.startswith("opguard guard --sample 0.1") for row in rows)
     assert "goal guard <= 1.3x empty mode:" in result.stdout
     assert "goal --sample 0.1 <= 1.3x untraced:" in result.stdout
+
+
+def side_by_side(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "side_by_side.py"), *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO,
+    )
+
+
+def test_side_by_side_reports_rounds_and_identity() -> None:
+    inputs = ["--input", "examples/traces/fsdp_callsite_rank*.json"]
+    result = side_by_side("--source", ".", "--source", str(REPO), "--rounds", "2", *inputs)
+    assert result.returncode == 0, result.stderr
+    rows = [line for line in result.stdout.splitlines() if line.startswith(f"| {REPO} |")]
+    assert len(rows) == 2 and all(len(row.split("|")[2].split()) == 2 for row in rows)
+    assert "Artifacts byte-identical to the first source's" in result.stdout
+
+
+def test_side_by_side_fails_when_a_run_fails(tmp_path: Path) -> None:
+    result = side_by_side("--source", ".", "--input", str(tmp_path / "missing.json"))
+    assert result.returncode != 0
+    assert "opguard run from" in result.stderr and "failed" in result.stderr
