@@ -11,14 +11,19 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 
 
-def run_benchmark(*args: str) -> subprocess.CompletedProcess[str]:
+def script(name: str, *args: str) -> subprocess.CompletedProcess[str]:
+    """Run ``benchmarks/<name>`` from the repository's root."""
     return subprocess.run(
-        [sys.executable, str(REPO / "benchmarks" / "run_benchmark.py"), *args],
+        [sys.executable, str(REPO / "benchmarks" / name), *args],
         capture_output=True,
         text=True,
         timeout=300,
         cwd=REPO,
     )
+
+
+def run_benchmark(*args: str) -> subprocess.CompletedProcess[str]:
+    return script("run_benchmark.py", *args)
 
 
 @pytest.mark.slow  # runs the benchmark script
@@ -77,13 +82,7 @@ def test_guard_overhead_benchmark_prints_every_mode() -> None:
 
 
 def side_by_side(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, str(REPO / "benchmarks" / "side_by_side.py"), *args],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=REPO,
-    )
+    return script("side_by_side.py", *args)
 
 
 def test_side_by_side_reports_rounds_and_identity() -> None:
