@@ -29,7 +29,6 @@ Prints a markdown report (and writes it to ``--output``).
 from __future__ import annotations
 
 import argparse
-import compileall
 import contextlib
 import dataclasses
 import gc
@@ -48,8 +47,11 @@ from typing import Any
 import msgspec
 import psutil
 
+import opguard_core
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from generate_traces import Shape, generate
+from side_by_side import compile_checkout
 
 DEFAULT_DATA = Path(tempfile.gettempdir()) / "opguard-bench"
 
@@ -228,15 +230,6 @@ def bare_parse(paths: Sequence[Path], repeat: int = 1, processes: int = 2) -> Pa
         processes=processes,
         peak_rss=max(r[1] for r in runs),
     )
-
-
-def compile_opguard() -> None:
-    """Write the bytecode of opguard's own modules, as an installed package has it."""
-    import opguard_core
-    import opguard_plugins
-
-    for package in (opguard_core, opguard_plugins):
-        compileall.compile_dir(Path(package.__file__).parent, quiet=1)
 
 
 def run_opguard(
@@ -425,7 +418,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             parse = ParseFigures("none", float("nan"), float("nan"), {})
         else:
             parse = bare_parse(paths, args.repeat)
-        compile_opguard()
+        compile_checkout(Path(opguard_core.__file__).resolve().parent.parent)
         run = run_opguard(paths, out / "main", extra, pss=args.pss)
         run.callsites = shape.callsites
         memory = []

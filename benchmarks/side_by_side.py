@@ -32,6 +32,13 @@ REPO = Path(__file__).resolve().parent.parent
 VARYING = {"pipeline_summary.json", "report.html"}
 
 
+def compile_checkout(root: Path) -> None:
+    """Write the bytecode of a checkout's opguard modules, as an installed package has
+    it (this machine sets ``PYTHONDONTWRITEBYTECODE``; performance.md, round three)."""
+    for package in ("opguard_core", "opguard_plugins"):
+        compileall.compile_dir(root / package, quiet=1)
+
+
 def run_once(source: Path, inputs: list[str], out: Path) -> tuple[float, dict[str, float], Path]:
     """One ``opguard run`` from ``source``: wall seconds, stage seconds, run directory."""
     env = {**os.environ, "PYTHONPATH": str(source)}
@@ -79,8 +86,7 @@ def main(argv: list[str] | None = None) -> None:
     sources = [source.resolve() for source in args.source]
     inputs = [str(Path(pattern).absolute()) for pattern in args.input]  # runs change cwd
     for source in sources:
-        for package in ("opguard_core", "opguard_plugins"):
-            compileall.compile_dir(source / package, quiet=1)
+        compile_checkout(source)
     rows: list[list[tuple[float, dict[str, float]]]] = [[] for _ in sources]
     problems: list[str] = []
     with tempfile.TemporaryDirectory(prefix="opguard-side-by-side-") as scratch:

@@ -110,13 +110,14 @@ _OVERFLOW = False
 _COUNT, _MASK, _MIN, _MIN_MASK, _MAX, _MAX_MASK, _HIST = range(7)
 
 
-def _histogram(slot: list[Any]) -> dict[int, int] | None:
-    """The slot's exact {per-rank count: rank mask}, or None when it overflowed."""
+def _histogram(slot: list[Any], copy: bool = True) -> dict[int, int] | None:
+    """The slot's exact {per-rank count: rank mask}, or None when it overflowed; with
+    ``copy=False``, the slot's own dict where it keeps one (only to read)."""
     hist = slot[_HIST]
     if hist is _OVERFLOW:
         return None
     if hist is not None:
-        return dict(hist)
+        return dict(hist) if copy else hist
     if slot[_MIN_MASK] is None:
         return {slot[_MIN]: slot[_MASK]}
     return {slot[_MIN]: slot[_MIN_MASK], slot[_MAX]: slot[_MAX_MASK]}
@@ -853,20 +854,15 @@ class _RankLists:
 
 def _per_rank(slot: list[Any], ranks_of: Callable[[int], list[int]] = mask_to_ranks) -> PerRank:
     """The written statistics of a site whose ranks disagree (min < max)."""
-    low, high, hist = slot[_MIN_MASK], slot[_MAX_MASK], slot[_HIST]
-    counts: list[tuple[int, list[int]]] | None
-    if hist is None:  # two distinct counts: min and max say it all
-        counts = [(slot[_MIN], ranks_of(low)), (slot[_MAX], ranks_of(high))]
-    elif hist is _OVERFLOW:
-        counts = None
-    else:
-        counts = [(value, ranks_of(mask)) for value, mask in sorted(hist.items())]
+    hist = _histogram(slot, copy=False)
     return PerRank(
         min=slot[_MIN],
-        min_ranks=ranks_of(low),
+        min_ranks=ranks_of(slot[_MIN_MASK]),
         max=slot[_MAX],
-        max_ranks=ranks_of(high),
-        counts=counts,
+        max_ranks=ranks_of(slot[_MAX_MASK]),
+        counts=None
+        if hist is None
+        else [(value, ranks_of(mask)) for value, mask in sorted(hist.items())],
     )
 
 
