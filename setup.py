@@ -2,7 +2,8 @@
 
 ``opguard_plugins._recorder`` is the modes backend's per-operator hot path
 (docs/tracing.md, "The recorder's fast path"); ``opguard_core._scan`` is the combine's
-(docs/performance.md, "Folding from the bytes"). Both are optional: without a C
+(docs/performance.md, "Folding from the bytes"); ``opguard_plugins._runs`` is
+compress's ("Compress from the runs"). All are optional: without a C
 compiler and Python's headers the install goes on, and Python paths run instead.
 """
 
@@ -18,6 +19,11 @@ setup(
         Extension(
             "opguard_core._scan",
             sources=["opguard_core/_scan.c"],
+            optional=True,
+        ),
+        Extension(
+            "opguard_plugins._runs",
+            sources=["opguard_plugins/_runs.c"],
             optional=True,
         ),
     ]

@@ -13,14 +13,12 @@ Steps, in order (formats.md §2, docs/compression.md):
 
 from __future__ import annotations
 
+import math
 import re
 import sys
 from array import array
-from bisect import bisect_right
 from collections import Counter, deque
-from functools import reduce
-from itertools import accumulate, pairwise
-from operator import itemgetter, or_
+from operator import itemgetter
 from typing import Any, NamedTuple
 
 from opguard_core import hookimpl
@@ -35,6 +33,7 @@ from opguard_core.tree_format import (
     target_name,
     threshold,
 )
+from opguard_plugins.sorted_runs import Runs
 
 #: Frames that only forward a call; each a regex matching ``module:qualname`` whole.
 DEFAULT_HIDE: tuple[str, ...] = (
@@ -280,20 +279,22 @@ def build_tree(
         paths.append(path)
     keys = list(key_ids)  # id -> key
     order = sorted(range(len(paths)), key=paths.__getitem__)
-    paths = [paths[j] for j in order]
-    below = [0, *accumulate(callsites[j].count for j in order)]
     all_mask = ranks_to_mask(trace.ranks)
-    masks = [
-        all_mask if callsites[j].ranks is None else ranks_to_mask(callsites[j].ranks) for j in order
-    ]
-    # a run's ranks are all of them as soon as it has one callsite seen on every rank
-    # (a callsite's ranks are a subset of the trace's: formats.md §1)
-    full = [0, *accumulate(mask == all_mask for mask in masks)]
-    # changes[i]: how many j < i have masks[j] != masks[j - 1]; a run [s, e) has one
-    # mask for all its callsites when changes[e] == changes[s + 1]
-    changes = [0, 0, *accumulate(a != b for a, b in pairwise(masks))]
+    sorted_sites = [callsites[j] for j in order]
+    runs = Runs(
+        [paths[j] for j in order],
+        [site.count for site in sorted_sites],
+        [all_mask if site.ranks is None else ranks_to_mask(site.ranks) for site in sorted_sites],
+        all_mask,
+        [site.op for site in sorted_sites],
+        [site.stream for site in sorted_sites],
+        WIDTH,
+    )
+    del paths, sorted_sites
     chunk_lines = {_chunk(fid): frame.line for fid, frame in enumerate(frames)}
     sorted_frame_paths = [frame_paths[j] for j in order]
+    # a weight is kept at weight >= floor: for an int weight, weight >= ceil(floor)
+    floor_count = math.ceil(floor)
 
     def make_node(key: tuple[str | None, str, str], at: slice, start: int, end: int) -> Node:
         if key[2] == TORCH_API:
@@ -304,60 +305,16 @@ def build_tree(
             # the distinct frames at this depth first, then their lines
             chunks = set(map(itemgetter(at), sorted_frame_paths[start:end]))
             node.lines = set(map(chunk_lines.__getitem__, chunks))
-        node.count = below[end] - below[start]
-        if full[end] > full[start]:
-            node.ranks = all_mask
-        else:
-            node.ranks = reduce(or_, masks[start:end], 0)
+        node.count = runs.weight(start, end)
+        node.ranks = runs.mask(start, end)
         return node
-
-    def run_mask(start: int, end: int) -> int:
-        return all_mask if full[end] > full[start] else reduce(or_, masks[start:end], 0)
 
     def divergent_runs() -> tuple[set[tuple[int, int]], int]:
         """The nodes below ``floor`` to keep for divergence, as (path length, run start),
-        and how many such nodes the unbounded tree has. Nothing is materialised: the
-        runs below ``floor`` under every node at or above it are searched once; each
-        node met gets an id and its parent's (-1: a node at or above ``floor``)."""
+        and how many such nodes the unbounded tree has (the search itself:
+        :meth:`PyRuns.divergent`)."""
         assert rank_floor is not None
-        parent_of: list[int] = []
-        idents: list[tuple[int, int]] = []  # id -> (path length, run start)
-        found: list[tuple[int, int]] = []  # (count, id) of the divergent nodes
-        search: list[tuple[int, int, int, int, int]] = []
-        skeleton = [(0, 0, len(paths), all_mask)]
-        while skeleton:  # the nodes at or above floor (as the build below makes them)
-            own, start, end, mask = skeleton.pop()
-            while start < end and len(paths[start]) == own:
-                start += 1
-            at = slice(own, own + WIDTH)
-            while start < end:
-                stop = bisect_right(paths, paths[start][at], start, end, key=itemgetter(at))
-                weight = below[stop] - below[start]
-                if weight >= floor:
-                    skeleton.append((own + WIDTH, start, stop, run_mask(start, stop)))
-                elif weight >= rank_floor:
-                    search.append((own + WIDTH, start, stop, mask, -1))
-                start = stop
-        while search:  # below floor: every node that is or may hold a divergent one
-            own, start, end, parent_mask, parent = search.pop()
-            weight = below[end] - below[start]
-            if weight < rank_floor:
-                continue  # counts only shrink downwards: nothing below qualifies
-            node = len(parent_of)
-            parent_of.append(parent)
-            idents.append((own, start))
-            mask = run_mask(start, end)
-            if mask != parent_mask:
-                found.append((weight, node))
-            if changes[end] == changes[start + 1]:
-                continue  # one mask for every callsite: every node below has it
-            while start < end and len(paths[start]) == own:
-                start += 1
-            at = slice(own, own + WIDTH)
-            while start < end:
-                stop = bisect_right(paths, paths[start][at], start, end, key=itemgetter(at))
-                search.append((own + WIDTH, start, stop, mask, node))
-                start = stop
+        parent_of, idents, found = runs.divergent(floor_count, math.ceil(rank_floor))
         # the unbounded tree keeps every divergent node with its way up to floor
         wanted: set[int] = set()
         for _, node in found:
@@ -374,7 +331,7 @@ def build_tree(
 
         def path_order(node: int) -> tuple[int, ...]:
             own, start = idents[node]
-            ids = array(_ID_TYPE, paths[start][:own])
+            ids = array(_ID_TYPE, runs.prefix(own, start))
             if sys.byteorder == "little":
                 ids.byteswap()
             return tuple(map(rank_of.__getitem__, ids))
@@ -396,49 +353,27 @@ def build_tree(
         rank_keep, rank_total = divergent_runs()
 
     root = Node(None, None, "<root>", "root")
-    root.count = below[-1]
-    nodes_before = 0
-    todo = [(root, 0, 0, len(paths))]
+    root.count = runs.weight(0, len(order))
+    nodes_before = runs.distinct_prefixes()
+    todo = [(root, 0, 0, len(order))]
     while todo:
         node, offset, start, high = todo.pop()  # offset: bytes of the node's own path
         # callsites whose path ends here come first in the run (a prefix sorts first)
-        while start < high and len(paths[start]) == offset:
-            site = callsites[order[start]]
-            node.self_ops[site.op] += site.count
-            node.self_streams[site.stream] += site.count
-            start += 1
+        ended = runs.skip_ended(offset, start, high)
+        runs.tally(start, ended, node.self_ops, node.self_streams)
+        start = ended
         at = slice(offset, offset + WIDTH)
-        next_id = itemgetter(at)
         while start < high:
-            piece = paths[start][at]
-            end = bisect_right(paths, piece, start, high, key=next_id)
-            weight = below[end] - below[start]
-            if weight >= floor or (offset + WIDTH, start) in rank_keep:
-                key = keys[_unchunk(piece)]
+            end = runs.run_end(offset, start, high)
+            if runs.weight(start, end) >= floor_count or (offset + WIDTH, start) in rank_keep:
+                key = keys[_unchunk(runs.id_at(offset, start))]
                 child = make_node(key, at, start, end)
                 node.children[key] = child
                 todo.append((child, offset + WIDTH, start, end))
-                nodes_before += 1
-            else:  # pruned: the run's ops are the node's own; count its unpruned nodes
-                nodes_before += (len(paths[start]) - offset) // WIDTH
-                for position in range(start, end):
-                    site = callsites[order[position]]
-                    node.self_ops[site.op] += site.count
-                    node.self_streams[site.stream] += site.count
-                    if position > start:
-                        previous, path = paths[position - 1], paths[position]
-                        shared = _common_prefix(previous, path)
-                        nodes_before += len(path) // WIDTH - shared // WIDTH
+            else:  # pruned: the run's ops are the node's own
+                runs.tally(start, end, node.self_ops, node.self_streams)
             start = end
     return TreeBuild(root, nodes_before, len(rank_keep), rank_total - len(rank_keep))
-
-
-def _common_prefix(a: bytes, b: bytes) -> int:
-    """Length in bytes of the longest common prefix of ``a`` and ``b``: the leading
-    zero bits of their XOR, read as big-endian integers (C-level, no loop)."""
-    size = min(len(a), len(b))
-    difference = int.from_bytes(a[:size], "big") ^ int.from_bytes(b[:size], "big")
-    return (size * 8 - difference.bit_length()) // 8
 
 
 def count_nodes(root: Node) -> int:

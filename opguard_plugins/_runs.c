@@ -1,0 +1,619 @@
+/* Compress's per-callsite work in C (performance.md, "Compress from the runs").
+ *
+ * ``Runs(paths, counts, masks, all_mask, ops, streams, width)`` holds a trace's
+ * callsites in the sorted order of their paths (bytes, ``width`` bytes an id), with
+ * the prefix sums of their counts, and answers what ``build_tree`` asks of the runs
+ * of callsites below its nodes: ``weight``, ``mask``, ``uniform``, ``skip_ended``,
+ * ``run_end``, ``id_at``, ``prefix``, ``tally``, ``distinct_prefixes`` and the whole
+ * ``divergent`` search. Each method does what the same method of the pure-Python
+ * ``PyRuns`` (opguard_plugins/sorted_runs.py) does, which stays the reference:
+ * tests/test_compress_runs.py holds the two to the same answers.
+ *
+ * Positions are checked against the number of paths (ValueError), and a sum of
+ * counts past 2**63-1 is an OverflowError. CPython >= 3.11; the package works
+ * without this module.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <limits.h>
+#include <stdint.h>
+#include <string.h>
+
+typedef struct {
+    PyObject_HEAD
+    Py_ssize_t n, width;
+    PyObject *paths;   /* tuple of bytes */
+    PyObject *masks;   /* tuple of ints */
+    PyObject *all_mask;
+    PyObject *ops;     /* tuple */
+    PyObject *streams; /* tuple */
+    const unsigned char **data;
+    Py_ssize_t *lens;
+    long long *below;  /* n + 1 prefix sums of the counts */
+    Py_ssize_t *full;  /* n + 1: how many positions before i have every rank */
+    Py_ssize_t *changes; /* n + 2: how many 0 < j < i have masks[j] != masks[j - 1] */
+} Runs;
+
+/* a lower bound on a weight, given as a Python int of any size */
+typedef struct {
+    long long value;
+    int never; /* the bound exceeds every int64 weight */
+} Bound;
+
+static int
+to_bound(PyObject *number, Bound *bound)
+{
+    int overflow = 0;
+    long long value = PyLong_AsLongLongAndOverflow(number, &overflow);
+    if (value == -1 && PyErr_Occurred())
+        return -1;
+    bound->never = overflow > 0;
+    bound->value = overflow < 0 ? LLONG_MIN : value;
+    return 0;
+}
+
+static inline int
+reaches(long long weight, const Bound *bound)
+{
+    return !bound->never && weight >= bound->value;
+}
+
+static void
+runs_dealloc(Runs *r)
+{
+    Py_XDECREF(r->paths);
+    Py_XDECREF(r->masks);
+    Py_XDECREF(r->all_mask);
+    Py_XDECREF(r->ops);
+    Py_XDECREF(r->streams);
+    PyMem_Free(r->data);
+    PyMem_Free(r->lens);
+    PyMem_Free(r->below);
+    PyMem_Free(r->full);
+    PyMem_Free(r->changes);
+    Py_TYPE(r)->tp_free((PyObject *)r);
+}
+
+static PyObject *
+as_tuple(PyObject *sequence, Py_ssize_t n, const char *what)
+{
+    PyObject *tuple = PySequence_Tuple(sequence);
+    if (tuple != NULL && PyTuple_GET_SIZE(tuple) != n) {
+        PyErr_Format(PyExc_ValueError, "Runs: %s has %zd items, paths %zd", what,
+                     PyTuple_GET_SIZE(tuple), n);
+        Py_CLEAR(tuple);
+    }
+    return tuple;
+}
+
+static PyObject *
+runs_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
+{
+    static char *names[] = {"paths", "counts", "masks", "all_mask", "ops", "streams", "width",
+                            NULL};
+    PyObject *paths, *counts, *masks, *all_mask, *ops, *streams;
+    Py_ssize_t width;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOOOOOn:Runs", names, &paths, &counts,
+                                     &masks, &all_mask, &ops, &streams, &width))
+        return NULL;
+    if (width <= 0) {
+        PyErr_SetString(PyExc_ValueError, "Runs: width must be positive");
+        return NULL;
+    }
+    Runs *r = (Runs *)type->tp_alloc(type, 0);
+    if (r == NULL)
+        return NULL;
+    r->width = width;
+    r->paths = PySequence_Tuple(paths);
+    if (r->paths == NULL)
+        goto fail;
+    Py_ssize_t n = r->n = PyTuple_GET_SIZE(r->paths);
+    PyObject *count_tuple = as_tuple(counts, n, "counts");
+    if (count_tuple == NULL)
+        goto fail;
+    r->masks = as_tuple(masks, n, "masks");
+    r->ops = as_tuple(ops, n, "ops");
+    r->streams = as_tuple(streams, n, "streams");
+    Py_INCREF(all_mask);
+    r->all_mask = all_mask;
+    r->data = PyMem_Calloc((size_t)n + 1, sizeof(*r->data));
+    r->lens = PyMem_Calloc((size_t)n + 1, sizeof(*r->lens));
+    r->below = PyMem_Calloc((size_t)n + 1, sizeof(*r->below));
+    r->full = PyMem_Calloc((size_t)n + 1, sizeof(*r->full));
+    r->changes = PyMem_Calloc((size_t)n + 2, sizeof(*r->changes));
+    if (r->masks == NULL || r->ops == NULL || r->streams == NULL) {
+        Py_DECREF(count_tuple);
+        goto fail;
+    }
+    if (!r->data || !r->lens || !r->below || !r->full || !r->changes) {
+        Py_DECREF(count_tuple);
+        PyErr_NoMemory();
+        goto fail;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *path = PyTuple_GET_ITEM(r->paths, i);
+        if (!PyBytes_Check(path)) {
+            Py_DECREF(count_tuple);
+            PyErr_SetString(PyExc_TypeError, "Runs: paths must be bytes");
+            goto fail;
+        }
+        r->data[i] = (const unsigned char *)PyBytes_AS_STRING(path);
+        r->lens[i] = PyBytes_GET_SIZE(path);
+        long long count = PyLong_AsLongLong(PyTuple_GET_ITEM(count_tuple, i));
+        if (count == -1 && PyErr_Occurred()) {
+            Py_DECREF(count_tuple);
+            goto fail;
+        }
+        if (count < 0 || count > LLONG_MAX - r->below[i]) {
+            Py_DECREF(count_tuple);
+            PyErr_SetString(PyExc_OverflowError, "Runs: counts must be >= 0 and sum below 2**63");
+            goto fail;
+        }
+        r->below[i + 1] = r->below[i] + count;
+        PyObject *mask = PyTuple_GET_ITEM(r->masks, i);
+        int every = PyObject_RichCompareBool(mask, all_mask, Py_EQ);
+        if (every < 0) {
+            Py_DECREF(count_tuple);
+            goto fail;
+        }
+        r->full[i + 1] = r->full[i] + every;
+        if (i >= 1) {
+            int differs = PyObject_RichCompareBool(PyTuple_GET_ITEM(r->masks, i - 1), mask, Py_NE);
+            if (differs < 0) {
+                Py_DECREF(count_tuple);
+                goto fail;
+            }
+            r->changes[i + 1] = r->changes[i] + differs;
+        }
+    }
+    Py_DECREF(count_tuple);
+    return (PyObject *)r;
+fail:
+    Py_DECREF(r);
+    return NULL;
+}
+
+/* ------------------------------------------------------------ the primitives */
+
+static int
+check_run(Runs *r, Py_ssize_t start, Py_ssize_t end, int nonempty)
+{
+    if (start < 0 || end > r->n || start > end || (nonempty && start == end)) {
+        PyErr_Format(PyExc_ValueError, "Runs: positions %zd to %zd out of range (%zd paths)",
+                     start, end, r->n);
+        return -1;
+    }
+    return 0;
+}
+
+/* the union of the ranks of a non-empty run: a new reference */
+static PyObject *
+run_mask(Runs *r, Py_ssize_t start, Py_ssize_t end)
+{
+    if (r->full[end] > r->full[start])
+        return Py_NewRef(r->all_mask);
+    PyObject *acc = Py_NewRef(PyTuple_GET_ITEM(r->masks, start));
+    if (r->changes[end] == r->changes[start + 1])
+        return acc;
+    for (Py_ssize_t i = start + 1; i < end; i++) {
+        PyObject *mask = PyTuple_GET_ITEM(r->masks, i);
+        if (mask == PyTuple_GET_ITEM(r->masks, i - 1))
+            continue; /* the same object: nothing new */
+        PyObject *next = PyNumber_Or(acc, mask);
+        Py_DECREF(acc);
+        if (next == NULL)
+            return NULL;
+        acc = next;
+    }
+    return acc;
+}
+
+static inline Py_ssize_t
+skip_ended(Runs *r, Py_ssize_t own, Py_ssize_t start, Py_ssize_t end)
+{
+    while (start < end && r->lens[start] == own)
+        start++;
+    return start;
+}
+
+/* compare path[own:own + width] of position i with the piece (as bytes compare) */
+static inline int
+compare_at(Runs *r, Py_ssize_t i, Py_ssize_t own, const unsigned char *piece, Py_ssize_t size)
+{
+    Py_ssize_t have = r->lens[i] - own;
+    if (have < 0)
+        have = 0;
+    if (have > r->width)
+        have = r->width;
+    Py_ssize_t common = have < size ? have : size;
+    int order = common ? memcmp(r->data[i] + own, piece, (size_t)common) : 0;
+    if (order)
+        return order;
+    return (have > size) - (have < size);
+}
+
+/* bisect_right of the id at ``own`` of position ``start`` within [start, end) */
+static Py_ssize_t
+run_end(Runs *r, Py_ssize_t own, Py_ssize_t start, Py_ssize_t end)
+{
+    Py_ssize_t size = r->lens[start] - own;
+    if (size < 0)
+        size = 0;
+    if (size > r->width)
+        size = r->width;
+    const unsigned char *piece = r->data[start] + (size ? own : 0);
+    Py_ssize_t low = start, high = end;
+    while (low < high) {
+        Py_ssize_t middle = low + (high - low) / 2;
+        if (compare_at(r, middle, own, piece, size) <= 0)
+            low = middle + 1;
+        else
+            high = middle;
+    }
+    return low;
+}
+
+static int
+parse_positions(PyObject *const *args, Py_ssize_t nargs, Py_ssize_t want, Py_ssize_t *out,
+                const char *name)
+{
+    if (nargs != want) {
+        PyErr_Format(PyExc_TypeError, "Runs.%s takes %zd arguments (%zd given)", name, want,
+                     nargs);
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < want; i++) {
+        out[i] = PyLong_AsSsize_t(args[i]);
+        if (out[i] == -1 && PyErr_Occurred())
+            return -1;
+    }
+    return 0;
+}
+
+static PyObject *
+runs_weight(Runs *r, PyObject *const *args, Py_ssize_t nargs)
+{
+    Py_ssize_t at[2];
+    if (parse_positions(args, nargs, 2, at, "weight") < 0 || check_run(r, at[0], at[1], 0) < 0)
+        return NULL;
+    return PyLong_FromLongLong(r->below[at[1]] - r->below[at[0]]);
+}
+
+static PyObject *
+runs_mask(Runs *r, PyObject *const *args, Py_ssize_t nargs)
+{
+    Py_ssize_t at[2];
+    if (parse_positions(args, nargs, 2, at, "mask") < 0 || check_run(r, at[0], at[1], 1) < 0)
+        return NULL;
+    return run_mask(r, at[0], at[1]);
+}
+
+static PyObject *
+runs_uniform(Runs *r, PyObject *const *args, Py_ssize_t nargs)
+{
+    Py_ssize_t at[2];
+    if (parse_positions(args, nargs, 2, at, "uniform") < 0 || check_run(r, at[0], at[1], 1) < 0)
+        return NULL;
+    return PyBool_FromLong(r->changes[at[1]] == r->changes[at[0] + 1]);
+}
+
+static PyObject *
+runs_skip_ended(Runs *r, PyObject *const *args, Py_ssize_t nargs)
+{
+    Py_ssize_t at[3];
+    if (parse_positions(args, nargs, 3, at, "skip_ended") < 0 ||
+        check_run(r, at[1], at[2], 0) < 0)
+        return NULL;
+    return PyLong_FromSsize_t(skip_ended(r, at[0], at[1], at[2]));
+}
+
+static PyObject *
+runs_run_end(Runs *r, PyObject *const *args, Py_ssize_t nargs)
+{
+    Py_ssize_t at[3];
+    if (parse_positions(args, nargs, 3, at, "run_end") < 0 || check_run(r, at[1], at[2], 1) < 0)
+        return NULL;
+    if (at[0] < 0) {
+        PyErr_SetString(PyExc_ValueError, "Runs.run_end: negative offset");
+        return NULL;
+    }
+    return PyLong_FromSsize_t(run_end(r, at[0], at[1], at[2]));
+}
+
+/* path[begin:stop] of one position, clamped as a slice is */
+static PyObject *
+path_slice(Runs *r, Py_ssize_t position, Py_ssize_t begin, Py_ssize_t stop)
+{
+    if (check_run(r, position, position + 1, 1) < 0)
+        return NULL;
+    if (begin < 0 || stop < begin) {
+        PyErr_SetString(PyExc_ValueError, "Runs: negative offset");
+        return NULL;
+    }
+    Py_ssize_t len = r->lens[position];
+    if (stop > len)
+        stop = len;
+    if (begin > stop)
+        begin = stop;
+    return PyBytes_FromStringAndSize((const char *)r->data[position] + begin, stop - begin);
+}
+
+static PyObject *
+runs_id_at(Runs *r, PyObject *const *args, Py_ssize_t nargs)
+{
+    Py_ssize_t at[2];
+    if (parse_positions(args, nargs, 2, at, "id_at") < 0)
+        return NULL;
+    if (at[0] > PY_SSIZE_T_MAX - r->width) {
+        PyErr_SetString(PyExc_ValueError, "Runs.id_at: offset out of range");
+        return NULL;
+    }
+    return path_slice(r, at[1], at[0], at[0] + r->width);
+}
+
+static PyObject *
+runs_prefix(Runs *r, PyObject *const *args, Py_ssize_t nargs)
+{
+    Py_ssize_t at[2];
+    if (parse_positions(args, nargs, 2, at, "prefix") < 0)
+        return NULL;
+    return path_slice(r, at[1], 0, at[0]);
+}
+
+/* into[key] = into.get(key, 0) + count */
+static int
+add_count(PyObject *into, PyObject *key, PyObject *count)
+{
+    PyObject *old = PyDict_GetItemWithError(into, key);
+    if (old == NULL) {
+        if (PyErr_Occurred())
+            return -1;
+        return PyDict_SetItem(into, key, count);
+    }
+    PyObject *sum = PyNumber_Add(old, count);
+    if (sum == NULL)
+        return -1;
+    int status = PyDict_SetItem(into, key, sum);
+    Py_DECREF(sum);
+    return status;
+}
+
+static PyObject *
+runs_tally(Runs *r, PyObject *const *args, Py_ssize_t nargs)
+{
+    Py_ssize_t at[2];
+    if (nargs != 4 || !PyDict_Check(args[2]) || !PyDict_Check(args[3])) {
+        PyErr_SetString(PyExc_TypeError, "Runs.tally(start, end, ops, streams): two dicts");
+        return NULL;
+    }
+    if (parse_positions(args, 2, 2, at, "tally") < 0 || check_run(r, at[0], at[1], 0) < 0)
+        return NULL;
+    for (Py_ssize_t i = at[0]; i < at[1]; i++) {
+        PyObject *count = PyLong_FromLongLong(r->below[i + 1] - r->below[i]);
+        if (count == NULL)
+            return NULL;
+        int status = add_count(args[2], PyTuple_GET_ITEM(r->ops, i), count);
+        if (status == 0)
+            status = add_count(args[3], PyTuple_GET_ITEM(r->streams, i), count);
+        Py_DECREF(count);
+        if (status < 0)
+            return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+runs_distinct_prefixes(Runs *r, PyObject *Py_UNUSED(ignored))
+{
+    long long total = 0;
+    Py_ssize_t width = r->width;
+    for (Py_ssize_t i = 0; i < r->n; i++) {
+        Py_ssize_t shared = 0; /* whole ids in common with the previous path */
+        if (i > 0) {
+            Py_ssize_t size = r->lens[i - 1] < r->lens[i] ? r->lens[i - 1] : r->lens[i];
+            while ((shared + 1) * width <= size &&
+                   memcmp(r->data[i - 1] + shared * width, r->data[i] + shared * width,
+                          (size_t)width) == 0)
+                shared++;
+        }
+        total += r->lens[i] / width - shared;
+    }
+    return PyLong_FromLongLong(total);
+}
+
+/* ------------------------------------------------------------ the divergent search */
+
+typedef struct {
+    Py_ssize_t own, start, end, parent;
+    PyObject *mask; /* owned */
+} Pending;
+
+typedef struct {
+    Pending *items;
+    Py_ssize_t size, cap;
+} PendingStack;
+
+static int
+push(PendingStack *s, Py_ssize_t own, Py_ssize_t start, Py_ssize_t end, PyObject *mask,
+     Py_ssize_t parent)
+{
+    if (s->size == s->cap) {
+        Py_ssize_t cap = s->cap ? s->cap * 2 : 64;
+        Pending *items = PyMem_Realloc(s->items, (size_t)cap * sizeof(Pending));
+        if (items == NULL) {
+            PyErr_NoMemory();
+            return -1;
+        }
+        s->items = items;
+        s->cap = cap;
+    }
+    Py_INCREF(mask);
+    s->items[s->size++] = (Pending){own, start, end, parent, mask};
+    return 0;
+}
+
+static void
+clear_stack(PendingStack *s)
+{
+    for (Py_ssize_t i = 0; i < s->size; i++)
+        Py_DECREF(s->items[i].mask);
+    PyMem_Free(s->items);
+}
+
+static int
+append_pair(PyObject *list, long long first, Py_ssize_t second)
+{
+    PyObject *pair = Py_BuildValue("(Ln)", first, second);
+    if (pair == NULL)
+        return -1;
+    int status = PyList_Append(list, pair);
+    Py_DECREF(pair);
+    return status;
+}
+
+static int
+append_index(PyObject *list, Py_ssize_t value)
+{
+    PyObject *number = PyLong_FromSsize_t(value);
+    if (number == NULL)
+        return -1;
+    int status = PyList_Append(list, number);
+    Py_DECREF(number);
+    return status;
+}
+
+static PyObject *
+runs_divergent(Runs *r, PyObject *const *args, Py_ssize_t nargs)
+{
+    Bound floor, rank_floor;
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "Runs.divergent(floor, rank_floor)");
+        return NULL;
+    }
+    if (to_bound(args[0], &floor) < 0 || to_bound(args[1], &rank_floor) < 0)
+        return NULL;
+    PyObject *parent_of = PyList_New(0), *idents = PyList_New(0), *found = PyList_New(0);
+    PendingStack skeleton = {0}, search = {0};
+    PyObject *result = NULL;
+    Py_ssize_t width = r->width;
+    if (parent_of == NULL || idents == NULL || found == NULL)
+        goto done;
+    if (push(&skeleton, 0, 0, r->n, r->all_mask, -1) < 0)
+        goto done;
+    while (skeleton.size) { /* the nodes at or above floor (as the build makes them) */
+        Pending at = skeleton.items[--skeleton.size];
+        Py_ssize_t start = skip_ended(r, at.own, at.start, at.end);
+        int failed = 0;
+        while (start < at.end && !failed) {
+            Py_ssize_t stop = run_end(r, at.own, start, at.end);
+            long long weight = r->below[stop] - r->below[start];
+            if (reaches(weight, &floor)) {
+                PyObject *mask = run_mask(r, start, stop);
+                failed = mask == NULL || push(&skeleton, at.own + width, start, stop, mask, -1) < 0;
+                Py_XDECREF(mask);
+            }
+            else if (reaches(weight, &rank_floor)) {
+                failed = push(&search, at.own + width, start, stop, at.mask, -1) < 0;
+            }
+            start = stop;
+        }
+        Py_DECREF(at.mask);
+        if (failed)
+            goto done;
+    }
+    while (search.size) { /* below floor: every node that is or may hold a divergent one */
+        Pending at = search.items[--search.size];
+        long long weight = r->below[at.end] - r->below[at.start];
+        if (!reaches(weight, &rank_floor)) {
+            Py_DECREF(at.mask);
+            continue; /* counts only shrink downwards: nothing below qualifies */
+        }
+        Py_ssize_t node = PyList_GET_SIZE(parent_of);
+        PyObject *mask = NULL;
+        int failed = append_index(parent_of, at.parent) < 0 ||
+                     append_pair(idents, at.own, at.start) < 0 ||
+                     (mask = run_mask(r, at.start, at.end)) == NULL;
+        if (!failed) {
+            int differs = PyObject_RichCompareBool(mask, at.mask, Py_NE);
+            failed = differs < 0 || (differs && append_pair(found, weight, node) < 0);
+        }
+        if (!failed && r->changes[at.end] != r->changes[at.start + 1]) {
+            Py_ssize_t start = skip_ended(r, at.own, at.start, at.end);
+            while (start < at.end && !failed) {
+                Py_ssize_t stop = run_end(r, at.own, start, at.end);
+                failed = push(&search, at.own + width, start, stop, mask, node) < 0;
+                start = stop;
+            }
+        }
+        Py_XDECREF(mask);
+        Py_DECREF(at.mask);
+        if (failed)
+            goto done;
+    }
+    result = PyTuple_Pack(3, parent_of, idents, found);
+done:
+    clear_stack(&skeleton);
+    clear_stack(&search);
+    Py_XDECREF(parent_of);
+    Py_XDECREF(idents);
+    Py_XDECREF(found);
+    return result;
+}
+
+static PyMethodDef runs_methods[] = {
+    {"weight", (PyCFunction)(void (*)(void))runs_weight, METH_FASTCALL,
+     "weight(start, end) -> int: the total count of the run."},
+    {"mask", (PyCFunction)(void (*)(void))runs_mask, METH_FASTCALL,
+     "mask(start, end) -> int: the union of the run's rank masks."},
+    {"uniform", (PyCFunction)(void (*)(void))runs_uniform, METH_FASTCALL,
+     "uniform(start, end) -> bool: whether the run has one mask."},
+    {"skip_ended", (PyCFunction)(void (*)(void))runs_skip_ended, METH_FASTCALL,
+     "skip_ended(own, start, end) -> int: the first position with a path longer than own."},
+    {"run_end", (PyCFunction)(void (*)(void))runs_run_end, METH_FASTCALL,
+     "run_end(own, start, end) -> int: the end of the run of equal id at byte own."},
+    {"id_at", (PyCFunction)(void (*)(void))runs_id_at, METH_FASTCALL,
+     "id_at(own, position) -> bytes: the id at byte own of the position's path."},
+    {"prefix", (PyCFunction)(void (*)(void))runs_prefix, METH_FASTCALL,
+     "prefix(own, position) -> bytes: the first own bytes of the position's path."},
+    {"tally", (PyCFunction)(void (*)(void))runs_tally, METH_FASTCALL,
+     "tally(start, end, ops, streams): add the run's counts by op and by stream."},
+    {"distinct_prefixes", (PyCFunction)runs_distinct_prefixes, METH_NOARGS,
+     "distinct_prefixes() -> int: the nodes of the unpruned tree below its root."},
+    {"divergent", (PyCFunction)(void (*)(void))runs_divergent, METH_FASTCALL,
+     "divergent(floor, rank_floor) -> (parent_of, idents, found): the search for "
+     "divergent nodes below floor."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyTypeObject RunsType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "opguard_plugins._runs.Runs",
+    .tp_basicsize = sizeof(Runs),
+    .tp_dealloc = (destructor)runs_dealloc,
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "Sorted callsite paths and the runs below every call-tree node.",
+    .tp_methods = runs_methods,
+    .tp_new = runs_new,
+};
+
+static struct PyModuleDef runs_module = {
+    PyModuleDef_HEAD_INIT,
+    .m_name = "opguard_plugins._runs",
+    .m_doc = "Compress's per-callsite work: the runs of sorted callsite paths.",
+    .m_size = -1,
+};
+
+PyMODINIT_FUNC
+PyInit__runs(void)
+{
+    if (PyType_Ready(&RunsType) < 0)
+        return NULL;
+    PyObject *module = PyModule_Create(&runs_module);
+    if (module == NULL)
+        return NULL;
+    if (PyModule_AddObjectRef(module, "Runs", (PyObject *)&RunsType) < 0) {
+        Py_DECREF(module);
+        return NULL;
+    }
+    return module;
+}

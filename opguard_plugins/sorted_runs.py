@@ -1,0 +1,176 @@
+"""Sorted paths and the runs of callsites below every call-tree node (compress).
+
+:func:`opguard_plugins.compress.build_tree` sorts every callsite's *path* (the
+fixed-width ids of its nodes' identities, as bytes), so the callsites below any node
+form one contiguous run. :class:`PyRuns` answers what the build asks of those runs:
+where a run of equal next id ends, its weight (a difference of prefix sums), its
+ranks, the ops and streams it folds into a node, how many nodes the unpruned tree
+has, and the search for rank-divergent nodes below the fraction threshold.
+
+:class:`PyRuns` is the reference implementation. The C extension
+``opguard_plugins._runs`` (built by ``setup.py`` where a compiler is found) provides
+the same type, which does each of these without a Python-level step per callsite
+(docs/performance.md, "Compress from the runs"). ``OPGUARD_COMPRESS_RUNS=python``
+forces the reference.
+"""
+
+from __future__ import annotations
+
+import os
+from bisect import bisect_right
+from functools import reduce
+from itertools import accumulate, pairwise
+from operator import itemgetter, or_
+from typing import Any
+
+
+class PyRuns:
+    """The sorted ``paths`` (bytes, ``width`` bytes an id) of a trace's callsites,
+    with each one's ``counts``, rank ``masks`` (``all_mask``: every rank), ``ops``
+    and ``streams``; positions are indices into the sorted order."""
+
+    def __init__(
+        self,
+        paths: list[bytes],
+        counts: list[int],
+        masks: list[int],
+        all_mask: int,
+        ops: list[str],
+        streams: list[int],
+        width: int,
+    ) -> None:
+        self.paths = list(paths)
+        self.counts = list(counts)
+        self.masks = list(masks)
+        self.all_mask = all_mask
+        self.ops = list(ops)
+        self.streams = list(streams)
+        self.width = width
+        self.below = [0, *accumulate(self.counts)]
+        # a run's ranks are all of them as soon as it has one callsite seen on every
+        # rank (a callsite's ranks are a subset of the trace's: formats.md §1)
+        self.full = [0, *accumulate(mask == all_mask for mask in self.masks)]
+        # changes[i]: how many j < i have masks[j] != masks[j - 1]; a run [s, e) has
+        # one mask for all its callsites when changes[e] == changes[s + 1]
+        self.changes = [0, 0, *accumulate(a != b for a, b in pairwise(self.masks))]
+
+    def weight(self, start: int, end: int) -> int:
+        """The total count of positions ``start`` to ``end`` (exclusive)."""
+        return self.below[end] - self.below[start]
+
+    def mask(self, start: int, end: int) -> int:
+        """The union of the ranks of positions ``start`` to ``end`` (a non-empty run)."""
+        if self.full[end] > self.full[start]:
+            return self.all_mask
+        if self.changes[end] == self.changes[start + 1]:
+            return self.masks[start]
+        return reduce(or_, self.masks[start:end], 0)
+
+    def uniform(self, start: int, end: int) -> bool:
+        """Whether positions ``start`` to ``end`` all have one mask."""
+        return self.changes[end] == self.changes[start + 1]
+
+    def skip_ended(self, own: int, start: int, end: int) -> int:
+        """The first position from ``start`` whose path is longer than ``own`` bytes
+        (paths ending at the node come first in its run: a prefix sorts first)."""
+        paths = self.paths
+        while start < end and len(paths[start]) == own:
+            start += 1
+        return start
+
+    def run_end(self, own: int, start: int, end: int) -> int:
+        """The end of the run from ``start`` whose id at byte ``own`` is the same."""
+        at = slice(own, own + self.width)
+        return bisect_right(self.paths, self.paths[start][at], start, end, key=itemgetter(at))
+
+    def id_at(self, own: int, position: int) -> bytes:
+        """The id (``width`` bytes) of ``position``'s path at byte ``own``."""
+        return self.paths[position][own : own + self.width]
+
+    def prefix(self, own: int, position: int) -> bytes:
+        """The first ``own`` bytes of ``position``'s path."""
+        return self.paths[position][:own]
+
+    def tally(self, start: int, end: int, ops: dict[str, int], streams: dict[int, int]) -> None:
+        """Add the counts of positions ``start`` to ``end`` to ``ops`` and ``streams``
+        (by each position's op and stream)."""
+        counts, my_ops, my_streams = self.counts, self.ops, self.streams
+        for position in range(start, end):
+            count = counts[position]
+            op, stream = my_ops[position], my_streams[position]
+            ops[op] = ops.get(op, 0) + count
+            streams[stream] = streams.get(stream, 0) + count
+
+    def distinct_prefixes(self) -> int:
+        """The number of distinct non-empty path prefixes of whole ids: the nodes of
+        the unpruned tree below its root (each path's length minus its common prefix
+        with the previous one, in ids)."""
+        width, total, previous = self.width, 0, b""
+        for path in self.paths:
+            size = min(len(previous), len(path))
+            difference = int.from_bytes(previous[:size], "big") ^ int.from_bytes(path[:size], "big")
+            shared = (size * 8 - difference.bit_length()) // 8
+            total += len(path) // width - shared // width
+            previous = path
+        return total
+
+    def divergent(
+        self, floor: int, rank_floor: int
+    ) -> tuple[list[int], list[tuple[int, int]], list[tuple[int, int]]]:
+        """The search for divergent nodes below ``floor`` (an int: a weight is kept at
+        ``weight >= floor``): every node met below the skeleton of nodes at or above
+        ``floor`` whose weight is at least ``rank_floor``, as ``parent_of`` (by node
+        id; -1: a node at or above ``floor``), ``idents`` ((path length, run start) by
+        node id) and ``found`` ((weight, node id) of each whose ranks differ from its
+        parent's). Nothing is materialised; ids are given in the order nodes are met."""
+        width, paths = self.width, self.paths
+        parent_of: list[int] = []
+        idents: list[tuple[int, int]] = []
+        found: list[tuple[int, int]] = []
+        search: list[tuple[int, int, int, int, int]] = []
+        skeleton = [(0, 0, len(paths), self.all_mask)]
+        while skeleton:  # the nodes at or above floor (as the build makes them)
+            own, start, end, mask = skeleton.pop()
+            start = self.skip_ended(own, start, end)
+            while start < end:
+                stop = self.run_end(own, start, end)
+                weight = self.weight(start, stop)
+                if weight >= floor:
+                    skeleton.append((own + width, start, stop, self.mask(start, stop)))
+                elif weight >= rank_floor:
+                    search.append((own + width, start, stop, mask, -1))
+                start = stop
+        while search:  # below floor: every node that is or may hold a divergent one
+            own, start, end, parent_mask, parent = search.pop()
+            weight = self.weight(start, end)
+            if weight < rank_floor:
+                continue  # counts only shrink downwards: nothing below qualifies
+            node = len(parent_of)
+            parent_of.append(parent)
+            idents.append((own, start))
+            mask = self.mask(start, end)
+            if mask != parent_mask:
+                found.append((weight, node))
+            if self.uniform(start, end):
+                continue  # one mask for every callsite: every node below has it
+            start = self.skip_ended(own, start, end)
+            while start < end:
+                stop = self.run_end(own, start, end)
+                search.append((own + width, start, stop, mask, node))
+                start = stop
+        return parent_of, idents, found
+
+
+def _implementation() -> type:
+    if os.environ.get("OPGUARD_COMPRESS_RUNS") == "python":
+        return PyRuns
+    try:
+        from opguard_plugins._runs import Runs  # type: ignore[import-not-found,unused-ignore]
+    except ImportError:
+        return PyRuns
+    runs: type = Runs
+    return runs
+
+
+#: the implementation compress uses
+Runs: Any = _implementation()

@@ -1,0 +1,137 @@
+"""Compress's C runs (``opguard_plugins._runs``) against the Python reference.
+
+``PyRuns`` (opguard_plugins/sorted_runs.py) is the reference: for any sorted paths,
+counts, masks, ops and streams, the C ``Runs`` must give the same answer to every
+method, and ``build_tree`` the same tree through either (tests/test_compress_reference.py
+holds ``build_tree`` itself to the whole tree, pruned). Skipped where the extension was
+not built, unless ``OPGUARD_REQUIRE_C_RUNS=1`` (set by .ci/run) makes that a failure.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from opguard_core.combined import TraceAccumulator
+from opguard_core.model import RunOptions
+from opguard_core.trace_format import load_trace
+from opguard_plugins import compress, sorted_runs
+from opguard_plugins.sorted_runs import PyRuns
+
+try:
+    from opguard_plugins._runs import Runs as CRuns  # type: ignore[import-not-found]
+except ImportError:
+    CRuns = None
+
+needs_c = pytest.mark.skipif(CRuns is None, reason="opguard_plugins._runs was not built")
+WIDTH = 4
+
+
+def test_the_c_runs_are_built_where_required() -> None:
+    if os.environ.get("OPGUARD_REQUIRE_C_RUNS") != "1":
+        pytest.skip("OPGUARD_REQUIRE_C_RUNS is not set")
+    assert CRuns is not None, "opguard_plugins._runs did not build"
+    assert sorted_runs.Runs is CRuns, "the C runs are built but not in use"
+
+
+@st.composite
+def run_inputs(draw: st.DrawFn) -> tuple[Any, ...]:
+    """Sorted paths of small ids (so that runs share prefixes), and per position a
+    count, a mask within the ranks, an op and a stream."""
+    ranks = draw(st.integers(1, 70))  # past 64: masks of more than one machine word
+    all_mask = (1 << ranks) - 1
+    size = draw(st.integers(0, 40))
+    paths = sorted(
+        b"".join(n.to_bytes(WIDTH, "big") for n in ids)
+        for ids in draw(
+            st.lists(st.lists(st.integers(0, 3), max_size=6), min_size=size, max_size=size)
+        )
+    )
+    counts = draw(st.lists(st.integers(0, 2**40), min_size=size, max_size=size))
+    masks = draw(
+        st.lists(
+            st.one_of(st.just(all_mask), st.integers(1, all_mask)), min_size=size, max_size=size
+        )
+    )
+    ops = draw(st.lists(st.sampled_from(["aten::mm", "aten::add", "c10d::x"]), min_size=size,
+                        max_size=size))  # fmt: skip
+    streams = draw(st.lists(st.integers(0, 2), min_size=size, max_size=size))
+    return paths, counts, masks, all_mask, ops, streams, WIDTH
+
+
+def both(inputs: tuple[Any, ...]) -> tuple[Any, Any]:
+    return PyRuns(*inputs), CRuns(*inputs)
+
+
+@needs_c
+@settings(max_examples=300, deadline=None)
+@given(run_inputs(), st.data())
+def test_c_runs_answer_like_the_reference(inputs: tuple[Any, ...], data: st.DataObject) -> None:
+    py, c = both(inputs)
+    size = len(inputs[0])
+    assert c.distinct_prefixes() == py.distinct_prefixes()
+    for _ in range(10):
+        if not size:
+            break
+        start = data.draw(st.integers(0, size - 1))
+        end = data.draw(st.integers(start + 1, size))
+        own = data.draw(st.sampled_from([0, 4, 8, 12, 24]))
+        assert c.weight(start, end) == py.weight(start, end)
+        assert c.mask(start, end) == py.mask(start, end)
+        assert c.uniform(start, end) == py.uniform(start, end)
+        assert c.skip_ended(own, start, end) == py.skip_ended(own, start, end)
+        assert c.run_end(own, start, end) == py.run_end(own, start, end)
+        assert c.id_at(own, start) == py.id_at(own, start)
+        assert c.prefix(own, start) == py.prefix(own, start)
+        tallies: list[tuple[dict[Any, int], dict[Any, int]]] = []
+        for runs in (py, c):
+            ops: dict[Any, int] = {"aten::mm": 1}
+            streams: dict[Any, int] = {}
+            runs.tally(start, end, ops, streams)
+            tallies.append((ops, streams))
+        assert tallies[0] == tallies[1]
+    floor = data.draw(st.integers(0, 2**42))
+    rank_floor = data.draw(st.integers(0, 2**41))
+    assert c.divergent(floor, rank_floor) == py.divergent(floor, rank_floor)
+    assert c.divergent(2**70, 0) == py.divergent(2**70, 0)  # a floor past int64
+
+
+@needs_c
+def test_c_runs_refuse_bad_arguments() -> None:
+    runs = CRuns([b"\0\0\0\1"], [5], [1], 1, ["aten::mm"], [0], WIDTH)
+    with pytest.raises(ValueError, match="out of range"):
+        runs.weight(0, 2)
+    with pytest.raises(ValueError, match="out of range"):
+        runs.mask(1, 1)
+    with pytest.raises(ValueError, match="items"):
+        CRuns([b""], [], [1], 1, [""], [0], WIDTH)
+    with pytest.raises(TypeError, match="bytes"):
+        CRuns(["x"], [1], [1], 1, [""], [0], WIDTH)
+    with pytest.raises(OverflowError):
+        CRuns([b"", b""], [2**62, 2**62], [1, 1], 1, ["", ""], [0, 0], WIDTH)
+    with pytest.raises(ValueError, match="width"):
+        CRuns([], [], [], 1, [], [], 0)
+    with pytest.raises(TypeError, match="dicts"):
+        runs.tally(0, 1, [], {})
+
+
+@needs_c
+@pytest.mark.parametrize("name", ["gpt_callsite", "fsdp_callsite"])
+def test_compress_writes_the_same_tree_through_either(
+    samples: Any, name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    accumulator = TraceAccumulator()
+    for path in sorted(samples.glob(f"{name}_rank*.json")):
+        accumulator.add(load_trace(path))
+    trace = accumulator.result()
+    assert len(trace.callsites) > 100
+    documents = []
+    for runs in (PyRuns, CRuns):
+        monkeypatch.setattr(compress, "Runs", runs)
+        for options in (RunOptions(), RunOptions(min_fraction=0.0), RunOptions(min_count=50)):
+            documents.append(compress.compress_trace(trace, options))
+    assert documents[:3] == documents[3:]
