@@ -5,9 +5,10 @@
  * the prefix sums of their counts, and answers what ``build_tree`` asks of the runs
  * of callsites below its nodes: ``weight``, ``mask``, ``uniform``, ``skip_ended``,
  * ``run_end``, ``id_at``, ``prefix``, ``tally``, ``distinct_prefixes`` and the whole
- * ``divergent`` search. Each method does what the same method of the pure-Python
- * ``PyRuns`` (opguard_plugins/sorted_runs.py) does, which stays the reference:
- * tests/test_compress_runs.py holds the two to the same answers.
+ * ``divergent`` search; ``callsite_paths(stacks, apis, api_index, tables, width)``
+ * builds the paths (4-byte ids only). Each does what the pure-Python ``PyRuns`` and
+ * ``py_callsite_paths`` (opguard_plugins/sorted_runs.py) do, which stay the
+ * reference: tests/test_compress_runs.py holds the two to the same answers.
  *
  * Positions are checked against the number of paths (ValueError), and a sum of
  * counts past 2**63-1 is an OverflowError. CPython >= 3.11; the package works
@@ -560,6 +561,173 @@ done:
     return result;
 }
 
+/* ------------------------------------------------------------ the paths */
+
+typedef struct {
+    Py_buffer view;
+    const int *items;
+    Py_ssize_t size;
+} IntTable;
+
+static int
+open_table(PyObject *source, IntTable *table, const char *what)
+{
+    if (PyObject_GetBuffer(source, &table->view, PyBUF_SIMPLE) < 0)
+        return -1;
+    if (table->view.len % (Py_ssize_t)sizeof(int)) {
+        PyBuffer_Release(&table->view);
+        table->view.obj = NULL;
+        PyErr_Format(PyExc_ValueError, "callsite_paths: %s is not an int32 array", what);
+        return -1;
+    }
+    table->items = table->view.buf;
+    table->size = table->view.len / (Py_ssize_t)sizeof(int);
+    return 0;
+}
+
+static inline void
+put_id(unsigned char *out, uint32_t id)
+{
+    out[0] = (unsigned char)(id >> 24);
+    out[1] = (unsigned char)(id >> 16);
+    out[2] = (unsigned char)(id >> 8);
+    out[3] = (unsigned char)id;
+}
+
+/* callsite_paths(stacks, apis, api_index, tables, width) -> (paths, frame_paths) */
+static PyObject *
+callsite_paths(PyObject *Py_UNUSED(module), PyObject *args)
+{
+    static const char *names[8] = {"frame_keys", "frame_quals", "frame_mods", "frame_torch",
+                                   "api_keys",   "api_quals",   "api_mods",   "api_torch"};
+    PyObject *stacks, *apis, *api_index, *tables;
+    Py_ssize_t width;
+    if (!PyArg_ParseTuple(args, "O!O!O!On:callsite_paths", &PyList_Type, &stacks, &PyList_Type,
+                          &apis, &PyDict_Type, &api_index, &tables, &width))
+        return NULL;
+    if (width != 4) {
+        PyErr_SetString(PyExc_ValueError, "callsite_paths: only 4-byte ids");
+        return NULL;
+    }
+    Py_ssize_t n = PyList_GET_SIZE(stacks);
+    if (PyList_GET_SIZE(apis) != n) {
+        PyErr_SetString(PyExc_ValueError, "callsite_paths: one api per stack");
+        return NULL;
+    }
+    if (!PyTuple_Check(tables) || PyTuple_GET_SIZE(tables) != 8) {
+        PyErr_SetString(PyExc_TypeError, "callsite_paths: tables is a PathTables");
+        return NULL;
+    }
+    IntTable t[8];
+    int opened = 0;
+    PyObject *paths = NULL, *frame_paths = NULL, *result = NULL;
+    unsigned char *path = NULL, *frame_path = NULL;
+    Py_ssize_t cap = 0;
+    for (; opened < 8; opened++)
+        if (open_table(PyTuple_GET_ITEM(tables, opened), &t[opened], names[opened]) < 0)
+            goto done;
+    const int *keys = t[0].items, *quals = t[1].items, *mods = t[2].items, *torch = t[3].items;
+    const int *api_keys = t[4].items, *api_quals = t[5].items, *api_mods = t[6].items,
+              *api_torch = t[7].items;
+    Py_ssize_t frames = t[0].size, n_apis = t[4].size;
+    for (int i = 1; i < 8; i++) {
+        if (t[i].size != (i < 4 ? frames : n_apis)) {
+            PyErr_Format(PyExc_ValueError, "callsite_paths: %s has the wrong length", names[i]);
+            goto done;
+        }
+    }
+    paths = PyList_New(n);
+    frame_paths = PyList_New(n);
+    if (paths == NULL || frame_paths == NULL)
+        goto done;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *stack = PyList_GET_ITEM(stacks, i);
+        if (!PyTuple_Check(stack)) {
+            PyErr_SetString(PyExc_TypeError, "callsite_paths: a stack is not a tuple");
+            goto done;
+        }
+        Py_ssize_t depth = PyTuple_GET_SIZE(stack);
+        if (depth + 1 > cap) {
+            cap = (depth + 1) * 2;
+            PyMem_Free(path);
+            PyMem_Free(frame_path);
+            path = PyMem_Malloc((size_t)cap * 4);
+            frame_path = PyMem_Malloc((size_t)cap * 4);
+            if (path == NULL || frame_path == NULL) {
+                PyErr_NoMemory();
+                goto done;
+            }
+        }
+        Py_ssize_t used = 0;
+        for (Py_ssize_t j = 0; j < depth; j++) {
+            Py_ssize_t frame = PyLong_AsSsize_t(PyTuple_GET_ITEM(stack, j));
+            if (frame == -1 && PyErr_Occurred())
+                goto done;
+            if (frame < 0 || frame >= frames) {
+                PyErr_SetString(PyExc_IndexError, "callsite_paths: frame id out of range");
+                goto done;
+            }
+            if (keys[frame] < 0)
+                continue; /* hidden */
+            put_id(path + used * 4, (uint32_t)keys[frame]);
+            put_id(frame_path + used * 4, (uint32_t)frame);
+            used++;
+        }
+        Py_ssize_t frame_used = used;
+        PyObject *api = PyList_GET_ITEM(apis, i);
+        if (api != Py_None) {
+            PyObject *found = PyDict_GetItemWithError(api_index, api);
+            if (found == NULL) {
+                if (!PyErr_Occurred())
+                    PyErr_SetObject(PyExc_KeyError, api);
+                goto done;
+            }
+            Py_ssize_t index = PyLong_AsSsize_t(found);
+            if (index == -1 && PyErr_Occurred())
+                goto done;
+            if (index < 0 || index >= n_apis) {
+                PyErr_SetString(PyExc_IndexError, "callsite_paths: api index out of range");
+                goto done;
+            }
+            if (used) {
+                const unsigned char *tail = frame_path + (used - 1) * 4;
+                uint32_t last = (uint32_t)tail[0] << 24 | (uint32_t)tail[1] << 16 |
+                                (uint32_t)tail[2] << 8 | tail[3];
+                if (mods[last] >= 0 && quals[last] == api_quals[index] &&
+                    (mods[last] == api_mods[index] || (api_torch[index] && torch[last]))) {
+                    used--; /* the api's own Python function: the api replaces it */
+                    frame_used--;
+                }
+            }
+            put_id(path + used * 4, (uint32_t)api_keys[index]);
+            used++;
+        }
+        PyObject *made = PyBytes_FromStringAndSize((const char *)path, used * 4);
+        if (made == NULL)
+            goto done;
+        PyList_SET_ITEM(paths, i, made);
+        made = PyBytes_FromStringAndSize((const char *)frame_path, frame_used * 4);
+        if (made == NULL)
+            goto done;
+        PyList_SET_ITEM(frame_paths, i, made);
+    }
+    result = PyTuple_Pack(2, paths, frame_paths);
+done:
+    for (int i = 0; i < opened; i++)
+        PyBuffer_Release(&t[i].view);
+    PyMem_Free(path);
+    PyMem_Free(frame_path);
+    Py_XDECREF(paths);
+    Py_XDECREF(frame_paths);
+    return result;
+}
+
+static PyMethodDef module_methods[] = {
+    {"callsite_paths", callsite_paths, METH_VARARGS,
+     "callsite_paths(stacks, apis, api_index, tables, width) -> (paths, frame_paths)."},
+    {NULL, NULL, 0, NULL},
+};
+
 static PyMethodDef runs_methods[] = {
     {"weight", (PyCFunction)(void (*)(void))runs_weight, METH_FASTCALL,
      "weight(start, end) -> int: the total count of the run."},
@@ -601,6 +769,7 @@ static struct PyModuleDef runs_module = {
     .m_name = "opguard_plugins._runs",
     .m_doc = "Compress's per-callsite work: the runs of sorted callsite paths.",
     .m_size = -1,
+    .m_methods = module_methods,
 };
 
 PyMODINIT_FUNC

@@ -25,6 +25,7 @@ from opguard_core import hookimpl
 from opguard_core.combined import CallsiteTrace, gc_paused, mask_to_ranks, ranks_to_mask
 from opguard_core.model import RunOptions
 from opguard_core.selection import compile_patterns
+from opguard_core.trace_format import Frame
 from opguard_core.tree_format import (
     TORCH_API,
     TREE_FORMAT,
@@ -33,7 +34,7 @@ from opguard_core.tree_format import (
     target_name,
     threshold,
 )
-from opguard_plugins.sorted_runs import Runs
+from opguard_plugins.sorted_runs import PathTables, Runs, callsite_paths
 
 #: Frames that only forward a call; each a regex matching ``module:qualname`` whole.
 DEFAULT_HIDE: tuple[str, ...] = (
@@ -145,6 +146,34 @@ def api_replaces_frame(
     return module == api_module or (api_module == "torch" and module.startswith("torch."))
 
 
+def path_tables(
+    frames: list[Frame],
+    hidden: list[bool],
+    frame_key_ids: list[int],
+    api_parts: list[tuple[str, str]],
+    api_key_ids: list[int],
+) -> PathTables:
+    """The tables :func:`~opguard_plugins.sorted_runs.callsite_paths` builds paths
+    from; ``api_parts`` are the apis' (module, qualname) by api index, and a frame is
+    replaced by an api exactly where :func:`api_replaces_frame` says so."""
+    quals: dict[str, int] = {}
+    mods: dict[str, int] = {}
+    frame_quals = array("i", [quals.setdefault(f.qualname, len(quals)) for f in frames])
+    frame_mods = array(
+        "i", [-1 if f.module is None else mods.setdefault(f.module, len(mods)) for f in frames]
+    )
+    return PathTables(  # the apis' strings looked up once the frames' are all numbered
+        array("i", [-1 if h else kid for h, kid in zip(hidden, frame_key_ids, strict=True)]),
+        frame_quals,
+        frame_mods,
+        array("i", [f.module is not None and f.module.startswith("torch.") for f in frames]),
+        array("i", api_key_ids),
+        array("i", [quals.get(qualname, -2) for _, qualname in api_parts]),
+        array("i", [mods.get(module, -2) for module, _ in api_parts]),
+        array("i", [module == "torch" for module, _ in api_parts]),
+    )
+
+
 #: bytes per id in a path (:func:`build_tree`)
 WIDTH = 4
 
@@ -231,52 +260,21 @@ def build_tree(
         )
         for f in frames
     ]
-    # Paths are bytes, one fixed-width chunk per id, built with one C-level gather and
-    # join per callsite; a hidden frame's chunk is empty, so the join drops it. Sorting
+    # Paths are bytes, one fixed-width chunk per id (a hidden frame has none): sorting
     # and slicing bytes is plain memory comparison.
     hidden = hidden_frames(trace, hide)
-    key_chunks = [b"" if h else _chunk(kid) for h, kid in zip(hidden, frame_key_ids, strict=True)]
-    frame_chunks = [b"" if h else _chunk(fid) for fid, h in enumerate(hidden)]
-    apis: dict[str, tuple[bytes, str, str]] = {}  # api -> (key chunk, module, qualname)
-    replaced: dict[tuple[str, bytes], bool] = {}  # (api, last frame) -> api_replaces_frame
-    frame_paths: list[bytes] = []  # per callsite: its visible frame ids
-    paths: list[bytes] = []  # per callsite: the ids of its nodes' identities
-    join = b"".join
-    # a combined trace's callsites share one tuple per distinct stack (fewer stacks
-    # than callsites): its paths are built once, keyed by the tuple's identity
-    stack_paths: dict[int, tuple[bytes, bytes]] = {}
-    for site in callsites:
-        stack = site.stack
-        known_paths = stack_paths.get(id(stack))
-        if known_paths is not None:
-            path, frame_path = known_paths
-        elif len(stack) > 1:
-            gather = itemgetter(*stack)
-            path, frame_path = join(gather(key_chunks)), join(gather(frame_chunks))
-            stack_paths[id(stack)] = path, frame_path
-        else:
-            path = join([key_chunks[fid] for fid in stack])
-            frame_path = join([frame_chunks[fid] for fid in stack])
-        api = site.api
-        if api is not None:
-            known = apis.get(api)
-            if known is None:
-                module, qualname = split_api(api)
-                kid = key_ids.setdefault((module, qualname, TORCH_API), len(key_ids))
-                known = apis[api] = (_chunk(kid), module, qualname)
-            if frame_path:
-                last = (api, frame_path[-WIDTH:])
-                replaces = replaced.get(last)
-                if replaces is None:
-                    frame = frames[_unchunk(last[1])]
-                    replaces = replaced[last] = api_replaces_frame(
-                        known[1], known[2], frame.module, frame.qualname
-                    )
-                if replaces:
-                    path, frame_path = path[:-WIDTH], frame_path[:-WIDTH]
-            path += known[0]
-        frame_paths.append(frame_path)
-        paths.append(path)
+    apis = [site.api for site in callsites]
+    api_names = [api for api in dict.fromkeys(apis) if api is not None]  # first seen first
+    api_parts = [split_api(api) for api in api_names]
+    api_key_ids = [key_ids.setdefault((m, q, TORCH_API), len(key_ids)) for m, q in api_parts]
+    paths, frame_paths = callsite_paths(
+        [site.stack for site in callsites],
+        apis,
+        {api: index for index, api in enumerate(api_names)},
+        path_tables(frames, hidden, frame_key_ids, api_parts, api_key_ids),
+        WIDTH,
+    )
+    del apis
     keys = list(key_ids)  # id -> key
     order = sorted(range(len(paths)), key=paths.__getitem__)
     all_mask = ranks_to_mask(trace.ranks)

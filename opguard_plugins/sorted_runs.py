@@ -17,11 +17,12 @@ forces the reference.
 from __future__ import annotations
 
 import os
+from array import array
 from bisect import bisect_right
 from functools import reduce
 from itertools import accumulate, pairwise
 from operator import itemgetter, or_
-from typing import Any
+from typing import Any, NamedTuple
 
 
 class PyRuns:
@@ -161,16 +162,85 @@ class PyRuns:
         return parent_of, idents, found
 
 
-def _implementation() -> type:
+class PathTables(NamedTuple):
+    """What a callsite's path is made from, as int32 arrays (``array("i")``).
+
+    By frame id: the frame's identity key id (-1: a hidden frame), and its qualname,
+    its module (-1: none) and whether the module is ``torch.*``; by api index: the
+    api's key id, qualname and module (-2: no frame has it) and whether its module is
+    ``torch``. Qualnames and modules are numbered in one table each, so equal ids are
+    equal strings (:func:`opguard_plugins.compress.api_replaces_frame` on ids).
+    """
+
+    frame_keys: array[int]
+    frame_quals: array[int]
+    frame_mods: array[int]
+    frame_torch: array[int]
+    api_keys: array[int]
+    api_quals: array[int]
+    api_mods: array[int]
+    api_torch: array[int]
+
+
+def py_callsite_paths(
+    stacks: list[tuple[int, ...]],
+    apis: list[str | None],
+    api_index: dict[str, int],
+    tables: PathTables,
+    width: int,
+) -> tuple[list[bytes], list[bytes]]:
+    """Every callsite's path (the key ids of its visible frames, then its api's) and
+    frame path (its visible frame ids), ``width`` bytes an id, big-endian. An api
+    whose own Python function is the last visible frame replaces that frame."""
+    keys = tables.frame_keys
+    key_chunks = [b"" if key < 0 else key.to_bytes(width, "big") for key in keys]
+    frame_chunks = [b"" if key < 0 else fid.to_bytes(width, "big") for fid, key in enumerate(keys)]
+    api_chunks = [key.to_bytes(width, "big") for key in tables.api_keys]
+    quals, mods, torch = tables.frame_quals, tables.frame_mods, tables.frame_torch
+    api_quals, api_mods, api_torch = tables.api_quals, tables.api_mods, tables.api_torch
+    join = b"".join
+    paths: list[bytes] = []
+    frame_paths: list[bytes] = []
+    # a combined trace's callsites share one tuple per distinct stack (fewer stacks
+    # than callsites): its paths are built once, keyed by the tuple's identity
+    stack_paths: dict[int, tuple[bytes, bytes]] = {}
+    for stack, api in zip(stacks, apis, strict=True):
+        known = stack_paths.get(id(stack))
+        if known is None:
+            known = stack_paths[id(stack)] = (
+                join([key_chunks[fid] for fid in stack]),
+                join([frame_chunks[fid] for fid in stack]),
+            )
+        path, frame_path = known
+        if api is not None:
+            index = api_index[api]
+            if frame_path:
+                last = int.from_bytes(frame_path[-width:], "big")
+                if (
+                    mods[last] >= 0
+                    and quals[last] == api_quals[index]
+                    and (mods[last] == api_mods[index] or (api_torch[index] and torch[last]))
+                ):
+                    path, frame_path = path[:-width], frame_path[:-width]
+            path += api_chunks[index]
+        paths.append(path)
+        frame_paths.append(frame_path)
+    return paths, frame_paths
+
+
+def _implementation() -> tuple[type, Any]:
     if os.environ.get("OPGUARD_COMPRESS_RUNS") == "python":
-        return PyRuns
+        return PyRuns, py_callsite_paths
     try:
-        from opguard_plugins._runs import Runs  # type: ignore[import-not-found,unused-ignore]
+        from opguard_plugins._runs import (  # type: ignore[import-not-found,unused-ignore]
+            Runs,
+            callsite_paths,
+        )
     except ImportError:
-        return PyRuns
+        return PyRuns, py_callsite_paths
     runs: type = Runs
-    return runs
+    return runs, callsite_paths
 
 
-#: the implementation compress uses
-Runs: Any = _implementation()
+#: the implementation compress uses: the runs type and the paths builder
+Runs, callsite_paths = _implementation()

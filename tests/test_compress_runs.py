@@ -10,6 +10,7 @@ not built, unless ``OPGUARD_REQUIRE_C_RUNS=1`` (set by .ci/run) makes that a fai
 from __future__ import annotations
 
 import os
+from array import array
 from typing import Any
 
 import pytest
@@ -20,12 +21,13 @@ from opguard_core.combined import TraceAccumulator
 from opguard_core.model import RunOptions
 from opguard_core.trace_format import load_trace
 from opguard_plugins import compress, sorted_runs
-from opguard_plugins.sorted_runs import PyRuns
+from opguard_plugins.sorted_runs import PathTables, PyRuns, py_callsite_paths
 
 try:
     from opguard_plugins._runs import Runs as CRuns  # type: ignore[import-not-found]
+    from opguard_plugins._runs import callsite_paths as c_callsite_paths
 except ImportError:
-    CRuns = None
+    CRuns = c_callsite_paths = None
 
 needs_c = pytest.mark.skipif(CRuns is None, reason="opguard_plugins._runs was not built")
 WIDTH = 4
@@ -36,6 +38,7 @@ def test_the_c_runs_are_built_where_required() -> None:
         pytest.skip("OPGUARD_REQUIRE_C_RUNS is not set")
     assert CRuns is not None, "opguard_plugins._runs did not build"
     assert sorted_runs.Runs is CRuns, "the C runs are built but not in use"
+    assert sorted_runs.callsite_paths is c_callsite_paths
 
 
 @st.composite
@@ -57,8 +60,8 @@ def run_inputs(draw: st.DrawFn) -> tuple[Any, ...]:
             st.one_of(st.just(all_mask), st.integers(1, all_mask)), min_size=size, max_size=size
         )
     )
-    ops = draw(st.lists(st.sampled_from(["aten::mm", "aten::add", "c10d::x"]), min_size=size,
-                        max_size=size))  # fmt: skip
+    op_names = st.sampled_from(["aten::mm", "aten::add", "c10d::x"])
+    ops = draw(st.lists(op_names, min_size=size, max_size=size))
     streams = draw(st.lists(st.integers(0, 2), min_size=size, max_size=size))
     return paths, counts, masks, all_mask, ops, streams, WIDTH
 
@@ -100,6 +103,56 @@ def test_c_runs_answer_like_the_reference(inputs: tuple[Any, ...], data: st.Data
     assert c.divergent(2**70, 0) == py.divergent(2**70, 0)  # a floor past int64
 
 
+@st.composite
+def path_inputs(draw: st.DrawFn) -> tuple[Any, ...]:
+    """Stacks over a few frames (some hidden), apis (some None), and tables whose
+    qualnames and modules collide often, so that apis replace frames."""
+    frames = draw(st.integers(1, 8))
+    apis = draw(st.lists(st.sampled_from(["a", "b", "c"]), unique=True, max_size=3))
+    small = st.integers(0, 2)
+
+    def table(size: int, values: st.SearchStrategy[int]) -> array[int]:
+        return array("i", draw(st.lists(values, min_size=size, max_size=size)))
+
+    tables = PathTables(
+        table(frames, st.integers(-1, 5)),
+        table(frames, small),
+        table(frames, st.integers(-1, 2)),
+        table(frames, st.integers(0, 1)),
+        table(len(apis), st.integers(6, 9)),
+        table(len(apis), st.integers(-2, 2)),
+        table(len(apis), st.integers(-2, 2)),
+        table(len(apis), st.integers(0, 1)),
+    )
+    shared = draw(st.lists(st.integers(0, frames - 1), max_size=5).map(tuple))
+    own_stacks = st.lists(st.integers(0, frames - 1), max_size=6).map(tuple)
+    stacks = draw(st.lists(st.one_of(st.just(shared), own_stacks), max_size=20))
+    site_apis = draw(
+        st.lists(st.sampled_from([None, *apis]), min_size=len(stacks), max_size=len(stacks))
+    )
+    return stacks, site_apis, {api: index for index, api in enumerate(apis)}, tables, WIDTH
+
+
+@needs_c
+@settings(max_examples=300, deadline=None)
+@given(path_inputs())
+def test_c_paths_are_the_reference_paths(inputs: tuple[Any, ...]) -> None:
+    assert c_callsite_paths(*inputs) == py_callsite_paths(*inputs)
+
+
+@needs_c
+def test_c_paths_refuse_bad_arguments() -> None:
+    tables = PathTables(*(array("i", [0]) for _ in range(4)), *(array("i") for _ in range(4)))
+    with pytest.raises(IndexError):
+        c_callsite_paths([(1,)], [None], {}, tables, WIDTH)
+    with pytest.raises(KeyError):
+        c_callsite_paths([(0,)], ["x"], {}, tables, WIDTH)
+    with pytest.raises(ValueError, match="4-byte"):
+        c_callsite_paths([], [], {}, tables, 8)
+    with pytest.raises(ValueError, match="length"):
+        c_callsite_paths([], [], {}, tables._replace(frame_mods=array("i")), WIDTH)
+
+
 @needs_c
 def test_c_runs_refuse_bad_arguments() -> None:
     runs = CRuns([b"\0\0\0\1"], [5], [1], 1, ["aten::mm"], [0], WIDTH)
@@ -130,8 +183,9 @@ def test_compress_writes_the_same_tree_through_either(
     trace = accumulator.result()
     assert len(trace.callsites) > 100
     documents = []
-    for runs in (PyRuns, CRuns):
+    for runs, paths in ((PyRuns, py_callsite_paths), (CRuns, c_callsite_paths)):
         monkeypatch.setattr(compress, "Runs", runs)
+        monkeypatch.setattr(compress, "callsite_paths", paths)
         for options in (RunOptions(), RunOptions(min_fraction=0.0), RunOptions(min_count=50)):
             documents.append(compress.compress_trace(trace, options))
     assert documents[:3] == documents[3:]
