@@ -51,23 +51,32 @@ def site_histogram(site: Callsite, all_mask: int, exact: bool) -> dict[int, int]
     return hist
 
 
-def per_rank_counts(site: Callsite, ranks: list[int], exact: bool) -> dict[int, float]:
-    """Each rank's count of ``site`` (0 where it never ran); where the histogram
-    overflowed, ranks other than the min and max ones get the mean of the rest."""
-    present = ranks if site.ranks is None else site.ranks
+def add_per_rank_counts(into: dict[int, float], site: Callsite, ranks: list[int]) -> None:
+    """Add each rank's count of ``site`` to ``into`` (nothing for ranks that never ran
+    it); where the histogram overflowed, ranks other than the min and max ones get
+    the mean of the rest. Added in place: a function's totals gather many callsites."""
+    get = into.get
     stats = site.per_rank
     if stats is None:
-        value = site.count / len(present) if not exact else site.count // len(present)
-        return dict.fromkeys(present, value)
+        present = ranks if site.ranks is None else site.ranks
+        value = site.count // len(present)
+        for rank in present:
+            into[rank] = get(rank, 0) + value
+        return
     if stats.counts is not None:
-        return {rank: value for value, holders in stats.counts for rank in holders}
+        for value, holders in stats.counts:
+            for rank in holders:
+                into[rank] = get(rank, 0) + value
+        return
     counts: dict[int, float] = dict.fromkeys(stats.min_ranks, stats.min)
     counts.update(dict.fromkeys(stats.max_ranks, stats.max))
+    present = ranks if site.ranks is None else site.ranks
     rest = [r for r in present if r not in counts]
     if rest:
         left = site.count - stats.min * len(stats.min_ranks) - stats.max * len(stats.max_ranks)
         counts.update(dict.fromkeys(rest, left / len(rest)))
-    return counts
+    for rank, share in counts.items():
+        into[rank] = get(rank, 0) + share
 
 
 def majority(hist: dict[int, int]) -> int:
@@ -89,13 +98,16 @@ class _Stacks:
         self.user = [not (f.module or "").startswith("torch") for f in trace.frames]
         self.hidden = hidden
         self._visible: dict[int, list[int]] = {}
+        self._callers: dict[int, tuple[list[int], int | None, str]] = {}
 
     def visible(self, site: Callsite) -> list[int]:
-        """The site's frame ids without hidden ones (cached: several passes ask)."""
-        found = self._visible.get(id(site))
+        """The site's frame ids without hidden ones (cached by the stack: several
+        passes ask, and a combined trace's callsites share one tuple per stack)."""
+        stack = site.stack
+        found = self._visible.get(id(stack))
         if found is None:
             hidden = self.hidden
-            found = self._visible[id(site)] = [fid for fid in site.stack if not hidden[fid]]
+            found = self._visible[id(stack)] = [fid for fid in stack if not hidden[fid]]
         return found
 
     def caller(self, frames: list[int]) -> int | None:
@@ -105,6 +117,18 @@ class _Stacks:
             if self.user[frames[position]]:
                 return position
         return len(frames) - 1 if frames else None
+
+    def caller_of(self, site: Callsite) -> tuple[list[int], int | None, str]:
+        """The site's visible frames, :meth:`caller`'s position in them and its name
+        (``<root>`` for none), cached by the stack as :meth:`visible` is."""
+        stack = site.stack
+        found = self._callers.get(id(stack))
+        if found is None:
+            frames = self.visible(site)
+            position = self.caller(frames)
+            name = "<root>" if position is None else self.names[frames[position]]
+            found = self._callers[id(stack)] = (frames, position, name)
+        return found
 
     def describe(self, frames: list[int], position: int | None) -> dict[str, Any]:
         if position is None:
@@ -202,9 +226,8 @@ def _rank_specific(trace: CallsiteTrace, stacks: _Stacks) -> Iterator[Finding]:
                 function_mask[name] = function_mask.get(name, 0) | mask
     roots: dict[str, dict[str, Any]] = {}
     for site, frames, mask in zip(trace.callsites, visible, masks, strict=True):
-        names = [stacks.names[fid] for fid in frames]
         if mask != all_mask:
-            for position, name in enumerate(names):
+            for position, name in enumerate(map(stacks.names.__getitem__, frames)):
                 if function_mask[name] != all_mask:
                     root = roots.setdefault(name, {"ops": 0, "best": (-1, frames, position)})
                     if site.count > root["best"][0]:
@@ -256,9 +279,7 @@ def _count_skew(trace: CallsiteTrace, stacks: _Stacks, skew: float) -> Iterator[
     for site in trace.callsites:
         if is_collective(site.op, site.api):
             continue
-        frames = stacks.visible(site)
-        position = stacks.caller(frames)
-        name = "<root>" if position is None else stacks.names[frames[position]]
+        frames, position, name = stacks.caller_of(site)
         mask = all_mask if site.ranks is None else ranks_to_mask(site.ranks)
         function_mask[name] = function_mask.get(name, 0) | mask
         ops[name] = ops.get(name, 0) + site.count
@@ -267,9 +288,7 @@ def _count_skew(trace: CallsiteTrace, stacks: _Stacks, skew: float) -> Iterator[
         if site.per_rank is None and mask == all_mask:
             uniform[name] = uniform.get(name, 0) + site.count // len(ranks)
             continue
-        totals = varied.setdefault(name, {})
-        for rank, value in per_rank_counts(site, ranks, exact=True).items():
-            totals[rank] = totals.get(rank, 0) + value
+        add_per_rank_counts(varied.setdefault(name, {}), site, ranks)
     for name, totals in varied.items():
         if function_mask[name] != all_mask:
             continue  # some ranks never ran it: a rank_specific finding says so

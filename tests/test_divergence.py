@@ -389,3 +389,25 @@ def test_add_rank_count_is_merge_slot_of_one_rank(counts: list[int], collective:
         add_rank_count(fast, count, mask, collective)
         merge_slot(slow, [count, mask, count, None, count, None, None], collective)
         assert fast == slow, (rank, count)
+
+
+def test_per_rank_counts_add_up_for_every_shape_of_statistics() -> None:
+    """A function's per-rank totals gather its callsites: uniform ones share their
+    count out, a histogram gives each rank its value, and an overflowed one gives the
+    ranks between min and max the mean of what is left."""
+    from opguard_core.trace_format import Callsite, PerRank
+    from opguard_plugins.divergence import add_per_rank_counts
+
+    ranks = [0, 1, 2, 3]
+    totals: dict[int, float] = {}
+    add_per_rank_counts(totals, Callsite(stack=(), op="aten::mm", count=8), ranks)
+    assert totals == {0: 2, 1: 2, 2: 2, 3: 2}
+    add_per_rank_counts(totals, Callsite(stack=(), op="aten::mm", count=6, ranks=[1, 3]), ranks)
+    assert totals == {0: 2, 1: 5, 2: 2, 3: 5}
+    counts = [(1, [0]), (2, [1, 3]), (4, [2])]
+    histogram = PerRank(min=1, min_ranks=[0], max=4, max_ranks=[2], counts=counts)
+    add_per_rank_counts(totals, Callsite(stack=(), op="x", count=9, per_rank=histogram), ranks)
+    assert totals == {0: 3, 1: 7, 2: 6, 3: 7}
+    overflowed = PerRank(min=1, min_ranks=[0], max=10, max_ranks=[3], counts=None)
+    add_per_rank_counts(totals, Callsite(stack=(), op="x", count=22, per_rank=overflowed), ranks)
+    assert totals == {0: 4, 1: 12.5, 2: 11.5, 3: 17}
