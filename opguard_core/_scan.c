@@ -21,8 +21,9 @@
  * the file with msgspec (the reference path), which explains any error. A None may
  * leave stacks interned that no key refers to; nothing else is touched.
  *
- * ``fold_rank(sites, keys, counts, mask, differs)`` is the one-rank loop of
- * ``TraceAccumulator._fold_file``, which stays the reference.
+ * ``fold_rank(sites, keys, counts, mask, collective_apis, max_distinct)`` is the
+ * one-rank loop of ``TraceAccumulator._fold_file``, which stays the reference, with
+ * ``add_rank_count``'s per-rank statistics for a count that differs.
  *
  * The pure-Python ``PyStackTable`` (opguard_core/stack_table.py) is the table's
  * reference. CPython >= 3.11; the package works without this module.
@@ -791,20 +792,149 @@ slot_update(PyObject *slot, Py_ssize_t index, PyObject *value, binaryfunc op)
     return PyList_SetItem(slot, index, updated); /* steals updated */
 }
 
-/* fold_rank(sites, keys, counts, mask, differs) -> bool: the one-rank loop of
- * ``TraceAccumulator._fold_file`` in C. Each key gets a new slot [count, mask, count,
- * None, count, None, None], or, on a slot of other ranks with this count on each
- * (min mask None, min == max == count), its count added and mask or-ed in; a slot
- * that already has a rank of ``mask`` gets the count added (and the result is False:
- * per-rank statistics are no longer exact); any other slot (a count that differs) is
- * handed to the Python callable ``differs(slot, count, mask, key)``. Returns whether
- * no rank was seen twice. */
+/* the slot's item i becomes value (a new reference, stolen; NULL: an error) */
+static int
+slot_set(PyObject *slot, Py_ssize_t index, PyObject *value)
+{
+    if (value == NULL)
+        return -1;
+    return PyList_SetItem(slot, index, value);
+}
+
+/* whether the key (stack id, api, op, stream) is a collective: ``is_collective`` */
+static int
+key_is_collective(PyObject *key, PyObject *collective_apis)
+{
+    PyObject *op = PyTuple_GET_ITEM(key, 2), *api = PyTuple_GET_ITEM(key, 1);
+    if (PyUnicode_Check(op)) {
+        static PyObject *prefix = NULL;
+        if (prefix == NULL && (prefix = PyUnicode_InternFromString("c10d::")) == NULL)
+            return -1;
+        Py_ssize_t match = PyUnicode_Tailmatch(op, prefix, 0, PY_SSIZE_T_MAX, -1);
+        if (match != 0)
+            return match < 0 ? -1 : 1;
+    }
+    return PySet_Contains(collective_apis, api);
+}
+
+/* ``add_rank_count(slot, count, mask, collective)`` (opguard_core/combined.py, the
+ * reference) for a slot that is not uniform with this count: min, max, their masks
+ * and the histogram (dict, None, or False once it outgrew max_distinct values, unless
+ * the key is a collective) follow, step for step. */
+static int
+add_rank_count(PyObject *slot, PyObject *count, PyObject *mask, PyObject *key,
+               PyObject *collective_apis, Py_ssize_t max_distinct)
+{
+    PyObject *old_min = Py_NewRef(PyList_GET_ITEM(slot, 2));
+    PyObject *old_max = Py_NewRef(PyList_GET_ITEM(slot, 4));
+    PyObject *min_mask = Py_NewRef(PyList_GET_ITEM(slot, 3));
+    PyObject *hist = Py_NewRef(PyList_GET_ITEM(slot, 6));
+    PyObject *max_mask = NULL, *mine = NULL;
+    int status = -1;
+    if (min_mask == Py_None) { /* uniform so far (with another count) */
+        int same = PyObject_RichCompareBool(count, old_min, Py_EQ);
+        if (same < 0)
+            goto done;
+        if (same) {
+            status = slot_update(slot, 0, count, PyNumber_Add) < 0 ||
+                             slot_update(slot, 1, mask, PyNumber_Or) < 0
+                         ? -1
+                         : 0;
+            goto done;
+        }
+        Py_SETREF(min_mask, Py_NewRef(PyList_GET_ITEM(slot, 1)));
+        max_mask = Py_NewRef(min_mask);
+        mine = PyDict_New();
+        if (mine == NULL || PyDict_SetItem(mine, old_min, min_mask) < 0)
+            goto done;
+    }
+    else {
+        max_mask = Py_NewRef(PyList_GET_ITEM(slot, 5));
+        if (hist == Py_None) {
+            mine = PyDict_New();
+            if (mine == NULL || PyDict_SetItem(mine, old_min, min_mask) < 0 ||
+                PyDict_SetItem(mine, old_max, max_mask) < 0)
+                goto done;
+        }
+        else if (PyDict_Check(hist)) {
+            mine = Py_NewRef(hist);
+        }
+    }
+    if (slot_update(slot, 0, count, PyNumber_Add) < 0 ||
+        slot_update(slot, 1, mask, PyNumber_Or) < 0)
+        goto done;
+    int below = PyObject_RichCompareBool(count, old_min, Py_LT);
+    int at_min = below ? 0 : PyObject_RichCompareBool(count, old_min, Py_EQ);
+    if (below < 0 || at_min < 0)
+        goto done;
+    if (below) {
+        if (slot_set(slot, 2, Py_NewRef(count)) < 0 || slot_set(slot, 3, Py_NewRef(mask)) < 0)
+            goto done;
+    }
+    else if (slot_set(slot, 3, at_min ? PyNumber_Or(min_mask, mask) : Py_NewRef(min_mask)) < 0)
+        goto done;
+    int above = PyObject_RichCompareBool(count, old_max, Py_GT);
+    int at_max = above ? 0 : PyObject_RichCompareBool(count, old_max, Py_EQ);
+    if (above < 0 || at_max < 0)
+        goto done;
+    if (above) {
+        if (slot_set(slot, 4, Py_NewRef(count)) < 0 || slot_set(slot, 5, Py_NewRef(mask)) < 0)
+            goto done;
+    }
+    else if (slot_set(slot, 5, at_max ? PyNumber_Or(max_mask, mask) : Py_NewRef(max_mask)) < 0)
+        goto done;
+    PyObject *stored = Py_False; /* overflowed */
+    if (mine != NULL) {
+        PyObject *held = PyDict_GetItemWithError(mine, count);
+        if (held == NULL && PyErr_Occurred())
+            goto done;
+        PyObject *joined = held == NULL ? Py_NewRef(mask) : PyNumber_Or(held, mask);
+        if (joined == NULL)
+            goto done;
+        int failed = PyDict_SetItem(mine, count, joined);
+        Py_DECREF(joined);
+        if (failed)
+            goto done;
+        Py_ssize_t distinct = PyDict_GET_SIZE(mine);
+        stored = mine;
+        if (distinct <= 2) {
+            stored = Py_None;
+        }
+        else if (distinct > max_distinct) {
+            int collective = key_is_collective(key, collective_apis);
+            if (collective < 0)
+                goto done;
+            if (!collective)
+                stored = Py_False;
+        }
+    }
+    status = slot_set(slot, 6, Py_NewRef(stored));
+done:
+    Py_DECREF(old_min);
+    Py_DECREF(old_max);
+    Py_DECREF(min_mask);
+    Py_DECREF(hist);
+    Py_XDECREF(max_mask);
+    Py_XDECREF(mine);
+    return status;
+}
+
+/* fold_rank(sites, keys, counts, mask, collective_apis, max_distinct) -> bool: the
+ * one-rank loop of ``TraceAccumulator._fold_file`` in C. Each key gets a new slot
+ * [count, mask, count, None, count, None, None], or, on a slot of other ranks with
+ * this count on each (min mask None, min == max == count), its count added and mask
+ * or-ed in; a slot that already has a rank of ``mask`` gets the count added (and the
+ * result is False: per-rank statistics are no longer exact); any other slot (a count
+ * that differs) goes through ``add_rank_count`` above. Returns whether no rank was
+ * seen twice. */
 static PyObject *
 fold_rank(PyObject *Py_UNUSED(module), PyObject *args)
 {
-    PyObject *sites, *keys, *counts, *mask, *differs;
-    if (!PyArg_ParseTuple(args, "O!O!O!OO", &PyDict_Type, &sites, &PyList_Type, &keys,
-                          &PyList_Type, &counts, &mask, &differs))
+    PyObject *sites, *keys, *counts, *mask, *collective_apis;
+    Py_ssize_t max_distinct;
+    if (!PyArg_ParseTuple(args, "O!O!O!OO!n", &PyDict_Type, &sites, &PyList_Type, &keys,
+                          &PyList_Type, &counts, &mask, &PyFrozenSet_Type, &collective_apis,
+                          &max_distinct))
         return NULL;
     Py_ssize_t n = PyList_GET_SIZE(keys);
     if (PyList_GET_SIZE(counts) != n) {
@@ -861,12 +991,12 @@ fold_rank(PyObject *Py_UNUSED(module), PyObject *args)
                 return NULL;
             continue;
         }
-        Py_INCREF(slot); /* the callable is Python code: hold what it is given */
-        PyObject *done = PyObject_CallFunctionObjArgs(differs, slot, count, mask, key, NULL);
-        Py_DECREF(slot);
-        if (done == NULL)
+        if (!PyTuple_Check(key) || PyTuple_GET_SIZE(key) != 4) {
+            PyErr_SetString(PyExc_TypeError, "fold_rank: a key is not a 4-tuple");
             return NULL;
-        Py_DECREF(done);
+        }
+        if (add_rank_count(slot, count, mask, key, collective_apis, max_distinct) < 0)
+            return NULL;
     }
     return PyBool_FromLong(exact);
 }
@@ -878,7 +1008,8 @@ static PyMethodDef module_methods[] = {
      "scan_callsites(data, offset, closes, remap, table, apis, ops) -> (keys, counts, "
      "total) or None."},
     {"fold_rank", fold_rank, METH_VARARGS,
-     "fold_rank(sites, keys, counts, mask, differs) -> bool: fold one rank's callsites."},
+     "fold_rank(sites, keys, counts, mask, collective_apis, max_distinct) -> bool: fold "
+     "one rank's callsites."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -211,11 +211,6 @@ def add_rank_count(slot: list[Any], count: int, mask: int, collective: bool) -> 
     _store_histogram(slot, mine, collective)
 
 
-def _count_differs(slot: list[Any], count: int, mask: int, key: SiteKey) -> None:
-    """:func:`add_rank_count` for a key (what ``fold_rank`` hands back to Python)."""
-    add_rank_count(slot, count, mask, is_collective(key[2], key[1]))
-
-
 def _mask_of(slot: list[Any], value: int, low: bool) -> int:
     """The ranks of ``slot`` whose count is ``value``, where ``value`` is the new min
     (``low``) or max; 0 when none is."""
@@ -535,7 +530,8 @@ class TraceAccumulator:
         sites = self.sites
         get = sites.get
         if single and fold_rank is not None:
-            stats_valid = fold_rank(sites, keys, counts, file_mask, _count_differs) and stats_valid
+            exact = fold_rank(sites, keys, counts, file_mask, COLLECTIVE_APIS, MAX_DISTINCT)
+            stats_valid = exact and stats_valid
         elif single:  # the reference for fold_rank (opguard_core/_scan.c)
             mask = file_mask
             for key, count in zip(keys, counts, strict=True):

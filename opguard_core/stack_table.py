@@ -7,8 +7,8 @@ once per callsite per rank, and a partial result travels with each stack once.
 :class:`PyStackTable` is the reference implementation. The C extension
 ``opguard_core._scan`` (built by ``setup.py`` where a compiler is found) provides
 the same table; ``find_callsites`` and ``scan_callsites``, which read a rank file's
-``callsites`` array straight from its JSON bytes into keys; and ``fold_rank``, the
-common cases of folding one rank's keys in (performance.md, "Folding from the
+``callsites`` array straight from its JSON bytes into keys; and ``fold_rank``, which
+folds one rank's keys in, per-rank statistics and all (performance.md, "Folding from the
 bytes"). ``OPGUARD_COMBINE_SCAN=python`` forces the Python path, which decodes every
 file with msgspec as before.
 """
@@ -98,8 +98,8 @@ Scanner = Callable[..., Any]
 Finder = Callable[[bytes], int | None]
 
 
-#: (sites, keys, counts, mask, differs) -> no rank seen twice
-Folder = Callable[[dict[Any, Any], list[Any], list[int], int, Callable[..., None]], bool]
+#: (sites, keys, counts, mask, collective_apis, max_distinct) -> no rank seen twice
+Folder = Callable[[dict[Any, Any], list[Any], list[int], int, frozenset[str], int], bool]
 
 
 def _implementation() -> tuple[type, Finder | None, Scanner | None, Folder | None]:

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from builders import trace_doc
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from strategies import trace_documents
@@ -147,9 +148,9 @@ FAULTS: dict[str, Any] = {
 }
 
 
-def _outcome(path: Path, scanner: Any) -> bytes | str:
-    """Combine ``path`` and another rank's file with ``scanner`` (None: msgspec's path
-    and the Python stack table; else the C table)."""
+def _outcome(path: Path, scanner: Any, paths: list[Path] | None = None) -> bytes | str:
+    """Combine ``path`` and another rank's file (or ``paths``) with ``scanner`` (None:
+    msgspec's path and the Python stack table; else the C table)."""
     names = ("find_callsites", "scan_callsites", "fold_rank", "new_table")
     original = [getattr(combined, name) for name in names]
     for name in names[:3]:
@@ -157,8 +158,8 @@ def _outcome(path: Path, scanner: Any) -> bytes | str:
     combined.new_table = PyStackTable if scanner is None else CStackTable
     try:
         accumulator = TraceAccumulator()
-        accumulator.add_file(path)
-        accumulator.add_file(path.with_name("other_rank5.json"))
+        for each in paths or [path, path.with_name("other_rank5.json")]:
+            accumulator.add_file(each)
         return accumulator.result().to_json()
     except InputError as exc:
         return str(exc)
@@ -183,6 +184,64 @@ def test_the_scanner_ends_where_msgspec_does(tmp_path_factory: Any, data: Any) -
     from opguard_core import _scan
 
     assert _outcome(path, _scan) == _outcome(path, None)
+
+
+@needs_c
+@settings(
+    max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(data=st.data())
+def test_the_c_fold_keeps_the_reference_statistics(tmp_path_factory: Any, data: Any) -> None:
+    """Ranks whose counts differ, past two values, past MAX_DISTINCT (a collective keeps
+    its histogram all the same), missing on some ranks, a callsite twice in one file
+    and a rank read twice: the C fold's per-rank statistics are the reference's."""
+    from opguard_core import _scan
+
+    wide = data.draw(st.booleans())  # up to 12 values: histograms past MAX_DISTINCT
+    kinds = [
+        ("aten::mm", None),
+        ("c10d::allreduce_", None),
+        ("aten::add", "torch.distributed.all_reduce"),
+        ("aten::mm", "torch.mm"),
+    ]
+    sites = data.draw(st.lists(st.sampled_from(kinds), min_size=1, max_size=4, unique=True))
+    directory = tmp_path_factory.mktemp("fold")
+    paths = []
+    for rank in range(data.draw(st.integers(2, 14))):
+        rows = [
+            ([("app", f"f{position}")], api, op, data.draw(st.integers(1, 12 if wide else 3)))
+            for position, (op, api) in enumerate(sites)
+            if data.draw(st.integers(0, 5))  # one in six: missing on this rank
+        ]
+        if rows and data.draw(st.integers(0, 20)) == 0:
+            rows.append(rows[0])  # twice in one file
+        path = directory / f"t_rank{rank}.json"
+        path.write_text(json.dumps(trace_doc(rows, rank=rank)))
+        paths.append(path)
+    if data.draw(st.integers(0, 20)) == 0:
+        paths.append(paths[0])  # a rank read twice
+    assert _outcome(paths[0], _scan, paths) == _outcome(paths[0], None, paths)
+
+
+@needs_c
+@pytest.mark.parametrize("distinct", [7, 8, 9])
+def test_the_c_fold_caps_histograms_like_the_reference(tmp_path: Path, distinct: int) -> None:
+    """Exactly at MAX_DISTINCT (8) values a histogram stays; one more and only a
+    collective's does."""
+    from opguard_core import _scan
+
+    paths = []
+    for rank in range(distinct + 1):
+        count = min(rank, distinct - 1) + 1  # 1 .. distinct, the last twice
+        rows = [([("app", "f")], None, "aten::mm", count), ([("app", "g")], None, "c10d::x", count)]
+        paths.append(tmp_path / f"t_rank{rank}.json")
+        paths[-1].write_text(json.dumps(trace_doc(rows, rank=rank)))
+    written = _outcome(paths[0], _scan, paths)
+    assert written == _outcome(paths[0], None, paths)
+    assert isinstance(written, bytes)
+    sites = {site["op"]: site for site in json.loads(written)["callsites"]}
+    assert len(sites["c10d::x"]["per_rank"]["counts"]) == distinct
+    assert ("counts" in sites["aten::mm"]["per_rank"]) == (distinct <= 8)
 
 
 @needs_c
