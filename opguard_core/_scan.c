@@ -1001,6 +1001,229 @@ fold_rank(PyObject *Py_UNUSED(module), PyObject *args)
     return PyBool_FromLong(exact);
 }
 
+/* ``_histogram(slot)``: a new dict {count: mask}, or NULL with no error when the
+ * slot's histogram overflowed (False); NULL with an error on failure */
+static PyObject *
+slot_histogram(PyObject *slot)
+{
+    PyObject *hist = PyList_GET_ITEM(slot, 6);
+    if (hist == Py_False)
+        return NULL;
+    if (PyDict_Check(hist))
+        return PyDict_Copy(hist);
+    PyObject *made = PyDict_New();
+    if (made == NULL)
+        return NULL;
+    int failed;
+    if (PyList_GET_ITEM(slot, 3) == Py_None)
+        failed = PyDict_SetItem(made, PyList_GET_ITEM(slot, 2), PyList_GET_ITEM(slot, 1));
+    else
+        failed = PyDict_SetItem(made, PyList_GET_ITEM(slot, 2), PyList_GET_ITEM(slot, 3)) < 0 ||
+                 PyDict_SetItem(made, PyList_GET_ITEM(slot, 4), PyList_GET_ITEM(slot, 5)) < 0;
+    if (failed) {
+        Py_DECREF(made);
+        return NULL;
+    }
+    return made;
+}
+
+/* ``acc | _mask_of(slot, value, low)``: a new reference */
+static PyObject *
+or_mask_of(PyObject *acc, PyObject *slot, PyObject *value, int low)
+{
+    PyObject *held;
+    int at;
+    if (PyList_GET_ITEM(slot, 3) == Py_None) {
+        held = PyList_GET_ITEM(slot, 1);
+        at = 2;
+    }
+    else {
+        held = PyList_GET_ITEM(slot, low ? 3 : 5);
+        at = low ? 2 : 4;
+    }
+    int same = PyObject_RichCompareBool(PyList_GET_ITEM(slot, at), value, Py_EQ);
+    if (same < 0)
+        return NULL;
+    return same ? PyNumber_Or(acc, held) : Py_NewRef(acc);
+}
+
+/* ``merge_slot(slot, other, collective)`` (opguard_core/combined.py, the reference):
+ * fold ``other``, a slot of the same callsite from disjoint ranks, into ``slot`` */
+static int
+merge_slot(PyObject *slot, PyObject *other, PyObject *key, PyObject *collective_apis,
+           Py_ssize_t max_distinct)
+{
+    if (PyList_GET_ITEM(slot, 3) == Py_None && PyList_GET_ITEM(other, 3) == Py_None) {
+        int same = PyObject_RichCompareBool(PyList_GET_ITEM(slot, 2), PyList_GET_ITEM(other, 2),
+                                            Py_EQ);
+        if (same < 0)
+            return -1;
+        if (same) /* both uniform with the same count: the common case */
+            return slot_update(slot, 0, PyList_GET_ITEM(other, 0), PyNumber_Add) < 0 ||
+                           slot_update(slot, 1, PyList_GET_ITEM(other, 1), PyNumber_Or) < 0
+                       ? -1
+                       : 0;
+    }
+    PyObject *mine = NULL, *theirs = NULL, *low = NULL, *high = NULL, *zero = NULL;
+    PyObject *low_mask = NULL, *high_mask = NULL, *step = NULL;
+    int status = -1;
+    mine = slot_histogram(slot);
+    if (mine == NULL && PyErr_Occurred())
+        goto done;
+    theirs = slot_histogram(other);
+    if (theirs == NULL && PyErr_Occurred())
+        goto done;
+    PyObject *a = PyList_GET_ITEM(slot, 2), *b = PyList_GET_ITEM(other, 2);
+    int less = PyObject_RichCompareBool(b, a, Py_LT); /* min(a, b): a unless b < a */
+    if (less < 0)
+        goto done;
+    low = Py_NewRef(less ? b : a);
+    a = PyList_GET_ITEM(slot, 4);
+    b = PyList_GET_ITEM(other, 4);
+    int more = PyObject_RichCompareBool(b, a, Py_GT); /* max(a, b): a unless b > a */
+    if (more < 0)
+        goto done;
+    high = Py_NewRef(more ? b : a);
+    zero = PyLong_FromLong(0);
+    if (zero == NULL || (step = or_mask_of(zero, slot, low, 1)) == NULL ||
+        (low_mask = or_mask_of(step, other, low, 1)) == NULL)
+        goto done;
+    Py_SETREF(step, or_mask_of(zero, slot, high, 0));
+    if (step == NULL || (high_mask = or_mask_of(step, other, high, 0)) == NULL)
+        goto done;
+    if (slot_update(slot, 0, PyList_GET_ITEM(other, 0), PyNumber_Add) < 0 ||
+        slot_update(slot, 1, PyList_GET_ITEM(other, 1), PyNumber_Or) < 0 ||
+        slot_set(slot, 2, Py_NewRef(low)) < 0 || slot_set(slot, 4, Py_NewRef(high)) < 0)
+        goto done;
+    int flat = PyObject_RichCompareBool(low, high, Py_EQ);
+    if (flat < 0)
+        goto done;
+    if (flat) {
+        status = slot_set(slot, 3, Py_NewRef(Py_None)) < 0 ||
+                         slot_set(slot, 5, Py_NewRef(Py_None)) < 0 ||
+                         slot_set(slot, 6, Py_NewRef(Py_None)) < 0
+                     ? -1
+                     : 0;
+        goto done;
+    }
+    if (slot_set(slot, 3, Py_NewRef(low_mask)) < 0 || slot_set(slot, 5, Py_NewRef(high_mask)) < 0)
+        goto done;
+    PyObject *stored = Py_False; /* overflowed */
+    if (mine != NULL && theirs != NULL) {
+        PyObject *value, *mask;
+        Py_ssize_t position = 0;
+        while (PyDict_Next(theirs, &position, &value, &mask)) {
+            PyObject *held = PyDict_GetItemWithError(mine, value);
+            if (held == NULL && PyErr_Occurred())
+                goto done;
+            PyObject *joined = PyNumber_Or(held == NULL ? zero : held, mask);
+            if (joined == NULL)
+                goto done;
+            int failed = PyDict_SetItem(mine, value, joined);
+            Py_DECREF(joined);
+            if (failed)
+                goto done;
+        }
+        Py_ssize_t distinct = PyDict_GET_SIZE(mine);
+        stored = mine;
+        if (distinct <= 2) {
+            stored = Py_None;
+        }
+        else if (distinct > max_distinct) {
+            int collective = key_is_collective(key, collective_apis);
+            if (collective < 0)
+                goto done;
+            if (!collective)
+                stored = Py_False;
+        }
+    }
+    status = slot_set(slot, 6, Py_NewRef(stored));
+done:
+    Py_XDECREF(mine);
+    Py_XDECREF(theirs);
+    Py_XDECREF(low);
+    Py_XDECREF(high);
+    Py_XDECREF(zero);
+    Py_XDECREF(step);
+    Py_XDECREF(low_mask);
+    Py_XDECREF(high_mask);
+    return status;
+}
+
+/* merge_packed(sites, stack_ids, apis, ops, streams, counts, masks, mins, stats,
+ * collective_apis, max_distinct): ``TraceAccumulator._merge_packed``'s fold in C. The
+ * site at each position has key (stack_ids[i], apis[i], ops[i], streams[i]) and slot
+ * [counts[i], masks[i], mins[i], *stats[i]] where ``stats`` (a dict by position) has
+ * it, else [counts[i], masks[i], mins[i], None, mins[i], None, None]; a new key takes
+ * the slot, a known one has it merged in (``merge_slot``). */
+static PyObject *
+merge_packed(PyObject *Py_UNUSED(module), PyObject *args)
+{
+    PyObject *sites, *columns[7], *stats, *collective_apis;
+    Py_ssize_t max_distinct;
+    if (!PyArg_ParseTuple(args, "O!O!O!O!O!O!O!O!O!O!n", &PyDict_Type, &sites, &PyList_Type,
+                          &columns[0], &PyList_Type, &columns[1], &PyList_Type, &columns[2],
+                          &PyList_Type, &columns[3], &PyList_Type, &columns[4], &PyList_Type,
+                          &columns[5], &PyList_Type, &columns[6], &PyDict_Type, &stats,
+                          &PyFrozenSet_Type, &collective_apis, &max_distinct))
+        return NULL;
+    Py_ssize_t n = PyList_GET_SIZE(columns[0]);
+    for (int c = 1; c < 7; c++) {
+        if (PyList_GET_SIZE(columns[c]) != n) {
+            PyErr_SetString(PyExc_ValueError, "merge_packed: columns differ in length");
+            return NULL;
+        }
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *key = PyTuple_Pack(4, PyList_GET_ITEM(columns[0], i),
+                                     PyList_GET_ITEM(columns[1], i),
+                                     PyList_GET_ITEM(columns[2], i), PyList_GET_ITEM(columns[3], i));
+        if (key == NULL)
+            return NULL;
+        PyObject *low = PyList_GET_ITEM(columns[6], i);
+        PyObject *values[7] = {PyList_GET_ITEM(columns[4], i), PyList_GET_ITEM(columns[5], i), low,
+                               Py_None, low, Py_None, Py_None};
+        PyObject *position = PyLong_FromSsize_t(i);
+        PyObject *extra = position == NULL ? NULL : PyDict_GetItemWithError(stats, position);
+        Py_XDECREF(position);
+        if (extra == NULL && PyErr_Occurred()) {
+            Py_DECREF(key);
+            return NULL;
+        }
+        if (extra != NULL) {
+            if (!PyTuple_Check(extra) || PyTuple_GET_SIZE(extra) != 4) {
+                Py_DECREF(key);
+                PyErr_SetString(PyExc_TypeError, "merge_packed: stats are 4-tuples");
+                return NULL;
+            }
+            for (int j = 0; j < 4; j++)
+                values[3 + j] = PyTuple_GET_ITEM(extra, j);
+        }
+        PyObject *incoming = PyList_New(7);
+        if (incoming == NULL) {
+            Py_DECREF(key);
+            return NULL;
+        }
+        for (int j = 0; j < 7; j++)
+            PyList_SET_ITEM(incoming, j, Py_NewRef(values[j]));
+        PyObject *slot = PyDict_GetItemWithError(sites, key);
+        int failed;
+        if (slot == NULL)
+            failed = PyErr_Occurred() != NULL || PyDict_SetItem(sites, key, incoming) < 0;
+        else if (!PyList_CheckExact(slot) || PyList_GET_SIZE(slot) != 7) {
+            PyErr_SetString(PyExc_TypeError, "merge_packed: a slot is not a list of 7");
+            failed = 1;
+        }
+        else
+            failed = merge_slot(slot, incoming, key, collective_apis, max_distinct) < 0;
+        Py_DECREF(incoming);
+        Py_DECREF(key);
+        if (failed)
+            return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef module_methods[] = {
     {"find_callsites", find_callsites, METH_O,
      "find_callsites(data) -> offset or None: where the top-level callsites value starts."},
@@ -1010,6 +1233,9 @@ static PyMethodDef module_methods[] = {
     {"fold_rank", fold_rank, METH_VARARGS,
      "fold_rank(sites, keys, counts, mask, collective_apis, max_distinct) -> bool: fold "
      "one rank's callsites."},
+    {"merge_packed", merge_packed, METH_VARARGS,
+     "merge_packed(sites, stack_ids, apis, ops, streams, counts, masks, mins, stats, "
+     "collective_apis, max_distinct): fold a packed partial's sites in."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -35,7 +35,13 @@ from typing import Any, NamedTuple
 import msgspec
 
 from opguard_core.errors import InputError
-from opguard_core.stack_table import find_callsites, fold_rank, new_table, scan_callsites
+from opguard_core.stack_table import (
+    find_callsites,
+    fold_rank,
+    merge_packed,
+    new_table,
+    scan_callsites,
+)
 from opguard_core.trace_format import (
     COMBINED_VERSION,
     READ_VERSIONS,
@@ -714,7 +720,15 @@ class TraceAccumulator:
         ids.frombytes(packed.stack_ids)
         stack_ids = ids.tolist() if new_ids is None else list(map(new_ids.__getitem__, ids))
         stats = packed.stats
-        self._fold(
+        if merge_packed is not None:
+            merge_packed(
+                self.sites,
+                stack_ids,
+                *(packed.apis, packed.ops, packed.streams, packed.counts, packed.masks),
+                *(packed.mins, stats, COLLECTIVE_APIS, MAX_DISTINCT),
+            )
+            return
+        self._fold(  # the reference for merge_packed (opguard_core/_scan.c)
             (
                 (
                     (stack, api, op, stream),

@@ -8,7 +8,8 @@ once per callsite per rank, and a partial result travels with each stack once.
 ``opguard_core._scan`` (built by ``setup.py`` where a compiler is found) provides
 the same table; ``find_callsites`` and ``scan_callsites``, which read a rank file's
 ``callsites`` array straight from its JSON bytes into keys; and ``fold_rank``, which
-folds one rank's keys in, per-rank statistics and all (performance.md, "Folding from the
+folds one rank's keys in, per-rank statistics and all; and ``merge_packed``, which
+folds in a helper's packed partial (performance.md, "Folding from the
 bytes"). ``OPGUARD_COMBINE_SCAN=python`` forces the Python path, which decodes every
 file with msgspec as before.
 """
@@ -102,24 +103,31 @@ Finder = Callable[[bytes], int | None]
 Folder = Callable[[dict[Any, Any], list[Any], list[int], int, frozenset[str], int], bool]
 
 
-def _implementation() -> tuple[type, Finder | None, Scanner | None, Folder | None]:
+#: (sites, stack_ids, apis, ops, streams, counts, masks, mins, stats, collective_apis,
+#: max_distinct): a packed partial's sites folded in
+Merger = Callable[..., None]
+
+
+def _implementation() -> tuple[type, Finder | None, Scanner | None, Folder | None, Merger | None]:
     if os.environ.get("OPGUARD_COMBINE_SCAN") == "python":
-        return PyStackTable, None, None, None
+        return PyStackTable, None, None, None, None
     try:
         from opguard_core._scan import (  # type: ignore[import-not-found,unused-ignore]
             StackTable,
             find_callsites,
             fold_rank,
+            merge_packed,
             scan_callsites,
         )
     except ImportError:
-        return PyStackTable, None, None, None
-    return StackTable, find_callsites, scan_callsites, fold_rank
+        return PyStackTable, None, None, None, None
+    return StackTable, find_callsites, scan_callsites, fold_rank, merge_packed
 
 
 #: the table the accumulator uses; the scanner and its finder (None: decode with
-#: msgspec); the one-rank fold (None: TraceAccumulator._fold_file's Python loop)
-StackTable, find_callsites, scan_callsites, fold_rank = _implementation()
+#: msgspec); the one-rank fold (None: TraceAccumulator._fold_file's Python loop); the
+#: fold of a packed partial (None: TraceAccumulator._merge_packed's Python loop)
+StackTable, find_callsites, scan_callsites, fold_rank, merge_packed = _implementation()
 
 
 def new_table() -> StackTableLike:

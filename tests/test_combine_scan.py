@@ -148,18 +148,25 @@ FAULTS: dict[str, Any] = {
 }
 
 
-def _outcome(path: Path, scanner: Any, paths: list[Path] | None = None) -> bytes | str:
+def _outcome(
+    path: Path, scanner: Any, paths: list[Path] | None = None, split: int | None = None
+) -> bytes | str:
     """Combine ``path`` and another rank's file (or ``paths``) with ``scanner`` (None:
-    msgspec's path and the Python stack table; else the C table)."""
-    names = ("find_callsites", "scan_callsites", "fold_rank", "new_table")
+    msgspec's path, the Python stack table and fold; else the C ones). With ``split``,
+    the files from that index on go to a second accumulator, whose partial travels
+    pickled (packed) and is folded into the first, as a pool's helper's is."""
+    names = ("find_callsites", "scan_callsites", "fold_rank", "merge_packed", "new_table")
     original = [getattr(combined, name) for name in names]
-    for name in names[:3]:
+    for name in names[:4]:
         setattr(combined, name, None if scanner is None else getattr(scanner, name))
     combined.new_table = PyStackTable if scanner is None else CStackTable
     try:
-        accumulator = TraceAccumulator()
-        for each in paths or [path, path.with_name("other_rank5.json")]:
-            accumulator.add_file(each)
+        files = paths or [path, path.with_name("other_rank5.json")]
+        accumulator, partial = TraceAccumulator(), TraceAccumulator()
+        for position, each in enumerate(files):
+            (partial if split is not None and position >= split else accumulator).add_file(each)
+        if split is not None:
+            accumulator.update(pickle.loads(pickle.dumps(partial)))
         return accumulator.result().to_json()
     except InputError as exc:
         return str(exc)
@@ -220,14 +227,23 @@ def test_the_c_fold_keeps_the_reference_statistics(tmp_path_factory: Any, data: 
         paths.append(path)
     if data.draw(st.integers(0, 20)) == 0:
         paths.append(paths[0])  # a rank read twice
-    assert _outcome(paths[0], _scan, paths) == _outcome(paths[0], None, paths)
+    reference = _outcome(paths[0], None, paths)
+    assert _outcome(paths[0], _scan, paths) == reference
+    # the same files split between two accumulators, the second's partial folded in
+    # packed: the C merge against the Python one (and both against one accumulator,
+    # unless a rank is read twice, where the statistics are dropped either way)
+    split = data.draw(st.integers(1, len(paths) - 1))
+    merged = _outcome(paths[0], _scan, paths, split)
+    assert merged == _outcome(paths[0], None, paths, split)
+    if len(set(paths)) == len(paths):
+        assert merged == reference
 
 
 @needs_c
 @pytest.mark.parametrize("distinct", [7, 8, 9])
 def test_the_c_fold_caps_histograms_like_the_reference(tmp_path: Path, distinct: int) -> None:
     """Exactly at MAX_DISTINCT (8) values a histogram stays; one more and only a
-    collective's does."""
+    collective's does, whether the ranks are folded one by one or merged."""
     from opguard_core import _scan
 
     paths = []
@@ -236,12 +252,13 @@ def test_the_c_fold_caps_histograms_like_the_reference(tmp_path: Path, distinct:
         rows = [([("app", "f")], None, "aten::mm", count), ([("app", "g")], None, "c10d::x", count)]
         paths.append(tmp_path / f"t_rank{rank}.json")
         paths[-1].write_text(json.dumps(trace_doc(rows, rank=rank)))
-    written = _outcome(paths[0], _scan, paths)
-    assert written == _outcome(paths[0], None, paths)
-    assert isinstance(written, bytes)
-    sites = {site["op"]: site for site in json.loads(written)["callsites"]}
-    assert len(sites["c10d::x"]["per_rank"]["counts"]) == distinct
-    assert ("counts" in sites["aten::mm"]["per_rank"]) == (distinct <= 8)
+    for split in (None, len(paths) // 2):  # folded rank by rank, or merged from partials
+        written = _outcome(paths[0], _scan, paths, split)
+        assert written == _outcome(paths[0], None, paths, split)
+        assert isinstance(written, bytes)
+        sites = {site["op"]: site for site in json.loads(written)["callsites"]}
+        assert len(sites["c10d::x"]["per_rank"]["counts"]) == distinct
+        assert ("counts" in sites["aten::mm"]["per_rank"]) == (distinct <= 8)
 
 
 @needs_c
