@@ -332,6 +332,66 @@ table_flat(StackTable *t, PyObject *Py_UNUSED(ignored))
     return Py_BuildValue("(NN)", flat, lengths);
 }
 
+/* canonical(new_id) -> list: for every stack id, (its ids through new_id as big-endian
+ * uint32 bytes, the same ids as a tuple); the tuple holds new_id's own int objects */
+static PyObject *
+table_canonical(StackTable *t, PyObject *new_id)
+{
+    if (!PyList_Check(new_id)) {
+        PyErr_SetString(PyExc_TypeError, "StackTable.canonical: new_id must be a list");
+        return NULL;
+    }
+    Py_ssize_t frames = PyList_GET_SIZE(new_id);
+    uint32_t *mapped = PyMem_Malloc((size_t)(frames ? frames : 1) * sizeof(uint32_t));
+    PyObject *out = PyList_New((Py_ssize_t)t->count);
+    if (mapped == NULL || out == NULL) {
+        PyMem_Free(mapped);
+        Py_XDECREF(out);
+        return PyErr_NoMemory();
+    }
+    for (Py_ssize_t i = 0; i < frames; i++) {
+        long value = PyLong_AsLong(PyList_GET_ITEM(new_id, i));
+        if (value == -1 && PyErr_Occurred())
+            goto fail;
+        if (value < 0 || (unsigned long)value > UINT32_MAX) {
+            PyErr_SetString(PyExc_ValueError, "StackTable.canonical: an id out of range");
+            goto fail;
+        }
+        mapped[i] = (uint32_t)value;
+    }
+    for (size_t id = 0; id < t->count; id++) {
+        const uint32_t *ids = t->flat + t->starts[id];
+        Py_ssize_t n = (Py_ssize_t)(t->starts[id + 1] - t->starts[id]);
+        PyObject *key = PyBytes_FromStringAndSize(NULL, n * 4);
+        PyObject *stack = PyTuple_New(n);
+        PyObject *pair = key && stack ? PyTuple_Pack(2, key, stack) : NULL;
+        Py_XDECREF(key);
+        Py_XDECREF(stack);
+        if (pair == NULL)
+            goto fail;
+        PyList_SET_ITEM(out, (Py_ssize_t)id, pair); /* filled in below, in place */
+        unsigned char *bytes = (unsigned char *)PyBytes_AS_STRING(key);
+        for (Py_ssize_t j = 0; j < n; j++) {
+            if ((Py_ssize_t)ids[j] >= frames) {
+                PyErr_SetString(PyExc_IndexError, "StackTable.canonical: frame id out of range");
+                goto fail;
+            }
+            uint32_t value = mapped[ids[j]];
+            bytes[4 * j] = (unsigned char)(value >> 24);
+            bytes[4 * j + 1] = (unsigned char)(value >> 16);
+            bytes[4 * j + 2] = (unsigned char)(value >> 8);
+            bytes[4 * j + 3] = (unsigned char)value;
+            PyTuple_SET_ITEM(stack, j, Py_NewRef(PyList_GET_ITEM(new_id, ids[j])));
+        }
+    }
+    PyMem_Free(mapped);
+    return out;
+fail:
+    PyMem_Free(mapped);
+    Py_DECREF(out);
+    return NULL;
+}
+
 static PyObject *table_from_flat(PyObject *cls, PyObject *args);
 
 static PyObject *
@@ -354,6 +414,9 @@ static PyMethodDef table_methods[] = {
     {"absorb", (PyCFunction)table_absorb, METH_VARARGS,
      "absorb(other, remap) -> list: intern other's stacks (frame ids through remap, "
      "unless None); their new ids, by old id."},
+    {"canonical", (PyCFunction)table_canonical, METH_O,
+     "canonical(new_id) -> list: per stack id, (big-endian uint32 bytes, tuple) of its "
+     "frame ids through new_id."},
     {"flat", (PyCFunction)table_flat, METH_NOARGS,
      "flat() -> (ids, lengths): every stack end to end and their lengths, uint32 bytes."},
     {"from_flat", (PyCFunction)table_from_flat, METH_VARARGS | METH_CLASS,

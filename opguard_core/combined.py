@@ -26,7 +26,6 @@ import contextlib
 import dataclasses
 import enum
 import gc
-import sys
 from collections.abc import Callable, Iterable, Iterator
 from operator import itemgetter
 from pathlib import Path
@@ -255,20 +254,6 @@ def gc_paused() -> Iterator[None]:
             gc.enable()
 
 
-def remap_stack(stack: tuple[int, ...], table: list[int]) -> tuple[int, ...]:
-    """``stack`` with every frame id ``i`` replaced by ``table[i]``.
-
-    ``itemgetter(*stack)`` gathers all ids in one C call, about a third faster
-    than ``tuple(map(table.__getitem__, stack))``; it returns a bare item, not a
-    tuple, for one id, hence the fallback. An id out of range raises IndexError.
-    (:meth:`TraceAccumulator.add` inlines this: it is the combine's hot loop.)
-    """
-    if len(stack) > 1:
-        result: tuple[int, ...] = itemgetter(*stack)(table)
-        return result
-    return tuple(map(table.__getitem__, stack))
-
-
 def ranks_to_mask(ranks: Iterable[int]) -> int:
     mask = 0
     for rank in ranks:
@@ -458,9 +443,10 @@ class TraceAccumulator:
 
         Every callsite becomes a key (stack id, api, op, stream): its stack is
         re-interned with one C-level gather over the file's frame table
-        (:func:`remap_stack`, inlined) and then interned in :attr:`stacks`, its api
-        and op strings are interned (so keys compare them by identity). The gather
-        also refuses frame ids out of range, so decoding may skip that check
+        (``itemgetter(*stack)``, a third faster than ``map``), then interned in
+        :attr:`stacks`; its api and op strings are interned (so keys compare them by
+        identity). The gather also refuses frame ids out of range, so decoding may
+        skip that check
         (``check_frame_ids=False``); the error is the same, and comes before any rank
         error, as if decoding had checked.
         """
@@ -774,21 +760,12 @@ class TraceAccumulator:
         frames = [self.frames[old] for old in order]
         # (canonical stack as big-endian bytes, api or "", op, stream, api is set,
         # canonical stack, original key, slot): the bytes sort as the tuple of ids
-        # would (fixed width, a prefix first) but compare with one memcmp, not id by
-        # id; the first five fields already differ between any two sites, so a plain
-        # tuple sort orders by them alone, without building a 5-tuple per site
+        # would; the first five fields already differ between any two sites, so a
+        # plain tuple sort orders by them alone, without building a 5-tuple per site
+        canonical = self.stacks.canonical(new_id)  # by stack id, once each
         keyed = []
-        swap = sys.byteorder == "little"
-        table = self.stacks
-        canonical: dict[int, tuple[bytes, tuple[int, ...]]] = {}  # by stack id, once each
         for key, slot in self.sites.items():
-            known = canonical.get(key[0])
-            if known is None:
-                stack = remap_stack(table[key[0]], new_id)
-                ids = array.array("I", stack)  # 4 bytes a frame id
-                if swap:
-                    ids.byteswap()
-                known = canonical[key[0]] = (ids.tobytes(), stack)
+            known = canonical[key[0]]
             keyed.append(
                 (known[0], key[1] or "", key[2], key[3], key[1] is not None, known[1], key, slot)
             )

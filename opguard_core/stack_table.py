@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import array
 import os
+import sys
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
@@ -30,6 +31,8 @@ class StackTableLike(Protocol):
     def absorb(self, other: Any, remap: Sequence[int] | None) -> list[int]: ...
 
     def flat(self) -> tuple[bytes, bytes]: ...
+
+    def canonical(self, new_id: list[int]) -> list[tuple[bytes, tuple[int, ...]]]: ...
 
     def __getitem__(self, index: int) -> tuple[int, ...]: ...
 
@@ -61,6 +64,19 @@ class PyStackTable:
         return [
             self.intern([table[frame] for frame in other[index]]) for index in range(len(other))
         ]
+
+    def canonical(self, new_id: list[int]) -> list[tuple[bytes, tuple[int, ...]]]:
+        """For every stack id, its frame ids through ``new_id``: as big-endian uint32
+        bytes (which sort as the tuples of ids do: fixed width, a prefix first, but
+        compare with one memcmp) and as a tuple."""
+        out = []
+        for stack in self.stacks:
+            mapped = tuple(new_id[frame] for frame in stack)
+            ids = array.array("I", mapped)
+            if sys.byteorder == "little":
+                ids.byteswap()
+            out.append((ids.tobytes(), mapped))
+        return out
 
     def flat(self) -> tuple[bytes, bytes]:
         """Every stack's frame ids end to end, and the stacks' lengths (uint32 bytes)."""

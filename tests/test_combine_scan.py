@@ -70,6 +70,16 @@ def test_stack_tables_intern_absorb_and_pickle(table_type: Any) -> None:
         table_type.from_flat(*other.flat()[:1], other.flat()[1][:20]), [5, 4, 3, 2, 1, 0, 9, 9]
     ) == [0, 1, 2, 3, 4]
     assert remapped[0] == (4, 5) and remapped[1] == (2, 4, 3)
+    canonical = table_type()
+    for stack in [(2, 0), (), (1, 2, 0)]:
+        canonical.intern(stack)
+    assert canonical.canonical([7, 2**32 - 1, 0]) == [
+        (b"\0\0\0\0\0\0\0\7", (0, 7)),
+        (b"", ()),
+        (b"\xff\xff\xff\xff\0\0\0\0\0\0\0\7", (2**32 - 1, 0, 7)),
+    ]
+    with pytest.raises(IndexError):
+        canonical.canonical([1])
 
 
 @needs_c
