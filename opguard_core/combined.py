@@ -446,9 +446,8 @@ class TraceAccumulator:
         (``itemgetter(*stack)``, a third faster than ``map``), then interned in
         :attr:`stacks`; its api and op strings are interned (so keys compare them by
         identity). The gather also refuses frame ids out of range, so decoding may
-        skip that check
-        (``check_frame_ids=False``); the error is the same, and comes before any rank
-        error, as if decoding had checked.
+        skip that check (``check_frame_ids=False``); the error is the same, and comes
+        before any rank error, as if decoding had checked.
         """
         self._unpack()
         callsites = trace.callsites
