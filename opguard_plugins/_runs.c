@@ -1,4 +1,5 @@
-/* Compress's per-callsite work in C (performance.md, "Compress from the runs").
+/* Compress's (and divergence's) per-callsite work in C (performance.md, "Compress
+ * from the runs").
  *
  * ``Runs(paths, counts, masks, all_mask, ops, streams, width)`` holds a trace's
  * callsites in the sorted order of their paths (bytes, ``width`` bytes an id), with
@@ -6,9 +7,11 @@
  * of callsites below its nodes: ``weight``, ``mask``, ``uniform``, ``skip_ended``,
  * ``run_end``, ``id_at``, ``prefix``, ``tally``, ``distinct_prefixes`` and the whole
  * ``divergent`` search; ``callsite_paths(stacks, apis, api_index, tables, width)``
- * builds the paths (4-byte ids only). Each does what the pure-Python ``PyRuns`` and
- * ``py_callsite_paths`` (opguard_plugins/sorted_runs.py) do, which stay the
- * reference: tests/test_compress_runs.py holds the two to the same answers.
+ * builds the paths (4-byte ids only); ``visible_frames(stacks, hidden, user)`` gives
+ * divergence every stack's visible frames and calling function. Each does what the
+ * pure-Python ``PyRuns``, ``py_callsite_paths`` and ``py_visible_frames``
+ * (opguard_plugins/sorted_runs.py) do, which stay the reference:
+ * tests/test_compress_runs.py holds the two to the same answers.
  *
  * Positions are checked against the number of paths (ValueError), and a sum of
  * counts past 2**63-1 is an OverflowError. CPython >= 3.11; the package works
@@ -722,9 +725,100 @@ done:
     return result;
 }
 
+/* visible_frames(stacks, hidden, user) -> (visible, callers): per stack (a tuple of
+ * frame ids), its frame ids without the hidden ones (a list, one per distinct tuple
+ * object) and its caller: the position of the innermost visible user frame, else of
+ * the innermost visible frame, else None. ``hidden`` and ``user`` are bytes by frame
+ * id (non-zero: true). */
+static PyObject *
+visible_frames(PyObject *Py_UNUSED(module), PyObject *args)
+{
+    PyObject *stacks;
+    Py_buffer hidden, user;
+    if (!PyArg_ParseTuple(args, "O!y*y*:visible_frames", &PyList_Type, &stacks, &hidden, &user))
+        return NULL;
+    PyObject *visible = NULL, *callers = NULL, *seen = NULL, *result = NULL;
+    const unsigned char *is_hidden = hidden.buf, *is_user = user.buf;
+    Py_ssize_t n = PyList_GET_SIZE(stacks), frames = hidden.len;
+    if (user.len != frames) {
+        PyErr_SetString(PyExc_ValueError, "visible_frames: hidden and user differ in length");
+        goto done;
+    }
+    visible = PyList_New(n);
+    callers = PyList_New(n);
+    seen = PyDict_New(); /* id(stack) -> index of its first site */
+    if (visible == NULL || callers == NULL || seen == NULL)
+        goto done;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *stack = PyList_GET_ITEM(stacks, i);
+        PyObject *id = PyLong_FromVoidPtr(stack);
+        if (id == NULL)
+            goto done;
+        PyObject *first = PyDict_GetItemWithError(seen, id);
+        if (first == NULL && PyErr_Occurred()) {
+            Py_DECREF(id);
+            goto done;
+        }
+        if (first != NULL) {
+            Py_ssize_t at = PyLong_AsSsize_t(first);
+            Py_DECREF(id);
+            PyList_SET_ITEM(visible, i, Py_NewRef(PyList_GET_ITEM(visible, at)));
+            PyList_SET_ITEM(callers, i, Py_NewRef(PyList_GET_ITEM(callers, at)));
+            continue;
+        }
+        PyObject *index = PyLong_FromSsize_t(i);
+        int failed = index == NULL || PyDict_SetItem(seen, id, index) < 0;
+        Py_XDECREF(index);
+        Py_DECREF(id);
+        if (failed)
+            goto done;
+        if (!PyTuple_Check(stack)) {
+            PyErr_SetString(PyExc_TypeError, "visible_frames: a stack is not a tuple");
+            goto done;
+        }
+        Py_ssize_t depth = PyTuple_GET_SIZE(stack), kept = 0, caller = -1, innermost_user = -1;
+        PyObject *frames_of = PyList_New(0);
+        if (frames_of == NULL)
+            goto done;
+        PyList_SET_ITEM(visible, i, frames_of);
+        for (Py_ssize_t j = 0; j < depth; j++) {
+            PyObject *item = PyTuple_GET_ITEM(stack, j);
+            Py_ssize_t frame = PyLong_AsSsize_t(item);
+            if (frame == -1 && PyErr_Occurred())
+                goto done;
+            if (frame < 0 || frame >= frames) {
+                PyErr_SetString(PyExc_IndexError, "visible_frames: frame id out of range");
+                goto done;
+            }
+            if (is_hidden[frame])
+                continue;
+            if (PyList_Append(frames_of, item) < 0)
+                goto done;
+            if (is_user[frame])
+                innermost_user = kept;
+            kept++;
+        }
+        caller = innermost_user >= 0 ? innermost_user : kept - 1;
+        PyObject *position = caller >= 0 ? PyLong_FromSsize_t(caller) : Py_NewRef(Py_None);
+        if (position == NULL)
+            goto done;
+        PyList_SET_ITEM(callers, i, position);
+    }
+    result = PyTuple_Pack(2, visible, callers);
+done:
+    PyBuffer_Release(&hidden);
+    PyBuffer_Release(&user);
+    Py_XDECREF(visible);
+    Py_XDECREF(callers);
+    Py_XDECREF(seen);
+    return result;
+}
+
 static PyMethodDef module_methods[] = {
     {"callsite_paths", callsite_paths, METH_VARARGS,
      "callsite_paths(stacks, apis, api_index, tables, width) -> (paths, frame_paths)."},
+    {"visible_frames", visible_frames, METH_VARARGS,
+     "visible_frames(stacks, hidden, user) -> (visible, callers): per stack."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -27,6 +27,7 @@ from opguard_core.model import RunOptions
 from opguard_core.trace_format import Callsite
 from opguard_core.tree_format import target_name
 from opguard_plugins.compress import DEFAULT_HIDE, hidden_frames
+from opguard_plugins.sorted_runs import visible_frames
 
 #: how many enclosing functions a finding's ``context`` lists (as config entries do)
 CONTEXT_DEPTH = 3
@@ -89,46 +90,19 @@ def _lowest(mask: int) -> int:
 
 
 class _Stacks:
-    """Visible frames of every callsite (hidden plumbing removed), as names."""
+    """Every callsite's visible frames (hidden plumbing removed) and calling function,
+    in trace order, and the frames' names."""
 
     def __init__(self, trace: CallsiteTrace, options: RunOptions) -> None:
         hide = [*(DEFAULT_HIDE if options.default_hide else ()), *options.hide]
-        hidden = hidden_frames(trace, hide)
         self.names = [target_name(f.module, f.file, f.qualname) for f in trace.frames]
-        self.user = [not (f.module or "").startswith("torch") for f in trace.frames]
-        self.hidden = hidden
-        self._visible: dict[int, list[int]] = {}
-        self._callers: dict[int, tuple[list[int], int | None, str]] = {}
-
-    def visible(self, site: Callsite) -> list[int]:
-        """The site's frame ids without hidden ones (cached by the stack: several
-        passes ask, and a combined trace's callsites share one tuple per stack)."""
-        stack = site.stack
-        found = self._visible.get(id(stack))
-        if found is None:
-            hidden = self.hidden
-            found = self._visible[id(stack)] = [fid for fid in stack if not hidden[fid]]
-        return found
-
-    def caller(self, frames: list[int]) -> int | None:
-        """Position in ``frames`` of the calling function: the innermost frame outside
-        torch, else the innermost frame."""
-        for position in range(len(frames) - 1, -1, -1):
-            if self.user[frames[position]]:
-                return position
-        return len(frames) - 1 if frames else None
-
-    def caller_of(self, site: Callsite) -> tuple[list[int], int | None, str]:
-        """The site's visible frames, :meth:`caller`'s position in them and its name
-        (``<root>`` for none), cached by the stack as :meth:`visible` is."""
-        stack = site.stack
-        found = self._callers.get(id(stack))
-        if found is None:
-            frames = self.visible(site)
-            position = self.caller(frames)
-            name = "<root>" if position is None else self.names[frames[position]]
-            found = self._callers[id(stack)] = (frames, position, name)
-        return found
+        user = bytes(not (f.module or "").startswith("torch") for f in trace.frames)
+        #: per callsite: its frame ids without hidden ones, and the position in them of
+        #: the calling function (the innermost frame outside torch, else the innermost
+        #: frame; None for no frame)
+        self.visible, self.callers = visible_frames(
+            [site.stack for site in trace.callsites], bytes(hidden_frames(trace, hide)), user
+        )
 
     def describe(self, frames: list[int], position: int | None) -> dict[str, Any]:
         if position is None:
@@ -157,7 +131,7 @@ def find_divergence(trace: CallsiteTrace, options: RunOptions) -> list[Finding]:
 
 def _collectives(trace: CallsiteTrace, stacks: _Stacks, exact: bool) -> Iterator[Finding]:
     all_mask = ranks_to_mask(trace.ranks)
-    for site in trace.callsites:
+    for site, frames, caller in zip(trace.callsites, stacks.visible, stacks.callers, strict=True):
         if not is_collective(site.op, site.api):
             continue
         hist = site_histogram(site, all_mask, exact)
@@ -175,8 +149,7 @@ def _collectives(trace: CallsiteTrace, stacks: _Stacks, exact: bool) -> Iterator
             for rank in mask_to_ranks(mask)
         }
         deviating = sorted(counts)
-        frames = stacks.visible(site)
-        where = stacks.describe(frames, stacks.caller(frames))
+        where = stacks.describe(frames, caller)
         known = -1 not in hist
         shown = {str(r): counts[r] for r in deviating} if known else {}
         issued = (
@@ -210,7 +183,7 @@ def _collectives(trace: CallsiteTrace, stacks: _Stacks, exact: bool) -> Iterator
 def _rank_specific(trace: CallsiteTrace, stacks: _Stacks) -> Iterator[Finding]:
     """The outermost function of each path some ranks never took."""
     all_mask = ranks_to_mask(trace.ranks)
-    visible = [stacks.visible(site) for site in trace.callsites]
+    visible = stacks.visible
     masks = [all_mask if s.ranks is None else ranks_to_mask(s.ranks) for s in trace.callsites]
     # a function in any callsite that every rank ran is run by every rank: one C-level
     # set update per such callsite; only the (few) other callsites are walked
@@ -276,10 +249,11 @@ def _count_skew(trace: CallsiteTrace, stacks: _Stacks, skew: float) -> Iterator[
     varied: dict[str, dict[int, float]] = {}
     example: dict[str, tuple[int, list[int], int]] = {}
     function_mask: dict[str, int] = {}
-    for site in trace.callsites:
+    names = stacks.names
+    for site, frames, position in zip(trace.callsites, stacks.visible, stacks.callers, strict=True):
         if is_collective(site.op, site.api):
             continue
-        frames, position, name = stacks.caller_of(site)
+        name = "<root>" if position is None else names[frames[position]]
         mask = all_mask if site.ranks is None else ranks_to_mask(site.ranks)
         function_mask[name] = function_mask.get(name, 0) | mask
         ops[name] = ops.get(name, 0) + site.count

@@ -10,8 +10,9 @@ has, and the search for rank-divergent nodes below the fraction threshold.
 :class:`PyRuns` is the reference implementation. The C extension
 ``opguard_plugins._runs`` (built by ``setup.py`` where a compiler is found) provides
 the same type, which does each of these without a Python-level step per callsite
-(docs/performance.md, "Compress from the runs"). ``OPGUARD_COMPRESS_RUNS=python``
-forces the reference.
+(docs/performance.md, "Compress from the runs"), as well as ``callsite_paths``, which
+builds the paths, and ``visible_frames``, every stack's visible frames and calling
+function for divergence. ``OPGUARD_COMPRESS_RUNS=python`` forces the references.
 """
 
 from __future__ import annotations
@@ -228,19 +229,46 @@ def py_callsite_paths(
     return paths, frame_paths
 
 
-def _implementation() -> tuple[type, Any]:
+def py_visible_frames(
+    stacks: list[tuple[int, ...]], hidden: bytes, user: bytes
+) -> tuple[list[list[int]], list[int | None]]:
+    """Per stack, its frame ids without the hidden ones (one list per distinct tuple
+    object: a combined trace's callsites share one per stack) and its caller: the
+    position of the innermost visible user frame, else of the innermost visible
+    frame, else None (``hidden`` and ``user``: bytes by frame id, non-zero for true)."""
+    known: dict[int, tuple[list[int], int | None]] = {}
+    visible: list[list[int]] = []
+    callers: list[int | None] = []
+    for stack in stacks:
+        found = known.get(id(stack))
+        if found is None:
+            frames = [fid for fid in stack if not hidden[fid]]
+            caller = len(frames) - 1 if frames else None
+            for position in range(len(frames) - 1, -1, -1):
+                if user[frames[position]]:
+                    caller = position
+                    break
+            found = known[id(stack)] = (frames, caller)
+        visible.append(found[0])
+        callers.append(found[1])
+    return visible, callers
+
+
+def _implementation() -> tuple[type, Any, Any]:
     if os.environ.get("OPGUARD_COMPRESS_RUNS") == "python":
-        return PyRuns, py_callsite_paths
+        return PyRuns, py_callsite_paths, py_visible_frames
     try:
         from opguard_plugins._runs import (  # type: ignore[import-not-found,unused-ignore]
             Runs,
             callsite_paths,
+            visible_frames,
         )
     except ImportError:
-        return PyRuns, py_callsite_paths
+        return PyRuns, py_callsite_paths, py_visible_frames
     runs: type = Runs
-    return runs, callsite_paths
+    return runs, callsite_paths, visible_frames
 
 
-#: the implementation compress uses: the runs type and the paths builder
-Runs, callsite_paths = _implementation()
+#: the implementations in use: the runs type, the paths builder (compress) and the
+#: visible frames (divergence)
+Runs, callsite_paths, visible_frames = _implementation()

@@ -21,13 +21,19 @@ from opguard_core.combined import TraceAccumulator
 from opguard_core.model import RunOptions
 from opguard_core.trace_format import load_trace
 from opguard_plugins import compress, sorted_runs
-from opguard_plugins.sorted_runs import PathTables, PyRuns, py_callsite_paths
+from opguard_plugins.sorted_runs import (
+    PathTables,
+    PyRuns,
+    py_callsite_paths,
+    py_visible_frames,
+)
 
 try:
     from opguard_plugins._runs import Runs as CRuns  # type: ignore[import-not-found]
     from opguard_plugins._runs import callsite_paths as c_callsite_paths
+    from opguard_plugins._runs import visible_frames as c_visible_frames
 except ImportError:
-    CRuns = c_callsite_paths = None
+    CRuns = c_callsite_paths = c_visible_frames = None
 
 needs_c = pytest.mark.skipif(CRuns is None, reason="opguard_plugins._runs was not built")
 WIDTH = 4
@@ -39,6 +45,7 @@ def test_the_c_runs_are_built_where_required() -> None:
     assert CRuns is not None, "opguard_plugins._runs did not build"
     assert sorted_runs.Runs is CRuns, "the C runs are built but not in use"
     assert sorted_runs.callsite_paths is c_callsite_paths
+    assert sorted_runs.visible_frames is c_visible_frames
 
 
 @st.composite
@@ -138,6 +145,27 @@ def path_inputs(draw: st.DrawFn) -> tuple[Any, ...]:
 @given(path_inputs())
 def test_c_paths_are_the_reference_paths(inputs: tuple[Any, ...]) -> None:
     assert c_callsite_paths(*inputs) == py_callsite_paths(*inputs)
+
+
+@needs_c
+@settings(max_examples=300, deadline=None)
+@given(st.data())
+def test_c_visible_frames_are_the_reference(data: st.DataObject) -> None:
+    frames = data.draw(st.integers(1, 8))
+    flags = st.lists(st.integers(0, 1), min_size=frames, max_size=frames).map(bytes)
+    hidden, user = data.draw(flags), data.draw(flags)
+    shared = data.draw(st.lists(st.integers(0, frames - 1), max_size=6).map(tuple))
+    own = st.lists(st.integers(0, frames - 1), max_size=6).map(tuple)
+    stacks = data.draw(st.lists(st.one_of(st.just(shared), own), max_size=20))
+    visible, callers = c_visible_frames(stacks, hidden, user)
+    assert (visible, callers) == py_visible_frames(stacks, hidden, user)
+    firsts = {id(stack): position for position, stack in reversed(list(enumerate(stacks)))}
+    for position, stack in enumerate(stacks):  # one list per distinct tuple object
+        assert visible[position] is visible[firsts[id(stack)]]
+    with pytest.raises(IndexError):
+        c_visible_frames([(frames,)], hidden, user)
+    with pytest.raises(ValueError, match="length"):
+        c_visible_frames([], hidden, user + b"x")
 
 
 @needs_c
