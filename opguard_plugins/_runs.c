@@ -6,10 +6,11 @@
  * the prefix sums of their counts, and answers what ``build_tree`` asks of the runs
  * of callsites below its nodes: ``weight``, ``mask``, ``uniform``, ``skip_ended``,
  * ``run_end``, ``id_at``, ``prefix``, ``tally``, ``distinct_prefixes`` and the whole
- * ``divergent`` search; ``callsite_paths(stacks, apis, api_index, tables, width)``
- * builds the paths (4-byte ids only); ``visible_frames(stacks, hidden, user)`` gives
- * divergence every stack's visible frames and calling function. Each does what the
- * pure-Python ``PyRuns``, ``py_callsite_paths`` and ``py_visible_frames``
+ * ``divergent`` search. ``callsite_paths(stacks, apis, api_index, tables, width)``
+ * builds the paths (4-byte ids only) and ``frames_at`` reads a node's frames from
+ * them; ``visible_frames(stacks, hidden, user)`` gives divergence every stack's
+ * visible frames and calling function. Each does what the pure-Python ``PyRuns``,
+ * ``py_callsite_paths``, ``py_frames_at`` and ``py_visible_frames``
  * (opguard_plugins/sorted_runs.py) do, which stay the reference:
  * tests/test_compress_runs.py holds the two to the same answers.
  *
@@ -814,9 +815,80 @@ done:
     return result;
 }
 
+static int
+compare_ids(const void *a, const void *b)
+{
+    uint32_t x = *(const uint32_t *)a, y = *(const uint32_t *)b;
+    return (x > y) - (x < y);
+}
+
+/* frames_at(frame_paths, origins, own, start, end) -> (first, distinct): over the
+ * positions start..end of the sorted frame paths (4-byte big-endian frame ids), the
+ * frame id at byte own of the position whose origin (index in trace order) is least,
+ * and every distinct frame id at byte own, ascending */
+static PyObject *
+frames_at(PyObject *Py_UNUSED(module), PyObject *args)
+{
+    PyObject *frame_paths, *origins;
+    Py_ssize_t own, start, end;
+    if (!PyArg_ParseTuple(args, "O!O!nnn:frames_at", &PyList_Type, &frame_paths, &PyList_Type,
+                          &origins, &own, &start, &end))
+        return NULL;
+    if (own < 0 || start < 0 || start >= end || end > PyList_GET_SIZE(frame_paths) ||
+        PyList_GET_SIZE(origins) != PyList_GET_SIZE(frame_paths)) {
+        PyErr_SetString(PyExc_ValueError, "frames_at: positions out of range");
+        return NULL;
+    }
+    uint32_t *ids = PyMem_Malloc((size_t)(end - start) * sizeof(uint32_t));
+    if (ids == NULL)
+        return PyErr_NoMemory();
+    Py_ssize_t used = 0, least = PY_SSIZE_T_MAX;
+    uint32_t first = 0;
+    PyObject *result = NULL, *distinct = NULL;
+    for (Py_ssize_t i = start; i < end; i++) {
+        PyObject *path = PyList_GET_ITEM(frame_paths, i);
+        if (!PyBytes_Check(path) || PyBytes_GET_SIZE(path) < own + 4) {
+            PyErr_SetString(PyExc_ValueError, "frames_at: a frame path has no id there");
+            goto done;
+        }
+        const unsigned char *at = (const unsigned char *)PyBytes_AS_STRING(path) + own;
+        uint32_t id = (uint32_t)at[0] << 24 | (uint32_t)at[1] << 16 | (uint32_t)at[2] << 8 | at[3];
+        Py_ssize_t origin = PyLong_AsSsize_t(PyList_GET_ITEM(origins, i));
+        if (origin == -1 && PyErr_Occurred())
+            goto done;
+        if (origin < least) {
+            least = origin;
+            first = id;
+        }
+        if (used == 0 || ids[used - 1] != id) /* runs are sorted: repeats come together */
+            ids[used++] = id;
+    }
+    qsort(ids, (size_t)used, sizeof(uint32_t), compare_ids);
+    distinct = PyList_New(0);
+    if (distinct == NULL)
+        goto done;
+    for (Py_ssize_t i = 0; i < used; i++) {
+        if (i > 0 && ids[i] == ids[i - 1])
+            continue;
+        PyObject *number = PyLong_FromUnsignedLong(ids[i]);
+        if (number == NULL || PyList_Append(distinct, number) < 0) {
+            Py_XDECREF(number);
+            goto done;
+        }
+        Py_DECREF(number);
+    }
+    result = Py_BuildValue("(kO)", (unsigned long)first, distinct);
+done:
+    PyMem_Free(ids);
+    Py_XDECREF(distinct);
+    return result;
+}
+
 static PyMethodDef module_methods[] = {
     {"callsite_paths", callsite_paths, METH_VARARGS,
      "callsite_paths(stacks, apis, api_index, tables, width) -> (paths, frame_paths)."},
+    {"frames_at", frames_at, METH_VARARGS,
+     "frames_at(frame_paths, origins, own, start, end) -> (first, distinct) frame ids."},
     {"visible_frames", visible_frames, METH_VARARGS,
      "visible_frames(stacks, hidden, user) -> (visible, callers): per stack."},
     {NULL, NULL, 0, NULL},

@@ -18,7 +18,6 @@ import re
 import sys
 from array import array
 from collections import Counter, deque
-from operator import itemgetter
 from typing import Any, NamedTuple
 
 from opguard_core import hookimpl
@@ -34,7 +33,7 @@ from opguard_core.tree_format import (
     target_name,
     threshold,
 )
-from opguard_plugins.sorted_runs import PathTables, Runs, callsite_paths
+from opguard_plugins.sorted_runs import PathTables, Runs, callsite_paths, frames_at
 
 #: Frames that only forward a call; each a regex matching ``module:qualname`` whole.
 DEFAULT_HIDE: tuple[str, ...] = (
@@ -182,10 +181,6 @@ WIDTH = 4
 _ID_TYPE = next(code for code in "IL" if array(code).itemsize == WIDTH)
 
 
-def _chunk(number: int) -> bytes:
-    return number.to_bytes(WIDTH, "big")
-
-
 def _unchunk(chunk: bytes) -> int:
     return int.from_bytes(chunk, "big")
 
@@ -289,8 +284,8 @@ def build_tree(
         WIDTH,
     )
     del paths, sorted_sites
-    chunk_lines = {_chunk(fid): frame.line for fid, frame in enumerate(frames)}
     sorted_frame_paths = [frame_paths[j] for j in order]
+    del frame_paths
     # a weight is kept at weight >= floor: for an int weight, weight >= ceil(floor)
     floor_count = math.ceil(floor)
 
@@ -298,11 +293,10 @@ def build_tree(
         if key[2] == TORCH_API:
             node = Node(key[0], None, key[1], TORCH_API)
         else:
-            frame = frames[_unchunk(frame_paths[min(order[start:end])][at])]
+            first, distinct = frames_at(sorted_frame_paths, order, at.start, start, end)
+            frame = frames[first]
             node = Node(frame.module, frame.file, frame.qualname, key[2])
-            # the distinct frames at this depth first, then their lines
-            chunks = set(map(itemgetter(at), sorted_frame_paths[start:end]))
-            node.lines = set(map(chunk_lines.__getitem__, chunks))
+            node.lines = {frames[fid].line for fid in distinct}
         node.count = runs.weight(start, end)
         node.ranks = runs.mask(start, end)
         return node

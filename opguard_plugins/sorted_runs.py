@@ -10,9 +10,10 @@ has, and the search for rank-divergent nodes below the fraction threshold.
 :class:`PyRuns` is the reference implementation. The C extension
 ``opguard_plugins._runs`` (built by ``setup.py`` where a compiler is found) provides
 the same type, which does each of these without a Python-level step per callsite
-(docs/performance.md, "Compress from the runs"), as well as ``callsite_paths``, which
-builds the paths, and ``visible_frames``, every stack's visible frames and calling
-function for divergence. ``OPGUARD_COMPRESS_RUNS=python`` forces the references.
+(docs/performance.md, "Compress from the runs"); and ``callsite_paths``, which builds
+the paths, ``frames_at``, which reads a node's frames, and ``visible_frames``, every
+stack's visible frames and calling function for divergence.
+``OPGUARD_COMPRESS_RUNS=python`` forces the references.
 """
 
 from __future__ import annotations
@@ -229,6 +230,20 @@ def py_callsite_paths(
     return paths, frame_paths
 
 
+def py_frames_at(
+    frame_paths: list[bytes], origins: list[int], own: int, start: int, end: int
+) -> tuple[int, list[int]]:
+    """Over positions ``start`` to ``end`` of the sorted frame paths (4-byte big-endian
+    frame ids): the frame id at byte ``own`` of the position whose origin (index in
+    trace order) is least, and every distinct frame id there, ascending."""
+    at = slice(own, own + 4)
+    first = min(range(start, end), key=origins.__getitem__)
+    chunks = set(map(itemgetter(at), frame_paths[start:end]))
+    return int.from_bytes(frame_paths[first][at], "big"), sorted(
+        int.from_bytes(chunk, "big") for chunk in chunks
+    )
+
+
 def py_visible_frames(
     stacks: list[tuple[int, ...]], hidden: bytes, user: bytes
 ) -> tuple[list[list[int]], list[int | None]]:
@@ -254,21 +269,22 @@ def py_visible_frames(
     return visible, callers
 
 
-def _implementation() -> tuple[type, Any, Any]:
+def _implementation() -> tuple[type, Any, Any, Any]:
     if os.environ.get("OPGUARD_COMPRESS_RUNS") == "python":
-        return PyRuns, py_callsite_paths, py_visible_frames
+        return PyRuns, py_callsite_paths, py_frames_at, py_visible_frames
     try:
         from opguard_plugins._runs import (  # type: ignore[import-not-found,unused-ignore]
             Runs,
             callsite_paths,
+            frames_at,
             visible_frames,
         )
     except ImportError:
-        return PyRuns, py_callsite_paths, py_visible_frames
+        return PyRuns, py_callsite_paths, py_frames_at, py_visible_frames
     runs: type = Runs
-    return runs, callsite_paths, visible_frames
+    return runs, callsite_paths, frames_at, visible_frames
 
 
-#: the implementations in use: the runs type, the paths builder (compress) and the
-#: visible frames (divergence)
-Runs, callsite_paths, visible_frames = _implementation()
+#: the implementations in use: the runs type, the paths builder and a node's frames
+#: (compress), and the visible frames (divergence)
+Runs, callsite_paths, frames_at, visible_frames = _implementation()

@@ -25,15 +25,17 @@ from opguard_plugins.sorted_runs import (
     PathTables,
     PyRuns,
     py_callsite_paths,
+    py_frames_at,
     py_visible_frames,
 )
 
 try:
     from opguard_plugins._runs import Runs as CRuns  # type: ignore[import-not-found]
     from opguard_plugins._runs import callsite_paths as c_callsite_paths
+    from opguard_plugins._runs import frames_at as c_frames_at
     from opguard_plugins._runs import visible_frames as c_visible_frames
 except ImportError:
-    CRuns = c_callsite_paths = c_visible_frames = None
+    CRuns = c_callsite_paths = c_frames_at = c_visible_frames = None
 
 needs_c = pytest.mark.skipif(CRuns is None, reason="opguard_plugins._runs was not built")
 WIDTH = 4
@@ -46,6 +48,7 @@ def test_the_c_runs_are_built_where_required() -> None:
     assert sorted_runs.Runs is CRuns, "the C runs are built but not in use"
     assert sorted_runs.callsite_paths is c_callsite_paths
     assert sorted_runs.visible_frames is c_visible_frames
+    assert sorted_runs.frames_at is c_frames_at
 
 
 @st.composite
@@ -166,6 +169,23 @@ def test_c_visible_frames_are_the_reference(data: st.DataObject) -> None:
         c_visible_frames([(frames,)], hidden, user)
     with pytest.raises(ValueError, match="length"):
         c_visible_frames([], hidden, user + b"x")
+
+
+@needs_c
+@settings(max_examples=300, deadline=None)
+@given(st.data())
+def test_c_frames_at_is_the_reference(data: st.DataObject) -> None:
+    ids = st.lists(st.integers(0, 2**32 - 1) | st.integers(0, 3), min_size=1, max_size=5)
+    drawn = data.draw(st.lists(ids, min_size=1, max_size=30))
+    paths = sorted(b"".join(n.to_bytes(4, "big") for n in path) for path in drawn)
+    origins = data.draw(st.permutations(range(len(paths))))
+    start = data.draw(st.integers(0, len(paths) - 1))
+    end = data.draw(st.integers(start + 1, len(paths)))
+    own = 4 * data.draw(st.integers(0, min(len(paths[p]) for p in range(start, end)) // 4 - 1))
+    got = c_frames_at(paths, origins, own, start, end)
+    assert got == py_frames_at(paths, origins, own, start, end)
+    with pytest.raises(ValueError):
+        c_frames_at(paths, origins, own, start, start)
 
 
 @needs_c
