@@ -5,7 +5,7 @@
  * callsites in the sorted order of their paths (bytes, ``width`` bytes an id), with
  * the prefix sums of their counts, and answers what ``build_tree`` asks of the runs
  * of callsites below its nodes: ``weight``, ``mask``, ``uniform``, ``skip_ended``,
- * ``run_end``, ``id_at``, ``prefix``, ``tally``, ``distinct_prefixes`` and the whole
+ * ``run_end``, ``id_at``, ``prefix``, ``ranked_prefix``, ``tally``, ``distinct_prefixes`` and the whole
  * ``divergent`` search. ``callsite_paths(stacks, apis, api_index, tables, width)``
  * builds the paths (4-byte ids only) and ``frames_at`` reads a node's frames from
  * them; ``visible_frames(stacks, hidden, user)`` gives divergence every stack's
@@ -363,6 +363,52 @@ runs_prefix(Runs *r, PyObject *const *args, Py_ssize_t nargs)
     if (parse_positions(args, nargs, 2, at, "prefix") < 0)
         return NULL;
     return path_slice(r, at[1], 0, at[0]);
+}
+
+/* ranked_prefix(own, position, ranks) -> bytes: the ids of the first own bytes of the
+ * position's path (4-byte ids) replaced by ranks[id] (a uint32 buffer), big-endian */
+static PyObject *
+runs_ranked_prefix(Runs *r, PyObject *const *args, Py_ssize_t nargs)
+{
+    Py_ssize_t at[2];
+    if (nargs != 3 || r->width != 4) {
+        PyErr_SetString(PyExc_TypeError, "Runs.ranked_prefix(own, position, ranks): 4-byte ids");
+        return NULL;
+    }
+    if (parse_positions(args, 2, 2, at, "ranked_prefix") < 0 ||
+        check_run(r, at[1], at[1] + 1, 1) < 0)
+        return NULL;
+    Py_buffer ranks;
+    if (PyObject_GetBuffer(args[2], &ranks, PyBUF_SIMPLE) < 0)
+        return NULL;
+    Py_ssize_t own = at[0] < 0 ? 0 : at[0], len = r->lens[at[1]];
+    if (own > len)
+        own = len;
+    own -= own % 4;
+    PyObject *out = PyBytes_FromStringAndSize(NULL, own);
+    if (out == NULL)
+        goto done;
+    const unsigned char *in = r->data[at[1]];
+    unsigned char *bytes = (unsigned char *)PyBytes_AS_STRING(out);
+    const uint32_t *table = ranks.buf;
+    Py_ssize_t size = ranks.len / 4;
+    for (Py_ssize_t j = 0; j < own; j += 4) {
+        uint32_t id = (uint32_t)in[j] << 24 | (uint32_t)in[j + 1] << 16 |
+                      (uint32_t)in[j + 2] << 8 | in[j + 3];
+        if ((Py_ssize_t)id >= size) {
+            PyErr_SetString(PyExc_IndexError, "Runs.ranked_prefix: an id past the ranks");
+            Py_CLEAR(out);
+            goto done;
+        }
+        uint32_t rank = table[id];
+        bytes[j] = (unsigned char)(rank >> 24);
+        bytes[j + 1] = (unsigned char)(rank >> 16);
+        bytes[j + 2] = (unsigned char)(rank >> 8);
+        bytes[j + 3] = (unsigned char)rank;
+    }
+done:
+    PyBuffer_Release(&ranks);
+    return out;
 }
 
 /* into[key] = into.get(key, 0) + count */
@@ -909,6 +955,8 @@ static PyMethodDef runs_methods[] = {
      "id_at(own, position) -> bytes: the id at byte own of the position's path."},
     {"prefix", (PyCFunction)(void (*)(void))runs_prefix, METH_FASTCALL,
      "prefix(own, position) -> bytes: the first own bytes of the position's path."},
+    {"ranked_prefix", (PyCFunction)(void (*)(void))runs_ranked_prefix, METH_FASTCALL,
+     "ranked_prefix(own, position, ranks) -> bytes: the prefix's ids through ranks."},
     {"tally", (PyCFunction)(void (*)(void))runs_tally, METH_FASTCALL,
      "tally(start, end, ops, streams): add the run's counts by op and by stream."},
     {"distinct_prefixes", (PyCFunction)runs_distinct_prefixes, METH_NOARGS,

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import math
 import re
-import sys
 from array import array
 from collections import Counter, deque
 from typing import Any, NamedTuple
@@ -177,7 +176,7 @@ def path_tables(
 WIDTH = 4
 
 
-#: an array type code of WIDTH bytes, to read a path's ids back in one call
+#: an array type code of WIDTH bytes
 _ID_TYPE = next(code for code in "IL" if array(code).itemsize == WIDTH)
 
 
@@ -317,18 +316,11 @@ def build_tree(
             return {idents[n] for n in wanted}, len(wanted)
         # largest first; ties by the path of identities, as key tuples would sort
         key_order = sorted(range(len(keys)), key=lambda k: _sortable(keys[k]))
-        rank_of = [0] * len(keys)
+        rank_of = array(_ID_TYPE, [0]) * len(keys)  # uint32s
         for position, kid in enumerate(key_order):
             rank_of[kid] = position
-
-        def path_order(node: int) -> tuple[int, ...]:
-            own, start = idents[node]
-            ids = array(_ID_TYPE, runs.prefix(own, start))
-            if sys.byteorder == "little":
-                ids.byteswap()
-            return tuple(map(rank_of.__getitem__, ids))
-
-        found.sort(key=lambda item: (-item[0], path_order(item[1])))
+        # the path's ids through rank_of, as bytes: they sort as the tuples of ranks
+        found.sort(key=lambda item: (-item[0], runs.ranked_prefix(*idents[item[1]], rank_of)))
         kept: set[int] = set()
         for _, node in found:
             way = []

@@ -94,6 +94,13 @@ class PyRuns:
         """The first ``own`` bytes of ``position``'s path."""
         return self.paths[position][:own]
 
+    def ranked_prefix(self, own: int, position: int, ranks: array[int]) -> bytes:
+        """The whole 4-byte ids of the first ``own`` bytes of ``position``'s path, each
+        replaced by ``ranks[id]`` (big-endian): bytes that sort as the tuples of ranks."""
+        prefix = self.paths[position][: max(own, 0)]
+        ids = [int.from_bytes(prefix[j : j + 4], "big") for j in range(0, len(prefix) - 3, 4)]
+        return b"".join(ranks[i].to_bytes(4, "big") for i in ids)
+
     def tally(self, start: int, end: int, ops: dict[str, int], streams: dict[int, int]) -> None:
         """Add the counts of positions ``start`` to ``end`` to ``ops`` and ``streams``
         (by each position's op and stream)."""

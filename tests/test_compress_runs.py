@@ -100,6 +100,8 @@ def test_c_runs_answer_like_the_reference(inputs: tuple[Any, ...], data: st.Data
         assert c.run_end(own, start, end) == py.run_end(own, start, end)
         assert c.id_at(own, start) == py.id_at(own, start)
         assert c.prefix(own, start) == py.prefix(own, start)
+        ranks = array("I", data.draw(st.permutations(range(4))))
+        assert c.ranked_prefix(own, start, ranks) == py.ranked_prefix(own, start, ranks)
         tallies: list[tuple[dict[Any, int], dict[Any, int]]] = []
         for runs in (py, c):
             ops: dict[Any, int] = {"aten::mm": 1}
