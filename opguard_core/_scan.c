@@ -21,6 +21,9 @@
  * the file with msgspec (the reference path), which explains any error. A None may
  * leave stacks interned that no key refers to; nothing else is touched.
  *
+ * ``site_order(keys, canonical)`` sorts a combine's sites into canonical order and
+ * ``merge_packed`` folds a helper's partial in.
+ *
  * ``fold_rank(sites, keys, counts, mask, collective_apis, max_distinct)`` is the
  * one-rank loop of ``TraceAccumulator._fold_file``, which stays the reference, with
  * ``add_rank_count``'s per-rank statistics for a count that differs.
@@ -1287,6 +1290,177 @@ merge_packed(PyObject *Py_UNUSED(module), PyObject *args)
     Py_RETURN_NONE;
 }
 
+/* ------------------------------------------------------------ site_order */
+
+typedef struct {
+    const char *data;
+    Py_ssize_t len;
+    uint32_t id;
+} StackKey;
+
+static int
+compare_stack_keys(const void *a, const void *b)
+{
+    const StackKey *x = a, *y = b;
+    Py_ssize_t common = x->len < y->len ? x->len : y->len;
+    int order = common ? memcmp(x->data, y->data, (size_t)common) : 0;
+    if (order)
+        return order;
+    return (x->len > y->len) - (x->len < y->len);
+}
+
+typedef struct {
+    uint32_t stack, api, op, stream;
+    uint32_t has_api;
+    Py_ssize_t index;
+} SiteKeyRank;
+
+static int
+compare_site_ranks(const void *a, const void *b)
+{
+    const SiteKeyRank *x = a, *y = b;
+#define ORDER_BY(field)                 \
+    if (x->field != y->field)           \
+        return x->field < y->field ? -1 : 1;
+    ORDER_BY(stack)
+    ORDER_BY(api)
+    ORDER_BY(op)
+    ORDER_BY(stream)
+    ORDER_BY(has_api)
+#undef ORDER_BY
+    return (x->index > y->index) - (x->index < y->index);
+}
+
+/* values -> {value: rank}: the distinct values' ranks in Python's sort order */
+static PyObject *
+value_ranks(PyObject *distinct)
+{
+    PyObject *sorted = PyDict_Keys(distinct);
+    if (sorted == NULL || PyList_Sort(sorted) < 0) {
+        Py_XDECREF(sorted);
+        return NULL;
+    }
+    PyObject *ranks = PyDict_New();
+    for (Py_ssize_t i = 0; ranks != NULL && i < PyList_GET_SIZE(sorted); i++) {
+        PyObject *rank = PyLong_FromSsize_t(i);
+        if (rank == NULL || PyDict_SetItem(ranks, PyList_GET_ITEM(sorted, i), rank) < 0)
+            Py_CLEAR(ranks);
+        Py_XDECREF(rank);
+    }
+    Py_DECREF(sorted);
+    return ranks;
+}
+
+static int
+rank_of(PyObject *ranks, PyObject *value, uint32_t *out)
+{
+    PyObject *rank = PyDict_GetItemWithError(ranks, value);
+    if (rank == NULL) {
+        if (!PyErr_Occurred())
+            PyErr_SetString(PyExc_KeyError, "site_order: a value without a rank");
+        return -1;
+    }
+    *out = (uint32_t)PyLong_AsSsize_t(rank);
+    return 0;
+}
+
+/* site_order(keys, canonical) -> list: the positions of the keys (stack id, api, op,
+ * stream) sorted by (canonical[stack id][0], api or "", op, stream, api is not None):
+ * stacks by their canonical bytes, the rest by Python's order of their values */
+static PyObject *
+site_order(PyObject *Py_UNUSED(module), PyObject *args)
+{
+    PyObject *keys, *canonical;
+    if (!PyArg_ParseTuple(args, "O!O!:site_order", &PyList_Type, &keys, &PyList_Type, &canonical))
+        return NULL;
+    Py_ssize_t n = PyList_GET_SIZE(keys), stacks = PyList_GET_SIZE(canonical);
+    StackKey *stack_keys = PyMem_Malloc((size_t)(stacks ? stacks : 1) * sizeof(StackKey));
+    uint32_t *stack_rank = PyMem_Malloc((size_t)(stacks ? stacks : 1) * sizeof(uint32_t));
+    SiteKeyRank *sites = PyMem_Malloc((size_t)(n ? n : 1) * sizeof(SiteKeyRank));
+    PyObject *apis = PyDict_New(), *ops = PyDict_New(), *streams = PyDict_New();
+    PyObject *api_ranks = NULL, *op_ranks = NULL, *stream_ranks = NULL, *result = NULL;
+    PyObject *empty = PyUnicode_FromString("");
+    if (!stack_keys || !stack_rank || !sites) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    if (!apis || !ops || !streams || !empty)
+        goto done;
+    for (Py_ssize_t i = 0; i < stacks; i++) {
+        PyObject *pair = PyList_GET_ITEM(canonical, i);
+        if (!PyTuple_Check(pair) || PyTuple_GET_SIZE(pair) < 1 ||
+            !PyBytes_Check(PyTuple_GET_ITEM(pair, 0))) {
+            PyErr_SetString(PyExc_TypeError, "site_order: canonical holds (bytes, stack) pairs");
+            goto done;
+        }
+        PyObject *bytes = PyTuple_GET_ITEM(pair, 0);
+        stack_keys[i] = (StackKey){PyBytes_AS_STRING(bytes), PyBytes_GET_SIZE(bytes), (uint32_t)i};
+    }
+    qsort(stack_keys, (size_t)stacks, sizeof(StackKey), compare_stack_keys);
+    uint32_t rank = 0; /* equal bytes (no two stacks of one table) share a rank */
+    for (Py_ssize_t i = 0; i < stacks; i++) {
+        if (i > 0 && compare_stack_keys(&stack_keys[i - 1], &stack_keys[i]) != 0)
+            rank = (uint32_t)i;
+        stack_rank[stack_keys[i].id] = rank;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) { /* the distinct values */
+        PyObject *key = PyList_GET_ITEM(keys, i);
+        if (!PyTuple_Check(key) || PyTuple_GET_SIZE(key) != 4) {
+            PyErr_SetString(PyExc_TypeError, "site_order: a key is not a 4-tuple");
+            goto done;
+        }
+        PyObject *api = PyTuple_GET_ITEM(key, 1);
+        if (PyDict_SetItem(apis, api == Py_None ? empty : api, Py_None) < 0 ||
+            PyDict_SetItem(ops, PyTuple_GET_ITEM(key, 2), Py_None) < 0 ||
+            PyDict_SetItem(streams, PyTuple_GET_ITEM(key, 3), Py_None) < 0)
+            goto done;
+    }
+    api_ranks = value_ranks(apis);
+    op_ranks = api_ranks ? value_ranks(ops) : NULL;
+    stream_ranks = op_ranks ? value_ranks(streams) : NULL;
+    if (stream_ranks == NULL)
+        goto done;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *key = PyList_GET_ITEM(keys, i), *api = PyTuple_GET_ITEM(key, 1);
+        Py_ssize_t stack = PyLong_AsSsize_t(PyTuple_GET_ITEM(key, 0));
+        if (stack == -1 && PyErr_Occurred())
+            goto done;
+        if (stack < 0 || stack >= stacks) {
+            PyErr_SetString(PyExc_IndexError, "site_order: a stack id out of range");
+            goto done;
+        }
+        SiteKeyRank *site = &sites[i];
+        site->stack = stack_rank[stack];
+        site->has_api = api != Py_None;
+        site->index = i;
+        if (rank_of(api_ranks, api == Py_None ? empty : api, &site->api) < 0 ||
+            rank_of(op_ranks, PyTuple_GET_ITEM(key, 2), &site->op) < 0 ||
+            rank_of(stream_ranks, PyTuple_GET_ITEM(key, 3), &site->stream) < 0)
+            goto done;
+    }
+    qsort(sites, (size_t)n, sizeof(SiteKeyRank), compare_site_ranks);
+    result = PyList_New(n);
+    for (Py_ssize_t i = 0; result != NULL && i < n; i++) {
+        PyObject *index = PyLong_FromSsize_t(sites[i].index);
+        if (index == NULL)
+            Py_CLEAR(result);
+        else
+            PyList_SET_ITEM(result, i, index);
+    }
+done:
+    PyMem_Free(stack_keys);
+    PyMem_Free(stack_rank);
+    PyMem_Free(sites);
+    Py_XDECREF(apis);
+    Py_XDECREF(ops);
+    Py_XDECREF(streams);
+    Py_XDECREF(api_ranks);
+    Py_XDECREF(op_ranks);
+    Py_XDECREF(stream_ranks);
+    Py_XDECREF(empty);
+    return result;
+}
+
 static PyMethodDef module_methods[] = {
     {"find_callsites", find_callsites, METH_O,
      "find_callsites(data) -> offset or None: where the top-level callsites value starts."},
@@ -1296,6 +1470,8 @@ static PyMethodDef module_methods[] = {
     {"fold_rank", fold_rank, METH_VARARGS,
      "fold_rank(sites, keys, counts, mask, collective_apis, max_distinct) -> bool: fold "
      "one rank's callsites."},
+    {"site_order", site_order, METH_VARARGS,
+     "site_order(keys, canonical) -> list: the keys' positions in canonical order."},
     {"merge_packed", merge_packed, METH_VARARGS,
      "merge_packed(sites, stack_ids, apis, ops, streams, counts, masks, mins, stats, "
      "collective_apis, max_distinct): fold a packed partial's sites in."},

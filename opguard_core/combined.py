@@ -40,6 +40,7 @@ from opguard_core.stack_table import (
     merge_packed,
     new_table,
     scan_callsites,
+    site_order,
 )
 from opguard_core.trace_format import (
     COMBINED_VERSION,
@@ -757,32 +758,24 @@ class TraceAccumulator:
         for new, old in enumerate(order):
             new_id[old] = new
         frames = [self.frames[old] for old in order]
-        # (canonical stack as big-endian bytes, api or "", op, stream, api is set,
-        # canonical stack, original key, slot): the bytes sort as the tuple of ids
-        # would; the first five fields already differ between any two sites, so a
-        # plain tuple sort orders by them alone, without building a 5-tuple per site
         canonical = self.stacks.canonical(new_id)  # by stack id, once each
-        keyed = []
-        for key, slot in self.sites.items():
-            known = canonical[key[0]]
-            keyed.append(
-                (known[0], key[1] or "", key[2], key[3], key[1] is not None, known[1], key, slot)
-            )
-        keyed.sort()
+        sites = list(self.sites.items())
+        order = site_order([key for key, _ in sites], canonical)
         all_mask = self.rank_mask
         site_extras = self.site_extras
         stats_valid = self.stats_valid
         callsites = []
         callsite_extras = {}
         ranks_of = _RankLists()
-        for position, (_, _, op, stream, _, stack, key, slot) in enumerate(keyed):
+        for position, index in enumerate(order):
+            key, slot = sites[index]
             mask = slot[_MASK]
             callsites.append(
                 Callsite(
-                    stack=stack,
+                    stack=canonical[key[0]][1],
                     api=key[1],
-                    op=op,
-                    stream=stream,
+                    op=key[2],
+                    stream=key[3],
                     count=slot[_COUNT],
                     ranks=None if mask == all_mask else ranks_of(mask),
                     per_rank=(

@@ -8,8 +8,9 @@ once per callsite per rank, and a partial result travels with each stack once.
 ``opguard_core._scan`` (built by ``setup.py`` where a compiler is found) provides
 the same table; ``find_callsites`` and ``scan_callsites``, which read a rank file's
 ``callsites`` array straight from its JSON bytes into keys; and ``fold_rank``, which
-folds one rank's keys in, per-rank statistics and all; and ``merge_packed``, which
-folds in a helper's packed partial (performance.md, "Folding from the
+folds one rank's keys in, per-rank statistics and all; ``merge_packed``, which
+folds in a helper's packed partial; and ``site_order``, which sorts the sites into
+canonical order (the reference: :func:`py_site_order`) (performance.md, "Folding from the
 bytes"). ``OPGUARD_COMBINE_SCAN=python`` forces the Python path, which decodes every
 file with msgspec as before.
 """
@@ -122,11 +123,28 @@ Folder = Callable[[dict[Any, Any], list[Any], list[int], int, frozenset[str], in
 #: (sites, stack_ids, apis, ops, streams, counts, masks, mins, stats, collective_apis,
 #: max_distinct): a packed partial's sites folded in
 Merger = Callable[..., None]
+#: (keys, canonical) -> the keys' positions in canonical order
+Orderer = Callable[[list[Any], list[tuple[bytes, tuple[int, ...]]]], list[int]]
 
 
-def _implementation() -> tuple[type, Finder | None, Scanner | None, Folder | None, Merger | None]:
+def py_site_order(keys: list[Any], canonical: list[tuple[bytes, tuple[int, ...]]]) -> list[int]:
+    """The positions of ``keys`` (stack id, api, op, stream) sorted by (the stack's
+    canonical bytes, api or "", op, stream, api is not None): the canonical order of
+    a combined trace's callsites. The first five fields already differ between any
+    two keys, so a plain tuple sort orders by them alone."""
+    keyed = [
+        (canonical[key[0]][0], key[1] or "", key[2], key[3], key[1] is not None, position)
+        for position, key in enumerate(keys)
+    ]
+    keyed.sort()
+    return [item[5] for item in keyed]
+
+
+def _implementation() -> tuple[
+    type, Finder | None, Scanner | None, Folder | None, Merger | None, Orderer
+]:
     if os.environ.get("OPGUARD_COMBINE_SCAN") == "python":
-        return PyStackTable, None, None, None, None
+        return PyStackTable, None, None, None, None, py_site_order
     try:
         from opguard_core._scan import (  # type: ignore[import-not-found,unused-ignore]
             StackTable,
@@ -134,16 +152,18 @@ def _implementation() -> tuple[type, Finder | None, Scanner | None, Folder | Non
             fold_rank,
             merge_packed,
             scan_callsites,
+            site_order,
         )
     except ImportError:
-        return PyStackTable, None, None, None, None
-    return StackTable, find_callsites, scan_callsites, fold_rank, merge_packed
+        return PyStackTable, None, None, None, None, py_site_order
+    return StackTable, find_callsites, scan_callsites, fold_rank, merge_packed, site_order
 
 
 #: the table the accumulator uses; the scanner and its finder (None: decode with
 #: msgspec); the one-rank fold (None: TraceAccumulator._fold_file's Python loop); the
-#: fold of a packed partial (None: TraceAccumulator._merge_packed's Python loop)
-StackTable, find_callsites, scan_callsites, fold_rank, merge_packed = _implementation()
+#: fold of a packed partial (None: TraceAccumulator._merge_packed's Python loop); the
+#: canonical order of the sites
+StackTable, find_callsites, scan_callsites, fold_rank, merge_packed, site_order = _implementation()
 
 
 def new_table() -> StackTableLike:

@@ -21,7 +21,13 @@ from statistics import median_low
 from typing import Any
 
 from opguard_core import hookimpl
-from opguard_core.combined import CallsiteTrace, is_collective, mask_to_ranks, ranks_to_mask
+from opguard_core.combined import (
+    COLLECTIVE_APIS,
+    CallsiteTrace,
+    is_collective,
+    mask_to_ranks,
+    ranks_to_mask,
+)
 from opguard_core.divergence_format import Finding
 from opguard_core.model import RunOptions
 from opguard_core.trace_format import Callsite
@@ -103,6 +109,10 @@ class _Stacks:
         self.visible, self.callers = visible_frames(
             [site.stack for site in trace.callsites], bytes(hidden_frames(trace, hide)), user
         )
+        #: per callsite: whether it is a collective (:func:`is_collective`, once per op)
+        ops = {site.op for site in trace.callsites}
+        c10d = {op: is_collective(op, None) for op in ops}
+        self.collective = [c10d[site.op] or site.api in COLLECTIVE_APIS for site in trace.callsites]
 
     def describe(self, frames: list[int], position: int | None) -> dict[str, Any]:
         if position is None:
@@ -131,8 +141,10 @@ def find_divergence(trace: CallsiteTrace, options: RunOptions) -> list[Finding]:
 
 def _collectives(trace: CallsiteTrace, stacks: _Stacks, exact: bool) -> Iterator[Finding]:
     all_mask = ranks_to_mask(trace.ranks)
-    for site, frames, caller in zip(trace.callsites, stacks.visible, stacks.callers, strict=True):
-        if not is_collective(site.op, site.api):
+    for site, frames, caller, collective in zip(
+        trace.callsites, stacks.visible, stacks.callers, stacks.collective, strict=True
+    ):
+        if not collective:
             continue
         hist = site_histogram(site, all_mask, exact)
         if hist is None:  # counts unknown: only ranks that never issued it can be told
@@ -188,9 +200,12 @@ def _rank_specific(trace: CallsiteTrace, stacks: _Stacks) -> Iterator[Finding]:
     # a function in any callsite that every rank ran is run by every rank: one C-level
     # set update per such callsite; only the (few) other callsites are walked
     everywhere: set[int] = set()
-    for frames, mask in zip(visible, masks, strict=True):
-        if mask == all_mask:
-            everywhere.update(frames)
+    # callsites share one list per stack: each distinct list is read once
+    full = {
+        id(frames): frames for frames, mask in zip(visible, masks, strict=True) if mask == all_mask
+    }
+    for frames in full.values():
+        everywhere.update(frames)
     function_mask: dict[str, int] = dict.fromkeys({stacks.names[f] for f in everywhere}, all_mask)
     for frames, mask in zip(visible, masks, strict=True):
         if mask != all_mask:
@@ -209,12 +224,17 @@ def _rank_specific(trace: CallsiteTrace, stacks: _Stacks) -> Iterator[Finding]:
     if not roots:
         return
     root_frames = {fid for fid, name in enumerate(stacks.names) if name in roots}
+    within: dict[int, list[str]] = {}  # by stack (its frames' list): the roots in it
     for site, frames in zip(trace.callsites, visible, strict=True):
-        if root_frames.isdisjoint(frames):
-            continue
-        for name in {stacks.names[fid] for fid in frames}:
-            if name in roots:
-                roots[name]["ops"] += site.count
+        names = within.get(id(frames))
+        if names is None:
+            names = within[id(frames)] = (
+                []
+                if root_frames.isdisjoint(frames)
+                else [name for name in {stacks.names[fid] for fid in frames} if name in roots]
+            )
+        for name in names:
+            roots[name]["ops"] += site.count
     for name, root in roots.items():
         ran = mask_to_ranks(function_mask[name])
         missing = mask_to_ranks(all_mask & ~function_mask[name])
@@ -250,8 +270,10 @@ def _count_skew(trace: CallsiteTrace, stacks: _Stacks, skew: float) -> Iterator[
     example: dict[str, tuple[int, list[int], int]] = {}
     function_mask: dict[str, int] = {}
     names = stacks.names
-    for site, frames, position in zip(trace.callsites, stacks.visible, stacks.callers, strict=True):
-        if is_collective(site.op, site.api):
+    for site, frames, position, collective in zip(
+        trace.callsites, stacks.visible, stacks.callers, stacks.collective, strict=True
+    ):
+        if collective:
             continue
         name = "<root>" if position is None else names[frames[position]]
         mask = all_mask if site.ranks is None else ranks_to_mask(site.ranks)

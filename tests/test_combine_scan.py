@@ -83,6 +83,34 @@ def test_stack_tables_intern_absorb_and_pickle(table_type: Any) -> None:
 
 
 @needs_c
+@settings(max_examples=300, deadline=None)
+@given(st.data())
+def test_c_site_order_is_the_reference(data: Any) -> None:
+    """Stacks by their canonical bytes (a prefix first), then api ("" and None
+    together, None first), op, stream: the C order is the reference's."""
+    from opguard_core._scan import site_order
+
+    stacks = data.draw(st.lists(st.lists(st.integers(0, 3), max_size=4), min_size=1, max_size=12))
+    canonical = [(b"".join(i.to_bytes(4, "big") for i in s), tuple(s)) for s in stacks]
+    texts = st.sampled_from(["", "a", "b", "\x00", "é", "aten::mm", "\U0001f600"])
+    keys = data.draw(
+        st.lists(
+            st.tuples(
+                st.integers(0, len(stacks) - 1),
+                st.none() | texts,
+                texts,
+                st.integers(-2, 2) | st.integers(-(2**40), 2**40),
+            ),
+            unique=True,
+            max_size=40,
+        )
+    )
+    assert site_order(keys, canonical) == stack_table.py_site_order(keys, canonical)
+    with pytest.raises(IndexError):
+        site_order([(len(stacks), None, "x", 0)], canonical)
+
+
+@needs_c
 def test_c_table_grows_past_its_first_sizes() -> None:
     c, py = CStackTable(), PyStackTable()
     for n in range(5000):
