@@ -311,3 +311,54 @@ def test_person_added_comments_survive_load_merge_and_dump(
         assert "# keep an eye on this one" in merged
     filtered = dump_config(opguard_filter(parse_config(merged, "m.yaml"), RunOptions(basic=True)))
     assert filtered.startswith("# reviewed by the ops team\n")
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(
+        st.tuples(
+            st.none() | st.sampled_from(["torch.mm", '},{"stack":[1]', "\\", '"', "é\n"]),
+            st.sampled_from(["aten::mm", '},{"stack":', '"}{', "a\u2028b"]),
+            st.integers(-1, 2),
+            st.none() | st.just([0]),
+            st.booleans(),
+        ),
+        max_size=12,
+    )
+)
+def test_combined_json_has_one_callsite_per_line_whatever_the_strings(
+    rows: list[tuple[Any, ...]],
+) -> None:
+    """The combined trace encodes its callsites in one call and breaks lines at their
+    boundaries: the bytes are those of encoding each callsite on its own line."""
+    from opguard_core.combined import _SiteOut
+    from opguard_core.trace_format import Callsite, PerRank, encode_trace
+
+    stats = PerRank(min=1, min_ranks=[0], max=3, max_ranks=[1], counts=[(1, [0]), (3, [1])])
+    sites = [
+        Callsite(
+            stack=(0,) * n,
+            api=api,
+            op=op,
+            stream=stream,
+            count=4,
+            ranks=ranks,
+            per_rank=stats if varied else None,
+        )
+        for n, (api, op, stream, ranks, varied) in enumerate(rows)
+    ]
+    trace = CallsiteTrace(meta={"ranks": [0, 1]}, frames=[], callsites=sites)
+    outs = [
+        _SiteOut(
+            stack=s.stack,
+            api=s.api,
+            op=s.op,
+            stream=s.stream,
+            count=s.count,
+            ranks=s.ranks,
+            per_rank=s.per_rank,
+        )
+        for s in sites
+    ]
+    expected = encode_trace(trace.meta, [], outs, {}, {}, 2)
+    assert trace.to_json() == expected
