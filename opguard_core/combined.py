@@ -322,18 +322,8 @@ class CallsiteTrace:
                 )
                 for site in self.callsites
             ]
-            # one encode for all of them; a callsite's object holds no other object
-            # that starts with "stack" (and a quote in a string is escaped), so the
-            # only '},{"stack":' are the boundaries, where a line break goes
-            lines = msgspec.json.encode(outs)[1:-1].replace(b'},{"stack":', b'},\n{"stack":')
             return encode_trace(
-                self.meta,
-                self.frames,
-                outs,
-                self.extras,
-                self.frame_extras,
-                COMBINED_VERSION,
-                callsite_lines=lines,
+                self.meta, self.frames, outs, self.extras, self.frame_extras, COMBINED_VERSION
             )
         sites: list[Any] = []
         for index, site in enumerate(self.callsites):

@@ -329,10 +329,8 @@ def encode_trace(
     extras: dict[str, Any] | None = None,
     frame_extras: dict[int, dict[str, Any]] | None = None,
     version: int = TRACE_VERSION,
-    callsite_lines: bytes | None = None,
 ) -> bytes:
-    """Encode a trace canonically: fixed key order, one callsite per line, trailing
-    newline (``callsite_lines``: the callsites already encoded, one per line)."""
+    """Encode a trace canonically: fixed key order, one callsite per line, trailing newline."""
     head = {"format": TRACE_FORMAT, "version": version, "meta": meta, **(extras or {})}
     encoder = msgspec.json.Encoder()
     parts = [msgspec.json.Encoder(order="deterministic").encode(head)[:-1], b',\n"frames":[\n']
@@ -344,9 +342,7 @@ def encode_trace(
         )
     )
     parts.append(b'\n],\n"callsites":[\n')
-    if callsite_lines is None:
-        callsite_lines = b",\n".join(encoder.encode(c) for c in callsites)
-    parts.append(callsite_lines)
+    parts.append(b",\n".join(encoder.encode(c) for c in callsites))
     parts.append(b"\n]}\n")
     return b"".join(parts)
 
