@@ -1,20 +1,23 @@
-"""An entry's side work in a forked helper process, beside compress and generate.
+"""An entry's side work in forked helper processes, beside compress and generate.
 
 After the combine, two pieces of an entry's work read the combined trace and feed
 nothing the run's own process needs next: encoding and writing
 ``{name}_combined.json``, and the divergence stage. On a large entry (at least
 :data:`OVERLAP_MIN_CALLSITES` distinct callsites, ``--jobs`` other than 1, and a
 process that may fork: :func:`opguard_core.forked.can_fork`) :class:`EntryHelper`
-runs both in a forked child (:class:`~opguard_core.forked.ForkedCall`) while the
-run goes on with compress and generate, then records them as if they had run
+runs both in a forked child (:class:`~opguard_core.forked.ForkedCall`), or each
+in one of its own on a very large entry (:data:`SPLIT_MIN_CALLSITES`), while the run
+goes on with compress and generate, then records them as if they had run
 in-process: the stage's records, warnings and log events come back and are put in
 place, a failed or missing write fails the combine stage, an interruption kills the
-child and removes what it left half-written. Elsewhere the same work runs in-process.
+children and removes what they left half-written. Elsewhere the same work runs
+in-process.
 """
 
 from __future__ import annotations
 
 import contextlib
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -33,6 +36,12 @@ if TYPE_CHECKING:
 #: below this many distinct callsites writing the combined trace and the divergence
 #: stage take less time than a fork and a summary exchange are worth
 OVERLAP_MIN_CALLSITES = 20_000
+
+#: from this many distinct callsites the write and the divergence stage each take
+#: about as long as compress and generate: each gets a child of its own, and the two
+#: cores share three pieces of work instead of two far apart in size (below it the
+#: second fork costs more than it saves: docs/performance.md, "Two helpers")
+SPLIT_MIN_CALLSITES = 300_000
 
 #: (logger method, event, fields) of one log call made in the helper
 Event = tuple[str, str, dict[str, Any]]
@@ -70,7 +79,7 @@ class EventRecorder:
 
 
 class EntryHelper:
-    """One entry's side work running in a forked child (see the module docstring)."""
+    """One entry's side work running in forked children (see the module docstring)."""
 
     def __init__(
         self, runner: Runner, entry: InputEntry, unwritten: Path | None, divergence: bool
@@ -81,7 +90,8 @@ class EntryHelper:
         self.divergence = divergence
         #: where the stage's records go in ``runner.records``
         self.slot = len(runner.records)
-        self.job: ForkedCall | None = None
+        #: (child, whether it writes, whether it runs the divergence stage)
+        self.jobs: list[tuple[ForkedCall, bool, bool]] = []
 
     @classmethod
     def start(
@@ -93,58 +103,82 @@ class EntryHelper:
         divergence: bool,
     ) -> EntryHelper | None:
         """Write the combined trace to ``unwritten`` (None: the combine wrote it) and
-        run the divergence stage (if ``divergence``): in a forked child when that pays
-        (the combine leaves the write to it only then), else here and now (None).
-        Raises ``StageFailed`` when the write fails here."""
+        run the divergence stage (if ``divergence``): in forked children when that
+        pays (the combine leaves the write to them only then), else here and now
+        (None when nothing was forked). From :data:`SPLIT_MIN_CALLSITES` callsites
+        the two get a child each. Raises ``StageFailed`` when the write fails here."""
         helper = cls(runner, entry, unwritten, divergence)
-        if unwritten is not None or (divergence and overlaps(runner.options, trace)):
-            what = f"divergence of {entry.name}" if divergence else f"writing {unwritten}"
-            helper.job = ForkedCall.start(lambda: helper._work(trace), what)
-        if helper.job is not None:
-            return helper
-        if unwritten is not None:  # could not fork after all
+        write = unwritten is not None
+        if write or (divergence and overlaps(runner.options, trace)):
+            if write and divergence and len(trace.callsites) >= SPLIT_MIN_CALLSITES:
+                parts = [(True, False), (False, True)]
+            else:
+                parts = [(write, divergence)]
+            for writes, diverges in parts:
+                what = f"divergence of {entry.name}" if diverges else f"writing {unwritten}"
+                job = ForkedCall.start(partial(helper._work, trace, writes, diverges), what)
+                if job is not None:
+                    helper.jobs.append((job, writes, diverges))
+                    write, divergence = write and not writes, divergence and not diverges
+        if write:  # could not fork after all
+            assert unwritten is not None
             error = write_combined(trace, unwritten)
             if error is not None:
                 helper._combine_failed(error)
+                helper.cancel()
                 raise StageFailed(error)
         if divergence:
             with contextlib.suppress(StageFailed):  # later stages do not need it
                 runner.divergence_stage(entry, trace)
-        return None
+        return helper if helper.jobs else None
 
-    def _work(self, trace: CallsiteTrace) -> tuple[str | None, list[Any], list[Any], list[Event]]:
-        """In the forked child: the write, then the divergence stage; what they left."""
+    def _work(
+        self, trace: CallsiteTrace, write: bool, diverge: bool
+    ) -> tuple[str | None, list[Any], list[Any], list[Event]]:
+        """In a forked child: the write and/or the divergence stage; what they left."""
         runner = self.runner
         runner.in_helper = True  # the parent alone writes the summary
         events: list[Event] = []
         runner.log = EventRecorder(events)
         mark = len(runner.warnings)
-        error = None if self.unwritten is None else write_combined(trace, self.unwritten)
-        if self.divergence:
+        error = None
+        if write:
+            assert self.unwritten is not None
+            error = write_combined(trace, self.unwritten)
+        if diverge:
             with contextlib.suppress(StageFailed):
                 runner.divergence_stage(self.entry, trace)
         return error, runner.records[self.slot :], runner.warnings[mark:], events
 
     def finish(self) -> None:
-        """Wait for the child (or kill it when the run is being interrupted) and record
-        its work as if it had run in-process. A failed write of the combined trace
-        fails the combine stage (compress and generate, which read the trace in
+        """Wait for the children (or kill them when the run is being interrupted) and
+        record their work as if it had run in-process. A failed write of the combined
+        trace fails the combine stage (compress and generate, which read the trace in
         memory, have run)."""
-        assert self.job is not None
         runner, name = self.runner, self.entry.name
-        try:
-            error, records, warnings, events = self.job.result()
-        except (KeyboardInterrupt, Interrupted):
-            self.cancel()
-            raise
-        except OpGuardError as exc:
-            failure = one_line(str(exc))
-            # the write is atomic: the file exists only if it was written whole
-            error = None if self.unwritten is None or self.unwritten.exists() else failure
-            records, warnings, events = [], [], []
-            if self.divergence:
-                records = [StageRecord("divergence", name, status="failed", error=failure)]
-                events = [("error", "stage failed", {"plugin": None, "error": failure})]
+        error: str | None = None
+        records: list[Any] = []
+        warnings: list[Any] = []
+        events: list[Event] = []
+        for job, writes, diverges in self.jobs:
+            try:
+                job_error, job_records, job_warnings, job_events = job.result()
+            except (KeyboardInterrupt, Interrupted):
+                self.cancel()
+                raise
+            except OpGuardError as exc:
+                failure = one_line(str(exc))
+                # the write is atomic: the file exists only if it was written whole
+                exists = self.unwritten is not None and self.unwritten.exists()
+                job_error = failure if writes and not exists else None
+                job_records, job_warnings, job_events = [], [], []
+                if diverges:
+                    job_records = [StageRecord("divergence", name, status="failed", error=failure)]
+                    job_events = [("error", "stage failed", {"plugin": None, "error": failure})]
+            error = error or job_error
+            records += job_records
+            warnings += job_warnings
+            events += job_events
         with structlog.contextvars.bound_contextvars(stage="divergence", entry=name):
             for method, event, fields in events:
                 getattr(runner.log, method)(event, **fields)
@@ -155,10 +189,11 @@ class EntryHelper:
         runner.write_summary()
 
     def cancel(self) -> None:
-        """Kill the child; a combined trace it had not written yet is not claimed."""
-        assert self.job is not None
-        self.job.cancel()
-        if self.unwritten is not None and not self.unwritten.exists():
+        """Kill the children; a combined trace not written yet is not claimed."""
+        for job, _, _ in self.jobs:
+            job.cancel()
+        writing = any(writes for _, writes, _ in self.jobs)
+        if writing and self.unwritten is not None and not self.unwritten.exists():
             remove_temporaries(self.unwritten)
             self._combine_failed(f"interrupted before {self.unwritten.name} was written")
 

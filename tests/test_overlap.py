@@ -38,13 +38,16 @@ ARTIFACTS = (
 )
 
 #: run before the CLI in every child: every divergence stage forks (no size
-#: threshold), and each helper's pid is appended to the file named by OVERLAP_PIDS
+#: threshold), the write and the divergence stage share one helper unless
+#: OVERLAP_SPLIT_MIN says from how many callsites each gets its own, and each
+#: helper's pid is appended to the file named by OVERLAP_PIDS
 PATCH = """
 import os
 from opguard_core import entry_helper
 from opguard_core.forked import ForkedCall
 
 entry_helper.OVERLAP_MIN_CALLSITES = 0
+entry_helper.SPLIT_MIN_CALLSITES = int(os.environ.get("OVERLAP_SPLIT_MIN", 10**9))
 _start = ForkedCall.start.__func__
 
 def _logged(cls, work, what):
@@ -81,8 +84,9 @@ class Run:
         return [(e["event"], e.get("stage")) for e in logged]
 
 
-def run(tmp_path: Path, name: str, *args: str, patch: str = "") -> Run:
-    """``opguard run ARGS`` in a fresh process, after PATCH and ``patch``."""
+def run(tmp_path: Path, name: str, *args: str, patch: str = "", split: bool = False) -> Run:
+    """``opguard run ARGS`` in a fresh process, after PATCH and ``patch``; with
+    ``split``, the write and the divergence stage each in a helper of its own."""
     where = tmp_path / name
     where.mkdir()
     (where / "overlap_patch.py").write_text(PATCH + textwrap.dedent(patch))
@@ -94,6 +98,7 @@ def run(tmp_path: Path, name: str, *args: str, patch: str = "") -> Run:
     env = {
         **os.environ,
         "OVERLAP_PIDS": str(where / "pids"),
+        **({"OVERLAP_SPLIT_MIN": "0"} if split else {}),
         "PYTHONPATH": str(Path(__file__).parents[1]),
     }
     env.pop("OPGUARD_DISABLE_PLUGINS", None)
@@ -126,15 +131,16 @@ def gone(pid: int) -> bool:
     return False
 
 
+@pytest.mark.parametrize("split", [False, True], ids=["one_helper", "two_helpers"])
 def test_a_forked_divergence_stage_gives_what_an_in_process_one_gives(
-    tmp_path: Path, samples: Path
+    tmp_path: Path, samples: Path, split: bool
 ) -> None:
     alone = run(tmp_path, "alone", "--jobs", "1", *sample_inputs(samples, "gpt"))
     assert alone.exit_code == 0, alone.stderr
     assert alone.pids == []  # --jobs 1: one process
-    overlapped = run(tmp_path, "overlapped", *sample_inputs(samples, "gpt"))
+    overlapped = run(tmp_path, "overlapped", *sample_inputs(samples, "gpt"), split=split)
     assert overlapped.exit_code == 0, overlapped.stderr
-    assert len(overlapped.pids) == 1
+    assert len(overlapped.pids) == (2 if split else 1)
     for name in ARTIFACTS:
         assert overlapped.read(name) == alone.read(name), name
     assert overlapped.stages() == alone.stages()
@@ -144,11 +150,12 @@ def test_a_forked_divergence_stage_gives_what_an_in_process_one_gives(
     # the helper's log events are logged by the run, with their stage
     assert ("ranks diverge", "divergence") in overlapped.events()
     assert sorted(overlapped.events()) == sorted(alone.events())
-    assert gone(overlapped.pids[0])
+    assert all(map(gone, overlapped.pids))
 
 
+@pytest.mark.parametrize("split", [False, True], ids=["one_helper", "two_helpers"])
 def test_a_divergence_plugin_failing_in_the_helper_fails_its_stage_only(
-    tmp_path: Path, samples: Path
+    tmp_path: Path, samples: Path, split: bool
 ) -> None:
     broken = run(tmp_path, "broken", *sample_inputs(samples, "gpt"), patch="""
         from opguard_plugins import divergence
@@ -157,9 +164,9 @@ def test_a_divergence_plugin_failing_in_the_helper_fails_its_stage_only(
             raise RuntimeError("no findings today")
 
         divergence.find_divergence = broken
-    """)  # fmt: skip
+    """, split=split)  # fmt: skip
     assert broken.exit_code == 1, broken.stderr
-    assert len(broken.pids) == 1
+    assert len(broken.pids) == (2 if split else 1)
     records = {s[0]: s for s in broken.stages()}
     assert records["divergence"][2] == "failed"
     assert "RuntimeError: no findings today" in records["divergence"][4]
@@ -168,7 +175,10 @@ def test_a_divergence_plugin_failing_in_the_helper_fails_its_stage_only(
     assert ("stage failed", "divergence") in broken.events()
 
 
-def test_a_helper_that_dies_is_named_and_the_run_goes_on(tmp_path: Path, samples: Path) -> None:
+@pytest.mark.parametrize("split", [False, True], ids=["one_helper", "two_helpers"])
+def test_a_helper_that_dies_is_named_and_the_run_goes_on(
+    tmp_path: Path, samples: Path, split: bool
+) -> None:
     dies = run(tmp_path, "dies", *sample_inputs(samples, "gpt"), patch="""
         import os
         from opguard_plugins import divergence
@@ -181,9 +191,10 @@ def test_a_helper_that_dies_is_named_and_the_run_goes_on(tmp_path: Path, samples
             os._exit(7)
 
         divergence.find_divergence = dies
-    """)  # fmt: skip
+    """, split=split)  # fmt: skip
     assert dies.exit_code == 1, dies.stderr
     records = {s[0]: s for s in dies.stages()}
+    assert records["combine"][2] == "ok"  # written all the same, by whichever helper
     assert records["divergence"][2] == "failed"
     assert records["divergence"][4] == (
         "divergence of gpt_callsite: its helper process died (exit code 7; out of memory?)"
@@ -192,8 +203,9 @@ def test_a_helper_that_dies_is_named_and_the_run_goes_on(tmp_path: Path, samples
     assert not (dies.run_dir / "gpt_callsite_divergence.json").exists()
 
 
+@pytest.mark.parametrize("split", [False, True], ids=["one_helper", "two_helpers"])
 def test_an_interrupted_run_kills_the_helper_instead_of_waiting(
-    tmp_path: Path, samples: Path
+    tmp_path: Path, samples: Path, split: bool
 ) -> None:
     started = time.monotonic()
     stopped = run(tmp_path, "stopped", *sample_inputs(samples, "gpt"), patch="""
@@ -214,13 +226,14 @@ def test_an_interrupted_run_kills_the_helper_instead_of_waiting(
 
         divergence.find_divergence = slow
         compress.compress_trace = interrupted
-    """)  # fmt: skip
+    """, split=split)  # fmt: skip
     assert stopped.exit_code == 130, stopped.stderr  # the runner uses 130 for any signal
     assert time.monotonic() - started < 60
     summary = json.loads(stopped.read("pipeline_summary.json"))
     assert summary["interrupted"]["signal"] == "SIGTERM"
     assert summary["interrupted"]["stage"] == "compress"
-    assert len(stopped.pids) == 1 and gone(stopped.pids[0])  # killed, not left sleeping
+    # killed, not left sleeping
+    assert len(stopped.pids) == (2 if split else 1) and all(map(gone, stopped.pids))
 
 
 def test_no_fork_while_another_thread_runs() -> None:
@@ -269,14 +282,15 @@ WRITE_FAILS = """
 """
 
 
+@pytest.mark.parametrize("split", [False, True], ids=["one_helper", "two_helpers"])
 def test_a_failed_write_in_the_helper_fails_the_combine_stage(
-    tmp_path: Path, samples: Path
+    tmp_path: Path, samples: Path, split: bool
 ) -> None:
     action = 'raise WriteError(path, OSError(errno.ENOSPC, "No space left on device"))'
     full = run(tmp_path, "full", *sample_inputs(samples, "gpt"),
-               patch=WRITE_FAILS.format(action=action))  # fmt: skip
+               patch=WRITE_FAILS.format(action=action), split=split)  # fmt: skip
     assert full.exit_code == 1, full.stderr
-    assert len(full.pids) == 1
+    assert len(full.pids) == (2 if split else 1)
     records = {s[0]: s for s in full.stages()}
     assert records["combine"][2] == "failed"
     assert "gpt_callsite_combined.json" in records["combine"][4]
@@ -289,21 +303,32 @@ def test_a_failed_write_in_the_helper_fails_the_combine_stage(
     assert not list(full.run_dir.glob(".*.tmp"))
 
 
-def test_a_helper_dying_before_the_write_fails_combine_and_divergence(
-    tmp_path: Path, samples: Path
+@pytest.mark.parametrize("split", [False, True], ids=["one_helper", "two_helpers"])
+def test_a_helper_dying_before_the_write_fails_combine_and_its_own_work(
+    tmp_path: Path, samples: Path, split: bool
 ) -> None:
     dies = run(tmp_path, "dies", *sample_inputs(samples, "gpt"),
-               patch=WRITE_FAILS.format(action="os._exit(9)"))  # fmt: skip
+               patch=WRITE_FAILS.format(action="os._exit(9)"), split=split)  # fmt: skip
     assert dies.exit_code == 1, dies.stderr
     records = {s[0]: s for s in dies.stages()}
-    died = "divergence of gpt_callsite: its helper process died (exit code 9; out of memory?)"
-    assert records["combine"][2] == "failed" and records["combine"][4] == died
-    assert records["divergence"][4] == died
+    died = "its helper process died (exit code 9; out of memory?)"
+    assert records["combine"][2] == "failed"
     assert records["generate"][2] == "ok"
+    if split:  # the write's own helper died; the divergence stage's ran to the end
+        path = dies.run_dir / "gpt_callsite_combined.json"
+        assert records["combine"][4] == f"writing {path}: {died}"
+        assert records["divergence"][2] == "ok"
+    else:
+        assert (
+            records["combine"][4]
+            == records["divergence"][4]
+            == f"divergence of gpt_callsite: {died}"
+        )
 
 
+@pytest.mark.parametrize("split", [False, True], ids=["one_helper", "two_helpers"])
 def test_an_interrupted_run_removes_what_the_helper_left_half_written(
-    tmp_path: Path, samples: Path
+    tmp_path: Path, samples: Path, split: bool
 ) -> None:
     """The helper is killed mid-write (SIGKILL: no cleanup of its own); the run removes
     the temporary file and does not claim the combined trace."""
@@ -329,9 +354,9 @@ def test_an_interrupted_run_removes_what_the_helper_left_half_written(
         runner_write = entry_helper.atomic_write_bytes
         entry_helper.atomic_write_bytes = write
         compress.compress_trace = interrupted
-    """)  # fmt: skip
+    """, split=split)  # fmt: skip
     assert half.exit_code == 130, half.stderr
-    assert len(half.pids) == 1 and gone(half.pids[0])
+    assert len(half.pids) == (2 if split else 1) and all(map(gone, half.pids))
     assert not list(half.run_dir.glob(".*"))
     records = {s[0]: s for s in half.stages()}
     assert records["combine"][2] == "failed"
