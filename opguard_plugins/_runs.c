@@ -784,68 +784,71 @@ visible_frames(PyObject *Py_UNUSED(module), PyObject *args)
     Py_buffer hidden, user;
     if (!PyArg_ParseTuple(args, "O!y*y*:visible_frames", &PyList_Type, &stacks, &hidden, &user))
         return NULL;
-    PyObject *visible = NULL, *callers = NULL, *seen = NULL, *result = NULL;
+    PyObject *visible = NULL, *callers = NULL, *result = NULL;
     const unsigned char *is_hidden = hidden.buf, *is_user = user.buf;
     Py_ssize_t n = PyList_GET_SIZE(stacks), frames = hidden.len;
+    /* id(stack) -> index + 1 of its first site: open addressing, a power of two */
+    size_t slots = 16;
+    while (slots < (size_t)n * 2)
+        slots *= 2;
+    PyObject **seen_key = PyMem_Calloc(slots, sizeof(PyObject *));
+    Py_ssize_t *seen_at = PyMem_Calloc(slots, sizeof(Py_ssize_t));
+    if (seen_key == NULL || seen_at == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
     if (user.len != frames) {
         PyErr_SetString(PyExc_ValueError, "visible_frames: hidden and user differ in length");
         goto done;
     }
     visible = PyList_New(n);
     callers = PyList_New(n);
-    seen = PyDict_New(); /* id(stack) -> index of its first site */
-    if (visible == NULL || callers == NULL || seen == NULL)
+    if (visible == NULL || callers == NULL)
         goto done;
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *stack = PyList_GET_ITEM(stacks, i);
-        PyObject *id = PyLong_FromVoidPtr(stack);
-        if (id == NULL)
-            goto done;
-        PyObject *first = PyDict_GetItemWithError(seen, id);
-        if (first == NULL && PyErr_Occurred()) {
-            Py_DECREF(id);
-            goto done;
-        }
-        if (first != NULL) {
-            Py_ssize_t at = PyLong_AsSsize_t(first);
-            Py_DECREF(id);
+        size_t slot = ((uintptr_t)stack >> 4) * 0x9E3779B97F4A7C15ULL & (slots - 1);
+        while (seen_key[slot] != NULL && seen_key[slot] != stack)
+            slot = (slot + 1) & (slots - 1);
+        if (seen_key[slot] == stack) {
+            Py_ssize_t at = seen_at[slot];
             PyList_SET_ITEM(visible, i, Py_NewRef(PyList_GET_ITEM(visible, at)));
             PyList_SET_ITEM(callers, i, Py_NewRef(PyList_GET_ITEM(callers, at)));
             continue;
         }
-        PyObject *index = PyLong_FromSsize_t(i);
-        int failed = index == NULL || PyDict_SetItem(seen, id, index) < 0;
-        Py_XDECREF(index);
-        Py_DECREF(id);
-        if (failed)
-            goto done;
+        seen_key[slot] = stack; /* borrowed: the list holds it while we run */
+        seen_at[slot] = i;
         if (!PyTuple_Check(stack)) {
             PyErr_SetString(PyExc_TypeError, "visible_frames: a stack is not a tuple");
             goto done;
         }
-        Py_ssize_t depth = PyTuple_GET_SIZE(stack), kept = 0, caller = -1, innermost_user = -1;
-        PyObject *frames_of = PyList_New(0);
-        if (frames_of == NULL)
-            goto done;
-        PyList_SET_ITEM(visible, i, frames_of);
+        Py_ssize_t depth = PyTuple_GET_SIZE(stack), kept = 0, innermost_user = -1;
         for (Py_ssize_t j = 0; j < depth; j++) {
-            PyObject *item = PyTuple_GET_ITEM(stack, j);
-            Py_ssize_t frame = PyLong_AsSsize_t(item);
+            Py_ssize_t frame = PyLong_AsSsize_t(PyTuple_GET_ITEM(stack, j));
             if (frame == -1 && PyErr_Occurred())
                 goto done;
             if (frame < 0 || frame >= frames) {
                 PyErr_SetString(PyExc_IndexError, "visible_frames: frame id out of range");
                 goto done;
             }
+            kept += !is_hidden[frame];
+        }
+        PyObject *frames_of = PyList_New(kept);
+        if (frames_of == NULL)
+            goto done;
+        PyList_SET_ITEM(visible, i, frames_of);
+        kept = 0;
+        for (Py_ssize_t j = 0; j < depth; j++) {
+            PyObject *item = PyTuple_GET_ITEM(stack, j);
+            Py_ssize_t frame = PyLong_AsSsize_t(item);
             if (is_hidden[frame])
                 continue;
-            if (PyList_Append(frames_of, item) < 0)
-                goto done;
+            PyList_SET_ITEM(frames_of, kept, Py_NewRef(item));
             if (is_user[frame])
                 innermost_user = kept;
             kept++;
         }
-        caller = innermost_user >= 0 ? innermost_user : kept - 1;
+        Py_ssize_t caller = innermost_user >= 0 ? innermost_user : kept - 1;
         PyObject *position = caller >= 0 ? PyLong_FromSsize_t(caller) : Py_NewRef(Py_None);
         if (position == NULL)
             goto done;
@@ -855,9 +858,10 @@ visible_frames(PyObject *Py_UNUSED(module), PyObject *args)
 done:
     PyBuffer_Release(&hidden);
     PyBuffer_Release(&user);
+    PyMem_Free(seen_key);
+    PyMem_Free(seen_at);
     Py_XDECREF(visible);
     Py_XDECREF(callers);
-    Py_XDECREF(seen);
     return result;
 }
 
