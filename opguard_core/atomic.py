@@ -12,6 +12,7 @@ import datetime as _dt
 import glob
 import os
 import tempfile
+from collections.abc import Iterable
 from pathlib import Path
 
 from opguard_core.errors import OpGuardError, WriteError
@@ -38,6 +39,12 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
 
     On failure the temporary file is removed; an ``OSError`` is raised as
     :class:`WriteError` (an ``OSError`` with the same ``errno``) naming ``path``."""
+    atomic_write_parts(path, (data,))
+
+
+def atomic_write_parts(path: Path, parts: Iterable[bytes]) -> None:
+    """:func:`atomic_write_bytes` of ``b"".join(parts)``, written part by part as
+    they come (a large document never has to be whole in memory, nor copied)."""
     directory = path.parent
     prefix = f".{path.name[:_TMP_STEM_CHARS]}."
     try:
@@ -47,7 +54,8 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
     try:
         os.fchmod(fd, _FILE_MODE)
         with os.fdopen(fd, "wb") as handle:
-            handle.write(data)
+            for part in parts:
+                handle.write(part)
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(tmp_name, path)

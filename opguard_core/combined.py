@@ -53,7 +53,7 @@ from opguard_core.trace_format import (
     TraceHead,
     check_ranks,
     decode_trace,
-    encode_trace,
+    encode_trace_parts,
     read_bytes,
     trace_ranks,
     validate_frame_ids,
@@ -308,9 +308,13 @@ class CallsiteTrace:
 
     def to_json(self) -> bytes:
         """The canonical ``opguard-callsites`` document (formats.md §1)."""
+        return b"".join(self.json_parts())
+
+    def json_parts(self) -> Iterator[bytes]:
+        """:meth:`to_json` in parts, to write as they come (``atomic_write_parts``)."""
         if not self.callsite_extras:
             # the common case: one small struct per callsite, no dict to build
-            outs = [
+            outs = (
                 _SiteOut(
                     stack=site.stack,
                     api=site.api,
@@ -321,29 +325,36 @@ class CallsiteTrace:
                     per_rank=site.per_rank,
                 )
                 for site in self.callsites
-            ]
-            return encode_trace(
+            )
+            return encode_trace_parts(
                 self.meta, self.frames, outs, self.extras, self.frame_extras, COMBINED_VERSION
             )
-        sites: list[Any] = []
-        for index, site in enumerate(self.callsites):
-            doc: dict[str, Any] = {"stack": site.stack}
-            if site.api is not None:
-                doc["api"] = site.api
-            doc["op"] = site.op
-            doc["stream"] = site.stream
-            doc["count"] = site.count
-            if site.ranks is not None:
-                doc["ranks"] = site.ranks
-            if site.per_rank is not None:
-                doc["per_rank"] = site.per_rank
-            extra = self.callsite_extras.get(index)
-            if extra:
-                doc.update(extra)
-            sites.append(doc)
-        return encode_trace(
-            self.meta, self.frames, sites, self.extras, self.frame_extras, COMBINED_VERSION
+        return encode_trace_parts(
+            self.meta,
+            self.frames,
+            map(self._site_doc, range(len(self.callsites))),
+            self.extras,
+            self.frame_extras,
+            COMBINED_VERSION,
         )
+
+    def _site_doc(self, index: int) -> dict[str, Any]:
+        """A callsite with extras as written: its fields in order, then the extras."""
+        site = self.callsites[index]
+        doc: dict[str, Any] = {"stack": site.stack}
+        if site.api is not None:
+            doc["api"] = site.api
+        doc["op"] = site.op
+        doc["stream"] = site.stream
+        doc["count"] = site.count
+        if site.ranks is not None:
+            doc["ranks"] = site.ranks
+        if site.per_rank is not None:
+            doc["per_rank"] = site.per_rank
+        extra = self.callsite_extras.get(index)
+        if extra:
+            doc.update(extra)
+        return doc
 
     @property
     def per_rank_stats(self) -> bool:

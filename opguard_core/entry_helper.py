@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import structlog
 
-from opguard_core.atomic import atomic_write_bytes, remove_temporaries
+from opguard_core.atomic import atomic_write_parts, remove_temporaries
 from opguard_core.errors import Interrupted, OpGuardError, one_line
 from opguard_core.forked import ForkedCall, can_fork
 from opguard_core.model import StageFailed, StageRecord
@@ -55,7 +55,7 @@ def overlaps(options: RunOptions, trace: CallsiteTrace) -> bool:
 def write_combined(trace: CallsiteTrace, path: Path) -> str | None:
     """Encode and write the combined trace atomically; the one-line error, or None."""
     try:
-        atomic_write_bytes(path, trace.to_json())
+        atomic_write_parts(path, trace.json_parts())
     except MemoryError:
         return f"{path.name}: out of memory encoding the combined trace"
     except (OpGuardError, OSError) as exc:

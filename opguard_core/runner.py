@@ -29,7 +29,12 @@ from ruamel.yaml.comments import CommentedMap
 
 from opguard_core import __version__
 from opguard_core.artifact_names import check_entry_names
-from opguard_core.atomic import atomic_write_bytes, atomic_write_text, safe_child
+from opguard_core.atomic import (
+    atomic_write_bytes,
+    atomic_write_parts,
+    atomic_write_text,
+    safe_child,
+)
 from opguard_core.combined import CallsiteTrace, gc_paused
 from opguard_core.config_chain import active_filters, apply_filters
 from opguard_core.config_format import dump_config, entry_key, validate_config
@@ -257,7 +262,7 @@ class Runner:
             out = self._path(f"{entry.name}_combined.json")
             unwritten = out if overlaps(self.options, trace) else None
             if unwritten is None:
-                atomic_write_bytes(out, trace.to_json())
+                atomic_write_parts(out, trace.json_parts())
             record.outputs = [self._rel(out)]
             record.counts = {
                 "files": len(entry.files),

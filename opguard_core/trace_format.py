@@ -8,7 +8,8 @@ path that keeps those fields, so they can be carried through a combine.
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from itertools import islice
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -331,20 +332,39 @@ def encode_trace(
     version: int = TRACE_VERSION,
 ) -> bytes:
     """Encode a trace canonically: fixed key order, one callsite per line, trailing newline."""
+    return b"".join(encode_trace_parts(meta, frames, callsites, extras, frame_extras, version))
+
+
+#: callsites encoded per part of :func:`encode_trace_parts`
+PART_CALLSITES = 20_000
+
+
+def encode_trace_parts(
+    meta: dict[str, Any],
+    frames: list[Frame],
+    callsites: Iterable[Any],
+    extras: dict[str, Any] | None = None,
+    frame_extras: dict[int, dict[str, Any]] | None = None,
+    version: int = TRACE_VERSION,
+) -> Iterator[bytes]:
+    """:func:`encode_trace` in parts, the callsites :data:`PART_CALLSITES` at a time
+    (taken from ``callsites`` as they come), to write as they come: neither the
+    document nor its callsites' objects need to be whole in memory."""
     head = {"format": TRACE_FORMAT, "version": version, "meta": meta, **(extras or {})}
     encoder = msgspec.json.Encoder()
-    parts = [msgspec.json.Encoder(order="deterministic").encode(head)[:-1], b',\n"frames":[\n']
+    yield msgspec.json.Encoder(order="deterministic").encode(head)[:-1] + b',\n"frames":[\n'
     frame_extras = frame_extras or {}
-    parts.append(
-        b",\n".join(
-            encoder.encode({**_frame_dict(f), **frame_extras.get(i, {})})
-            for i, f in enumerate(frames)
-        )
+    yield b",\n".join(
+        encoder.encode({**_frame_dict(f), **frame_extras.get(i, {})}) for i, f in enumerate(frames)
     )
-    parts.append(b'\n],\n"callsites":[\n')
-    parts.append(b",\n".join(encoder.encode(c) for c in callsites))
-    parts.append(b"\n]}\n")
-    return b"".join(parts)
+    yield b'\n],\n"callsites":[\n'
+    encode, sites, first = encoder.encode, iter(callsites), True
+    while part := list(islice(sites, PART_CALLSITES)):
+        if not first:
+            yield b",\n"
+        yield b",\n".join(map(encode, part))
+        first = False
+    yield b"\n]}\n"
 
 
 def _frame_dict(frame: Frame) -> dict[str, Any]:

@@ -10,7 +10,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -332,3 +332,20 @@ def test_real_signal_during_combine_exits_130_with_summary(
     }
     assert not (run_dir / "big_combined.json").exists()
     assert_every_artifact_parses(run_dir)
+
+
+def test_parts_are_written_as_one_file(tmp_path: Path) -> None:
+    from opguard_core.atomic import atomic_write_parts
+
+    target = tmp_path / "doc.json"
+    atomic_write_parts(target, iter([b"a", b"", b"bc"]))
+    assert target.read_bytes() == b"abc"
+
+    def failing() -> Iterator[bytes]:
+        yield b"half"
+        raise RuntimeError("the encoder gave up")
+
+    with pytest.raises(RuntimeError):
+        atomic_write_parts(target, failing())
+    assert target.read_bytes() == b"abc"  # the old file stays whole
+    assert [p.name for p in tmp_path.iterdir()] == ["doc.json"]  # no temporary left

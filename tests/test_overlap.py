@@ -271,14 +271,14 @@ WRITE_FAILS = """
     from opguard_core import entry_helper
     from opguard_core.errors import WriteError
 
-    real_write = entry_helper.atomic_write_bytes
+    real_write = entry_helper.atomic_write_parts
 
     def write(path, data):
         if path.name.endswith("_combined.json"):
             {action}
         real_write(path, data)
 
-    entry_helper.atomic_write_bytes = write
+    entry_helper.atomic_write_parts = write
 """
 
 
@@ -351,8 +351,8 @@ def test_an_interrupted_run_removes_what_the_helper_left_half_written(
             os.kill(os.getpid(), signal.SIGTERM)
             return real_compress(trace, options)
 
-        runner_write = entry_helper.atomic_write_bytes
-        entry_helper.atomic_write_bytes = write
+        runner_write = entry_helper.atomic_write_parts
+        entry_helper.atomic_write_parts = write
         compress.compress_trace = interrupted
     """, split=split)  # fmt: skip
     assert half.exit_code == 130, half.stderr

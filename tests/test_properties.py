@@ -311,3 +311,31 @@ def test_person_added_comments_survive_load_merge_and_dump(
         assert "# keep an eye on this one" in merged
     filtered = dump_config(opguard_filter(parse_config(merged, "m.yaml"), RunOptions(basic=True)))
     assert filtered.startswith("# reviewed by the ops team\n")
+
+
+@pytest.mark.parametrize("part", [1, 2, 3, 1000])
+def test_a_trace_written_in_parts_is_the_trace_encoded_whole(
+    part: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The combined trace is written part by part (its callsites a few thousand at a
+    time); the parts join into the document encoded whole, one callsite per line,
+    extras and all."""
+    import msgspec
+
+    from opguard_core import trace_format
+    from opguard_core.trace_format import Callsite
+
+    sites = [Callsite(stack=(0,) * i, op="aten::mm", count=i + 1) for i in range(5)]
+    extras = {1: {"x": 1}, 4: {"y": [1]}}
+    for callsite_extras in ({}, extras):
+        trace = CallsiteTrace(
+            meta={"ranks": [0]}, frames=[], callsites=sites, callsite_extras=callsite_extras
+        )
+        monkeypatch.setattr(trace_format, "PART_CALLSITES", part)
+        lines = []
+        for index, site in enumerate(sites):
+            doc = {"stack": site.stack, "op": site.op, "stream": 0, "count": site.count}
+            lines.append(msgspec.json.encode({**doc, **callsite_extras.get(index, {})}))
+        written = trace.to_json()
+        assert written.split(b'"callsites":[\n')[1] == b",\n".join(lines) + b"\n]}\n"
+        assert len(list(trace.json_parts())) >= 4 + (len(sites) - 1) // part
