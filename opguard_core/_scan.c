@@ -883,6 +883,46 @@ key_is_collective(PyObject *key, PyObject *collective_apis)
     return PySet_Contains(collective_apis, api);
 }
 
+/* mine[value] |= mask (0 where it has none) */
+static int
+hist_join(PyObject *mine, PyObject *value, PyObject *mask)
+{
+    PyObject *held = PyDict_GetItemWithError(mine, value);
+    if (held == NULL && PyErr_Occurred())
+        return -1;
+    PyObject *joined = held == NULL ? Py_NewRef(mask) : PyNumber_Or(held, mask);
+    if (joined == NULL)
+        return -1;
+    int failed = PyDict_SetItem(mine, value, joined);
+    Py_DECREF(joined);
+    return failed;
+}
+
+/* ``_store_histogram(slot, mine, collective)``: the slot keeps ``mine`` while it holds
+ * three to max_distinct counts (any number for a collective), None for two or fewer,
+ * False (overflowed) past that or when ``mine`` is NULL */
+static int
+store_histogram(PyObject *slot, PyObject *mine, PyObject *key, PyObject *collective_apis,
+                Py_ssize_t max_distinct)
+{
+    PyObject *stored = Py_False;
+    if (mine != NULL) {
+        Py_ssize_t distinct = PyDict_GET_SIZE(mine);
+        stored = mine;
+        if (distinct <= 2) {
+            stored = Py_None;
+        }
+        else if (distinct > max_distinct) {
+            int collective = key_is_collective(key, collective_apis);
+            if (collective < 0)
+                return -1;
+            if (!collective)
+                stored = Py_False;
+        }
+    }
+    return slot_set(slot, 6, Py_NewRef(stored));
+}
+
 /* ``add_rank_count(slot, count, mask, collective)`` (opguard_core/combined.py, the
  * reference) for a slot that is not uniform with this count: min, max, their masks
  * and the histogram (dict, None, or False once it outgrew max_distinct values, unless
@@ -949,32 +989,9 @@ add_rank_count(PyObject *slot, PyObject *count, PyObject *mask, PyObject *key,
     }
     else if (slot_set(slot, 5, at_max ? PyNumber_Or(max_mask, mask) : Py_NewRef(max_mask)) < 0)
         goto done;
-    PyObject *stored = Py_False; /* overflowed */
-    if (mine != NULL) {
-        PyObject *held = PyDict_GetItemWithError(mine, count);
-        if (held == NULL && PyErr_Occurred())
-            goto done;
-        PyObject *joined = held == NULL ? Py_NewRef(mask) : PyNumber_Or(held, mask);
-        if (joined == NULL)
-            goto done;
-        int failed = PyDict_SetItem(mine, count, joined);
-        Py_DECREF(joined);
-        if (failed)
-            goto done;
-        Py_ssize_t distinct = PyDict_GET_SIZE(mine);
-        stored = mine;
-        if (distinct <= 2) {
-            stored = Py_None;
-        }
-        else if (distinct > max_distinct) {
-            int collective = key_is_collective(key, collective_apis);
-            if (collective < 0)
-                goto done;
-            if (!collective)
-                stored = Py_False;
-        }
-    }
-    status = slot_set(slot, 6, Py_NewRef(stored));
+    if (mine != NULL && hist_join(mine, count, mask) < 0)
+        goto done;
+    status = store_histogram(slot, mine, key, collective_apis, max_distinct);
 done:
     Py_DECREF(old_min);
     Py_DECREF(old_max);
@@ -1174,36 +1191,16 @@ merge_slot(PyObject *slot, PyObject *other, PyObject *key, PyObject *collective_
     }
     if (slot_set(slot, 3, Py_NewRef(low_mask)) < 0 || slot_set(slot, 5, Py_NewRef(high_mask)) < 0)
         goto done;
-    PyObject *stored = Py_False; /* overflowed */
+    PyObject *joined = NULL; /* the union of both histograms; NULL: overflowed */
     if (mine != NULL && theirs != NULL) {
         PyObject *value, *mask;
         Py_ssize_t position = 0;
-        while (PyDict_Next(theirs, &position, &value, &mask)) {
-            PyObject *held = PyDict_GetItemWithError(mine, value);
-            if (held == NULL && PyErr_Occurred())
+        while (PyDict_Next(theirs, &position, &value, &mask))
+            if (hist_join(mine, value, mask) < 0)
                 goto done;
-            PyObject *joined = PyNumber_Or(held == NULL ? zero : held, mask);
-            if (joined == NULL)
-                goto done;
-            int failed = PyDict_SetItem(mine, value, joined);
-            Py_DECREF(joined);
-            if (failed)
-                goto done;
-        }
-        Py_ssize_t distinct = PyDict_GET_SIZE(mine);
-        stored = mine;
-        if (distinct <= 2) {
-            stored = Py_None;
-        }
-        else if (distinct > max_distinct) {
-            int collective = key_is_collective(key, collective_apis);
-            if (collective < 0)
-                goto done;
-            if (!collective)
-                stored = Py_False;
-        }
+        joined = mine;
     }
-    status = slot_set(slot, 6, Py_NewRef(stored));
+    status = store_histogram(slot, joined, key, collective_apis, max_distinct);
 done:
     Py_XDECREF(mine);
     Py_XDECREF(theirs);
