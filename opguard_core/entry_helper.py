@@ -17,6 +17,7 @@ in-process.
 from __future__ import annotations
 
 import contextlib
+import threading
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -135,20 +136,36 @@ class EntryHelper:
     def _work(
         self, trace: CallsiteTrace, write: bool, diverge: bool
     ) -> tuple[str | None, list[Any], list[Any], list[Event]]:
-        """In a forked child: the write and/or the divergence stage; what they left."""
+        """In a forked child: the write and/or the divergence stage; what they left.
+        Both: the write runs in a thread beside the stage, so that its waits on the
+        disk (the writes, the fsync: 0.19 of its 0.46 s at 4 x 160k) overlap the
+        stage's work instead of adding to it."""
         runner = self.runner
         runner.in_helper = True  # the parent alone writes the summary
         events: list[Event] = []
         runner.log = EventRecorder(events)
         mark = len(runner.warnings)
-        error = None
+        written: list[str | None] = [None]
+        writer = None
         if write:
             assert self.unwritten is not None
-            error = write_combined(trace, self.unwritten)
+            path = self.unwritten
+
+            def write_it() -> None:
+                written[0] = write_combined(trace, path)
+
+            writer = threading.Thread(target=write_it, name="opguard-write")
+            if diverge:
+                writer.start()
+            else:
+                write_it()
+                writer = None
         if diverge:
             with contextlib.suppress(StageFailed):
                 runner.divergence_stage(self.entry, trace)
-        return error, runner.records[self.slot :], runner.warnings[mark:], events
+        if writer is not None:
+            writer.join()
+        return written[0], runner.records[self.slot :], runner.warnings[mark:], events
 
     def finish(self) -> None:
         """Wait for the children (or kill them when the run is being interrupted) and

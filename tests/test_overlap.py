@@ -194,7 +194,11 @@ def test_a_helper_that_dies_is_named_and_the_run_goes_on(
     """, split=split)  # fmt: skip
     assert dies.exit_code == 1, dies.stderr
     records = {s[0]: s for s in dies.stages()}
-    assert records["combine"][2] == "ok"  # written all the same, by whichever helper
+    # the write: its own helper's, whole (two helpers); or in the dying helper's thread,
+    # claimed only if it came to the end before the helper died (one helper)
+    written = (dies.run_dir / "gpt_callsite_combined.json").exists()
+    assert written or not split
+    assert records["combine"][2] == ("ok" if written else "failed")
     assert records["divergence"][2] == "failed"
     assert records["divergence"][4] == (
         "divergence of gpt_callsite: its helper process died (exit code 7; out of memory?)"
