@@ -146,25 +146,30 @@ class EntryHelper:
         runner.log = EventRecorder(events)
         mark = len(runner.warnings)
         written: list[str | None] = [None]
-        writer = None
+        raised: list[BaseException] = []  # what the write raised, raised again here
+        writer: threading.Thread | None = None
         if write:
             assert self.unwritten is not None
             path = self.unwritten
 
             def write_it() -> None:
-                written[0] = write_combined(trace, path)
+                try:
+                    written[0] = write_combined(trace, path)
+                except BaseException as exc:
+                    raised.append(exc)
 
-            writer = threading.Thread(target=write_it, name="opguard-write")
             if diverge:
+                writer = threading.Thread(target=write_it, name="opguard-write")
                 writer.start()
             else:
                 write_it()
-                writer = None
         if diverge:
             with contextlib.suppress(StageFailed):
                 runner.divergence_stage(self.entry, trace)
         if writer is not None:
             writer.join()
+        if raised:
+            raise raised[0]
         return written[0], runner.records[self.slot :], runner.warnings[mark:], events
 
     def finish(self) -> None:

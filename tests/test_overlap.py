@@ -366,3 +366,19 @@ def test_an_interrupted_run_removes_what_the_helper_left_half_written(
     assert records["combine"][2] == "failed"
     assert records["combine"][4] == "interrupted before gpt_callsite_combined.json was written"
     assert not (half.run_dir / "gpt_callsite_combined.json").exists()
+
+
+@pytest.mark.parametrize("split", [False, True], ids=["one_helper", "two_helpers"])
+def test_an_unexpected_error_in_the_write_fails_the_combine_stage(
+    tmp_path: Path, samples: Path, split: bool
+) -> None:
+    """Raised in the helper's writing thread (one helper) or its own helper (two), a
+    bug in the write is not lost: the combine stage fails and the file is not claimed."""
+    broken = run(tmp_path, "broken", *sample_inputs(samples, "gpt"), split=split,
+                 patch=WRITE_FAILS.format(action='raise RuntimeError("disk on fire")'))  # fmt: skip
+    assert broken.exit_code == 1, broken.stderr
+    records = {s[0]: s for s in broken.stages()}
+    assert records["combine"][2] == "failed"
+    assert "disk on fire" in records["combine"][4], records["combine"][4]
+    assert records["generate"][2] == "ok"
+    assert not (broken.run_dir / "gpt_callsite_combined.json").exists()
