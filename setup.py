@@ -3,7 +3,7 @@
 ``opguard_plugins._recorder`` is the modes backend's per-operator hot path
 (docs/tracing.md, "The recorder's fast path"); ``opguard_core._scan`` is the combine's
 (docs/performance.md, "Folding from the bytes"); ``opguard_plugins._runs`` is
-compress's ("Compress from the runs"). All are optional: without a C
+compress's ("Compiled per-site work"). All are optional: without a C
 compiler and Python's headers the install goes on, and Python paths run instead.
 """
 

@@ -721,8 +721,15 @@ class TraceAccumulator:
             merge_packed(
                 self.sites,
                 stack_ids,
-                *(packed.apis, packed.ops, packed.streams, packed.counts, packed.masks),
-                *(packed.mins, stats, COLLECTIVE_APIS, MAX_DISTINCT),
+                packed.apis,
+                packed.ops,
+                packed.streams,
+                packed.counts,
+                packed.masks,
+                packed.mins,
+                stats,
+                COLLECTIVE_APIS,
+                MAX_DISTINCT,
             )
             return
         self._fold(  # the reference for merge_packed (opguard_core/_scan.c)

@@ -82,13 +82,10 @@ class EventRecorder:
 class EntryHelper:
     """One entry's side work running in forked children (see the module docstring)."""
 
-    def __init__(
-        self, runner: Runner, entry: InputEntry, unwritten: Path | None, divergence: bool
-    ) -> None:
+    def __init__(self, runner: Runner, entry: InputEntry, unwritten: Path | None) -> None:
         self.runner = runner
         self.entry = entry
         self.unwritten = unwritten
-        self.divergence = divergence
         #: where the stage's records go in ``runner.records``
         self.slot = len(runner.records)
         #: (child, whether it writes, whether it runs the divergence stage)
@@ -108,7 +105,7 @@ class EntryHelper:
         pays (the combine leaves the write to them only then), else here and now
         (None when nothing was forked). From :data:`SPLIT_MIN_CALLSITES` callsites
         the two get a child each. Raises ``StageFailed`` when the write fails here."""
-        helper = cls(runner, entry, unwritten, divergence)
+        helper = cls(runner, entry, unwritten)
         write = unwritten is not None
         if write or (divergence and overlaps(runner.options, trace)):
             if write and divergence and len(trace.callsites) >= SPLIT_MIN_CALLSITES:

@@ -7,12 +7,12 @@ once per callsite per rank, and a partial result travels with each stack once.
 :class:`PyStackTable` is the reference implementation. The C extension
 ``opguard_core._scan`` (built by ``setup.py`` where a compiler is found) provides
 the same table; ``find_callsites`` and ``scan_callsites``, which read a rank file's
-``callsites`` array straight from its JSON bytes into keys; and ``fold_rank``, which
-folds one rank's keys in, per-rank statistics and all; ``merge_packed``, which
-folds in a helper's packed partial; and ``site_order``, which sorts the sites into
-canonical order (the reference: :func:`py_site_order`) (performance.md, "Folding from the
-bytes"). ``OPGUARD_COMBINE_SCAN=python`` forces the Python path, which decodes every
-file with msgspec as before.
+``callsites`` array straight from its JSON bytes into keys; ``fold_rank``, which
+folds one rank's keys in, per-rank statistics and all; ``merge_packed``, which folds
+in a helper's packed partial; and ``site_order``, which sorts the sites into
+canonical order (:func:`py_site_order` its reference). See performance.md, "Folding
+from the bytes" and "Compiled per-site work". ``OPGUARD_COMBINE_SCAN=python`` forces
+the Python path, which decodes every file with msgspec as before.
 """
 
 from __future__ import annotations

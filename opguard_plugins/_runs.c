@@ -1,12 +1,12 @@
-/* Compress's (and divergence's) per-callsite work in C (performance.md, "Compress
- * from the runs").
+/* Compress's (and divergence's) per-callsite work in C (performance.md, "Compiled
+ * per-site work").
  *
  * ``Runs(paths, counts, masks, all_mask, ops, streams, width)`` holds a trace's
  * callsites in the sorted order of their paths (bytes, ``width`` bytes an id), with
  * the prefix sums of their counts, and answers what ``build_tree`` asks of the runs
  * of callsites below its nodes: ``weight``, ``mask``, ``uniform``, ``skip_ended``,
- * ``run_end``, ``id_at``, ``prefix``, ``ranked_prefix``, ``tally``, ``distinct_prefixes`` and the whole
- * ``divergent`` search. ``callsite_paths(stacks, apis, api_index, tables, width)``
+ * ``run_end``, ``id_at``, ``ranked_prefix``, ``tally``, ``distinct_prefixes`` and the
+ * whole ``divergent`` search. ``callsite_paths(stacks, apis, api_index, tables, width)``
  * builds the paths (4-byte ids only) and ``frames_at`` reads a node's frames from
  * them; ``visible_frames(stacks, hidden, user)`` gives divergence every stack's
  * visible frames and calling function. Each does what the pure-Python ``PyRuns``,
@@ -354,15 +354,6 @@ runs_id_at(Runs *r, PyObject *const *args, Py_ssize_t nargs)
         return NULL;
     }
     return path_slice(r, at[1], at[0], at[0] + r->width);
-}
-
-static PyObject *
-runs_prefix(Runs *r, PyObject *const *args, Py_ssize_t nargs)
-{
-    Py_ssize_t at[2];
-    if (parse_positions(args, nargs, 2, at, "prefix") < 0)
-        return NULL;
-    return path_slice(r, at[1], 0, at[0]);
 }
 
 /* ranked_prefix(own, position, ranks) -> bytes: the ids of the first own bytes of the
@@ -957,8 +948,6 @@ static PyMethodDef runs_methods[] = {
      "run_end(own, start, end) -> int: the end of the run of equal id at byte own."},
     {"id_at", (PyCFunction)(void (*)(void))runs_id_at, METH_FASTCALL,
      "id_at(own, position) -> bytes: the id at byte own of the position's path."},
-    {"prefix", (PyCFunction)(void (*)(void))runs_prefix, METH_FASTCALL,
-     "prefix(own, position) -> bytes: the first own bytes of the position's path."},
     {"ranked_prefix", (PyCFunction)(void (*)(void))runs_ranked_prefix, METH_FASTCALL,
      "ranked_prefix(own, position, ranks) -> bytes: the prefix's ids through ranks."},
     {"tally", (PyCFunction)(void (*)(void))runs_tally, METH_FASTCALL,

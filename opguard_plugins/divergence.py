@@ -96,8 +96,8 @@ def _lowest(mask: int) -> int:
 
 
 class _Stacks:
-    """Every callsite's visible frames (hidden plumbing removed) and calling function,
-    in trace order, and the frames' names."""
+    """Every callsite's visible frames (hidden plumbing removed), calling function,
+    rank mask and whether it is a collective, in trace order, and the frames' names."""
 
     def __init__(self, trace: CallsiteTrace, options: RunOptions) -> None:
         hide = [*(DEFAULT_HIDE if options.default_hide else ()), *options.hide]
@@ -113,6 +113,12 @@ class _Stacks:
         ops = {site.op for site in trace.callsites}
         c10d = {op: is_collective(op, None) for op in ops}
         self.collective = [c10d[site.op] or site.api in COLLECTIVE_APIS for site in trace.callsites]
+        #: per callsite: its ranks as a mask (all of them where ``ranks`` is None)
+        all_mask = ranks_to_mask(trace.ranks)
+        self.masks = [
+            all_mask if site.ranks is None else ranks_to_mask(site.ranks)
+            for site in trace.callsites
+        ]
 
     def describe(self, frames: list[int], position: int | None) -> dict[str, Any]:
         if position is None:
@@ -196,7 +202,7 @@ def _rank_specific(trace: CallsiteTrace, stacks: _Stacks) -> Iterator[Finding]:
     """The outermost function of each path some ranks never took."""
     all_mask = ranks_to_mask(trace.ranks)
     visible = stacks.visible
-    masks = [all_mask if s.ranks is None else ranks_to_mask(s.ranks) for s in trace.callsites]
+    masks = stacks.masks
     # a function in any callsite that every rank ran is run by every rank: one C-level
     # set update per such callsite; only the (few) other callsites are walked
     everywhere: set[int] = set()
@@ -270,13 +276,13 @@ def _count_skew(trace: CallsiteTrace, stacks: _Stacks, skew: float) -> Iterator[
     example: dict[str, tuple[int, list[int], int]] = {}
     function_mask: dict[str, int] = {}
     names = stacks.names
-    for site, frames, position, collective in zip(
-        trace.callsites, stacks.visible, stacks.callers, stacks.collective, strict=True
-    ):
+    for site, frames, position, collective, mask in zip(
+        trace.callsites, stacks.visible, stacks.callers, stacks.collective, stacks.masks,
+        strict=True,
+    ):  # fmt: skip
         if collective:
             continue
         name = "<root>" if position is None else names[frames[position]]
-        mask = all_mask if site.ranks is None else ranks_to_mask(site.ranks)
         function_mask[name] = function_mask.get(name, 0) | mask
         ops[name] = ops.get(name, 0) + site.count
         if position is not None and site.count > example.get(name, (-1, [], 0))[0]:

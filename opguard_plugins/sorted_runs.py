@@ -10,7 +10,7 @@ has, and the search for rank-divergent nodes below the fraction threshold.
 :class:`PyRuns` is the reference implementation. The C extension
 ``opguard_plugins._runs`` (built by ``setup.py`` where a compiler is found) provides
 the same type, which does each of these without a Python-level step per callsite
-(docs/performance.md, "Compress from the runs"); and ``callsite_paths``, which builds
+(docs/performance.md, "Compiled per-site work"); and ``callsite_paths``, which builds
 the paths, ``frames_at``, which reads a node's frames, and ``visible_frames``, every
 stack's visible frames and calling function for divergence.
 ``OPGUARD_COMPRESS_RUNS=python`` forces the references.
@@ -89,10 +89,6 @@ class PyRuns:
     def id_at(self, own: int, position: int) -> bytes:
         """The id (``width`` bytes) of ``position``'s path at byte ``own``."""
         return self.paths[position][own : own + self.width]
-
-    def prefix(self, own: int, position: int) -> bytes:
-        """The first ``own`` bytes of ``position``'s path."""
-        return self.paths[position][:own]
 
     def ranked_prefix(self, own: int, position: int, ranks: array[int]) -> bytes:
         """The whole 4-byte ids of the first ``own`` bytes of ``position``'s path, each
