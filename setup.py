@@ -1,8 +1,8 @@
 """The optional C extensions; everything else is declared in pyproject.toml.
 
-``opguard_plugins._recorder`` is the modes backend's per-operator hot path
-(docs/tracing.md, "The recorder's fast path"); ``opguard_core._scan`` is the combine's
-(docs/performance.md, "Folding from the bytes"); ``opguard_plugins._runs`` is
+``opguard_plugins.record._recorder`` is the modes backend's per-operator hot path
+(docs/tracing.md, "The recorder's fast path"); ``opguard_core.combine._scan`` is the combine's
+(docs/performance.md, "Folding from the bytes"); ``opguard_plugins.stages._runs`` is
 compress's ("Compiled per-site work"). All are optional: without a C
 compiler and Python's headers the install goes on, and Python paths run instead.
 """
@@ -12,18 +12,18 @@ from setuptools import Extension, setup
 setup(
     ext_modules=[
         Extension(
-            "opguard_plugins._recorder",
-            sources=["opguard_plugins/_recorder.c"],
+            "opguard_plugins.record._recorder",
+            sources=["opguard_plugins/record/_recorder.c"],
             optional=True,
         ),
         Extension(
-            "opguard_core._scan",
-            sources=["opguard_core/_scan.c"],
+            "opguard_core.combine._scan",
+            sources=["opguard_core/combine/_scan.c"],
             optional=True,
         ),
         Extension(
-            "opguard_plugins._runs",
-            sources=["opguard_plugins/_runs.c"],
+            "opguard_plugins.stages._runs",
+            sources=["opguard_plugins/stages/_runs.c"],
             optional=True,
         ),
     ]

@@ -7,7 +7,7 @@ every mode alike, median of ``--repeat`` rounds:
 * untraced;
 * an empty ``TorchDispatchMode`` (``return func(*args, **kwargs)``): the floor of any
   Python-level per-op check;
-* the guard (:func:`opguard_plugins.guard_runtime.guarded`, what ``opguard guard``
+* the guard (:func:`opguard_plugins.enforce.runtime.guarded`, what ``opguard guard``
   starts in each process), enforcing a config made from a trace of this very loop,
   report written at the end included;
 * the guard with ``sample=0.1`` (every 10th optimizer step checked);
@@ -44,11 +44,11 @@ sys.path.insert(0, str(REPO))
 
 from tiny_gpt import GPTConfig, TinyGPT, make_batch, train_step  # noqa: E402
 
-from opguard_core.cli import create_cli  # noqa: E402
-from opguard_core.config_format import load_config  # noqa: E402
-from opguard_core.plugins import create_plugin_manager  # noqa: E402
-from opguard_plugins.guard_runtime import guarded  # noqa: E402
-from opguard_plugins.tracer import trace_callsites  # noqa: E402
+from opguard_core.cli.app import create_cli  # noqa: E402
+from opguard_core.formats.config import load_config  # noqa: E402
+from opguard_core.plugin.manager import create_plugin_manager  # noqa: E402
+from opguard_plugins.enforce.runtime import guarded  # noqa: E402
+from opguard_plugins.record.tracer import trace_callsites  # noqa: E402
 
 
 class EmptyMode(TorchDispatchMode):  # type: ignore[no-untyped-call]

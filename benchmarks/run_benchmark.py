@@ -243,7 +243,7 @@ def run_opguard(
     out.mkdir(parents=True, exist_ok=True)
     pattern = str(paths[0].parent / paths[0].name.replace("_rank0.json", "_rank*.json"))
     args = [
-        sys.executable, "-m", "opguard_core.cli", "--log-format", "json", "run",
+        sys.executable, "-m", "opguard_core.cli.app", "--log-format", "json", "run",
         "--output-base", str(out), "--input", pattern, *extra,
     ]  # fmt: skip
     fig = measure_child(args, env=env, pss=pss)

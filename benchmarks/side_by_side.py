@@ -42,7 +42,7 @@ def compile_checkout(root: Path) -> None:
 def run_once(source: Path, inputs: list[str], out: Path) -> tuple[float, dict[str, float], Path]:
     """One ``opguard run`` from ``source``: wall seconds, stage seconds, run directory."""
     env = {**os.environ, "PYTHONPATH": str(source)}
-    command = [sys.executable, "-m", "opguard_core.cli", "--log-format", "json", "run"]
+    command = [sys.executable, "-m", "opguard_core.cli.app", "--log-format", "json", "run"]
     start = time.perf_counter()
     done = subprocess.run(
         [*command, "--output-base", str(out), "--input", *inputs],

@@ -26,7 +26,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 COMMANDS = (["--version"], ["run", "--help"], ["export", "--help"])
 HEAVY = ("pluggy", "structlog", "msgspec", "rich", "ruamel")
-RUN = "import sys\nfrom opguard_core.cli import main\nmain(sys.argv[1:])\n"
+RUN = "import sys\nfrom opguard_core.cli.app import main\nmain(sys.argv[1:])\n"
 
 
 def _roots(stderr: str) -> dict[str, int]:

@@ -12,7 +12,7 @@ plain torch, a conv net, and a model under activation checkpointing with a custo
 * ``empty-modes``: an empty ``TorchFunctionMode`` above the empty dispatch mode (the
   two Python modes the ``modes`` backend pushes, doing nothing: its floor);
 * ``opguard-modes``: ``trace_callsites(backend="modes")``, its per-operator path in C
-  (``opguard_plugins/_recorder.c``) when built;
+  (``opguard_plugins/record/_recorder.c``) when built;
 * ``opguard-modes-python``: the same on its Python path (as without the extension);
 * ``opguard-profiler``: ``trace_callsites(backend="profiler")``.
 
@@ -63,8 +63,8 @@ sys.path.insert(0, str(REPO))
 
 from loops import LOOPS  # noqa: E402
 
-from opguard_plugins import tracer as tracer_module  # noqa: E402
-from opguard_plugins.tracer import CallsiteRecorder  # noqa: E402
+from opguard_plugins.record import tracer as tracer_module  # noqa: E402
+from opguard_plugins.record.tracer import CallsiteRecorder  # noqa: E402
 
 MODES = (
     "untraced",
@@ -186,7 +186,7 @@ def ddp_rows(repeat: int, directory: str) -> list[tuple[str, float]]:
     ]
     rows = [("untraced", statistics.median(run_command(plain) for _ in range(repeat)))]
     for backend in ("modes", "profiler"):
-        traced = [sys.executable, "-m", "opguard_core.cli", "trace", "--backend", backend]
+        traced = [sys.executable, "-m", "opguard_core.cli.app", "trace", "--backend", backend]
         traced += ["--label", "bench", "--output-dir", directory, "--", *plain]
         rows.append(
             (

@@ -24,11 +24,11 @@ if TYPE_CHECKING:
     import click
     from ruamel.yaml.comments import CommentedMap
 
-    from opguard_core.check_format import CheckInput, Violation
-    from opguard_core.combined import CallsiteTrace
+    from opguard_core.combine.accumulator import CallsiteTrace
+    from opguard_core.formats.check import CheckInput, Violation
+    from opguard_core.formats.stacks import Stack
     from opguard_core.model import Discovery, InputEntry, RunOptions
-    from opguard_core.plugins import OpGuardPluginManager
-    from opguard_core.stacks import Stack
+    from opguard_core.plugin.manager import OpGuardPluginManager
 
 
 # -------------------------------------------------------------------------
@@ -65,7 +65,7 @@ def opguard_combine(entry: InputEntry, options: RunOptions) -> CallsiteTrace | N
 
     :param entry: the entry whose ``files`` are combined.
     :param options: run settings (``jobs``, ``executor``).
-    :returns: the combined :class:`~opguard_core.combined.CallsiteTrace`; the runner
+    :returns: the combined :class:`~opguard_core.combine.accumulator.CallsiteTrace`; the runner
         writes it to ``{name}_combined.json``.
     :raises opguard_core.errors.InputError: for an unusable input file.
     """
@@ -224,7 +224,7 @@ def opguard_export_formats() -> dict[str, Callable[[list[Stack]], bytes]] | None
     a name an earlier one gave).
 
     :returns: a mapping from format name to a writer. A writer receives the call
-        tree as a list of :class:`~opguard_core.stacks.Stack` (``frames``,
+        tree as a list of :class:`~opguard_core.formats.stacks.Stack` (``frames``,
         outermost first, each ``module:qualname``; ``op``; ``stream``; ``weight``, the op count),
         one per (node, op, stream) with own ops, and returns the file's bytes.
     """
@@ -270,6 +270,6 @@ def opguard_check_entry(
         ``count``), or None when the key did not run on this rank.
     :param expected: the config's entry, or None when the config lacks the key.
     :param check: the rank, the key, both configs, ``tolerance`` and step counts
-        (:class:`~opguard_core.check_format.CheckInput`).
+        (:class:`~opguard_core.formats.check.CheckInput`).
     :returns: the violations found (an empty list or None for none).
     """

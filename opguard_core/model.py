@@ -67,7 +67,7 @@ class RunOptions:
     min_fraction: float = DEFAULT_MIN_FRACTION
     chains: bool = True
     hide: tuple[str, ...] = ()
-    #: pprof's -focus / -ignore on the combined trace's callsites (opguard_core.selection)
+    #: pprof's -focus / -ignore on the combined trace's callsites (opguard_core.configs.selection)
     focus: tuple[str, ...] = ()
     ignore: tuple[str, ...] = ()
     default_hide: bool = True
@@ -76,7 +76,7 @@ class RunOptions:
     basic_list: Path | None = None
     compressor: str | None = None
     executor: str = "local"
-    #: processes for combine; 0 = automatic (opguard_plugins.combine.auto_jobs)
+    #: processes for combine; 0 = automatic (opguard_plugins.stages.combine.auto_jobs)
     jobs: int = 0
     verbose: bool = False
     #: count_skew threshold, as a fraction of the median over ranks

@@ -6,8 +6,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from opguard_core.combined import CallsiteTrace, TraceAccumulator
-from opguard_core.trace_format import decode_trace
+from opguard_core.combine.accumulator import CallsiteTrace, TraceAccumulator
+from opguard_core.formats.trace import decode_trace
 
 Frame = tuple[str, str]  # (module, qualname); file and line are derived
 

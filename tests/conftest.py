@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner, Result
 
-from opguard_core.cli import cli_for
+from opguard_core.cli.app import cli_for
 
 SAMPLES = Path(__file__).parent / "data" / "samples"
 

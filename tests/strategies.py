@@ -15,8 +15,8 @@ from typing import Any
 from hypothesis import strategies as st
 from ruamel.yaml.comments import CommentedMap
 
-from opguard_core.config_format import CONFIG_VERSION, flow_map, flow_seq
-from opguard_core.trace_format import TRACE_FORMAT, TRACE_VERSION
+from opguard_core.formats.config import CONFIG_VERSION, flow_map, flow_seq
+from opguard_core.formats.trace import TRACE_FORMAT, TRACE_VERSION
 
 FrameValue = tuple[str, int, str, str, str | None]
 #: identity of a callsite by frame *values*: (stack of frames, api, op, stream)

@@ -18,13 +18,13 @@ import msgspec
 import pytest
 from ruamel.yaml import YAML
 
-import opguard_core.atomic as atomic
-import opguard_plugins.compress as compress_plugin
-import opguard_plugins.generate as generate_plugin
-from opguard_core.atomic import TMP_SUFFIX, atomic_write_bytes, atomic_write_text
-from opguard_core.divergence_format import load_divergence
-from opguard_core.trace_format import load_trace
-from opguard_core.tree_format import load_tree
+import opguard_core.files.atomic as atomic
+import opguard_plugins.stages.compress as compress_plugin
+import opguard_plugins.stages.generate as generate_plugin
+from opguard_core.files.atomic import TMP_SUFFIX, atomic_write_bytes, atomic_write_text
+from opguard_core.formats.divergence import load_divergence
+from opguard_core.formats.trace import load_trace
+from opguard_core.formats.tree import load_tree
 from tests.builders import sample_inputs
 
 # ----------------------------------------------------------------------------- helpers
@@ -293,7 +293,7 @@ def test_real_signal_during_combine_exits_130_with_summary(
     out = tmp_path / "out"
     env = {**os.environ, "OPGUARD_TRACE_OUTPUT_BASE": str(out)}
     env.pop("OPGUARD_DISABLE_PLUGINS", None)
-    command = [sys.executable, "-m", "opguard_core.cli", "--log-format", "json", "run"]
+    command = [sys.executable, "-m", "opguard_core.cli.app", "--log-format", "json", "run"]
     process = subprocess.Popen(
         [*command, "-i", "big_rank*.json"],
         cwd=tmp_path,
@@ -335,7 +335,7 @@ def test_real_signal_during_combine_exits_130_with_summary(
 
 
 def test_parts_are_written_as_one_file(tmp_path: Path) -> None:
-    from opguard_core.atomic import atomic_write_parts
+    from opguard_core.files.atomic import atomic_write_parts
 
     target = tmp_path / "doc.json"
     atomic_write_parts(target, iter([b"a", b"", b"bc"]))

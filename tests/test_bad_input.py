@@ -13,10 +13,10 @@ from typing import Any
 
 import pytest
 
-from opguard_core.config_format import load_config, parse_config
 from opguard_core.errors import InputError
-from opguard_core.trace_format import MAX_RANK, decode_trace, load_trace
-from opguard_plugins.basic_filter import load_basic_list
+from opguard_core.formats.config import load_config, parse_config
+from opguard_core.formats.trace import MAX_RANK, decode_trace, load_trace
+from opguard_plugins.stages.basic_filter import load_basic_list
 from tests.builders import sample_inputs
 
 GOOD_ENTRY = "gpt_callsite"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import tomllib
 from pathlib import Path
 
-from opguard_core.plugins import BUILTIN_PLUGINS, ESSENTIAL_PLUGINS, create_plugin_manager
+from opguard_core.plugin.manager import BUILTIN_PLUGINS, ESSENTIAL_PLUGINS, create_plugin_manager
 
 PYPROJECT = Path(__file__).resolve().parents[1] / "pyproject.toml"
 

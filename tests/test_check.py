@@ -18,12 +18,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from opguard_core import hookimpl
-from opguard_core.check_format import CHECK_FORMAT, KINDS, Violation, load_report
-from opguard_core.cli import create_cli
-from opguard_core.config_format import load_config
+from opguard_core.cli.app import create_cli
 from opguard_core.errors import ExitCode
-from opguard_core.plugins import create_plugin_manager
-from opguard_plugins.check import options_from_settings
+from opguard_core.formats.check import CHECK_FORMAT, KINDS, Violation, load_report
+from opguard_core.formats.config import load_config
+from opguard_core.plugin.manager import create_plugin_manager
+from opguard_plugins.enforce.check import options_from_settings
 from tests.builders import trace_doc, write
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples" / "traces"

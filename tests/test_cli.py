@@ -7,7 +7,7 @@ from pathlib import Path
 
 from ruamel.yaml import YAML
 
-from opguard_core.tree_format import load_tree
+from opguard_core.formats.tree import load_tree
 
 
 def test_two_entries_write_every_artifact(opguard, samples: Path) -> None:

@@ -6,9 +6,9 @@ from typing import Any
 
 import pytest
 
+from opguard_core.formats.tree import check_tree, node_target
 from opguard_core.model import RunOptions
-from opguard_core.tree_format import check_tree, node_target
-from opguard_plugins.compress import compress_trace, frame_kind
+from opguard_plugins.stages.compress import compress_trace, frame_kind
 from tests.builders import as_trace, trace_doc
 
 CALL_IMPL = ("torch.nn.modules.module", "Module._call_impl")

@@ -16,10 +16,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from opguard_core.combined import CallsiteTrace, ranks_to_mask
+from opguard_core.combine.accumulator import CallsiteTrace, ranks_to_mask
+from opguard_core.formats.tree import TORCH_API, split_api, threshold
 from opguard_core.model import RunOptions
-from opguard_core.tree_format import TORCH_API, split_api, threshold
-from opguard_plugins.compress import (
+from opguard_plugins.stages.compress import (
     DEFAULT_HIDE,
     Node,
     api_replaces_frame,
@@ -235,8 +235,8 @@ def test_the_bound_on_rank_nodes_matches_the_reference(
 def test_build_tree_matches_the_reference_on_real_traces(
     samples: Any, name: str, min_fraction: float
 ) -> None:
-    from opguard_core.combined import TraceAccumulator
-    from opguard_core.trace_format import load_trace
+    from opguard_core.combine.accumulator import TraceAccumulator
+    from opguard_core.formats.trace import load_trace
 
     accumulator = TraceAccumulator()
     for path in sorted(samples.glob(f"{name}_rank*.json")):

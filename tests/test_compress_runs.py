@@ -1,6 +1,6 @@
-"""Compress's C runs (``opguard_plugins._runs``) against the Python reference.
+"""Compress's C runs (``opguard_plugins.stages._runs``) against the Python reference.
 
-``PyRuns`` (opguard_plugins/sorted_runs.py) is the reference: for any sorted paths,
+``PyRuns`` (opguard_plugins/stages/sorted_runs.py) is the reference: for any sorted paths,
 counts, masks, ops and streams, the C ``Runs`` must give the same answer to every
 method, and ``build_tree`` the same tree through either (tests/test_compress_reference.py
 holds ``build_tree`` itself to the whole tree, pruned). Skipped where the extension was
@@ -17,11 +17,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from opguard_core.combined import TraceAccumulator
+from opguard_core.combine.accumulator import TraceAccumulator
+from opguard_core.formats.trace import load_trace
 from opguard_core.model import RunOptions
-from opguard_core.trace_format import load_trace
-from opguard_plugins import compress, sorted_runs
-from opguard_plugins.sorted_runs import (
+from opguard_plugins.stages import compress, sorted_runs
+from opguard_plugins.stages.sorted_runs import (
     PathTables,
     PyRuns,
     py_callsite_paths,
@@ -30,21 +30,21 @@ from opguard_plugins.sorted_runs import (
 )
 
 try:
-    from opguard_plugins._runs import Runs as CRuns  # type: ignore[import-not-found]
-    from opguard_plugins._runs import callsite_paths as c_callsite_paths
-    from opguard_plugins._runs import frames_at as c_frames_at
-    from opguard_plugins._runs import visible_frames as c_visible_frames
+    from opguard_plugins.stages._runs import Runs as CRuns  # type: ignore[import-not-found]
+    from opguard_plugins.stages._runs import callsite_paths as c_callsite_paths
+    from opguard_plugins.stages._runs import frames_at as c_frames_at
+    from opguard_plugins.stages._runs import visible_frames as c_visible_frames
 except ImportError:
     CRuns = c_callsite_paths = c_frames_at = c_visible_frames = None
 
-needs_c = pytest.mark.skipif(CRuns is None, reason="opguard_plugins._runs was not built")
+needs_c = pytest.mark.skipif(CRuns is None, reason="opguard_plugins.stages._runs was not built")
 WIDTH = 4
 
 
 def test_the_c_runs_are_built_where_required() -> None:
     if os.environ.get("OPGUARD_REQUIRE_C_RUNS") != "1":
         pytest.skip("OPGUARD_REQUIRE_C_RUNS is not set")
-    assert CRuns is not None, "opguard_plugins._runs did not build"
+    assert CRuns is not None, "opguard_plugins.stages._runs did not build"
     assert sorted_runs.Runs is CRuns, "the C runs are built but not in use"
     assert sorted_runs.callsite_paths is c_callsite_paths
     assert sorted_runs.visible_frames is c_visible_frames

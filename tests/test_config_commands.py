@@ -16,7 +16,7 @@ import pytest
 from click.testing import CliRunner, Result
 from ruamel.yaml import YAML
 
-from opguard_core.cli import cli_for
+from opguard_core.cli.app import cli_for
 
 SAMPLES = Path(__file__).parent / "data" / "samples"
 V1 = Path(__file__).parent / "data" / "configs" / "gpt_callsite_v1.yaml"
@@ -221,7 +221,7 @@ def test_show_is_plain_text_when_piped_and_a_rich_table_on_a_terminal(run_dir, m
     plain = invoke("show", run_dir, "--top", "3").stdout.splitlines()
     assert plain[1].split() == ["count", "share", "target", "context", "main", "ops"]
     assert len(plain) == 2 + 3 and "━" not in "".join(plain)
-    import opguard_plugins.config_commands as commands
+    import opguard_plugins.view.config_commands as commands
 
     monkeypatch.setattr(commands, "_on_terminal", lambda: True)
     rich = invoke("show", run_dir, "--top", "3").stdout

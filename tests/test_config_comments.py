@@ -6,14 +6,14 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from opguard_core.config_format import (
+from opguard_core.formats.config import (
     SUMMARY_RE,
     dump_config,
     entry_comments,
     entry_key,
     parse_config,
 )
-from opguard_plugins.merge import merge_configs
+from opguard_plugins.stages.merge import merge_configs
 from tests.strategies import configs, plain
 
 TEXT = (

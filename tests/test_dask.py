@@ -10,10 +10,10 @@ from typing import Any
 
 import pytest
 
-from opguard_core.combined import TraceAccumulator
+from opguard_core.combine.accumulator import TraceAccumulator
 from opguard_core.model import RunOptions
-from opguard_plugins import dask_executor
-from opguard_plugins.combine import combine_files
+from opguard_plugins.stages import dask_executor
+from opguard_plugins.stages.combine import combine_files
 from tests.builders import trace_doc, write
 from tests.conftest import RunResult
 

@@ -18,12 +18,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from opguard_core import hookimpl
-from opguard_core.combined import CallsiteTrace, TraceAccumulator, merge_slot
-from opguard_core.divergence_format import load_divergence
+from opguard_core.combine.accumulator import CallsiteTrace, TraceAccumulator, merge_slot
+from opguard_core.formats.divergence import load_divergence
+from opguard_core.formats.trace import decode_trace, load_trace
 from opguard_core.model import RunOptions
-from opguard_core.plugins import create_plugin_manager
-from opguard_core.trace_format import decode_trace, load_trace
-from opguard_plugins.divergence import find_divergence
+from opguard_core.plugin.manager import create_plugin_manager
+from opguard_plugins.stages.divergence import find_divergence
 from tests.builders import trace_doc
 
 DIVERGENT = Path(__file__).parent / "data" / "divergent"
@@ -329,7 +329,7 @@ def test_record_the_divergent_job_live(tmp_path: Path) -> None:
     pytest.importorskip("torch")
     out = tmp_path / "traces"
     proc = subprocess.run(
-        [sys.executable, "-m", "opguard_core.cli", "trace", "--label", "divergent",
+        [sys.executable, "-m", "opguard_core.cli.app", "trace", "--label", "divergent",
          "--output-dir", str(out), "--", "torchrun", "--nproc-per-node", "2",
          str(DIVERGENT / "divergent_job.py")],
         capture_output=True, text=True, timeout=180, cwd=REPO,
@@ -350,7 +350,7 @@ def test_rank_specific_nodes_are_bounded(
     """Past MAX_RANK_NODES the largest rank-specific nodes are kept (ties: the path
     that sorts first) and the others folded into their parents (counts conserved, the
     tree still checks), and the summary says how many."""
-    import opguard_plugins.compress as compress
+    import opguard_plugins.stages.compress as compress
 
     monkeypatch.setattr(compress, "MAX_RANK_NODES", 5)
     for rank in (0, 1):
@@ -380,7 +380,7 @@ def test_rank_specific_nodes_are_bounded(
 )
 def test_add_rank_count_is_merge_slot_of_one_rank(counts: list[int], collective: bool) -> None:
     """The combine's hot path for one rank's count gives the slot merge_slot gives."""
-    from opguard_core.combined import add_rank_count, merge_slot
+    from opguard_core.combine.accumulator import add_rank_count, merge_slot
 
     fast = [counts[0], 1, counts[0], None, counts[0], None, None]
     slow = list(fast)
@@ -395,8 +395,8 @@ def test_per_rank_counts_add_up_for_every_shape_of_statistics() -> None:
     """A function's per-rank totals gather its callsites: uniform ones share their
     count out, a histogram gives each rank its value, and an overflowed one gives the
     ranks between min and max the mean of what is left."""
-    from opguard_core.trace_format import Callsite, PerRank
-    from opguard_plugins.divergence import add_per_rank_counts
+    from opguard_core.formats.trace import Callsite, PerRank
+    from opguard_plugins.stages.divergence import add_per_rank_counts
 
     ranks = [0, 1, 2, 3]
     totals: dict[int, float] = {}

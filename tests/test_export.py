@@ -18,10 +18,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from opguard_core import hookimpl
-from opguard_core.cli import create_cli
-from opguard_core.plugins import create_plugin_manager
-from opguard_core.stacks import Stack, split_streams, tree_stacks
-from opguard_core.tree_format import load_tree
+from opguard_core.cli.app import create_cli
+from opguard_core.formats.stacks import Stack, split_streams, tree_stacks
+from opguard_core.formats.tree import load_tree
+from opguard_core.plugin.manager import create_plugin_manager
 from tests.builders import trace_doc, write
 
 SCHEMA = Path(__file__).parent / "data" / "speedscope" / "file-format-schema.json"

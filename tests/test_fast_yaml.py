@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from ruamel.yaml.comments import CommentedMap, CommentedSeq
 
-from opguard_core.config_format import (
+from opguard_core.formats.config import (
     _dump_fast,
     _dump_with_ruamel,
     annotate_entries,
@@ -28,11 +28,11 @@ from opguard_core.config_format import (
     parse_config,
 )
 from opguard_core.model import RunOptions
-from opguard_plugins.basic_filter import opguard_filter
-from opguard_plugins.combine import combine_files
-from opguard_plugins.compress import compress_trace
-from opguard_plugins.generate import generate_config
-from opguard_plugins.merge import merge_configs
+from opguard_plugins.stages.basic_filter import opguard_filter
+from opguard_plugins.stages.combine import combine_files
+from opguard_plugins.stages.compress import compress_trace
+from opguard_plugins.stages.generate import generate_config
+from opguard_plugins.stages.merge import merge_configs
 
 SAMPLES = Path(__file__).parent / "data" / "samples"
 SETTINGS = settings(

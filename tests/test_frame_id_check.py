@@ -9,10 +9,10 @@ from typing import Any
 
 import pytest
 
-from opguard_core.combined import TraceAccumulator
+from opguard_core.combine.accumulator import TraceAccumulator
 from opguard_core.errors import InputError
-from opguard_core.trace_format import MAX_RANK, decode_trace
-from opguard_plugins.combine import combine_files
+from opguard_core.formats.trace import MAX_RANK, decode_trace
+from opguard_plugins.stages.combine import combine_files
 
 FRAME = {"file": "m.py", "line": 1, "function": "f", "qualname": "f", "module": "m"}
 

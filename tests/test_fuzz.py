@@ -19,16 +19,16 @@ from typing import Any
 import pytest
 from ruamel.yaml import YAML
 
-from opguard_core.combined import TraceAccumulator
-from opguard_core.config_format import dump_config, parse_config, validate_config
+from opguard_core.combine.accumulator import TraceAccumulator
 from opguard_core.errors import InputError
+from opguard_core.formats.config import dump_config, parse_config, validate_config
+from opguard_core.formats.trace import decode_trace
+from opguard_core.formats.tree import check_tree
 from opguard_core.model import RunOptions
-from opguard_core.trace_format import decode_trace
-from opguard_core.tree_format import check_tree
-from opguard_plugins.basic_filter import opguard_filter
-from opguard_plugins.compress import compress_trace
-from opguard_plugins.generate import generate_config
-from opguard_plugins.merge import merge_configs
+from opguard_plugins.stages.basic_filter import opguard_filter
+from opguard_plugins.stages.compress import compress_trace
+from opguard_plugins.stages.generate import generate_config
+from opguard_plugins.stages.merge import merge_configs
 
 pytestmark = pytest.mark.slow
 

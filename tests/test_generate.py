@@ -6,13 +6,13 @@ from typing import Any
 
 from ruamel.yaml.comments import CommentedMap
 
-from opguard_core.config_format import dump_config, parse_config
+from opguard_core.formats.config import dump_config, parse_config
 from opguard_core.model import RunOptions
-from opguard_plugins.basic_filter import load_basic_list, opguard_filter
-from opguard_plugins.compare import compare_configs
-from opguard_plugins.compress import compress_trace
-from opguard_plugins.generate import generate_config, tags_for
-from opguard_plugins.merge import merge_configs
+from opguard_plugins.stages.basic_filter import load_basic_list, opguard_filter
+from opguard_plugins.stages.compare import compare_configs
+from opguard_plugins.stages.compress import compress_trace
+from opguard_plugins.stages.generate import generate_config, tags_for
+from opguard_plugins.stages.merge import merge_configs
 from tests.builders import as_trace, trace_doc
 
 MAIN = ("train", "main")

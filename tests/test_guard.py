@@ -27,19 +27,19 @@ torch = pytest.importorskip("torch")
 from click.testing import CliRunner  # noqa: E402
 from ruamel.yaml import YAML  # noqa: E402
 
-from opguard_core.check_format import GUARD_FORMAT, load_report  # noqa: E402
-from opguard_core.cli import create_cli  # noqa: E402
+from opguard_core.cli.app import create_cli  # noqa: E402
 from opguard_core.errors import ExitCode, InputError  # noqa: E402
-from opguard_core.plugins import create_plugin_manager  # noqa: E402
-from opguard_core.trace_format import load_trace  # noqa: E402
-from opguard_plugins.guard_runtime import OpGuardViolation, guarded, sample_every  # noqa: E402
-from opguard_plugins.tracer import trace_callsites  # noqa: E402
+from opguard_core.formats.check import GUARD_FORMAT, load_report  # noqa: E402
+from opguard_core.formats.trace import load_trace  # noqa: E402
+from opguard_core.plugin.manager import create_plugin_manager  # noqa: E402
+from opguard_plugins.enforce.runtime import OpGuardViolation, guarded, sample_every  # noqa: E402
+from opguard_plugins.record.tracer import trace_callsites  # noqa: E402
 
 pytestmark = pytest.mark.torch
 
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLES = REPO / "examples"
-OPGUARD = [sys.executable, "-m", "opguard_core.cli"]
+OPGUARD = [sys.executable, "-m", "opguard_core.cli.app"]
 
 MODEL = """
 import torch

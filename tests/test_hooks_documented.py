@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from opguard_core import PROJECT_NAME, hookspecs
-from opguard_core.plugins import HOOK_PREFIX, hook_names
+from opguard_core.plugin.manager import HOOK_PREFIX, hook_names
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs" / "plugins.md"

@@ -25,16 +25,16 @@ import pytest
 from click.testing import CliRunner
 
 from opguard_core import hookimpl
-from opguard_core.cli import cli_for
+from opguard_core.cli.app import cli_for
 from opguard_core.model import Discovery, InputEntry, RunOptions
-from opguard_core.plugins import create_plugin_manager
-from opguard_core.runner import Runner
-from opguard_core.stale_runs import lock_run_directory, release_run_directory
+from opguard_core.plugin.manager import create_plugin_manager
+from opguard_core.run.runner import Runner
+from opguard_core.run.stale import lock_run_directory, release_run_directory
 from tests.builders import trace_doc, write
 from tests.conftest import RunResult
 
 REPO = Path(__file__).resolve().parent.parent
-OPGUARD = [sys.executable, "-m", "opguard_core.cli"]
+OPGUARD = [sys.executable, "-m", "opguard_core.cli.app"]
 SITES = [([("app", "main"), ("app", "step")], "torch.add", "aten::add", 5)]
 
 

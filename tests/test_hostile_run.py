@@ -26,15 +26,16 @@ from click.testing import CliRunner
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from opguard_core import atomic, deep_json
-from opguard_core.cli import cli_for
-from opguard_core.combined import TraceAccumulator
-from opguard_core.config_format import dump_config
+from opguard_core.cli.app import cli_for
+from opguard_core.combine.accumulator import TraceAccumulator
 from opguard_core.errors import InputError, one_line
-from opguard_core.trace_format import decode_trace
-from opguard_core.tree_format import COMPACT_LEVEL, MAX_TREE_DEPTH, encode_tree, load_tree
-from opguard_plugins import compress as compress_plugin
-from opguard_plugins import merge as merge_plugin
+from opguard_core.files import atomic
+from opguard_core.formats import deep_json
+from opguard_core.formats.config import dump_config
+from opguard_core.formats.trace import decode_trace
+from opguard_core.formats.tree import COMPACT_LEVEL, MAX_TREE_DEPTH, encode_tree, load_tree
+from opguard_plugins.stages import compress as compress_plugin
+from opguard_plugins.stages import merge as merge_plugin
 from tests.builders import sample_inputs
 from tests.test_atomic import assert_every_artifact_parses, leftovers
 
@@ -200,7 +201,7 @@ def test_decoding_is_bounded_even_with_a_raised_recursion_limit(tmp_path: Path) 
         """
         import sys
         sys.setrecursionlimit(10**6)
-        from opguard_core import deep_json
+        from opguard_core.formats import deep_json
         doc = b"[" * 300_000 + b"]" * 300_000  # far past what the C stack holds
         value = deep_json.decode(doc)
         depth = 0
@@ -260,7 +261,7 @@ TRACED_PROGRAM = textwrap.dedent(
     """
     import sys
     import torch
-    from opguard_plugins.tracer import trace_callsites
+    from opguard_plugins.record.tracer import trace_callsites
 
     x = torch.ones(2, 2)
 
@@ -583,7 +584,7 @@ def test_a_misbehaving_compressor_fails_its_stage_and_the_summary_says_so(
 def test_a_report_plugin_exiting_does_not_end_the_run(
     opguard: Callable[..., Any], samples: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from opguard_plugins import report
+    from opguard_plugins.view import report
 
     def write_report(run_dir: Path, *args: Any) -> None:
         raise SystemExit(0)
@@ -624,7 +625,7 @@ def test_control_characters_in_console_logs_are_escaped(tmp_path: Path, samples:
     bad.write_bytes(b"[]")
     env = {**os.environ, "OPGUARD_TRACE_OUTPUT_BASE": str(tmp_path / "out")}
     proc = subprocess.run(
-        [sys.executable, "-m", "opguard_core.cli", "--log-format", "console", "run", "-i", bad],
+        [sys.executable, "-m", "opguard_core.cli.app", "--log-format", "console", "run", "-i", bad],
         capture_output=True,
         text=True,
         env=env,
@@ -653,7 +654,7 @@ def test_trace_strings_cannot_forge_comparison_log_lines(
 def test_memory_error_names_the_file(
     opguard: Callable[..., Any], samples: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from opguard_core import combined
+    from opguard_core.combine import accumulator as combined
 
     real = combined.read_bytes
 
@@ -682,7 +683,7 @@ def test_every_trace_string_reads_back_from_the_config(
     """Through the whole pipeline (tests/test_fast_yaml.py proves it for arbitrary
     text): op names, modules, qualnames, files and apis that YAML would misread, and
     a frame with a null module and an empty file."""
-    from opguard_core.config_format import load_config
+    from opguard_core.formats.config import load_config
 
     frames = [
         {"file": "", "line": 1, "function": "f", "qualname": "?f", "module": None},

@@ -41,7 +41,7 @@ def test_verbose_adds_debug_detail(opguard, samples) -> None:
 
 
 def test_a_plugin_crash_is_one_line_unless_verbose(opguard, samples, monkeypatch) -> None:
-    import opguard_plugins.generate as generate
+    import opguard_plugins.stages.generate as generate
 
     def broken(tree, source, depth):  # type: ignore[no-untyped-def]
         raise ValueError("boom in generate")

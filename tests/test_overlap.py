@@ -1,5 +1,5 @@
 """The divergence stage in a forked helper while compress and generate go on
-(``opguard_core.entry_helper``, ``opguard_core.forked``): the same artifacts, records
+(``opguard_core.run.helper``, ``opguard_core.run.forked``): the same artifacts, records
 and logs as in-process, and a helper that fails, dies or is cut short by an
 interruption is recorded, never waited on forever, never left behind.
 
@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 
-from opguard_core.forked import can_fork
+from opguard_core.run.forked import can_fork
 from tests.builders import sample_inputs
 
 pytestmark = pytest.mark.skipif(
@@ -43,8 +43,8 @@ ARTIFACTS = (
 #: helper's pid is appended to the file named by OVERLAP_PIDS
 PATCH = """
 import os
-from opguard_core import entry_helper
-from opguard_core.forked import ForkedCall
+from opguard_core.run import helper as entry_helper
+from opguard_core.run.forked import ForkedCall
 
 entry_helper.OVERLAP_MIN_CALLSITES = 0
 entry_helper.SPLIT_MIN_CALLSITES = int(os.environ.get("OVERLAP_SPLIT_MIN", 10**9))
@@ -92,7 +92,7 @@ def run(tmp_path: Path, name: str, *args: str, patch: str = "", split: bool = Fa
     (where / "overlap_patch.py").write_text(PATCH + textwrap.dedent(patch))
     code = (
         f"import sys; sys.path.insert(0, {str(where)!r}); import overlap_patch\n"
-        "from opguard_core.cli import main\n"
+        "from opguard_core.cli.app import main\n"
         "main(sys.argv[1:])\n"
     )
     env = {
@@ -158,7 +158,7 @@ def test_a_divergence_plugin_failing_in_the_helper_fails_its_stage_only(
     tmp_path: Path, samples: Path, split: bool
 ) -> None:
     broken = run(tmp_path, "broken", *sample_inputs(samples, "gpt"), patch="""
-        from opguard_plugins import divergence
+        from opguard_plugins.stages import divergence
 
         def broken(trace, options):
             raise RuntimeError("no findings today")
@@ -181,7 +181,7 @@ def test_a_helper_that_dies_is_named_and_the_run_goes_on(
 ) -> None:
     dies = run(tmp_path, "dies", *sample_inputs(samples, "gpt"), patch="""
         import os
-        from opguard_plugins import divergence
+        from opguard_plugins.stages import divergence
 
         parent = os.getpid()
 
@@ -214,7 +214,8 @@ def test_an_interrupted_run_kills_the_helper_instead_of_waiting(
     started = time.monotonic()
     stopped = run(tmp_path, "stopped", *sample_inputs(samples, "gpt"), patch="""
         import os, signal, time
-        from opguard_plugins import compress, divergence
+        from opguard_plugins.stages import compress
+        from opguard_plugins.stages import divergence
 
         parent = os.getpid()
         real_compress = compress.compress_trace
@@ -272,7 +273,7 @@ def test_the_helper_writes_the_combined_trace_of_a_single_rank_entry(
 
 WRITE_FAILS = """
     import errno
-    from opguard_core import entry_helper
+    from opguard_core.run import helper as entry_helper
     from opguard_core.errors import WriteError
 
     real_write = entry_helper.atomic_write_parts
@@ -338,8 +339,8 @@ def test_an_interrupted_run_removes_what_the_helper_left_half_written(
     the temporary file and does not claim the combined trace."""
     half = run(tmp_path, "half", *sample_inputs(samples, "gpt"), patch="""
         import os, signal, tempfile, time
-        from opguard_core import entry_helper
-        from opguard_plugins import compress
+        from opguard_core.run import helper as entry_helper
+        from opguard_plugins.stages import compress
 
         parent = os.getpid()
         real_compress = compress.compress_trace

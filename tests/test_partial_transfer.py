@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from opguard_core.combined import TraceAccumulator
-from opguard_core.trace_format import load_trace
-from opguard_plugins import combine
-from opguard_plugins.combine import combine_files, combine_parallel
+from opguard_core.combine.accumulator import TraceAccumulator
+from opguard_core.formats.trace import load_trace
+from opguard_plugins.stages import combine
+from opguard_plugins.stages.combine import combine_files, combine_parallel
 
 
 def _files(samples: Path) -> list[Path]:

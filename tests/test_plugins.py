@@ -31,18 +31,18 @@ from ruamel.yaml import YAML
 from ruamel.yaml.comments import CommentedMap
 
 from opguard_core import hookimpl
-from opguard_core.cli import create_cli, main
-from opguard_core.combined import CallsiteTrace
-from opguard_core.config_format import entry_key, validate_config
+from opguard_core.cli.app import create_cli, main
+from opguard_core.combine.accumulator import CallsiteTrace
 from opguard_core.errors import ExitCode, PluginError
+from opguard_core.formats.config import entry_key, validate_config
+from opguard_core.formats.tree import check_tree, iter_nodes, load_tree
 from opguard_core.model import Discovery, InputEntry, RunOptions
-from opguard_core.plugins import (
+from opguard_core.plugin.manager import (
     ESSENTIAL_PLUGINS,
     EssentialPluginError,
     OpGuardPluginManager,
     create_plugin_manager,
 )
-from opguard_core.tree_format import check_tree, iter_nodes, load_tree
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "opguard-plugin-example"
 EXAMPLE_SRC = EXAMPLE / "src"

@@ -34,7 +34,7 @@ def test_signal_to_the_group_stops_pool_cleanly(
 ) -> None:
     out = tmp_path / "out"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "opguard_core.cli", "--log-format", "json", "run",
+        [sys.executable, "-m", "opguard_core.cli.app", "--log-format", "json", "run",
          "--jobs", "2", "--output-base", str(out), "-i", str(big_traces / "*_rank*.json")],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
     )  # fmt: skip

@@ -12,7 +12,7 @@ import pytest
 
 from opguard_core import logs
 from opguard_core.model import InputEntry, RunOptions
-from opguard_plugins import combine
+from opguard_plugins.stages import combine
 from tests.conftest import RunResult
 
 BAR_MARKS = ("━", "\r", "\x1b[")

@@ -12,15 +12,15 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from ruamel.yaml.comments import CommentedMap
 
-from opguard_core.combined import CallsiteTrace, TraceAccumulator
-from opguard_core.config_format import dump_config, entry_key, parse_config, validate_config
+from opguard_core.combine.accumulator import CallsiteTrace, TraceAccumulator
+from opguard_core.formats.config import dump_config, entry_key, parse_config, validate_config
+from opguard_core.formats.trace import decode_trace
+from opguard_core.formats.tree import check_tree, iter_nodes
 from opguard_core.model import RunOptions
-from opguard_core.trace_format import decode_trace
-from opguard_core.tree_format import check_tree, iter_nodes
-from opguard_plugins.basic_filter import opguard_filter
-from opguard_plugins.compress import compress_trace
-from opguard_plugins.generate import generate_config
-from opguard_plugins.merge import merge_configs
+from opguard_plugins.stages.basic_filter import opguard_filter
+from opguard_plugins.stages.compress import compress_trace
+from opguard_plugins.stages.generate import generate_config
+from opguard_plugins.stages.merge import merge_configs
 from tests.strategies import (
     configs,
     encode_doc,
@@ -322,8 +322,8 @@ def test_a_trace_written_in_parts_is_the_trace_encoded_whole(
     extras and all."""
     import msgspec
 
-    from opguard_core import trace_format
-    from opguard_core.trace_format import Callsite
+    from opguard_core.formats import trace as trace_format
+    from opguard_core.formats.trace import Callsite
 
     sites = [Callsite(stack=(0,) * i, op="aten::mm", count=i + 1) for i in range(5)]
     extras = {1: {"x": 1}, 4: {"y": [1]}}

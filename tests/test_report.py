@@ -16,10 +16,10 @@ import pytest
 from click.testing import CliRunner
 
 from opguard_core import hookimpl
-from opguard_core.cli import create_cli
-from opguard_core.config_format import load_config
-from opguard_core.plugins import create_plugin_manager
-from opguard_core.tree_format import load_tree
+from opguard_core.cli.app import create_cli
+from opguard_core.formats.config import load_config
+from opguard_core.formats.tree import load_tree
+from opguard_core.plugin.manager import create_plugin_manager
 from tests.builders import sample_inputs, trace_doc, write
 
 CHROMIUM = next((p for p in map(shutil.which, ("chromium", "chromium-browser")) if p), None)

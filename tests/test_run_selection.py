@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 from ruamel.yaml import YAML
 
-from opguard_core.run_summary import summary_lines
-from opguard_core.tree_format import split_api, target_name
+from opguard_core.formats.tree import split_api, target_name
+from opguard_core.run.summary import summary_lines
 
 GPT = "gpt_callsite"
 

@@ -18,14 +18,14 @@ from typing import Any
 
 import pytest
 
-import opguard_core.stale_runs as stale_runs
+import opguard_core.run.stale as stale_runs
 from opguard_core import ENTRY_POINT_GROUP
-from opguard_core.atomic import create_run_directory, safe_child
-from opguard_core.config_format import dump_config, load_config
 from opguard_core.errors import InputError, OpGuardError
-from opguard_core.plugins import BUILTIN_PLUGINS, create_plugin_manager
-from opguard_plugins.basic_filter import load_basic_list
-from opguard_plugins.merge import merge_configs
+from opguard_core.files.atomic import create_run_directory, safe_child
+from opguard_core.formats.config import dump_config, load_config
+from opguard_core.plugin.manager import BUILTIN_PLUGINS, create_plugin_manager
+from opguard_plugins.stages.basic_filter import load_basic_list
+from opguard_plugins.stages.merge import merge_configs
 
 ROOT = Path(__file__).resolve().parent.parent
 SAMPLE = ROOT / "tests" / "data" / "samples" / "gpt_callsite_rank0.json"
@@ -86,7 +86,7 @@ def _yaml_calls(tree: ast.AST) -> list[ast.Call]:
 
 
 def test_every_yaml_loader_in_the_code_is_safe_or_round_trip() -> None:
-    sources = sorted([*ROOT.glob("opguard_core/*.py"), *ROOT.glob("opguard_plugins/*.py")])
+    sources = sorted([*ROOT.glob("opguard_core/**/*.py"), *ROOT.glob("opguard_plugins/**/*.py")])
     calls = 0
     for source in sources:
         text = source.read_text()

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-HEAVY = ("pluggy", "structlog", "msgspec", "rich", "ruamel.yaml", "opguard_core.runner")
+HEAVY = ("pluggy", "structlog", "msgspec", "rich", "ruamel.yaml", "opguard_core.run.runner")
 PROBE = """
 import json, sys
-from opguard_core.cli import main
+from opguard_core.cli.app import main
 try:
     main(sys.argv[1:])
 except SystemExit as exc:
@@ -45,7 +45,7 @@ def test_version_and_run_help_import_nothing_heavy(args: list[str]) -> None:
 
 def test_a_plugin_command_loads_the_plugins() -> None:
     seen, out = _probe("export", "--help")
-    assert seen["code"] == 0 and "opguard_plugins.export" in seen["plugins"]  # type: ignore[operator]
+    assert seen["code"] == 0 and "opguard_plugins.view.export" in seen["plugins"]  # type: ignore[operator]
     assert "--format" in out
 
 

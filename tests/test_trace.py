@@ -20,8 +20,8 @@ torch = pytest.importorskip("torch")
 
 from ruamel.yaml import YAML  # noqa: E402
 
-from opguard_core.trace_format import DecodedTrace, load_trace  # noqa: E402
-from opguard_plugins.tracer import (  # noqa: E402
+from opguard_core.formats.trace import DecodedTrace, load_trace  # noqa: E402
+from opguard_plugins.record.tracer import (  # noqa: E402
     CallsiteTracer,
     api_name,
     op_name,
@@ -33,7 +33,7 @@ pytestmark = [pytest.mark.torch, pytest.mark.slow]
 
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLES = REPO / "examples"
-OPGUARD = [sys.executable, "-m", "opguard_core.cli"]
+OPGUARD = [sys.executable, "-m", "opguard_core.cli.app"]
 
 
 # ---------------------------------------------------------------------------
@@ -152,7 +152,7 @@ def test_format_contract_and_relative_paths(one_step_trace: DecodedTrace) -> Non
         assert not os.path.isabs(frame.file), frame
         assert frame.file != "torch/overrides.py"
         assert frame.file != "torch/utils/_python_dispatch.py"
-        assert frame.module != "opguard_plugins.tracer"
+        assert frame.module != "opguard_plugins.record.tracer"
     files = {frame.file for frame in trace.frames}
     assert "torch/nn/modules/module.py" in files
     assert "tiny_gpt.py" in files or "examples/tiny_gpt.py" in files

@@ -1,4 +1,4 @@
-"""The modes backend's two recording paths: the C fast path (``opguard_plugins/_recorder.c``)
+"""The modes backend's two recording paths: the C fast path (``opguard_plugins/record/_recorder.c``)
 and the Python reference path must write the same trace (docs/tracing.md, "The
 recorder's fast path"). Needs torch; the C-path tests skip where the extension was not
 built, unless ``OPGUARD_REQUIRE_C_RECORDER=1`` (set by .ci/run) makes that a failure."""
@@ -18,8 +18,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from opguard_plugins import tracer as tracer_module  # noqa: E402
-from opguard_plugins.tracer import (  # noqa: E402
+from opguard_plugins.record import tracer as tracer_module  # noqa: E402
+from opguard_plugins.record.tracer import (  # noqa: E402
     RECORDER_ENV,
     CallsiteRecorder,
     CallsiteTracer,
@@ -37,7 +37,7 @@ needs_c = pytest.mark.skipif(not BUILT, reason="the C recorder was not built (no
 def test_the_c_recorder_is_built_where_required() -> None:
     if os.environ.get("OPGUARD_REQUIRE_C_RECORDER") != "1":
         pytest.skip("OPGUARD_REQUIRE_C_RECORDER is not set")
-    assert BUILT, "opguard_plugins._recorder did not build; the tracer runs its Python path"
+    assert BUILT, "opguard_plugins.record._recorder did not build; the tracer runs its Python path"
 
 
 def _trace(tmp_path: Path, name: str, accelerated: bool, body: Callable[[], object]) -> Any:
@@ -183,7 +183,7 @@ def test_ops_on_another_thread_are_counted(tmp_path: Path) -> None:
 
 def test_the_environment_keeps_the_python_path() -> None:
     script = (
-        "from opguard_plugins.tracer import CallsiteRecorder\n"
+        "from opguard_plugins.record.tracer import CallsiteRecorder\n"
         "print(CallsiteRecorder().counter is None)\n"
     )
     env = {**os.environ, RECORDER_ENV: "python"}

@@ -13,7 +13,7 @@ import sys
 sys.modules["torch"] = None      # any 'import torch' now raises ImportError
 sys.modules["dask"] = None
 sys.modules["distributed"] = None
-from opguard_core.cli import main
+from opguard_core.cli.app import main
 main(sys.argv[1:])
 """
 

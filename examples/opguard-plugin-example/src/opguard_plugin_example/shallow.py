@@ -20,10 +20,10 @@ from collections import Counter
 from typing import Any
 
 from opguard_core import hookimpl
-from opguard_core.combined import CallsiteTrace
+from opguard_core.combine.accumulator import CallsiteTrace
 from opguard_core.errors import OpGuardError
 from opguard_core.model import RunOptions
-from opguard_plugins.compress import compress_trace
+from opguard_plugins.stages.compress import compress_trace
 
 MAX_DEPTH_ENV = "OPGUARD_EXAMPLE_MAX_DEPTH"
 DEFAULT_MAX_DEPTH = 3

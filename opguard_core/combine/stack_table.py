@@ -1,0 +1,172 @@
+"""Stacks interned as dense ids, and the scanner that reads callsites from bytes.
+
+A combine keys its callsites by (stack id, api, op, stream) instead of by the stack's
+tuple of frame ids: the tuple is hashed and compared once per distinct stack, not
+once per callsite per rank, and a partial result travels with each stack once.
+
+:class:`PyStackTable` is the reference implementation. The C extension
+``opguard_core.combine._scan`` (built by ``setup.py`` where a compiler is found) provides
+the same table; ``find_callsites`` and ``scan_callsites``, which read a rank file's
+``callsites`` array straight from its JSON bytes into keys; ``fold_rank``, which
+folds one rank's keys in, per-rank statistics and all; ``merge_packed``, which folds
+in a helper's packed partial; and ``site_order``, which sorts the sites into
+canonical order (:func:`py_site_order` its reference). See performance.md, "Folding
+from the bytes" and "Compiled per-site work". ``OPGUARD_COMBINE_SCAN=python`` forces
+the Python path, which decodes every file with msgspec as before.
+"""
+
+from __future__ import annotations
+
+import array
+import os
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+
+class StackTableLike(Protocol):
+    """What the accumulator needs of a stack table (both implementations have it)."""
+
+    def intern(self, stack: Sequence[int]) -> int: ...
+
+    def absorb(self, other: Any, remap: Sequence[int] | None) -> list[int]: ...
+
+    def flat(self) -> tuple[bytes, bytes]: ...
+
+    def canonical(self, new_id: list[int]) -> list[tuple[bytes, tuple[int, ...]]]: ...
+
+    def __getitem__(self, index: int) -> tuple[int, ...]: ...
+
+    def __len__(self) -> int: ...
+
+
+class PyStackTable:
+    """Stacks interned as dense ids (0, 1, ...) in the order first seen."""
+
+    def __init__(self) -> None:
+        self.ids: dict[tuple[int, ...], int] = {}
+        self.stacks: list[tuple[int, ...]] = []
+
+    def intern(self, stack: Sequence[int]) -> int:
+        """The id of ``stack``, added if new."""
+        key = tuple(stack)
+        index = self.ids.get(key)
+        if index is None:
+            index = self.ids[key] = len(self.stacks)
+            self.stacks.append(key)
+        return index
+
+    def absorb(self, other: Any, remap: Sequence[int] | None) -> list[int]:
+        """Intern every stack of ``other`` (frame id ``i`` becoming ``remap[i]``, kept
+        when ``remap`` is None); the new ids, by ``other``'s id."""
+        if remap is None:
+            return [self.intern(other[index]) for index in range(len(other))]
+        table = list(remap)
+        return [
+            self.intern([table[frame] for frame in other[index]]) for index in range(len(other))
+        ]
+
+    def canonical(self, new_id: list[int]) -> list[tuple[bytes, tuple[int, ...]]]:
+        """For every stack id, its frame ids through ``new_id``: as big-endian uint32
+        bytes (which sort as the tuples of ids do: fixed width, a prefix first, but
+        compare with one memcmp) and as a tuple."""
+        out = []
+        for stack in self.stacks:
+            mapped = tuple(new_id[frame] for frame in stack)
+            ids = array.array("I", mapped)
+            if sys.byteorder == "little":
+                ids.byteswap()
+            out.append((ids.tobytes(), mapped))
+        return out
+
+    def flat(self) -> tuple[bytes, bytes]:
+        """Every stack's frame ids end to end, and the stacks' lengths (uint32 bytes)."""
+        ids = array.array("I")
+        for stack in self.stacks:
+            ids.extend(stack)
+        return ids.tobytes(), array.array("I", map(len, self.stacks)).tobytes()
+
+    @classmethod
+    def from_flat(cls, ids: bytes, lengths: bytes) -> PyStackTable:
+        """The inverse of :meth:`flat`."""
+        table = cls()
+        flat = array.array("I")
+        flat.frombytes(ids)
+        sizes = array.array("I")
+        sizes.frombytes(lengths)
+        start = 0
+        for size in sizes:
+            table.intern(flat[start : start + size])
+            start += size
+        return table
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self).from_flat, self.flat())
+
+    def __getitem__(self, index: int) -> tuple[int, ...]:
+        return self.stacks[index]
+
+    def __len__(self) -> int:
+        return len(self.stacks)
+
+
+#: (data, offset, closes, remap, table, apis, ops) -> (keys, counts, total) or None
+Scanner = Callable[..., Any]
+#: data -> offset of the top-level callsites value, or None
+Finder = Callable[[bytes], int | None]
+
+
+#: (sites, keys, counts, mask, collective_apis, max_distinct) -> no rank seen twice
+Folder = Callable[[dict[Any, Any], list[Any], list[int], int, frozenset[str], int], bool]
+
+
+#: (sites, stack_ids, apis, ops, streams, counts, masks, mins, stats, collective_apis,
+#: max_distinct): a packed partial's sites folded in
+Merger = Callable[..., None]
+#: (keys, canonical) -> the keys' positions in canonical order
+Orderer = Callable[[list[Any], list[tuple[bytes, tuple[int, ...]]]], list[int]]
+
+
+def py_site_order(keys: list[Any], canonical: list[tuple[bytes, tuple[int, ...]]]) -> list[int]:
+    """The positions of ``keys`` (stack id, api, op, stream) sorted by (the stack's
+    canonical bytes, api or "", op, stream, api is not None): the canonical order of
+    a combined trace's callsites. The first five fields already differ between any
+    two keys, so a plain tuple sort orders by them alone."""
+    keyed = [
+        (canonical[key[0]][0], key[1] or "", key[2], key[3], key[1] is not None, position)
+        for position, key in enumerate(keys)
+    ]
+    keyed.sort()
+    return [item[5] for item in keyed]
+
+
+def _implementation() -> tuple[
+    type, Finder | None, Scanner | None, Folder | None, Merger | None, Orderer
+]:
+    if os.environ.get("OPGUARD_COMBINE_SCAN") == "python":
+        return PyStackTable, None, None, None, None, py_site_order
+    try:
+        from opguard_core.combine._scan import (  # type: ignore[import-not-found,unused-ignore]
+            StackTable,
+            find_callsites,
+            fold_rank,
+            merge_packed,
+            scan_callsites,
+            site_order,
+        )
+    except ImportError:
+        return PyStackTable, None, None, None, None, py_site_order
+    return StackTable, find_callsites, scan_callsites, fold_rank, merge_packed, site_order
+
+
+#: the table the accumulator uses; the scanner and its finder (None: decode with
+#: msgspec); the one-rank fold (None: TraceAccumulator._fold_file's Python loop); the
+#: fold of a packed partial (None: TraceAccumulator._merge_packed's Python loop); the
+#: canonical order of the sites
+StackTable, find_callsites, scan_callsites, fold_rank, merge_packed, site_order = _implementation()
+
+
+def new_table() -> StackTableLike:
+    """An empty stack table of the implementation in use."""
+    table: StackTableLike = StackTable()
+    return table

@@ -1,0 +1,1 @@
+"""Writing files safely: atomic artifact writes, and output locations checked up front."""

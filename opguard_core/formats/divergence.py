@@ -1,0 +1,156 @@
+"""Divergence reports (``{name}_divergence.json`` and ``.log``): document, writer, reader.
+
+The document is ``{"format": "opguard-divergence", "version": 1, "meta", "findings"}``;
+every finding has ``kind``, ``severity`` (``error`` or ``warning``), ``ranks`` (the
+ranks that deviate), ``target`` and ``message``, plus what its kind carries (see
+docs/divergence.md). The log is the same findings for a person: errors first, each
+with the stack it came from.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from opguard_core.errors import InputError
+from opguard_core.files.atomic import atomic_write_bytes, atomic_write_text
+
+DIVERGENCE_FORMAT = "opguard-divergence"
+DIVERGENCE_VERSION = 1
+SEVERITIES = ("error", "warning")
+KINDS = ("collective_mismatch", "rank_specific", "count_skew")
+
+Finding = dict[str, Any]
+
+
+def sort_findings(findings: list[Finding]) -> list[Finding]:
+    """By severity (errors first), then size (``ops`` deviating, largest first), then
+    kind, target, op and ranks, so the order is the same for the same trace."""
+
+    def key(f: Finding) -> tuple[Any, ...]:
+        severity = f.get("severity")
+        rank = SEVERITIES.index(severity) if severity in SEVERITIES else len(SEVERITIES)
+        return (
+            rank,
+            -int(f.get("size", 0)),
+            str(f.get("kind", "")),
+            str(f.get("target", "")),
+            str(f.get("op") or ""),
+            list(f.get("ranks") or []),
+        )
+
+    return sorted(findings, key=key)
+
+
+def check_findings(findings: object, where: str) -> list[Finding]:
+    """Refuse anything but a list of findings with the required fields."""
+    if not isinstance(findings, list):
+        raise InputError(where, "findings must be a list")
+    for index, f in enumerate(findings):
+        if not isinstance(f, dict):
+            raise InputError(where, f"findings[{index}] must be an object")
+        if f.get("severity") not in SEVERITIES:
+            raise InputError(where, f"findings[{index}].severity must be error or warning")
+        ranks = f.get("ranks")
+        if not isinstance(ranks, list) or not all(isinstance(r, int) for r in ranks):
+            raise InputError(where, f"findings[{index}].ranks must be a list of ranks")
+        for name in ("kind", "target", "message"):
+            if not isinstance(f.get(name), str):
+                raise InputError(where, f"findings[{index}].{name} must be a string")
+    return findings
+
+
+def tally(findings: list[Finding]) -> dict[str, int]:
+    """Counts for the summary: findings, errors, warnings, and one per kind."""
+    counts = {"findings": len(findings), "errors": 0, "warnings": 0}
+    for f in findings:
+        counts["errors" if f["severity"] == "error" else "warnings"] += 1
+        counts[f["kind"]] = counts.get(f["kind"], 0) + 1
+    return counts
+
+
+def encode_divergence(meta: dict[str, Any], findings: list[Finding]) -> bytes:
+    """The JSON document: header, then one finding per line, in :func:`sort_findings` order."""
+    encoder = msgspec.json.Encoder(order="deterministic")
+    head = encoder.encode(
+        {"format": DIVERGENCE_FORMAT, "version": DIVERGENCE_VERSION, "meta": meta}
+    )[:-1]
+    body = b",\n".join(encoder.encode(f) for f in sort_findings(findings))
+    return head + b',\n"findings":[\n' + body + (b"\n" if body else b"") + b"]}\n"
+
+
+def load_divergence(path: Path) -> dict[str, Any]:
+    """Read a ``{name}_divergence.json``; one-line :class:`InputError` on any problem."""
+    try:
+        doc = msgspec.json.decode(path.read_bytes())
+    except OSError as exc:
+        raise InputError(path, f"cannot read file: {exc.strerror or exc}") from None
+    except msgspec.DecodeError as exc:
+        raise InputError(path, f"not valid JSON: {exc}") from None
+    if (
+        not isinstance(doc, dict)
+        or doc.get("format") != DIVERGENCE_FORMAT
+        or doc.get("version") != DIVERGENCE_VERSION
+    ):
+        raise InputError(
+            path, f"expected format {DIVERGENCE_FORMAT!r} version {DIVERGENCE_VERSION}"
+        )
+    check_findings(doc.get("findings"), str(path))
+    return doc
+
+
+def _ranks(ranks: list[int]) -> str:
+    return ", ".join(map(str, ranks))
+
+
+def render_log(meta: dict[str, Any], findings: list[Finding]) -> str:
+    """The log for a person: a header line, then each finding with its stack."""
+    counts = tally(findings)
+    lines = [
+        f"divergence: {meta.get('source', '?')}, {len(meta.get('ranks', []))} ranks, "
+        f"{counts['errors']} error(s), {counts['warnings']} warning(s) "
+        f"(count skew threshold {meta.get('skew')})",
+    ]
+    if not meta.get("per_rank_stats", True):
+        lines.append(
+            "note: the combined trace has no per-rank statistics (a rank came twice or a "
+            "version-1 combined input): only ranks that never ran something are reported"
+        )
+    if not findings:
+        lines.append("")
+        lines.append("no divergence: every rank did the same")
+    for f in sort_findings(findings):
+        lines.append("")
+        what = f["target"]
+        if f.get("op"):
+            api = f" ({f['api']})" if f.get("api") else ""
+            what = f"{f['op']}{api} in {f['target']}"
+        lines.append(f"{f['severity'].upper()} {f['kind']}: {what}")
+        lines.append(f"  {f['message']}")
+        counts_by_rank = f.get("counts")
+        if counts_by_rank:
+            shown = list(counts_by_rank.items())
+            text = ", ".join(f"rank {r}: {c}" for r, c in shown[:32])
+            more = f", … ({len(shown) - 32} more)" if len(shown) > 32 else ""
+            lines.append(f"  counts: {text}{more} (expected {f.get('expected')})")
+        stack = f.get("stack") or []
+        if stack:
+            lines.append("  stack (outermost first):")
+            lines.extend(f"    {frame}" for frame in stack)
+    return "\n".join(lines) + "\n"
+
+
+def write_divergence(
+    path_of: Callable[[str], Path], source: str, meta: dict[str, Any], findings: list[Finding]
+) -> list[Path]:
+    """Write ``{source}_divergence.json`` and ``{source}_divergence.log`` (atomically;
+    ``path_of`` turns a file name into its path in the run directory) for ``findings``
+    in :func:`sort_findings` order; returns the two paths."""
+    findings = sort_findings(findings)
+    document, log = path_of(f"{source}_divergence.json"), path_of(f"{source}_divergence.log")
+    atomic_write_bytes(document, encode_divergence(meta, findings))
+    atomic_write_text(log, render_log(meta, findings))
+    return [document, log]

@@ -1,0 +1,73 @@
+"""A call tree as flat stacks: what the export formats (collapsed, speedscope, pprof) draw.
+
+One :class:`Stack` per (node, op, stream) with own ops: the frames from the root's
+child down to the node (``module:qualname``), the op and stream, and the count. The
+stacks' counts add up to the tree's root count (conservation, formats.md §2).
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+from opguard_core.formats.tree import node_target
+
+
+class Stack(NamedTuple):
+    frames: tuple[str, ...]
+    op: str
+    stream: int
+    weight: int
+
+
+def tree_stacks(tree: dict[str, Any]) -> list[Stack]:
+    """Every (node, op, stream) of ``tree`` with own ops, depth first (iterative).
+
+    A node's own ops are split over streams by ``self_streams`` in op order; the
+    tree records ops and streams separately, so where a node has several of both
+    the split is an attribution, not a measurement (their totals are exact).
+    """
+    out: list[Stack] = []
+    # a path is a linked list (target, parent's path), made into a tuple only for a
+    # node with own ops: a deep tree costs memory linear in its size, not in depth²
+    Link = tuple[str, "Any"] | None
+    todo: list[tuple[dict[str, Any], Link]] = [(tree["root"], None)]
+    while todo:
+        node, link = todo.pop()
+        pieces = split_streams(node["self_ops"], node["self_streams"])
+        if pieces:
+            path = _unlink(link)
+            out.extend(Stack(path, op, stream, count) for op, stream, count in pieces)
+        for child in reversed(node.get("children", [])):
+            todo.append((child, (node_target(child), link)))
+    return out
+
+
+def _unlink(link: Any) -> tuple[str, ...]:
+    names: list[str] = []
+    while link is not None:
+        names.append(link[0])
+        link = link[1]
+    return tuple(reversed(names))
+
+
+def split_streams(
+    self_ops: dict[str, int], self_streams: dict[str, int]
+) -> list[tuple[str, int, int]]:
+    """(op, stream, count) triples whose op sums are ``self_ops`` and stream sums
+    ``self_streams``: ops and streams are paired off in sorted order."""
+    streams = sorted((int(s), c) for s, c in self_streams.items() if c > 0)
+    out: list[tuple[str, int, int]] = []
+    index = 0
+    left = streams[0][1] if streams else 0
+    for op, count in sorted(self_ops.items()):
+        while count > 0 and index < len(streams):
+            take = min(count, left)
+            out.append((op, streams[index][0], take))
+            count -= take
+            left -= take
+            if left == 0:
+                index += 1
+                left = streams[index][1] if index < len(streams) else 0
+        if count > 0:  # self_streams sum short (the tree check forbids it): stream 0
+            out.append((op, 0, count))
+    return out

@@ -1,0 +1,377 @@
+"""Callsite trace documents (formats.md §1): validated decoding and canonical encoding.
+
+Decoding uses msgspec structs, which parse and validate in one C pass. Documents
+that carry fields this version does not know (forward compatibility) take a slower
+path that keeps those fields, so they can be carried through a combine.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Iterator, Sequence
+from itertools import islice
+from pathlib import Path
+from typing import Annotated, Any
+
+import msgspec
+
+from opguard_core.errors import InputError
+
+TRACE_FORMAT = "opguard-callsites"
+#: the version rank files are written in (the tracer's); version 2 adds per-rank
+#: statistics (``meta.per_rank_stats``, a callsite's ``per_rank``) for combined traces
+TRACE_VERSION = 1
+COMBINED_VERSION = 2
+READ_VERSIONS = (1, 2)
+RANK_IN_NAME = re.compile(r"_rank(\d+)$")
+#: Ranks are kept as bits of an integer mask, so an absurd rank (``10**12``) would
+#: allocate gigabytes; anything at or above this is refused as bad input.
+MAX_RANK = 1 << 20
+
+PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
+NonNegativeInt = Annotated[int, msgspec.Meta(ge=0)]
+
+
+class Frame(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True, gc=False):
+    """One Python code location; hashable, so it can be interned by value."""
+
+    file: str
+    line: int
+    function: str
+    qualname: str
+    module: str | None = None
+
+    def sort_key(self) -> tuple[str, int, str, str, str]:
+        return (self.file, self.line, self.function, self.qualname, self.module or "")
+
+
+class PerRank(msgspec.Struct, kw_only=True, omit_defaults=True, forbid_unknown_fields=True):
+    """How a callsite's count varies between the ranks that ran it (version 2).
+
+    Written only where the ranks disagree: ``min``/``max`` are the smallest and
+    largest per-rank counts and ``min_ranks``/``max_ranks`` the ranks that hold them;
+    ``counts`` lists every distinct per-rank count with its ranks, ascending, when
+    known: always for a collective callsite, for any other while it has at most
+    :data:`opguard_core.combine.accumulator.MAX_DISTINCT` distinct counts.
+    """
+
+    min: PositiveInt
+    min_ranks: list[NonNegativeInt]
+    max: PositiveInt
+    max_ranks: list[NonNegativeInt]
+    counts: list[tuple[PositiveInt, list[NonNegativeInt]]] | None = None
+
+
+class Callsite(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, gc=False):
+    """One (stack, api, op, stream) with its count; ``stack`` holds frame ids.
+
+    ``stack`` is a tuple: msgspec decodes a JSON array into an exactly sized tuple
+    faster than into a list, and a combine uses it as (part of) a dict key.
+    """
+
+    stack: tuple[NonNegativeInt, ...]
+    op: str
+    api: str | None = None
+    stream: int = 0
+    count: PositiveInt
+    ranks: list[NonNegativeInt] | None = None
+    per_rank: PerRank | None = None
+
+
+class TraceDocument(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """A whole callsite trace as it is on disk."""
+
+    format: str
+    version: int
+    meta: dict[str, Any] = {}
+    frames: list[Frame]
+    callsites: list[Callsite]
+
+
+class TraceHead(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """A trace's header decoded, its ``callsites`` left as bytes for a scanner
+    (``opguard_core.combine.stack_table.scan_callsites``)."""
+
+    format: str
+    version: int
+    meta: dict[str, Any] = {}
+    frames: list[Frame]
+    callsites: msgspec.Raw
+
+
+class _LaxFrame(Frame, frozen=True, kw_only=True, forbid_unknown_fields=False):
+    pass
+
+
+class _LaxCallsite(Callsite, kw_only=True, forbid_unknown_fields=False):
+    pass
+
+
+class _LaxTraceDocument(msgspec.Struct, kw_only=True, forbid_unknown_fields=False):
+    format: str
+    version: int
+    meta: dict[str, Any] = {}
+    frames: list[_LaxFrame]
+    callsites: list[_LaxCallsite]
+
+
+_STRICT_DECODER = msgspec.json.Decoder(TraceDocument)
+_ANY_DECODER = msgspec.json.Decoder()
+_FRAME_FIELDS = frozenset(Frame.__struct_fields__)
+_CALLSITE_FIELDS = frozenset(Callsite.__struct_fields__)
+_TRACE_FIELDS = frozenset(TraceDocument.__struct_fields__)
+
+
+class DecodedTrace(msgspec.Struct, kw_only=True):
+    """A decoded trace plus any unknown fields found on its parts.
+
+    ``frame_extras[i]`` / ``callsite_extras[j]`` exist only for parts that had
+    unknown fields; most documents have none and these stay empty.
+    """
+
+    path: str
+    meta: dict[str, Any]
+    frames: list[Frame]
+    callsites: list[Callsite]
+    extras: dict[str, Any] = {}
+    frame_extras: dict[int, dict[str, Any]] = {}
+    callsite_extras: dict[int, dict[str, Any]] = {}
+
+    def ranks(self) -> list[int]:
+        """The ranks this trace covers: ``meta.ranks``, ``meta.rank``, the file name, or [0]."""
+        return trace_ranks(self.meta, self.path)
+
+
+def trace_ranks(meta: dict[str, Any], path: str) -> list[int]:
+    """Ranks covered by a trace (see :meth:`DecodedTrace.ranks`)."""
+    ranks = meta.get("ranks")
+    if isinstance(ranks, list) and ranks and all(_is_rank(r) for r in ranks):
+        return sorted(set(ranks))
+    rank = meta.get("rank")
+    if isinstance(rank, int) and _is_rank(rank):
+        return [rank]
+    match = RANK_IN_NAME.search(Path(path).stem)
+    if match:
+        return [int(match.group(1))]
+    return [0]
+
+
+def _is_rank(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def read_bytes(path: Path) -> bytes:
+    """Read a whole input file, turning OS errors into one-line :class:`InputError`."""
+    try:
+        if path.is_dir():
+            raise InputError(path, "is a directory, not a trace file")
+        return path.read_bytes()
+    except InputError:
+        raise
+    except FileNotFoundError:
+        raise InputError(path, "no such file") from None
+    except PermissionError:
+        raise InputError(path, "permission denied (file is not readable)") from None
+    except OSError as exc:
+        raise InputError(path, f"cannot read file: {exc.strerror or exc}") from None
+
+
+def decode_trace(data: bytes, path: Path | str, check_frame_ids: bool = True) -> DecodedTrace:
+    """Decode and validate one trace document; raise :class:`InputError` on any problem.
+
+    ``check_frame_ids=False`` leaves the check that every stack's frame ids are in
+    range to the caller: ``TraceAccumulator.add`` gets it for free when it re-interns
+    the stacks, and raises the same error. Its message still comes before any rank
+    error here, as with the check on.
+    """
+    if not data.strip():
+        raise InputError(path, "empty file (expected an opguard-callsites JSON document)")
+    try:
+        doc = _STRICT_DECODER.decode(data)
+    except (msgspec.ValidationError, msgspec.DecodeError, RecursionError):
+        return _decode_lax(data, path)
+    _check_header(doc.format, doc.version, path)
+    if check_frame_ids:
+        validate_frame_ids(doc.frames, doc.callsites, path)
+        check_ranks(doc.meta, doc.callsites, path)
+    else:
+        try:
+            check_ranks(doc.meta, doc.callsites, path)
+        except InputError:
+            validate_frame_ids(doc.frames, doc.callsites, path)
+            raise
+    return DecodedTrace(path=str(path), meta=doc.meta, frames=doc.frames, callsites=doc.callsites)
+
+
+def load_trace(path: Path, check_frame_ids: bool = True) -> DecodedTrace:
+    """Read and decode a trace file (see :func:`decode_trace`)."""
+    return decode_trace(read_bytes(path), path, check_frame_ids)
+
+
+def _decode_lax(data: bytes, path: Path | str) -> DecodedTrace:
+    """Slow path: explain what is wrong, or keep the unknown fields of a valid document."""
+    try:
+        raw = _ANY_DECODER.decode(data)
+    except msgspec.DecodeError as exc:
+        raise InputError(path, f"not valid JSON: {_problem(exc)}") from None
+    except RecursionError:
+        raise InputError(path, "not valid JSON: nesting too deep") from None
+    if not isinstance(raw, dict):
+        raise InputError(path, f"expected a JSON object at top level, got {_json_type(raw)}")
+    _check_header(raw.get("format"), raw.get("version"), path)
+    try:
+        doc = msgspec.convert(raw, _LaxTraceDocument)
+    except RecursionError:
+        raise InputError(path, "invalid trace: nesting too deep") from None
+    except msgspec.ValidationError as exc:
+        raise InputError(path, f"invalid trace: {_problem(exc)}") from None
+    frames = [Frame(**msgspec.structs.asdict(f)) for f in doc.frames]
+    callsites = [Callsite(**msgspec.structs.asdict(c)) for c in doc.callsites]
+    validate_frame_ids(frames, callsites, path)
+    check_ranks(doc.meta, callsites, path)
+    frame_extras = _extras(raw["frames"], _FRAME_FIELDS)
+    callsite_extras = _extras(raw["callsites"], _CALLSITE_FIELDS)
+    extras = {k: v for k, v in raw.items() if k not in _TRACE_FIELDS}
+    return DecodedTrace(
+        path=str(path),
+        meta=doc.meta,
+        frames=frames,
+        callsites=callsites,
+        extras=extras,
+        frame_extras=frame_extras,
+        callsite_extras=callsite_extras,
+    )
+
+
+def _extras(items: list[dict[str, Any]], known: frozenset[str]) -> dict[int, dict[str, Any]]:
+    found: dict[int, dict[str, Any]] = {}
+    for index, item in enumerate(items):
+        extra = {k: v for k, v in item.items() if k not in known}
+        if extra:
+            found[index] = extra
+    return found
+
+
+def _check_header(fmt: object, version: object, path: Path | str) -> None:
+    if fmt != TRACE_FORMAT or version not in READ_VERSIONS or isinstance(version, bool):
+        raise InputError(
+            path,
+            f"unknown format {fmt!r} version {version!r} "
+            f"(expected format {TRACE_FORMAT!r} version "
+            f"{' or '.join(map(str, READ_VERSIONS))})",
+        )
+
+
+def validate_frame_ids(frames: list[Frame], callsites: list[Callsite], path: Path | str) -> None:
+    """Refuse a stack that refers to a frame the trace does not have."""
+    limit = len(frames)
+    for index, site in enumerate(callsites):
+        stack = site.stack
+        if stack and max(stack) >= limit:
+            bad = max(stack)
+            raise InputError(
+                path,
+                f"callsites[{index}].stack refers to frame {bad}, "
+                f"but the trace has only {limit} frames",
+            )
+
+
+def check_ranks(meta: dict[str, Any], callsites: list[Callsite], path: Path | str) -> None:
+    """Refuse invalid ``meta.rank``/``meta.ranks`` values (never a silent fallback to the
+    file name or rank 0) and ranks at or above :data:`MAX_RANK` (in meta, the file name
+    or a callsite)."""
+    if "ranks" in meta:
+        ranks = meta["ranks"]
+        if not (isinstance(ranks, list) and ranks and all(_is_rank(r) for r in ranks)):
+            raise InputError(
+                path,
+                "meta.ranks must be a non-empty list of non-negative integers, "
+                f"got {_short(ranks)}",
+            )
+    if "rank" in meta and not _is_rank(meta["rank"]):
+        raise InputError(
+            path, f"meta.rank must be a non-negative integer, got {_short(meta['rank'])}"
+        )
+    covered = trace_ranks(meta, str(path))
+    if covered[-1] >= MAX_RANK:
+        raise InputError(path, f"rank {covered[-1]} is too large (ranks must be < {MAX_RANK})")
+    for index, site in enumerate(callsites):
+        if site.ranks and max(site.ranks) >= MAX_RANK:
+            raise InputError(
+                path,
+                f"callsites[{index}].ranks has rank {max(site.ranks)}, "
+                f"too large (ranks must be < {MAX_RANK})",
+            )
+
+
+def _short(value: object, limit: int = 40) -> str:
+    """A JSON value as text, cut to ``limit`` characters (for one-line messages)."""
+    try:
+        text = msgspec.json.encode(value).decode()
+    except (TypeError, ValueError, OverflowError):
+        text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _problem(exc: Exception) -> str:
+    return " ".join(str(exc).split())
+
+
+def _json_type(value: object) -> str:
+    return {list: "an array", str: "a string", int: "a number", float: "a number"}.get(
+        type(value), "null" if value is None else type(value).__name__
+    )
+
+
+def encode_trace(
+    meta: dict[str, Any],
+    frames: list[Frame],
+    callsites: Sequence[Any],
+    extras: dict[str, Any] | None = None,
+    frame_extras: dict[int, dict[str, Any]] | None = None,
+    version: int = TRACE_VERSION,
+) -> bytes:
+    """Encode a trace canonically: fixed key order, one callsite per line, trailing newline."""
+    return b"".join(encode_trace_parts(meta, frames, callsites, extras, frame_extras, version))
+
+
+#: callsites encoded per part of :func:`encode_trace_parts`
+PART_CALLSITES = 20_000
+
+
+def encode_trace_parts(
+    meta: dict[str, Any],
+    frames: list[Frame],
+    callsites: Iterable[Any],
+    extras: dict[str, Any] | None = None,
+    frame_extras: dict[int, dict[str, Any]] | None = None,
+    version: int = TRACE_VERSION,
+) -> Iterator[bytes]:
+    """:func:`encode_trace` in parts, the callsites :data:`PART_CALLSITES` at a time
+    (taken from ``callsites`` as they come), to write as they come: neither the
+    document nor its callsites' objects need to be whole in memory."""
+    head = {"format": TRACE_FORMAT, "version": version, "meta": meta, **(extras or {})}
+    encoder = msgspec.json.Encoder()
+    yield msgspec.json.Encoder(order="deterministic").encode(head)[:-1] + b',\n"frames":[\n'
+    frame_extras = frame_extras or {}
+    yield b",\n".join(
+        encoder.encode({**_frame_dict(f), **frame_extras.get(i, {})}) for i, f in enumerate(frames)
+    )
+    yield b'\n],\n"callsites":[\n'
+    encode, sites, first = encoder.encode, iter(callsites), True
+    while part := list(islice(sites, PART_CALLSITES)):
+        if not first:
+            yield b",\n"
+        yield b",\n".join(map(encode, part))
+        first = False
+    yield b"\n]}\n"
+
+
+def _frame_dict(frame: Frame) -> dict[str, Any]:
+    return {
+        "file": frame.file,
+        "line": frame.line,
+        "function": frame.function,
+        "qualname": frame.qualname,
+        "module": frame.module,
+    }

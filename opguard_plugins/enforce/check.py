@@ -1,0 +1,387 @@
+"""Built-in plugin: ``opguard check``, which enforces a config on new traces offline.
+
+The new traces go through the run's own stages (discover, combine, compress,
+generate, and the filters the config names), called through a
+:class:`~opguard_core.run.runner.Runner` in a scratch directory with the settings the
+config recorded in ``meta.settings``; each rank file becomes an observed config of
+its own, so every violation knows its ranks. Every ``opguard_check_entry``
+implementation (the built-in rules are the ``check_rules`` plugin) then compares
+each observed entry with the config's. See docs/guard.md.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import click
+from ruamel.yaml.comments import CommentedMap
+
+from opguard_core import hookimpl
+from opguard_core.cli.app import base_dir_option, spread_inputs
+from opguard_core.configs.chain import BASIC_FILTER_PLUGIN, active_filters, apply_filters
+from opguard_core.errors import ExitCode, InputError, OpGuardError, PluginError
+from opguard_core.files.atomic import atomic_write_text
+from opguard_core.formats.check import (
+    ERROR,
+    WARNING,
+    CheckInput,
+    EntryKey,
+    Violation,
+    check_report,
+    join_ranks,
+    write_json,
+)
+from opguard_core.formats.config import entry_key, load_config
+from opguard_core.logs import configure_logging
+from opguard_core.model import InputEntry, RunOptions, StageRecord
+from opguard_core.plugin.manager import OpGuardPluginManager, call_impl
+from opguard_core.run.runner import Runner
+from opguard_plugins.enforce.rules import DEFAULT_TOLERANCE
+
+#: ``meta.settings`` keys that are not RunOptions fields of the same name.
+_SPECIAL_SETTINGS = frozenset({"hide", "filters"})
+
+
+def options_from_settings(config: dict[str, Any], base_dir: Path = Path(".")) -> RunOptions:
+    """The RunOptions that rebuild a run the way ``config`` was made.
+
+    Read tolerantly: a key of ``meta.settings`` that names a RunOptions field is used
+    (so ``focus``/``ignore`` work once runs record them), unknown keys are ignored and
+    missing ones keep RunOptions' defaults. ``hide`` is the full list that was in
+    force (the defaults included), so the default list is not added again. A config
+    whose ``filters`` include the basic filter is rebuilt with ``--basic``.
+    """
+    meta = config.get("meta") or {}
+    settings = meta.get("settings") if isinstance(meta, dict) else None
+    settings = settings if isinstance(settings, dict) else {}
+    fields = {f.name: f for f in dataclasses.fields(RunOptions)}
+    values: dict[str, Any] = {"base_dir": base_dir}
+    for key, value in settings.items():
+        if key in _SPECIAL_SETTINGS or key not in fields or key == "base_dir":
+            continue
+        values[key] = _plain(value)
+    if isinstance(settings.get("hide"), list):
+        values["hide"] = tuple(str(p) for p in settings["hide"])
+        values["default_hide"] = False
+    filters = settings.get("filters") or []
+    values["basic"] = BASIC_FILTER_PLUGIN in filters
+    return RunOptions(**values)
+
+
+def _plain(value: Any) -> Any:
+    """ruamel's scalars (ScalarFloat, ...) as plain Python values; lists as tuples."""
+    if isinstance(value, list):
+        return tuple(_plain(v) for v in value)
+    for kind in (bool, int, float, str):
+        if isinstance(value, kind):
+            return kind(value)
+    return value
+
+
+@dataclasses.dataclass
+class Observed:
+    """The new traces as configs, one per rank, made the way the config was, and all
+    ranks together (``combined``: made exactly as the config was, from one tree)."""
+
+    configs: dict[int, CommentedMap]
+    problems: list[str]
+    combined: CommentedMap | None = None
+
+
+def observe(manager: OpGuardPluginManager, inputs: Sequence[str], options: RunOptions) -> Observed:
+    """Run discover, then combine → compress → generate → filters on each rank file.
+
+    The runner's own stage calls do the work (in a scratch run directory that is
+    removed afterwards). Rank files of the same rank (two entries given) are merged
+    with ``opguard_merge``; a file covering several ranks is kept under its first.
+    """
+    configs: dict[int, CommentedMap] = {}
+    with tempfile.TemporaryDirectory(prefix="opguard-check-") as scratch:
+        runner = Runner(manager, inputs, options, output_base=Path(scratch))
+        runner.run_dir = Path(scratch)
+        entries = runner.discover()
+        filters = active_filters(manager, options)
+        index = 0
+        for entry in entries:
+            for path in entry.files:
+                index += 1
+                single = InputEntry(f"{entry.name}_{index}", (path,), index, entry.specs)
+                config = runner.process_entry(single)
+                if config is None:
+                    continue
+                config = _filtered(runner, filters, config, options)
+                ranks = (config.get("meta") or {}).get("ranks") or [0]
+                rank = int(ranks[0])
+                configs[rank] = _merged(runner, configs.get(rank), config, single.name)
+        combined: CommentedMap | None = None
+        for entry in entries:
+            whole = runner.process_entry(entry)
+            if whole is not None:
+                whole = _filtered(runner, filters, whole, options)
+                combined = _merged(runner, combined, whole, entry.name)
+        problems = [
+            f"{r.entry or r.stage}: {r.error}" for r in runner.records if r.status == "failed"
+        ]
+    return Observed(configs, problems, combined)
+
+
+def _filtered(
+    runner: Runner, filters: list[Any], config: CommentedMap, options: RunOptions
+) -> CommentedMap:
+    """``config`` through the run's filter chain (as the config was made)."""
+    return apply_filters(filters, config, options, runner.log)[0] if filters else config
+
+
+def _merged(
+    runner: Runner, left: CommentedMap | None, right: CommentedMap, name: str
+) -> CommentedMap:
+    """``right`` folded into ``left`` by ``opguard_merge`` (just ``right`` without one)."""
+    if left is None:
+        return right
+    record = StageRecord("merge", name)
+    merged: CommentedMap = runner.call_first("opguard_merge", record, left=left, right=right)
+    return merged
+
+
+def _steps(config: dict[str, Any]) -> int | None:
+    """The optimizer steps a config's counts cover: ``meta.steps`` maps each source to
+    its steps (formats.md §3), summed; None unless every source recorded them."""
+    steps = (config.get("meta") or {}).get("steps")
+    if isinstance(steps, dict):
+        values = list(steps.values())
+        known = values and all(isinstance(v, int) and not isinstance(v, bool) for v in values)
+        return sum(values) if known else None
+    return steps if isinstance(steps, int) and not isinstance(steps, bool) else None
+
+
+#: Kinds that depend on the tree's shape (chain folding, pruning): a per-rank tree can
+#: fold differently from the combined one the config was made from, so these are
+#: kept only when the combined observed config shows them too.
+STRUCTURAL_KINDS = frozenset(
+    {"unexpected_op", "unexpected_stream", "unknown_context", "unknown_target"}
+)
+
+
+def _run_rules(
+    manager: OpGuardPluginManager,
+    config: dict[str, Any],
+    seen: dict[int, dict[EntryKey, dict[str, Any]]],
+    steps: dict[int, int | None],
+    tolerance: float,
+) -> list[Violation]:
+    """Every ``opguard_check_entry`` result for every observed rank and key (unjoined)."""
+    expected: dict[EntryKey, dict[str, Any]] = {entry_key(e): e for e in config["entries"]}
+    ranks = [int(r) for r in (config.get("meta") or {}).get("ranks") or []]
+    impls = manager.implementations("opguard_check_entry")
+    found: list[Violation] = []
+    expected_steps = _steps(config)
+    for rank, entries in seen.items():
+        for key in sorted(set(entries) | set(expected)):
+            check = CheckInput(
+                rank=rank,
+                key=key,
+                config=config,
+                expected=expected,
+                observed=seen,
+                ranks=ranks,
+                tolerance=tolerance,
+                expected_steps=expected_steps,
+                observed_steps=steps,
+            )
+            kwargs = {"observed": entries.get(key), "expected": expected.get(key), "check": check}
+            for impl in impls:
+                try:
+                    found.extend(call_impl(impl, kwargs) or [])
+                except Exception as exc:
+                    raise PluginError(
+                        f'plugin "{impl.plugin_name}": opguard_check_entry: {exc}'
+                    ) from exc
+    return found
+
+
+def check_configs(
+    manager: OpGuardPluginManager,
+    config: dict[str, Any],
+    observed: dict[int, CommentedMap],
+    tolerance: float = DEFAULT_TOLERANCE,
+    strict: bool = False,
+    combined: dict[str, Any] | None = None,
+) -> list[Violation]:
+    """Every violation of ``config`` by the observed per-rank configs, ranks joined.
+
+    With ``combined`` (all observed ranks in one config, made as the config was), a
+    violation of a :data:`STRUCTURAL_KINDS` kind is kept only when the combined view
+    has it too; one only the combined view has is attributed to the ranks where its
+    entry ran. With ``strict`` every warning becomes an error.
+    """
+    seen: dict[int, dict[EntryKey, dict[str, Any]]] = {
+        rank: {entry_key(e): e for e in observed[rank]["entries"]} for rank in sorted(observed)
+    }
+    steps = {rank: _steps(observed[rank]) for rank in seen}
+    found = _run_rules(manager, config, seen, steps, tolerance)
+    if combined is not None:
+        whole_entries = {entry_key(e): e for e in combined["entries"]}
+        # rank -1 stands for "all ranks together"
+        whole = _run_rules(manager, config, {-1: whole_entries}, {-1: _steps(combined)}, tolerance)
+        wanted = {v.identity(): v for v in whole if v.kind in STRUCTURAL_KINDS}
+        found = [v for v in found if v.kind not in STRUCTURAL_KINDS or v.identity() in wanted]
+        attributed = {v.identity() for v in found}
+        for identity, item in wanted.items():
+            if identity in attributed:
+                continue
+            key = (item.target, tuple(item.context))
+            ranks = [r for r, entries in seen.items() if key in entries] or sorted(seen)
+            found.append(dataclasses.replace(item, ranks=ranks))
+    if strict:
+        found = [dataclasses.replace(v, severity=ERROR) for v in found]
+    return join_ranks(found)
+
+
+def format_text(config: str, violations: Sequence[Violation]) -> str:
+    """The text report: a summary line, then one line per violation."""
+    errors = sum(v.severity == ERROR for v in violations)
+    warnings = sum(v.severity == WARNING for v in violations)
+    lines = [f"opguard check: {config}: {errors} error(s), {warnings} warning(s)"]
+    for v in violations:
+        ranks = ",".join(map(str, v.ranks))
+        lines.append(f"{v.severity:<7} {v.kind:<17} ranks {ranks:<5} {v.message}")
+    return "\n".join(lines) + "\n"
+
+
+class CheckCommand(click.Command):
+    """Accepts several words after one ``--input``, like ``opguard run``."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        return super().parse_args(ctx, spread_inputs(args))
+
+
+#: ``--config CONFIG``, shared by ``opguard check`` and ``opguard guard``
+config_option = click.option(
+    "--config",
+    "config_path",
+    required=True,
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    help="The instrumentation config to enforce.",
+)
+
+
+def _fail_unreadable(message: str) -> None:
+    click.echo(f"opguard: error: {message}", err=True)
+    sys.exit(int(ExitCode.INPUT_UNREADABLE))
+
+
+def make_command(manager: OpGuardPluginManager) -> click.Command:
+    @click.command("check", cls=CheckCommand)
+    @config_option
+    @click.option(
+        "--input",
+        "-i",
+        "input_options",
+        multiple=True,
+        metavar="FILE|PATTERN",
+        help="New traces: files or quoted globs (repeatable), relative to --base-dir.",
+    )
+    @base_dir_option
+    @click.option(
+        "--format",
+        "fmt",
+        type=click.Choice(["text", "json"]),
+        default="text",
+        show_default=True,
+        help="Report format.",
+    )
+    @click.option(
+        "--output",
+        "-o",
+        type=click.Path(dir_okay=False, path_type=Path),
+        default=None,
+        help="Write the report here (atomically) instead of stdout.",
+    )
+    @click.option("--strict", is_flag=True, help="Treat every warning as an error.")
+    @click.option(
+        "--tolerance",
+        type=click.FloatRange(min=0.0),
+        default=DEFAULT_TOLERANCE,
+        show_default=True,
+        help="count_drift: relative change of an entry's count per rank (and step) allowed.",
+    )
+    @click.option("-v", "--verbose", count=True, help="Tracebacks on failure.")
+    @click.pass_context
+    def check_command(
+        ctx: click.Context,
+        config_path: Path,
+        input_options: tuple[str, ...],
+        base_dir: Path,
+        fmt: str,
+        output: Path | None,
+        strict: bool,
+        tolerance: float,
+        verbose: int,
+    ) -> None:
+        """Check new traces against CONFIG; exit 1 when any error is found.
+
+        Exit codes: 0 no error (warnings allowed), 1 errors, 2 usage,
+        4 the config or a trace could not be read.
+        """
+        if not input_options:
+            raise click.UsageError("give at least one --input")
+        verbose += (ctx.obj or {}).get("verbose", 0)
+        if verbose:
+            configure_logging((ctx.obj or {}).get("log_format"), verbose)
+        try:
+            config = load_config(config_path)
+        except OpGuardError as exc:
+            if verbose:
+                raise
+            _fail_unreadable(str(exc))
+        options = options_from_settings(config, base_dir)
+        try:
+            observed = observe(manager, input_options, options)
+        except InputError as exc:
+            if verbose:
+                raise
+            _fail_unreadable(str(exc))
+        if observed.problems:
+            for problem in observed.problems:
+                click.echo(f"opguard: error: {problem}", err=True)
+            sys.exit(int(ExitCode.INPUT_UNREADABLE))
+        try:
+            violations = check_configs(
+                manager, config, observed.configs, tolerance, strict, observed.combined
+            )
+        except OpGuardError as exc:
+            if verbose:
+                raise
+            click.echo(f"opguard: error: {exc}", err=True)
+            sys.exit(int(ExitCode.PLUGIN_ERROR))
+        if fmt == "json":
+            document = check_report(str(config_path), violations)
+            if output is not None:
+                write_json(output, document)
+            else:
+                click.echo(json.dumps(document, indent=2))
+        else:
+            text = format_text(str(config_path), violations)
+            if output is not None:
+                atomic_write_text(output, text)
+            else:
+                click.echo(text, nl=False)
+        errors = any(v.severity == ERROR for v in violations)
+        sys.exit(int(ExitCode.STAGE_FAILED if errors else ExitCode.OK))
+
+    return check_command
+
+
+@hookimpl
+def opguard_register_commands(cli: click.Group, manager: OpGuardPluginManager) -> None:
+    """Add ``opguard check``."""
+    cli.add_command(make_command(manager))
+
+
+__all__ = ["check_configs", "observe", "opguard_register_commands", "options_from_settings"]

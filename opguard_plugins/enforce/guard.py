@@ -1,0 +1,155 @@
+"""Built-in plugin: ``opguard guard``, which enforces a config while a program runs.
+
+``opguard guard --config CONFIG [--report-dir DIR] [--on-violation warn|raise]
+[--sample P] -- COMMAND...`` runs COMMAND (a script, ``python -m pkg``, ``torchrun
+...``) the way ``opguard trace`` does (the same bootstrap, :mod:`opguard_plugins.record.trace`),
+with :mod:`opguard_plugins.enforce.runtime` started in every Python process that imports
+torch. Each process writes ``DIR/guard_report_rank{R}.json`` at exit (formats.md §5).
+See docs/guard.md.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import click
+
+from opguard_core import hookimpl
+from opguard_core.errors import ExitCode, OpGuardError
+from opguard_core.formats.check import ERROR, load_report
+from opguard_core.formats.config import load_config
+from opguard_plugins.enforce.check import config_option
+from opguard_plugins.record.trace import bootstrap_env, run_bootstrapped
+
+
+def guard_env(
+    config: Path, report_dir: Path, on_violation: str, sample: float, command: tuple[str, ...]
+) -> dict[str, str]:
+    """The environment that starts the guard in COMMAND's Python processes."""
+    variables = {
+        "OPGUARD_GUARD_CONFIG": str(config.resolve()),
+        "OPGUARD_GUARD_DIR": str(report_dir.resolve()),
+        "OPGUARD_GUARD_ON_VIOLATION": on_violation,
+        "OPGUARD_GUARD_SAMPLE": repr(sample),
+    }
+    return bootstrap_env(variables, command)
+
+
+def written_reports(report_dir: Path, since: float) -> list[Path]:
+    """The guard reports in ``report_dir`` written at or after ``since``, by rank."""
+    found = []
+    for path in report_dir.glob("guard_report_rank*.json"):
+        suffix = path.stem[len("guard_report_rank") :]
+        if suffix.isdigit() and path.stat().st_mtime >= since:
+            found.append((int(suffix), path))
+    return [path for _, path in sorted(found)]
+
+
+def summarize(reports: list[Path]) -> tuple[int, int, list[str]]:
+    """(errors, warnings, one line per unreadable report) over the written reports."""
+    errors = warnings = 0
+    problems = []
+    for path in reports:
+        try:
+            document: dict[str, Any] = load_report(path)
+        except OpGuardError as exc:
+            problems.append(str(exc))
+            continue
+        for item in document["violations"]:
+            if item["severity"] == ERROR:
+                errors += 1
+            else:
+                warnings += 1
+    return errors, warnings, problems
+
+
+@click.command(
+    "guard",
+    context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False},
+)
+@config_option
+@click.option(
+    "--report-dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=Path("."),
+    show_default=True,
+    help="Directory for guard_report_rank{R}.json (created if missing).",
+)
+@click.option(
+    "--on-violation",
+    type=click.Choice(["warn", "raise"]),
+    default="warn",
+    show_default=True,
+    help="warn: log each violation's first occurrence; raise: OpGuardViolation in the call.",
+)
+@click.option(
+    "--sample",
+    type=click.FloatRange(min=0.0, max=1.0, min_open=True),
+    default=1.0,
+    show_default=True,
+    help="Check only every round(1/P)-th optimizer step (step 0 always).",
+)
+@click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
+@click.pass_context
+def guard_command(
+    ctx: click.Context,
+    config_path: Path,
+    report_dir: Path,
+    on_violation: str,
+    sample: float,
+    command: tuple[str, ...],
+) -> None:
+    """Run COMMAND with CONFIG enforced at run time, writing one report per rank.
+
+    COMMAND is a Python script, python -m PKG, or torchrun ...; put it after "--".
+    Exit codes: COMMAND's own when it fails; else 1 when a report has an error,
+    0 otherwise; 2 usage; 4 the config cannot be read.
+    """
+    try:
+        load_config(config_path)
+    except OpGuardError as exc:
+        click.echo(f"opguard: error: {exc}", err=True)
+        sys.exit(int(ExitCode.INPUT_UNREADABLE))
+    report_dir.mkdir(parents=True, exist_ok=True)
+    started = time.time() - 1.0  # file systems with coarse timestamps
+    env = guard_env(config_path, report_dir, on_violation, sample, command)
+    log_format = (ctx.obj or {}).get("log_format")
+    if log_format:  # `opguard --log-format X guard ...`: the guarded processes log as X
+        env["OPGUARD_GUARD_LOG_FORMAT"] = log_format
+    code = run_bootstrapped(command, env)
+    reports = written_reports(report_dir, started)
+    errors, warnings, problems = summarize(reports)
+    for problem in problems:
+        click.echo(f"opguard: error: {problem}", err=True)
+    if reports:
+        names = ", ".join(p.name for p in reports)
+        click.echo(
+            f"opguard guard: {errors} error(s), {warnings} warning(s) in {len(reports)} "
+            f"report(s) in {reports[0].parent}: {names}",
+            err=True,
+        )
+    else:
+        click.echo(
+            f"opguard guard: no report written to {report_dir} (did the command import torch?)",
+            err=True,
+        )
+    if code != 0:
+        sys.exit(code)
+    sys.exit(int(ExitCode.STAGE_FAILED if errors or problems else ExitCode.OK))
+
+
+@hookimpl
+def opguard_register_commands(cli: click.Group) -> None:
+    """Add ``opguard guard``."""
+    cli.add_command(guard_command)
+
+
+__all__ = ["guard_command", "guard_env", "opguard_register_commands", "summarize"]
+
+if __name__ == "__main__":  # python -m opguard_plugins.enforce.guard --config C -- COMMAND...
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    guard_command()

@@ -1,0 +1,188 @@
+"""Built-in plugin: the check rules of ``opguard check`` (docs/guard.md).
+
+Each rule is a function ``(observed, expected, check) -> list[Violation]``; the
+plugin's ``opguard_check_entry`` runs them all. A third-party package adds a rule by
+implementing ``opguard_check_entry`` itself; ``--disable-plugin check_rules`` turns
+the built-in rules off.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from opguard_core import hookimpl
+from opguard_core.formats.check import ERROR, WARNING, CheckInput, Violation
+
+Rule = Callable[[dict[str, Any] | None, dict[str, Any] | None, CheckInput], list[Violation]]
+
+#: ``--tolerance`` default: a count may change by 10% (per rank, per step) unflagged.
+DEFAULT_TOLERANCE = 0.1
+
+
+def _violation(
+    kind: str, severity: str, check: CheckInput, message: str, **extra: Any
+) -> Violation:
+    target, context = check.key
+    return Violation(kind, severity, target, list(context), [check.rank], message, **extra)
+
+
+def _where(check: CheckInput) -> str:
+    target, context = check.key
+    return f"{target} [{' > '.join(context)}]" if context else target
+
+
+def unexpected_ops(
+    observed: dict[str, Any] | None, expected: dict[str, Any] | None, check: CheckInput
+) -> list[Violation]:
+    """``unexpected_op``: an op ran while the target was active that its entry lacks."""
+    if observed is None or expected is None:
+        return []
+    known = expected.get("ops") or {}
+    return [
+        _violation(
+            "unexpected_op",
+            ERROR,
+            check,
+            f"{op} ran {count}x inside {_where(check)}, which does not list it",
+            op=op,
+        )
+        for op, count in sorted((observed.get("ops") or {}).items())
+        if op not in known
+    ]
+
+
+def unexpected_streams(
+    observed: dict[str, Any] | None, expected: dict[str, Any] | None, check: CheckInput
+) -> list[Violation]:
+    """``unexpected_stream``: an op ran on a stream the entry does not list."""
+    if observed is None or expected is None:
+        return []
+    known = {int(s) for s in (expected.get("stream_counts") or {})}
+    return [
+        _violation(
+            "unexpected_stream",
+            ERROR,
+            check,
+            f"{count} op(s) of {_where(check)} ran on stream {stream}, which it does not list",
+            stream=int(stream),
+        )
+        for stream, count in sorted((observed.get("stream_counts") or {}).items())
+        if int(stream) not in known
+    ]
+
+
+def unknown_keys(
+    observed: dict[str, Any] | None, expected: dict[str, Any] | None, check: CheckInput
+) -> list[Violation]:
+    """``unknown_context`` for a config target under a new context, ``unknown_target``
+    for a function the config does not have (the observed config went through the
+    config's filters, so it is one they would have kept)."""
+    if observed is None or expected is not None:
+        return []
+    target, context = check.key
+    known = [c for t, c in check.expected if t == target]
+    if known:
+        listed = "; ".join(" > ".join(c) or "(top level)" for c in sorted(known))
+        return [
+            _violation(
+                "unknown_context",
+                WARNING,
+                check,
+                f"{target} ran under [{' > '.join(context)}]; the config has it under {listed}",
+            )
+        ]
+    return [
+        _violation(
+            "unknown_target",
+            WARNING,
+            check,
+            f"{_where(check)} ran ({observed.get('count', 0)} ops) and is not in the config",
+        )
+    ]
+
+
+def missing(
+    observed: dict[str, Any] | None, expected: dict[str, Any] | None, check: CheckInput
+) -> list[Violation]:
+    """``missing``: a config entry that ran on no observed rank."""
+    if observed is not None or expected is None or check.seen_on():
+        return []
+    ranks = check.entry_ranks(expected)
+    if check.rank not in ranks:
+        return []
+    return [_violation("missing", WARNING, check, f"{_where(check)} never ran")]
+
+
+def rank_mismatch(
+    observed: dict[str, Any] | None, expected: dict[str, Any] | None, check: CheckInput
+) -> list[Violation]:
+    """``rank_mismatch``: the entry ran on a rank the config does not have it on, or
+    did not run on a rank the config has it on (while running on others)."""
+    if expected is None:
+        return []
+    ranks = check.entry_ranks(expected)
+    if observed is not None and check.rank not in ranks:
+        message = f"{_where(check)} ran on rank {check.rank}; the config has it on {ranks}"
+    elif observed is None and check.rank in ranks and check.seen_on():
+        message = f"{_where(check)} did not run on rank {check.rank}; the config has it on {ranks}"
+    else:
+        return []
+    return [_violation("rank_mismatch", WARNING, check, message)]
+
+
+def per_rank_step(count: int, ranks: int, steps: int | None) -> float:
+    """A count on one rank in one step (whole run when ``steps`` is unknown)."""
+    return count / max(ranks, 1) / max(steps or 1, 1)
+
+
+def count_drift(
+    observed: dict[str, Any] | None, expected: dict[str, Any] | None, check: CheckInput
+) -> list[Violation]:
+    """``count_drift``: the entry's op count per rank, and per step when both sides
+    record ``meta.steps``, differs by more than ``tolerance`` (relative)."""
+    if observed is None or expected is None:
+        return []
+    observed_steps = check.observed_steps.get(check.rank)
+    both = check.expected_steps is not None and observed_steps is not None
+    want = per_rank_step(
+        int(expected.get("count", 0)),
+        len(check.entry_ranks(expected)),
+        check.expected_steps if both else None,
+    )
+    got = per_rank_step(int(observed.get("count", 0)), 1, observed_steps if both else None)
+    if want == got or (want and abs(got - want) / want <= check.tolerance):
+        return []
+    unit = "per rank and step" if both else "per rank"
+    change = f"{(got - want) / want:+.0%}" if want else "new"
+    return [
+        _violation(
+            "count_drift",
+            WARNING,
+            check,
+            f"{_where(check)} issued {got:g} ops {unit}, the config {want:g} ({change}; "
+            f"tolerance {check.tolerance:g})",
+        )
+    ]
+
+
+#: The built-in rules, in the order they run.
+RULES: tuple[Rule, ...] = (
+    unexpected_ops,
+    unexpected_streams,
+    unknown_keys,
+    missing,
+    count_drift,
+    rank_mismatch,
+)
+
+
+@hookimpl
+def opguard_check_entry(
+    observed: dict[str, Any] | None, expected: dict[str, Any] | None, check: CheckInput
+) -> list[Violation]:
+    """Run every built-in rule."""
+    found: list[Violation] = []
+    for rule in RULES:
+        found.extend(rule(observed, expected, check))
+    return found

@@ -1,0 +1,928 @@
+/* The modes backend's per-operator hot path in C (tracing.md, "The recorder's fast
+ * path").
+ *
+ * ``Counter.dispatch`` *is* the dispatch mode's ``__torch_dispatch__`` (bound to the
+ * mode as a method, so no Python frame runs per operator), and ``Counter.function`` the
+ * function mode's ``__torch_function__``. For every operator, ``dispatch`` does what ``CallsiteRecorder.record`` does in Python for the
+ * common case, without running Python code and, for a callsite seen before, without
+ * allocating: it walks the Python stack from the frame that issued the operator
+ * outwards (skipping torch's wrapper frames at the top) into a buffer of (code, f_lasti)
+ * positions, finds that stack in a table of the stacks seen so far, and adds one to the
+ * count of (stack, api, op, stream) in a second table. ``flush()`` adds the pending counts into
+ * the Python dict ``counts`` under the key ``(stack, api, op, stream)``, where ``stack`` is
+ * the flat tuple ``(id(code), f_lasti, ...)`` outermost first: the value ``tracer._walk``
+ * builds, so Python stays the reference implementation. Everything else (an operator
+ * not yet named, a backward pass on another thread, a collective) is
+ * handed to the Python ``slow`` callable with the same frame.
+ *
+ * Runs under the GIL and calls no Python code on the fast path, so it needs no lock.
+ * Every code object seen is kept alive in ``codes`` (id -> code), so an address stays
+ * one code's. CPython >= 3.11 only; the package works without this module.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <frameobject.h>
+#include <structmember.h>
+
+typedef struct {
+    PyCodeObject *code;  /* borrowed: ``codes`` keeps it alive */
+    Py_ssize_t position; /* f_lasti; as wide as the pointer, so no padding to compare */
+} Position;
+
+typedef struct {
+    Py_hash_t hash;
+    Py_ssize_t length;
+    Position *positions; /* outermost first */
+    PyObject *tuple;     /* the flat (id, position, ...) tuple */
+} Stack;
+
+typedef struct {
+    Py_ssize_t stack;
+    PyObject *api; /* strong references */
+    PyObject *op;
+    long long stream;
+    long count; /* pending, not yet in ``counts`` */
+} Site;
+
+/* Open addressing over indices into a vector; -1 marks an empty slot. */
+typedef struct {
+    Py_ssize_t *slots;
+    Py_ssize_t size; /* a power of two, or 0 */
+} Index;
+
+/* Code address -> id() as an int. */
+typedef struct {
+    void **addresses;
+    PyObject **ids;
+    Py_ssize_t size;
+    Py_ssize_t used;
+} IdTable;
+
+#define POSITIONS_CACHED 16384 /* f_lasti offsets below this share one int each */
+#define BUFFER 256
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *counts;     /* dict: key -> int */
+    PyObject *codes;      /* dict: id(code) -> code */
+    PyObject *modules;    /* dict: code -> the frame's module __name__ */
+    PyObject *op_names;   /* dict: operator -> "namespace::name" */
+    PyObject *local;      /* threading.local whose .api is the current api */
+    PyObject *backward;   /* list of running backward contexts */
+    PyObject *skip_files; /* frozenset of wrapper file names skipped at the top */
+    PyObject *slow;       /* callable(func, frame): the Python path */
+    PyObject *api_names;  /* dict: torch callable -> its public name */
+    PyObject *backward_apis; /* frozenset of names that start a backward pass */
+    PyObject *enter_api;  /* callable(func, frame) -> context: marks the api in Python */
+    PyObject *exit_api;   /* callable(context): unmarks it */
+    PyObject *overload_type; /* torch._ops.OpOverload: called through its ``_op`` */
+    PyObject *stream_of;  /* callable() -> the current stream id, or None (no CUDA) */
+    int active;
+    IdTable ids;
+    PyObject **positions; /* POSITIONS_CACHED ints, made on first use */
+    Stack *stacks;
+    Py_ssize_t n_stacks, cap_stacks;
+    Index stack_index;
+    Site *sites;
+    Py_ssize_t n_sites, cap_sites;
+    Index site_index;
+    Py_ssize_t pending; /* sites with a count to flush */
+} Counter;
+
+static PyObject *api_str;    /* "api" */
+static PyObject *name_str;   /* "__name__" */
+static PyObject *collective; /* "c10d::" */
+static PyObject *op_attr_str; /* "_op" */
+
+static inline size_t
+mix(size_t h, size_t value)
+{
+    h ^= value + 0x9E3779B97F4A7C15ull + (h << 6) + (h >> 2);
+    return h;
+}
+
+/* ----------------------------------------------------------------- tables */
+
+static int
+index_init(Index *index, Py_ssize_t size)
+{
+    Py_ssize_t *slots = PyMem_Malloc(sizeof(Py_ssize_t) * (size_t)size);
+    if (slots == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < size; i++) {
+        slots[i] = -1;
+    }
+    PyMem_Free(index->slots);
+    index->slots = slots;
+    index->size = size;
+    return 0;
+}
+
+static void
+index_free(Index *index)
+{
+    PyMem_Free(index->slots);
+    index->slots = NULL;
+    index->size = 0;
+}
+
+static Py_ssize_t
+id_slot(IdTable *table, void *address)
+{
+    size_t mask = (size_t)table->size - 1;
+    size_t slot = mix(0, (size_t)address) & mask;
+    while (table->addresses[slot] != NULL && table->addresses[slot] != address) {
+        slot = (slot + 1) & mask;
+    }
+    return (Py_ssize_t)slot;
+}
+
+static int
+id_table_grow(IdTable *table)
+{
+    IdTable bigger = {NULL, NULL, table->size ? table->size * 2 : 1024, table->used};
+    bigger.addresses = PyMem_Calloc((size_t)bigger.size, sizeof(void *));
+    bigger.ids = PyMem_Calloc((size_t)bigger.size, sizeof(PyObject *));
+    if (bigger.addresses == NULL || bigger.ids == NULL) {
+        PyMem_Free(bigger.addresses);
+        PyMem_Free(bigger.ids);
+        PyErr_NoMemory();
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < table->size; i++) {
+        if (table->addresses[i] != NULL) {
+            Py_ssize_t slot = id_slot(&bigger, table->addresses[i]);
+            bigger.addresses[slot] = table->addresses[i];
+            bigger.ids[slot] = table->ids[i];
+        }
+    }
+    PyMem_Free(table->addresses);
+    PyMem_Free(table->ids);
+    *table = bigger;
+    return 0;
+}
+
+static void
+id_table_free(IdTable *table)
+{
+    for (Py_ssize_t i = 0; i < table->size; i++) {
+        Py_XDECREF(table->ids[i]);
+    }
+    PyMem_Free(table->addresses);
+    PyMem_Free(table->ids);
+    table->addresses = NULL;
+    table->ids = NULL;
+    table->size = table->used = 0;
+}
+
+/* id(code) as an int, registering a code seen for the first time in ``codes`` and
+ * ``modules`` (borrowed reference, or NULL with an exception). */
+static PyObject *
+code_id(Counter *self, PyCodeObject *code, PyFrameObject *frame)
+{
+    if (2 * (self->ids.used + 1) > self->ids.size && id_table_grow(&self->ids) < 0) {
+        return NULL;
+    }
+    Py_ssize_t slot = id_slot(&self->ids, code);
+    if (self->ids.ids[slot] != NULL) {
+        return self->ids.ids[slot];
+    }
+    if (frame == NULL) {
+        PyErr_SetString(PyExc_SystemError, "a code object the walk did not register");
+        return NULL;
+    }
+    PyObject *key = PyLong_FromVoidPtr(code);
+    if (key == NULL) {
+        return NULL;
+    }
+    int known = PyDict_Contains(self->codes, key);
+    if (known == 0) {
+        PyObject *globals = PyFrame_GetGlobals(frame);
+        PyObject *name = NULL;
+        if (globals != NULL && PyDict_Check(globals)) {
+            name = PyDict_GetItemWithError(globals, name_str); /* borrowed */
+        }
+        Py_XINCREF(name);
+        Py_XDECREF(globals);
+        if (PyErr_Occurred() ||
+            PyDict_SetItem(self->codes, key, (PyObject *)code) < 0 ||
+            PyDict_SetItem(self->modules, (PyObject *)code, name != NULL ? name : Py_None) < 0) {
+            known = -1;
+        }
+        Py_XDECREF(name);
+    }
+    if (known < 0) {
+        Py_DECREF(key);
+        return NULL;
+    }
+    self->ids.addresses[slot] = code;
+    self->ids.ids[slot] = key;
+    self->ids.used++;
+    return key;
+}
+
+static PyObject *
+position_int(Counter *self, Py_ssize_t position)
+{
+    if (position >= 0 && position < POSITIONS_CACHED) {
+        if (self->positions[position] == NULL) {
+            self->positions[position] = PyLong_FromSsize_t(position);
+        }
+        return Py_XNewRef(self->positions[position]);
+    }
+    return PyLong_FromSsize_t(position);
+}
+
+/* ------------------------------------------------------------------- walk */
+
+/* The positions from ``frame`` outwards into ``*buf`` (innermost first); steals the
+ * reference to ``frame``. Returns the count, or -1 with an exception. */
+static Py_ssize_t
+collect(Counter *self, PyFrameObject *frame, Position **buf, Py_ssize_t *cap,
+        Position *local_buf)
+{
+    Py_ssize_t n = 0;
+    while (frame != NULL) {
+        PyCodeObject *code = PyFrame_GetCode(frame);
+        int skip = PySet_Contains(self->skip_files, code->co_filename);
+        Py_DECREF(code);
+        if (skip < 0) {
+            goto error;
+        }
+        if (!skip) {
+            break;
+        }
+        PyFrameObject *back = PyFrame_GetBack(frame);
+        Py_DECREF(frame);
+        frame = back;
+    }
+    while (frame != NULL) {
+        PyCodeObject *code = PyFrame_GetCode(frame);
+        PyObject *id = code_id(self, code, frame);
+        Py_DECREF(code); /* kept alive by ``codes`` */
+        if (id == NULL) {
+            goto error;
+        }
+        if (n == *cap) {
+            Py_ssize_t grown = *cap * 2;
+            Position *bigger = PyMem_Malloc(sizeof(Position) * (size_t)grown);
+            if (bigger == NULL) {
+                PyErr_NoMemory();
+                goto error;
+            }
+            memcpy(bigger, *buf, sizeof(Position) * (size_t)n);
+            if (*buf != local_buf) {
+                PyMem_Free(*buf);
+            }
+            *buf = bigger;
+            *cap = grown;
+        }
+        (*buf)[n].code = code;
+        (*buf)[n].position = PyFrame_GetLasti(frame);
+        n++;
+        PyFrameObject *back = PyFrame_GetBack(frame);
+        Py_DECREF(frame);
+        frame = back;
+    }
+    return n;
+error:
+    Py_XDECREF(frame);
+    return -1;
+}
+
+/* The flat (id, position, ...) tuple, outermost first, of innermost-first positions. */
+static PyObject *
+stack_tuple(Counter *self, const Position *positions, Py_ssize_t n)
+{
+    PyObject *tuple = PyTuple_New(2 * n);
+    if (tuple == NULL) {
+        return NULL;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        const Position *at = &positions[n - 1 - i];
+        PyObject *id = code_id(self, at->code, NULL); /* registered by collect */
+        PyObject *position = position_int(self, at->position);
+        if (id == NULL || position == NULL) {
+            Py_XDECREF(position);
+            Py_DECREF(tuple);
+            return NULL;
+        }
+        PyTuple_SET_ITEM(tuple, 2 * i, Py_NewRef(id));
+        PyTuple_SET_ITEM(tuple, 2 * i + 1, position);
+    }
+    return tuple;
+}
+
+static Py_hash_t
+positions_hash(const Position *positions, Py_ssize_t n)
+{
+    size_t h = (size_t)n;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        h = mix(h, (size_t)positions[i].code);
+        h = mix(h, (size_t)(unsigned int)positions[i].position);
+    }
+    return (Py_hash_t)h;
+}
+
+static int
+reindex(Index *index, Py_ssize_t entries, Py_hash_t (*hash_of)(void *, Py_ssize_t), void *owner)
+{
+    Py_ssize_t size = index->size ? index->size : 1024;
+    while (size < 2 * (entries + 1)) {
+        size *= 2;
+    }
+    if (index_init(index, size) < 0) {
+        return -1;
+    }
+    size_t mask = (size_t)size - 1;
+    for (Py_ssize_t i = 0; i < entries; i++) {
+        size_t slot = (size_t)hash_of(owner, i) & mask;
+        while (index->slots[slot] != -1) {
+            slot = (slot + 1) & mask;
+        }
+        index->slots[slot] = i;
+    }
+    return 0;
+}
+
+static Py_hash_t
+stack_hash_at(void *owner, Py_ssize_t i)
+{
+    return ((Counter *)owner)->stacks[i].hash;
+}
+
+static Py_hash_t
+site_hash(Py_ssize_t stack, PyObject *api, PyObject *op, long long stream)
+{
+    return (Py_hash_t)mix(mix(mix(mix(0, (size_t)stack), (size_t)api), (size_t)op),
+                          (size_t)stream);
+}
+
+static Py_hash_t
+site_hash_at(void *owner, Py_ssize_t i)
+{
+    Site *site = &((Counter *)owner)->sites[i];
+    return site_hash(site->stack, site->api, site->op, site->stream);
+}
+
+/* The index of this stack in ``stacks``, adding it when new; -1 with an exception. */
+static Py_ssize_t
+find_stack(Counter *self, const Position *innermost_first, Py_ssize_t n)
+{
+    Py_hash_t hash = positions_hash(innermost_first, n);
+    size_t mask = (size_t)self->stack_index.size - 1;
+    size_t slot = (size_t)hash & mask;
+    Py_ssize_t found;
+    while ((found = self->stack_index.slots[slot]) != -1) {
+        Stack *stack = &self->stacks[found];
+        if (stack->hash == hash && stack->length == n &&
+            memcmp(stack->positions, innermost_first, sizeof(Position) * (size_t)n) == 0) {
+            return found;
+        }
+        slot = (slot + 1) & mask;
+    }
+    if (self->n_stacks == self->cap_stacks) {
+        Py_ssize_t grown = self->cap_stacks ? self->cap_stacks * 2 : 256;
+        Stack *bigger = PyMem_Realloc(self->stacks, sizeof(Stack) * (size_t)grown);
+        if (bigger == NULL) {
+            PyErr_NoMemory();
+            return -1;
+        }
+        self->stacks = bigger;
+        self->cap_stacks = grown;
+    }
+    Position *copy = PyMem_Malloc(sizeof(Position) * (size_t)(n ? n : 1));
+    if (copy == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    memcpy(copy, innermost_first, sizeof(Position) * (size_t)n);
+    PyObject *tuple = stack_tuple(self, innermost_first, n);
+    if (tuple == NULL) {
+        PyMem_Free(copy);
+        return -1;
+    }
+    Py_ssize_t index = self->n_stacks++;
+    self->stacks[index] = (Stack){hash, n, copy, tuple};
+    if (2 * self->n_stacks > self->stack_index.size) {
+        if (reindex(&self->stack_index, self->n_stacks, stack_hash_at, self) < 0) {
+            return -1;
+        }
+    }
+    else {
+        self->stack_index.slots[slot] = index;
+    }
+    return index;
+}
+
+/* Adds one to (stack, api, op, stream); 0, or -1 with an exception. */
+static int
+count_site(Counter *self, Py_ssize_t stack, PyObject *api, PyObject *op, long long stream)
+{
+    size_t mask = (size_t)self->site_index.size - 1;
+    size_t slot = (size_t)site_hash(stack, api, op, stream) & mask;
+    Py_ssize_t found;
+    while ((found = self->site_index.slots[slot]) != -1) {
+        Site *site = &self->sites[found];
+        if (site->stack == stack && site->api == api && site->op == op &&
+            site->stream == stream) {
+            if (site->count++ == 0) {
+                self->pending++;
+            }
+            return 0;
+        }
+        slot = (slot + 1) & mask;
+    }
+    if (self->n_sites == self->cap_sites) {
+        Py_ssize_t grown = self->cap_sites ? self->cap_sites * 2 : 256;
+        Site *bigger = PyMem_Realloc(self->sites, sizeof(Site) * (size_t)grown);
+        if (bigger == NULL) {
+            PyErr_NoMemory();
+            return -1;
+        }
+        self->sites = bigger;
+        self->cap_sites = grown;
+    }
+    Py_ssize_t index = self->n_sites++;
+    self->sites[index] = (Site){stack, Py_NewRef(api), Py_NewRef(op), stream, 1};
+    self->pending++;
+    if (2 * self->n_sites > self->site_index.size) {
+        return reindex(&self->site_index, self->n_sites, site_hash_at, self);
+    }
+    self->site_index.slots[slot] = index;
+    return 0;
+}
+
+/* ----------------------------------------------------------------- methods */
+
+static PyObject *
+call_slow(Counter *self, PyObject *func, PyFrameObject *frame)
+{
+    PyObject *result = PyObject_CallFunctionObjArgs(
+        self->slow, func, frame != NULL ? (PyObject *)frame : Py_None, NULL);
+    Py_XDECREF(frame);
+    return result;
+}
+
+/* The running Python frame (new reference, or NULL): with no Python frame of the
+ * mode's own in between, the frame that issued the call. */
+static PyFrameObject *
+running_frame(void)
+{
+    PyFrameObject *current = PyEval_GetFrame(); /* borrowed */
+    Py_XINCREF(current);
+    return current;
+}
+
+/* Count one operator issued from ``frame`` (stolen). */
+static PyObject *
+record_from(Counter *self, PyObject *func, PyFrameObject *frame)
+{
+    if (!self->active) {
+        Py_XDECREF(frame);
+        Py_RETURN_NONE;
+    }
+    PyObject *op = PyDict_GetItemWithError(self->op_names, func); /* borrowed */
+    if (op == NULL) {
+        PyErr_Clear(); /* not named yet, or unhashable: the Python path names it */
+        return call_slow(self, func, frame);
+    }
+    if (PyUnicode_Tailmatch(op, collective, 0, PY_SSIZE_T_MAX, -1) == 1) {
+        return call_slow(self, func, frame); /* remembers the rank */
+    }
+    PyObject *api = PyObject_GetAttr(self->local, api_str);
+    if (api == NULL) {
+        if (!PyErr_ExceptionMatches(PyExc_AttributeError)) {
+            Py_XDECREF(frame);
+            return NULL;
+        }
+        PyErr_Clear();
+        api = Py_NewRef(Py_None);
+    }
+    if (api == Py_None && PyList_GET_SIZE(self->backward) > 0) {
+        Py_DECREF(api);
+        return call_slow(self, func, frame); /* maybe an autograd engine thread */
+    }
+    long long stream = 0;
+    if (self->stream_of != Py_None) {
+        PyObject *current = PyObject_CallNoArgs(self->stream_of);
+        stream = current != NULL ? PyLong_AsLongLong(current) : -1;
+        Py_XDECREF(current);
+        if (stream == -1 && PyErr_Occurred()) {
+            Py_DECREF(api);
+            Py_XDECREF(frame);
+            return NULL;
+        }
+    }
+    Py_INCREF(op);
+    Position local_buf[BUFFER];
+    Position *buf = local_buf;
+    Py_ssize_t cap = BUFFER;
+    Py_ssize_t n = collect(self, frame, &buf, &cap, local_buf); /* steals frame */
+    int failed = n < 0;
+    if (!failed) {
+        Py_ssize_t stack = find_stack(self, buf, n);
+        failed = stack < 0 || count_site(self, stack, api, op, stream) < 0;
+    }
+    if (buf != local_buf) {
+        PyMem_Free(buf);
+    }
+    Py_DECREF(api);
+    Py_DECREF(op);
+    if (failed) {
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
+/* The (func, args, kwargs) of a mode's (mode, func, types, args=(), kwargs=None) call;
+ * ``*kwargs`` is NULL for none. 0, or -1 with an exception. */
+static int
+mode_arguments(PyObject *const *args, Py_ssize_t nargs, const char *name, PyObject **func,
+               PyObject **call_args, PyObject **kwargs)
+{
+    if (nargs < 3 || nargs > 5) {
+        PyErr_Format(PyExc_TypeError, "%s(mode, func, types, args=(), kwargs=None)", name);
+        return -1;
+    }
+    *func = args[1];
+    *call_args = nargs > 3 ? args[3] : NULL;
+    *kwargs = nargs > 4 && args[4] != Py_None ? args[4] : NULL;
+    if (*call_args != NULL && !PyTuple_Check(*call_args)) {
+        PyErr_Format(PyExc_TypeError, "%s() takes the arguments as a tuple", name);
+        return -1;
+    }
+    if (*kwargs != NULL && !PyDict_Check(*kwargs)) {
+        PyErr_Format(PyExc_TypeError, "%s() takes keyword arguments as a dict", name);
+        return -1;
+    }
+    return 0;
+}
+
+static PyObject *
+call_with(PyObject *func, PyObject *call_args, PyObject *kwargs)
+{
+    if (call_args == NULL) {
+        PyObject *empty = PyTuple_New(0);
+        PyObject *result = empty == NULL ? NULL : PyObject_Call(func, empty, kwargs);
+        Py_XDECREF(empty);
+        return result;
+    }
+    return PyObject_Call(func, call_args, kwargs);
+}
+
+/* Counter.dispatch(mode, func, types, args, kwargs): the dispatch mode's
+ * ``__torch_dispatch__`` (bound to the mode as a method): count the operator, run it. */
+static PyObject *
+Counter_dispatch(Counter *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    PyObject *func, *call_args, *kwargs;
+    if (mode_arguments(args, nargs, "dispatch", &func, &call_args, &kwargs) < 0) {
+        return NULL;
+    }
+    PyObject *counted = record_from(self, func, running_frame());
+    if (counted == NULL) {
+        return NULL;
+    }
+    Py_DECREF(counted);
+    if (Py_TYPE(func) == (PyTypeObject *)self->overload_type) {
+        /* OpOverload.__call__ is ``return self._op(*args, **kwargs)``: calling ``_op``
+         * leaves no Python frame between the program and the kernel, so a warning the
+         * kernel raises points at the program's line, as it does untraced */
+        PyObject *op = PyObject_GetAttr(func, op_attr_str);
+        if (op == NULL) {
+            return NULL;
+        }
+        PyObject *result = call_with(op, call_args, kwargs);
+        Py_DECREF(op);
+        return result;
+    }
+    return call_with(func, call_args, kwargs);
+}
+
+/* Counter.function(mode, func, types, args, kwargs): the function mode's
+ * ``__torch_function__`` (bound to the mode as a method): run a torch callable with its
+ * public name as this thread's ``api`` (the outermost call's only). */
+static PyObject *
+Counter_function(Counter *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    PyObject *func, *call_args, *kwargs;
+    if (mode_arguments(args, nargs, "function", &func, &call_args, &kwargs) < 0) {
+        return NULL;
+    }
+    PyObject *running = PyObject_GetAttr(self->local, api_str);
+    if (running == NULL) {
+        return NULL;
+    }
+    Py_DECREF(running); /* only compared with None */
+    if (running != Py_None) {
+        return call_with(func, call_args, kwargs);
+    }
+    PyObject *name = PyDict_GetItemWithError(self->api_names, func); /* borrowed */
+    int backward = 0;
+    if (name != NULL) {
+        backward = PySet_Contains(self->backward_apis, name);
+    }
+    if (name == NULL || backward != 0) {
+        /* not named yet, unhashable, or a backward pass: Python marks the api (and the
+         * backward's stack), but the call itself runs from here, with no Python frame
+         * of the tracer in between (a warning points at the program's line) */
+        PyErr_Clear();
+        PyObject *frame = (PyObject *)running_frame();
+        PyObject *context = PyObject_CallFunctionObjArgs(self->enter_api, func,
+                                                         frame != NULL ? frame : Py_None, NULL);
+        Py_XDECREF(frame);
+        if (context == NULL) {
+            return NULL;
+        }
+        PyObject *result = call_with(func, call_args, kwargs);
+        PyObject *type, *value, *traceback;
+        PyErr_Fetch(&type, &value, &traceback);
+        PyObject *done = PyObject_CallOneArg(self->exit_api, context);
+        Py_DECREF(context);
+        if (done == NULL) {
+            Py_CLEAR(result);
+            Py_XDECREF(type);
+            Py_XDECREF(value);
+            Py_XDECREF(traceback);
+            return NULL;
+        }
+        Py_DECREF(done);
+        PyErr_Restore(type, value, traceback);
+        return result;
+    }
+    Py_INCREF(name);
+    int set = PyObject_SetAttr(self->local, api_str, name);
+    Py_DECREF(name);
+    if (set < 0) {
+        return NULL;
+    }
+    PyObject *result = call_with(func, call_args, kwargs);
+    PyObject *type, *value, *traceback;
+    PyErr_Fetch(&type, &value, &traceback);
+    if (PyObject_SetAttr(self->local, api_str, Py_None) < 0) {
+        PyErr_Clear();
+    }
+    PyErr_Restore(type, value, traceback);
+    return result;
+}
+
+/* Counter.flush(): add the pending counts into ``counts``. */
+static PyObject *
+Counter_flush(Counter *self, PyObject *unused)
+{
+    for (Py_ssize_t i = 0; i < self->n_sites && self->pending > 0; i++) {
+        Site *site = &self->sites[i];
+        if (site->count == 0) {
+            continue;
+        }
+        PyObject *stream = PyLong_FromLongLong(site->stream);
+        PyObject *key = stream == NULL ? NULL
+                                       : PyTuple_Pack(4, self->stacks[site->stack].tuple,
+                                                      site->api, site->op, stream);
+        Py_XDECREF(stream);
+        if (key == NULL) {
+            return NULL;
+        }
+        PyObject *old = PyDict_GetItemWithError(self->counts, key); /* borrowed */
+        long before = old != NULL ? PyLong_AsLong(old) : 0;
+        PyObject *updated = PyErr_Occurred() ? NULL : PyLong_FromLong(before + site->count);
+        int failed = updated == NULL || PyDict_SetItem(self->counts, key, updated) < 0;
+        Py_XDECREF(updated);
+        Py_DECREF(key);
+        if (failed) {
+            return NULL;
+        }
+        site->count = 0;
+        self->pending--;
+    }
+    Py_RETURN_NONE;
+}
+
+/* Counter.discard(): forget the pending counts (a forked child starts from zero). */
+static PyObject *
+Counter_discard(Counter *self, PyObject *unused)
+{
+    for (Py_ssize_t i = 0; i < self->n_sites; i++) {
+        self->sites[i].count = 0;
+    }
+    self->pending = 0;
+    Py_RETURN_NONE;
+}
+
+/* Counter.walk(frame): the raw stack from ``frame`` outwards, as ``tracer._walk``. */
+static PyObject *
+Counter_walk(Counter *self, PyObject *frame)
+{
+    if (frame == Py_None) {
+        return PyTuple_New(0);
+    }
+    if (!PyFrame_Check(frame)) {
+        PyErr_SetString(PyExc_TypeError, "walk() takes a frame or None");
+        return NULL;
+    }
+    Position local_buf[BUFFER];
+    Position *buf = local_buf;
+    Py_ssize_t cap = BUFFER;
+    Py_ssize_t n = collect(self, (PyFrameObject *)Py_NewRef(frame), &buf, &cap, local_buf);
+    PyObject *result = n < 0 ? NULL : stack_tuple(self, buf, n);
+    if (buf != local_buf) {
+        PyMem_Free(buf);
+    }
+    return result;
+}
+
+/* ------------------------------------------------------------------- type */
+
+static void
+Counter_free_tables(Counter *self)
+{
+    for (Py_ssize_t i = 0; i < self->n_stacks; i++) {
+        PyMem_Free(self->stacks[i].positions);
+        Py_XDECREF(self->stacks[i].tuple);
+    }
+    PyMem_Free(self->stacks);
+    self->stacks = NULL;
+    self->n_stacks = self->cap_stacks = 0;
+    for (Py_ssize_t i = 0; i < self->n_sites; i++) {
+        Py_XDECREF(self->sites[i].api);
+        Py_XDECREF(self->sites[i].op);
+    }
+    PyMem_Free(self->sites);
+    self->sites = NULL;
+    self->n_sites = self->cap_sites = self->pending = 0;
+    index_free(&self->stack_index);
+    index_free(&self->site_index);
+    id_table_free(&self->ids);
+}
+
+static int
+Counter_init(Counter *self, PyObject *args, PyObject *kwargs)
+{
+    static char *names[] = {"counts",    "codes",         "modules",   "op_names",
+                            "local",     "backward",      "skip_files", "slow",
+                            "api_names", "backward_apis", "enter_api", "exit_api",
+                            "overload_type", "stream_of",
+                            NULL};
+    PyObject *counts, *codes, *modules, *op_names, *local, *backward, *skip_files, *slow;
+    PyObject *api_names, *backward_apis, *enter_api, *exit_api, *overload_type;
+    PyObject *stream_of = Py_None;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O!O!O!O!OO!OOO!OOOO!|O", names, &PyDict_Type,
+                                     &counts, &PyDict_Type, &codes, &PyDict_Type, &modules,
+                                     &PyDict_Type, &op_names, &local, &PyList_Type, &backward,
+                                     &skip_files, &slow, &PyDict_Type, &api_names,
+                                     &backward_apis, &enter_api, &exit_api, &PyType_Type,
+                                     &overload_type, &stream_of)) {
+        return -1;
+    }
+    if (!PyAnySet_Check(skip_files) || !PyAnySet_Check(backward_apis)) {
+        PyErr_SetString(PyExc_TypeError, "skip_files and backward_apis must be sets");
+        return -1;
+    }
+    Py_XSETREF(self->api_names, Py_NewRef(api_names));
+    Py_XSETREF(self->backward_apis, Py_NewRef(backward_apis));
+    Py_XSETREF(self->enter_api, Py_NewRef(enter_api));
+    Py_XSETREF(self->exit_api, Py_NewRef(exit_api));
+    Py_XSETREF(self->overload_type, Py_NewRef(overload_type));
+    Counter_free_tables(self);
+    Py_XSETREF(self->counts, Py_NewRef(counts));
+    Py_XSETREF(self->codes, Py_NewRef(codes));
+    Py_XSETREF(self->modules, Py_NewRef(modules));
+    Py_XSETREF(self->op_names, Py_NewRef(op_names));
+    Py_XSETREF(self->local, Py_NewRef(local));
+    Py_XSETREF(self->backward, Py_NewRef(backward));
+    Py_XSETREF(self->skip_files, Py_NewRef(skip_files));
+    Py_XSETREF(self->slow, Py_NewRef(slow));
+    Py_XSETREF(self->stream_of, Py_NewRef(stream_of));
+    self->active = 0;
+    if (self->positions == NULL) {
+        self->positions = PyMem_Calloc(POSITIONS_CACHED, sizeof(PyObject *));
+        if (self->positions == NULL) {
+            PyErr_NoMemory();
+            return -1;
+        }
+    }
+    if (index_init(&self->stack_index, 1024) < 0 || index_init(&self->site_index, 1024) < 0) {
+        return -1;
+    }
+    return 0;
+}
+
+static int
+Counter_traverse(Counter *self, visitproc visit, void *arg)
+{
+    Py_VISIT(self->counts);
+    Py_VISIT(self->codes);
+    Py_VISIT(self->modules);
+    Py_VISIT(self->op_names);
+    Py_VISIT(self->local);
+    Py_VISIT(self->backward);
+    Py_VISIT(self->skip_files);
+    Py_VISIT(self->slow);
+    Py_VISIT(self->api_names);
+    Py_VISIT(self->backward_apis);
+    Py_VISIT(self->enter_api);
+    Py_VISIT(self->exit_api);
+    Py_VISIT(self->overload_type);
+    Py_VISIT(self->stream_of);
+    return 0;
+}
+
+static int
+Counter_clear(Counter *self)
+{
+    Py_CLEAR(self->counts);
+    Py_CLEAR(self->codes);
+    Py_CLEAR(self->modules);
+    Py_CLEAR(self->op_names);
+    Py_CLEAR(self->local);
+    Py_CLEAR(self->backward);
+    Py_CLEAR(self->skip_files);
+    Py_CLEAR(self->slow);
+    Py_CLEAR(self->api_names);
+    Py_CLEAR(self->backward_apis);
+    Py_CLEAR(self->enter_api);
+    Py_CLEAR(self->exit_api);
+    Py_CLEAR(self->overload_type);
+    Py_CLEAR(self->stream_of);
+    return 0;
+}
+
+static void
+Counter_dealloc(Counter *self)
+{
+    PyObject_GC_UnTrack(self);
+    Counter_clear(self);
+    Counter_free_tables(self);
+    if (self->positions != NULL) {
+        for (Py_ssize_t i = 0; i < POSITIONS_CACHED; i++) {
+            Py_XDECREF(self->positions[i]);
+        }
+        PyMem_Free(self->positions);
+    }
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyMemberDef Counter_members[] = {
+    {"active", T_BOOL, offsetof(Counter, active), 0, "count only while true"},
+    {NULL},
+};
+
+static PyMethodDef Counter_methods[] = {
+    {"dispatch", (PyCFunction)(void (*)(void))Counter_dispatch, METH_FASTCALL,
+     "dispatch(mode, func, types, args=(), kwargs=None): count the operator, run it"},
+    {"function", (PyCFunction)(void (*)(void))Counter_function, METH_FASTCALL,
+     "function(mode, func, types, args=(), kwargs=None): run func as this thread's api"},
+    {"flush", (PyCFunction)Counter_flush, METH_NOARGS,
+     "flush(): add the pending counts into counts"},
+    {"discard", (PyCFunction)Counter_discard, METH_NOARGS,
+     "discard(): forget the pending counts"},
+    {"walk", (PyCFunction)Counter_walk, METH_O,
+     "walk(frame): the raw stack from frame outwards, outermost first"},
+    {NULL},
+};
+
+static PyTypeObject CounterType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "opguard_plugins.record._recorder.Counter",
+    .tp_basicsize = sizeof(Counter),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_doc = "Counts (stack, api, op, 0) keys for the modes backend; see tracer.py.",
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)Counter_init,
+    .tp_dealloc = (destructor)Counter_dealloc,
+    .tp_traverse = (traverseproc)Counter_traverse,
+    .tp_clear = (inquiry)Counter_clear,
+    .tp_methods = Counter_methods,
+    .tp_members = Counter_members,
+};
+
+static struct PyModuleDef recorder_module = {
+    PyModuleDef_HEAD_INIT, "opguard_plugins.record._recorder",
+    "The modes backend's per-operator hot path in C (optional; see tracer.py).", -1, NULL,
+};
+
+PyMODINIT_FUNC
+PyInit__recorder(void)
+{
+    api_str = PyUnicode_InternFromString("api");
+    name_str = PyUnicode_InternFromString("__name__");
+    collective = PyUnicode_FromString("c10d::");
+    op_attr_str = PyUnicode_InternFromString("_op");
+    if (api_str == NULL || name_str == NULL || collective == NULL || op_attr_str == NULL) {
+        return NULL;
+    }
+    if (PyType_Ready(&CounterType) < 0) {
+        return NULL;
+    }
+    PyObject *module = PyModule_Create(&recorder_module);
+    if (module == NULL) {
+        return NULL;
+    }
+    if (PyModule_AddObjectRef(module, "Counter", (PyObject *)&CounterType) < 0) {
+        Py_DECREF(module);
+        return NULL;
+    }
+    return module;
+}

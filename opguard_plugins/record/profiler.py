@@ -1,0 +1,350 @@
+"""The ``profiler`` tracer backend: callsites from torch's own observer machinery.
+
+Where the ``modes`` backend (:mod:`opguard_plugins.record.tracer`) pushes two Python modes,
+this backend records with torch's profiler (RecordFunction observers on every
+operator, plus the profiler's Python tracer for stacks: ``with_stack=True``). Nothing
+sits between the program and the dispatcher, so the program runs the ops it runs
+untraced: ``add_`` stays ``add_``, no ``aten::detach`` is added, fused fast paths stay
+fused, and ``torch.compile`` compiles.
+
+Memory stays bounded: at the first optimizer step (a global
+``register_optimizer_step_post_hook``) at least ``FOLD_SECONDS`` after a cycle began,
+and when tracing stops, the profiler is stopped, the cycle's event tree is folded into
+callsite counts and dropped, and the profiler restarts. A program that never steps an
+optimizer keeps one cycle until the end (call :meth:`ProfilerTracer.fold` yourself).
+
+What is counted, per thread's event tree:
+
+* an **operator** is a ``RecordScope.FUNCTION`` event named ``namespace::name``
+  (``aten::addmm``, ``c10d::allreduce_``); only the *outermost* one is counted (the op
+  the program issued: ``aten::linear``, not the ``aten::t`` / ``aten::addmm`` it runs);
+* a ``torch.compile`` frame that runs compiled (``Torch-Compiled Region: F/G``) is
+  counted as the op ``dynamo::compiled_region``, and the operators its graph calls
+  (extern kernels such as ``aten::mm``; not Inductor's fused C++/Triton kernels) are
+  counted beneath it;
+* nothing below Dynamo compiling a frame (``torch/_dynamo/convert_frame.py``): the
+  ops of tracing the frame with fake tensors are not the program's;
+* record-function annotations (``autograd::engine::evaluate_function: ...``,
+  ``Optimizer.step#AdamW.step``, ``## Call CompiledFxGraph ... ##``) are not counted,
+  the operators inside them are.
+
+The stack is the chain of Python calls the profiler saw above the op, outermost first;
+frame lines are the lines of the calls between them; the innermost frame's line is
+the line of the last Python-visible call before the op (exact when the op is reached
+through a function call, approximate for operator syntax such as ``a + b``).
+``api`` is not recorded (the profiler does not see torch's Python function layer),
+``stream`` is 0.
+
+The trace is built and written by the same code as the modes backend's
+(:class:`~opguard_plugins.record.tracer.CallsiteTracer`), so the format is identical.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+import threading
+import time
+import types
+from typing import Any
+
+import torch
+from torch._C._profiler import RecordScope, _EventType
+from torch.optim.optimizer import register_optimizer_step_post_hook
+
+from opguard_plugins.record.tracer import CallsiteRecorder, CallsiteTracer, LineTable, RawStack
+
+BACKEND_NAME = "profiler"
+#: The pseudo-operator counted once per run of a ``torch.compile``d frame.
+COMPILED_REGION_OP = "dynamo::compiled_region"
+#: A cycle ends at the first optimizer step this many seconds after it began.
+FOLD_SECONDS = 2.0
+#: Dynamo's frame conversion: the callback runs only to compile (or skip) a frame, and
+#: the ops it issues (tracing with fake tensors) are not the program's.
+_COMPILER_FILE = os.path.join("torch", "_dynamo", "convert_frame.py")
+_COMPILED_REGION_PREFIX = "Torch-Compiled Region"
+_OP_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*::[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z0-9_]+)?$")
+
+
+class ProfiledCode:
+    """A stand-in for a code object, made from what the profiler reports for a frame.
+
+    Has the attributes :class:`~opguard_plugins.record.tracer._FrameMaker` reads
+    (``co_filename``, ``co_name``, ``co_qualname``, ``co_firstlineno``); interned, so
+    ``is`` compares frames as it does for real code objects.
+    """
+
+    __slots__ = ("co_filename", "co_firstlineno", "co_name", "co_qualname")
+
+    def __init__(self, filename: str, name: str, firstlineno: int) -> None:
+        self.co_filename = filename
+        self.co_name = name
+        self.co_firstlineno = firstlineno
+        self.co_qualname = name  # resolved when the trace is built
+
+    def __repr__(self) -> str:
+        return f"<ProfiledCode {self.co_qualname} {self.co_filename}:{self.co_firstlineno}>"
+
+
+class _Qualnames:
+    """``co_qualname`` for a (file, function name, first line) the profiler reported.
+
+    Looked up among the code objects of the module that owns the file (its functions,
+    its classes' methods, and the functions nested in those), found through
+    ``sys.modules``; a function that is not found keeps its bare name.
+    """
+
+    def __init__(self, modules: dict[str, str]) -> None:
+        self._modules = modules
+        self._files: dict[str, dict[str, list[tuple[int, int, str]]]] = {}
+
+    def _index(self, filename: str) -> dict[str, list[tuple[int, int, str]]]:
+        found = self._files.get(filename)
+        if found is not None:
+            return found
+        found = {}
+        module = sys.modules.get(self._modules.get(filename, ""))
+        pending: list[Any] = list(vars(module).values()) if module is not None else []
+        seen: set[int] = set()
+        codes: list[types.CodeType] = []
+        while pending:  # exact type checks only: module globals may be lazy proxies
+            value = pending.pop()
+            kind = type(value)
+            if id(value) in seen:
+                continue
+            seen.add(id(value))
+            if kind is staticmethod or kind is classmethod:
+                value, kind = value.__func__, type(value.__func__)
+            if kind is property:
+                pending.extend(f for f in (value.fget, value.fset, value.fdel) if f is not None)
+            elif kind is types.FunctionType:
+                if value.__code__.co_filename == filename:
+                    codes.append(value.__code__)
+            elif issubclass(kind, type):
+                members = list(type.__dict__["__dict__"].__get__(value).values())
+                if any(
+                    type(m) is types.FunctionType and m.__code__.co_filename == filename
+                    for m in members
+                ) or any(issubclass(type(m), type) for m in members):
+                    pending.extend(members)
+        while codes:
+            code = codes.pop()
+            lines = [line for _, _, line in code.co_lines() if line is not None]
+            last = max(lines, default=code.co_firstlineno)
+            found.setdefault(code.co_name, []).append((code.co_firstlineno, last, code.co_qualname))
+            codes.extend(c for c in code.co_consts if isinstance(c, types.CodeType))
+        self._files[filename] = found
+        return found
+
+    def resolve(self, code: ProfiledCode) -> str:
+        if code.co_name.startswith("<") and code.co_name != "<lambda>":
+            return code.co_name
+        # the profiler reports the line a frame was at when it was first seen (its first
+        # line, or its current line for frames already running when a cycle starts)
+        line = code.co_firstlineno
+        best: tuple[int, int, str] | None = None
+        for first, last, qualname in self._index(code.co_filename).get(code.co_name, ()):
+            if first <= line <= last and (best is None or first > best[0]):
+                best = (first, last, qualname)
+        return best[2] if best is not None else code.co_name
+
+
+def _module_names() -> dict[str, str]:
+    """File → module name for every imported module with a file."""
+    names: dict[str, str] = {}
+    for name, module in list(sys.modules.items()):
+        filename = getattr(module, "__file__", None)
+        if isinstance(filename, str):
+            names.setdefault(os.path.abspath(filename), name)
+    return names
+
+
+def _search_dirs() -> list[str]:
+    """Where the profiler's shortened file names are looked up (it strips sys.path)."""
+    dirs = [p or os.getcwd() for p in sys.path]
+    main = getattr(sys.modules.get("__main__"), "__file__", None)
+    if isinstance(main, str):
+        dirs.insert(0, os.path.dirname(os.path.abspath(main)))
+    dirs.append(os.getcwd())
+    return [d for d in dict.fromkeys(dirs) if os.path.isdir(d)]
+
+
+def _absolute(filename: str, search: list[str]) -> str:
+    """The absolute path of a file name as the profiler reports it."""
+    if filename.startswith("<") or os.path.isabs(filename):
+        return filename
+    for directory in search:
+        candidate = os.path.join(directory, filename)
+        if os.path.isfile(candidate):
+            return os.path.abspath(candidate)
+    return filename
+
+
+class ProfilerRecorder(CallsiteRecorder):
+    """Counts (stack, None, op, 0) tuples folded from the profiler's event trees."""
+
+    def __init__(self) -> None:
+        super().__init__(accelerated=False)
+        self._codes: dict[tuple[str, str, int], ProfiledCode] = {}
+        self.folds = 0
+
+    def line(self, code: Any, position: int, tables: dict[Any, LineTable]) -> int:
+        """The profiler reports lines: a raw stack's position is already one."""
+        return position
+
+    def code(self, filename: str, name: str, line: int) -> ProfiledCode:
+        key = (filename, name, line)
+        code = self._codes.get(key)
+        if code is None:
+            code = self._codes[key] = ProfiledCode(filename, name, line)
+            self.codes[id(code)] = code  # type: ignore[assignment]
+        return code
+
+    def fold(self, roots: list[Any]) -> None:
+        """Count the operators of one cycle's event trees (one root per thread's top)."""
+        counts: dict[tuple[RawStack, str], int] = {}
+        op_tag, py_tag, c_tag = _EventType.TorchOp, _EventType.PyCall, _EventType.PyCCall
+        function_scope = RecordScope.FUNCTION
+        code_of = self.code
+        # explicit stack: (event, frames above its frame, its frame as [code, line]);
+        # a frame's line is shared by its children, so an op takes the line of the last
+        # call its frame made before it
+        work: list[tuple[Any, RawStack, list[Any] | None]] = [
+            (root, (), None) for root in reversed(roots)
+        ]
+        while work:
+            event, outer, cell = work.pop()
+            tag = event.tag
+            if tag == py_tag:
+                fields = event.extra_fields
+                site = fields.callsite
+                try:
+                    file_name, function_name = site.file_name, site.function_name
+                except UnicodeDecodeError:  # seen on torch 2.13: a garbled name
+                    file_name = function_name = "<unknown>"
+                if file_name.endswith(_COMPILER_FILE):
+                    continue  # Dynamo compiling a frame: its tracing ops never run
+                if cell is not None:
+                    cell[1] = fields.caller.line_number
+                    outer = (*outer, id(cell[0]), cell[1])
+                line = site.line_number if file_name != "<unknown>" else 0
+                code = code_of(file_name, function_name, line)
+                cell = [code, code.co_firstlineno]
+            elif tag == c_tag:
+                if cell is not None:
+                    cell[1] = event.extra_fields.caller.line_number
+            elif tag == op_tag:
+                name = event.name
+                if event.extra_fields.scope == function_scope:
+                    op = None
+                    if name.startswith(_COMPILED_REGION_PREFIX):
+                        op = COMPILED_REGION_OP
+                    elif _OP_NAME.match(name):
+                        op = name.split(".", 1)[0]
+                    if op is not None:
+                        stack = outer if cell is None else (*outer, id(cell[0]), cell[1])
+                        key = (stack, op)
+                        counts[key] = counts.get(key, 0) + 1
+                        if op != COMPILED_REGION_OP:
+                            continue  # its sub-ops are not what the program issued
+            else:
+                continue
+            for child in reversed(event.children):
+                work.append((child, outer, cell))
+        with self._lock:
+            for (stack, op), count in counts.items():
+                key = (stack, None, op, 0)
+                self.counts[key] = self.counts.get(key, 0) + count  # type: ignore[index]
+            self.folds += 1
+
+
+class ProfilerTracer(CallsiteTracer):
+    """:class:`~opguard_plugins.record.tracer.CallsiteTracer` recording with torch's profiler."""
+
+    backend = BACKEND_NAME
+
+    def __init__(self, *args: Any, fold_seconds: float = FOLD_SECONDS, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.recorder = ProfilerRecorder()
+        self.fold_seconds = fold_seconds
+        self._cycle_started = 0.0
+        self._profile: Any = None
+        self._hook: Any = None
+        self._steps = 0
+        self._thread = threading.get_ident()
+        self._folding = threading.Lock()
+
+    def _begin(self) -> None:
+        profile = torch.autograd.profiler.profile(
+            use_cpu=True, use_kineto=True, with_stack=True, record_shapes=False
+        )
+        profile.__enter__()
+        self._profile = profile
+        self._cycle_started = time.monotonic()
+
+    def _end(self) -> None:
+        profile, self._profile = self._profile, None
+        if profile is None:
+            return
+        profile.__exit__(None, None, None)
+        results = profile.kineto_results
+        profile.kineto_results = None
+        if results is not None:
+            self.recorder.fold(results.experimental_event_tree())
+
+    def start(self) -> None:
+        """Start the profiler and the fold-every-N-optimizer-steps hook."""
+        if self._profile is not None:
+            return
+        self._thread = threading.get_ident()
+        self._begin()
+        self.recorder.active = True
+        self._hook = register_optimizer_step_post_hook(self._on_step)
+
+    def _on_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        self._steps += 1
+        if threading.get_ident() != self._thread:
+            return
+        if time.monotonic() - self._cycle_started >= self.fold_seconds:
+            self.fold()
+
+    def fold(self) -> None:
+        """End the profiler's current cycle, fold its events into counts, start the next."""
+        if not self._folding.acquire(blocking=False):
+            return
+        try:
+            if self._profile is None:
+                return
+            self._end()
+            self._begin()
+        finally:
+            self._folding.release()
+
+    def stop(self) -> None:
+        """Fold the last cycle and stop the profiler."""
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+        with self._folding:
+            self._end()
+        self.recorder.active = False
+        self.recorder.snapshot_rank()
+
+    def build(
+        self, program_roots: list[str] | None = None
+    ) -> tuple[dict[str, Any], list[Any], list[dict[str, Any]]]:
+        """Resolve qualnames and module names of the recorded frames, then build."""
+        modules = _module_names()
+        qualnames = _Qualnames(modules)
+        recorder = self.recorder
+        assert isinstance(recorder, ProfilerRecorder)
+        search = _search_dirs()
+        for code in list(recorder._codes.values()):
+            code.co_filename = _absolute(code.co_filename, search)
+            code.co_qualname = qualnames.resolve(code)
+            name = modules.get(code.co_filename)
+            if name is not None:
+                recorder.modules[code] = name  # type: ignore[index]
+        self.extra_meta.setdefault("tracer_backend", BACKEND_NAME)
+        return super().build(program_roots)

@@ -1,0 +1,923 @@
+"""Callsite tracer runtime: records which torch operators ran, from where (formats.md §1).
+
+Two of torch's Python-level modes are pushed for the traced region:
+
+* a :class:`~torch.overrides.TorchFunctionMode` sees every *public* torch callable that
+  Python code invokes (``torch.cat``, ``Tensor.reshape``, ``torch.nn.functional.linear``)
+  and remembers it, per thread, as the current ``api`` while the call runs (torch
+  disables the mode inside the call, so this is always the outermost public call);
+* a :class:`~torch.utils._python_dispatch.TorchDispatchMode` sees every operator that
+  reaches the dispatcher (``aten::addmm``, ``c10d::allreduce_``, ``fsdp::chunk_cat``)
+  and records it with the current Python stack (a ``sys._getframe`` walk), the current
+  ``api`` and the device stream.
+
+Identical (stack, api, op, stream) tuples are counted. Stacks are kept as raw
+``(id(code), f_lasti)`` positions while recording; turning positions into lines, code
+objects into frames (relative paths, module names) and dropping the tracer's own frames
+and torch's dispatch plumbing happens once, when the trace is written. The per-operator
+path runs in C (``opguard_plugins/record/_recorder.c``) when that extension was built, and in
+Python otherwise: same keys, same trace (tracing.md, "The recorder's fast path").
+
+Backward: on CPU the autograd engine runs backward on the thread that called
+``.backward()``, so backward ops carry that Python stack naturally, with ``api``
+``Tensor.backward``. On CUDA, the engine runs backward on its device threads, which
+have no Python stack of the forward; torch propagates the dispatch mode to them, and
+ops seen on a thread other than the one that started a backward, while a backward is
+running, are attributed to the stack (and ``api``) recorded when ``Tensor.backward`` /
+``torch.autograd.backward`` / ``torch.autograd.grad`` was called, followed by any
+Python frames of that thread (a custom ``autograd.Function.backward``).
+
+Collectives: on torch 2.13 with gloo (and NCCL), ``torch.distributed`` collectives go
+through the dispatcher as ``c10d::`` operators, so the dispatch mode records them like
+any other op, including those DDP's reducer issues from autograd hooks during backward.
+
+Public API: :func:`trace_callsites` (a context manager) and :func:`start_process_tracer`
+(used by ``opguard trace``'s bootstrap to trace a whole process, writing at exit).
+"""
+
+from __future__ import annotations
+
+import atexit
+import bisect
+import contextlib
+import json
+import os
+import platform
+import shlex
+import site
+import sys
+import sysconfig
+import threading
+import types
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode, resolve_name
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from opguard_core.files.atomic import atomic_write_bytes
+from opguard_core.formats.trace import Frame, encode_trace
+
+TRACER_NAME = "opguard/1"
+
+#: torch callables whose call starts an autograd backward pass.
+BACKWARD_APIS = frozenset({"Tensor.backward", "torch.autograd.backward", "torch.autograd.grad"})
+
+_THIS_FILE = os.path.normcase(os.path.abspath(__file__))
+_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
+#: Files whose frames are dispatch plumbing: they only forward a call into a mode.
+_PLUMBING_FILES = frozenset(
+    os.path.normcase(os.path.join(_TORCH_DIR, *parts))
+    for parts in (("overrides.py",), ("utils", "_python_dispatch.py"))
+)
+#: Files of the wrappers torch puts around a mode's ``__torch_dispatch__``.
+_WRAPPER_FILES = frozenset(
+    os.path.join(_TORCH_DIR, *parts) for parts in (("_compile.py",), ("_dynamo", "eval_frame.py"))
+)
+#: How far back a re-entered function is looked for after a run of plumbing frames.
+_REENTRY_DEPTH = 3
+_OPS_FILE = os.path.normcase(os.path.join(_TORCH_DIR, "_ops.py"))
+
+#: A raw stack: ``id(code), position`` flattened, outermost first; a position is the
+#: frame's ``f_lasti`` (the modes backend; turned into a line when the trace is built)
+#: or a line (the profiler backend). Keying by ``id`` avoids hashing code objects (not
+#: cached on Python 3.11); the recorder's ``codes`` table keeps every code object
+#: alive, so an id stays unique.
+RawStack = tuple[int, ...]
+Key = tuple[RawStack, "str | None", str, int]
+
+#: ``OPGUARD_TRACE_RECORDER=python`` keeps the modes backend on its Python path.
+RECORDER_ENV = "OPGUARD_TRACE_RECORDER"
+
+try:  # the C fast path of the modes backend; optional (built when a compiler exists)
+    from opguard_plugins.record._recorder import Counter as _Counter
+except ImportError:  # pragma: no cover - exercised by the fallback tests
+    _Counter = None
+
+
+# ---------------------------------------------------------------------------
+# Names
+# ---------------------------------------------------------------------------
+
+_API_CACHE: dict[Any, str | None] = {}
+
+
+def api_name(func: Callable[..., Any]) -> str | None:
+    """The public name of a torch callable seen by a ``TorchFunctionMode``.
+
+    ``torch.Tensor.reshape`` reads ``Tensor.reshape``, a property getter
+    (``Tensor.shape.__get__``) reads ``Tensor.shape``, an operator overload reads
+    ``torch.ops.aten.add.Tensor``; a function torch does not list is named by its
+    shortest public module path (``torch.distributed.all_reduce``).
+    """
+    try:
+        return _API_CACHE[func]
+    except KeyError:
+        pass
+    except TypeError:  # unhashable callable
+        return _resolve_api_name(func)
+    name = _resolve_api_name(func)
+    if len(_API_CACHE) < 100_000:
+        _API_CACHE[func] = name
+    return name
+
+
+def _resolve_api_name(func: Callable[..., Any]) -> str | None:
+    if isinstance(func, torch._ops.OpOverload | torch._ops.OpOverloadPacket):
+        return f"torch.ops.{func}"
+    try:
+        name = resolve_name(func)
+    except Exception:
+        name = None
+    if name:
+        if name.endswith(".__get__"):
+            name = name[: -len(".__get__")]
+        name = _prefer_own_name(name, func)
+        if name.startswith("torch.Tensor."):
+            name = name[len("torch.") :]
+        return name
+    module = getattr(func, "__module__", None)
+    qualname = getattr(func, "__qualname__", None) or getattr(func, "__name__", None)
+    if not qualname:
+        return None
+    if not module:
+        return str(qualname)
+    if "." not in qualname:
+        parts = module.split(".")
+        for end in range(1, len(parts)):
+            prefix = ".".join(parts[:end])
+            if getattr(sys.modules.get(prefix), qualname, None) is func:
+                return f"{prefix}.{qualname}"
+    return f"{module}.{qualname}"
+
+
+def _prefer_own_name(name: str, func: Callable[..., Any]) -> str:
+    """``torch.spmm`` is ``torch.mm``: prefer the alias that matches ``func.__name__``."""
+    own = getattr(func, "__name__", None)
+    prefix, _, last = name.rpartition(".")
+    if not own or own == last or not prefix or own.startswith("_"):
+        return name
+    holder: Any = sys.modules.get(prefix)
+    if holder is None and prefix.startswith("torch.Tensor"):
+        holder = torch.Tensor
+    if holder is not None and getattr(holder, own, None) is func:
+        return f"{prefix}.{own}"
+    return name
+
+
+_OP_CACHE: dict[Any, str] = {}
+
+
+def op_name(func: Any) -> str:
+    """``namespace::name`` of an operator overload, without the overload suffix."""
+    try:
+        return _OP_CACHE[func]
+    except (KeyError, TypeError):
+        pass
+    schema = getattr(func, "_schema", None)
+    if schema is not None:
+        name = str(schema.name)
+    else:  # a higher-order operator or something unusual
+        name = str(getattr(func, "name", None) or getattr(func, "__name__", func))
+        if callable(name):
+            name = str(func)
+        if "::" not in name:
+            name = f"{getattr(func, 'namespace', 'unknown')}::{name}"
+    name = name.split(".", 1)[0] if "::" in name and "." in name.split("::", 1)[1] else name
+    with contextlib.suppress(TypeError):
+        _OP_CACHE[func] = name
+    return name
+
+
+# ---------------------------------------------------------------------------
+# Recording
+# ---------------------------------------------------------------------------
+
+
+class _BackwardContext:
+    """The stack and api of a running backward pass, for ops on autograd's threads."""
+
+    __slots__ = ("api", "stack", "thread")
+
+    def __init__(self, stack: RawStack, api: str, thread: int) -> None:
+        self.stack = stack
+        self.api = api
+        self.thread = thread
+
+
+def _walk(
+    frame: types.FrameType | None,
+    codes: dict[int, types.CodeType],
+    modules: dict[types.CodeType, str | None],
+) -> RawStack:
+    """The raw stack from ``frame`` outwards, outermost first (``_recorder.c`` mirrors it)."""
+    stack: list[int] = []
+    append = stack.append
+    while frame is not None and frame.f_code.co_filename in _WRAPPER_FILES:
+        frame = frame.f_back  # torch wraps __torch_dispatch__ in a dynamo-disable wrapper
+    while frame is not None:
+        code = frame.f_code
+        key = id(code)
+        if key not in codes:
+            codes[key] = code
+            modules[code] = frame.f_globals.get("__name__")
+        append(frame.f_lasti)  # reversed below: (id, position) pairs, outermost first
+        append(key)
+        frame = frame.f_back
+    stack.reverse()
+    return tuple(stack)
+
+
+LineTable = tuple[list[int], list["int | None"]]
+
+
+def line_at(
+    code: types.CodeType, offset: int, tables: dict[types.CodeType, LineTable] | None = None
+) -> int:
+    """The line of the instruction at byte ``offset`` (what ``frame.f_lineno`` reads
+    when ``frame.f_lasti == offset``); the first line when the offset has none.
+    ``tables`` caches each code's line table between calls (one trace's build)."""
+    table = tables.get(code) if tables is not None else None
+    if table is None:
+        starts: list[int] = []
+        lines: list[int | None] = []
+        for start, _end, line in code.co_lines():
+            starts.append(start)
+            lines.append(line)
+        table = (starts, lines)
+        if tables is not None:
+            tables[code] = table
+    index = bisect.bisect_right(table[0], offset) - 1
+    line = table[1][index] if index >= 0 else None
+    return code.co_firstlineno if line is None else line
+
+
+class _ThreadApi(threading.local):
+    """Per thread: the public torch callable running (None outside one); a class
+    default, so reading it on a new thread raises no AttributeError (the C path)."""
+
+    api: str | None = None
+
+
+class CallsiteRecorder:
+    """Counts (stack, api, op, stream) tuples; thread-safe."""
+
+    def __init__(self, *, accelerated: bool | None = None) -> None:
+        self._counts: dict[Key, int] = {}
+        self.modules: dict[types.CodeType, str | None] = {}
+        self.codes: dict[int, types.CodeType] = {}
+        self.rank: int | None = None
+        self.world_size: int | None = None
+        self.device = "cpu"
+        self._lock = threading.Lock()
+        self._local = _ThreadApi()
+        self._backward: list[_BackwardContext] = []
+        self._cuda = torch.cuda.is_available()
+        self._active = False
+        #: the C fast path (``_recorder.Counter``), or None: :meth:`record` does it all
+        self.counter: Any = None
+        if accelerated is None:
+            accelerated = os.environ.get(RECORDER_ENV, "").lower() != "python"
+        overridden = any(
+            getattr(type(self), name) is not getattr(CallsiteRecorder, name)
+            for name in ("record", "call", "enter_api", "exit_api")
+        )
+        if accelerated and _Counter is not None and not overridden:
+            self.counter = _Counter(
+                self._counts,
+                self.codes,
+                self.modules,
+                _OP_CACHE,
+                self._local,
+                self._backward,
+                _WRAPPER_FILES,
+                self.record,
+                _API_CACHE,
+                BACKWARD_APIS,
+                self.enter_api,
+                self.exit_api,
+                torch._ops.OpOverload,
+                self.current_stream if self._cuda else None,
+            )
+
+    @property
+    def counts(self) -> dict[Key, int]:
+        """Count per (stack, api, op, stream), the C path's pending counts included."""
+        if self.counter is not None:
+            self.counter.flush()
+        return self._counts
+
+    @property
+    def active(self) -> bool:
+        return self._active
+
+    @active.setter
+    def active(self, value: bool) -> None:
+        self._active = value
+        if self.counter is not None:
+            self.counter.active = value
+
+    def line(
+        self, code: types.CodeType, position: int, tables: dict[types.CodeType, LineTable]
+    ) -> int:
+        """The line of a raw stack's position in ``code`` (an ``f_lasti`` offset here)."""
+        return line_at(code, position, tables)
+
+    def reset_after_fork(self) -> None:
+        """In a forked child: forget the parent's counts; new locks (a lock held by
+        another thread at the fork would stay held forever), no running backward."""
+        self._lock = threading.Lock()
+        self._counts.clear()  # in place: the C path holds these two
+        self._backward.clear()
+        if self.counter is not None:
+            self.counter.discard()
+
+    # -- api (TorchFunctionMode side) ---------------------------------------
+
+    def current_api(self) -> str | None:
+        return getattr(self._local, "api", None)
+
+    def call(
+        self,
+        func: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        frame: types.FrameType | None,
+    ) -> Any:
+        """Run ``func`` with it marked as this thread's current api."""
+        if getattr(self._local, "api", None) is not None:
+            return func(*args, **kwargs)
+        context = self.enter_api(func, frame)
+        try:
+            return func(*args, **kwargs)
+        finally:
+            self.exit_api(context)
+
+    def enter_api(
+        self, func: Callable[..., Any], frame: types.FrameType | None
+    ) -> _BackwardContext | None:
+        """Mark ``func``'s public name as this thread's api; for a backward pass, also
+        remember the stack that started it (returned, for :meth:`exit_api`)."""
+        name = api_name(func)
+        self._local.api = name
+        if name not in BACKWARD_APIS:
+            return None
+        context = _BackwardContext(
+            _walk(frame, self.codes, self.modules), name, threading.get_ident()
+        )
+        with self._lock:
+            self._backward.append(context)
+        return context
+
+    def exit_api(self, context: _BackwardContext | None) -> None:
+        """Undo :meth:`enter_api` once the call returned or raised."""
+        self._local.api = None
+        if context is not None:
+            with self._lock:
+                self._backward.remove(context)
+
+    # -- ops (TorchDispatchMode side) -----------------------------------------
+
+    def record(self, func: Any, frame: types.FrameType | None) -> None:
+        """Count one operator call issued from ``frame`` (the C fast path hands over the
+        cases it leaves to Python: a new operator, a collective, a backward)."""
+        if not self._active:
+            return
+        op = op_name(func)
+        api = getattr(self._local, "api", None)
+        stack = _walk(frame, self.codes, self.modules)
+        if api is None and self._backward:
+            # An op on a thread that did not start the running backward: an autograd
+            # engine thread. Attribute it to the stack that called .backward().
+            me = threading.get_ident()
+            with self._lock:
+                contexts = [c for c in self._backward if c.thread != me]
+            if contexts:
+                context = contexts[-1]
+                stack = context.stack + stack
+                api = context.api
+        stream = self.current_stream() if self._cuda else 0
+        if op.startswith("c10d::") and self.rank is None:
+            self.snapshot_rank()
+        key = (stack, api, op, stream)
+        with self._lock:
+            self._counts[key] = self._counts.get(key, 0) + 1
+
+    def current_stream(self) -> int:
+        """The id of this thread's current CUDA stream (0 before CUDA is initialised)."""
+        if not torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
+            return 0
+        self.device = "cuda"
+        return int(torch.cuda.current_stream().stream_id)
+
+    def snapshot_rank(self) -> None:
+        """Remember rank and world size while the default process group exists."""
+        try:
+            import torch.distributed as dist
+
+            if dist.is_available() and dist.is_initialized():
+                self.rank = dist.get_rank()
+                self.world_size = dist.get_world_size()
+        except Exception:
+            pass
+
+
+class _FunctionMode(TorchFunctionMode):
+    """Learns the public torch callable that Python code invoked."""
+
+    def __init__(self, recorder: CallsiteRecorder) -> None:
+        super().__init__()
+        self.recorder = recorder
+        if recorder.counter is not None:  # the C path, bound as a method (torch wants one)
+            self.__torch_function__ = types.MethodType(recorder.counter.function, self)  # type: ignore[method-assign]
+
+    def __torch_function__(
+        self,
+        func: Callable[..., Any],
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        return self.recorder.call(func, args, kwargs or {}, sys._getframe(1))
+
+
+class _DispatchMode(TorchDispatchMode):  # type: ignore[no-untyped-call]
+    """Sees every operator that ran and records it with the Python stack."""
+
+    def __init__(self, recorder: CallsiteRecorder) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self.recorder = recorder
+        if recorder.counter is not None:  # the C path: no Python frame per operator
+            self.__torch_dispatch__ = types.MethodType(recorder.counter.dispatch, self)  # type: ignore[method-assign]
+
+    def __torch_dispatch__(
+        self,
+        func: Any,
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        self.recorder.record(func, sys._getframe(1))
+        return func(*args, **(kwargs or {}))
+
+
+def count_optimizer_steps(callback: Callable[[], None]) -> Any:
+    """Call ``callback()`` after every optimizer step of the process (any optimizer).
+
+    Uses torch's global ``register_optimizer_step_post_hook``; returns its removable
+    handle. Shared by the tracer (``meta.steps``) and the guard (``--sample``).
+    """
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    return register_optimizer_step_post_hook(lambda optimizer, args, kwargs: callback())
+
+
+# ---------------------------------------------------------------------------
+# Frames and paths
+# ---------------------------------------------------------------------------
+
+
+def _path_roots(program_roots: list[str]) -> list[str]:
+    """Directories that recorded file paths are made relative to (longest wins)."""
+    roots: list[str] = []
+    candidates: list[str] = []
+    with contextlib.suppress(AttributeError):  # old virtualenv site.py
+        candidates.extend(site.getsitepackages())
+    user_site = site.getusersitepackages() if hasattr(site, "getusersitepackages") else None
+    if isinstance(user_site, str):
+        candidates.append(user_site)
+    candidates.extend(
+        p for p in sys.path if p.rstrip("/").endswith(("site-packages", "dist-packages"))
+    )
+    paths = sysconfig.get_paths()
+    candidates.extend(
+        paths[k] for k in ("purelib", "platlib", "stdlib", "platstdlib") if k in paths
+    )
+    candidates.extend(program_roots)
+    for candidate in candidates:
+        if not candidate:
+            continue
+        root = os.path.normcase(os.path.abspath(candidate)).rstrip(os.sep) + os.sep
+        if root not in roots:
+            roots.append(root)
+    roots.sort(key=len, reverse=True)
+    return roots
+
+
+def default_program_roots() -> list[str]:
+    """The traced program's roots: its script's directory and the working directory."""
+    roots: list[str] = []
+    argv0 = sys.argv[0] if sys.argv else ""
+    if argv0 and argv0 not in {"-c", "-m"} and os.path.isfile(argv0):
+        roots.append(os.path.dirname(os.path.abspath(argv0)))
+    main = sys.modules.get("__main__")
+    main_file = getattr(main, "__file__", None)
+    if isinstance(main_file, str) and getattr(main, "__spec__", None) is None:
+        roots.append(os.path.dirname(os.path.abspath(main_file)))
+    roots.append(os.getcwd())
+    return roots
+
+
+class _FrameMaker:
+    """Turns raw (code, line) pairs into interned :class:`Frame` values."""
+
+    def __init__(self, modules: dict[types.CodeType, str | None], roots: list[str]) -> None:
+        self.modules = modules
+        self.roots = roots
+        self._files: dict[str, str] = {}
+        self._hidden: dict[types.CodeType, bool] = {}
+        self._module_names: dict[types.CodeType, str | None] = {}
+
+    def relative(self, filename: str) -> str:
+        cached = self._files.get(filename)
+        if cached is not None:
+            return cached
+        result = filename
+        if not filename.startswith("<"):
+            absolute = os.path.normcase(os.path.abspath(filename))
+            for root in self.roots:
+                if absolute.startswith(root):
+                    result = absolute[len(root) :].replace(os.sep, "/")
+                    break
+        self._files[filename] = result
+        return result
+
+    def hidden(self, code: types.CodeType) -> bool:
+        """Is this frame the tracer's own or torch's dispatch plumbing?"""
+        cached = self._hidden.get(code)
+        if cached is not None:
+            return cached
+        filename = os.path.normcase(os.path.abspath(code.co_filename))
+        hidden = (
+            filename == _THIS_FILE
+            or filename in _PLUMBING_FILES
+            or (filename == _OPS_FILE and code.co_name == "__call__")
+        )
+        self._hidden[code] = hidden
+        return hidden
+
+    def module_name(self, code: types.CodeType) -> str | None:
+        if code in self._module_names:
+            return self._module_names[code]
+        name = self.modules.get(code)
+        if name == "__main__":
+            main = sys.modules.get("__main__")
+            spec = getattr(main, "__spec__", None)
+            if spec is not None and getattr(main, "__file__", None) == code.co_filename:
+                name = spec.name
+            elif not code.co_filename.startswith("<"):
+                name = Path(code.co_filename).stem
+        self._module_names[code] = name
+        return name
+
+    def clean(self, stack: list[tuple[types.CodeType, int]]) -> list[tuple[types.CodeType, int]]:
+        """Drop hidden frames; where a call re-enters the function that dispatched it
+        to a mode (``handle_torch_function``), keep only the inner, executing frame."""
+        kept: list[tuple[types.CodeType, int]] = []
+        after_hidden = False
+        for code, line in stack:
+            if self.hidden(code):
+                after_hidden = True
+                continue
+            if after_hidden:
+                # The call re-entered (possibly through its decorator) a function that
+                # handed it to the mode: drop the outer copies of those frames.
+                for back in range(1, min(_REENTRY_DEPTH, len(kept)) + 1):
+                    if kept[-back][0] is code:
+                        del kept[-back:]
+                        break
+            after_hidden = False
+            kept.append((code, line))
+        return kept
+
+    def frame(self, code: types.CodeType, line: int) -> Frame:
+        return Frame(
+            file=self.relative(code.co_filename),
+            line=line,
+            function=code.co_name,
+            qualname=code.co_qualname,
+            module=self.module_name(code),
+        )
+
+
+# ---------------------------------------------------------------------------
+# The tracer
+# ---------------------------------------------------------------------------
+
+
+class CallsiteTracer:
+    """Records callsites while started; :meth:`write` saves them as a trace file."""
+
+    def __init__(
+        self,
+        label: str = "trace",
+        output_dir: str | os.PathLike[str] = ".",
+        rank: int | None = None,
+        command: str | None = None,
+        extra_meta: dict[str, Any] | None = None,
+    ) -> None:
+        self.label = label
+        #: the label given; ``label`` differs in a forked child (:func:`fork_label`)
+        self.base_label = label
+        self.marker: Path | None = None
+        self.output_dir = Path(output_dir)
+        self.fixed_rank = rank
+        self.command = command
+        self.extra_meta = dict(extra_meta or {})
+        self.recorder = CallsiteRecorder()
+        self._modes: list[Any] = []
+        self._step_hook: Any = None
+        #: optimizer steps finished while started (torch's global step hook); ``meta.steps``
+        self.steps = 0
+        self.written: Path | None = None
+
+    # -- lifecycle ------------------------------------------------------------
+
+    def start(self) -> None:
+        """Push the modes on this thread and start counting."""
+        if self._modes:
+            return
+        function_mode = _FunctionMode(self.recorder)
+        dispatch_mode = _DispatchMode(self.recorder)
+        function_mode.__enter__()  # type: ignore[no-untyped-call]
+        try:
+            dispatch_mode.__enter__()  # type: ignore[no-untyped-call]
+        except BaseException:
+            function_mode.__exit__(None, None, None)  # type: ignore[no-untyped-call]
+            raise
+        self._modes = [function_mode, dispatch_mode]
+        self.recorder.active = True
+        self._step_hook = count_optimizer_steps(self._count_step)
+
+    def _count_step(self) -> None:
+        if self.recorder.active:
+            self.steps += 1
+
+    def stop(self) -> None:
+        """Stop counting and pop the modes (when they are still on top of the stack)."""
+        self.recorder.active = False
+        self.recorder.snapshot_rank()
+        if self._step_hook is not None:
+            self._step_hook.remove()
+            self._step_hook = None
+        modes, self._modes = self._modes, []
+        for mode in reversed(modes):
+            # fails when another mode was pushed above ours and left in place
+            with contextlib.suppress(Exception):
+                mode.__exit__(None, None, None)
+
+    # -- output ---------------------------------------------------------------
+
+    def resolve_rank(self) -> int:
+        """Rank: given, else torch.distributed's, else ``$RANK``, else 0."""
+        if self.fixed_rank is not None:
+            return self.fixed_rank
+        self.recorder.snapshot_rank()
+        if self.recorder.rank is not None:
+            return self.recorder.rank
+        try:
+            return int(os.environ.get("RANK", "0"))
+        except ValueError:
+            return 0
+
+    def world_size(self) -> int:
+        if self.recorder.world_size is not None:
+            return self.recorder.world_size
+        try:
+            return int(os.environ.get("WORLD_SIZE", "1"))
+        except ValueError:
+            return 1
+
+    def build(
+        self, program_roots: list[str] | None = None
+    ) -> tuple[dict[str, Any], list[Frame], list[dict[str, Any]]]:
+        """The trace as (meta, frames, callsites) ready for :func:`encode_trace`."""
+        rank = self.resolve_rank()
+        roots = _path_roots(program_roots if program_roots is not None else default_program_roots())
+        maker = _FrameMaker(self.recorder.modules, roots)
+        with self.recorder._lock:
+            raw = list(self.recorder.counts.items())
+        merged: dict[tuple[tuple[Frame, ...], str | None, str, int], int] = {}
+        frame_cache: dict[tuple[types.CodeType, int], Frame] = {}
+        codes = self.recorder.codes
+        line = self.recorder.line
+        tables: dict[types.CodeType, LineTable] = {}
+        positions: dict[tuple[int, int], tuple[types.CodeType, int]] = {}
+        for (stack, api, op, stream), count in raw:
+            pairs = []
+            for index in range(0, len(stack), 2):
+                at = (stack[index], stack[index + 1])
+                pair = positions.get(at)
+                if pair is None:
+                    code = codes[at[0]]
+                    pair = positions[at] = (code, line(code, at[1], tables))
+                pairs.append(pair)
+            frames = []
+            for pair in maker.clean(pairs):
+                value = frame_cache.get(pair)
+                if value is None:
+                    value = frame_cache[pair] = maker.frame(*pair)
+                frames.append(value)
+            key = (tuple(frames), api, op, stream)
+            merged[key] = merged.get(key, 0) + count
+        unique = sorted({f for key in merged for f in key[0]}, key=Frame.sort_key)
+        ids = {frame: index for index, frame in enumerate(unique)}
+        callsites: list[dict[str, Any]] = []
+        rows = sorted(
+            ((([ids[f] for f in k[0]]), k[1], k[2], k[3], n) for k, n in merged.items()),
+            key=lambda row: (row[0], row[2], row[1] or "", row[3]),
+        )
+        for stack_ids, api, op, stream, count in rows:
+            site_dict: dict[str, Any] = {"stack": stack_ids}
+            if api is not None:
+                site_dict["api"] = api
+            site_dict.update({"op": op, "stream": stream, "count": count})
+            callsites.append(site_dict)
+        meta: dict[str, Any] = {
+            "label": self.label,
+            "rank": rank,
+            "world_size": self.world_size(),
+            "ranks": [rank],
+            "torch_version": str(torch.__version__),
+            "device": self.recorder.device,
+            "command": self.command
+            or os.environ.get("OPGUARD_TRACE_COMMAND")
+            or shlex.join(sys.argv),
+            "python_version": platform.python_version(),
+            "tracer": TRACER_NAME,
+        }
+        if self.steps:
+            meta["steps"] = self.steps
+        meta.update(self.extra_meta)
+        return meta, unique, callsites
+
+    def path(self) -> Path:
+        """Where :meth:`write` puts the trace: ``{label}_callsite_rank{R}.json``."""
+        return self.output_dir / f"{self.label}_callsite_rank{self.resolve_rank()}.json"
+
+    def write(self) -> Path:
+        """Write the trace atomically and return its path."""
+        meta, frames, callsites = self.build()
+        path = self.output_dir / f"{self.label}_callsite_rank{meta['rank']}.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_bytes(path, encode_trace(meta, frames, callsites))
+        self.written = path
+        return path
+
+
+@contextmanager
+def trace_callsites(
+    label: str = "trace",
+    output_dir: str | os.PathLike[str] = ".",
+    rank: int | None = None,
+    *,
+    backend: str = "modes",
+    **extra_meta: Any,
+) -> Iterator[CallsiteTracer]:
+    """Trace the torch operators run inside the ``with`` block; write the trace on exit.
+
+    ::
+
+        from opguard_plugins.record.tracer import trace_callsites
+
+        with trace_callsites(label="mine", output_dir="traces") as tracer:
+            for step in range(3):
+                train_step(...)
+        print(tracer.written)   # traces/mine_callsite_rank0.json
+
+    :param label: the ``{label}`` in the file name and ``meta.label``.
+    :param output_dir: directory for the trace (created if missing).
+    :param rank: the rank to record; by default torch.distributed's rank (if the
+        default group exists at exit, or existed when a collective ran), else
+        ``$RANK``, else 0.
+    :param backend: ``modes`` (Python modes) or ``profiler`` (torch's profiler;
+        :mod:`opguard_plugins.record.profiler`), see docs/tracing.md.
+    :param extra_meta: more keys for the trace's ``meta``.
+    """
+    tracer = make_tracer(backend, label, output_dir, rank=rank, extra_meta=extra_meta)
+    tracer.start()
+    try:
+        yield tracer
+    finally:
+        tracer.stop()
+        tracer.write()
+
+
+# ---------------------------------------------------------------------------
+# Whole-process tracing (used by `opguard trace`)
+# ---------------------------------------------------------------------------
+
+_PROCESS_TRACER: CallsiteTracer | None = None
+_FORK_HOOK_INSTALLED = False
+#: a traced process announces itself with an empty marker file in the output
+#: directory and removes it once it has written (or decided not to write) its trace;
+#: a marker left behind tells ``opguard trace`` that a process ended without running
+#: its exit handlers (``os._exit``, a signal), so its operators were lost
+MARKER_SUFFIX = ".tracing"
+
+
+def marker_path(output_dir: str | os.PathLike[str], label: str, pid: int) -> Path:
+    """The marker of traced process ``pid`` (see :data:`MARKER_SUFFIX`)."""
+    return Path(output_dir) / f".{label}_callsite.{pid}{MARKER_SUFFIX}"
+
+
+def fork_label(label: str, pid: int) -> str:
+    """The label a forked child writes under: ``{label}.fork{pid}``, so that no two
+    processes write the same file (the child inherits its parent's rank)."""
+    return f"{label}.fork{pid}"
+
+
+def _write_marker(tracer: CallsiteTracer, parent: int | None) -> None:
+    path = marker_path(tracer.output_dir, tracer.base_label, os.getpid())
+    with contextlib.suppress(OSError):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(
+            f'{{"pid": {os.getpid()}, "forked_from": {json.dumps(parent)}, '
+            f'"label": {json.dumps(tracer.label)}}}\n'
+        )
+    tracer.marker = path
+
+
+def _remove_marker(tracer: CallsiteTracer) -> None:
+    if tracer.marker is not None:
+        with contextlib.suppress(OSError):
+            tracer.marker.unlink()
+        tracer.marker = None
+
+
+def _after_fork_in_child() -> None:
+    """A forked child traces on (its modes are inherited) but records only its own ops,
+    under its own file name, with fresh locks."""
+    tracer = _PROCESS_TRACER
+    if tracer is None:
+        return
+    parent = os.getppid()
+    tracer.recorder.reset_after_fork()
+    tracer.label = fork_label(tracer.base_label, os.getpid())
+    tracer.marker = None
+    _write_marker(tracer, parent)
+
+
+#: Tracer backends by name (``opguard trace --backend NAME``); the first is the default.
+BACKENDS = ("modes", "profiler")
+
+
+def make_tracer(backend: str, *args: Any, **kwargs: Any) -> CallsiteTracer:
+    """A tracer of the named backend (``modes`` or ``profiler``)."""
+    if backend == "modes":
+        return CallsiteTracer(*args, **kwargs)
+    if backend == "profiler":
+        from opguard_plugins.record.profiler import ProfilerTracer
+
+        return ProfilerTracer(*args, **kwargs)
+    raise ValueError(f"unknown tracer backend {backend!r} (choose from {', '.join(BACKENDS)})")
+
+
+def start_process_tracer(label: str, output_dir: str) -> CallsiteTracer | None:
+    """Trace this whole process from now on and write the trace at interpreter exit.
+
+    Called by the ``sitecustomize`` bootstrap once torch is imported. Does nothing in
+    torchrun's launcher (it runs no model code and would otherwise claim rank 0), and
+    writes nothing if no operator ran.
+    """
+    global _PROCESS_TRACER
+    if _PROCESS_TRACER is not None or _is_launcher():
+        return _PROCESS_TRACER
+    global _FORK_HOOK_INSTALLED
+    tracer = make_tracer(os.environ.get("OPGUARD_TRACE_BACKEND") or BACKENDS[0], label, output_dir)
+    tracer.start()
+    _PROCESS_TRACER = tracer
+    _write_marker(tracer, None)
+    atexit.register(_finish_process_tracer)
+    if not _FORK_HOOK_INSTALLED:
+        os.register_at_fork(after_in_child=_after_fork_in_child)
+        _FORK_HOOK_INSTALLED = True
+    return tracer
+
+
+def _finish_process_tracer() -> None:
+    tracer = _PROCESS_TRACER
+    if tracer is None:
+        return
+    tracer.stop()
+    try:
+        if not tracer.recorder.counts or _is_launcher():  # `python -m torch.distributed.run`
+            return
+        tracer.write()
+    except Exception as exc:  # never turn a finished training run into a crash
+        print(f"opguard trace: could not write the trace: {exc}", file=sys.stderr)
+    finally:
+        _remove_marker(tracer)
+
+
+def _is_launcher() -> bool:
+    """Is this process torchrun's elastic agent (not a worker)?"""
+    argv0 = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else ""
+    if argv0 in {"torchrun", "torchrun.exe"}:
+        return True
+    main = sys.modules.get("__main__")
+    spec = getattr(main, "__spec__", None)
+    return getattr(spec, "name", None) in {"torch.distributed.run", "torch.distributed.launch"}

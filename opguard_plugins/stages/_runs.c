@@ -1,0 +1,995 @@
+/* Compress's (and divergence's) per-callsite work in C (performance.md, "Compiled
+ * per-site work").
+ *
+ * ``Runs(paths, counts, masks, all_mask, ops, streams, width)`` holds a trace's
+ * callsites in the sorted order of their paths (bytes, ``width`` bytes an id), with
+ * the prefix sums of their counts, and answers what ``build_tree`` asks of the runs
+ * of callsites below its nodes: ``weight``, ``mask``, ``uniform``, ``skip_ended``,
+ * ``run_end``, ``id_at``, ``ranked_prefix``, ``tally``, ``distinct_prefixes`` and the
+ * whole ``divergent`` search. ``callsite_paths(stacks, apis, api_index, tables, width)``
+ * builds the paths (4-byte ids only) and ``frames_at`` reads a node's frames from
+ * them; ``visible_frames(stacks, hidden, user)`` gives divergence every stack's
+ * visible frames and calling function. Each does what the pure-Python ``PyRuns``,
+ * ``py_callsite_paths``, ``py_frames_at`` and ``py_visible_frames``
+ * (opguard_plugins/stages/sorted_runs.py) do, which stay the reference:
+ * tests/test_compress_runs.py holds the two to the same answers.
+ *
+ * Positions are checked against the number of paths (ValueError), and a sum of
+ * counts past 2**63-1 is an OverflowError. CPython >= 3.11; the package works
+ * without this module.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <limits.h>
+#include <stdint.h>
+#include <string.h>
+
+typedef struct {
+    PyObject_HEAD
+    Py_ssize_t n, width;
+    PyObject *paths;   /* tuple of bytes */
+    PyObject *masks;   /* tuple of ints */
+    PyObject *all_mask;
+    PyObject *ops;     /* tuple */
+    PyObject *streams; /* tuple */
+    const unsigned char **data;
+    Py_ssize_t *lens;
+    long long *below;  /* n + 1 prefix sums of the counts */
+    Py_ssize_t *full;  /* n + 1: how many positions before i have every rank */
+    Py_ssize_t *changes; /* n + 2: how many 0 < j < i have masks[j] != masks[j - 1] */
+} Runs;
+
+/* a lower bound on a weight, given as a Python int of any size */
+typedef struct {
+    long long value;
+    int never; /* the bound exceeds every int64 weight */
+} Bound;
+
+static int
+to_bound(PyObject *number, Bound *bound)
+{
+    int overflow = 0;
+    long long value = PyLong_AsLongLongAndOverflow(number, &overflow);
+    if (value == -1 && PyErr_Occurred())
+        return -1;
+    bound->never = overflow > 0;
+    bound->value = overflow < 0 ? LLONG_MIN : value;
+    return 0;
+}
+
+static inline int
+reaches(long long weight, const Bound *bound)
+{
+    return !bound->never && weight >= bound->value;
+}
+
+static void
+runs_dealloc(Runs *r)
+{
+    Py_XDECREF(r->paths);
+    Py_XDECREF(r->masks);
+    Py_XDECREF(r->all_mask);
+    Py_XDECREF(r->ops);
+    Py_XDECREF(r->streams);
+    PyMem_Free(r->data);
+    PyMem_Free(r->lens);
+    PyMem_Free(r->below);
+    PyMem_Free(r->full);
+    PyMem_Free(r->changes);
+    Py_TYPE(r)->tp_free((PyObject *)r);
+}
+
+static PyObject *
+as_tuple(PyObject *sequence, Py_ssize_t n, const char *what)
+{
+    PyObject *tuple = PySequence_Tuple(sequence);
+    if (tuple != NULL && PyTuple_GET_SIZE(tuple) != n) {
+        PyErr_Format(PyExc_ValueError, "Runs: %s has %zd items, paths %zd", what,
+                     PyTuple_GET_SIZE(tuple), n);
+        Py_CLEAR(tuple);
+    }
+    return tuple;
+}
+
+static PyObject *
+runs_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
+{
+    static char *names[] = {"paths", "counts", "masks", "all_mask", "ops", "streams", "width",
+                            NULL};
+    PyObject *paths, *counts, *masks, *all_mask, *ops, *streams;
+    Py_ssize_t width;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOOOOOn:Runs", names, &paths, &counts,
+                                     &masks, &all_mask, &ops, &streams, &width))
+        return NULL;
+    if (width <= 0) {
+        PyErr_SetString(PyExc_ValueError, "Runs: width must be positive");
+        return NULL;
+    }
+    Runs *r = (Runs *)type->tp_alloc(type, 0);
+    if (r == NULL)
+        return NULL;
+    r->width = width;
+    r->paths = PySequence_Tuple(paths);
+    if (r->paths == NULL)
+        goto fail;
+    Py_ssize_t n = r->n = PyTuple_GET_SIZE(r->paths);
+    PyObject *count_tuple = as_tuple(counts, n, "counts");
+    if (count_tuple == NULL)
+        goto fail;
+    r->masks = as_tuple(masks, n, "masks");
+    r->ops = as_tuple(ops, n, "ops");
+    r->streams = as_tuple(streams, n, "streams");
+    Py_INCREF(all_mask);
+    r->all_mask = all_mask;
+    r->data = PyMem_Calloc((size_t)n + 1, sizeof(*r->data));
+    r->lens = PyMem_Calloc((size_t)n + 1, sizeof(*r->lens));
+    r->below = PyMem_Calloc((size_t)n + 1, sizeof(*r->below));
+    r->full = PyMem_Calloc((size_t)n + 1, sizeof(*r->full));
+    r->changes = PyMem_Calloc((size_t)n + 2, sizeof(*r->changes));
+    if (r->masks == NULL || r->ops == NULL || r->streams == NULL) {
+        Py_DECREF(count_tuple);
+        goto fail;
+    }
+    if (!r->data || !r->lens || !r->below || !r->full || !r->changes) {
+        Py_DECREF(count_tuple);
+        PyErr_NoMemory();
+        goto fail;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *path = PyTuple_GET_ITEM(r->paths, i);
+        if (!PyBytes_Check(path)) {
+            Py_DECREF(count_tuple);
+            PyErr_SetString(PyExc_TypeError, "Runs: paths must be bytes");
+            goto fail;
+        }
+        r->data[i] = (const unsigned char *)PyBytes_AS_STRING(path);
+        r->lens[i] = PyBytes_GET_SIZE(path);
+        long long count = PyLong_AsLongLong(PyTuple_GET_ITEM(count_tuple, i));
+        if (count == -1 && PyErr_Occurred()) {
+            Py_DECREF(count_tuple);
+            goto fail;
+        }
+        if (count < 0 || count > LLONG_MAX - r->below[i]) {
+            Py_DECREF(count_tuple);
+            PyErr_SetString(PyExc_OverflowError, "Runs: counts must be >= 0 and sum below 2**63");
+            goto fail;
+        }
+        r->below[i + 1] = r->below[i] + count;
+        PyObject *mask = PyTuple_GET_ITEM(r->masks, i);
+        int every = PyObject_RichCompareBool(mask, all_mask, Py_EQ);
+        if (every < 0) {
+            Py_DECREF(count_tuple);
+            goto fail;
+        }
+        r->full[i + 1] = r->full[i] + every;
+        if (i >= 1) {
+            int differs = PyObject_RichCompareBool(PyTuple_GET_ITEM(r->masks, i - 1), mask, Py_NE);
+            if (differs < 0) {
+                Py_DECREF(count_tuple);
+                goto fail;
+            }
+            r->changes[i + 1] = r->changes[i] + differs;
+        }
+    }
+    Py_DECREF(count_tuple);
+    return (PyObject *)r;
+fail:
+    Py_DECREF(r);
+    return NULL;
+}
+
+/* ------------------------------------------------------------ the primitives */
+
+static int
+check_run(Runs *r, Py_ssize_t start, Py_ssize_t end, int nonempty)
+{
+    if (start < 0 || end > r->n || start > end || (nonempty && start == end)) {
+        PyErr_Format(PyExc_ValueError, "Runs: positions %zd to %zd out of range (%zd paths)",
+                     start, end, r->n);
+        return -1;
+    }
+    return 0;
+}
+
+/* the union of the ranks of a non-empty run: a new reference */
+static PyObject *
+run_mask(Runs *r, Py_ssize_t start, Py_ssize_t end)
+{
+    if (r->full[end] > r->full[start])
+        return Py_NewRef(r->all_mask);
+    PyObject *acc = Py_NewRef(PyTuple_GET_ITEM(r->masks, start));
+    if (r->changes[end] == r->changes[start + 1])
+        return acc;
+    for (Py_ssize_t i = start + 1; i < end; i++) {
+        PyObject *mask = PyTuple_GET_ITEM(r->masks, i);
+        if (mask == PyTuple_GET_ITEM(r->masks, i - 1))
+            continue; /* the same object: nothing new */
+        PyObject *next = PyNumber_Or(acc, mask);
+        Py_DECREF(acc);
+        if (next == NULL)
+            return NULL;
+        acc = next;
+    }
+    return acc;
+}
+
+static inline Py_ssize_t
+skip_ended(Runs *r, Py_ssize_t own, Py_ssize_t start, Py_ssize_t end)
+{
+    while (start < end && r->lens[start] == own)
+        start++;
+    return start;
+}
+
+/* compare path[own:own + width] of position i with the piece (as bytes compare) */
+static inline int
+compare_at(Runs *r, Py_ssize_t i, Py_ssize_t own, const unsigned char *piece, Py_ssize_t size)
+{
+    Py_ssize_t have = r->lens[i] - own;
+    if (have < 0)
+        have = 0;
+    if (have > r->width)
+        have = r->width;
+    Py_ssize_t common = have < size ? have : size;
+    int order = common ? memcmp(r->data[i] + own, piece, (size_t)common) : 0;
+    if (order)
+        return order;
+    return (have > size) - (have < size);
+}
+
+/* bisect_right of the id at ``own`` of position ``start`` within [start, end) */
+static Py_ssize_t
+run_end(Runs *r, Py_ssize_t own, Py_ssize_t start, Py_ssize_t end)
+{
+    Py_ssize_t size = r->lens[start] - own;
+    if (size < 0)
+        size = 0;
+    if (size > r->width)
+        size = r->width;
+    const unsigned char *piece = r->data[start] + (size ? own : 0);
+    Py_ssize_t low = start, high = end;
+    while (low < high) {
+        Py_ssize_t middle = low + (high - low) / 2;
+        if (compare_at(r, middle, own, piece, size) <= 0)
+            low = middle + 1;
+        else
+            high = middle;
+    }
+    return low;
+}
+
+static int
+parse_positions(PyObject *const *args, Py_ssize_t nargs, Py_ssize_t want, Py_ssize_t *out,
+                const char *name)
+{
+    if (nargs != want) {
+        PyErr_Format(PyExc_TypeError, "Runs.%s takes %zd arguments (%zd given)", name, want,
+                     nargs);
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < want; i++) {
+        out[i] = PyLong_AsSsize_t(args[i]);
+        if (out[i] == -1 && PyErr_Occurred())
+            return -1;
+    }
+    return 0;
+}
+
+static PyObject *
+runs_weight(Runs *r, PyObject *const *args, Py_ssize_t nargs)
+{
+    Py_ssize_t at[2];
+    if (parse_positions(args, nargs, 2, at, "weight") < 0 || check_run(r, at[0], at[1], 0) < 0)
+        return NULL;
+    return PyLong_FromLongLong(r->below[at[1]] - r->below[at[0]]);
+}
+
+static PyObject *
+runs_mask(Runs *r, PyObject *const *args, Py_ssize_t nargs)
+{
+    Py_ssize_t at[2];
+    if (parse_positions(args, nargs, 2, at, "mask") < 0 || check_run(r, at[0], at[1], 1) < 0)
+        return NULL;
+    return run_mask(r, at[0], at[1]);
+}
+
+static PyObject *
+runs_uniform(Runs *r, PyObject *const *args, Py_ssize_t nargs)
+{
+    Py_ssize_t at[2];
+    if (parse_positions(args, nargs, 2, at, "uniform") < 0 || check_run(r, at[0], at[1], 1) < 0)
+        return NULL;
+    return PyBool_FromLong(r->changes[at[1]] == r->changes[at[0] + 1]);
+}
+
+static PyObject *
+runs_skip_ended(Runs *r, PyObject *const *args, Py_ssize_t nargs)
+{
+    Py_ssize_t at[3];
+    if (parse_positions(args, nargs, 3, at, "skip_ended") < 0 ||
+        check_run(r, at[1], at[2], 0) < 0)
+        return NULL;
+    return PyLong_FromSsize_t(skip_ended(r, at[0], at[1], at[2]));
+}
+
+static PyObject *
+runs_run_end(Runs *r, PyObject *const *args, Py_ssize_t nargs)
+{
+    Py_ssize_t at[3];
+    if (parse_positions(args, nargs, 3, at, "run_end") < 0 || check_run(r, at[1], at[2], 1) < 0)
+        return NULL;
+    if (at[0] < 0) {
+        PyErr_SetString(PyExc_ValueError, "Runs.run_end: negative offset");
+        return NULL;
+    }
+    return PyLong_FromSsize_t(run_end(r, at[0], at[1], at[2]));
+}
+
+/* path[begin:stop] of one position, clamped as a slice is */
+static PyObject *
+path_slice(Runs *r, Py_ssize_t position, Py_ssize_t begin, Py_ssize_t stop)
+{
+    if (check_run(r, position, position + 1, 1) < 0)
+        return NULL;
+    if (begin < 0 || stop < begin) {
+        PyErr_SetString(PyExc_ValueError, "Runs: negative offset");
+        return NULL;
+    }
+    Py_ssize_t len = r->lens[position];
+    if (stop > len)
+        stop = len;
+    if (begin > stop)
+        begin = stop;
+    return PyBytes_FromStringAndSize((const char *)r->data[position] + begin, stop - begin);
+}
+
+static PyObject *
+runs_id_at(Runs *r, PyObject *const *args, Py_ssize_t nargs)
+{
+    Py_ssize_t at[2];
+    if (parse_positions(args, nargs, 2, at, "id_at") < 0)
+        return NULL;
+    if (at[0] > PY_SSIZE_T_MAX - r->width) {
+        PyErr_SetString(PyExc_ValueError, "Runs.id_at: offset out of range");
+        return NULL;
+    }
+    return path_slice(r, at[1], at[0], at[0] + r->width);
+}
+
+/* ranked_prefix(own, position, ranks) -> bytes: the ids of the first own bytes of the
+ * position's path (4-byte ids) replaced by ranks[id] (a uint32 buffer), big-endian */
+static PyObject *
+runs_ranked_prefix(Runs *r, PyObject *const *args, Py_ssize_t nargs)
+{
+    Py_ssize_t at[2];
+    if (nargs != 3 || r->width != 4) {
+        PyErr_SetString(PyExc_TypeError, "Runs.ranked_prefix(own, position, ranks): 4-byte ids");
+        return NULL;
+    }
+    if (parse_positions(args, 2, 2, at, "ranked_prefix") < 0 ||
+        check_run(r, at[1], at[1] + 1, 1) < 0)
+        return NULL;
+    Py_buffer ranks;
+    if (PyObject_GetBuffer(args[2], &ranks, PyBUF_SIMPLE) < 0)
+        return NULL;
+    Py_ssize_t own = at[0] < 0 ? 0 : at[0], len = r->lens[at[1]];
+    if (own > len)
+        own = len;
+    own -= own % 4;
+    PyObject *out = PyBytes_FromStringAndSize(NULL, own);
+    if (out == NULL)
+        goto done;
+    const unsigned char *in = r->data[at[1]];
+    unsigned char *bytes = (unsigned char *)PyBytes_AS_STRING(out);
+    const uint32_t *table = ranks.buf;
+    Py_ssize_t size = ranks.len / 4;
+    for (Py_ssize_t j = 0; j < own; j += 4) {
+        uint32_t id = (uint32_t)in[j] << 24 | (uint32_t)in[j + 1] << 16 |
+                      (uint32_t)in[j + 2] << 8 | in[j + 3];
+        if ((Py_ssize_t)id >= size) {
+            PyErr_SetString(PyExc_IndexError, "Runs.ranked_prefix: an id past the ranks");
+            Py_CLEAR(out);
+            goto done;
+        }
+        uint32_t rank = table[id];
+        bytes[j] = (unsigned char)(rank >> 24);
+        bytes[j + 1] = (unsigned char)(rank >> 16);
+        bytes[j + 2] = (unsigned char)(rank >> 8);
+        bytes[j + 3] = (unsigned char)rank;
+    }
+done:
+    PyBuffer_Release(&ranks);
+    return out;
+}
+
+/* into[key] = into.get(key, 0) + count */
+static int
+add_count(PyObject *into, PyObject *key, PyObject *count)
+{
+    PyObject *old = PyDict_GetItemWithError(into, key);
+    if (old == NULL) {
+        if (PyErr_Occurred())
+            return -1;
+        return PyDict_SetItem(into, key, count);
+    }
+    PyObject *sum = PyNumber_Add(old, count);
+    if (sum == NULL)
+        return -1;
+    int status = PyDict_SetItem(into, key, sum);
+    Py_DECREF(sum);
+    return status;
+}
+
+static PyObject *
+runs_tally(Runs *r, PyObject *const *args, Py_ssize_t nargs)
+{
+    Py_ssize_t at[2];
+    if (nargs != 4 || !PyDict_Check(args[2]) || !PyDict_Check(args[3])) {
+        PyErr_SetString(PyExc_TypeError, "Runs.tally(start, end, ops, streams): two dicts");
+        return NULL;
+    }
+    if (parse_positions(args, 2, 2, at, "tally") < 0 || check_run(r, at[0], at[1], 0) < 0)
+        return NULL;
+    for (Py_ssize_t i = at[0]; i < at[1]; i++) {
+        PyObject *count = PyLong_FromLongLong(r->below[i + 1] - r->below[i]);
+        if (count == NULL)
+            return NULL;
+        int status = add_count(args[2], PyTuple_GET_ITEM(r->ops, i), count);
+        if (status == 0)
+            status = add_count(args[3], PyTuple_GET_ITEM(r->streams, i), count);
+        Py_DECREF(count);
+        if (status < 0)
+            return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+runs_distinct_prefixes(Runs *r, PyObject *Py_UNUSED(ignored))
+{
+    long long total = 0;
+    Py_ssize_t width = r->width;
+    for (Py_ssize_t i = 0; i < r->n; i++) {
+        Py_ssize_t shared = 0; /* whole ids in common with the previous path */
+        if (i > 0) {
+            Py_ssize_t size = r->lens[i - 1] < r->lens[i] ? r->lens[i - 1] : r->lens[i];
+            while ((shared + 1) * width <= size &&
+                   memcmp(r->data[i - 1] + shared * width, r->data[i] + shared * width,
+                          (size_t)width) == 0)
+                shared++;
+        }
+        total += r->lens[i] / width - shared;
+    }
+    return PyLong_FromLongLong(total);
+}
+
+/* ------------------------------------------------------------ the divergent search */
+
+typedef struct {
+    Py_ssize_t own, start, end, parent;
+    PyObject *mask; /* owned */
+} Pending;
+
+typedef struct {
+    Pending *items;
+    Py_ssize_t size, cap;
+} PendingStack;
+
+static int
+push(PendingStack *s, Py_ssize_t own, Py_ssize_t start, Py_ssize_t end, PyObject *mask,
+     Py_ssize_t parent)
+{
+    if (s->size == s->cap) {
+        Py_ssize_t cap = s->cap ? s->cap * 2 : 64;
+        Pending *items = PyMem_Realloc(s->items, (size_t)cap * sizeof(Pending));
+        if (items == NULL) {
+            PyErr_NoMemory();
+            return -1;
+        }
+        s->items = items;
+        s->cap = cap;
+    }
+    Py_INCREF(mask);
+    s->items[s->size++] = (Pending){own, start, end, parent, mask};
+    return 0;
+}
+
+static void
+clear_stack(PendingStack *s)
+{
+    for (Py_ssize_t i = 0; i < s->size; i++)
+        Py_DECREF(s->items[i].mask);
+    PyMem_Free(s->items);
+}
+
+static int
+append_pair(PyObject *list, long long first, Py_ssize_t second)
+{
+    PyObject *pair = Py_BuildValue("(Ln)", first, second);
+    if (pair == NULL)
+        return -1;
+    int status = PyList_Append(list, pair);
+    Py_DECREF(pair);
+    return status;
+}
+
+static int
+append_index(PyObject *list, Py_ssize_t value)
+{
+    PyObject *number = PyLong_FromSsize_t(value);
+    if (number == NULL)
+        return -1;
+    int status = PyList_Append(list, number);
+    Py_DECREF(number);
+    return status;
+}
+
+static PyObject *
+runs_divergent(Runs *r, PyObject *const *args, Py_ssize_t nargs)
+{
+    Bound floor, rank_floor;
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "Runs.divergent(floor, rank_floor)");
+        return NULL;
+    }
+    if (to_bound(args[0], &floor) < 0 || to_bound(args[1], &rank_floor) < 0)
+        return NULL;
+    PyObject *parent_of = PyList_New(0), *idents = PyList_New(0), *found = PyList_New(0);
+    PendingStack skeleton = {0}, search = {0};
+    PyObject *result = NULL;
+    Py_ssize_t width = r->width;
+    if (parent_of == NULL || idents == NULL || found == NULL)
+        goto done;
+    if (push(&skeleton, 0, 0, r->n, r->all_mask, -1) < 0)
+        goto done;
+    while (skeleton.size) { /* the nodes at or above floor (as the build makes them) */
+        Pending at = skeleton.items[--skeleton.size];
+        Py_ssize_t start = skip_ended(r, at.own, at.start, at.end);
+        int failed = 0;
+        while (start < at.end && !failed) {
+            Py_ssize_t stop = run_end(r, at.own, start, at.end);
+            long long weight = r->below[stop] - r->below[start];
+            if (reaches(weight, &floor)) {
+                PyObject *mask = run_mask(r, start, stop);
+                failed = mask == NULL || push(&skeleton, at.own + width, start, stop, mask, -1) < 0;
+                Py_XDECREF(mask);
+            }
+            else if (reaches(weight, &rank_floor)) {
+                failed = push(&search, at.own + width, start, stop, at.mask, -1) < 0;
+            }
+            start = stop;
+        }
+        Py_DECREF(at.mask);
+        if (failed)
+            goto done;
+    }
+    while (search.size) { /* below floor: every node that is or may hold a divergent one */
+        Pending at = search.items[--search.size];
+        long long weight = r->below[at.end] - r->below[at.start];
+        if (!reaches(weight, &rank_floor)) {
+            Py_DECREF(at.mask);
+            continue; /* counts only shrink downwards: nothing below qualifies */
+        }
+        Py_ssize_t node = PyList_GET_SIZE(parent_of);
+        PyObject *mask = NULL;
+        int failed = append_index(parent_of, at.parent) < 0 ||
+                     append_pair(idents, at.own, at.start) < 0 ||
+                     (mask = run_mask(r, at.start, at.end)) == NULL;
+        if (!failed) {
+            int differs = PyObject_RichCompareBool(mask, at.mask, Py_NE);
+            failed = differs < 0 || (differs && append_pair(found, weight, node) < 0);
+        }
+        if (!failed && r->changes[at.end] != r->changes[at.start + 1]) {
+            Py_ssize_t start = skip_ended(r, at.own, at.start, at.end);
+            while (start < at.end && !failed) {
+                Py_ssize_t stop = run_end(r, at.own, start, at.end);
+                failed = push(&search, at.own + width, start, stop, mask, node) < 0;
+                start = stop;
+            }
+        }
+        Py_XDECREF(mask);
+        Py_DECREF(at.mask);
+        if (failed)
+            goto done;
+    }
+    result = PyTuple_Pack(3, parent_of, idents, found);
+done:
+    clear_stack(&skeleton);
+    clear_stack(&search);
+    Py_XDECREF(parent_of);
+    Py_XDECREF(idents);
+    Py_XDECREF(found);
+    return result;
+}
+
+/* ------------------------------------------------------------ the paths */
+
+typedef struct {
+    Py_buffer view;
+    const int *items;
+    Py_ssize_t size;
+} IntTable;
+
+static int
+open_table(PyObject *source, IntTable *table, const char *what)
+{
+    if (PyObject_GetBuffer(source, &table->view, PyBUF_SIMPLE) < 0)
+        return -1;
+    if (table->view.len % (Py_ssize_t)sizeof(int)) {
+        PyBuffer_Release(&table->view);
+        table->view.obj = NULL;
+        PyErr_Format(PyExc_ValueError, "callsite_paths: %s is not an int32 array", what);
+        return -1;
+    }
+    table->items = table->view.buf;
+    table->size = table->view.len / (Py_ssize_t)sizeof(int);
+    return 0;
+}
+
+static inline void
+put_id(unsigned char *out, uint32_t id)
+{
+    out[0] = (unsigned char)(id >> 24);
+    out[1] = (unsigned char)(id >> 16);
+    out[2] = (unsigned char)(id >> 8);
+    out[3] = (unsigned char)id;
+}
+
+/* callsite_paths(stacks, apis, api_index, tables, width) -> (paths, frame_paths) */
+static PyObject *
+callsite_paths(PyObject *Py_UNUSED(module), PyObject *args)
+{
+    static const char *names[8] = {"frame_keys", "frame_quals", "frame_mods", "frame_torch",
+                                   "api_keys",   "api_quals",   "api_mods",   "api_torch"};
+    PyObject *stacks, *apis, *api_index, *tables;
+    Py_ssize_t width;
+    if (!PyArg_ParseTuple(args, "O!O!O!On:callsite_paths", &PyList_Type, &stacks, &PyList_Type,
+                          &apis, &PyDict_Type, &api_index, &tables, &width))
+        return NULL;
+    if (width != 4) {
+        PyErr_SetString(PyExc_ValueError, "callsite_paths: only 4-byte ids");
+        return NULL;
+    }
+    Py_ssize_t n = PyList_GET_SIZE(stacks);
+    if (PyList_GET_SIZE(apis) != n) {
+        PyErr_SetString(PyExc_ValueError, "callsite_paths: one api per stack");
+        return NULL;
+    }
+    if (!PyTuple_Check(tables) || PyTuple_GET_SIZE(tables) != 8) {
+        PyErr_SetString(PyExc_TypeError, "callsite_paths: tables is a PathTables");
+        return NULL;
+    }
+    IntTable t[8];
+    int opened = 0;
+    PyObject *paths = NULL, *frame_paths = NULL, *result = NULL;
+    unsigned char *path = NULL, *frame_path = NULL;
+    Py_ssize_t cap = 0;
+    for (; opened < 8; opened++)
+        if (open_table(PyTuple_GET_ITEM(tables, opened), &t[opened], names[opened]) < 0)
+            goto done;
+    const int *keys = t[0].items, *quals = t[1].items, *mods = t[2].items, *torch = t[3].items;
+    const int *api_keys = t[4].items, *api_quals = t[5].items, *api_mods = t[6].items,
+              *api_torch = t[7].items;
+    Py_ssize_t frames = t[0].size, n_apis = t[4].size;
+    for (int i = 1; i < 8; i++) {
+        if (t[i].size != (i < 4 ? frames : n_apis)) {
+            PyErr_Format(PyExc_ValueError, "callsite_paths: %s has the wrong length", names[i]);
+            goto done;
+        }
+    }
+    paths = PyList_New(n);
+    frame_paths = PyList_New(n);
+    if (paths == NULL || frame_paths == NULL)
+        goto done;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *stack = PyList_GET_ITEM(stacks, i);
+        if (!PyTuple_Check(stack)) {
+            PyErr_SetString(PyExc_TypeError, "callsite_paths: a stack is not a tuple");
+            goto done;
+        }
+        Py_ssize_t depth = PyTuple_GET_SIZE(stack);
+        if (depth + 1 > cap) {
+            cap = (depth + 1) * 2;
+            PyMem_Free(path);
+            PyMem_Free(frame_path);
+            path = PyMem_Malloc((size_t)cap * 4);
+            frame_path = PyMem_Malloc((size_t)cap * 4);
+            if (path == NULL || frame_path == NULL) {
+                PyErr_NoMemory();
+                goto done;
+            }
+        }
+        Py_ssize_t used = 0;
+        for (Py_ssize_t j = 0; j < depth; j++) {
+            Py_ssize_t frame = PyLong_AsSsize_t(PyTuple_GET_ITEM(stack, j));
+            if (frame == -1 && PyErr_Occurred())
+                goto done;
+            if (frame < 0 || frame >= frames) {
+                PyErr_SetString(PyExc_IndexError, "callsite_paths: frame id out of range");
+                goto done;
+            }
+            if (keys[frame] < 0)
+                continue; /* hidden */
+            put_id(path + used * 4, (uint32_t)keys[frame]);
+            put_id(frame_path + used * 4, (uint32_t)frame);
+            used++;
+        }
+        Py_ssize_t frame_used = used;
+        PyObject *api = PyList_GET_ITEM(apis, i);
+        if (api != Py_None) {
+            PyObject *found = PyDict_GetItemWithError(api_index, api);
+            if (found == NULL) {
+                if (!PyErr_Occurred())
+                    PyErr_SetObject(PyExc_KeyError, api);
+                goto done;
+            }
+            Py_ssize_t index = PyLong_AsSsize_t(found);
+            if (index == -1 && PyErr_Occurred())
+                goto done;
+            if (index < 0 || index >= n_apis) {
+                PyErr_SetString(PyExc_IndexError, "callsite_paths: api index out of range");
+                goto done;
+            }
+            if (used) {
+                const unsigned char *tail = frame_path + (used - 1) * 4;
+                uint32_t last = (uint32_t)tail[0] << 24 | (uint32_t)tail[1] << 16 |
+                                (uint32_t)tail[2] << 8 | tail[3];
+                if (mods[last] >= 0 && quals[last] == api_quals[index] &&
+                    (mods[last] == api_mods[index] || (api_torch[index] && torch[last]))) {
+                    used--; /* the api's own Python function: the api replaces it */
+                    frame_used--;
+                }
+            }
+            put_id(path + used * 4, (uint32_t)api_keys[index]);
+            used++;
+        }
+        PyObject *made = PyBytes_FromStringAndSize((const char *)path, used * 4);
+        if (made == NULL)
+            goto done;
+        PyList_SET_ITEM(paths, i, made);
+        made = PyBytes_FromStringAndSize((const char *)frame_path, frame_used * 4);
+        if (made == NULL)
+            goto done;
+        PyList_SET_ITEM(frame_paths, i, made);
+    }
+    result = PyTuple_Pack(2, paths, frame_paths);
+done:
+    for (int i = 0; i < opened; i++)
+        PyBuffer_Release(&t[i].view);
+    PyMem_Free(path);
+    PyMem_Free(frame_path);
+    Py_XDECREF(paths);
+    Py_XDECREF(frame_paths);
+    return result;
+}
+
+/* visible_frames(stacks, hidden, user) -> (visible, callers): per stack (a tuple of
+ * frame ids), its frame ids without the hidden ones (a list, one per distinct tuple
+ * object) and its caller: the position of the innermost visible user frame, else of
+ * the innermost visible frame, else None. ``hidden`` and ``user`` are bytes by frame
+ * id (non-zero: true). */
+static PyObject *
+visible_frames(PyObject *Py_UNUSED(module), PyObject *args)
+{
+    PyObject *stacks;
+    Py_buffer hidden, user;
+    if (!PyArg_ParseTuple(args, "O!y*y*:visible_frames", &PyList_Type, &stacks, &hidden, &user))
+        return NULL;
+    PyObject *visible = NULL, *callers = NULL, *result = NULL;
+    const unsigned char *is_hidden = hidden.buf, *is_user = user.buf;
+    Py_ssize_t n = PyList_GET_SIZE(stacks), frames = hidden.len;
+    /* id(stack) -> index + 1 of its first site: open addressing, a power of two */
+    size_t slots = 16;
+    while (slots < (size_t)n * 2)
+        slots *= 2;
+    PyObject **seen_key = PyMem_Calloc(slots, sizeof(PyObject *));
+    Py_ssize_t *seen_at = PyMem_Calloc(slots, sizeof(Py_ssize_t));
+    if (seen_key == NULL || seen_at == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    if (user.len != frames) {
+        PyErr_SetString(PyExc_ValueError, "visible_frames: hidden and user differ in length");
+        goto done;
+    }
+    visible = PyList_New(n);
+    callers = PyList_New(n);
+    if (visible == NULL || callers == NULL)
+        goto done;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *stack = PyList_GET_ITEM(stacks, i);
+        size_t slot = ((uintptr_t)stack >> 4) * 0x9E3779B97F4A7C15ULL & (slots - 1);
+        while (seen_key[slot] != NULL && seen_key[slot] != stack)
+            slot = (slot + 1) & (slots - 1);
+        if (seen_key[slot] == stack) {
+            Py_ssize_t at = seen_at[slot];
+            PyList_SET_ITEM(visible, i, Py_NewRef(PyList_GET_ITEM(visible, at)));
+            PyList_SET_ITEM(callers, i, Py_NewRef(PyList_GET_ITEM(callers, at)));
+            continue;
+        }
+        seen_key[slot] = stack; /* borrowed: the list holds it while we run */
+        seen_at[slot] = i;
+        if (!PyTuple_Check(stack)) {
+            PyErr_SetString(PyExc_TypeError, "visible_frames: a stack is not a tuple");
+            goto done;
+        }
+        Py_ssize_t depth = PyTuple_GET_SIZE(stack), kept = 0, innermost_user = -1;
+        for (Py_ssize_t j = 0; j < depth; j++) {
+            Py_ssize_t frame = PyLong_AsSsize_t(PyTuple_GET_ITEM(stack, j));
+            if (frame == -1 && PyErr_Occurred())
+                goto done;
+            if (frame < 0 || frame >= frames) {
+                PyErr_SetString(PyExc_IndexError, "visible_frames: frame id out of range");
+                goto done;
+            }
+            kept += !is_hidden[frame];
+        }
+        PyObject *frames_of = PyList_New(kept);
+        if (frames_of == NULL)
+            goto done;
+        PyList_SET_ITEM(visible, i, frames_of);
+        kept = 0;
+        for (Py_ssize_t j = 0; j < depth; j++) {
+            PyObject *item = PyTuple_GET_ITEM(stack, j);
+            Py_ssize_t frame = PyLong_AsSsize_t(item);
+            if (is_hidden[frame])
+                continue;
+            PyList_SET_ITEM(frames_of, kept, Py_NewRef(item));
+            if (is_user[frame])
+                innermost_user = kept;
+            kept++;
+        }
+        Py_ssize_t caller = innermost_user >= 0 ? innermost_user : kept - 1;
+        PyObject *position = caller >= 0 ? PyLong_FromSsize_t(caller) : Py_NewRef(Py_None);
+        if (position == NULL)
+            goto done;
+        PyList_SET_ITEM(callers, i, position);
+    }
+    result = PyTuple_Pack(2, visible, callers);
+done:
+    PyBuffer_Release(&hidden);
+    PyBuffer_Release(&user);
+    PyMem_Free(seen_key);
+    PyMem_Free(seen_at);
+    Py_XDECREF(visible);
+    Py_XDECREF(callers);
+    return result;
+}
+
+static int
+compare_ids(const void *a, const void *b)
+{
+    uint32_t x = *(const uint32_t *)a, y = *(const uint32_t *)b;
+    return (x > y) - (x < y);
+}
+
+/* frames_at(frame_paths, origins, own, start, end) -> (first, distinct): over the
+ * positions start..end of the sorted frame paths (4-byte big-endian frame ids), the
+ * frame id at byte own of the position whose origin (index in trace order) is least,
+ * and every distinct frame id at byte own, ascending */
+static PyObject *
+frames_at(PyObject *Py_UNUSED(module), PyObject *args)
+{
+    PyObject *frame_paths, *origins;
+    Py_ssize_t own, start, end;
+    if (!PyArg_ParseTuple(args, "O!O!nnn:frames_at", &PyList_Type, &frame_paths, &PyList_Type,
+                          &origins, &own, &start, &end))
+        return NULL;
+    if (own < 0 || start < 0 || start >= end || end > PyList_GET_SIZE(frame_paths) ||
+        PyList_GET_SIZE(origins) != PyList_GET_SIZE(frame_paths)) {
+        PyErr_SetString(PyExc_ValueError, "frames_at: positions out of range");
+        return NULL;
+    }
+    uint32_t *ids = PyMem_Malloc((size_t)(end - start) * sizeof(uint32_t));
+    if (ids == NULL)
+        return PyErr_NoMemory();
+    Py_ssize_t used = 0, least = PY_SSIZE_T_MAX;
+    uint32_t first = 0;
+    PyObject *result = NULL, *distinct = NULL;
+    for (Py_ssize_t i = start; i < end; i++) {
+        PyObject *path = PyList_GET_ITEM(frame_paths, i);
+        if (!PyBytes_Check(path) || PyBytes_GET_SIZE(path) < own + 4) {
+            PyErr_SetString(PyExc_ValueError, "frames_at: a frame path has no id there");
+            goto done;
+        }
+        const unsigned char *at = (const unsigned char *)PyBytes_AS_STRING(path) + own;
+        uint32_t id = (uint32_t)at[0] << 24 | (uint32_t)at[1] << 16 | (uint32_t)at[2] << 8 | at[3];
+        Py_ssize_t origin = PyLong_AsSsize_t(PyList_GET_ITEM(origins, i));
+        if (origin == -1 && PyErr_Occurred())
+            goto done;
+        if (origin < least) {
+            least = origin;
+            first = id;
+        }
+        if (used == 0 || ids[used - 1] != id) /* runs are sorted: repeats come together */
+            ids[used++] = id;
+    }
+    qsort(ids, (size_t)used, sizeof(uint32_t), compare_ids);
+    distinct = PyList_New(0);
+    if (distinct == NULL)
+        goto done;
+    for (Py_ssize_t i = 0; i < used; i++) {
+        if (i > 0 && ids[i] == ids[i - 1])
+            continue;
+        PyObject *number = PyLong_FromUnsignedLong(ids[i]);
+        if (number == NULL || PyList_Append(distinct, number) < 0) {
+            Py_XDECREF(number);
+            goto done;
+        }
+        Py_DECREF(number);
+    }
+    result = Py_BuildValue("(kO)", (unsigned long)first, distinct);
+done:
+    PyMem_Free(ids);
+    Py_XDECREF(distinct);
+    return result;
+}
+
+static PyMethodDef module_methods[] = {
+    {"callsite_paths", callsite_paths, METH_VARARGS,
+     "callsite_paths(stacks, apis, api_index, tables, width) -> (paths, frame_paths)."},
+    {"frames_at", frames_at, METH_VARARGS,
+     "frames_at(frame_paths, origins, own, start, end) -> (first, distinct) frame ids."},
+    {"visible_frames", visible_frames, METH_VARARGS,
+     "visible_frames(stacks, hidden, user) -> (visible, callers): per stack."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyMethodDef runs_methods[] = {
+    {"weight", (PyCFunction)(void (*)(void))runs_weight, METH_FASTCALL,
+     "weight(start, end) -> int: the total count of the run."},
+    {"mask", (PyCFunction)(void (*)(void))runs_mask, METH_FASTCALL,
+     "mask(start, end) -> int: the union of the run's rank masks."},
+    {"uniform", (PyCFunction)(void (*)(void))runs_uniform, METH_FASTCALL,
+     "uniform(start, end) -> bool: whether the run has one mask."},
+    {"skip_ended", (PyCFunction)(void (*)(void))runs_skip_ended, METH_FASTCALL,
+     "skip_ended(own, start, end) -> int: the first position with a path longer than own."},
+    {"run_end", (PyCFunction)(void (*)(void))runs_run_end, METH_FASTCALL,
+     "run_end(own, start, end) -> int: the end of the run of equal id at byte own."},
+    {"id_at", (PyCFunction)(void (*)(void))runs_id_at, METH_FASTCALL,
+     "id_at(own, position) -> bytes: the id at byte own of the position's path."},
+    {"ranked_prefix", (PyCFunction)(void (*)(void))runs_ranked_prefix, METH_FASTCALL,
+     "ranked_prefix(own, position, ranks) -> bytes: the prefix's ids through ranks."},
+    {"tally", (PyCFunction)(void (*)(void))runs_tally, METH_FASTCALL,
+     "tally(start, end, ops, streams): add the run's counts by op and by stream."},
+    {"distinct_prefixes", (PyCFunction)runs_distinct_prefixes, METH_NOARGS,
+     "distinct_prefixes() -> int: the nodes of the unpruned tree below its root."},
+    {"divergent", (PyCFunction)(void (*)(void))runs_divergent, METH_FASTCALL,
+     "divergent(floor, rank_floor) -> (parent_of, idents, found): the search for "
+     "divergent nodes below floor."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyTypeObject RunsType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "opguard_plugins.stages._runs.Runs",
+    .tp_basicsize = sizeof(Runs),
+    .tp_dealloc = (destructor)runs_dealloc,
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "Sorted callsite paths and the runs below every call-tree node.",
+    .tp_methods = runs_methods,
+    .tp_new = runs_new,
+};
+
+static struct PyModuleDef runs_module = {
+    PyModuleDef_HEAD_INIT,
+    .m_name = "opguard_plugins.stages._runs",
+    .m_doc = "Compress's per-callsite work: the runs of sorted callsite paths.",
+    .m_size = -1,
+    .m_methods = module_methods,
+};
+
+PyMODINIT_FUNC
+PyInit__runs(void)
+{
+    if (PyType_Ready(&RunsType) < 0)
+        return NULL;
+    PyObject *module = PyModule_Create(&runs_module);
+    if (module == NULL)
+        return NULL;
+    if (PyModule_AddObjectRef(module, "Runs", (PyObject *)&RunsType) < 0) {
+        Py_DECREF(module);
+        return NULL;
+    }
+    return module;
+}

@@ -1,0 +1,73 @@
+"""Stage 7, the built-in basic filter (``opguard run --basic``).
+
+Drops entries for common torch tensor utilities (as ``torch_api`` nodes or as
+torch's own Python functions) and keeps only ``function`` and ``method`` entries.
+The list lives in ``basic_filter.yaml`` beside this module; ``--basic-list FILE``
+replaces it. The entries that stay still carry, inclusively, the ops of the
+utilities they called.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from ruamel.yaml import YAML
+from ruamel.yaml.comments import CommentedMap
+from ruamel.yaml.error import YAMLError
+
+from opguard_core import hookimpl
+from opguard_core.errors import InputError
+from opguard_core.model import RunOptions
+
+
+@dataclasses.dataclass(frozen=True)
+class BasicList:
+    utilities: frozenset[str]
+    keep_kinds: frozenset[str]
+
+
+def load_basic_list(path: Path | None = None) -> BasicList:
+    """Read a basic-filter list (the bundled one when ``path`` is None)."""
+    where: Path | str = path or "opguard_plugins/stages/basic_filter.yaml"
+    try:
+        if path is None:
+            text = resources.files("opguard_plugins.stages").joinpath("basic_filter.yaml").read_text()
+        else:
+            text = path.read_text(encoding="utf-8")
+        data = YAML(typ="safe", pure=True).load(text)
+    except OSError as exc:
+        raise InputError(where, f"cannot read basic-filter list: {exc.strerror or exc}") from None
+    except (YAMLError, UnicodeDecodeError) as exc:
+        raise InputError(where, f"malformed YAML: {' '.join(str(exc).split())}") from None
+    if not isinstance(data, dict):
+        raise InputError(where, "basic-filter list must be a mapping with 'utilities'")
+    utilities = data.get("utilities")
+    kinds = data.get("keep_kinds", ["function", "method"])
+    for name, value in (("utilities", utilities), ("keep_kinds", kinds)):
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise InputError(where, f"'{name}' must be a list of strings")
+    return BasicList(frozenset(utilities), frozenset(kinds))  # type: ignore[arg-type]
+
+
+def is_torch_utility(target: str, utilities: frozenset[str]) -> bool:
+    module, _, qualname = target.partition(":")
+    if module != "torch" and not module.startswith("torch."):
+        return False
+    return qualname.rsplit(".", 1)[-1] in utilities
+
+
+def keep_entry(entry: dict[str, Any], rules: BasicList) -> bool:
+    return entry.get("kind") in rules.keep_kinds and not is_torch_utility(
+        str(entry["target"]), rules.utilities
+    )
+
+
+@hookimpl(trylast=True)
+def opguard_filter(config: CommentedMap, options: RunOptions) -> CommentedMap:
+    rules = load_basic_list(options.basic_list)
+    entries = config["entries"]
+    entries[:] = [entry for entry in entries if keep_entry(entry, rules)]
+    return config

@@ -1,0 +1,243 @@
+"""Stage 2, combine: merge an entry's rank files into one trace, streaming.
+
+Rank files are decoded (and validated) one at a time and folded into a
+:class:`~opguard_core.combine.accumulator.TraceAccumulator`, so a process holds one file plus
+the distinct callsites seen so far, whatever the number of ranks.
+
+With several jobs (``--jobs N``, N > 1; ``0`` means automatic, see
+:func:`auto_jobs`) the main process and N - 1 spawned helper processes take files
+one at a time from a shared queue (so a slow file does not leave a core idle), each
+into its own accumulator; the helpers send their partial accumulators back at the
+end and the main process folds them in. The combine is a multiset union, so the
+result is the same whichever process took which file.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing
+import os
+import queue
+import signal
+import threading
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from opguard_core import hookimpl
+from opguard_core.combine.accumulator import CallsiteTrace, TraceAccumulator, gc_paused
+from opguard_core.combine.rank_claims import check_rank_claims
+from opguard_core.errors import InputError, OpGuardError
+from opguard_core.logs import progress
+from opguard_core.model import InputEntry, RunOptions
+
+#: Below this many input bytes a pool costs more (process start-up) than it saves.
+AUTO_POOL_MIN_BYTES = 24 * 1024 * 1024
+#: ``jobs == 0`` never starts more processes than this.
+AUTO_MAX_JOBS = 8
+
+
+class RemoteInputError(InputError):
+    """An :class:`InputError` raised in another process; unlike its base, it pickles."""
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (RemoteInputError, (self.path, self.problem))
+
+
+def portable_error(exc: BaseException) -> BaseException:
+    """``exc`` in a form that survives pickling to another process, same message."""
+    if isinstance(exc, InputError):
+        return RemoteInputError(exc.path, exc.problem)
+    if isinstance(exc, OpGuardError):
+        return OpGuardError(str(exc))
+    return exc
+
+
+def combine_files(
+    paths: Sequence[Path | str], advance: Callable[[int], None] | None = None
+) -> TraceAccumulator:
+    """Stream ``paths`` into one accumulator, one file in memory at a time."""
+    accumulator = TraceAccumulator()
+    with gc_paused():
+        for path in paths:
+            accumulator.add_file(path)
+            if advance is not None:
+                advance(1)
+    return accumulator
+
+
+def combine_files_portable(paths: Sequence[Path | str]) -> TraceAccumulator:
+    """:func:`combine_files` for other processes (pool, Dask): errors pickle."""
+    try:
+        return combine_files(paths)
+    except Exception as exc:
+        raise portable_error(exc) from None
+
+
+def cpu_count() -> int:
+    """CPUs this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def auto_jobs(paths: Sequence[Path]) -> int:
+    """How many processes to combine ``paths`` with when ``--jobs`` is 0 (auto).
+
+    One per CPU (at most :data:`AUTO_MAX_JOBS`, at most one per file), but just
+    one when there are few files or little data, where starting processes costs
+    more than it saves.
+    """
+    if len(paths) < 4:
+        return 1
+    size = 0
+    for path in paths:
+        with contextlib.suppress(OSError):  # reading it will report the problem
+            size += path.stat().st_size
+    if size < AUTO_POOL_MIN_BYTES:
+        return 1
+    return max(1, min(cpu_count(), AUTO_MAX_JOBS, len(paths)))
+
+
+def split_evenly(paths: Sequence[Path], parts: int) -> list[list[Path]]:
+    """Split ``paths`` into at most ``parts`` contiguous, near-equal chunks."""
+    parts = max(1, min(parts, len(paths)))
+    size, extra = divmod(len(paths), parts)
+    chunks, start = [], 0
+    for index in range(parts):
+        end = start + size + (1 if index < extra else 0)
+        chunks.append(list(paths[start:end]))
+        start = end
+    return chunks
+
+
+def start_method() -> str:
+    """How to start helpers: ``fork`` when this process has a single thread, else ``spawn``.
+
+    A forked helper starts at once, with every module already imported; a spawned
+    one first starts an interpreter and re-imports the CLI (about 0.2 s, a file's
+    worth of work lost on the helper side). Forking is only safe with one thread
+    (another thread may hold a lock the child would then never see released), so
+    with a progress bar's refresh thread running, or where fork is unavailable,
+    helpers are spawned.
+    """
+    if "fork" in multiprocessing.get_all_start_methods() and threading.active_count() == 1:
+        return "fork"
+    return "spawn"
+
+
+def _helper(tasks: Any, results: Any) -> None:
+    """A helper process: combine files from ``tasks`` until ``None``, then send the result.
+
+    Signals: a forked helper inherits the runner's SIGTERM handler, so both are reset.
+    SIGTERM kills a helper quietly; SIGINT (Ctrl-C reaches the whole process group) is
+    left to the main process, which records the interruption and terminates helpers.
+    """
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    accumulator = TraceAccumulator()
+    try:
+        with gc_paused():
+            while (path := tasks.get()) is not None:
+                accumulator.add_file(path)
+                results.put(("file", None))
+        results.put(("done", accumulator))
+    except BaseException as exc:
+        results.put(("error", portable_error(exc)))
+
+
+def combine_parallel(
+    paths: Sequence[Path], jobs: int, advance: Callable[[int], None] | None = None
+) -> TraceAccumulator:
+    """Combine with the main process and ``jobs - 1`` helpers sharing a queue of files."""
+    helpers = max(1, min(jobs, len(paths)) - 1)
+    context = multiprocessing.get_context(start_method())
+    tasks = context.Queue()
+    results = context.Queue()
+    processes = [
+        context.Process(target=_helper, args=(tasks, results), daemon=True, name=f"combine-{i}")
+        for i in range(helpers)
+    ]
+    for process in processes:  # before the queues' feeder threads start (see start_method)
+        process.start()
+    for path in paths:
+        tasks.put(str(path))
+    for _ in range(helpers + 1):
+        tasks.put(None)
+    tick = advance or (lambda n: None)
+    partials: list[TraceAccumulator] = []
+
+    def handle(kind: str, payload: Any) -> None:
+        if kind == "file":
+            tick(1)
+        elif kind == "done":
+            partials.append(payload)
+        else:
+            raise payload
+
+    def drain() -> None:
+        while True:
+            try:
+                kind, payload = results.get_nowait()
+            except queue.Empty:
+                return
+            handle(kind, payload)
+
+    total = TraceAccumulator()
+    try:
+        with gc_paused():
+            while (path := tasks.get()) is not None:
+                total.add_file(path)
+                tick(1)
+                drain()
+            while len(partials) < helpers:
+                try:
+                    kind, payload = results.get(timeout=0.5)
+                except queue.Empty:
+                    dead = [p for p in processes if p.exitcode not in (None, 0)]
+                    if dead:
+                        raise OpGuardError(
+                            f"combine: helper process {dead[0].name} died "
+                            f"(exit code {dead[0].exitcode}; out of memory?)"
+                        ) from None
+                    continue
+                handle(kind, payload)
+            for partial in partials:
+                total.update(partial)
+    finally:
+        for process in processes:
+            if process.is_alive():
+                process.join(timeout=5 if len(partials) == helpers else 0)
+            if process.is_alive():
+                process.terminate()
+                process.join()
+        tasks.close()
+        results.close()
+        tasks.cancel_join_thread()
+    return total
+
+
+def effective_jobs(entry: InputEntry, options: RunOptions) -> int:
+    """``options.jobs``, with 0 (or less) meaning :func:`auto_jobs`."""
+    if options.jobs <= 0:
+        return auto_jobs(entry.files)
+    return options.jobs
+
+
+def combine_entry(entry: InputEntry, options: RunOptions) -> CallsiteTrace:
+    """The built-in combine: sequential, or a bounded process pool with several jobs."""
+    jobs = effective_jobs(entry, options)
+    with progress(f"combine {entry.name}", len(entry.files)) as advance:
+        if jobs > 1 and len(entry.files) > 1:
+            accumulator = combine_parallel(entry.files, jobs, advance)
+        else:
+            accumulator = combine_files(entry.files, advance)
+    check_rank_claims(accumulator.claims)
+    with gc_paused():
+        return accumulator.result()
+
+
+@hookimpl(trylast=True)
+def opguard_combine(entry: InputEntry, options: RunOptions) -> CallsiteTrace:
+    return combine_entry(entry, options)

@@ -1,0 +1,158 @@
+"""Stage 1, discover: turn ``--input`` values into named entries.
+
+Each value is a file name or a glob pattern (``*``, ``?``, ``[...]``), relative to
+``--base-dir`` unless absolute. Files named ``{X}_rank{R}.json`` that sit in the
+same directory form one entry named ``X``, whether they came from one quoted
+pattern or from the shell's expansion of it; any other file is an entry of its own,
+named after its stem. Entries keep the order in which they first appear; rank
+files are sorted by rank. Names are made file-name safe and unique, and never one
+whose artifacts would be a run artifact's name (``opguard_core.run.artifacts``).
+
+A value naming an existing file is read as that file even if its name holds glob
+characters (``[a].json``); it is expanded as a pattern only when no such file
+exists. A directory, FIFO or device, named or matched, is refused. The same file
+reached by two spellings (``a.json``, ``sub/../a.json``, a symlink) is one input:
+the first spelling is kept and the others logged as a warning.
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import os
+import re
+import stat
+from collections.abc import Sequence
+from pathlib import Path
+
+from opguard_core import hookimpl
+from opguard_core.model import Discovery, InputEntry, InputProblem
+from opguard_core.run.artifacts import check_entry_names, reserved_entry_name
+from opguard_core.run.warnings import warn
+
+RANK_FILE = re.compile(r"^(?P<name>.+)_rank(?P<rank>\d+)$")
+_UNSAFE = re.compile(r"[^A-Za-z0-9._+-]")
+
+
+#: Longest entry name; artifact suffixes add up to 35 more bytes (file names stop at 255).
+MAX_NAME = 160
+
+
+def safe_name(stem: str) -> str:
+    """A name usable as a file-name prefix: no separators, no leading dot, not too long.
+
+    A name longer than :data:`MAX_NAME` is cut and given a short hash of the whole
+    stem, so two long names that share a prefix stay distinct.
+    """
+    name = _UNSAFE.sub("_", stem).lstrip(".") or "input"
+    if len(name) > MAX_NAME:
+        digest = hashlib.sha256(stem.encode("utf-8", "surrogateescape")).hexdigest()[:10]
+        name = f"{name[: MAX_NAME - 11]}-{digest}"
+    return name
+
+
+def _not_a_file(path: Path) -> str | None:
+    """Why ``path`` cannot be read as a trace (None: a regular file, or absent)."""
+    try:
+        mode = path.stat().st_mode
+    except OSError:
+        return None
+    if stat.S_ISREG(mode):
+        return None
+    if stat.S_ISDIR(mode):
+        return f"{path}: is a directory, not a trace file"
+    if stat.S_ISFIFO(mode):
+        return f"{path}: is a FIFO (named pipe), not a trace file"
+    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
+        return f"{path}: is a device, not a trace file"
+    if stat.S_ISSOCK(mode):
+        return f"{path}: is a socket, not a trace file"
+    return f"{path}: is not a regular file"
+
+
+def _expand(spec: str, base_dir: Path) -> tuple[list[Path], list[str]]:
+    """The files ``spec`` names, and the problems found.
+
+    A value that names an existing path is taken literally, glob characters and all
+    (``run[1]/X_rank0.json``); only a value naming nothing is expanded as a pattern.
+    Anything but a regular file (a directory, a FIFO, a device) is refused, whether
+    named or matched, so discovery never blocks on a pipe.
+    """
+    path = Path(spec).expanduser()
+    if not path.is_absolute():
+        path = base_dir / path
+    if not os.path.lexists(path) and glob.has_magic(spec):
+        matches = sorted(Path(p) for p in glob.glob(str(path)))
+        if not matches:
+            return [], [f"pattern {spec!r} matched no files (relative to {base_dir})"]
+        problems = [p for p in map(_not_a_file, matches) if p]
+        return [p for p in matches if _not_a_file(p) is None], problems
+    if not path.exists():
+        return [], [f"{path}: no such file"]
+    problem = _not_a_file(path)
+    if problem:
+        return [], [problem]
+    return [path], []
+
+
+def _clashes(name: str, used: set[str]) -> bool:
+    """Whether ``name`` would write a file an entry already named in ``used`` writes."""
+    return bool(check_entry_names([*used, name]))
+
+
+def _identity(path: Path) -> tuple[int, int]:
+    """(device, inode): one file, however it is spelt (``a.json``, ``sub/../a.json``, a link)."""
+    st = path.stat()
+    return (st.st_dev, st.st_ino)
+
+
+def _group(path: Path) -> tuple[tuple[str, str], int]:
+    stem = path.name[: -len(".json")] if path.name.endswith(".json") else path.stem
+    match = RANK_FILE.match(stem)
+    if match:
+        return (str(path.parent), match.group("name")), int(match.group("rank"))
+    return (str(path), stem), -1
+
+
+def discover(inputs: Sequence[str], base_dir: Path) -> Discovery:
+    """The built-in discovery (see the module docstring)."""
+    groups: dict[tuple[str, str], dict[Path, int]] = {}
+    specs: dict[tuple[str, str], list[str]] = {}
+    problems: list[InputProblem] = []
+    seen: dict[tuple[int, int], Path] = {}
+    for spec in inputs:
+        files, found = _expand(spec, base_dir)
+        problems += [InputProblem(spec=spec, error=problem) for problem in found]
+        for file in files:
+            identity = _identity(file)
+            first = seen.setdefault(identity, file)
+            if first != file:
+                if first.absolute() != file.absolute():
+                    warn(
+                        f"{file}: the same file as {first}; read once",
+                        input=spec,
+                        file=str(file),
+                        same_as=str(first),
+                    )
+                continue
+            key, rank = _group(file)
+            groups.setdefault(key, {})[file.absolute()] = rank
+            if spec not in specs.setdefault(key, []):
+                specs[key].append(spec)
+    entries: list[InputEntry] = []
+    used: set[str] = set()
+    for index, (key, files) in enumerate(groups.items(), start=1):
+        name = base = safe_name(key[1])
+        suffix = 2
+        while name in used or reserved_entry_name(name) or _clashes(name, used):
+            name = f"{base}_{suffix}"
+            suffix += 1
+        used.add(name)
+        ordered = tuple(sorted(files, key=lambda p: (files[p], str(p))))
+        entries.append(InputEntry(name=name, files=ordered, index=index, specs=tuple(specs[key])))
+    return Discovery(entries=entries, problems=problems)
+
+
+@hookimpl(trylast=True)
+def opguard_discover(inputs: Sequence[str], base_dir: Path) -> Discovery:
+    return discover(inputs, base_dir)

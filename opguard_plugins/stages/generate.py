@@ -1,0 +1,198 @@
+"""Stage 4, generate: one instrumentation entry per (target, context) of the tree.
+
+``ops``, ``stream_counts`` and ``count`` are inclusive (everything that ran while
+the target was active in that context); an op is counted once per entry even where
+the entry's key recurs along its path. Tags follow the rules in docs/tags.md.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections import Counter
+from typing import Any
+
+from ruamel.yaml.comments import CommentedMap
+
+from opguard_core import hookimpl
+from opguard_core.formats.config import CONFIG_VERSION, EntryKey, block_map, flow_map, flow_seq
+from opguard_core.formats.tree import TORCH_API, node_target
+from opguard_core.model import RunOptions
+from opguard_plugins.stages import locations
+
+#: Op-name prefixes (after ``aten::``) that tag an entry ``compute``: matmuls,
+#: convolutions, attention, softmax, norms, embeddings, activations, losses.
+COMPUTE_PREFIXES = (
+    "mm", "addmm", "bmm", "baddbmm", "matmul", "linear", "conv", "_convolution",
+    "scaled_dot_product", "_scaled_dot_product", "softmax", "_softmax", "_log_softmax",
+    "_safe_softmax", "native_layer_norm", "layer_norm", "native_batch_norm", "batch_norm",
+    "group_norm", "native_group_norm", "embedding", "gelu", "tanh", "relu", "silu",
+    "nll_loss", "cross_entropy",
+)  # fmt: skip
+
+#: Ops whose presence tags an entry ``data_movement`` (copies, gathers, layout changes).
+DATA_MOVEMENT_OPS = frozenset(
+    {
+        "aten::copy_", "aten::_to_copy", "aten::to", "aten::clone", "aten::cat",
+        "aten::stack", "aten::contiguous", "aten::index_select", "aten::gather",
+        "aten::scatter", "aten::split_with_sizes_copy", "aten::_foreach_copy_",
+        "fsdp::all_gather_copy_in", "fsdp::split_with_sizes_copy", "fsdp::chunk_cat",
+    }
+)  # fmt: skip
+
+#: Top-level packages always counted as library code (an override; the rule is where the
+#: module lives, :mod:`opguard_plugins.stages.locations`).
+LIBRARY_PACKAGES = locations.LIBRARY_PACKAGES | frozenset(sys.stdlib_module_names)
+
+
+def tags_for(target: str, kind: str, ops: dict[str, int]) -> list[str]:
+    """Tags of an entry, from its target, kind and inclusive ops (docs/tags.md)."""
+    module, _, qualname = target.partition(":")
+    name = qualname.rsplit(".", 1)[-1].lower()
+    tags = set()
+    if "forward" in name:
+        tags.add("forward")
+    if "backward" in name or any("backward" in op for op in ops):
+        tags.add("backward")
+    if module.startswith("torch.optim") or "optimizer" in qualname.lower():
+        tags.add("optimizer")
+    if any(op.startswith("c10d::") for op in ops):
+        tags.add("communication")
+    if any(op in DATA_MOVEMENT_OPS for op in ops):
+        tags.add("data_movement")
+    if any(op.startswith("aten::") and op[6:].startswith(COMPUTE_PREFIXES) for op in ops):
+        tags.add("compute")
+    if kind == TORCH_API:
+        tags.add("torch_api")
+    library = kind == TORCH_API or locations.is_library_module(module)
+    tags.add("library" if library else "user")
+    return sorted(tags)
+
+
+class _Entry:
+    __slots__ = ("file", "kind", "lines", "ops", "ranks", "streams")
+
+    def __init__(self) -> None:
+        self.kind: str | None = None
+        self.file: str | None = None
+        self.lines: set[int] = set()
+        self.ops: Counter[str] = Counter()
+        self.streams: Counter[int] = Counter()
+        self.ranks: set[int] = set()
+
+
+def _inclusive(root: dict[str, Any]) -> dict[int, tuple[Counter[str], Counter[int]]]:
+    """Inclusive ops and streams of every node, keyed by ``id(node)`` (post-order)."""
+    sums: dict[int, tuple[Counter[str], Counter[int]]] = {}
+    order: list[dict[str, Any]] = []
+    stack = [root]
+    while stack:
+        node = stack.pop()
+        order.append(node)
+        stack.extend(node["children"])
+    for node in reversed(order):
+        ops: Counter[str] = Counter(node["self_ops"])
+        streams: Counter[int] = Counter({int(s): c for s, c in node["self_streams"].items()})
+        for child in node["children"]:
+            child_ops, child_streams = sums[id(child)]
+            ops.update(child_ops)
+            streams.update(child_streams)
+        sums[id(node)] = (ops, streams)
+    return sums
+
+
+def collect_entries(tree: dict[str, Any], depth: int) -> dict[EntryKey, _Entry]:
+    root = tree["root"]
+    sums = _inclusive(root)
+    entries: dict[EntryKey, _Entry] = {}
+    active: Counter[EntryKey] = Counter()
+    # iterative DFS with explicit exit markers, carrying the context's targets
+    stack: list[tuple[dict[str, Any], tuple[str, ...], EntryKey | None]] = [
+        (child, (), None) for child in reversed(root["children"])
+    ]
+    while stack:
+        node, path, leaving = stack.pop()
+        if leaving is not None:
+            active[leaving] -= 1
+            continue
+        target = node_target(node)
+        context = path[-depth:] if depth > 0 else ()
+        key = (target, context)
+        entry = entries.get(key)
+        if entry is None:
+            entry = entries[key] = _Entry()
+        kind = node["kind"]
+        if entry.kind is None or (entry.kind == TORCH_API and kind != TORCH_API):
+            entry.kind = kind
+        if node.get("file") and (entry.file is None or node["file"] < entry.file):
+            entry.file = node["file"]
+        entry.lines.update(node.get("lines", ()))
+        entry.ranks.update(node.get("ranks", ()))
+        if not active[key]:
+            ops, streams = sums[id(node)]
+            entry.ops.update(ops)
+            entry.streams.update(streams)
+        active[key] += 1
+        stack.append((node, path, key))
+        # only the last ``depth`` targets are ever read: keep no more (a deep tree's
+        # paths would otherwise cost memory quadratic in its depth)
+        child_path = (*path, target)[-depth:] if depth > 0 else ()
+        stack.extend((child, child_path, None) for child in reversed(node["children"]))
+    return entries
+
+
+def run_settings(tree: dict[str, Any], depth: int) -> CommentedMap:
+    """``meta.settings``: how the tree was made (from the compressor's own record in
+    the tree's ``meta.compression``, so another compressor reports what it did) and
+    the context depth; the filter stage adds ``filters``."""
+    made = tree.get("meta", {}).get("compression", {})
+    settings = block_map(
+        (key, flow_seq(made[key]) if isinstance(made[key], list) else made[key])
+        for key in ("min_count", "min_fraction", "chains", "hide", "focus", "ignore")
+        if key in made
+    )
+    settings["context_depth"] = depth
+    return settings
+
+
+def generate_config(tree: dict[str, Any], source: str, depth: int) -> CommentedMap:
+    """The built-in generator: the config mapping for ``tree``."""
+    meta_ranks = sorted(tree.get("meta", {}).get("ranks", []))
+    entries = collect_entries(tree, depth)
+    out = []
+    for (target, context), entry in sorted(entries.items()):
+        kind = entry.kind or "function"
+        item = CommentedMap()
+        item["target"] = target
+        item["kind"] = kind
+        item["file"] = entry.file
+        item["lines"] = flow_seq(sorted(entry.lines))
+        item["context"] = flow_seq(context)
+        item["tags"] = flow_seq(tags_for(target, kind, entry.ops))
+        item["ops"] = block_map(sorted(entry.ops.items()))
+        item["stream_counts"] = block_map(sorted(entry.streams.items()))
+        item["count"] = sum(entry.ops.values())
+        ranks = sorted(entry.ranks)
+        if ranks != meta_ranks:
+            item["ranks"] = flow_seq(ranks)
+        out.append(item)
+    config = CommentedMap()
+    config["version"] = CONFIG_VERSION
+    config["source"] = source
+    steps = tree.get("meta", {}).get("steps")
+    known_steps = isinstance(steps, int) and not isinstance(steps, bool)
+    config["meta"] = block_map(
+        [
+            ("ranks", flow_seq(meta_ranks)),
+            ("total", tree["root"]["count"]),
+            ("sources", flow_seq([source])),
+            *([("steps", flow_map([(source, steps)]))] if known_steps else []),
+            ("settings", run_settings(tree, depth)),
+        ]
+    )
+    config["entries"] = out
+    return config
+
+
+@hookimpl(trylast=True)
+def opguard_generate(tree: dict[str, Any], source: str, options: RunOptions) -> CommentedMap:
+    return generate_config(tree, source, options.context_depth)

@@ -1,0 +1,169 @@
+"""Stage 6, merge: combine two configs entry by entry (formats.md §3).
+
+Entries match on (``target``, ``context``): ``ops`` and ``stream_counts`` add per
+key, ``count`` adds, ``tags``, ``lines`` and ``ranks`` become sorted unions.
+Unmatched entries are kept. The left config's mappings are reused, so comments a
+person wrote there survive; so do the right's, where the left has none on a key,
+and the comment lines above an entry in either (the left's first). ``meta.ranks`` is
+the union, ``meta.total`` the sum, and ``source`` lists every merged source, sorted,
+joined by ``+``.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+from ruamel.yaml.comments import CommentedMap, CommentedSeq
+
+from opguard_core import hookimpl
+from opguard_core.formats.config import (
+    block_map,
+    entry_comments,
+    entry_key,
+    flow_map,
+    flow_seq,
+    set_entry_comments,
+)
+from opguard_core.formats.tree import TORCH_API
+from opguard_core.formats.values import same_json, value_order
+
+_ENTRY_FIELDS = frozenset(
+    {"target", "context", "kind", "file", "lines", "tags", "ops", "stream_counts", "count", "ranks"}
+)
+
+
+def _carry_extras(into: dict[str, Any], other: dict[str, Any], known: frozenset[str]) -> None:
+    """Carry fields this version does not know. On a conflict the value whose repr sorts
+    first wins, which keeps merging associative and commutative; values are compared
+    by type and value (``1``, ``true`` and ``1.0`` conflict: ``opguard_core.formats.values``)."""
+    for field, value in other.items():
+        if field in known:
+            continue
+        if field not in into or (
+            not same_json(into[field], value) and value_order(value) < value_order(into[field])
+        ):
+            into[field] = copy.deepcopy(value)
+
+
+def _sorted_union(a: Any, b: Any) -> CommentedSeq:
+    return flow_seq(sorted(set(a or ()) | set(b or ())))
+
+
+def _keep_comments(into: CommentedMap, *sources: Any) -> None:
+    """Comments a person wrote on keys of ``sources`` move to the same keys of
+    ``into`` (the first source wins where both have one)."""
+    for source in reversed(sources):
+        if isinstance(source, CommentedMap):
+            for key, comment in source.ca.items.items():
+                if key in into:
+                    into.ca.items[key] = comment
+
+
+def _add_counts(a: Any, b: Any) -> CommentedMap:
+    total: dict[Any, int] = dict(a or {})
+    for key, value in (b or {}).items():
+        total[key] = total.get(key, 0) + value
+    summed = block_map(sorted(total.items()))
+    _keep_comments(summed, a, b)
+    return summed
+
+
+def _entry_ranks(entry: dict[str, Any], meta_ranks: list[int]) -> list[int]:
+    return list(entry["ranks"]) if "ranks" in entry else list(meta_ranks)
+
+
+def _merge_kind(a: str | None, b: str | None) -> str | None:
+    """A frame's kind wins over ``torch_api``; otherwise the smaller name, for determinism."""
+    kinds = [k for k in (a, b) if k is not None]
+    frames = [k for k in kinds if k != TORCH_API]
+    return min(frames or kinds) if kinds else None
+
+
+def merge_entries(
+    left: CommentedMap, right: dict[str, Any], left_ranks: list[int], right_ranks: list[int]
+) -> CommentedMap:
+    """Merge ``right`` into ``left`` (same key) and return ``left``."""
+    _carry_extras(left, right, _ENTRY_FIELDS)
+    _keep_comments(left, left, right)
+    mine = entry_comments(left)
+    theirs = [line for line in entry_comments(right) if line not in mine]
+    if theirs:
+        set_entry_comments(left, mine + theirs)
+    kind = _merge_kind(left.get("kind"), right.get("kind"))
+    if kind is not None:
+        left["kind"] = kind
+    files = [f for f in (left.get("file"), right.get("file")) if f]
+    left["file"] = min(files) if files else None
+    left["lines"] = _sorted_union(left.get("lines"), right.get("lines"))
+    left["tags"] = _sorted_union(left.get("tags"), right.get("tags"))
+    left["ops"] = _add_counts(left.get("ops"), right.get("ops"))
+    left["stream_counts"] = _add_counts(left.get("stream_counts"), right.get("stream_counts"))
+    left["count"] = int(left.get("count", 0)) + int(right.get("count", 0))
+    left["ranks"] = _sorted_union(_entry_ranks(left, left_ranks), _entry_ranks(right, right_ranks))
+    return left
+
+
+def _merge_steps(a: Any, b: Any) -> CommentedMap:
+    """``meta.steps`` (source -> steps) of both: the union; where both name a source
+    with different values, the one whose repr sorts first (associative, commutative)."""
+    steps: dict[Any, Any] = dict(a or {})
+    for source, value in (b or {}).items():
+        if source not in steps or repr(value) < repr(steps[source]):
+            steps[source] = value
+    return flow_map(sorted(steps.items(), key=lambda kv: str(kv[0])))
+
+
+def _sources(config: dict[str, Any]) -> set[str]:
+    return set(str(config.get("source", "")).split("+")) - {""}
+
+
+def merge_configs(left: CommentedMap, right: CommentedMap) -> CommentedMap:
+    """The built-in merge. ``left`` is copied, never changed in place."""
+    result = copy.deepcopy(left)
+    left_meta = result.get("meta") or {}
+    right_meta = right.get("meta") or {}
+    left_ranks = list(left_meta.get("ranks", []))
+    right_ranks = list(right_meta.get("ranks", []))
+    all_ranks = sorted(set(left_ranks) | set(right_ranks))
+    by_key: dict[Any, CommentedMap] = {}
+    for entry in result["entries"]:
+        by_key[entry_key(entry)] = entry
+        if "ranks" not in entry and left_ranks != all_ranks:
+            entry["ranks"] = flow_seq(left_ranks)
+    for entry in right["entries"]:
+        key = entry_key(entry)
+        mine = by_key.get(key)
+        if mine is None:
+            mine = by_key[key] = copy.deepcopy(entry)
+            if "ranks" not in mine:
+                mine["ranks"] = flow_seq(right_ranks)
+        else:
+            merge_entries(mine, entry, left_ranks, right_ranks)
+    entries = []
+    for key in sorted(by_key):
+        entry = by_key[key]
+        if "ranks" in entry and sorted(entry["ranks"]) == all_ranks:
+            del entry["ranks"]
+        entries.append(entry)
+    meta = CommentedMap(left_meta)
+    _carry_extras(meta, right_meta, frozenset({"ranks", "total", "sources", "steps"}))
+    meta["ranks"] = flow_seq(all_ranks)
+    meta["total"] = int(left_meta.get("total", 0)) + int(right_meta.get("total", 0))
+    if "sources" in left_meta or "sources" in right_meta:
+        meta["sources"] = _sorted_union(left_meta.get("sources"), right_meta.get("sources"))
+    if "steps" in left_meta or "steps" in right_meta:
+        meta["steps"] = _merge_steps(left_meta.get("steps"), right_meta.get("steps"))
+    meta.fa.set_block_style()
+    _keep_comments(meta, left_meta, right_meta)
+    result["meta"] = meta
+    result["source"] = "+".join(sorted(_sources(left) | _sources(right)))
+    _carry_extras(result, right, frozenset({"version", "source", "meta", "entries"}))
+    seq = CommentedSeq(entries)
+    result["entries"] = seq
+    return result
+
+
+@hookimpl(trylast=True)
+def opguard_merge(left: CommentedMap, right: CommentedMap) -> CommentedMap:
+    return merge_configs(left, right)

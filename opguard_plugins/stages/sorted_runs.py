@@ -1,0 +1,293 @@
+"""Sorted paths and the runs of callsites below every call-tree node (compress).
+
+:func:`opguard_plugins.stages.compress.build_tree` sorts every callsite's *path* (the
+fixed-width ids of its nodes' identities, as bytes), so the callsites below any node
+form one contiguous run. :class:`PyRuns` answers what the build asks of those runs:
+where a run of equal next id ends, its weight (a difference of prefix sums), its
+ranks, the ops and streams it folds into a node, how many nodes the unpruned tree
+has, and the search for rank-divergent nodes below the fraction threshold.
+
+:class:`PyRuns` is the reference implementation. The C extension
+``opguard_plugins.stages._runs`` (built by ``setup.py`` where a compiler is found) provides
+the same type, which does each of these without a Python-level step per callsite
+(docs/performance.md, "Compiled per-site work"); and ``callsite_paths``, which builds
+the paths, ``frames_at``, which reads a node's frames, and ``visible_frames``, every
+stack's visible frames and calling function for divergence.
+``OPGUARD_COMPRESS_RUNS=python`` forces the references.
+"""
+
+from __future__ import annotations
+
+import os
+from array import array
+from bisect import bisect_right
+from functools import reduce
+from itertools import accumulate, pairwise
+from operator import itemgetter, or_
+from typing import Any, NamedTuple
+
+
+class PyRuns:
+    """The sorted ``paths`` (bytes, ``width`` bytes an id) of a trace's callsites,
+    with each one's ``counts``, rank ``masks`` (``all_mask``: every rank), ``ops``
+    and ``streams``; positions are indices into the sorted order."""
+
+    def __init__(
+        self,
+        paths: list[bytes],
+        counts: list[int],
+        masks: list[int],
+        all_mask: int,
+        ops: list[str],
+        streams: list[int],
+        width: int,
+    ) -> None:
+        self.paths = list(paths)
+        self.counts = list(counts)
+        self.masks = list(masks)
+        self.all_mask = all_mask
+        self.ops = list(ops)
+        self.streams = list(streams)
+        self.width = width
+        self.below = [0, *accumulate(self.counts)]
+        # a run's ranks are all of them as soon as it has one callsite seen on every
+        # rank (a callsite's ranks are a subset of the trace's: formats.md §1)
+        self.full = [0, *accumulate(mask == all_mask for mask in self.masks)]
+        # changes[i]: how many j < i have masks[j] != masks[j - 1]; a run [s, e) has
+        # one mask for all its callsites when changes[e] == changes[s + 1]
+        self.changes = [0, 0, *accumulate(a != b for a, b in pairwise(self.masks))]
+
+    def weight(self, start: int, end: int) -> int:
+        """The total count of positions ``start`` to ``end`` (exclusive)."""
+        return self.below[end] - self.below[start]
+
+    def mask(self, start: int, end: int) -> int:
+        """The union of the ranks of positions ``start`` to ``end`` (a non-empty run)."""
+        if self.full[end] > self.full[start]:
+            return self.all_mask
+        if self.changes[end] == self.changes[start + 1]:
+            return self.masks[start]
+        return reduce(or_, self.masks[start:end], 0)
+
+    def uniform(self, start: int, end: int) -> bool:
+        """Whether positions ``start`` to ``end`` all have one mask."""
+        return self.changes[end] == self.changes[start + 1]
+
+    def skip_ended(self, own: int, start: int, end: int) -> int:
+        """The first position from ``start`` whose path is longer than ``own`` bytes
+        (paths ending at the node come first in its run: a prefix sorts first)."""
+        paths = self.paths
+        while start < end and len(paths[start]) == own:
+            start += 1
+        return start
+
+    def run_end(self, own: int, start: int, end: int) -> int:
+        """The end of the run from ``start`` whose id at byte ``own`` is the same."""
+        at = slice(own, own + self.width)
+        return bisect_right(self.paths, self.paths[start][at], start, end, key=itemgetter(at))
+
+    def id_at(self, own: int, position: int) -> bytes:
+        """The id (``width`` bytes) of ``position``'s path at byte ``own``."""
+        return self.paths[position][own : own + self.width]
+
+    def ranked_prefix(self, own: int, position: int, ranks: array[int]) -> bytes:
+        """The whole 4-byte ids of the first ``own`` bytes of ``position``'s path, each
+        replaced by ``ranks[id]`` (big-endian): bytes that sort as the tuples of ranks."""
+        prefix = self.paths[position][: max(own, 0)]
+        ids = [int.from_bytes(prefix[j : j + 4], "big") for j in range(0, len(prefix) - 3, 4)]
+        return b"".join(ranks[i].to_bytes(4, "big") for i in ids)
+
+    def tally(self, start: int, end: int, ops: dict[str, int], streams: dict[int, int]) -> None:
+        """Add the counts of positions ``start`` to ``end`` to ``ops`` and ``streams``
+        (by each position's op and stream)."""
+        counts, my_ops, my_streams = self.counts, self.ops, self.streams
+        for position in range(start, end):
+            count = counts[position]
+            op, stream = my_ops[position], my_streams[position]
+            ops[op] = ops.get(op, 0) + count
+            streams[stream] = streams.get(stream, 0) + count
+
+    def distinct_prefixes(self) -> int:
+        """The number of distinct non-empty path prefixes of whole ids: the nodes of
+        the unpruned tree below its root (each path's length minus its common prefix
+        with the previous one, in ids)."""
+        width, total, previous = self.width, 0, b""
+        for path in self.paths:
+            size = min(len(previous), len(path))
+            difference = int.from_bytes(previous[:size], "big") ^ int.from_bytes(path[:size], "big")
+            shared = (size * 8 - difference.bit_length()) // 8
+            total += len(path) // width - shared // width
+            previous = path
+        return total
+
+    def divergent(
+        self, floor: int, rank_floor: int
+    ) -> tuple[list[int], list[tuple[int, int]], list[tuple[int, int]]]:
+        """The search for divergent nodes below ``floor`` (an int: a weight is kept at
+        ``weight >= floor``): every node met below the skeleton of nodes at or above
+        ``floor`` whose weight is at least ``rank_floor``, as ``parent_of`` (by node
+        id; -1: a node at or above ``floor``), ``idents`` ((path length, run start) by
+        node id) and ``found`` ((weight, node id) of each whose ranks differ from its
+        parent's). Nothing is materialised; ids are given in the order nodes are met."""
+        width, paths = self.width, self.paths
+        parent_of: list[int] = []
+        idents: list[tuple[int, int]] = []
+        found: list[tuple[int, int]] = []
+        search: list[tuple[int, int, int, int, int]] = []
+        skeleton = [(0, 0, len(paths), self.all_mask)]
+        while skeleton:  # the nodes at or above floor (as the build makes them)
+            own, start, end, mask = skeleton.pop()
+            start = self.skip_ended(own, start, end)
+            while start < end:
+                stop = self.run_end(own, start, end)
+                weight = self.weight(start, stop)
+                if weight >= floor:
+                    skeleton.append((own + width, start, stop, self.mask(start, stop)))
+                elif weight >= rank_floor:
+                    search.append((own + width, start, stop, mask, -1))
+                start = stop
+        while search:  # below floor: every node that is or may hold a divergent one
+            own, start, end, parent_mask, parent = search.pop()
+            weight = self.weight(start, end)
+            if weight < rank_floor:
+                continue  # counts only shrink downwards: nothing below qualifies
+            node = len(parent_of)
+            parent_of.append(parent)
+            idents.append((own, start))
+            mask = self.mask(start, end)
+            if mask != parent_mask:
+                found.append((weight, node))
+            if self.uniform(start, end):
+                continue  # one mask for every callsite: every node below has it
+            start = self.skip_ended(own, start, end)
+            while start < end:
+                stop = self.run_end(own, start, end)
+                search.append((own + width, start, stop, mask, node))
+                start = stop
+        return parent_of, idents, found
+
+
+class PathTables(NamedTuple):
+    """What a callsite's path is made from, as int32 arrays (``array("i")``).
+
+    By frame id: the frame's identity key id (-1: a hidden frame), and its qualname,
+    its module (-1: none) and whether the module is ``torch.*``; by api index: the
+    api's key id, qualname and module (-2: no frame has it) and whether its module is
+    ``torch``. Qualnames and modules are numbered in one table each, so equal ids are
+    equal strings (:func:`opguard_plugins.stages.compress.api_replaces_frame` on ids).
+    """
+
+    frame_keys: array[int]
+    frame_quals: array[int]
+    frame_mods: array[int]
+    frame_torch: array[int]
+    api_keys: array[int]
+    api_quals: array[int]
+    api_mods: array[int]
+    api_torch: array[int]
+
+
+def py_callsite_paths(
+    stacks: list[tuple[int, ...]],
+    apis: list[str | None],
+    api_index: dict[str, int],
+    tables: PathTables,
+    width: int,
+) -> tuple[list[bytes], list[bytes]]:
+    """Every callsite's path (the key ids of its visible frames, then its api's) and
+    frame path (its visible frame ids), ``width`` bytes an id, big-endian. An api
+    whose own Python function is the last visible frame replaces that frame."""
+    keys = tables.frame_keys
+    key_chunks = [b"" if key < 0 else key.to_bytes(width, "big") for key in keys]
+    frame_chunks = [b"" if key < 0 else fid.to_bytes(width, "big") for fid, key in enumerate(keys)]
+    api_chunks = [key.to_bytes(width, "big") for key in tables.api_keys]
+    quals, mods, torch = tables.frame_quals, tables.frame_mods, tables.frame_torch
+    api_quals, api_mods, api_torch = tables.api_quals, tables.api_mods, tables.api_torch
+    join = b"".join
+    paths: list[bytes] = []
+    frame_paths: list[bytes] = []
+    # a combined trace's callsites share one tuple per distinct stack (fewer stacks
+    # than callsites): its paths are built once, keyed by the tuple's identity
+    stack_paths: dict[int, tuple[bytes, bytes]] = {}
+    for stack, api in zip(stacks, apis, strict=True):
+        known = stack_paths.get(id(stack))
+        if known is None:
+            known = stack_paths[id(stack)] = (
+                join([key_chunks[fid] for fid in stack]),
+                join([frame_chunks[fid] for fid in stack]),
+            )
+        path, frame_path = known
+        if api is not None:
+            index = api_index[api]
+            if frame_path:
+                last = int.from_bytes(frame_path[-width:], "big")
+                if (
+                    mods[last] >= 0
+                    and quals[last] == api_quals[index]
+                    and (mods[last] == api_mods[index] or (api_torch[index] and torch[last]))
+                ):
+                    path, frame_path = path[:-width], frame_path[:-width]
+            path += api_chunks[index]
+        paths.append(path)
+        frame_paths.append(frame_path)
+    return paths, frame_paths
+
+
+def py_frames_at(
+    frame_paths: list[bytes], origins: list[int], own: int, start: int, end: int
+) -> tuple[int, list[int]]:
+    """Over positions ``start`` to ``end`` of the sorted frame paths (4-byte big-endian
+    frame ids): the frame id at byte ``own`` of the position whose origin (index in
+    trace order) is least, and every distinct frame id there, ascending."""
+    at = slice(own, own + 4)
+    first = min(range(start, end), key=origins.__getitem__)
+    chunks = set(map(itemgetter(at), frame_paths[start:end]))
+    return int.from_bytes(frame_paths[first][at], "big"), sorted(
+        int.from_bytes(chunk, "big") for chunk in chunks
+    )
+
+
+def py_visible_frames(
+    stacks: list[tuple[int, ...]], hidden: bytes, user: bytes
+) -> tuple[list[list[int]], list[int | None]]:
+    """Per stack, its frame ids without the hidden ones (one list per distinct tuple
+    object: a combined trace's callsites share one per stack) and its caller: the
+    position of the innermost visible user frame, else of the innermost visible
+    frame, else None (``hidden`` and ``user``: bytes by frame id, non-zero for true)."""
+    known: dict[int, tuple[list[int], int | None]] = {}
+    visible: list[list[int]] = []
+    callers: list[int | None] = []
+    for stack in stacks:
+        found = known.get(id(stack))
+        if found is None:
+            frames = [fid for fid in stack if not hidden[fid]]
+            caller = len(frames) - 1 if frames else None
+            for position in range(len(frames) - 1, -1, -1):
+                if user[frames[position]]:
+                    caller = position
+                    break
+            found = known[id(stack)] = (frames, caller)
+        visible.append(found[0])
+        callers.append(found[1])
+    return visible, callers
+
+
+def _implementation() -> tuple[type, Any, Any, Any]:
+    if os.environ.get("OPGUARD_COMPRESS_RUNS") == "python":
+        return PyRuns, py_callsite_paths, py_frames_at, py_visible_frames
+    try:
+        from opguard_plugins.stages._runs import (  # type: ignore[import-not-found,unused-ignore]
+            Runs,
+            callsite_paths,
+            frames_at,
+            visible_frames,
+        )
+    except ImportError:
+        return PyRuns, py_callsite_paths, py_frames_at, py_visible_frames
+    runs: type = Runs
+    return runs, callsite_paths, frames_at, visible_frames
+
+
+#: the implementations in use: the runs type, the paths builder and a node's frames
+#: (compress), and the visible frames (divergence)
+Runs, callsite_paths, frames_at, visible_frames = _implementation()

@@ -1,0 +1,329 @@
+"""Built-in plugin: commands on existing configs (docs/configs.md).
+
+``opguard compare BASE OTHER``, ``opguard merge A B [C…] -o OUT``, ``opguard filter
+CONFIG -o OUT`` and ``opguard show CONFIG``. Each CONFIG may be a config file or a
+run directory: its final config (the filtered one when the run filtered), or for
+``filter`` the final config before filtering. They do what the run does, with the
+run's code: compare's difference is :func:`opguard_plugins.stages.compare.diff_configs`,
+merge folds through the ``opguard_merge`` hook, filter runs the run's filter chain
+(:mod:`opguard_core.configs.chain`, installed filter plugins included), and
+``--focus``/``--ignore`` are :mod:`opguard_core.configs.selection`'s.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, cast
+
+import click
+from click.decorators import FC
+from ruamel.yaml.comments import CommentedMap
+
+from opguard_core import hookimpl
+from opguard_core.cli.app import basic_options, check_basic
+from opguard_core.configs.chain import (
+    active_filters,
+    apply_filters,
+    fold,
+    settings_of,
+)
+from opguard_core.configs.selection import PatternError, Selection, select_entries
+from opguard_core.errors import ExitCode, reported_errors
+from opguard_core.files.atomic import atomic_write_text
+from opguard_core.formats.config import dump_config, entry_key, flow_seq, load_config
+from opguard_core.logs import get_logger
+from opguard_core.model import RunOptions
+from opguard_core.plugin.manager import OpGuardPluginManager
+from opguard_core.run.summary import run_config
+from opguard_plugins.stages.compare import Sort, diff_configs, diff_to_json, render_diff
+
+#: how many ops ``show`` names per entry
+MAIN_OPS = 3
+
+
+def read_input(path: Path, filtered: bool = True) -> tuple[Path, CommentedMap]:
+    """The config ``path`` names (a file, or a run directory's final config)."""
+    source = run_config(path, filtered) if path.is_dir() else path
+    return source, load_config(source)
+
+
+def _selection(focus: Sequence[str], ignore: Sequence[str]) -> Selection:
+    try:
+        return Selection.of(focus, ignore)
+    except PatternError as exc:
+        raise click.UsageError(str(exc)) from None
+
+
+def _warn_unmatched(selection: Selection) -> None:
+    log = get_logger()
+    for option, pattern in selection.unmatched():
+        log.warning("pattern matched nothing", option=option, pattern=pattern)
+
+
+def _verbose(ctx: click.Context, verbose: int) -> bool:
+    return bool(verbose or (ctx.obj or {}).get("verbose"))
+
+
+def _config_argument(name: str) -> Callable[[FC], FC]:
+    return click.argument(name, type=click.Path(path_type=Path))
+
+
+_verbose_option = click.option("-v", "--verbose", count=True, help="Tracebacks on errors.")
+_focus_option = click.option(
+    "--focus",
+    multiple=True,
+    metavar="REGEX",
+    help="Keep entries with a context frame or target matching REGEX whole (repeatable).",
+)
+_ignore_option = click.option(
+    "--ignore",
+    multiple=True,
+    metavar="REGEX",
+    help="Drop entries with a context frame or target matching REGEX whole (repeatable).",
+)
+_format_option = click.option(
+    "--format", "fmt", type=click.Choice(["text", "json"]), default="text", show_default=True
+)
+
+
+# ------------------------------------------------------------------ compare
+
+
+@click.command("compare")
+@_config_argument("base")
+@_config_argument("other")
+@click.option("--top", type=click.IntRange(min=1), default=None, help="Show N per section.")
+@_format_option
+@click.option(
+    "--sort",
+    type=click.Choice(["delta", "key"]),
+    default="delta",
+    show_default=True,
+    help="Largest change first, or by (target, context).",
+)
+@click.option("--fail-on-change", is_flag=True, help="Exit 1 when the configs differ.")
+@_verbose_option
+@click.pass_context
+def compare(
+    ctx: click.Context,
+    base: Path,
+    other: Path,
+    top: int | None,
+    fmt: str,
+    sort: str,
+    fail_on_change: bool,
+    verbose: int,
+) -> None:
+    """Compare two configs (or run directories): totals, only in one, changed."""
+    with reported_errors(_verbose(ctx, verbose)):
+        base_path, first = read_input(base)
+        other_path, second = read_input(other)
+        diff = diff_configs(first, second, str(base_path), str(other_path))
+    if fmt == "json":
+        click.echo(json.dumps(diff_to_json(diff, cast(Sort, sort), top), indent=2))
+    else:
+        click.echo(render_diff(diff, cast(Sort, sort), top), nl=False)
+    if fail_on_change and diff.differs:
+        ctx.exit(int(ExitCode.STAGE_FAILED))
+
+
+# ------------------------------------------------------------------ merge
+
+
+def make_merge(manager: OpGuardPluginManager) -> click.Command:
+    @click.command("merge")
+    @click.argument("configs", nargs=-1, type=click.Path(path_type=Path))
+    @click.option("-o", "--output", type=click.Path(path_type=Path), required=True)
+    @_verbose_option
+    @click.pass_context
+    def merge(ctx: click.Context, configs: tuple[Path, ...], output: Path, verbose: int) -> None:
+        """Merge configs (or run directories) as the run does: ((A+B)+C)+…"""
+        if len(configs) < 2:
+            raise click.UsageError("give at least two configs to merge")
+        with reported_errors(_verbose(ctx, verbose)):
+            loaded = [read_input(path)[1] for path in configs]
+            merged = fold(manager, loaded)
+            atomic_write_text(output, dump_config(merged))
+        click.echo(str(output))
+
+    return merge
+
+
+# ------------------------------------------------------------------ filter
+
+
+def _record_selection(config: CommentedMap, focus: Sequence[str], ignore: Sequence[str]) -> None:
+    """``meta.settings.filter_focus`` / ``filter_ignore``: the entry patterns applied."""
+    settings = settings_of(config)
+    for key, patterns in (("filter_focus", focus), ("filter_ignore", ignore)):
+        if patterns:
+            settings[key] = flow_seq([*(settings.get(key) or []), *patterns])
+
+
+def make_filter(manager: OpGuardPluginManager) -> click.Command:
+    @click.command("filter")
+    @_config_argument("config")
+    @basic_options
+    @_focus_option
+    @_ignore_option
+    @click.option("-o", "--output", type=click.Path(path_type=Path), required=True)
+    @_verbose_option
+    @click.pass_context
+    def filter_(
+        ctx: click.Context,
+        config: Path,
+        basic: bool,
+        basic_list: Path | None,
+        focus: tuple[str, ...],
+        ignore: tuple[str, ...],
+        output: Path,
+        verbose: int,
+    ) -> None:
+        """Filter a config (or a run's final config) with the run's filter chain."""
+        selection = _selection(focus, ignore)
+        check_basic(manager, basic)
+        options = RunOptions(basic=basic, basic_list=basic_list, verbose=bool(verbose))
+        with reported_errors(_verbose(ctx, verbose)):
+            _, loaded = read_input(config, filtered=False)
+            if selection:
+                loaded["entries"][:] = select_entries(loaded, selection)
+                _warn_unmatched(selection)
+                _record_selection(loaded, focus, ignore)
+            filtered, _ = apply_filters(active_filters(manager, options), loaded, options)
+            atomic_write_text(output, dump_config(filtered))
+        click.echo(str(output))
+
+    return filter_
+
+
+# ------------------------------------------------------------------ show
+
+
+def show_rows(
+    config: dict[str, Any],
+    selection: Selection,
+    tags: Sequence[str] = (),
+    top: int | None = None,
+) -> tuple[list[dict[str, Any]], int]:
+    """The entries ``show`` lists, largest count first (ties by key), cut to ``top``;
+    and how many were selected before the cut."""
+    total = int((config.get("meta") or {}).get("total", 0) or 0)
+    wanted = set(tags)
+    chosen = [e for e in select_entries(config, selection) if wanted <= set(e.get("tags") or ())]
+    chosen.sort(key=lambda e: (-int(e.get("count", 0)), entry_key(e)))
+    rows = []
+    for entry in chosen[:top] if top else chosen:
+        count = int(entry.get("count", 0))
+        ops = sorted((entry.get("ops") or {}).items(), key=lambda kv: (-kv[1], kv[0]))
+        rows.append(
+            {
+                "target": str(entry["target"]),
+                "context": [str(c) for c in entry.get("context") or ()],
+                "kind": entry.get("kind"),
+                "count": count,
+                "share": round(count / total, 6) if total else None,
+                "main_ops": [{"op": str(op), "count": int(n)} for op, n in ops[:MAIN_OPS]],
+                "tags": [str(t) for t in entry.get("tags") or ()],
+            }
+        )
+    return rows, len(chosen)
+
+
+def _cells(row: dict[str, Any]) -> list[str]:
+    share = "" if row["share"] is None else f"{100 * row['share']:.1f}%"
+    ops = ", ".join(f"{o['op']} {o['count']}" for o in row["main_ops"])
+    return [str(row["count"]), share, row["target"], " > ".join(row["context"]), ops]
+
+
+HEADERS = ["count", "share", "target", "context", "main ops"]
+
+
+def plain_table(rows: list[dict[str, Any]]) -> str:
+    """The rows as aligned text (numbers right-aligned, no trailing spaces)."""
+    cells = [HEADERS, *[_cells(r) for r in rows]]
+    widths = [max(len(c[i]) for c in cells) for i in range(len(HEADERS))]
+    lines = []
+    for line in cells:
+        parts = [
+            text.rjust(width) if i < 2 else text.ljust(width)
+            for i, (text, width) in enumerate(zip(line, widths, strict=True))
+        ]
+        lines.append("  ".join(parts).rstrip())
+    return "\n".join(lines) + "\n"
+
+
+def _on_terminal() -> bool:
+    return sys.stdout.isatty()
+
+
+def _rich_table(title: str, rows: list[dict[str, Any]]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=title, title_justify="left")
+    for i, header in enumerate(HEADERS):
+        table.add_column(header, justify="right" if i < 2 else "left", overflow="fold")
+    for row in rows:
+        table.add_row(*_cells(row))
+    Console().print(table)
+
+
+@click.command("show")
+@_config_argument("config")
+@click.option(
+    "--top", type=click.IntRange(min=0), default=20, show_default=True, help="0 shows all."
+)
+@_focus_option
+@_ignore_option
+@click.option("--tag", "tags", multiple=True, metavar="TAG", help="Only entries with TAG.")
+@_format_option
+@_verbose_option
+@click.pass_context
+def show(
+    ctx: click.Context,
+    config: Path,
+    top: int,
+    focus: tuple[str, ...],
+    ignore: tuple[str, ...],
+    tags: tuple[str, ...],
+    fmt: str,
+    verbose: int,
+) -> None:
+    """The largest entries of a config (or a run's final config), like pprof -top."""
+    selection = _selection(focus, ignore)
+    with reported_errors(_verbose(ctx, verbose)):
+        path, loaded = read_input(config)
+    rows, selected = show_rows(loaded, selection, tags, top or None)
+    _warn_unmatched(selection)
+    meta = loaded.get("meta") or {}
+    head = {
+        "config": str(path),
+        "source": loaded.get("source"),
+        "total": int(meta.get("total", 0) or 0),
+        "ranks": [int(r) for r in meta.get("ranks", [])],
+        "entries_in_config": len(loaded["entries"]),
+        "entries_selected": selected,
+        "shown": len(rows),
+    }
+    if fmt == "json":
+        click.echo(json.dumps({**head, "entries": rows}, indent=2))
+        return
+    title = (
+        f"{head['config']}: {head['source']}, {head['total']} ops on ranks {head['ranks']}; "
+        f"showing {len(rows)} of {selected} entries ({head['entries_in_config']} in the config)"
+    )
+    if _on_terminal():
+        _rich_table(title, rows)
+    else:
+        click.echo(title)
+        click.echo(plain_table(rows), nl=False)
+
+
+@hookimpl
+def opguard_register_commands(cli: click.Group, manager: OpGuardPluginManager) -> None:
+    """Add ``opguard compare``, ``merge``, ``filter`` and ``show``."""
+    for command in (compare, make_merge(manager), make_filter(manager), show):
+        cli.add_command(command)

@@ -1,0 +1,177 @@
+"""Built-in plugin: ``opguard export SRC --format NAME [-o OUT]``.
+
+SRC is a callsite trace (a rank file or ``{name}_combined.json``) or a compressed
+call tree (``{name}_compressed.json``). A trace is folded into a tree by the
+built-in compressor with no thresholds and no chain folding (nothing is pruned) and the default hide
+patterns unless ``--no-default-hide``; then ``--hide``, ``--focus`` and ``--ignore``
+apply to the tree's stacks, and the writer that a plugin's
+``opguard_export_formats`` names (built-ins: ``export_formats.py``) writes OUT.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import click
+
+from opguard_core import hookimpl
+from opguard_core.combine.accumulator import TraceAccumulator
+from opguard_core.configs.selection import PatternError, Selection, compile_patterns
+from opguard_core.errors import PluginError, reported_errors
+from opguard_core.files.atomic import atomic_write_bytes
+from opguard_core.formats.stacks import Stack, tree_stacks
+from opguard_core.formats.trace import read_bytes
+from opguard_core.formats.tree import TREE_FORMAT, check_tree, checked_tree, decode_json
+from opguard_core.model import RunOptions
+from opguard_core.plugin.manager import OpGuardPluginManager, call_impl
+from opguard_plugins.stages.compress import compress_trace
+
+Writer = Callable[[list[Stack]], bytes]
+SUFFIX = {"collapsed": ".folded", "speedscope": ".speedscope.json", "pprof": ".pb.gz"}
+
+
+def export_formats(manager: OpGuardPluginManager) -> dict[str, Writer]:
+    """Every format any plugin names; the first plugin in call order keeps a name."""
+    found: dict[str, Writer] = {}
+    for impl in manager.implementations("opguard_export_formats"):
+        try:
+            result = call_impl(impl, {}) or {}
+        except Exception as exc:
+            raise PluginError(
+                f'plugin "{impl.plugin_name}": opguard_export_formats: {exc}'
+            ) from exc
+        for name, writer in result.items():
+            found.setdefault(name, writer)
+    return found
+
+
+def load_source(path: Path, default_hide: bool = True) -> dict[str, Any]:
+    """The call tree of SRC: a compressed tree as it is, a trace compressed unpruned."""
+    head = decode_json(read_bytes(path), path)
+    if isinstance(head, dict) and head.get("format") == TREE_FORMAT:
+        return checked_tree(head, path)
+    del head
+    accumulator = TraceAccumulator()
+    accumulator.add_file(path)
+    trace = accumulator.result()
+    options = RunOptions(min_count=1, min_fraction=0.0, chains=False, default_hide=default_hide)
+    tree = compress_trace(trace, options)
+    check_tree(tree, expected_total=trace.total)
+    return tree
+
+
+def select_stacks(
+    stacks: list[Stack],
+    hide: Sequence[str] = (),
+    focus: Sequence[str] = (),
+    ignore: Sequence[str] = (),
+) -> list[Stack]:
+    """Drop hidden frames (their callees move up), keep stacks with a frame matching
+    ``focus`` (all when empty), then drop stacks with a frame matching ``ignore``.
+
+    A pattern matches a frame name (``module:qualname``, or the op) whole. Every
+    pattern is compiled and matched on its own, as in ``opguard run``
+    (:mod:`opguard_core.configs.selection`): never joined into one alternation, where inline
+    flags, group names and backreferences would change meaning or fail.
+    """
+    hidden = compile_patterns(hide, "--hide")
+    selection = Selection.of(focus, ignore)
+    out = []
+    for stack in stacks:
+        frames = stack.frames
+        if hidden:
+            frames = tuple(f for f in frames if not any(h.fullmatch(f) for h in hidden))
+        if selection and not selection.keeps((*frames, stack.op)):
+            continue
+        out.append(stack._replace(frames=frames))
+    return out
+
+
+def _regexes(
+    ctx: click.Context, param: click.Parameter, values: tuple[str, ...]
+) -> tuple[str, ...]:
+    try:
+        compile_patterns(values, f"--{param.name}")
+    except PatternError as exc:
+        raise click.BadParameter(str(exc)) from None
+    return values
+
+
+def make_command(manager: OpGuardPluginManager) -> click.Command:
+    @click.command("export")
+    @click.argument("src", type=click.Path(path_type=Path))
+    @click.option(
+        "--format",
+        "fmt",
+        required=True,
+        metavar="NAME",
+        help="collapsed, speedscope, pprof, or a plugin's format.",
+    )
+    @click.option(
+        "-o",
+        "--output",
+        type=click.Path(path_type=Path),
+        help="Output file (default: SRC's stem + the format's suffix).",
+    )
+    @click.option(
+        "--hide",
+        multiple=True,
+        metavar="REGEX",
+        callback=_regexes,
+        help="Hide frames matching REGEX whole (repeatable).",
+    )
+    @click.option(
+        "--focus",
+        multiple=True,
+        metavar="REGEX",
+        callback=_regexes,
+        help="Keep only stacks with a frame matching REGEX (repeatable).",
+    )
+    @click.option(
+        "--ignore",
+        multiple=True,
+        metavar="REGEX",
+        callback=_regexes,
+        help="Drop stacks with a frame matching REGEX (repeatable).",
+    )
+    @click.option(
+        "--no-default-hide", is_flag=True, help="For a trace SRC: keep the default plumbing frames."
+    )
+    @click.option("-v", "--verbose", count=True, help="Tracebacks on errors.")
+    @click.pass_context
+    def export(
+        ctx: click.Context,
+        src: Path,
+        fmt: str,
+        output: Path | None,
+        hide: tuple[str, ...],
+        focus: tuple[str, ...],
+        ignore: tuple[str, ...],
+        no_default_hide: bool,
+        verbose: int,
+    ) -> None:
+        """Write SRC (a callsite trace or a compressed tree) as a flame-graph file."""
+        writers = export_formats(manager)
+        if fmt not in writers:
+            raise click.BadParameter(
+                f"{fmt!r}: not one of {', '.join(sorted(writers))}", param_hint="--format"
+            )
+        with reported_errors(bool(verbose or (ctx.obj or {}).get("verbose"))):
+            tree = load_source(src, default_hide=not no_default_hide)
+            stacks = select_stacks(tree_stacks(tree), hide, focus, ignore)
+            data = writers[fmt](stacks)
+            out = output or src.with_name(
+                src.name.removesuffix(".json") + SUFFIX.get(fmt, f".{fmt}")
+            )
+            atomic_write_bytes(out, data)
+        click.echo(str(out))
+
+    return export
+
+
+@hookimpl
+def opguard_register_commands(cli: click.Group, manager: OpGuardPluginManager) -> None:
+    """Add ``opguard export``; its ``--format`` choices come from ``manager``'s plugins."""
+    cli.add_command(make_command(manager))
