@@ -177,7 +177,7 @@ def test_plugin_returning_duplicate_entry_names_is_refused(tmp_path: Path) -> No
     manager.register(_Twice((sample,)), name="twice")
     runner = Runner(manager, ["t.json"], RunOptions(base_dir=tmp_path), output_base=tmp_path / "o")
     assert int(runner.run()) == 1
-    [discover] = [r for r in runner.records if r.stage == "discover"]
+    [discover] = [r for r in runner.recorder.records if r.stage == "discover"]
     assert discover.status == "failed"
     assert "'twice'" in (discover.error or "") and "duplicate entry name 'x'" in (
         discover.error or ""

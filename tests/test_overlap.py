@@ -273,17 +273,17 @@ def test_the_helper_writes_the_combined_trace_of_a_single_rank_entry(
 
 WRITE_FAILS = """
     import errno
-    from opguard_core.run import helper as entry_helper
     from opguard_core.errors import WriteError
+    from opguard_core.run import steps
 
-    real_write = entry_helper.atomic_write_parts
+    real_write = steps.atomic_write_parts
 
     def write(path, data):
         if path.name.endswith("_combined.json"):
             {action}
         real_write(path, data)
 
-    entry_helper.atomic_write_parts = write
+    steps.atomic_write_parts = write
 """
 
 
@@ -339,7 +339,6 @@ def test_an_interrupted_run_removes_what_the_helper_left_half_written(
     the temporary file and does not claim the combined trace."""
     half = run(tmp_path, "half", *sample_inputs(samples, "gpt"), patch="""
         import os, signal, tempfile, time
-        from opguard_core.run import helper as entry_helper
         from opguard_plugins.stages import compress
 
         parent = os.getpid()
@@ -356,8 +355,9 @@ def test_an_interrupted_run_removes_what_the_helper_left_half_written(
             os.kill(os.getpid(), signal.SIGTERM)
             return real_compress(trace, options)
 
-        runner_write = entry_helper.atomic_write_parts
-        entry_helper.atomic_write_parts = write
+        from opguard_core.run import steps
+        runner_write = steps.atomic_write_parts
+        steps.atomic_write_parts = write
         compress.compress_trace = interrupted
     """, split=split)  # fmt: skip
     assert half.exit_code == 130, half.stderr

@@ -402,7 +402,7 @@ def create_cli(
         except OpGuardError as exc:
             click.echo(f"opguard: error: {exc}", err=True)
             ctx.exit(int(ExitCode.STAGE_FAILED))
-        failed = [r for r in runner.records if r.status == "failed"]
+        failed = [r for r in runner.recorder.records if r.status == "failed"]
         for record in failed:
             where = f"{record.stage}" + (f" [{one_line(record.entry)}]" if record.entry else "")
             click.echo(f"opguard: {where} failed: {record.error}", err=True)
@@ -471,7 +471,7 @@ def create_cli(
 
 def _output_base(explicit: Path | None) -> Path:
     """The run's output base, checked: one line and exit 2 when it cannot be used."""
-    from opguard_core.run.runner import OUTPUT_BASE_ENV, trace_output_base
+    from opguard_core.files.output_dirs import OUTPUT_BASE_ENV, trace_output_base
 
     base = trace_output_base(explicit)
     what = "--output-base" if explicit is not None else f"${OUTPUT_BASE_ENV}"

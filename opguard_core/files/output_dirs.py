@@ -120,4 +120,23 @@ def wrap_os_error(what: str, path: Path, exc: OSError) -> OutputLocationError:
     return OutputLocationError(what, path, _problem_of(exc))
 
 
-__all__ = ["OutputLocationError", "prepare_output_dir", "wrap_os_error"]
+OUTPUT_BASE_ENV = "OPGUARD_TRACE_OUTPUT_BASE"
+DEFAULT_OUTPUT_BASE = Path("opguard_traces")
+
+
+def trace_output_base(explicit: Path | None = None) -> Path:
+    """Where run directories go: ``--output-base``, else ``$OPGUARD_TRACE_OUTPUT_BASE``,
+    else ``./opguard_traces``."""
+    if explicit is not None:
+        return explicit
+    env = os.environ.get(OUTPUT_BASE_ENV)
+    return Path(env) if env else DEFAULT_OUTPUT_BASE
+
+
+__all__ = [
+    "OUTPUT_BASE_ENV",
+    "OutputLocationError",
+    "prepare_output_dir",
+    "trace_output_base",
+    "wrap_os_error",
+]

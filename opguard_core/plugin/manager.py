@@ -12,7 +12,7 @@ import dataclasses
 import difflib
 import importlib
 import inspect
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from importlib.metadata import EntryPoint, entry_points
 from typing import Any
 
@@ -199,6 +199,39 @@ class OpGuardPluginManager(pluggy.PluginManager):
             builtin = getattr(plugin, "__name__", "").startswith("opguard_plugins.")
             infos.append(PluginInfo(name, dist, version, hooks, builtin))
         return sorted(infos, key=lambda info: (not info.builtin, info.name))
+
+    def plugin_names(self) -> list[str]:
+        """The loaded plugins, as pytest's ``plugins:`` line names them: a built-in by
+        name, a third-party one as ``name (distribution version)``."""
+        names = []
+        for p in self.describe():
+            origin = " ".join(x for x in (p.distribution or "?", p.version) if x)
+            names.append(p.name if p.builtin else f"{p.name} ({origin})")
+        return names
+
+    def first_result(
+        self,
+        hook_name: str,
+        kwargs: dict[str, Any],
+        only: str | None = None,
+        on_plugin: Callable[[str], None] = lambda name: None,
+    ) -> Any:
+        """The first non-None result of ``hook_name``'s implementations in call order
+        (of plugin ``only``'s, when given), called one at a time so that
+        ``on_plugin(name)`` learns which plugin answers (or raises): pluggy alone does
+        not say. Raises :class:`OpGuardError` when none answers."""
+        impls = self.implementations(hook_name)
+        if only is not None:
+            plugin = self.get_plugin(only)
+            impls = [i for i in impls if i.plugin is plugin]
+        for impl in impls:
+            on_plugin(impl.plugin_name)
+            result = call_impl(impl, kwargs)
+            if result is not None:
+                return result
+        if only is not None:
+            raise OpGuardError(f"plugin {only!r} returned no result for {hook_name}")
+        raise OpGuardError(f"no plugin returned a result for {hook_name}")
 
     def implementations(self, hook_name: str) -> list[pluggy.HookImpl]:
         """Non-wrapper implementations of a hook, in pluggy's call order."""

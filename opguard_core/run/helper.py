@@ -1,38 +1,37 @@
-"""An entry's side work in forked helper processes, beside compress and generate.
+"""An entry's side work in forked helper processes, beside the main line of its steps.
 
-After the combine, two pieces of an entry's work read the combined trace and feed
-nothing the run's own process needs next: encoding and writing
-``{name}_combined.json``, and the divergence stage. On a large entry (at least
-:data:`OVERLAP_MIN_CALLSITES` distinct callsites, ``--jobs`` other than 1, and a
+After a step such as combine, two pieces of an entry's work feed nothing the run's
+own process needs next: the step's deferred writes (encoding and writing
+``{name}_combined.json``) and the side steps that read its result (divergence). On a
+large entry (at least :data:`OVERLAP_MIN_CALLSITES`, ``--jobs`` other than 1, and a
 process that may fork: :func:`opguard_core.run.forked.can_fork`) :class:`EntryHelper`
-runs both in a forked child (:class:`~opguard_core.run.forked.ForkedCall`), or each
-in one of its own on a very large entry (:data:`SPLIT_MIN_CALLSITES`), while the run
-goes on with compress and generate, then records them as if they had run
-in-process: the stage's records, warnings and log events come back and are put in
-place, a failed or missing write fails the combine stage, an interruption kills the
-children and removes what they left half-written. Elsewhere the same work runs
-in-process.
+runs both in a forked child (:class:`~opguard_core.run.forked.ForkedCall`), or each in
+one of its own on a very large entry (:data:`SPLIT_MIN_CALLSITES`), while the run goes
+on with compress and generate. It then records them as if they had run in-process:
+the side steps' records, warnings and log events come back and are put in place
+(:meth:`~opguard_core.run.records.Recorder.absorb`), a failed or missing write fails
+the step that deferred it, an interruption kills the children and removes what they
+left half-written. Elsewhere the same work runs in-process.
+
+The helper knows no stage: it gets the writes, a function that runs the side steps
+with a given recorder, and the names to say what it does.
 """
 
 from __future__ import annotations
 
 import contextlib
 import threading
+from collections.abc import Callable
 from functools import partial
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
-
-import structlog
+from typing import Any
 
 from opguard_core.errors import Interrupted, OpGuardError, one_line
-from opguard_core.files.atomic import atomic_write_parts, remove_temporaries
-from opguard_core.model import StageFailed, StageRecord
+from opguard_core.files.atomic import remove_temporaries
+from opguard_core.model import RunOptions, StageFailed, StageRecord
 from opguard_core.run.forked import ForkedCall, can_fork
-
-if TYPE_CHECKING:
-    from opguard_core.combine.accumulator import CallsiteTrace
-    from opguard_core.model import InputEntry, RunOptions
-    from opguard_core.run.runner import Runner
+from opguard_core.run.records import Event, Recorder
+from opguard_core.run.steps import Write
+from opguard_core.run.warnings import collecting
 
 #: below this many distinct callsites writing the combined trace and the divergence
 #: stage take less time than a fork and a summary exchange are worth
@@ -44,142 +43,123 @@ OVERLAP_MIN_CALLSITES = 20_000
 #: second fork costs more than it saves: docs/performance.md, "Two helpers")
 SPLIT_MIN_CALLSITES = 300_000
 
-#: (logger method, event, fields) of one log call made in the helper
-Event = tuple[str, str, dict[str, Any]]
+#: runs an entry's side steps, recording into the recorder it is given
+SideWork = Callable[[Recorder], None]
 
 
-def overlaps(options: RunOptions, trace: CallsiteTrace) -> bool:
+def overlaps(options: RunOptions, size: int) -> bool:
     """Whether an entry's side work pays to run in a forked helper."""
-    return options.jobs != 1 and len(trace.callsites) >= OVERLAP_MIN_CALLSITES and can_fork()
+    return options.jobs != 1 and size >= OVERLAP_MIN_CALLSITES and can_fork()
 
 
-def write_combined(trace: CallsiteTrace, path: Path) -> str | None:
-    """Encode and write the combined trace atomically; the one-line error, or None."""
-    try:
-        atomic_write_parts(path, trace.json_parts())
-    except MemoryError:
-        return f"{path.name}: out of memory encoding the combined trace"
-    except (OpGuardError, OSError) as exc:
-        return one_line(str(exc))
+def perform(writes: list[Write]) -> str | None:
+    """Do ``writes`` (atomically, in order); the one-line error of the first that
+    failed, or None."""
+    for write in writes:
+        try:
+            write.perform()
+        except MemoryError:
+            return f"{write.path.name}: out of memory encoding it"
+        except (OpGuardError, OSError) as exc:
+            return one_line(str(exc))
     return None
-
-
-class EventRecorder:
-    """A logger for a forked helper: keeps (method, event, fields) of every call, for
-    the parent to log (its logs go where the parent's go, and in order)."""
-
-    def __init__(self, events: list[Event]) -> None:
-        self.events = events
-
-    def __getattr__(self, method: str) -> Any:
-        def record(event: str, **fields: Any) -> None:
-            fields.pop("exc_info", None)  # the exception does not cross processes
-            self.events.append((method, event, fields))
-
-        return record
 
 
 class EntryHelper:
     """One entry's side work running in forked children (see the module docstring)."""
 
-    def __init__(self, runner: Runner, entry: InputEntry, unwritten: Path | None) -> None:
-        self.runner = runner
+    def __init__(self, recorder: Recorder, entry: str, owner: str, writes: list[Write]) -> None:
+        self.recorder = recorder
         self.entry = entry
-        self.unwritten = unwritten
-        #: where the stage's records go in ``runner.records``
-        self.slot = len(runner.records)
-        #: (child, whether it writes, whether it runs the divergence stage)
+        #: the step whose writes these are (failed if they fail)
+        self.owner = owner
+        self.writes = writes
+        #: where the side steps' records go in ``recorder.records``
+        self.slot = len(recorder.records)
+        #: (child, whether it writes, whether it runs the side steps)
         self.jobs: list[tuple[ForkedCall, bool, bool]] = []
 
     @classmethod
     def start(
         cls,
-        runner: Runner,
-        entry: InputEntry,
-        trace: CallsiteTrace,
-        unwritten: Path | None,
-        divergence: bool,
+        recorder: Recorder,
+        entry: str,
+        owner: str,
+        writes: list[Write],
+        side: tuple[str, SideWork] | None,
+        size: int,
+        options: RunOptions,
     ) -> EntryHelper | None:
-        """Write the combined trace to ``unwritten`` (None: the combine wrote it) and
-        run the divergence stage (if ``divergence``): in forked children when that
-        pays (the combine leaves the write to them only then), else here and now
-        (None when nothing was forked). From :data:`SPLIT_MIN_CALLSITES` callsites
-        the two get a child each. Raises ``StageFailed`` when the write fails here."""
-        helper = cls(runner, entry, unwritten)
-        write = unwritten is not None
-        if write or (divergence and overlaps(runner.options, trace)):
-            if write and divergence and len(trace.callsites) >= SPLIT_MIN_CALLSITES:
-                parts = [(True, False), (False, True)]
-            else:
-                parts = [(write, divergence)]
-            for writes, diverges in parts:
-                what = f"divergence of {entry.name}" if diverges else f"writing {unwritten}"
-                job = ForkedCall.start(partial(helper._work, trace, writes, diverges), what)
+        """Do ``writes`` (of step ``owner``) and run the ``side`` steps (their names,
+        and the function that runs them): in forked children when the entry's ``size``
+        makes that pay (:func:`overlaps`; a child each from :data:`SPLIT_MIN_CALLSITES`),
+        else, or where this process may not fork, here and now. None when nothing was
+        forked. Raises ``StageFailed`` when a write fails here."""
+        helper = cls(recorder, entry, owner, writes)
+        write, diverge = bool(writes), side is not None
+        split = size >= SPLIT_MIN_CALLSITES
+        if overlaps(options, size) and (write or diverge):
+            parts = [(True, False), (False, True)] if split and write and diverge else None
+            for writes_here, side_here in parts or [(write, diverge)]:
+                what = (
+                    f"{side[0]} of {entry}" if side_here and side else f"writing {writes[0].path}"
+                )
+                work = partial(helper._work, side[1] if side_here and side else None, writes_here)
+                job = ForkedCall.start(work, what)
                 if job is not None:
-                    helper.jobs.append((job, writes, diverges))
-                    write, divergence = write and not writes, divergence and not diverges
-        if write:  # could not fork after all
-            assert unwritten is not None
-            error = write_combined(trace, unwritten)
+                    helper.jobs.append((job, writes_here, side_here))
+                    write, diverge = write and not writes_here, diverge and not side_here
+        if write:  # not forked
+            error = perform(writes)
             if error is not None:
-                helper._combine_failed(error)
                 helper.cancel()
+                recorder.fail(owner, entry, error)
                 raise StageFailed(error)
-        if divergence:
-            with contextlib.suppress(StageFailed):  # later stages do not need it
-                runner.divergence_stage(entry, trace)
+        if diverge and side is not None:
+            side[1](recorder)
         return helper if helper.jobs else None
 
     def _work(
-        self, trace: CallsiteTrace, write: bool, diverge: bool
-    ) -> tuple[str | None, list[Any], list[Any], list[Event]]:
-        """In a forked child: the write and/or the divergence stage; what they left.
-        Both: the write runs in a thread beside the stage, so that its waits on the
-        disk (the writes, the fsync: 0.19 of its 0.46 s at 4 x 160k) overlap the
-        stage's work instead of adding to it."""
-        runner = self.runner
-        runner.in_helper = True  # the parent alone writes the summary
-        events: list[Event] = []
-        runner.log = EventRecorder(events)
-        mark = len(runner.warnings)
+        self, side: SideWork | None, write: bool
+    ) -> tuple[str | None, list[StageRecord], list[Any], list[Event]]:
+        """In a forked child: the writes and/or the side steps; what they left. Both:
+        the writes run in a thread beside the steps, so that their waits on the disk
+        (the writes, the fsync: 0.19 of 0.46 s at 4 x 160k) overlap the steps' work."""
+        recorder, events = self.recorder.capturing()
         written: list[str | None] = [None]
-        raised: list[BaseException] = []  # what the write raised, raised again here
+        raised: list[BaseException] = []  # what the writes raised, raised again here
         writer: threading.Thread | None = None
         if write:
-            assert self.unwritten is not None
-            path = self.unwritten
 
-            def write_it() -> None:
+            def write_them() -> None:
                 try:
-                    written[0] = write_combined(trace, path)
+                    written[0] = perform(self.writes)
                 except BaseException as exc:
                     raised.append(exc)
 
-            if diverge:
-                writer = threading.Thread(target=write_it, name="opguard-write")
+            if side is not None:
+                writer = threading.Thread(target=write_them, name="opguard-write")
                 writer.start()
             else:
-                write_it()
-        if diverge:
-            with contextlib.suppress(StageFailed):
-                runner.divergence_stage(self.entry, trace)
+                write_them()
+        if side is not None:
+            with collecting(recorder.warnings):
+                side(recorder)
         if writer is not None:
             writer.join()
         if raised:
             raise raised[0]
-        return written[0], runner.records[self.slot :], runner.warnings[mark:], events
+        return written[0], recorder.records, recorder.warnings, events
 
-    def finish(self) -> None:
+    def finish(self, side_stages: tuple[str, ...]) -> None:
         """Wait for the children (or kill them when the run is being interrupted) and
-        record their work as if it had run in-process. A failed write of the combined
-        trace fails the combine stage (compress and generate, which read the trace in
-        memory, have run)."""
-        runner, name = self.runner, self.entry.name
+        record their work as if it had run in-process. A failed write fails the step
+        that deferred it (the steps that read its result in memory have run)."""
         error: str | None = None
-        records: list[Any] = []
+        records: list[StageRecord] = []
         warnings: list[Any] = []
         events: list[Event] = []
-        for job, writes, diverges in self.jobs:
+        for job, writes, sides in self.jobs:
             try:
                 job_error, job_records, job_warnings, job_events = job.result()
             except (KeyboardInterrupt, Interrupted):
@@ -187,40 +167,41 @@ class EntryHelper:
                 raise
             except OpGuardError as exc:
                 failure = one_line(str(exc))
-                # the write is atomic: the file exists only if it was written whole
-                exists = self.unwritten is not None and self.unwritten.exists()
-                job_error = failure if writes and not exists else None
+                # the writes are atomic: the file exists only if it was written whole
+                job_error = failure if writes and not self._written() else None
                 job_records, job_warnings, job_events = [], [], []
-                if diverges:
-                    job_records = [StageRecord("divergence", name, status="failed", error=failure)]
+                if sides:
+                    job_records = [
+                        StageRecord(s, self.entry, status="failed", error=failure)
+                        for s in side_stages
+                    ]
                     job_events = [("error", "stage failed", {"plugin": None, "error": failure})]
             error = error or job_error
             records += job_records
             warnings += job_warnings
             events += job_events
-        with structlog.contextvars.bound_contextvars(stage="divergence", entry=name):
-            for method, event, fields in events:
-                getattr(runner.log, method)(event, **fields)
-        runner.records[self.slot : self.slot] = records
-        runner.warnings.extend(warnings)
+        stage = side_stages[0] if side_stages else self.owner
+        self.recorder.absorb(self.slot, records, warnings, events, stage, self.entry)
         if error is not None:
-            self._combine_failed(error)
-        runner.write_summary()
+            self.recorder.fail(self.owner, self.entry, error)
+            self.recorder.on_change()
+
+    def _written(self) -> bool:
+        return all(w.path.exists() for w in self.writes)
 
     def cancel(self) -> None:
-        """Kill the children; a combined trace not written yet is not claimed."""
+        """Kill the children; a file not written yet is not claimed."""
         for job, _, _ in self.jobs:
             job.cancel()
         writing = any(writes for _, writes, _ in self.jobs)
-        if writing and self.unwritten is not None and not self.unwritten.exists():
-            remove_temporaries(self.unwritten)
-            self._combine_failed(f"interrupted before {self.unwritten.name} was written")
+        unwritten = [w.path for w in self.writes if not w.path.exists()]
+        if writing and unwritten:
+            for path in unwritten:
+                with contextlib.suppress(OSError):
+                    remove_temporaries(path)
+            self.recorder.fail(
+                self.owner, self.entry, f"interrupted before {unwritten[0].name} was written"
+            )
 
-    def _combine_failed(self, error: str) -> None:
-        """The combine stage's record, once ``ok``, failed by its deferred write."""
-        name = self.entry.name
-        for record in self.runner.records:
-            if record.stage == "combine" and record.entry == name:
-                record.status, record.error, record.outputs = "failed", error, []
-        with structlog.contextvars.bound_contextvars(stage="combine", entry=name):
-            self.runner.log.error("stage failed", plugin=None, error=error)
+
+__all__ = ["OVERLAP_MIN_CALLSITES", "SPLIT_MIN_CALLSITES", "EntryHelper", "overlaps"]

@@ -23,8 +23,8 @@ import msgspec
 
 from opguard_core.files.atomic import TMP_SUFFIX, atomic_write_bytes, create_run_directory
 from opguard_core.files.output_dirs import wrap_os_error
+from opguard_core.run.summary import SUMMARY_FILE
 
-SUMMARY = "pipeline_summary.json"
 RUN_DIR_PREFIX = "preprocessing_"
 
 
@@ -110,7 +110,7 @@ def find_stale_runs(base: Path, exclude: Path | None = None) -> list[StaleRun]:
             continue
         if not run_dir.is_dir() or run_dir.is_symlink():
             continue
-        if _status(run_dir / SUMMARY) != "running" or _is_live(run_dir):
+        if _status(run_dir / SUMMARY_FILE) != "running" or _is_live(run_dir):
             continue
         temporaries = tuple(
             sorted(
@@ -130,7 +130,7 @@ def clean_stale_runs(base: Path) -> list[StaleRun]:
         for tmp in stale.temporaries:
             with contextlib.suppress(FileNotFoundError):
                 tmp.unlink()
-        summary = stale.run_dir / SUMMARY
+        summary = stale.run_dir / SUMMARY_FILE
         try:
             data = json.loads(summary.read_bytes())
         except (OSError, ValueError):

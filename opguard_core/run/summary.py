@@ -5,22 +5,32 @@ human summary ``opguard run`` prints at the end.
 
 from __future__ import annotations
 
+import dataclasses
+import datetime as _dt
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from opguard_core import __version__
 from opguard_core.errors import InputError
 
+if TYPE_CHECKING:
+    from opguard_core.model import InputEntry, RunOptions, StageRecord
+    from opguard_core.plugin.manager import OpGuardPluginManager
+
 SUMMARY_FILE = "pipeline_summary.json"
-MERGED = "final_combined_instrumentation.yaml"
 
 
 def final_configs(summary: dict[str, Any]) -> tuple[str | None, str | None]:
     """(final config, filtered final config) of a run, as names inside its directory:
     the last merge's ``final_combined_instrumentation.yaml`` or, for one entry, its
     config; and the filter stage's output. None where the run made none."""
+    from opguard_core.run.steps import STEP  # its imports cost start-up time
+
+    merged_name = STEP["merge"].artifacts["final"]
     ok = [r for r in summary.get("stages", []) if r.get("status") == "ok"]
     filtered = next((r["outputs"][0] for r in ok if r["stage"] == "filter" and r["outputs"]), None)
-    merged = [o for r in ok if r["stage"] == "merge" for o in r["outputs"] if o == MERGED]
+    merged = [o for r in ok if r["stage"] == "merge" for o in r["outputs"] if o == merged_name]
     final = merged[-1] if merged else None
     if final is None and len(summary.get("entries", [])) == 1:
         final = next((r["outputs"][0] for r in ok if r["stage"] == "generate"), None)
@@ -70,6 +80,66 @@ def divergence_counts(summary: dict[str, Any]) -> dict[str, Any] | None:
         if counts.get("findings"):
             totals["entries"].append(record.get("entry"))
     return totals
+
+
+def build_summary(
+    *,
+    run_dir: Path | None,
+    started: _dt.datetime,
+    final: bool,
+    status: str,
+    exit_code: int | None,
+    interrupted: dict[str, Any] | None,
+    inputs: Sequence[str],
+    options: RunOptions,
+    entries: Sequence[InputEntry],
+    skipped: Sequence[str],
+    manager: OpGuardPluginManager,
+    records: Sequence[StageRecord],
+    warnings: Sequence[dict[str, Any]],
+) -> dict[str, Any]:
+    """The ``pipeline_summary.json`` document of a run (formats.md §4)."""
+    finished = _dt.datetime.now(_dt.UTC)
+    return {
+        "opguard_version": __version__,
+        "run_dir": str(run_dir),
+        "started_at": started.isoformat(),
+        "finished_at": finished.isoformat() if final else None,
+        "seconds": round((finished - started).total_seconds(), 6),
+        "status": status,
+        "exit_code": exit_code,
+        "interrupted": interrupted,
+        "inputs": list(inputs),
+        "base_dir": str(options.base_dir.resolve()),
+        "entries": [
+            {
+                "name": e.name,
+                "index": e.index,
+                "files": [str(f) for f in e.files],
+                "specs": list(e.specs),
+            }
+            for e in entries
+        ],
+        "options": _jsonable(dataclasses.asdict(options)),
+        "skipped_stages": list(skipped),
+        "disabled_plugins": list(manager.disabled),
+        "plugins": [
+            {"name": p.name, "distribution": p.distribution, "version": p.version, "hooks": p.hooks}
+            for p in manager.describe()
+        ],
+        "stages": [dataclasses.asdict(r) for r in records],
+        "warnings": list(warnings),
+    }
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, Path):
+        return str(value)
+    if isinstance(value, dict):
+        return {k: _jsonable(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_jsonable(v) for v in value]
+    return value
 
 
 def summary_lines(summary: dict[str, Any]) -> list[str]:
@@ -131,6 +201,8 @@ def summary_fields(summary: dict[str, Any]) -> dict[str, Any]:
 
 
 __all__ = [
+    "SUMMARY_FILE",
+    "build_summary",
     "divergence_counts",
     "final_configs",
     "read_summary",

@@ -2,9 +2,9 @@
 
 The new traces go through the run's own stages (discover, combine, compress,
 generate, and the filters the config names), called through a
-:class:`~opguard_core.run.runner.Runner` in a scratch directory with the settings the
-config recorded in ``meta.settings``; each rank file becomes an observed config of
-its own, so every violation knows its ranks. Every ``opguard_check_entry``
+:class:`~opguard_core.run.pipeline.Pipeline` with the settings the config recorded
+in ``meta.settings``; each rank file becomes an observed config of its own, so
+every violation knows its ranks. Every ``opguard_check_entry``
 implementation (the built-in rules are the ``check_rules`` plugin) then compares
 each observed entry with the config's. See docs/guard.md.
 """
@@ -14,7 +14,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import sys
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -24,7 +23,7 @@ from ruamel.yaml.comments import CommentedMap
 
 from opguard_core import hookimpl
 from opguard_core.cli.app import base_dir_option, spread_inputs
-from opguard_core.configs.chain import BASIC_FILTER_PLUGIN, active_filters, apply_filters
+from opguard_core.configs.chain import BASIC_FILTER_PLUGIN
 from opguard_core.errors import ExitCode, InputError, OpGuardError, PluginError
 from opguard_core.files.atomic import atomic_write_text
 from opguard_core.formats.check import (
@@ -39,9 +38,9 @@ from opguard_core.formats.check import (
 )
 from opguard_core.formats.config import entry_key, load_config
 from opguard_core.logs import configure_logging
-from opguard_core.model import InputEntry, RunOptions, StageRecord
+from opguard_core.model import InputEntry, RunOptions
 from opguard_core.plugin.manager import OpGuardPluginManager, call_impl
-from opguard_core.run.runner import Runner
+from opguard_core.run.pipeline import Pipeline
 from opguard_plugins.enforce.rules import DEFAULT_TOLERANCE
 
 #: ``meta.settings`` keys that are not RunOptions fields of the same name.
@@ -95,58 +94,33 @@ class Observed:
 
 
 def observe(manager: OpGuardPluginManager, inputs: Sequence[str], options: RunOptions) -> Observed:
-    """Run discover, then combine → compress → generate → filters on each rank file.
-
-    The runner's own stage calls do the work (in a scratch run directory that is
-    removed afterwards). Rank files of the same rank (two entries given) are merged
-    with ``opguard_merge``; a file covering several ranks is kept under its first.
+    """Make a config of each rank file, and of all of them together, as the run made
+    the config (:class:`~opguard_core.run.pipeline.Pipeline`: combine → compress →
+    generate → the filters). Rank files of the same rank (two entries given) are
+    merged with ``opguard_merge``; a file covering several ranks is kept under its
+    first rank.
     """
     configs: dict[int, CommentedMap] = {}
-    with tempfile.TemporaryDirectory(prefix="opguard-check-") as scratch:
-        runner = Runner(manager, inputs, options, output_base=Path(scratch))
-        runner.run_dir = Path(scratch)
-        entries = runner.discover()
-        filters = active_filters(manager, options)
+    combined: CommentedMap | None = None
+    with Pipeline(manager, inputs, options) as pipeline:
+        entries = pipeline.discover()
         index = 0
         for entry in entries:
             for path in entry.files:
                 index += 1
                 single = InputEntry(f"{entry.name}_{index}", (path,), index, entry.specs)
-                config = runner.process_entry(single)
+                config = pipeline.config(single)
                 if config is None:
                     continue
-                config = _filtered(runner, filters, config, options)
-                ranks = (config.get("meta") or {}).get("ranks") or [0]
-                rank = int(ranks[0])
-                configs[rank] = _merged(runner, configs.get(rank), config, single.name)
-        combined: CommentedMap | None = None
+                rank = int(((config.get("meta") or {}).get("ranks") or [0])[0])
+                left = configs.get(rank)
+                configs[rank] = config if left is None else pipeline.merge(left, config)
         for entry in entries:
-            whole = runner.process_entry(entry)
+            whole = pipeline.config(entry)
             if whole is not None:
-                whole = _filtered(runner, filters, whole, options)
-                combined = _merged(runner, combined, whole, entry.name)
-        problems = [
-            f"{r.entry or r.stage}: {r.error}" for r in runner.records if r.status == "failed"
-        ]
+                combined = whole if combined is None else pipeline.merge(combined, whole)
+        problems = pipeline.failures()
     return Observed(configs, problems, combined)
-
-
-def _filtered(
-    runner: Runner, filters: list[Any], config: CommentedMap, options: RunOptions
-) -> CommentedMap:
-    """``config`` through the run's filter chain (as the config was made)."""
-    return apply_filters(filters, config, options, runner.log)[0] if filters else config
-
-
-def _merged(
-    runner: Runner, left: CommentedMap | None, right: CommentedMap, name: str
-) -> CommentedMap:
-    """``right`` folded into ``left`` by ``opguard_merge`` (just ``right`` without one)."""
-    if left is None:
-        return right
-    record = StageRecord("merge", name)
-    merged: CommentedMap = runner.call_first("opguard_merge", record, left=left, right=right)
-    return merged
 
 
 def _steps(config: dict[str, Any]) -> int | None:

@@ -31,8 +31,12 @@ import click
 
 from opguard_core import hookimpl
 from opguard_core.errors import ExitCode
-from opguard_core.files.output_dirs import OutputLocationError, prepare_output_dir
-from opguard_core.run.runner import OUTPUT_BASE_ENV, trace_output_base
+from opguard_core.files.output_dirs import (
+    OUTPUT_BASE_ENV,
+    OutputLocationError,
+    prepare_output_dir,
+    trace_output_base,
+)
 
 BOOTSTRAP_DIR = Path(__file__).resolve().parent / "_trace_bootstrap"
 PACKAGE_ROOT = Path(__file__).resolve().parents[2]

@@ -34,7 +34,9 @@ def load_basic_list(path: Path | None = None) -> BasicList:
     where: Path | str = path or "opguard_plugins/stages/basic_filter.yaml"
     try:
         if path is None:
-            text = resources.files("opguard_plugins.stages").joinpath("basic_filter.yaml").read_text()
+            text = (
+                resources.files("opguard_plugins.stages").joinpath("basic_filter.yaml").read_text()
+            )
         else:
             text = path.read_text(encoding="utf-8")
         data = YAML(typ="safe", pure=True).load(text)

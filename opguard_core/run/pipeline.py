@@ -1,0 +1,73 @@
+"""The stages of ``opguard run`` as a library, for commands that run them on other
+inputs: ``opguard check`` makes observed configs from new traces exactly as the run
+made the config it enforces.
+
+:class:`Pipeline` works in a scratch run directory of its own (removed on exit) and
+keeps the run's records, so its failures read as the run's would.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+from ruamel.yaml.comments import CommentedMap
+
+from opguard_core.configs.chain import active_filters, apply_filters
+from opguard_core.model import InputEntry, RunOptions
+from opguard_core.plugin.manager import OpGuardPluginManager
+from opguard_core.run.runner import Runner
+
+
+class Pipeline:
+    """Discover, make an entry's config, filter and merge configs, as ``opguard run``
+    does (use it as a context manager: the scratch directory goes on exit)."""
+
+    def __init__(
+        self, manager: OpGuardPluginManager, inputs: Sequence[str], options: RunOptions
+    ) -> None:
+        self.manager = manager
+        self.options = options
+        self._scratch = tempfile.TemporaryDirectory(prefix="opguard-pipeline-")
+        self._runner = Runner(manager, inputs, options, output_base=Path(self._scratch.name))
+        self._runner.start(Path(self._scratch.name))
+        self._filters = active_filters(manager, options)
+
+    def __enter__(self) -> Pipeline:
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self._scratch.cleanup()
+
+    def discover(self) -> list[InputEntry]:
+        """The entries of the inputs; refused inputs are :meth:`failures`."""
+        return self._runner.discover()
+
+    def config(self, entry: InputEntry) -> CommentedMap | None:
+        """``entry``'s config as the run makes it (combine, compress, generate) and the
+        run's filter chain applied; None when a stage failed (see :meth:`failures`)."""
+        config: CommentedMap | None = self._runner.process_entry(entry, side=False).get("generate")
+        if config is None or not self._filters:
+            return config
+        log = self._runner.recorder.log
+        return apply_filters(self._filters, config, self.options, log)[0]
+
+    def merge(self, left: CommentedMap, right: CommentedMap) -> CommentedMap:
+        """``left`` and ``right`` merged by the run's ``opguard_merge``."""
+        merged: CommentedMap = self.manager.first_result(
+            "opguard_merge", {"left": left, "right": right}
+        )
+        return merged
+
+    def failures(self) -> list[str]:
+        """One line per failed stage: ``{entry}: {error}``."""
+        records: list[Any] = self._runner.recorder.records
+        return [f"{r.entry or r.stage}: {r.error}" for r in records if r.status == "failed"]
+
+
+__all__ = ["Pipeline"]
