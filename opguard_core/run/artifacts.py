@@ -1,11 +1,11 @@
 """The file names a run writes, and the check that no two of them can be the same.
 
-Every entry ``N`` writes ``N_combined.json``, ``N_compressed.json``,
-``N_instrumentation.yaml`` and maybe ``N_filtered_instrumentation.yaml``; the run
-itself writes ``pipeline_summary.json``, ``report.html``,
-``final_combined_instrumentation.yaml``, ``final_combined_filtered_instrumentation.yaml``,
-``temp_combined_K.yaml`` and ``comparison_1_vs_K.log``. Artifacts are written by
-atomic rename, which would silently replace an earlier one of the same name, so:
+The names come from the steps' declarations (:data:`opguard_core.run.steps.STEPS`,
+``artifacts``): every entry ``N`` writes ``N_combined.json``, ``N_compressed.json``,
+``N_instrumentation.yaml``, ... and the run ``comparison_1_vs_K.log``,
+``temp_combined_K.yaml``, ``final_combined_instrumentation.yaml``, plus its own
+``pipeline_summary.json`` and ``report.html``. Artifacts are written by atomic
+rename, which would silently replace an earlier one of the same name, so:
 
 * discovery never picks an entry name whose artifacts match a run artifact
   (:func:`reserved_entry_name`: ``final_combined``, ``final_combined_filtered``, ...)
@@ -20,34 +20,48 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable
 
-#: What an entry's artifacts are called (``{name}`` is the entry name).
-ENTRY_ARTIFACTS: tuple[str, ...] = (
-    "{name}_combined.json",
-    "{name}_compressed.json",
-    "{name}_instrumentation.yaml",
-    "{name}_filtered_instrumentation.yaml",
-)
+from opguard_core.run.steps import FINAL, STEPS
+from opguard_core.run.summary import SUMMARY_FILE
 
-#: The run's own artifacts, each a regex matching the whole file name.
-RUN_ARTIFACTS: tuple[str, ...] = (
-    r"pipeline_summary\.json",
-    r"report\.html",
-    r"final_combined_instrumentation\.yaml",
-    r"final_combined_filtered_instrumentation\.yaml",
-    r"temp_combined_\d+\.(yaml|json)",
-    r"comparison_\d+_vs_\d+\.log",
-)
+#: The files of the run itself, beside what the steps write.
+OWN_ARTIFACTS: tuple[str, ...] = (SUMMARY_FILE, "report.html")
+
+
+def _entry_templates() -> tuple[str, ...]:
+    """What an entry's artifacts are called, as the steps declare them (``{entry}``
+    is the entry name; the filter step names its output after the config it filters,
+    an entry's when the run has one entry)."""
+    return tuple(t for step in STEPS for t in step.artifacts.values() if "{entry}" in t)
+
+
+def _run_patterns() -> tuple[str, ...]:
+    """Every other artifact, as a regex matching the whole file name (a template's
+    numbered fields, such as ``{step}`` of ``temp_combined_{step}.yaml``, as digits);
+    a run step's ``{entry}`` stands for the merged config's name (the filter's)."""
+    templates = [
+        t.format(entry=FINAL) if "{entry}" in t else t
+        for step in STEPS
+        for t in step.artifacts.values()
+        if step.scope == "run" or "{entry}" not in t
+    ]
+    return tuple(
+        re.sub(r"\\\{\w+\\\}", r"\\d+", re.escape(t)) for t in (*OWN_ARTIFACTS, *templates)
+    )
+
+
+ENTRY_ARTIFACTS = _entry_templates()
+RUN_ARTIFACTS = _run_patterns()
 _RUN_ARTIFACT = re.compile("|".join(f"(?:{p})" for p in RUN_ARTIFACTS))
 
 
 def entry_artifacts(name: str) -> list[str]:
     """The artifact file names entry ``name`` may write."""
-    return [pattern.format(name=name) for pattern in ENTRY_ARTIFACTS]
+    return [template.format(entry=name) for template in ENTRY_ARTIFACTS]
 
 
 def reserved_entry_name(name: str) -> bool:
     """Whether an artifact of an entry called ``name`` would be a run artifact's name."""
-    return name == "final_combined" or any(
+    return name == FINAL or any(
         _RUN_ARTIFACT.fullmatch(artifact) for artifact in entry_artifacts(name)
     )
 
@@ -75,6 +89,7 @@ def check_entry_names(names: Iterable[str]) -> list[str]:
 
 __all__ = [
     "ENTRY_ARTIFACTS",
+    "OWN_ARTIFACTS",
     "RUN_ARTIFACTS",
     "check_entry_names",
     "entry_artifacts",

@@ -14,10 +14,8 @@ import contextlib
 import dataclasses
 import datetime as _dt
 import gc
-import signal
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from types import FrameType
 from typing import Any
 
 import msgspec
@@ -30,6 +28,7 @@ from opguard_core.model import STAGES, InputEntry, RunOptions, StageFailed, Stag
 from opguard_core.plugin.manager import OpGuardPluginManager, call_impl
 from opguard_core.run.artifacts import check_entry_names
 from opguard_core.run.helper import EntryHelper, SideWork, overlaps
+from opguard_core.run.interrupts import Interrupts
 from opguard_core.run.records import Recorder, failure_reason
 from opguard_core.run.stale import find_stale_runs, release_run_directory, start_run_directory
 from opguard_core.run.steps import STEPS, RunContext, Step, StepCall, skip_reasons
@@ -57,7 +56,8 @@ class Runner:
         self.skip = [s for s in STAGES if s in set(skip)]
         self.skip_reason = skip_reasons(self.skip)
         self.output_base = trace_output_base(output_base)
-        self.recorder = Recorder(options.verbose, self.write_summary, self._user_interrupt)
+        self.interrupts = Interrupts()
+        self.recorder = Recorder(options.verbose, self.write_summary, self.interrupts.from_user)
         self.run_dir: Path | None = None
         self.context: RunContext | None = None
         self.entries: list[InputEntry] = []
@@ -66,10 +66,6 @@ class Runner:
         self.finished = False
         #: the last failure to write the summary (None: the last write succeeded)
         self.summary_error: str | None = None
-        #: SIGINT goes through :meth:`_on_sigint` (when Python's default handler was
-        #: installed), so a KeyboardInterrupt without one is a plugin's, not the user's
-        self.sigint_tracked = False
-        self.sigint_received = False
 
     def start(self, run_dir: Path) -> RunContext:
         """Use ``run_dir`` for this run's artifacts; the context its steps share."""
@@ -155,12 +151,9 @@ class Runner:
         with self.recorder.stage(step.name, entry.name) as record:
             call = StepCall(self._context(), step, record)
             results[step.name] = step.run(call, entry, results)
-            if step.weight is None or not overlaps(self.options, self._size(step, results)):
+            if step.weight is None or not overlaps(self.options, step.size(results[step.name])):
                 call.flush()
         return call
-
-    def _size(self, step: Step, results: dict[str, Any]) -> int:
-        return step.weight(results[step.name]) if step.weight is not None else 0
 
     def _helper(
         self, step: Step, entry: InputEntry, call: StepCall, results: dict[str, Any],
@@ -170,7 +163,7 @@ class Runner:
         return EntryHelper.start(
             self.recorder, entry.name, step.name, call.pending,
             ("/".join(names), self._side_work(entry, results, names)) if names else None,
-            self._size(step, results), self.options,
+            step.size(results[step.name]), self.options,
         )  # fmt: skip
 
     def _side_work(
@@ -225,16 +218,11 @@ class Runner:
         log.info(
             "plugins", active=self.manager.plugin_names(), disabled=list(self.manager.disabled)
         )
-        previous = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
-        signal.signal(signal.SIGTERM, _raise_interrupted)
-        if previous[1] is signal.default_int_handler:
-            signal.signal(signal.SIGINT, self._on_sigint)
-            self.sigint_tracked = True
         try:
             # the cyclic collector stays off for the run: every collection would rescan
             # the millions of acyclic objects a large entry holds and free nothing;
             # run_steps collects once between entries, when those objects are gone
-            with collecting(self.recorder.warnings), gc_paused():
+            with self.interrupts.handled(), collecting(self.recorder.warnings), gc_paused():
                 for stale in find_stale_runs(self.output_base, exclude=self.run_dir):
                     warn(stale.line(), stale_run_dir=str(stale.run_dir))
                 self.run_steps()
@@ -244,9 +232,6 @@ class Runner:
             self.interrupted = {"signal": name, "stage": stage, "entry": entry}
             log.error("run interrupted", **self.interrupted)
         finally:
-            signal.signal(signal.SIGTERM, previous[0])
-            if self.sigint_tracked:
-                signal.signal(signal.SIGINT, previous[1])
             self.write_summary(final=True)
             self.finished = True
             code = self.exit_code()
@@ -266,25 +251,10 @@ class Runner:
             return ExitCode.DIVERGENCE
         return ExitCode.OK
 
-    def _user_interrupt(self, exc: KeyboardInterrupt) -> bool:
-        """Whether a KeyboardInterrupt came from a SIGINT (not raised by a plugin)."""
-        return not self.sigint_tracked or self.sigint_received
-
-    def _on_sigint(self, signum: int, frame: FrameType | None) -> None:
-        self.sigint_received = True
-        raise KeyboardInterrupt
-
     def summary(self, final: bool = False) -> dict[str, Any]:
         code = self.exit_code()
-        status = (
-            "interrupted"
-            if self.interrupted
-            else "running"
-            if not final
-            else "failed"
-            if code
-            else "ok"
-        )
+        status = "running" if not final else "failed" if code else "ok"
+        status = "interrupted" if self.interrupted else status
         return build_summary(
             run_dir=self.run_dir, started=self.started, final=final, status=status,
             exit_code=int(code) if final else None, interrupted=self.interrupted,
@@ -302,7 +272,7 @@ class Runner:
             try:
                 call_impl(impl, {"run_dir": self.run_dir, "summary": summary, "configs": configs})
             except (KeyboardInterrupt, SystemExit, Exception) as exc:
-                if isinstance(exc, KeyboardInterrupt) and self._user_interrupt(exc):
+                if isinstance(exc, KeyboardInterrupt) and self.interrupts.from_user(exc):
                     raise
                 error = one_line(failure_reason(exc, None))
                 self.recorder.log.error("run_finished failed", plugin=impl.plugin_name, error=error)
@@ -323,10 +293,6 @@ class Runner:
             self.summary_error = error
         else:
             self.summary_error = None
-
-
-def _raise_interrupted(signum: int, frame: FrameType | None) -> None:
-    raise Interrupted(signal.Signals(signum).name)
 
 
 __all__ = ["Runner"]

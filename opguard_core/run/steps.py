@@ -151,6 +151,10 @@ class Step:
     side: bool = False
     weight: Callable[[Any], int] | None = None
 
+    def size(self, result: Any) -> int:
+        """The weight of the step's result (0 for a step whose writes never defer)."""
+        return self.weight(result) if self.weight is not None else 0
+
 
 # ----------------------------------------------------------------- entry steps
 
@@ -235,6 +239,9 @@ def generate(call: StepCall, entry: InputEntry, needs: Mapping[str, Any]) -> Com
 
 
 # ----------------------------------------------------------------- run steps
+
+#: the name of the merged config (as an entry's name would be)
+FINAL = "final_combined"
 
 #: the entries' configs, by entry index, with their entries
 Configs = dict[int, tuple[InputEntry, CommentedMap]]
@@ -323,7 +330,7 @@ def merge(call: StepCall, results: Mapping[str, Any]) -> tuple[str, CommentedMap
                 stage.record.counts = {"entries": len(accumulated["entries"])}
         except StageFailed:
             return None
-    return ("final_combined", accumulated)
+    return (FINAL, accumulated)
 
 
 def filter_(call: StepCall, results: Mapping[str, Any]) -> None:
@@ -339,7 +346,7 @@ def filter_(call: StepCall, results: Mapping[str, Any]) -> None:
     config = copy.deepcopy(config)
     with contextlib.suppress(StageFailed), call.stage(name) as stage:
         final_name = STEP["merge"].artifacts["final"]
-        stage.record.inputs = [final_name if name == "final_combined" else _config_name(name)]
+        stage.record.inputs = [final_name if name == FINAL else _config_name(name)]
         config, chain = apply_filters(
             filters,
             config,
@@ -367,7 +374,7 @@ STEPS: tuple[Step, ...] = (
          artifacts={"log": "comparison_{base}_vs_{index}.log"}),
     Step("merge", "run", merge, needs=("generate",),
          artifacts={"temp": "temp_combined_{step}.yaml",
-                    "final": "final_combined_instrumentation.yaml"}),
+                    "final": f"{FINAL}_instrumentation.yaml"}),
     Step("filter", "run", filter_, needs=("merge",),
          artifacts={"filtered": "{entry}_filtered_instrumentation.yaml"}),
 )  # fmt: skip
@@ -386,4 +393,4 @@ def skip_reasons(skip: Iterable[str]) -> dict[str, str]:
     return reasons
 
 
-__all__ = ["STEP", "STEPS", "RunContext", "Step", "StepCall", "Write", "skip_reasons"]
+__all__ = ["FINAL", "STEP", "STEPS", "RunContext", "Step", "StepCall", "Write", "skip_reasons"]
