@@ -4,25 +4,24 @@ from __future__ import annotations
 
 import enum
 import re
-import sys
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 
 class ExitCode(enum.IntEnum):
-    """Process exit codes of ``opguard``."""
+    """Process exit codes of ``opguard`` (what each means to each command:
+    :mod:`opguard_core.cli.exits`, and every command's ``--help``)."""
 
     OK = 0
-    #: the run finished but at least one stage failed for at least one entry
+    #: the command could not do all it was asked: a stage failed (``run``), an
+    #: error-severity violation (``check``, ``guard``), an output not written, ...
     STAGE_FAILED = 1
-    #: bad command line (unknown option, blocked essential plugin, ...)
+    #: bad command line (unknown option, blocked essential plugin, unusable output dir)
     USAGE_ERROR = 2
-    #: a plugin could not be loaded or registered
+    #: a plugin could not be loaded or registered, or failed
     PLUGIN_ERROR = 3
     #: ``--fail-on-divergence`` and an error-severity divergence finding (and no failed stage)
     DIVERGENCE = 4
-    #: ``opguard check``/``guard``: a trace or the config could not be read
+    #: an input (trace, config, run directory) could not be read
     INPUT_UNREADABLE = 5
     #: stopped by SIGINT or SIGTERM
     INTERRUPTED = 130
@@ -51,7 +50,10 @@ def one_line(text: str) -> str:
 
 
 class OpGuardError(Exception):
-    """Base class of every error OpGuard reports to a user as one line."""
+    """Base class of every error OpGuard reports to a user as one line; a command that
+    ends with one exits with its ``exit_code``."""
+
+    exit_code: ExitCode = ExitCode.STAGE_FAILED
 
 
 class InputError(OpGuardError):
@@ -59,6 +61,8 @@ class InputError(OpGuardError):
 
     The message always names the file and the problem, on one line.
     """
+
+    exit_code = ExitCode.INPUT_UNREADABLE
 
     def __init__(self, path: Path | str | None, problem: str) -> None:
         self.path = str(path) if path is not None else None
@@ -82,6 +86,14 @@ class WriteError(OpGuardError, OSError):
 class PluginError(OpGuardError):
     """A plugin failed to load, register or validate; the message names it."""
 
+    exit_code = ExitCode.PLUGIN_ERROR
+
+
+class UsageProblem(OpGuardError):
+    """The command line asks for something that cannot be (found after parsing)."""
+
+    exit_code = ExitCode.USAGE_ERROR
+
 
 class InvariantError(OpGuardError):
     """A stage produced an output that breaks the data contract."""
@@ -93,17 +105,3 @@ class Interrupted(BaseException):
     def __init__(self, signal_name: str) -> None:
         self.signal_name = signal_name
         super().__init__(signal_name)
-
-
-@contextmanager
-def reported_errors(verbose: bool) -> Iterator[None]:
-    """For a command's body: an :class:`OpGuardError` becomes one line on stderr
-    (``opguard: error: ...``) and exit code ``STAGE_FAILED``; with ``--verbose`` it
-    is re-raised, traceback and all."""
-    try:
-        yield
-    except OpGuardError as exc:
-        if verbose:
-            raise
-        print(f"opguard: error: {exc}", file=sys.stderr)
-        sys.exit(int(ExitCode.STAGE_FAILED))

@@ -256,8 +256,14 @@ def test_unreadable_inputs_have_their_own_exit_code(
 def test_usage_errors_exit_2(tmp_path: Path, app: Callable[..., Path]) -> None:
     config = make_config(tmp_path, [str(app("base"))])
     assert invoke("check", "--config", config).exit_code == 2
-    assert invoke("check", "--config", tmp_path / "none.yaml", "-i", "x").exit_code == 2
     assert invoke("check", "--config", config, "-i", "x", "--tolerance", "-1").exit_code == 2
+
+
+def test_a_missing_config_is_an_unreadable_input(tmp_path: Path) -> None:
+    """Like any input that cannot be read: one line naming it, exit 5 (not click's 2)."""
+    result = invoke("check", "--config", tmp_path / "none.yaml", "-i", "x")
+    assert result.exit_code == 5
+    assert "none.yaml" in result.stderr and len(result.stderr.strip().splitlines()) == 1
 
 
 def test_settings_are_read_tolerantly(tmp_path: Path) -> None:

@@ -368,7 +368,7 @@ def test_commands_refuse_bad_inputs_in_one_line(tmp_path) -> None:
         (("compare", V1, broken), f"{broken}: 'entries' must be a list"),
     ):
         result = invoke(*args)
-        assert result.exit_code == 1
+        assert result.exit_code == 5  # an input that cannot be read
         (line,) = result.stderr.strip().splitlines()
         assert line.startswith("opguard: error: ") and problem in line
 
@@ -386,7 +386,7 @@ def test_a_run_directory_without_a_final_config_is_refused(run_dir, tmp_path) ->
     summary["stages"] = [s for s in summary["stages"] if s["stage"] not in ("merge", "filter")]
     (copy / "pipeline_summary.json").write_text(json.dumps(summary))
     result = invoke("show", copy)
-    assert result.exit_code == 1
+    assert result.exit_code == 5
     assert "made no final config" in result.stderr
 
 

@@ -177,10 +177,10 @@ def test_pprof_reads_back_with_go_tool_pprof(tree_file: Path, tmp_path: Path) ->
 def test_bad_source_is_one_line(tmp_path: Path) -> None:
     bad = tmp_path / "bad.json"
     bad.write_text("{not json")
-    result = export(bad, "--format", "collapsed", expect=1)
+    result = export(bad, "--format", "collapsed", expect=5)
     assert result.stderr.strip().startswith(f"opguard: error: {bad}: not valid JSON")
     assert "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) == 1
-    result = export(tmp_path / "missing.json", "--format", "collapsed", expect=1)
+    result = export(tmp_path / "missing.json", "--format", "collapsed", expect=5)
     assert result.stderr == f"opguard: error: {tmp_path / 'missing.json'}: no such file\n"
 
 

@@ -96,7 +96,7 @@ def test_divergence_findings_and_report_command(opguard: Callable[..., Any], sam
 
 
 def test_report_command_bad_run_dir(opguard: Callable[..., Any], tmp_path: Path) -> None:
-    result = opguard("report", tmp_path, expect=1)
+    result = opguard("report", tmp_path, expect=5)
     assert result.stderr == f"opguard: error: {tmp_path / 'pipeline_summary.json'}: no such file\n"
 
 

@@ -1,112 +1,183 @@
-"""Checks of ``opguard`` option values made before anything runs.
+"""Options that several commands share, each defined once.
 
-Each check either returns the usable value or raises :class:`click.BadParameter`
-naming the option and the value (exit 2, one ``Error:`` line from click), so a bad
-value never reaches a stage as a silent fallback or a traceback.
-
-* patterns (``--hide``, ``--focus``, ``--ignore``) are compiled one by one by
-  :func:`opguard_core.configs.selection.compile_patterns`.
-* :func:`check_fraction`: a finite number in [0, 1] (``nan`` is refused).
-* :func:`check_executor`: ``local`` or an executor an installed plugin provides,
-  whose own requirements are importable.
-* :func:`unknown_disabled`: ``--disable-plugin`` names that match no plugin (a
-  warning, not an error: blocking a plugin that is absent is harmless).
+Commands (the core's and plugins') take their common options from here, so
+``--input``, ``--base-dir``, ``--basic``, ``--focus``/``--ignore``, ``--config``,
+``-o``, ``--format`` and ``-v`` read and mean the same everywhere. This module and
+:mod:`opguard_core.cli.exits` are what a command plugin imports of the CLI; the group
+itself (:mod:`opguard_core.cli.app`) is not for plugins.
 """
 
 from __future__ import annotations
 
-import importlib.util
-import math
-from collections.abc import Iterable, Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, TypeVar
 
 import click
 
-from opguard_core import ENTRY_POINT_GROUP
-
-#: The executor every installation has (combine in this process, or its own pool).
-LOCAL_EXECUTOR = "local"
-#: the built-in combine plugin's module (it is the ``local`` executor)
-BUILTIN_COMBINE = "opguard_plugins.stages.combine"
+F = TypeVar("F", bound=Callable[..., Any])
 
 
-def check_fraction(option_name: str, value: float) -> float:
-    """A finite fraction in [0, 1]; ``nan`` and infinities are refused."""
-    if not math.isfinite(value) or not 0.0 <= value <= 1.0:
-        raise click.BadParameter(
-            f"{value!r} is not a finite number between 0 and 1", param_hint=option_name
-        )
-    return value
+DISABLE_OPTION = "--disable-plugin"
 
 
-def executors(plugins: Iterable[Any]) -> dict[str, Any]:
-    """Executor name → the plugin module providing it (``EXECUTOR_NAME``), plus ``local``."""
-    found: dict[str, Any] = {LOCAL_EXECUTOR: None}
-    for plugin in plugins:
-        name = getattr(plugin, "EXECUTOR_NAME", None)
-        if isinstance(name, str):
-            found.setdefault(name, plugin)
-    return found
+def disable_option(func: F) -> F:
+    """``--disable-plugin NAME``: read from the arguments before any plugin loads
+    (:func:`opguard_core.cli.app.disabled_from_args`); here only for ``--help``."""
+    return click.option(
+        DISABLE_OPTION,
+        "disable_plugin",
+        multiple=True,
+        metavar="NAME",
+        help="Block a plugin before it loads (repeatable; also $OPGUARD_DISABLE_PLUGINS).",
+        expose_value=False,
+        is_eager=True,
+    )(func)
 
 
-def check_executor(name: str, plugins: Iterable[Any]) -> str:
-    """``name`` if an installed plugin provides that executor and its requirements import.
+def spread_inputs(args: Sequence[str]) -> list[str]:
+    """Rewrite ``--input A B C`` as ``--input A --input B --input C``.
 
-    A plugin states its requirements as ``EXECUTOR_REQUIRES`` (module names) and the
-    install hint as ``EXECUTOR_INSTALL``. While a plugin implements ``opguard_combine``
-    without declaring ``EXECUTOR_NAME``, an unknown name is let through (it may be
-    that plugin's).
+    The shell expands ``X_rank*.json`` into several words after one ``--input``;
+    this keeps them, in order, as inputs of their own.
     """
-    plugins = list(plugins)
-    known = executors(plugins)
-    undeclared = [
-        p
-        for p in plugins
-        if hasattr(p, "opguard_combine")
-        and not hasattr(p, "EXECUTOR_NAME")
-        and getattr(p, "__name__", "") != BUILTIN_COMBINE
-    ]
-    if name not in known and undeclared:
-        return name  # an executor plugin that does not say its name may take it
-    if name not in known:
-        raise click.BadParameter(
-            f"{name!r}: no such executor (installed: {', '.join(sorted(known))})",
-            param_hint="--executor",
-        )
-    plugin = known[name]
-    missing = [m for m in getattr(plugin, "EXECUTOR_REQUIRES", ()) if not _importable(m)]
-    if missing:
-        hint = getattr(plugin, "EXECUTOR_INSTALL", "")
-        raise click.BadParameter(
-            f"{name!r}: executor is not installed (missing {', '.join(missing)})"
-            + (f"; {hint}" if hint else ""),
-            param_hint="--executor",
-        )
-    return name
+    out: list[str] = []
+    taking = False
+    for arg in args:
+        if arg == "--":
+            taking = False
+        elif arg in ("--input", "-i"):
+            out.append(arg)
+            taking = False
+            out.append("\0")  # placeholder: the value follows
+            continue
+        elif taking and not arg.startswith("-"):
+            out += ["--input", arg]
+            continue
+        else:
+            taking = False
+        if out and out[-1] == "\0":
+            out[-1] = arg
+            taking = not arg.startswith("-")
+            continue
+        out.append(arg)
+    if out and out[-1] == "\0":
+        out.pop()
+    return out
 
 
-def _importable(module: str) -> bool:
-    try:
-        return importlib.util.find_spec(module) is not None
-    except (ImportError, ValueError):
-        return False
+class InputsCommand(click.Command):
+    """A command that accepts several words after one ``--input`` (:func:`spread_inputs`)."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        return super().parse_args(ctx, spread_inputs(args))
 
 
-def unknown_disabled(disabled: Sequence[str], builtin: Iterable[str]) -> list[str]:
-    """Names in ``disabled`` that are neither built-in nor an installed entry point."""
-    builtin = set(builtin)
-    if all(name in builtin for name in disabled):
-        return []  # no need to read the installed plugins' metadata
-    from importlib.metadata import entry_points
+#: ``--input FILE|PATTERN`` (repeatable; with :class:`InputsCommand`, several words)
+input_option = click.option(
+    "--input",
+    "-i",
+    "input_options",
+    multiple=True,
+    metavar="FILE|PATTERN",
+    help="A trace file or a quoted glob; shell-expanded rank files may follow it "
+    "(repeatable). Relative to --base-dir.",
+)
 
-    known = builtin | {ep.name for ep in entry_points(group=ENTRY_POINT_GROUP)}
-    return [name for name in disabled if name not in known]
+#: ``--base-dir DIR``
+base_dir_option = click.option(
+    "--base-dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=Path("."),
+    show_default=True,
+    help="Directory that relative inputs resolve against.",
+)
+
+#: ``-v/--verbose`` (counted; ``opguard -v`` counts too)
+verbose_option = click.option(
+    "-v", "--verbose", count=True, help="More detail in logs; tracebacks on errors."
+)
+
+#: ``--config CONFIG``: the instrumentation config a command enforces
+config_option = click.option(
+    "--config",
+    "config_path",
+    required=True,
+    type=click.Path(path_type=Path),
+    help="The instrumentation config to enforce (a file, or a run directory: its final config).",
+)
+
+#: ``-o/--output FILE``
+output_option = click.option(
+    "--output",
+    "-o",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="Write here (atomically) instead of stdout.",
+)
+
+#: ``--format text|json``
+format_option = click.option(
+    "--format",
+    "fmt",
+    type=click.Choice(["text", "json"]),
+    default="text",
+    show_default=True,
+    help="Output format.",
+)
+
+
+def basic_options(func: F) -> F:
+    """``--basic`` and ``--basic-list``, shared by ``opguard run`` and ``opguard filter``."""
+    func = click.option(
+        "--basic-list",
+        type=click.Path(dir_okay=False, path_type=Path),
+        default=None,
+        help="YAML file replacing the basic filter's list of torch utilities.",
+    )(func)
+    return click.option("--basic", is_flag=True, help="Run the built-in basic filter.")(func)
+
+
+def check_basic(disabled: Sequence[str], basic: bool) -> None:
+    """``--basic`` with the basic filter disabled is a usage error."""
+    if basic and "basic_filter" in disabled:
+        raise click.UsageError("--basic needs the basic_filter plugin, which is disabled")
+
+
+def selection_options(what: str) -> Callable[[F], F]:
+    """``--focus REGEX`` and ``--ignore REGEX`` (pprof's), keeping or dropping ``what``
+    (``callsites with a frame, api or op``, ``entries with a context frame or
+    target``) that matches REGEX whole."""
+
+    def add(func: F) -> F:
+        func = click.option(
+            "--ignore",
+            multiple=True,
+            metavar="REGEX",
+            help=f"Drop {what} matching REGEX whole (repeatable).",
+        )(func)
+        return click.option(
+            "--focus",
+            multiple=True,
+            metavar="REGEX",
+            help=f"Keep only {what} matching REGEX whole (repeatable).",
+        )(func)
+
+    return add
 
 
 __all__ = [
-    "LOCAL_EXECUTOR",
-    "check_executor",
-    "check_fraction",
-    "executors",
-    "unknown_disabled",
+    "DISABLE_OPTION",
+    "InputsCommand",
+    "base_dir_option",
+    "basic_options",
+    "check_basic",
+    "config_option",
+    "disable_option",
+    "format_option",
+    "input_option",
+    "output_option",
+    "selection_options",
+    "spread_inputs",
+    "verbose_option",
 ]

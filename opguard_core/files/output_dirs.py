@@ -14,10 +14,10 @@ import errno
 import os
 from pathlib import Path
 
-from opguard_core.errors import OpGuardError
+from opguard_core.errors import UsageProblem
 
 
-class OutputLocationError(OpGuardError):
+class OutputLocationError(UsageProblem):
     """An output directory cannot be created or written; the message names it."""
 
     def __init__(self, what: str, path: Path | str, problem: str) -> None:

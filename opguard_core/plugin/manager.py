@@ -19,7 +19,7 @@ from typing import Any
 import pluggy
 
 from opguard_core import ENTRY_POINT_GROUP, PROJECT_NAME, hookspecs
-from opguard_core.errors import OpGuardError, PluginError
+from opguard_core.errors import OpGuardError, PluginError, UsageProblem
 from opguard_core.plugin.names import (
     BUILTIN_PLUGINS,
     ESSENTIAL_PLUGINS,
@@ -30,7 +30,7 @@ from opguard_core.plugin.names import (
 HOOK_PREFIX = "opguard_"
 
 
-class EssentialPluginError(OpGuardError):
+class EssentialPluginError(UsageProblem):
     """Someone tried to disable a plugin the pipeline cannot run without."""
 
 

@@ -63,6 +63,12 @@ def run_config(run_dir: Path, filtered: bool = True) -> Path:
     return run_dir / name
 
 
+def config_source(path: Path, filtered: bool = True) -> Path:
+    """The config file ``path`` names: itself, or a run directory's final config
+    (:func:`run_config`)."""
+    return run_config(path, filtered) if path.is_dir() else path
+
+
 def divergence_counts(summary: dict[str, Any]) -> dict[str, Any] | None:
     """The divergence stage's findings over the run (``findings``, ``errors``,
     ``warnings`` and the ``entries`` with findings), or None when no entry ran it."""
@@ -203,6 +209,7 @@ def summary_fields(summary: dict[str, Any]) -> dict[str, Any]:
 __all__ = [
     "SUMMARY_FILE",
     "build_summary",
+    "config_source",
     "divergence_counts",
     "final_configs",
     "read_summary",

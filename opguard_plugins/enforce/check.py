@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -22,9 +21,18 @@ import click
 from ruamel.yaml.comments import CommentedMap
 
 from opguard_core import hookimpl
-from opguard_core.cli.app import base_dir_option, spread_inputs
+from opguard_core.cli import exits
+from opguard_core.cli.options import (
+    InputsCommand,
+    base_dir_option,
+    config_option,
+    format_option,
+    input_option,
+    output_option,
+    verbose_option,
+)
 from opguard_core.configs.chain import BASIC_FILTER_PLUGIN
-from opguard_core.errors import ExitCode, InputError, OpGuardError, PluginError
+from opguard_core.errors import ExitCode, PluginError
 from opguard_core.files.atomic import atomic_write_text
 from opguard_core.formats.check import (
     ERROR,
@@ -41,6 +49,7 @@ from opguard_core.logs import configure_logging
 from opguard_core.model import InputEntry, RunOptions
 from opguard_core.plugin.manager import OpGuardPluginManager, call_impl
 from opguard_core.run.pipeline import Pipeline
+from opguard_core.run.summary import config_source
 from opguard_plugins.enforce.rules import DEFAULT_TOLERANCE
 
 #: ``meta.settings`` keys that are not RunOptions fields of the same name.
@@ -228,55 +237,20 @@ def format_text(config: str, violations: Sequence[Violation]) -> str:
     return "\n".join(lines) + "\n"
 
 
-class CheckCommand(click.Command):
-    """Accepts several words after one ``--input``, like ``opguard run``."""
-
-    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
-        return super().parse_args(ctx, spread_inputs(args))
-
-
-#: ``--config CONFIG``, shared by ``opguard check`` and ``opguard guard``
-config_option = click.option(
-    "--config",
-    "config_path",
-    required=True,
-    type=click.Path(exists=True, dir_okay=False, path_type=Path),
-    help="The instrumentation config to enforce.",
-)
-
-
-def _fail_unreadable(message: str) -> None:
-    click.echo(f"opguard: error: {message}", err=True)
-    sys.exit(int(ExitCode.INPUT_UNREADABLE))
+CODES: exits.Codes = {
+    ExitCode.OK: "no error (warnings allowed)",
+    ExitCode.STAGE_FAILED: "errors found (with --strict, any violation)",
+    ExitCode.PLUGIN_ERROR: "a check-rule plugin failed",
+    ExitCode.INPUT_UNREADABLE: "the config or a trace could not be read",
+}
 
 
 def make_command(manager: OpGuardPluginManager) -> click.Command:
-    @click.command("check", cls=CheckCommand)
     @config_option
-    @click.option(
-        "--input",
-        "-i",
-        "input_options",
-        multiple=True,
-        metavar="FILE|PATTERN",
-        help="New traces: files or quoted globs (repeatable), relative to --base-dir.",
-    )
+    @input_option
     @base_dir_option
-    @click.option(
-        "--format",
-        "fmt",
-        type=click.Choice(["text", "json"]),
-        default="text",
-        show_default=True,
-        help="Report format.",
-    )
-    @click.option(
-        "--output",
-        "-o",
-        type=click.Path(dir_okay=False, path_type=Path),
-        default=None,
-        help="Write the report here (atomically) instead of stdout.",
-    )
+    @format_option
+    @output_option
     @click.option("--strict", is_flag=True, help="Treat every warning as an error.")
     @click.option(
         "--tolerance",
@@ -285,10 +259,8 @@ def make_command(manager: OpGuardPluginManager) -> click.Command:
         show_default=True,
         help="count_drift: relative change of an entry's count per rank (and step) allowed.",
     )
-    @click.option("-v", "--verbose", count=True, help="Tracebacks on failure.")
-    @click.pass_context
-    def check_command(
-        ctx: click.Context,
+    @verbose_option
+    def check(
         config_path: Path,
         input_options: tuple[str, ...],
         base_dir: Path,
@@ -297,43 +269,25 @@ def make_command(manager: OpGuardPluginManager) -> click.Command:
         strict: bool,
         tolerance: float,
         verbose: int,
-    ) -> None:
-        """Check new traces against CONFIG; exit 1 when any error is found.
-
-        Exit codes: 0 no error (warnings allowed), 1 errors, 2 usage,
-        4 the config or a trace could not be read.
-        """
+    ) -> ExitCode:
+        """Check new traces against CONFIG; exit 1 when any error is found."""
         if not input_options:
             raise click.UsageError("give at least one --input")
+        ctx = click.get_current_context()
         verbose += (ctx.obj or {}).get("verbose", 0)
         if verbose:
             configure_logging((ctx.obj or {}).get("log_format"), verbose)
-        try:
-            config = load_config(config_path)
-        except OpGuardError as exc:
-            if verbose:
-                raise
-            _fail_unreadable(str(exc))
+        config_path = config_source(config_path)
+        config = load_config(config_path)
         options = options_from_settings(config, base_dir)
-        try:
-            observed = observe(manager, input_options, options)
-        except InputError as exc:
-            if verbose:
-                raise
-            _fail_unreadable(str(exc))
+        observed = observe(manager, input_options, options)
         if observed.problems:
             for problem in observed.problems:
                 click.echo(f"opguard: error: {problem}", err=True)
-            sys.exit(int(ExitCode.INPUT_UNREADABLE))
-        try:
-            violations = check_configs(
-                manager, config, observed.configs, tolerance, strict, observed.combined
-            )
-        except OpGuardError as exc:
-            if verbose:
-                raise
-            click.echo(f"opguard: error: {exc}", err=True)
-            sys.exit(int(ExitCode.PLUGIN_ERROR))
+            return ExitCode.INPUT_UNREADABLE
+        violations = check_configs(
+            manager, config, observed.configs, tolerance, strict, observed.combined
+        )
         if fmt == "json":
             document = check_report(str(config_path), violations)
             if output is not None:
@@ -347,9 +301,9 @@ def make_command(manager: OpGuardPluginManager) -> click.Command:
             else:
                 click.echo(text, nl=False)
         errors = any(v.severity == ERROR for v in violations)
-        sys.exit(int(ExitCode.STAGE_FAILED if errors else ExitCode.OK))
+        return ExitCode.STAGE_FAILED if errors else ExitCode.OK
 
-    return check_command
+    return exits.command("check", CODES, cls=InputsCommand)(check)
 
 
 @hookimpl

@@ -11,7 +11,6 @@ See docs/guard.md.
 from __future__ import annotations
 
 import signal
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -19,10 +18,12 @@ from typing import Any
 import click
 
 from opguard_core import hookimpl
+from opguard_core.cli import exits
+from opguard_core.cli.options import config_option
 from opguard_core.errors import ExitCode, OpGuardError
 from opguard_core.formats.check import ERROR, load_report
 from opguard_core.formats.config import load_config
-from opguard_plugins.enforce.check import config_option
+from opguard_core.run.summary import config_source
 from opguard_plugins.record.trace import bootstrap_env, run_bootstrapped
 
 
@@ -67,11 +68,13 @@ def summarize(reports: list[Path]) -> tuple[int, int, list[str]]:
     return errors, warnings, problems
 
 
-@click.command(
-    "guard",
-    context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False},
-)
-@config_option
+CODES: exits.Codes = {
+    ExitCode.OK: "the command succeeded and no report has an error",
+    ExitCode.STAGE_FAILED: "a report has an error, or a report could not be read",
+    ExitCode.INPUT_UNREADABLE: "the config could not be read",
+}
+
+
 @click.option(
     "--report-dir",
     type=click.Path(file_okay=False, path_type=Path),
@@ -93,31 +96,25 @@ def summarize(reports: list[Path]) -> tuple[int, int, list[str]]:
     show_default=True,
     help="Check only every round(1/P)-th optimizer step (step 0 always).",
 )
+@config_option
 @click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
-@click.pass_context
-def guard_command(
-    ctx: click.Context,
+def guard(
     config_path: Path,
     report_dir: Path,
     on_violation: str,
     sample: float,
     command: tuple[str, ...],
-) -> None:
+) -> int:
     """Run COMMAND with CONFIG enforced at run time, writing one report per rank.
 
     COMMAND is a Python script, python -m PKG, or torchrun ...; put it after "--".
-    Exit codes: COMMAND's own when it fails; else 1 when a report has an error,
-    0 otherwise; 2 usage; 4 the config cannot be read.
     """
-    try:
-        load_config(config_path)
-    except OpGuardError as exc:
-        click.echo(f"opguard: error: {exc}", err=True)
-        sys.exit(int(ExitCode.INPUT_UNREADABLE))
+    config_path = config_source(config_path)
+    load_config(config_path)
     report_dir.mkdir(parents=True, exist_ok=True)
     started = time.time() - 1.0  # file systems with coarse timestamps
     env = guard_env(config_path, report_dir, on_violation, sample, command)
-    log_format = (ctx.obj or {}).get("log_format")
+    log_format = (click.get_current_context().obj or {}).get("log_format")
     if log_format:  # `opguard --log-format X guard ...`: the guarded processes log as X
         env["OPGUARD_GUARD_LOG_FORMAT"] = log_format
     code = run_bootstrapped(command, env)
@@ -138,8 +135,16 @@ def guard_command(
             err=True,
         )
     if code != 0:
-        sys.exit(code)
-    sys.exit(int(ExitCode.STAGE_FAILED if errors or problems else ExitCode.OK))
+        return code
+    return ExitCode.STAGE_FAILED if errors or problems else ExitCode.OK
+
+
+guard_command = exits.command(
+    "guard",
+    CODES,
+    extra="COMMAND's own exit code when it fails; else",
+    context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False},
+)(guard)
 
 
 @hookimpl

@@ -30,10 +30,10 @@ from typing import Any
 import click
 
 from opguard_core import hookimpl
+from opguard_core.cli import exits
 from opguard_core.errors import ExitCode
 from opguard_core.files.output_dirs import (
     OUTPUT_BASE_ENV,
-    OutputLocationError,
     prepare_output_dir,
     trace_output_base,
 )
@@ -228,10 +228,9 @@ def run_traced(
     return outcome.exit_code, outcome.files
 
 
-@click.command(
-    "trace",
-    context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False},
-)
+CODES: exits.Codes = {ExitCode.OK: "the command succeeded"}
+
+
 @click.option(
     "--label",
     default="trace",
@@ -255,9 +254,7 @@ def run_traced(
     "See docs/tracing.md.",
 )
 @click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
-def trace_command(
-    label: str, output_dir: Path | None, backend: str, command: tuple[str, ...]
-) -> None:
+def trace(label: str, output_dir: Path | None, backend: str, command: tuple[str, ...]) -> int:
     """Run COMMAND with callsite tracing on, writing one trace per rank.
 
     COMMAND is a Python script (train.py ARGS), python -m PKG ARGS, or
@@ -265,7 +262,7 @@ def trace_command(
     process it starts that imports torch is traced and writes
     {label}_callsite_rank{R}.json into --output-dir at exit (a forked child:
     {label}.fork{PID}_callsite_rank{R}.json). SIGINT and SIGTERM are forwarded to
-    COMMAND. Exits with COMMAND's exit code (128+N after signal N).
+    COMMAND.
     """
     if not _SAFE_LABEL.match(label):
         raise click.BadParameter(
@@ -276,11 +273,7 @@ def trace_command(
     if output_dir is None:
         output_dir = trace_output_base()
         what = f"${OUTPUT_BASE_ENV}" if os.environ.get(OUTPUT_BASE_ENV) else "output base"
-    try:
-        prepare_output_dir(output_dir, what)
-    except OutputLocationError as exc:
-        click.echo(f"opguard trace: error: {exc}", err=True)
-        sys.exit(int(ExitCode.USAGE_ERROR))
+    prepare_output_dir(output_dir, what)
     outcome = launch(command, label, output_dir, backend)
     files = outcome.files
     status = outcome.status_line()
@@ -306,7 +299,15 @@ def trace_command(
             "(did the command import torch and run any operator?)",
             err=True,
         )
-    sys.exit(outcome.exit_code)
+    return outcome.exit_code
+
+
+trace_command = exits.command(
+    "trace",
+    CODES,
+    extra="COMMAND's own exit code (128+N after signal N); else",
+    context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False},
+)(trace)
 
 
 @hookimpl

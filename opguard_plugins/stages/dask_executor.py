@@ -36,7 +36,7 @@ from opguard_core.model import InputEntry, RunOptions
 from opguard_plugins.stages.combine import combine_files_portable, portable_error, split_evenly
 
 EXECUTOR_NAME = "dask"
-#: modules ``--executor dask`` needs (checked before the run: opguard_core.cli.options)
+#: modules ``--executor dask`` needs (checked before the run: opguard_core.cli.checks)
 EXECUTOR_REQUIRES = ("dask", "distributed")
 EXECUTOR_INSTALL = "pip install 'opguard[dask]'"
 SCHEDULER_ENV = "OPGUARD_DASK_SCHEDULER"

@@ -23,7 +23,14 @@ from click.decorators import FC
 from ruamel.yaml.comments import CommentedMap
 
 from opguard_core import hookimpl
-from opguard_core.cli.app import basic_options, check_basic
+from opguard_core.cli import exits
+from opguard_core.cli.options import (
+    basic_options,
+    check_basic,
+    format_option,
+    selection_options,
+    verbose_option,
+)
 from opguard_core.configs.chain import (
     active_filters,
     apply_filters,
@@ -31,13 +38,13 @@ from opguard_core.configs.chain import (
     settings_of,
 )
 from opguard_core.configs.selection import PatternError, Selection, select_entries
-from opguard_core.errors import ExitCode, reported_errors
+from opguard_core.errors import ExitCode
 from opguard_core.files.atomic import atomic_write_text
 from opguard_core.formats.config import dump_config, entry_key, flow_seq, load_config
 from opguard_core.logs import get_logger
 from opguard_core.model import RunOptions
 from opguard_core.plugin.manager import OpGuardPluginManager
-from opguard_core.run.summary import run_config
+from opguard_core.run.summary import config_source
 from opguard_plugins.stages.compare import Sort, diff_configs, diff_to_json, render_diff
 
 #: how many ops ``show`` names per entry
@@ -46,7 +53,7 @@ MAIN_OPS = 3
 
 def read_input(path: Path, filtered: bool = True) -> tuple[Path, CommentedMap]:
     """The config ``path`` names (a file, or a run directory's final config)."""
-    source = run_config(path, filtered) if path.is_dir() else path
+    source = config_source(path, filtered)
     return source, load_config(source)
 
 
@@ -63,40 +70,27 @@ def _warn_unmatched(selection: Selection) -> None:
         log.warning("pattern matched nothing", option=option, pattern=pattern)
 
 
-def _verbose(ctx: click.Context, verbose: int) -> bool:
-    return bool(verbose or (ctx.obj or {}).get("verbose"))
-
-
 def _config_argument(name: str) -> Callable[[FC], FC]:
     return click.argument(name, type=click.Path(path_type=Path))
 
 
-_verbose_option = click.option("-v", "--verbose", count=True, help="Tracebacks on errors.")
-_focus_option = click.option(
-    "--focus",
-    multiple=True,
-    metavar="REGEX",
-    help="Keep entries with a context frame or target matching REGEX whole (repeatable).",
-)
-_ignore_option = click.option(
-    "--ignore",
-    multiple=True,
-    metavar="REGEX",
-    help="Drop entries with a context frame or target matching REGEX whole (repeatable).",
-)
-_format_option = click.option(
-    "--format", "fmt", type=click.Choice(["text", "json"]), default="text", show_default=True
-)
+_selection_options = selection_options("entries with a context frame or target")
+
+#: the codes of a command that writes a config
+WRITES: exits.Codes = {
+    ExitCode.OK: None,
+    ExitCode.STAGE_FAILED: "the output could not be written",
+    ExitCode.INPUT_UNREADABLE: None,
+}
 
 
 # ------------------------------------------------------------------ compare
 
 
-@click.command("compare")
 @_config_argument("base")
 @_config_argument("other")
 @click.option("--top", type=click.IntRange(min=1), default=None, help="Show N per section.")
-@_format_option
+@format_option
 @click.option(
     "--sort",
     type=click.Choice(["delta", "key"]),
@@ -105,10 +99,8 @@ _format_option = click.option(
     help="Largest change first, or by (target, context).",
 )
 @click.option("--fail-on-change", is_flag=True, help="Exit 1 when the configs differ.")
-@_verbose_option
-@click.pass_context
+@verbose_option
 def compare(
-    ctx: click.Context,
     base: Path,
     other: Path,
     top: int | None,
@@ -116,40 +108,45 @@ def compare(
     sort: str,
     fail_on_change: bool,
     verbose: int,
-) -> None:
+) -> ExitCode:
     """Compare two configs (or run directories): totals, only in one, changed."""
-    with reported_errors(_verbose(ctx, verbose)):
-        base_path, first = read_input(base)
-        other_path, second = read_input(other)
-        diff = diff_configs(first, second, str(base_path), str(other_path))
+    base_path, first = read_input(base)
+    other_path, second = read_input(other)
+    diff = diff_configs(first, second, str(base_path), str(other_path))
     if fmt == "json":
         click.echo(json.dumps(diff_to_json(diff, cast(Sort, sort), top), indent=2))
     else:
         click.echo(render_diff(diff, cast(Sort, sort), top), nl=False)
-    if fail_on_change and diff.differs:
-        ctx.exit(int(ExitCode.STAGE_FAILED))
+    return ExitCode.STAGE_FAILED if fail_on_change and diff.differs else ExitCode.OK
+
+
+compare_command = exits.command(
+    "compare",
+    {
+        ExitCode.OK: "done (with --fail-on-change: the configs are the same)",
+        ExitCode.STAGE_FAILED: "--fail-on-change and the configs differ",
+        ExitCode.INPUT_UNREADABLE: None,
+    },
+)(compare)
 
 
 # ------------------------------------------------------------------ merge
 
 
 def make_merge(manager: OpGuardPluginManager) -> click.Command:
-    @click.command("merge")
     @click.argument("configs", nargs=-1, type=click.Path(path_type=Path))
     @click.option("-o", "--output", type=click.Path(path_type=Path), required=True)
-    @_verbose_option
-    @click.pass_context
-    def merge(ctx: click.Context, configs: tuple[Path, ...], output: Path, verbose: int) -> None:
+    @verbose_option
+    def merge(configs: tuple[Path, ...], output: Path, verbose: int) -> None:
         """Merge configs (or run directories) as the run does: ((A+B)+C)+…"""
         if len(configs) < 2:
             raise click.UsageError("give at least two configs to merge")
-        with reported_errors(_verbose(ctx, verbose)):
-            loaded = [read_input(path)[1] for path in configs]
-            merged = fold(manager, loaded)
-            atomic_write_text(output, dump_config(merged))
+        loaded = [read_input(path)[1] for path in configs]
+        merged = fold(manager, loaded)
+        atomic_write_text(output, dump_config(merged))
         click.echo(str(output))
 
-    return merge
+    return exits.command("merge", WRITES)(merge)
 
 
 # ------------------------------------------------------------------ filter
@@ -164,16 +161,12 @@ def _record_selection(config: CommentedMap, focus: Sequence[str], ignore: Sequen
 
 
 def make_filter(manager: OpGuardPluginManager) -> click.Command:
-    @click.command("filter")
     @_config_argument("config")
     @basic_options
-    @_focus_option
-    @_ignore_option
+    @_selection_options
     @click.option("-o", "--output", type=click.Path(path_type=Path), required=True)
-    @_verbose_option
-    @click.pass_context
+    @verbose_option
     def filter_(
-        ctx: click.Context,
         config: Path,
         basic: bool,
         basic_list: Path | None,
@@ -184,19 +177,18 @@ def make_filter(manager: OpGuardPluginManager) -> click.Command:
     ) -> None:
         """Filter a config (or a run's final config) with the run's filter chain."""
         selection = _selection(focus, ignore)
-        check_basic(manager, basic)
+        check_basic(manager.disabled, basic)
         options = RunOptions(basic=basic, basic_list=basic_list, verbose=bool(verbose))
-        with reported_errors(_verbose(ctx, verbose)):
-            _, loaded = read_input(config, filtered=False)
-            if selection:
-                loaded["entries"][:] = select_entries(loaded, selection)
-                _warn_unmatched(selection)
-                _record_selection(loaded, focus, ignore)
-            filtered, _ = apply_filters(active_filters(manager, options), loaded, options)
-            atomic_write_text(output, dump_config(filtered))
+        _, loaded = read_input(config, filtered=False)
+        if selection:
+            loaded["entries"][:] = select_entries(loaded, selection)
+            _warn_unmatched(selection)
+            _record_selection(loaded, focus, ignore)
+        filtered, _ = apply_filters(active_filters(manager, options), loaded, options)
+        atomic_write_text(output, dump_config(filtered))
         click.echo(str(output))
 
-    return filter_
+    return exits.command("filter", WRITES)(filter_)
 
 
 # ------------------------------------------------------------------ show
@@ -271,19 +263,15 @@ def _rich_table(title: str, rows: list[dict[str, Any]]) -> None:
     Console().print(table)
 
 
-@click.command("show")
 @_config_argument("config")
 @click.option(
     "--top", type=click.IntRange(min=0), default=20, show_default=True, help="0 shows all."
 )
-@_focus_option
-@_ignore_option
+@_selection_options
 @click.option("--tag", "tags", multiple=True, metavar="TAG", help="Only entries with TAG.")
-@_format_option
-@_verbose_option
-@click.pass_context
+@format_option
+@verbose_option
 def show(
-    ctx: click.Context,
     config: Path,
     top: int,
     focus: tuple[str, ...],
@@ -294,8 +282,7 @@ def show(
 ) -> None:
     """The largest entries of a config (or a run's final config), like pprof -top."""
     selection = _selection(focus, ignore)
-    with reported_errors(_verbose(ctx, verbose)):
-        path, loaded = read_input(config)
+    path, loaded = read_input(config)
     rows, selected = show_rows(loaded, selection, tags, top or None)
     _warn_unmatched(selection)
     meta = loaded.get("meta") or {}
@@ -322,8 +309,11 @@ def show(
         click.echo(plain_table(rows), nl=False)
 
 
+show_command = exits.command("show", {ExitCode.OK: None, ExitCode.INPUT_UNREADABLE: None})(show)
+
+
 @hookimpl
 def opguard_register_commands(cli: click.Group, manager: OpGuardPluginManager) -> None:
     """Add ``opguard compare``, ``merge``, ``filter`` and ``show``."""
-    for command in (compare, make_merge(manager), make_filter(manager), show):
+    for command in (compare_command, make_merge(manager), make_filter(manager), show_command):
         cli.add_command(command)

@@ -17,9 +17,11 @@ from typing import Any
 import click
 
 from opguard_core import hookimpl
+from opguard_core.cli import exits
+from opguard_core.cli.options import verbose_option
 from opguard_core.combine.accumulator import TraceAccumulator
 from opguard_core.configs.selection import PatternError, Selection, compile_patterns
-from opguard_core.errors import PluginError, reported_errors
+from opguard_core.errors import ExitCode, PluginError
 from opguard_core.files.atomic import atomic_write_bytes
 from opguard_core.formats.stacks import Stack, tree_stacks
 from opguard_core.formats.trace import read_bytes
@@ -99,8 +101,14 @@ def _regexes(
     return values
 
 
+CODES: exits.Codes = {
+    ExitCode.OK: None,
+    ExitCode.STAGE_FAILED: "the output could not be written",
+    ExitCode.INPUT_UNREADABLE: "SRC could not be read",
+}
+
+
 def make_command(manager: OpGuardPluginManager) -> click.Command:
-    @click.command("export")
     @click.argument("src", type=click.Path(path_type=Path))
     @click.option(
         "--format",
@@ -139,10 +147,8 @@ def make_command(manager: OpGuardPluginManager) -> click.Command:
     @click.option(
         "--no-default-hide", is_flag=True, help="For a trace SRC: keep the default plumbing frames."
     )
-    @click.option("-v", "--verbose", count=True, help="Tracebacks on errors.")
-    @click.pass_context
+    @verbose_option
     def export(
-        ctx: click.Context,
         src: Path,
         fmt: str,
         output: Path | None,
@@ -158,17 +164,14 @@ def make_command(manager: OpGuardPluginManager) -> click.Command:
             raise click.BadParameter(
                 f"{fmt!r}: not one of {', '.join(sorted(writers))}", param_hint="--format"
             )
-        with reported_errors(bool(verbose or (ctx.obj or {}).get("verbose"))):
-            tree = load_source(src, default_hide=not no_default_hide)
-            stacks = select_stacks(tree_stacks(tree), hide, focus, ignore)
-            data = writers[fmt](stacks)
-            out = output or src.with_name(
-                src.name.removesuffix(".json") + SUFFIX.get(fmt, f".{fmt}")
-            )
-            atomic_write_bytes(out, data)
+        tree = load_source(src, default_hide=not no_default_hide)
+        stacks = select_stacks(tree_stacks(tree), hide, focus, ignore)
+        data = writers[fmt](stacks)
+        out = output or src.with_name(src.name.removesuffix(".json") + SUFFIX.get(fmt, f".{fmt}"))
+        atomic_write_bytes(out, data)
         click.echo(str(out))
 
-    return export
+    return exits.command("export", CODES)(export)
 
 
 @hookimpl

@@ -20,7 +20,9 @@ import click
 import msgspec
 
 from opguard_core import hookimpl
-from opguard_core.errors import InputError, reported_errors
+from opguard_core.cli import exits
+from opguard_core.cli.options import verbose_option
+from opguard_core.errors import ExitCode, InputError
 from opguard_core.files.atomic import atomic_write_text, safe_child
 from opguard_core.formats.config import load_config
 from opguard_core.formats.deep_json import encode_compact
@@ -201,15 +203,21 @@ def opguard_run_finished(
     write_report(run_dir, summary, configs)
 
 
-@click.command("report")
 @click.argument("run_dir", type=click.Path(file_okay=False, path_type=Path))
-@click.option("-v", "--verbose", count=True, help="Tracebacks on errors.")
-@click.pass_context
-def report_command(ctx: click.Context, run_dir: Path, verbose: int) -> None:
+@verbose_option
+def report(run_dir: Path, verbose: int) -> None:
     """(Re)write RUN_DIR/report.html from the run's artifacts."""
-    with reported_errors(bool(verbose or (ctx.obj or {}).get("verbose"))):
-        out = write_report(run_dir)
-    click.echo(str(out))
+    click.echo(str(write_report(run_dir)))
+
+
+report_command = exits.command(
+    "report",
+    {
+        ExitCode.OK: None,
+        ExitCode.STAGE_FAILED: "report.html could not be written",
+        ExitCode.INPUT_UNREADABLE: "RUN_DIR is not a readable run directory",
+    },
+)(report)
 
 
 @hookimpl

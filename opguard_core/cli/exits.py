@@ -1,0 +1,99 @@
+"""Exit codes, in one place: what each command's codes mean, the one mapping from
+errors to codes, and the ``Exit codes:`` section of every command's ``--help``.
+
+A command is declared with :func:`command` and the codes it can end with. Its
+callback returns an :class:`~opguard_core.errors.ExitCode` (or None for ``OK``) or
+raises; an :class:`~opguard_core.errors.OpGuardError` becomes one line on stderr
+(``opguard: error: …``) and the code the error carries (``exit_code``), or its
+traceback with ``--verbose``. click's own usage errors exit 2. The help text lists
+the declared codes from the same table, so it cannot drift from what the command
+does; ``tests/test_exit_codes.py`` holds each documented code to a run that ends
+with it.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import click
+
+from opguard_core.errors import ExitCode, OpGuardError, one_line
+
+#: What each code means when a command does not say more.
+MEANING: dict[ExitCode, str] = {
+    ExitCode.OK: "success",
+    ExitCode.STAGE_FAILED: "the command could not do all it was asked",
+    ExitCode.USAGE_ERROR: "bad command line or option value",
+    ExitCode.PLUGIN_ERROR: "a plugin could not be loaded, or failed",
+    ExitCode.DIVERGENCE: "ranks diverge (an error finding, with --fail-on-divergence)",
+    ExitCode.INPUT_UNREADABLE: "an input (trace, config, run directory) could not be read",
+    ExitCode.INTERRUPTED: "stopped by SIGINT or SIGTERM",
+}
+
+#: The codes every command can end with, whatever it declares: a bad command line
+#: and a plugin that cannot load (the group loads plugins before any command runs).
+ALWAYS: dict[ExitCode, str] = {
+    ExitCode.USAGE_ERROR: MEANING[ExitCode.USAGE_ERROR],
+    ExitCode.PLUGIN_ERROR: MEANING[ExitCode.PLUGIN_ERROR],
+}
+
+#: A command's codes: the code, and what it means for this command (None: MEANING's).
+Codes = Mapping[ExitCode, str | None]
+
+
+def exit_codes(codes: Codes) -> dict[ExitCode, str]:
+    """Every code a command declared with ``codes`` can end with, and its meaning."""
+    merged = {code: text or MEANING[code] for code, text in codes.items()}
+    return dict(sorted({**ALWAYS, **merged}.items()))
+
+
+def help_section(codes: Codes, extra: str = "") -> str:
+    """The ``Exit codes:`` paragraph of a command's help (``extra``: a sentence first)."""
+    lines = [f"{int(code)} {text}" for code, text in exit_codes(codes).items()]
+    return "\b\nExit codes:" + (f" {extra}" if extra else "") + "\n" + "\n".join(lines)
+
+
+def code_of(exc: OpGuardError) -> ExitCode:
+    """The one mapping from an error to an exit code: the code it carries."""
+    return exc.exit_code
+
+
+def command(
+    name: str,
+    codes: Codes,
+    *,
+    extra: str = "",
+    cls: type[click.Command] | None = None,
+    **kwargs: Any,
+) -> Callable[[Callable[..., ExitCode | int | None]], click.Command]:
+    """``click.command(name)`` whose help ends with its exit codes and whose callback's
+    result is the exit code (None: ``OK``); an :class:`OpGuardError` it raises exits
+    with :func:`code_of` after one line on stderr (the traceback with ``--verbose``).
+    The callback must take ``verbose`` (``-v``, counted) or be given ``-v`` by the
+    group."""
+
+    def decorate(callback: Callable[..., ExitCode | int | None]) -> click.Command:
+        @functools.wraps(callback)
+        def run(*args: Any, **params: Any) -> None:
+            ctx = click.get_current_context()
+            verbose = bool(params.get("verbose") or (ctx.obj or {}).get("verbose"))
+            try:
+                code = callback(*args, **params)
+            except OpGuardError as exc:
+                if verbose:
+                    raise
+                click.echo(f"opguard: error: {one_line(str(exc))}", err=True)
+                ctx.exit(int(code_of(exc)))
+            ctx.exit(int(ExitCode.OK if code is None else code))
+
+        made = click.command(name, cls=cls, **kwargs)(run)
+        made.help = ((made.help or "").rstrip() + "\n\n" + help_section(codes, extra)).strip()
+        made.opguard_exit_codes = exit_codes(codes)  # type: ignore[attr-defined]
+        return made
+
+    return decorate
+
+
+__all__ = ["ALWAYS", "MEANING", "code_of", "command", "exit_codes", "help_section"]
