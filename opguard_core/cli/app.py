@@ -18,11 +18,12 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from opguard_core import __version__
+from opguard_core.cli import exits
 from opguard_core.cli.checks import unknown_disabled
 from opguard_core.cli.exits import code_of
 from opguard_core.cli.options import DISABLE_OPTION, disable_option
 from opguard_core.cli.run_command import make_run_command
-from opguard_core.errors import PluginError, UsageProblem
+from opguard_core.errors import ExitCode, PluginError, UsageProblem
 from opguard_core.logs import configure_logging
 from opguard_core.plugin.names import BUILTIN_PLUGINS, disabled_from_env
 
@@ -113,7 +114,6 @@ def create_cli(
 
     cli.add_command(make_run_command(handle.get, lambda: handle.disabled(args_disabled)))
 
-    @cli.command()
     @click.option("--all", "show_all", is_flag=True, help="Include built-in plugins.")
     @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
     @disable_option
@@ -149,6 +149,8 @@ def create_cli(
             )
         if manager.disabled:
             click.echo(f"disabled: {', '.join(manager.disabled)}")
+
+    cli.add_command(exits.command("plugins", {ExitCode.OK: None})(plugins))
 
     def register_plugin_commands() -> None:
         from opguard_core.plugin.manager import call_impl

@@ -1,0 +1,231 @@
+"""Every exit code a command's --help documents is the code it really ends with.
+
+The help texts are made from each command's declared codes (opguard_core/cli/exits.py);
+here every declared code of every command is held to a scenario that ends with it, and
+a command or code without a scenario fails the test, so the help cannot promise a code
+nobody has seen.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+from collections.abc import Callable
+from importlib.metadata import EntryPoint
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from opguard_core import hookimpl
+from opguard_core.cli.app import cli_for, create_cli, main
+from opguard_core.errors import ExitCode
+from opguard_core.formats.check import ERROR, Violation, guard_report
+from opguard_core.plugin import manager as manager_module
+from opguard_core.plugin.manager import create_plugin_manager
+
+EXAMPLES = Path(__file__).parents[1] / "examples" / "traces"
+DIVERGENT = Path(__file__).parent / "data" / "divergent"
+FSDP = str(EXAMPLES / "fsdp_callsite_rank*.json")
+
+#: a scenario: a function of (workspace) returning the command's arguments
+Scenario = Callable[[Path], list[str]]
+
+
+def _trace(tmp: Path) -> str:
+    return str(EXAMPLES / "single_callsite_rank0.json")
+
+
+def _config(tmp: Path) -> str:
+    """A config made from the single-process example trace (once per test)."""
+    out = tmp / "made"
+    if not out.exists():
+        argv = ["run", "-i", _trace(tmp), "--output-base", str(out)]
+        assert CliRunner().invoke(cli_for(argv), argv).exit_code == 0
+    (run_dir,) = out.iterdir()
+    return str(run_dir / "single_callsite_instrumentation.yaml")
+
+
+def _broken(tmp: Path) -> str:
+    path = tmp / "broken.json"
+    path.write_text("{not json")
+    return str(path)
+
+
+def _no_dir(tmp: Path) -> str:
+    return str(tmp / "no" / "such" / "dir" / "out.x")
+
+
+def _python(code: str) -> list[str]:
+    return ["--", sys.executable, "-c", code]
+
+
+def _writes_error_report(tmp: Path) -> list[str]:
+    """A 'program' that leaves a guard report with an error in the report directory."""
+    violation = Violation("unexpected_op", ERROR, "m:f", [], [0], "aten::mul ran", op="aten::mul")
+    item = {**violation.to_dict(), "rank": 0, "count": 1, "stack": []}
+    report = guard_report("c", 0, [item], [], "warn", 1.0, 1, 1, 1)
+    target = tmp / "reports" / "guard_report_rank0.json"
+    code = f"import pathlib; pathlib.Path({str(target)!r}).write_text({json.dumps(report)!r})"
+    return ["--config", _config(tmp), "--report-dir", str(tmp / "reports"), *_python(code)]
+
+
+class _Interrupting:
+    """A discover plugin that receives SIGTERM while the run runs."""
+
+    @hookimpl(tryfirst=True)
+    def opguard_discover(self, inputs: list[str], base_dir: Path) -> None:
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+class _RaisingRule:
+    @hookimpl
+    def opguard_check_entry(self, observed: object, expected: object, check: object) -> None:
+        raise RuntimeError("rule broke")
+
+
+#: (command, code) → the arguments after the command name
+SCENARIOS: dict[tuple[str, ExitCode], Scenario] = {
+    ("run", ExitCode.OK): lambda t: ["-i", FSDP],
+    ("run", ExitCode.STAGE_FAILED): lambda t: ["-i", _broken(t)],
+    ("run", ExitCode.DIVERGENCE): lambda t: [
+        "-i",
+        str(DIVERGENT / "divergent_callsite_rank*.json"),
+        "--fail-on-divergence",
+    ],
+    ("check", ExitCode.OK): lambda t: ["--config", _config(t), "-i", _trace(t)],
+    ("check", ExitCode.STAGE_FAILED): lambda t: ["--config", _config(t), "-i", FSDP],
+    ("check", ExitCode.INPUT_UNREADABLE): lambda t: ["--config", _broken(t), "-i", _trace(t)],
+    ("guard", ExitCode.OK): lambda t: ["--config", _config(t), *_python("pass")],
+    ("guard", ExitCode.STAGE_FAILED): _writes_error_report,
+    ("guard", ExitCode.INPUT_UNREADABLE): lambda t: ["--config", _broken(t), *_python("pass")],
+    ("trace", ExitCode.OK): lambda t: ["--output-dir", str(t / "traces"), *_python("pass")],
+    ("show", ExitCode.OK): lambda t: [_config(t)],
+    ("show", ExitCode.INPUT_UNREADABLE): lambda t: [_broken(t)],
+    ("compare", ExitCode.OK): lambda t: [_config(t), _config(t)],
+    ("compare", ExitCode.STAGE_FAILED): lambda t: [
+        str(Path(__file__).parent / "data" / "configs" / "gpt_callsite_v1.yaml"),
+        _config(t),
+        "--fail-on-change",
+    ],
+    ("compare", ExitCode.INPUT_UNREADABLE): lambda t: [_broken(t), _broken(t)],
+    ("merge", ExitCode.OK): lambda t: [_config(t), _config(t), "-o", str(t / "m.yaml")],
+    ("merge", ExitCode.STAGE_FAILED): lambda t: [_config(t), _config(t), "-o", _no_dir(t)],
+    ("merge", ExitCode.INPUT_UNREADABLE): lambda t: [_broken(t), _config(t), "-o", "x.yaml"],
+    ("filter", ExitCode.OK): lambda t: [_config(t), "--basic", "-o", str(t / "f.yaml")],
+    ("filter", ExitCode.STAGE_FAILED): lambda t: [_config(t), "-o", _no_dir(t)],
+    ("filter", ExitCode.INPUT_UNREADABLE): lambda t: [_broken(t), "-o", str(t / "f.yaml")],
+    ("export", ExitCode.OK): lambda t: [_trace(t), "--format", "collapsed", "-o", str(t / "e")],
+    ("export", ExitCode.STAGE_FAILED): lambda t: [_trace(t), "--format", "pprof", "-o", _no_dir(t)],
+    ("export", ExitCode.INPUT_UNREADABLE): lambda t: [_broken(t), "--format", "collapsed"],
+    ("report", ExitCode.OK): lambda t: [str(Path(_config(t)).parent)],
+    ("report", ExitCode.INPUT_UNREADABLE): lambda t: [str(t)],
+    ("plugins", ExitCode.OK): lambda t: ["--all"],
+}
+
+#: scenarios that need a plugin registered in-process
+WITH_PLUGIN: dict[tuple[str, ExitCode], tuple[object, list[str] | Scenario]] = {
+    ("run", ExitCode.INTERRUPTED): (_Interrupting(), lambda t: ["-i", FSDP]),
+    ("check", ExitCode.PLUGIN_ERROR): (
+        _RaisingRule(),
+        lambda t: ["--config", _config(t), "-i", _trace(t)],
+    ),
+}
+
+
+def _report_write_fails(tmp: Path) -> list[str]:
+    """A run directory whose report.html is a directory: it cannot be replaced."""
+    run_dir = Path(_config(tmp)).parent
+    (run_dir / "report.html").unlink()
+    (run_dir / "report.html").mkdir()
+    return [str(run_dir)]
+
+
+SCENARIOS[("report", ExitCode.STAGE_FAILED)] = _report_write_fails
+
+
+def documented() -> dict[str, dict[ExitCode, str]]:
+    """Every command's declared codes, as its --help lists them."""
+    cli = create_cli(create_plugin_manager())
+    return {
+        name: dict(command.opguard_exit_codes)  # type: ignore[attr-defined]
+        for name, command in cli.commands.items()
+    }
+
+
+def _case_ids() -> list[tuple[str, ExitCode]]:
+    return [(name, code) for name, codes in documented().items() for code in codes]
+
+
+@pytest.fixture(autouse=True)
+def _workspace(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("OPGUARD_TRACE_OUTPUT_BASE", str(tmp_path / "runs"))
+    monkeypatch.delenv("OPGUARD_DISABLE_PLUGINS", raising=False)
+
+
+def test_every_command_declares_its_codes_and_its_help_lists_them() -> None:
+    codes = documented()
+    assert {"run", "check", "guard", "trace", "show", "compare", "merge", "filter",
+            "export", "report", "plugins"} <= set(codes)  # fmt: skip
+    cli = create_cli(create_plugin_manager())
+    for name, declared in codes.items():
+        help_text = CliRunner().invoke(cli, [name, "--help"]).output
+        section = help_text.split("Exit codes:", 1)[1].split("Options:", 1)[0]
+        listed = {
+            int(line.split()[0]) for line in section.splitlines() if line.strip()[:1].isdigit()
+        }
+        assert listed == {int(c) for c in declared}, name
+
+
+@pytest.mark.parametrize(("command", "code"), _case_ids(), ids=lambda v: getattr(v, "name", v))
+def test_a_documented_code_is_the_real_one(
+    command: str, code: ExitCode, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if code == ExitCode.USAGE_ERROR:
+        # trace and guard pass unknown options on to COMMAND: a bad value instead
+        bad = {"trace": ["--backend", "nope", "--", "true"], "guard": ["--sample", "2"]}
+        assert _exit_of([command, *bad.get(command, ["--no-such-option"])]) == code
+        return
+    if code == ExitCode.PLUGIN_ERROR and (command, code) not in WITH_PLUGIN:
+        args = [command, *_minimal(command, tmp_path)]  # before the plugin breaks
+        broken = EntryPoint("broken", "opguard_no_such_module_xyz", "opguard")
+        real = manager_module.entry_points
+        monkeypatch.setattr(
+            manager_module,
+            "entry_points",
+            lambda group: [*real(group=group), broken],
+        )
+        assert _exit_of(args) == code
+        return
+    if (command, code) in WITH_PLUGIN:
+        plugin, scenario = WITH_PLUGIN[(command, code)]
+        manager = create_plugin_manager()
+        manager.register(plugin, name="test_plugin")
+        args = scenario(tmp_path) if callable(scenario) else scenario
+        result = CliRunner().invoke(create_cli(manager), [command, *args])
+        assert result.exit_code == code, result.output
+        return
+    scenario = SCENARIOS.get((command, code))
+    assert scenario is not None, f"no scenario shows that {command} exits {int(code)}"
+    args = [command, *scenario(tmp_path)]
+    if command in ("guard", "trace"):  # real processes: through the console script
+        assert _exit_of(args) == code
+    else:
+        result = CliRunner().invoke(cli_for(args), args)
+        assert result.exit_code == code, result.output
+
+
+def _minimal(command: str, tmp: Path) -> list[str]:
+    """Arguments that get a command past its option checks (to where plugins load)."""
+    scenario = SCENARIOS.get((command, ExitCode.OK))
+    return scenario(tmp) if scenario is not None else []
+
+
+def _exit_of(args: list[str]) -> int:
+    with pytest.raises(SystemExit) as exit_info:
+        main(args)
+    code = exit_info.value.code
+    return code if isinstance(code, int) else 1
