@@ -359,7 +359,7 @@ def test_disabling_an_essential_plugin_is_a_usage_error(
     code, _, err = run_main(args, capsys)
     assert code == ExitCode.USAGE_ERROR == 2
     name = "compress" if how == "option" else "merge"
-    assert f"Usage error: cannot disable essential built-in plugin(s) {name}" in err
+    assert f"opguard: error: cannot disable essential built-in plugin(s) {name}" in err
     assert "--skip STAGE" in err
     with pytest.raises(EssentialPluginError):
         create_plugin_manager([name])

@@ -191,8 +191,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     try:
         cli_for(args).main(args, prog_name="opguard")
     except (PluginError, UsageProblem) as exc:  # loading the plugins failed
-        prefix = "Usage error" if isinstance(exc, UsageProblem) else "opguard: error"
-        click.echo(f"{prefix}: {exc}", err=True)
+        click.echo(f"opguard: error: {exc}", err=True)
         sys.exit(int(code_of(exc)))
 
 

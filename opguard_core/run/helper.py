@@ -68,9 +68,18 @@ def perform(writes: list[Write]) -> str | None:
 class EntryHelper:
     """One entry's side work running in forked children (see the module docstring)."""
 
-    def __init__(self, recorder: Recorder, entry: str, owner: str, writes: list[Write]) -> None:
+    def __init__(
+        self,
+        recorder: Recorder,
+        entry: str,
+        owner: str,
+        writes: list[Write],
+        sides: tuple[str, ...],
+    ) -> None:
         self.recorder = recorder
         self.entry = entry
+        #: the side steps' names
+        self.sides = sides
         #: the step whose writes these are (failed if they fail)
         self.owner = owner
         self.writes = writes
@@ -86,7 +95,7 @@ class EntryHelper:
         entry: str,
         owner: str,
         writes: list[Write],
-        side: tuple[str, SideWork] | None,
+        side: tuple[tuple[str, ...], SideWork] | None,
         size: int,
         options: RunOptions,
     ) -> EntryHelper | None:
@@ -95,14 +104,16 @@ class EntryHelper:
         makes that pay (:func:`overlaps`; a child each from :data:`SPLIT_MIN_CALLSITES`),
         else, or where this process may not fork, here and now. None when nothing was
         forked. Raises ``StageFailed`` when a write fails here."""
-        helper = cls(recorder, entry, owner, writes)
+        helper = cls(recorder, entry, owner, writes, side[0] if side else ())
         write, diverge = bool(writes), side is not None
         split = size >= SPLIT_MIN_CALLSITES
         if overlaps(options, size) and (write or diverge):
             parts = [(True, False), (False, True)] if split and write and diverge else None
             for writes_here, side_here in parts or [(write, diverge)]:
                 what = (
-                    f"{side[0]} of {entry}" if side_here and side else f"writing {writes[0].path}"
+                    f"{'/'.join(helper.sides)} of {entry}"
+                    if side_here
+                    else f"writing {writes[0].path}"
                 )
                 work = partial(helper._work, side[1] if side_here and side else None, writes_here)
                 job = ForkedCall.start(work, what)
@@ -151,7 +162,7 @@ class EntryHelper:
             raise raised[0]
         return written[0], recorder.records, recorder.warnings, events
 
-    def finish(self, side_stages: tuple[str, ...]) -> None:
+    def finish(self) -> None:
         """Wait for the children (or kill them when the run is being interrupted) and
         record their work as if it had run in-process. A failed write fails the step
         that deferred it (the steps that read its result in memory have run)."""
@@ -173,14 +184,14 @@ class EntryHelper:
                 if sides:
                     job_records = [
                         StageRecord(s, self.entry, status="failed", error=failure)
-                        for s in side_stages
+                        for s in self.sides
                     ]
                     job_events = [("error", "stage failed", {"plugin": None, "error": failure})]
             error = error or job_error
             records += job_records
             warnings += job_warnings
             events += job_events
-        stage = side_stages[0] if side_stages else self.owner
+        stage = self.sides[0] if self.sides else self.owner
         self.recorder.absorb(self.slot, records, warnings, events, stage, self.entry)
         if error is not None:
             self.recorder.fail(self.owner, self.entry, error)

@@ -24,7 +24,7 @@ from opguard_core.combine.accumulator import gc_paused
 from opguard_core.errors import ExitCode, Interrupted, OpGuardError, one_line
 from opguard_core.files.atomic import atomic_write_bytes, safe_child
 from opguard_core.files.output_dirs import trace_output_base
-from opguard_core.model import STAGES, InputEntry, RunOptions, StageFailed, StageRecord
+from opguard_core.model import InputEntry, RunOptions, StageFailed, StageRecord
 from opguard_core.plugin.manager import OpGuardPluginManager, call_impl
 from opguard_core.run.artifacts import check_entry_names
 from opguard_core.run.helper import EntryHelper, SideWork, overlaps
@@ -34,9 +34,6 @@ from opguard_core.run.stale import find_stale_runs, release_run_directory, start
 from opguard_core.run.steps import STEPS, RunContext, Step, StepCall, skip_reasons
 from opguard_core.run.summary import SUMMARY_FILE, build_summary
 from opguard_core.run.warnings import collecting, warn
-
-ENTRY_STEPS = tuple(s for s in STEPS if s.scope == "entry")
-RUN_STEPS = tuple(s for s in STEPS if s.scope == "run")
 
 
 class Runner:
@@ -49,12 +46,15 @@ class Runner:
         options: RunOptions,
         skip: Sequence[str] = (),
         output_base: Path | None = None,
+        steps: Sequence[Step] = STEPS,
     ) -> None:
         self.manager = manager
+        self.per_entry = [s for s in steps if s.scope == "entry"]
+        self.per_run = [s for s in steps if s.scope == "run"]
         self.inputs = list(inputs)
         self.options = options
-        self.skip = [s for s in STAGES if s in set(skip)]
-        self.skip_reason = skip_reasons(self.skip)
+        self.skip = [s.name for s in steps if s.name in set(skip)]
+        self.skip_reason = skip_reasons(self.skip, steps)
         self.output_base = trace_output_base(output_base)
         self.interrupts = Interrupts()
         self.recorder = Recorder(options.verbose, self.write_summary, self.interrupts.from_user)
@@ -102,33 +102,32 @@ class Runner:
         by step name. A step skipped or failed makes the steps that need it skipped."""
         results: dict[str, Any] = {}
         missing: dict[str, str] = {}  # why a step has no result
-        helpers: list[tuple[EntryHelper, tuple[str, ...]]] = []
-        main = [s for s in ENTRY_STEPS if not s.side]
+        helpers: list[EntryHelper] = []
+        main = [s for s in self.per_entry if not s.side]
         try:
             for step in main:
                 if not self._ready(step, entry, results, missing):
                     continue
                 try:
                     call = self._entry_step(step, entry, results)
-                    sides = [s for s in ENTRY_STEPS if side and s.side and s.needs == (step.name,)]
-                    if call.pending or sides:
-                        names = tuple(
-                            s.name for s in sides if self._ready(s, entry, results, missing)
-                        )
+                    sides = [
+                        s for s in self.per_entry if side and s.side and s.needs == (step.name,)
+                    ]
+                    names = tuple(s.name for s in sides if self._ready(s, entry, results, missing))
+                    if call.pending or names:
                         helper = self._helper(step, entry, call, results, names)
-                        if helper is not None:
-                            helpers.append((helper, names))
+                        helpers += [helper] if helper is not None else []
                 except StageFailed as exc:
                     missing[step.name] = f"an earlier stage failed: {exc}"
                     for later in main[main.index(step) + 1 :]:
                         self._ready(later, entry, results, missing)
                     break
         except BaseException:  # interrupted (or worse): the helpers' work is moot
-            for helper, _ in helpers:
+            for helper in helpers:
                 helper.cancel()
             raise
-        for helper, names in helpers:
-            helper.finish(names)
+        for helper in helpers:
+            helper.finish()
         return results
 
     def _ready(
@@ -162,7 +161,7 @@ class Runner:
         """The helper for ``step``'s deferred writes and the side steps ``names``."""
         return EntryHelper.start(
             self.recorder, entry.name, step.name, call.pending,
-            ("/".join(names), self._side_work(entry, results, names)) if names else None,
+            (names, self._side_work(entry, results, names)) if names else None,
             step.size(results[step.name]), self.options,
         )  # fmt: skip
 
@@ -172,7 +171,7 @@ class Runner:
         def work(recorder: Recorder) -> None:
             context = dataclasses.replace(self._context(), recorder=recorder)
             for name in names:
-                step = next(s for s in ENTRY_STEPS if s.name == name)
+                step = next(s for s in self.per_entry if s.name == name)
                 with contextlib.suppress(StageFailed), recorder.stage(name, entry.name) as record:
                     call = StepCall(context, step, record)
                     step.run(call, entry, results)
@@ -186,7 +185,7 @@ class Runner:
             self.entries = self.discover()
         except StageFailed:
             return
-        kept = {need for step in RUN_STEPS for need in step.needs} - {s.name for s in RUN_STEPS}
+        kept = {n for step in self.per_run for n in step.needs} - {s.name for s in self.per_run}
         results: dict[str, Any] = {"discover": self.entries, **{name: {} for name in kept}}
         for entry in self.entries:
             try:
@@ -195,7 +194,7 @@ class Runner:
                 gc.collect()  # cycles an entry's plugins left (the run pauses the collector)
             for name in kept & done.keys():
                 results[name][entry.index] = (entry, done[name])
-        for step in RUN_STEPS:
+        for step in self.per_run:
             reason = self.skip_reason.get(step.name)
             if reason is not None:
                 self.recorder.skipped(step.name, None, reason)

@@ -381,12 +381,12 @@ STEPS: tuple[Step, ...] = (
 STEP: dict[str, Step] = {step.name: step for step in STEPS}
 
 
-def skip_reasons(skip: Iterable[str]) -> dict[str, str]:
+def skip_reasons(skip: Iterable[str], steps: Iterable[Step] = STEPS) -> dict[str, str]:
     """Why each step does not run at all: ``--skip`` it (``--skip NAME``), or a step it
     needs does not run (that step's reason)."""
     skip = set(skip)
     reasons: dict[str, str] = {}
-    for step in STEPS:
+    for step in steps:
         need = next((reasons[n] for n in step.needs if n in reasons), None)
         if need is not None or step.name in skip:
             reasons[step.name] = need or f"--skip {step.name}"
