@@ -26,6 +26,7 @@ if TYPE_CHECKING:
 
     from opguard_core.combine.accumulator import CallsiteTrace
     from opguard_core.formats.check import CheckInput, Violation
+    from opguard_core.formats.readers import Readers
     from opguard_core.formats.stacks import Stack
     from opguard_core.model import Discovery, InputEntry, RunOptions
     from opguard_core.plugin.manager import OpGuardPluginManager
@@ -52,12 +53,38 @@ def opguard_discover(inputs: Sequence[str], base_dir: Path) -> Discovery | None:
 
 
 # -------------------------------------------------------------------------
+# Input readers
+# -------------------------------------------------------------------------
+
+
+@hookspec(firstresult=True)
+def opguard_read_trace(path: Path, data: bytes) -> dict[str, Any] | None:
+    """Read an input file of another format (torch.profiler's JSON, Flight Recorder
+    dumps, ...) as a callsite trace.
+
+    Stops at first non-None result. Called for every input file (of ``opguard run``,
+    ``check`` and ``export``) that is not an ``opguard-callsites`` document, with its
+    bytes (a gzip file already decompressed); decide by content, not by file name.
+
+    :param path: the file, for messages.
+    :param data: the file's bytes.
+    :returns: the file as an ``opguard-callsites`` document (formats.md §1; the caller
+        validates it like any trace file), or None when the file is not of this
+        reader's format.
+    :raises opguard_core.errors.InputError: the file is of this reader's format but
+        unusable (one line naming the file and the problem).
+    """
+
+
+# -------------------------------------------------------------------------
 # Stage 2: combine
 # -------------------------------------------------------------------------
 
 
 @hookspec(firstresult=True)
-def opguard_combine(entry: InputEntry, options: RunOptions) -> CallsiteTrace | None:
+def opguard_combine(
+    entry: InputEntry, options: RunOptions, readers: Readers
+) -> CallsiteTrace | None:
     """Combine an entry's rank files into one callsite trace (a multiset union).
 
     Stops at first non-None result. Executors (such as the optional Dask plugin)
@@ -65,6 +92,9 @@ def opguard_combine(entry: InputEntry, options: RunOptions) -> CallsiteTrace | N
 
     :param entry: the entry whose ``files`` are combined.
     :param options: run settings (``jobs``, ``executor``).
+    :param readers: reads files of other formats (``opguard_read_trace``); pass it to
+        :meth:`~opguard_core.combine.accumulator.TraceAccumulator.add_file`. It
+        pickles, for other processes.
     :returns: the combined :class:`~opguard_core.combine.accumulator.CallsiteTrace`; the runner
         writes it to ``{name}_combined.json``.
     :raises opguard_core.errors.InputError: for an unusable input file.

@@ -123,7 +123,7 @@ def test_chunks_cover_every_file_once() -> None:
 
 def test_other_executors_are_left_alone() -> None:
     entry: Any = object()
-    assert dask_executor.opguard_combine(entry=entry, options=RunOptions()) is None
+    assert dask_executor.opguard_combine(entry=entry, options=RunOptions(), readers=None) is None
 
 
 def test_without_dask_the_error_is_one_clear_line(

@@ -35,6 +35,7 @@ from opguard_core.cli.app import create_cli, main
 from opguard_core.combine.accumulator import CallsiteTrace
 from opguard_core.errors import ExitCode, PluginError
 from opguard_core.formats.config import entry_key, validate_config
+from opguard_core.formats.readers import Readers
 from opguard_core.formats.tree import check_tree, iter_nodes, load_tree
 from opguard_core.model import Discovery, InputEntry, RunOptions
 from opguard_core.plugin.manager import (
@@ -484,7 +485,9 @@ def _entry(pm: OpGuardPluginManager, samples: Path, name: str = "gpt") -> InputE
 
 def _config(pm: OpGuardPluginManager, samples: Path, name: str = "gpt") -> CommentedMap:
     options = RunOptions()
-    trace = pm.hook.opguard_combine(entry=_entry(pm, samples, name), options=options)
+    trace = pm.hook.opguard_combine(
+        entry=_entry(pm, samples, name), options=options, readers=Readers(pm)
+    )
     tree = pm.hook.opguard_compress(trace=trace, options=options)
     config: CommentedMap = pm.hook.opguard_generate(
         tree=tree, source=f"{name}_callsite", options=options
@@ -519,7 +522,7 @@ def test_hook_discover(pm: OpGuardPluginManager, samples: Path) -> None:
 
 def test_hook_combine(pm: OpGuardPluginManager, samples: Path) -> None:
     entry = _entry(pm, samples)
-    trace = pm.hook.opguard_combine(entry=entry, options=RunOptions())
+    trace = pm.hook.opguard_combine(entry=entry, options=RunOptions(), readers=Readers(pm))
     assert isinstance(trace, CallsiteTrace)
     assert trace.ranks == [0, 1]
     assert trace.total == GPT_TOTAL
@@ -535,7 +538,7 @@ def test_hook_combine(pm: OpGuardPluginManager, samples: Path) -> None:
             seen.append(f"{entry.name}:{options.executor}")
 
     pm.register(Executor(), name="executor")
-    again = pm.hook.opguard_combine(entry=entry, options=RunOptions())
+    again = pm.hook.opguard_combine(entry=entry, options=RunOptions(), readers=Readers(pm))
     assert seen == ["gpt_callsite:local"]
     assert again.total == GPT_TOTAL
 
@@ -543,7 +546,9 @@ def test_hook_combine(pm: OpGuardPluginManager, samples: Path) -> None:
 def test_hook_compress(
     pm: OpGuardPluginManager, samples: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    trace = pm.hook.opguard_combine(entry=_entry(pm, samples), options=RunOptions())
+    trace = pm.hook.opguard_combine(
+        entry=_entry(pm, samples), options=RunOptions(), readers=Readers(pm)
+    )
     tree = pm.hook.opguard_compress(trace=trace, options=RunOptions(min_count=50))
     check_tree(tree, expected_total=trace.total)
     assert tree["meta"]["compression"]["min_count"] == 50

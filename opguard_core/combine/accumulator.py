@@ -42,6 +42,7 @@ from opguard_core.combine.stack_table import (
     site_order,
 )
 from opguard_core.errors import InputError
+from opguard_core.formats.readers import Readers, is_callsite_trace
 from opguard_core.formats.trace import (
     COMBINED_VERSION,
     READ_VERSIONS,
@@ -584,13 +585,19 @@ class TraceAccumulator:
         self.claims.append((path, tuple(file_ranks), len(keys), stated))
         self.meta.add(meta)
 
-    def add_file(self, path: Path | str) -> None:
+    def add_file(self, path: Path | str, readers: Readers | None = None) -> None:
         """Read, decode and :meth:`add` one trace file. A plain rank file is read by
         the C scanner when it is built (:meth:`_add_scanned`); anything else, and any
         file it declines, is decoded by msgspec, which leaves the frame-id check to
-        :meth:`add`, which makes it while re-interning, with the same error."""
+        :meth:`add`, which makes it while re-interning, with the same error. A file
+        of another format goes to ``readers`` (``opguard_read_trace``)."""
         try:
             data = read_bytes(Path(path))
+            if readers is not None and not is_callsite_trace(data):
+                other = readers.read(path, data)
+                if other is not None:
+                    self.add(other)
+                    return
             if find_callsites is None or not self._add_scanned(data, str(path)):
                 self.add(decode_trace(data, path, check_frame_ids=False))
         except MemoryError:

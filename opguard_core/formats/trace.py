@@ -7,7 +7,9 @@ path that keeps those fields, so they can be carried through a combine.
 
 from __future__ import annotations
 
+import gzip
 import re
+import zlib
 from collections.abc import Iterable, Iterator, Sequence
 from itertools import islice
 from pathlib import Path
@@ -160,12 +162,23 @@ def _is_rank(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
+#: the first bytes of a gzip file
+GZIP_MAGIC = b"\x1f\x8b"
+
+
 def read_bytes(path: Path) -> bytes:
-    """Read a whole input file, turning OS errors into one-line :class:`InputError`."""
+    """Read a whole input file (a gzip file decompressed: ``.json.gz`` traces, by
+    content), turning OS and gzip errors into one-line :class:`InputError`."""
     try:
         if path.is_dir():
             raise InputError(path, "is a directory, not a trace file")
-        return path.read_bytes()
+        data = path.read_bytes()
+        if data.startswith(GZIP_MAGIC):
+            try:
+                return gzip.decompress(data)
+            except (OSError, EOFError, zlib.error) as exc:
+                raise InputError(path, f"not a readable gzip file: {exc}") from None
+        return data
     except InputError:
         raise
     except FileNotFoundError:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import functools
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, Literal
@@ -34,6 +35,7 @@ from opguard_core.formats.divergence import (
     sort_findings,
     tally,
 )
+from opguard_core.formats.readers import Readers
 from opguard_core.formats.tree import check_tree, encode_tree
 from opguard_core.model import InputEntry, RunOptions, StageFailed, StageRecord
 from opguard_core.plugin.manager import OpGuardPluginManager
@@ -70,6 +72,11 @@ class RunContext:
     recorder: Recorder
     #: every config the run wrote, by file name, for ``opguard_run_finished``
     written_configs: dict[str, CommentedMap] = dataclasses.field(default_factory=dict)
+
+    @functools.cached_property
+    def readers(self) -> Readers:
+        """The input readers of the run's plugins (``opguard_read_trace``)."""
+        return Readers(self.manager)
 
 
 class StepCall:
@@ -161,7 +168,9 @@ class Step:
 
 def combine(call: StepCall, entry: InputEntry, needs: Mapping[str, Any]) -> Any:
     call.record.inputs = [str(f) for f in entry.files]
-    trace = call.call("opguard_combine", entry=entry, options=call.options)
+    trace = call.call(
+        "opguard_combine", entry=entry, options=call.options, readers=call.context.readers
+    )
     call.write("combined", trace.json_parts)
     call.record.counts = {
         "files": len(entry.files),

@@ -28,6 +28,7 @@ from opguard_core import hookimpl
 from opguard_core.combine.accumulator import CallsiteTrace, TraceAccumulator, gc_paused
 from opguard_core.combine.rank_claims import check_rank_claims
 from opguard_core.errors import InputError, OpGuardError
+from opguard_core.formats.readers import Readers
 from opguard_core.logs import progress
 from opguard_core.model import InputEntry, RunOptions
 
@@ -54,22 +55,26 @@ def portable_error(exc: BaseException) -> BaseException:
 
 
 def combine_files(
-    paths: Sequence[Path | str], advance: Callable[[int], None] | None = None
+    paths: Sequence[Path | str],
+    advance: Callable[[int], None] | None = None,
+    readers: Readers | None = None,
 ) -> TraceAccumulator:
     """Stream ``paths`` into one accumulator, one file in memory at a time."""
     accumulator = TraceAccumulator()
     with gc_paused():
         for path in paths:
-            accumulator.add_file(path)
+            accumulator.add_file(path, readers)
             if advance is not None:
                 advance(1)
     return accumulator
 
 
-def combine_files_portable(paths: Sequence[Path | str]) -> TraceAccumulator:
+def combine_files_portable(
+    paths: Sequence[Path | str], readers: Readers | None = None
+) -> TraceAccumulator:
     """:func:`combine_files` for other processes (pool, Dask): errors pickle."""
     try:
-        return combine_files(paths)
+        return combine_files(paths, readers=readers)
     except Exception as exc:
         raise portable_error(exc) from None
 
@@ -127,7 +132,7 @@ def start_method() -> str:
     return "spawn"
 
 
-def _helper(tasks: Any, results: Any) -> None:
+def _helper(tasks: Any, results: Any, readers: Readers | None) -> None:
     """A helper process: combine files from ``tasks`` until ``None``, then send the result.
 
     Signals: a forked helper inherits the runner's SIGTERM handler, so both are reset.
@@ -140,7 +145,7 @@ def _helper(tasks: Any, results: Any) -> None:
     try:
         with gc_paused():
             while (path := tasks.get()) is not None:
-                accumulator.add_file(path)
+                accumulator.add_file(path, readers)
                 results.put(("file", None))
         results.put(("done", accumulator))
     except BaseException as exc:
@@ -148,7 +153,10 @@ def _helper(tasks: Any, results: Any) -> None:
 
 
 def combine_parallel(
-    paths: Sequence[Path], jobs: int, advance: Callable[[int], None] | None = None
+    paths: Sequence[Path],
+    jobs: int,
+    advance: Callable[[int], None] | None = None,
+    readers: Readers | None = None,
 ) -> TraceAccumulator:
     """Combine with the main process and ``jobs - 1`` helpers sharing a queue of files."""
     helpers = max(1, min(jobs, len(paths)) - 1)
@@ -156,7 +164,9 @@ def combine_parallel(
     tasks = context.Queue()
     results = context.Queue()
     processes = [
-        context.Process(target=_helper, args=(tasks, results), daemon=True, name=f"combine-{i}")
+        context.Process(
+            target=_helper, args=(tasks, results, readers), daemon=True, name=f"combine-{i}"
+        )
         for i in range(helpers)
     ]
     for process in processes:  # before the queues' feeder threads start (see start_method)
@@ -188,7 +198,7 @@ def combine_parallel(
     try:
         with gc_paused():
             while (path := tasks.get()) is not None:
-                total.add_file(path)
+                total.add_file(path, readers)
                 tick(1)
                 drain()
             while len(partials) < helpers:
@@ -225,19 +235,21 @@ def effective_jobs(entry: InputEntry, options: RunOptions) -> int:
     return options.jobs
 
 
-def combine_entry(entry: InputEntry, options: RunOptions) -> CallsiteTrace:
+def combine_entry(
+    entry: InputEntry, options: RunOptions, readers: Readers | None = None
+) -> CallsiteTrace:
     """The built-in combine: sequential, or a bounded process pool with several jobs."""
     jobs = effective_jobs(entry, options)
     with progress(f"combine {entry.name}", len(entry.files)) as advance:
         if jobs > 1 and len(entry.files) > 1:
-            accumulator = combine_parallel(entry.files, jobs, advance)
+            accumulator = combine_parallel(entry.files, jobs, advance, readers)
         else:
-            accumulator = combine_files(entry.files, advance)
+            accumulator = combine_files(entry.files, advance, readers)
     check_rank_claims(accumulator.claims)
     with gc_paused():
         return accumulator.result()
 
 
 @hookimpl(trylast=True)
-def opguard_combine(entry: InputEntry, options: RunOptions) -> CallsiteTrace:
-    return combine_entry(entry, options)
+def opguard_combine(entry: InputEntry, options: RunOptions, readers: Readers) -> CallsiteTrace:
+    return combine_entry(entry, options, readers)

@@ -31,6 +31,7 @@ from opguard_core import hookimpl
 from opguard_core.combine.accumulator import CallsiteTrace, TraceAccumulator, gc_paused
 from opguard_core.combine.rank_claims import check_rank_claims
 from opguard_core.errors import OpGuardError
+from opguard_core.formats.readers import Readers
 from opguard_core.logs import get_logger, progress
 from opguard_core.model import InputEntry, RunOptions
 from opguard_plugins.stages.combine import combine_files_portable, portable_error, split_evenly
@@ -80,7 +81,9 @@ def _import_distributed() -> Any:
     return distributed
 
 
-def combine_on_dask(entry: InputEntry, options: RunOptions) -> CallsiteTrace:
+def combine_on_dask(
+    entry: InputEntry, options: RunOptions, readers: Readers | None = None
+) -> CallsiteTrace:
     """Map chunks of ``entry.files`` to Dask workers and tree-reduce the partials."""
     distributed = _import_distributed()
     log = get_logger()
@@ -101,7 +104,7 @@ def combine_on_dask(entry: InputEntry, options: RunOptions) -> CallsiteTrace:
         nworkers = max(1, len(client.scheduler_info().get("workers", {})))
         log.info("dask combine", scheduler=client.scheduler.address, workers=nworkers)
         chunks = chunk_files(entry.files, nworkers)
-        futures = client.map(combine_files_portable, chunks, pure=False)
+        futures = client.map(combine_files_portable, chunks, readers=readers, pure=False)
         sizes = {f.key: len(c) for f, c in zip(futures, chunks, strict=True)}
         with progress(f"combine {entry.name} (dask)", len(entry.files)) as advance:
             # tree-reduce as results arrive: any two finished partials are merged on
@@ -127,8 +130,10 @@ def combine_on_dask(entry: InputEntry, options: RunOptions) -> CallsiteTrace:
 
 
 @hookimpl(tryfirst=True)
-def opguard_combine(entry: InputEntry, options: RunOptions) -> CallsiteTrace | None:
+def opguard_combine(
+    entry: InputEntry, options: RunOptions, readers: Readers
+) -> CallsiteTrace | None:
     """Combine on Dask when ``--executor dask``; otherwise leave it to the next executor."""
     if options.executor != EXECUTOR_NAME:
         return None
-    return combine_on_dask(entry, options)
+    return combine_on_dask(entry, options, readers)

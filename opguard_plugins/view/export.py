@@ -23,6 +23,7 @@ from opguard_core.combine.accumulator import TraceAccumulator
 from opguard_core.configs.selection import PatternError, Selection, compile_patterns
 from opguard_core.errors import ExitCode, PluginError
 from opguard_core.files.atomic import atomic_write_bytes
+from opguard_core.formats.readers import HEAD, Readers
 from opguard_core.formats.stacks import Stack, tree_stacks
 from opguard_core.formats.trace import read_bytes
 from opguard_core.formats.tree import TREE_FORMAT, check_tree, checked_tree, decode_json
@@ -49,14 +50,20 @@ def export_formats(manager: OpGuardPluginManager) -> dict[str, Writer]:
     return found
 
 
-def load_source(path: Path, default_hide: bool = True) -> dict[str, Any]:
-    """The call tree of SRC: a compressed tree as it is, a trace compressed unpruned."""
-    head = decode_json(read_bytes(path), path)
-    if isinstance(head, dict) and head.get("format") == TREE_FORMAT:
-        return checked_tree(head, path)
-    del head
+def load_source(
+    path: Path, default_hide: bool = True, readers: Readers | None = None
+) -> dict[str, Any]:
+    """The call tree of SRC: a compressed tree as it is, a trace (of any format
+    ``readers`` read) compressed unpruned."""
+    data = read_bytes(path)
+    if f'"{TREE_FORMAT}"'.encode() in data[:HEAD]:
+        head = decode_json(data, path)
+        if isinstance(head, dict) and head.get("format") == TREE_FORMAT:
+            return checked_tree(head, path)
+        del head
+    del data
     accumulator = TraceAccumulator()
-    accumulator.add_file(path)
+    accumulator.add_file(path, readers)
     trace = accumulator.result()
     options = RunOptions(min_count=1, min_fraction=0.0, chains=False, default_hide=default_hide)
     tree = compress_trace(trace, options)
@@ -164,7 +171,7 @@ def make_command(manager: OpGuardPluginManager) -> click.Command:
             raise click.BadParameter(
                 f"{fmt!r}: not one of {', '.join(sorted(writers))}", param_hint="--format"
             )
-        tree = load_source(src, default_hide=not no_default_hide)
+        tree = load_source(src, not no_default_hide, Readers(manager))
         stacks = select_stacks(tree_stacks(tree), hide, focus, ignore)
         data = writers[fmt](stacks)
         out = output or src.with_name(src.name.removesuffix(".json") + SUFFIX.get(fmt, f".{fmt}"))

@@ -1,0 +1,80 @@
+"""Input files of other formats, read as callsite traces through ``opguard_read_trace``.
+
+Every command that reads traces (``opguard run``'s combine, ``check``, ``export``)
+reads a file's bytes (a gzip file decompressed: :func:`opguard_core.formats.trace.read_bytes`);
+an ``opguard-callsites`` document is decoded as it always was, and any other file is
+offered to the installed readers (:class:`Readers`), whose document is then validated
+like a trace file. A file no reader takes is refused with one line.
+
+:class:`Readers` pickles (as the names of the disabled plugins) so that a combine's
+worker processes, spawned or on a Dask cluster, read with the same plugins.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+
+from opguard_core.errors import InputError, PluginError
+from opguard_core.formats.trace import TRACE_FORMAT, DecodedTrace, decode_trace
+
+if TYPE_CHECKING:
+    from opguard_core.plugin.manager import OpGuardPluginManager
+
+#: how far into a file its ``"format"`` is looked for (every writer puts it first)
+HEAD = 4096
+
+
+def is_callsite_trace(data: bytes) -> bool:
+    """Whether ``data`` says it is an ``opguard-callsites`` document near its start."""
+    return f'"{TRACE_FORMAT}"'.encode() in data[:HEAD]
+
+
+class Readers:
+    """The ``opguard_read_trace`` implementations of a plugin manager."""
+
+    def __init__(
+        self, manager: OpGuardPluginManager | None = None, disabled: Sequence[str] = ()
+    ) -> None:
+        self._manager = manager
+        self.disabled = list(manager.disabled if manager is not None else disabled)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"disabled": self.disabled}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self._manager = None
+        self.disabled = list(state["disabled"])
+
+    @property
+    def manager(self) -> OpGuardPluginManager:
+        if self._manager is None:  # in another process: the same plugins
+            from opguard_core.plugin.manager import create_plugin_manager
+
+            self._manager = create_plugin_manager(self.disabled)
+        return self._manager
+
+    def read(self, path: Path | str, data: bytes) -> DecodedTrace | None:
+        """The file as a decoded trace, from the first reader that takes it; None if
+        none does. A reader's document is validated as a trace file is."""
+        from opguard_core.plugin.manager import call_impl
+
+        for impl in self.manager.implementations("opguard_read_trace"):
+            try:
+                document = call_impl(impl, {"path": Path(path), "data": data})
+            except InputError:
+                raise
+            except Exception as exc:
+                raise PluginError(
+                    f'plugin "{impl.plugin_name}": opguard_read_trace({path}): '
+                    f"{type(exc).__name__}: {exc}"
+                ) from exc
+            if document is not None:
+                return decode_trace(msgspec.json.encode(document), path, check_frame_ids=False)
+        return None
+
+
+__all__ = ["Readers", "is_callsite_trace"]
