@@ -12,6 +12,8 @@ from opguard_core.errors import InputError
 
 SUMMARY_FILE = "pipeline_summary.json"
 MERGED = "final_combined_instrumentation.yaml"
+#: the page the built-in ``report`` plugin writes at the end of a run
+REPORT_FILE = "report.html"
 
 
 def final_configs(summary: dict[str, Any]) -> tuple[str | None, str | None]:
@@ -74,7 +76,8 @@ def divergence_counts(summary: dict[str, Any]) -> dict[str, Any] | None:
 
 def summary_lines(summary: dict[str, Any]) -> list[str]:
     """The end-of-run summary for a person: entries, final config, failures,
-    warnings, divergence findings (when the summary has them)."""
+    warnings, divergence findings (when the summary has them) and, last, the
+    run's ``report.html`` when one was written."""
     stages = summary.get("stages", [])
     names = [e["name"] for e in summary.get("entries", [])]
     failed = [r for r in stages if r.get("status") == "failed"]
@@ -105,6 +108,9 @@ def summary_lines(summary: dict[str, Any]) -> list[str]:
             f"  divergence: {found['findings']} findings ({found['errors']} errors, "
             f"{found['warnings']} warnings){where}"
         )
+    report = run_dir / REPORT_FILE
+    if report.is_file():
+        lines.append(f"  report: {report}")
     return lines
 
 
@@ -122,6 +128,7 @@ def summary_fields(summary: dict[str, Any]) -> dict[str, Any]:
         "filtered_config": str(run_dir / filtered) if filtered else None,
         "failures": len(failed),
         "warnings": len(summary.get("warnings") or []),
+        "report": str(run_dir / REPORT_FILE) if (run_dir / REPORT_FILE).is_file() else None,
     }
     found = divergence_counts(summary)
     if found is not None:
@@ -131,6 +138,7 @@ def summary_fields(summary: dict[str, Any]) -> dict[str, Any]:
 
 
 __all__ = [
+    "REPORT_FILE",
     "divergence_counts",
     "final_configs",
     "read_summary",
