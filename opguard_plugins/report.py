@@ -31,7 +31,6 @@ import msgspec
 from opguard_core import hookimpl
 from opguard_core.atomic import atomic_write_text, safe_child
 from opguard_core.config_format import load_config
-from opguard_core.deep_json import encode_compact
 from opguard_core.divergence_format import SEVERITIES
 from opguard_core.errors import InputError, reported_errors
 from opguard_core.run_summary import REPORT_FILE, final_configs
@@ -110,7 +109,10 @@ class _Strings:
         self.index: dict[str, int] = {}
 
     def __call__(self, text: str) -> int:
-        return self.index.setdefault(text, len(self.index))
+        found = self.index.get(text)
+        if found is None:
+            found = self.index[text] = len(self.index)
+        return found
 
     def table(self) -> list[str]:
         return list(self.index)
@@ -551,8 +553,9 @@ def report_data(
 
 
 def _script_json(data: Any) -> str:
-    """JSON safe inside ``<script>``: ``<``, ``>`` and ``&`` as ``\\u`` escapes."""
-    text = encode_compact(data).decode()
+    """JSON safe inside ``<script>``: ``<``, ``>`` and ``&`` as ``\\u`` escapes. The
+    data is flat (the tree as columns), so msgspec encodes it directly."""
+    text = msgspec.json.encode(data).decode()
     return text.replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
 
 

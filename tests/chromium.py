@@ -1,5 +1,6 @@
 """A small headless-Chromium driver over the DevTools protocol, for the report's
-browser tests and ``benchmarks/report_load.py``.
+browser tests, ``benchmarks/report_load.py`` and docs/report.png
+(``python -m tests.chromium RUN/report.html -o docs/report.png --scale 0.75``).
 
 Chromium is started with ``--remote-debugging-pipe``: it reads commands on file
 descriptor 3 and writes replies and events on 4, each a JSON message ended by a NUL
@@ -156,13 +157,15 @@ class Chromium:
             )
         return reply["result"].get("value")
 
-    def screenshot(self, path: Path, full_page: bool = False) -> Path:
-        """A PNG of the viewport (or the whole page, at the window's width)."""
+    def screenshot(self, path: Path, full_page: bool = False, scale: float = 1.0) -> Path:
+        """A PNG of the viewport (or the whole page, at the window's width), scaled."""
         params: dict[str, Any] = {"format": "png"}
+        height = self.height
         if full_page:
             height = int(self.evaluate("document.documentElement.scrollHeight"))
-            params["clip"] = {"x": 0, "y": 0, "width": self.width, "height": height, "scale": 1}
             params["captureBeyondViewport"] = True
+        if full_page or scale != 1.0:
+            params["clip"] = {"x": 0, "y": 0, "width": self.width, "height": height, "scale": scale}
         data = self.send("Page.captureScreenshot", params, session=self.session)["data"]
         path.write_bytes(base64.b64decode(data))
         return path
@@ -183,3 +186,27 @@ class Chromium:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def main() -> None:
+    """``python -m tests.chromium PAGE -o PNG``: a full-page screenshot at 1400 px."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("page", type=Path)
+    parser.add_argument("-o", "--output", type=Path, required=True)
+    parser.add_argument("--width", type=int, default=1400)
+    parser.add_argument("--scale", type=float, default=1.0)
+    parser.add_argument("--viewport", action="store_true", help="only the first screen")
+    args = parser.parse_args()
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as profile, Chromium(Path(profile), args.width) as page:
+        page.open(args.page.resolve().as_uri())
+        page.screenshot(args.output, full_page=not args.viewport, scale=args.scale)
+        if page.errors:
+            raise SystemExit(f"the page logged errors: {page.errors}")
+
+
+if __name__ == "__main__":
+    main()

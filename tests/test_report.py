@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 import re
 import struct
+import subprocess
+import sys
 import zlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -569,3 +571,19 @@ def test_hostile_names_stay_text_in_the_browser(
     assert EVIL in detail_text(browser, "findings")  # the hostile text, shown as text
     type_search(browser, "<b>")
     assert browser.errors == [] and count(browser, "b, i") == 0
+
+
+@pytest.mark.slow  # generates traces, runs opguard and a browser
+@needs_chromium
+def test_the_load_benchmark_runs_end_to_end(tmp_path: Path) -> None:
+    out = tmp_path / "load.md"
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "report_load.py"
+    done = subprocess.run(
+        [sys.executable, str(script), "--shapes", "4x300", "--repeat", "1",
+         "--data", str(tmp_path / "data"), "--output", str(out)],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    text = out.read_text()
+    assert "| 4 × 300 |" in text
+    assert "load under 2 s: **yes**" in text and "under 2 MB: **yes**" in text

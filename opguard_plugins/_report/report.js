@@ -18,7 +18,8 @@
     return e;
   }
   function add(parent, tag, text, cls) { return parent.appendChild(el(tag, text, cls)); }
-  function num(n) { return typeof n === "number" ? n.toLocaleString("en-US") : (n === undefined || n === null ? "" : String(n)); }
+  const numbers = new Intl.NumberFormat("en-US", { maximumFractionDigits: 20 });
+  function num(n) { return typeof n === "number" ? numbers.format(n) : (n === undefined || n === null ? "" : String(n)); }
   function short(n) {
     if (typeof n !== "number") return String(n);
     const a = Math.abs(n);
@@ -175,13 +176,18 @@
     order();
     fill();
     if (opts.haystack) {
+      const haystacks = function () { if (!hay) hay = opts.rows.map(function (r) { return opts.haystack(r).toLowerCase(); }); };
+      if (window.requestIdleCallback) window.requestIdleCallback(haystacks);  // ready before the first keystroke
       onSearch(function (q) {
-        if (!hay) hay = opts.rows.map(function (r) { return opts.haystack(r).toLowerCase(); });
-        shown = [];
-        for (let i = 0; i < hay.length; i++) if (!q || hay[i].includes(q)) shown.push(i);
-        order();
-        page = 0;
-        fill();
+        haystacks();
+        const now = [];
+        for (let i = 0; i < hay.length; i++) if (!q || hay[i].includes(q)) now.push(i);
+        if (now.length !== shown.length || page || !sameSet(now, shown)) {
+          shown = now;
+          order();
+          page = 0;
+          fill();
+        }
         return q ? shown.length : 0;
       });
     }
@@ -199,6 +205,12 @@
     };
   }
 
+  // whether two lists of row indices hold the same rows (``b`` may be sorted otherwise)
+  function sameSet(a, b) {
+    if (a.length !== b.length) return false;
+    const seen = new Set(b);
+    return a.every(function (i) { return seen.has(i); });
+  }
   function detailGrid(pairs) {
     const g = el("div", null, "detail-grid");
     for (const [k, v] of pairs) {
@@ -277,6 +289,8 @@
     const rowH = 17, minPx = 5, charW = 6.7;
     let focus = root;
     let hit = null, holds = null;  // per node index, while searching
+    let drawn = [];  // [bar, the nodes it stands for]
+    const ownText = nodes.map(function (n) { return n.own.map(function (p) { return p[0]; }).join("\n").toLowerCase(); });
     function hue(name) {
       let h = 0;
       for (let i = 0; i < name.length; i++) h = (h * 31 + name.charCodeAt(i)) >>> 0;
@@ -314,13 +328,14 @@
     function draw() {
       const width = box.clientWidth || 1000;
       box.replaceChildren();
+      drawn = [];
       const path = [];
       for (let p = focus; p; p = p.parent) path.unshift(p);
       let depthMax = 0;
       path.forEach(function (node, depth) {
-        const d = bar(node, depth, 0, width, label(node.name, width), node === root ? "" : "");
+        const d = bar(node, depth, 0, width, label(node.name, width), "");
         d.style.background = node === root ? "#ddd" : color(node);
-        mark(d, node);
+        drawn.push([d, [node]]);
         d.addEventListener("click", function () { focus = node === focus ? (node.parent || root) : node; draw(); });
         d.addEventListener("mousemove", function (ev) { showTip(ev, tipText(node) + (node === focus && node !== root ? "\n(click: zoom out)" : "")); });
         d.addEventListener("mouseleave", hideTip);
@@ -335,7 +350,7 @@
           if (smallW >= 1) {
             const group = small.slice();
             const d = bar(null, depth + 1, x - smallW, smallW, smallW > 26 ? "+" + group.length : "", "more");
-            if (holds && group.some(function (n) { return holds[n.i]; })) d.classList.add("hit");
+            drawn.push([d, group]);
             const ops = group.reduce(function (s, n) { return s + n.c; }, 0);
             d.addEventListener("mousemove", function (ev) { showTip(ev, plural(group.length, "small frame") + " under " + node.name + ": " + num(ops) + " ops\n(click: zoom into " + node.name + ")"); });
             d.addEventListener("mouseleave", hideTip);
@@ -351,7 +366,7 @@
           flush();
           const d = bar(c, depth + 1, x, cw, label(c.name, cw), c.ranks ? "rankset" : "");
           d.style.background = color(c);
-          mark(d, c);
+          drawn.push([d, [c]]);
           d.addEventListener("click", function () { focus = c; draw(); });
           d.addEventListener("mousemove", function (ev) { showTip(ev, tipText(c)); });
           d.addEventListener("mouseleave", hideTip);
@@ -369,10 +384,18 @@
         const a = add(crumbs, "a", node === root ? "all" : node.name);
         a.addEventListener("click", function () { focus = node; draw(); });
       });
+      paint();
     }
-    function mark(d, node) {
-      if (!hit) return;
-      if (hit[node.i]) d.classList.add("hit"); else if (holds[node.i]) d.classList.add("holds-hit");
+    // search marks on the bars drawn: a frame that matches, one that holds a match
+    // below it, a bar of small frames one of which holds a match
+    function paint() {
+      box.classList.toggle("searching", !!hit);
+      for (const [d, group] of drawn) {
+        const one = group.length === 1 && !d.classList.contains("more");
+        const matches = !!hit && (one ? hit[group[0].i] === 1 : group.some(function (n) { return holds[n.i] === 1; }));
+        d.classList.toggle("hit", matches);
+        d.classList.toggle("holds-hit", !!hit && one && !matches && holds[group[0].i] === 1);
+      }
     }
     onSearch(function (q) {
       let count = 0;
@@ -380,14 +403,13 @@
         hit = new Uint8Array(nodes.length);
         holds = new Uint8Array(nodes.length);
         for (let i = nodes.length - 1; i >= 0; i--) {
-          if (names[flat.n[i]].includes(q) || nodes[i].own.some(function (p) { return p[0].toLowerCase().includes(q); })) { hit[i] = 1; holds[i] = 1; count++; }
+          if (names[flat.n[i]].includes(q) || ownText[i].includes(q)) { hit[i] = 1; holds[i] = 1; count++; }
           if (holds[i] && flat.p[i] >= 0) holds[flat.p[i]] = 1;
         }
       } else {
         hit = holds = null;
       }
-      box.classList.toggle("searching", !!q);
-      draw();
+      paint();
       return count;
     });
     draw();
@@ -431,7 +453,10 @@
     }
     const canvas = add(block, "canvas");
     const legend = add(block, "div", null, "legend");
-    for (const [text, sw] of [["as expected", "#e9e9e9"], ["more than expected", "hsl(0,80%,50%)"], ["fewer", "hsl(215,75%,55%)"], ["none (0)", "#0d47a1"], ["differs both ways", "#8e24aa"], ["findings on the rank", "hsl(30,90%,55%)"]]) {
+    const swatches = opts.kind === "rank_specific" || !KIND_TITLES[opts.kind]
+      ? [["as expected", "#e9e9e9"], ["ran it (most did not)", "#ef6c00"], ["did not run it (most did)", "#1565c0"]]
+      : [["as expected", "#e9e9e9"], ["more than expected", "hsl(0,80%,50%)"], ["fewer", "hsl(215,75%,55%)"], ["none (0)", "#0d47a1"], ["differs both ways", "#8e24aa"]];
+    for (const [text, sw] of swatches.concat([["findings on the rank", "hsl(30,90%,55%)"]])) {
       const s = add(legend, "span", text);
       s.style.setProperty("--swatch", sw);
     }
@@ -440,20 +465,22 @@
     pager.append(where, prev, next);
     const pageSize = 30;
     let page = 0, shown = rows.slice(1);
-    const dense = new Map();
-    // per rank position: its value, and whether it deviates (the row lists it)
-    function values(r) {
-      let out = dense.get(r);
+    // per row, sparse: the positions of its deviating ranks (sorted) and their values
+    const sparse = new Map();
+    function deviations(r) {
+      let out = sparse.get(r);
       if (out) return out;
-      out = { v: new Array(N).fill(r.row.expected), off: new Uint8Array(N) };
-      for (const [v, text] of r.row.values) {
-        for (const at of positions(text)) {
-          out.v[at] = v;
-          out.off[at] = 1;
-        }
-      }
-      dense.set(r, out);
+      const pairs = [];
+      for (const [v, text] of r.row.values) for (const at of positions(text)) pairs.push([at, v]);
+      pairs.sort(function (a, b) { return a[0] - b[0]; });
+      out = { at: pairs.map(function (p) { return p[0]; }), v: pairs.map(function (p) { return p[1]; }), byPos: null };
+      sparse.set(r, out);
       return out;
+    }
+    function valueAt(r, pos) {
+      const d = deviations(r);
+      if (!d.byPos) d.byPos = new Map(d.at.map(function (p, i) { return [p, d.v[i]]; }));
+      return d.byPos.has(pos) ? [d.byPos.get(pos), true] : [r.row.expected, false];
     }
     // a rank set as ranges of ranks ("0-3,7") or a bitmap over rank positions ("~" base64)
     function positions(text) {
@@ -470,9 +497,12 @@
       return out;
     }
     let geo = null, visible = [];
+    // read once and on resize: reading it in every draw would lay the page out again
+    // for each block a keystroke redraws
+    let blockWidth = block.clientWidth || 1000;
     function draw() {
-      const labelW = Math.min(330, Math.max(180, Math.floor(block.clientWidth * 0.25)));
-      const avail = Math.max(100, (block.clientWidth || 1000) - labelW - 4);
+      const labelW = Math.min(330, Math.max(180, Math.floor(blockWidth * 0.25)));
+      const avail = Math.max(100, blockWidth - labelW - 4);
       const per = Math.max(1, Math.ceil(N / avail));
       const bins = Math.ceil(N / per);
       const cellW = per > 1 ? 1 : Math.max(1, Math.min(48, Math.floor(avail / N)));
@@ -501,37 +531,48 @@
         if (x + 2 + String(ranks[i]).length * 6.7 <= width) g.fillText(String(ranks[i]), x + 2, axisH / 2 - 1);
       }
       visible.forEach(function (r, k) {
-        const y = axisH + k * rowH;
-        const dv = values(r), vals = dv.v;
+        const y = axisH + k * rowH, e = r.row.expected;
+        const d = deviations(r);
         g.fillStyle = r.summary ? "#7a4a00" : "#222";
         g.font = (r.summary ? "bold " : "") + "11px monospace";
         const fit = Math.floor((labelW - 8) / 6.7);
         const text = r.label.length > fit ? r.label.slice(0, Math.max(1, fit - 1)) + "…" : r.label;
         g.fillText(text, 4, y + rowH / 2);
-        const max = r.summary ? Math.max(1, ...vals) : 0;
-        for (let b = 0; b < bins; b++) {
-          // the bin's most deviating rank speaks for it
-          let best = b * per, score = -1;
-          for (let i = b * per; i < Math.min(N, (b + 1) * per); i++) {
-            const v = vals[i];
-            const s = !dv.off[i] ? 0 : typeof v === "number" && typeof r.row.expected === "number" ? 1 + Math.abs(v - r.row.expected) : 1;
-            if (s > score) { score = s; best = i; }
-          }
-          const v = vals[best];
-          g.fillStyle = r.summary ? (v ? "hsl(30,90%," + (80 - Math.round((35 * v) / max)) + "%)" : "#f3f3f3") : cellColor(v, r.row.expected, dv.off[best], r.kind);
-          const x = labelW + b * cellW;
-          // a lone deviating rank among a thousand still shows: two pixels at least
-          const w = cellW > 3 ? cellW - 1 : score > 0 && !r.summary ? 2 : cellW;
-          g.fillRect(x, y + 1, w, rowH - 2);
-          if (cellW >= 26) {
+        g.font = "11px monospace";
+        const max = r.summary ? Math.max(1, ...d.v) : 0;
+        function colour(v, off) {
+          if (r.summary) return off && v ? "hsl(30,90%," + (80 - Math.round((35 * v) / max)) + "%)" : "#f3f3f3";
+          return cellColor(v, e, off, r.kind);
+        }
+        if (cellW > 3) {  // a few ranks: every cell, with its value where it fits
+          for (let b = 0; b < bins; b++) {
+            const [v, off] = valueAt(r, b);
+            const x = labelW + b * cellW;
+            g.fillStyle = colour(v, off);
+            g.fillRect(x, y + 1, cellW - 1, rowH - 2);
             const t = short(v);
-            if (t.length * 6.7 < cellW - 2) {
-              g.fillStyle = !dv.off[best] ? "#666" : r.kind === "collective_mismatch" && v === 0 ? "#fff" : "#000";
+            if (cellW >= 26 && t.length * 6.7 < cellW - 2) {
+              g.fillStyle = !off ? "#666" : typeof v === "number" && v === 0 && typeof e === "number" && e > 0 ? "#fff" : "#000";
               g.fillText(t, x + 2, y + rowH / 2);
             }
           }
+          return;
         }
-        g.font = "11px monospace";
+        // many ranks: one strip as expected, then the deviating ranks over it, each
+        // pixel column showing its most deviating rank, two pixels wide at least so
+        // that one odd rank among a thousand still shows
+        g.fillStyle = colour(e, false);
+        g.fillRect(labelW, y + 1, bins * cellW, rowH - 2);
+        const score = function (v) { return typeof v === "number" && typeof e === "number" ? 1 + Math.abs(v - e) : 1; };
+        const best = new Map();
+        for (let i = 0; i < d.at.length; i++) {
+          const b = Math.floor(d.at[i] / per);
+          if (!best.has(b) || score(d.v[i]) > score(d.v[best.get(b)])) best.set(b, i);
+        }
+        for (const [b, i] of best) {
+          g.fillStyle = colour(d.v[i], true);
+          g.fillRect(labelW + b * cellW, y + 1, r.summary ? cellW : Math.max(2, cellW), rowH - 2);
+        }
       });
       where.textContent = shown.length > pageSize ? "rows " + num(page * pageSize + 1) + "–" + num(Math.min((page + 1) * pageSize, shown.length)) + " of " + num(shown.length) : "";
       prev.disabled = page === 0;
@@ -549,22 +590,23 @@
     canvas.addEventListener("mousemove", function (ev) {
       const hitAt = at(ev);
       if (!hitAt) { hideTip(); return; }
-      const r = hitAt.row, vals = values(r).v;
+      const r = hitAt.row;
       const lines = [r.title || r.label];
       if (!r.summary) lines.push("expected (most ranks): " + num(r.row.expected));
       if (hitAt.bin >= 0) {
-        const from = hitAt.bin * per0(), to = Math.min(N, from + per0());
-        const shownRanks = [];
-        for (let i = from; i < to; i++) shownRanks.push("rank " + ranks[i] + ": " + num(vals[i]));
-        lines.push(...shownRanks.slice(0, 8));
-        if (shownRanks.length > 8) lines.push("… " + (shownRanks.length - 8) + " more ranks in this column");
+        const from = hitAt.bin * geo.per, to = Math.min(N, from + geo.per);
+        const here = [];
+        for (let i = from; i < to; i++) here.push("rank " + ranks[i] + ": " + num(valueAt(r, i)[0]) + (valueAt(r, i)[1] ? "" : " (as expected)"));
+        lines.push(...here.slice(0, 8));
+        if (here.length > 8) lines.push("… " + (here.length - 8) + " more ranks in this column");
       } else {
-        const off = r.row.values.map(function (p) { return "ranks " + p[1] + ": " + num(p[0]); });
-        lines.push(...(off.length ? off.slice(0, 6) : ["every rank as expected"]));
+        const d = deviations(r);
+        const off = d.at.slice(0, 8).map(function (at, i) { return "rank " + ranks[at] + ": " + num(d.v[i]); });
+        lines.push(...(off.length ? off : ["every rank as expected"]));
+        if (d.at.length > 8) lines.push("… " + plural(d.at.length, "rank") + " deviate");
       }
       showTip(ev, lines.join("\n"));
     });
-    function per0() { return geo ? geo.per : 1; }
     canvas.addEventListener("mouseleave", hideTip);
     canvas.addEventListener("click", function (ev) {
       const hitAt = at(ev);
@@ -573,14 +615,14 @@
     prev.addEventListener("click", function () { page--; draw(); });
     next.addEventListener("click", function () { page++; draw(); });
     onSearch(function (q) {
-      shown = rows.slice(1).filter(function (r) { return !q || r.hay.includes(q); });
-      page = 0;
-      draw();
+      const now = rows.slice(1).filter(function (r) { return !q || r.hay.includes(q); });
+      const same = now.length === shown.length && now.every(function (r, i) { return r === shown[i]; });
+      shown = now;
+      if (!same || page) { page = 0; draw(); }
       return 0;  // the groups table counts these matches
     });
     draw();
-    let width = block.clientWidth;
-    window.addEventListener("resize", function () { if (block.clientWidth !== width) { width = block.clientWidth; draw(); } });
+    window.addEventListener("resize", function () { if (block.clientWidth !== blockWidth) { blockWidth = block.clientWidth; draw(); } });
   }
 
   // ------------------------------------------------------------ divergence of an entry
@@ -678,7 +720,7 @@
   add(status, "span", s.status || "?", "status-" + s.status);
   add(status, "span", "exit code " + (s.exit_code === undefined || s.exit_code === null ? "?" : s.exit_code));
   add(status, "span", plural(data.entries.length, "entry"));
-  if (s.seconds !== undefined) add(status, "span", s.seconds + " s");
+  if (typeof s.seconds === "number") add(status, "span", s.seconds.toFixed(2) + " s");
   const found = data.entries.reduce(function (n, e) { return n + (e.divergence ? e.divergence.findings : 0); }, 0);
   if (data.entries.some(function (e) { return e.divergence; })) add(status, "span", plural(found, "divergence finding"), found ? "sev-error" : "");
   if ((s.warnings || []).length) add(status, "span", plural(s.warnings.length, "warning"), "sev-warning");
