@@ -106,8 +106,12 @@ def evil_run(opguard: Callable[..., Any], tmp_path: Path) -> Path:
     finding = {"kind": EVIL, "severity": "error", "ranks": [1], "target": EVIL,
                "op": "aten::<i>mm</i>", "message": EVIL, "stack": [EVIL, "<b>"],
                "counts": {"1": 3}, "expected": 1}  # fmt: skip
+    # kinds that name what every JavaScript object has
+    tricky = [
+        {**finding, "kind": kind, "severity": "warning"} for kind in ("constructor", "__proto__")
+    ]
     doc = {"format": "opguard-divergence", "version": 1,
-           "meta": {"ranks": [0, 1], "source": EVIL}, "findings": [finding]}  # fmt: skip
+           "meta": {"ranks": [0, 1], "source": EVIL}, "findings": [finding, *tricky]}  # fmt: skip
     (run_dir / "evil_divergence.json").write_text(json.dumps(doc))
     CliRunner().invoke(create_cli(create_plugin_manager()), ["report", str(run_dir)])
     return run_dir
@@ -120,8 +124,9 @@ def test_nothing_in_the_inputs_becomes_markup(opguard: Callable[..., Any], tmp_p
     assert "<b>" not in text and "<i>" not in text
     data = embedded(run_dir / "report.html")
     assert "alert(1)" in json.dumps(data["entries"][0]["tree"])  # kept as data, shown as text
-    (group,) = data["entries"][0]["divergence"]["groups"]
+    group, *tricky = data["entries"][0]["divergence"]["groups"]
     assert group["target"] == EVIL and group["members"][0]["message"] == EVIL
+    assert sorted(g["kind"] for g in tricky) == ["__proto__", "constructor"]
 
 
 def test_divergence_findings_are_grouped(opguard: Callable[..., Any], samples: Path) -> None:
@@ -568,6 +573,8 @@ def test_hostile_names_stay_text_in_the_browser(
     open_report(browser, run_dir / "report.html")
     assert count(browser, "b, i") == 0
     assert browser.evaluate("document.scripts.length") == 2
+    kinds = texts(browser, "[data-role=ranks]", "dataset.kind")
+    assert sorted(kinds) == sorted([EVIL, "__proto__", "constructor"])
     assert EVIL in detail_text(browser, "findings")  # the hostile text, shown as text
     type_search(browser, "<b>")
     assert browser.errors == [] and count(browser, "b, i") == 0

@@ -310,7 +310,7 @@
       return fit >= 4 ? q.slice(0, fit - 1) + "…" : "";
     }
     function tipText(node) {
-      const lines = [node.name, num(node.c) + " ops (" + ((100 * node.c) / root.c).toFixed(1) + "% of all)"];
+      const lines = [node.name, num(node.c) + " ops (" + (root.c ? (100 * node.c) / root.c : 0).toFixed(1) + "% of all)"];
       if (node.kind) lines.push("kind: " + node.kind);
       if (node.ranks) lines.push("only on ranks " + node.ranks[1] + " (" + num(node.ranks[0]) + (flat.ranks ? " of " + num(flat.ranks) : "") + ")");
       if (node.own.length) lines.push("own ops:");
@@ -421,11 +421,11 @@
   // rows: [{label, row: {expected, values: [[value, ranges], ...]}, kind, summary?, onClick}]
   // One line per row, one column per rank (several ranks per pixel when they do not
   // fit: a column then shows its most deviating rank).
-  const KIND_TITLES = {
+  const KIND_TITLES = new Map(Object.entries({
     collective_mismatch: ["Collectives per rank", "collectives issued per rank, by calling function"],
     rank_specific: ["Functions only some ranks ran", "1 = the rank ran it"],
     count_skew: ["Count skew", "ops per rank, by function (ranks within the threshold shown as the median)"],
-  };
+  }));
   function cellColor(v, e, off, kind) {
     if (!off) return "#e9e9e9";
     if (v === e || typeof v !== "number" || typeof e !== "number") return "#8e24aa";
@@ -442,8 +442,9 @@
     const block = add(container, "div", null, "ranks-block");
     block.setAttribute("data-role", "ranks");
     block.setAttribute("data-kind", opts.kind);
-    add(block, "h3", KIND_TITLES[opts.kind] ? KIND_TITLES[opts.kind][0] + " (" + plural(rows.length - 1, "row") + ")" : opts.kind);
-    add(block, "p", (KIND_TITLES[opts.kind] || ["", "1 = the ranks the finding names"])[1] + "; grey: as expected; hover for values, click a row for its findings.", "note");
+    const titles = KIND_TITLES.get(opts.kind) || [opts.kind, "1 = the ranks the finding names"];
+    add(block, "h3", titles[0] + " (" + plural(rows.length - 1, "row") + ")");
+    add(block, "p", titles[1] + "; grey: as expected; hover for values, click a row for its findings.", "note");
     const worst = [];
     for (const [v, text] of rows[0].row.values) for (const at of positions(text)) worst.push([v, ranks[at]]);
     worst.sort(function (x, y) { return y[0] - x[0] || x[1] - y[1]; });
@@ -453,7 +454,7 @@
     }
     const canvas = add(block, "canvas");
     const legend = add(block, "div", null, "legend");
-    const swatches = opts.kind === "rank_specific" || !KIND_TITLES[opts.kind]
+    const swatches = opts.kind === "rank_specific" || !KIND_TITLES.has(opts.kind)
       ? [["as expected", "#e9e9e9"], ["ran it (most did not)", "#ef6c00"], ["did not run it (most did)", "#1565c0"]]
       : [["as expected", "#e9e9e9"], ["more than expected", "hsl(0,80%,50%)"], ["fewer", "hsl(215,75%,55%)"], ["none (0)", "#0d47a1"], ["differs both ways", "#8e24aa"]];
     for (const [text, sw] of swatches.concat([["findings on the rank", "hsl(30,90%,55%)"]])) {
@@ -728,9 +729,10 @@
   nav.append(searchBox, hitsNote);
   function link(text, id) { const a = add(nav, "a", text); a.href = "#" + id; }
 
+  const own = function (object, key) { return Object.prototype.hasOwnProperty.call(object, key); };
   function configBlock(parent, name) {
-    if (configs[name]) return configTable(parent, name, configs[name]);
-    if (notes[name]) add(parent, "p", notes[name], "note");
+    if (own(configs, name)) return configTable(parent, name, configs[name]);
+    if (own(notes, name)) add(parent, "p", notes[name], "note");
     return null;
   }
   const finalName = data.final.filtered || data.final.final;
