@@ -22,7 +22,7 @@ import click
 from opguard_core import hookimpl
 from opguard_core.atomic import atomic_write_bytes
 from opguard_core.combined import TraceAccumulator
-from opguard_core.errors import InputError, PluginError, reported_errors
+from opguard_core.errors import OpGuardError, PluginError, one_line, reported_errors
 from opguard_core.logs import get_logger
 from opguard_core.model import RunOptions
 from opguard_core.plugins import OpGuardPluginManager, call_impl
@@ -189,7 +189,9 @@ def make_command(manager: OpGuardPluginManager) -> click.Command:
                 get_logger().warning("pattern matched nothing", option=option, pattern=pattern)
             if not stacks and tree["root"]["count"]:
                 chosen = [f"--focus {p}" for p in focus] + [f"--ignore {p}" for p in ignore]
-                raise InputError(src, f"nothing to export: no stack passes {' '.join(chosen)}")
+                # not an unreadable input: the command could not do what it was asked
+                what = one_line(f"{src}: nothing to export: no stack passes {' '.join(chosen)}")
+                raise OpGuardError(what)
             data = writers[fmt](stacks)
             out = output or src.with_name(
                 src.name.removesuffix(".json") + SUFFIX.get(fmt, f".{fmt}")

@@ -242,6 +242,9 @@ def test_a_selection_that_leaves_nothing_is_an_error(tmp_path: Path) -> None:
         lines[-1]
         == f"opguard: error: {src}: nothing to export: no stack passes --focus nothing:here"
     )
+    # a pattern with a line break stays on one line
+    result = export(src, "--format", "collapsed", "-o", out, "--focus", "a\nb", expect=1)
+    assert result.stderr.strip().splitlines()[-1].endswith("--focus a\\nb")
     # everything ignored: the same
     export(src, "--format", "collapsed", "-o", out, "--ignore", "app:main", expect=1)
     assert not out.exists()
