@@ -93,6 +93,20 @@ def test_every_run_writes_a_self_contained_report(
     assert report.read_bytes() == first  # deterministic
 
 
+def test_the_filtered_config_is_the_one_shown_first(
+    opguard: Callable[..., Any], samples: Path
+) -> None:
+    run = opguard("run", *sample_inputs(samples, "gpt"), "--basic", expect=0)
+    data = embedded(run.run_dir / "report.html")
+    filtered = data["final"]["filtered"]
+    assert filtered is not None and filtered.endswith("filtered_instrumentation.yaml")
+    assert (run.run_dir / filtered).is_file()
+    rows = data["configs"][filtered]["rows"]
+    assert len(rows) == len(load_config(run.run_dir / filtered)["entries"])
+    unfiltered = data["final"]["final"]
+    assert unfiltered in data["configs"] and len(data["configs"][unfiltered]["rows"]) > len(rows)
+
+
 EVIL = "</script><script>alert(1)</script><b>x</b>"
 
 
