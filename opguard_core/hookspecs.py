@@ -255,8 +255,9 @@ def opguard_export_formats() -> dict[str, Callable[[list[Stack]], bytes]] | None
 
     :returns: a mapping from format name to a writer. A writer receives the call
         tree as a list of :class:`~opguard_core.formats.stacks.Stack` (``frames``,
-        outermost first, each ``module:qualname``; ``op``; ``stream``; ``weight``, the op count),
-        one per (node, op, stream) with own ops, and returns the file's bytes.
+        outermost first, each ``module:qualname``; ``op``; ``stream``; ``weight``, the op count;
+        ``sites``, each frame's file and first line), one per (node, op, stream) with own
+        ops, and returns the file's bytes.
     """
 
 

@@ -18,13 +18,15 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from opguard_core import hookimpl
-from opguard_core.cli.app import create_cli
+from opguard_core.cli import create_cli
 from opguard_core.formats.stacks import Stack, split_streams, tree_stacks
 from opguard_core.formats.tree import load_tree
 from opguard_core.plugin.manager import create_plugin_manager
+from opguard_plugins.view.export import load_source, select_stacks
 from tests.builders import trace_doc, write
 
 SCHEMA = Path(__file__).parent / "data" / "speedscope" / "file-format-schema.json"
+DIVERGENT = Path(__file__).parent / "data" / "divergent"
 GO = shutil.which("go")
 FSDP_TOTAL = 6241
 
@@ -140,10 +142,15 @@ def test_speedscope_matches_the_published_schema(tree_file: Path, tmp_path: Path
     assert paths == folded(collapsed)
 
 
-def _pprof(*args: str) -> str:
+def _pprof(*args: str, cwd: Path | None = None) -> str:
     assert GO is not None
     done = subprocess.run(
-        [GO, "tool", "pprof", *args], capture_output=True, text=True, timeout=120, check=True
+        [GO, "tool", "pprof", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+        cwd=cwd,
     )
     return done.stdout
 
@@ -172,6 +179,81 @@ def test_pprof_reads_back_with_go_tool_pprof(tree_file: Path, tmp_path: Path) ->
     assert "ref_workloads:run_fsdp" in raw
     tags = _pprof("-tags", str(out))
     assert re.search(rf"stream: Total {FSDP_TOTAL}", tags), tags
+
+
+@pytest.mark.slow  # go tool pprof builds itself on first use
+@pytest.mark.skipif(GO is None, reason="go (Debian golang-go) is not installed")
+def test_pprof_has_files_and_lines_for_list_and_full_names_for_top(tmp_path: Path) -> None:
+    """The recorded divergent job (rank 1 issues an extra all_reduce in extra_sync,
+    divergent_job.py line 29): ``-list`` shows that line of the source with its ops,
+    ``-top`` the frames' full names, ``<module>`` and all."""
+    out = tmp_path / "r1.pb.gz"
+    export(DIVERGENT / "divergent_callsite_rank1.json", "--format", "pprof", "-o", out)
+    top = _pprof("-top", "-cum", "-nodecount=100000", "-nodefraction=0", str(out))
+    names = {line.split()[-1] for line in top.splitlines() if re.match(r"^\s+\d", line)}
+    assert {"divergent_job:<module>", "divergent_job:main", "c10d::allreduce_"} <= names
+    assert not {n for n in names if n.endswith(":")}  # nothing cut at a '<'
+    listed = _pprof("-list", "divergent_job:extra_sync", "-source_path", str(DIVERGENT), str(out))
+    assert "ROUTINE ======================== divergent_job:extra_sync in divergent_job.py" in listed
+    (line,) = [x for x in listed.splitlines() if "dist.all_reduce(tensor, group=group)" in x]
+    assert re.match(r"^\s+\.\s+2\s+29:", line), listed  # 2 ops, cumulative, at line 29
+    raw = _pprof("-raw", str(out))
+    assert re.search(r"divergent_job:extra_sync divergent_job.py:29 s=29\(extra_sync\)", raw), raw
+    # without the source at hand pprof says so instead of printing lines
+    missing = subprocess.run(
+        [GO, "tool", "pprof", "-list", "divergent_job:extra_sync", str(out)],
+        capture_output=True, text=True, timeout=120, cwd=tmp_path,
+    )  # fmt: skip
+    assert "29:" not in missing.stdout
+
+
+def test_stacks_carry_each_frame_s_file_and_first_line(tmp_path: Path) -> None:
+    src = write(
+        tmp_path / "t.json",
+        trace_doc([([("app", "main"), ("app", "step"), ("lib", "inner")], None, "aten::mm", 5)]),
+    )
+    tree = load_source(src)
+    (stack,) = tree_stacks(tree)
+    assert stack.frames == ("app:main", "app:step", "lib:inner")
+    assert stack.sites == (("app.py", 1), ("app.py", 1), ("lib.py", 1))
+    (hidden,) = select_stacks([stack], hide=["app:step"])
+    assert hidden.frames == ("app:main", "lib:inner")
+    assert hidden.sites == (("app.py", 1), ("lib.py", 1))  # sites follow their frames
+
+
+def test_a_selection_that_leaves_nothing_is_an_error(tmp_path: Path) -> None:
+    src = write(
+        tmp_path / "t.json",
+        trace_doc(
+            [
+                ([("app", "main"), ("app", "step")], None, "aten::mm", 5),
+                ([("app", "main"), ("app", "other")], None, "aten::add", 3),
+            ]
+        ),
+    )
+    out = tmp_path / "o.folded"
+    result = export(src, "--format", "pprof", "-o", out, "--focus", "nothing:here", expect=1)
+    assert not out.exists()
+    lines = result.stderr.strip().splitlines()
+    warning = json.loads(lines[0])
+    assert (warning["event"], warning["option"], warning["pattern"]) == (
+        "pattern matched nothing", "--focus", "nothing:here")  # fmt: skip
+    assert (
+        lines[-1]
+        == f"opguard: error: {src}: nothing to export: no stack passes --focus nothing:here"
+    )
+    # a pattern with a line break stays on one line
+    result = export(src, "--format", "collapsed", "-o", out, "--focus", "a\nb", expect=1)
+    assert result.stderr.strip().splitlines()[-1].endswith("--focus a\\nb")
+    # everything ignored: the same
+    export(src, "--format", "collapsed", "-o", out, "--ignore", "app:main", expect=1)
+    assert not out.exists()
+    # a pattern that matched nothing beside one that did: a warning, and the file
+    result = export(src, "--format", "collapsed", "-o", out, "--focus", "app:step",
+                    "--focus", "zzz", "--hide", "yyy")  # fmt: skip
+    assert folded(out) == {"app:main;app:step;aten::mm": 5}
+    warned = [json.loads(x) for x in result.stderr.splitlines() if x.startswith("{")]
+    assert [(w["option"], w["pattern"]) for w in warned] == [("--hide", "yyy"), ("--focus", "zzz")]
 
 
 def test_bad_source_is_one_line(tmp_path: Path) -> None:

@@ -1,8 +1,9 @@
 """A call tree as flat stacks: what the export formats (collapsed, speedscope, pprof) draw.
 
 One :class:`Stack` per (node, op, stream) with own ops: the frames from the root's
-child down to the node (``module:qualname``), the op and stream, and the count. The
-stacks' counts add up to the tree's root count (conservation, formats.md §2).
+child down to the node (``module:qualname``) with each frame's file and first line,
+the op and stream, and the count. The stacks' counts add up to the tree's root count
+(conservation, formats.md §2).
 """
 
 from __future__ import annotations
@@ -17,6 +18,9 @@ class Stack(NamedTuple):
     op: str
     stream: int
     weight: int
+    #: per frame, (file, first line) as the tree's node records them (``""`` and 0 where
+    #: it has none, e.g. a torch api); parallel to ``frames``, or empty when unknown
+    sites: tuple[tuple[str, int], ...] = ()
 
 
 def tree_stacks(tree: dict[str, Any]) -> list[Stack]:
@@ -27,27 +31,30 @@ def tree_stacks(tree: dict[str, Any]) -> list[Stack]:
     the split is an attribution, not a measurement (their totals are exact).
     """
     out: list[Stack] = []
-    # a path is a linked list (target, parent's path), made into a tuple only for a
-    # node with own ops: a deep tree costs memory linear in its size, not in depth²
-    Link = tuple[str, "Any"] | None
+    # a path is a linked list (target, site, parent's path), made into tuples only for
+    # a node with own ops: a deep tree costs memory linear in its size, not in depth²
+    Link = tuple[str, tuple[str, int], "Any"] | None
     todo: list[tuple[dict[str, Any], Link]] = [(tree["root"], None)]
     while todo:
         node, link = todo.pop()
         pieces = split_streams(node["self_ops"], node["self_streams"])
         if pieces:
-            path = _unlink(link)
-            out.extend(Stack(path, op, stream, count) for op, stream, count in pieces)
+            path, sites = _unlink(link)
+            out.extend(Stack(path, op, stream, count, sites) for op, stream, count in pieces)
         for child in reversed(node.get("children", [])):
-            todo.append((child, (node_target(child), link)))
+            site = (child.get("file") or "", min(child.get("lines") or [0]))
+            todo.append((child, (node_target(child), site, link)))
     return out
 
 
-def _unlink(link: Any) -> tuple[str, ...]:
+def _unlink(link: Any) -> tuple[tuple[str, ...], tuple[tuple[str, int], ...]]:
     names: list[str] = []
+    sites: list[tuple[str, int]] = []
     while link is not None:
         names.append(link[0])
-        link = link[1]
-    return tuple(reversed(names))
+        sites.append(link[1])
+        link = link[2]
+    return tuple(reversed(names)), tuple(reversed(sites))
 
 
 def split_streams(

@@ -21,10 +21,10 @@ import re
 from collections.abc import Iterable
 
 from opguard_core.run.steps import FINAL, STEPS
-from opguard_core.run.summary import SUMMARY_FILE
+from opguard_core.run.summary import REPORT_FILE, SUMMARY_FILE
 
 #: The files of the run itself, beside what the steps write.
-OWN_ARTIFACTS: tuple[str, ...] = (SUMMARY_FILE, "report.html")
+OWN_ARTIFACTS: tuple[str, ...] = (SUMMARY_FILE, REPORT_FILE)
 
 
 def _entry_templates() -> tuple[str, ...]:

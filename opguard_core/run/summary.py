@@ -19,6 +19,8 @@ if TYPE_CHECKING:
     from opguard_core.plugin.manager import OpGuardPluginManager
 
 SUMMARY_FILE = "pipeline_summary.json"
+#: the page the built-in ``report`` plugin writes at the end of a run
+REPORT_FILE = "report.html"
 
 
 def final_configs(summary: dict[str, Any]) -> tuple[str | None, str | None]:
@@ -35,6 +37,19 @@ def final_configs(summary: dict[str, Any]) -> tuple[str | None, str | None]:
     if final is None and len(summary.get("entries", [])) == 1:
         final = next((r["outputs"][0] for r in ok if r["stage"] == "generate"), None)
     return final, filtered
+
+
+def stage_outputs(summary: dict[str, Any], stage: str, entry: str | None = None) -> list[str]:
+    """The files the ok records of ``stage`` (for ``entry``, when given) wrote, as
+    names inside the run directory, in order: how a reader finds a run's artifacts
+    without knowing what any stage calls them."""
+    return [
+        str(output)
+        for r in summary.get("stages", [])
+        if r.get("stage") == stage and r.get("status") == "ok"
+        and (entry is None or r.get("entry") == entry)
+        for output in r.get("outputs") or []
+    ]  # fmt: skip
 
 
 def read_summary(run_dir: Path) -> dict[str, Any]:
@@ -150,7 +165,8 @@ def _jsonable(value: Any) -> Any:
 
 def summary_lines(summary: dict[str, Any]) -> list[str]:
     """The end-of-run summary for a person: entries, final config, failures,
-    warnings, divergence findings (when the summary has them)."""
+    warnings, divergence findings (when the summary has them) and, last, the
+    run's ``report.html`` when one was written."""
     stages = summary.get("stages", [])
     names = [e["name"] for e in summary.get("entries", [])]
     failed = [r for r in stages if r.get("status") == "failed"]
@@ -181,6 +197,9 @@ def summary_lines(summary: dict[str, Any]) -> list[str]:
             f"  divergence: {found['findings']} findings ({found['errors']} errors, "
             f"{found['warnings']} warnings){where}"
         )
+    report = run_dir / REPORT_FILE
+    if report.is_file():
+        lines.append(f"  report: {report}")
     return lines
 
 
@@ -198,6 +217,7 @@ def summary_fields(summary: dict[str, Any]) -> dict[str, Any]:
         "filtered_config": str(run_dir / filtered) if filtered else None,
         "failures": len(failed),
         "warnings": len(summary.get("warnings") or []),
+        "report": str(run_dir / REPORT_FILE) if (run_dir / REPORT_FILE).is_file() else None,
     }
     found = divergence_counts(summary)
     if found is not None:
@@ -207,6 +227,7 @@ def summary_fields(summary: dict[str, Any]) -> dict[str, Any]:
 
 
 __all__ = [
+    "REPORT_FILE",
     "SUMMARY_FILE",
     "build_summary",
     "config_source",
@@ -214,6 +235,7 @@ __all__ = [
     "final_configs",
     "read_summary",
     "run_config",
+    "stage_outputs",
     "summary_fields",
     "summary_lines",
 ]

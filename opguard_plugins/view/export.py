@@ -2,14 +2,17 @@
 
 SRC is a callsite trace (a rank file or ``{name}_combined.json``) or a compressed
 call tree (``{name}_compressed.json``). A trace is folded into a tree by the
-built-in compressor with no thresholds and no chain folding (nothing is pruned) and the default hide
-patterns unless ``--no-default-hide``; then ``--hide``, ``--focus`` and ``--ignore``
-apply to the tree's stacks, and the writer that a plugin's
-``opguard_export_formats`` names (built-ins: ``export_formats.py``) writes OUT.
+built-in compressor with no thresholds and no chain folding (nothing is pruned) and
+the default hide patterns unless ``--no-default-hide``; then ``--hide``, ``--focus``
+and ``--ignore`` apply to the tree's stacks (a pattern that matched nothing is a
+warning; a selection that leaves no stack is an error, and no file is written), and
+the writer that a plugin's ``opguard_export_formats`` names (built-ins:
+``export_formats.py``) writes OUT.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -21,12 +24,13 @@ from opguard_core.cli import exits
 from opguard_core.cli.options import verbose_option
 from opguard_core.combine.accumulator import TraceAccumulator
 from opguard_core.configs.selection import PatternError, Selection, compile_patterns
-from opguard_core.errors import ExitCode, PluginError
+from opguard_core.errors import ExitCode, OpGuardError, PluginError, one_line
 from opguard_core.files.atomic import atomic_write_bytes
 from opguard_core.formats.readers import HEAD, Readers
 from opguard_core.formats.stacks import Stack, tree_stacks
 from opguard_core.formats.trace import read_bytes
 from opguard_core.formats.tree import TREE_FORMAT, check_tree, checked_tree, decode_json
+from opguard_core.logs import get_logger
 from opguard_core.model import RunOptions
 from opguard_core.plugin.manager import OpGuardPluginManager, call_impl
 from opguard_plugins.stages.compress import compress_trace
@@ -76,6 +80,7 @@ def select_stacks(
     hide: Sequence[str] = (),
     focus: Sequence[str] = (),
     ignore: Sequence[str] = (),
+    unmatched: list[tuple[str, str]] | None = None,
 ) -> list[Stack]:
     """Drop hidden frames (their callees move up), keep stacks with a frame matching
     ``focus`` (all when empty), then drop stacks with a frame matching ``ignore``.
@@ -83,19 +88,37 @@ def select_stacks(
     A pattern matches a frame name (``module:qualname``, or the op) whole. Every
     pattern is compiled and matched on its own, as in ``opguard run``
     (:mod:`opguard_core.configs.selection`): never joined into one alternation, where inline
-    flags, group names and backreferences would change meaning or fail.
+    flags, group names and backreferences would change meaning or fail. The
+    (option, pattern) of every pattern that matched no frame are appended to
+    ``unmatched`` when it is given.
     """
     hidden = compile_patterns(hide, "--hide")
+    hid: set[int] = set()
     selection = Selection.of(focus, ignore)
     out = []
     for stack in stacks:
-        frames = stack.frames
+        frames, sites = stack.frames, stack.sites
         if hidden:
-            frames = tuple(f for f in frames if not any(h.fullmatch(f) for h in hidden))
+            keep = [i for i, f in enumerate(frames) if not _hides(hidden, f, hid)]
+            frames = tuple(frames[i] for i in keep)
+            sites = tuple(sites[i] for i in keep) if sites else sites
         if selection and not selection.keeps((*frames, stack.op)):
             continue
-        out.append(stack._replace(frames=frames))
+        out.append(stack._replace(frames=frames, sites=sites))
+    if unmatched is not None:
+        unmatched.extend(("--hide", p.pattern) for i, p in enumerate(hidden) if i not in hid)
+        unmatched.extend(selection.unmatched())
     return out
+
+
+def _hides(hidden: Sequence[re.Pattern[str]], frame: str, matched: set[int]) -> bool:
+    """Whether ``frame`` is hidden; notes which patterns matched it."""
+    found = False
+    for index, pattern in enumerate(hidden):
+        if pattern.fullmatch(frame):
+            matched.add(index)
+            found = True
+    return found
 
 
 def _regexes(
@@ -110,7 +133,7 @@ def _regexes(
 
 CODES: exits.Codes = {
     ExitCode.OK: None,
-    ExitCode.STAGE_FAILED: "the output could not be written",
+    ExitCode.STAGE_FAILED: "the output could not be written, or the selection left nothing",
     ExitCode.INPUT_UNREADABLE: "SRC could not be read",
 }
 
@@ -172,7 +195,16 @@ def make_command(manager: OpGuardPluginManager) -> click.Command:
                 f"{fmt!r}: not one of {', '.join(sorted(writers))}", param_hint="--format"
             )
         tree = load_source(src, not no_default_hide, Readers(manager))
-        stacks = select_stacks(tree_stacks(tree), hide, focus, ignore)
+        unmatched: list[tuple[str, str]] = []
+        stacks = select_stacks(tree_stacks(tree), hide, focus, ignore, unmatched)
+        for option, pattern in unmatched:
+            get_logger().warning("pattern matched nothing", option=option, pattern=pattern)
+        if not stacks and tree["root"]["count"]:
+            chosen = [f"--focus {p}" for p in focus] + [f"--ignore {p}" for p in ignore]
+            # not an unreadable input: the command could not do what it was asked
+            raise OpGuardError(
+                one_line(f"{src}: nothing to export: no stack passes {' '.join(chosen)}")
+            )
         data = writers[fmt](stacks)
         out = output or src.with_name(src.name.removesuffix(".json") + SUFFIX.get(fmt, f".{fmt}"))
         atomic_write_bytes(out, data)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import gzip
 from collections import Counter
 from collections.abc import Callable
+from typing import Any
 
 import msgspec
 
@@ -103,8 +104,13 @@ def _packed(number: int, values: list[int]) -> bytes:
 def write_pprof(stacks: list[Stack]) -> bytes:
     """A gzipped ``profile.proto``: sample type ops/count, one sample per stack.
 
-    Functions and locations are interned (one of each per distinct name, same id),
-    the op is the leaf frame and the stream a label ``stream`` (a string).
+    A function per distinct frame name (``module:qualname``, or the op for the leaf)
+    with its ``filename`` and ``start_line`` (the smallest line the tree recorded for
+    it) and, as ``system_name``, the qualname: pprof shortens a name only when it
+    equals its system name, and would cut ``train:<module>`` to ``train:``. A
+    location per (function, line): a frame's line is its tree node's first line,
+    so ``go tool pprof -list`` shows the counts in the source where the file is
+    found. The op is the leaf frame (no file) and the stream a label ``stream``.
     """
     strings: dict[str, int] = {"": 0}
 
@@ -112,11 +118,29 @@ def write_pprof(stacks: list[Stack]) -> bytes:
         return strings.setdefault(text, len(strings))
 
     ops_type = _int_field(1, string("ops")) + _int_field(2, string("count"))
-    functions: dict[str, int] = {}
+    #: name -> [id, system name, file, start line]
+    functions: dict[str, list[Any]] = {}
+    locations: dict[tuple[int, int], int] = {}
+
+    def location(name: str, system: str, file: str, line: int) -> int:
+        function = functions.get(name)
+        if function is None:
+            function = functions[name] = [len(functions) + 1, system, file, line]
+        elif line and (not function[3] or line < function[3]):
+            function[3] = line
+        if file and not function[2]:
+            function[2] = file
+        return locations.setdefault((function[0], line), len(locations) + 1)
+
     body = bytearray(_bytes_field(1, ops_type))
     stream_key = string("stream")
     for stack in stacks:
-        ids = [functions.setdefault(name, len(functions) + 1) for name in (*stack.frames, stack.op)]
+        sites = stack.sites or (("", 0),) * len(stack.frames)
+        ids = [
+            location(name, name.partition(":")[2] or name, *site)
+            for name, site in zip(stack.frames, sites, strict=True)
+        ]
+        ids.append(location(stack.op, stack.op, "", 0))
         # a string label: pprof drops numeric labels whose value is 0 (stream 0)
         label = _int_field(1, stream_key) + _int_field(2, string(str(stack.stream)))
         sample = (
@@ -125,11 +149,13 @@ def write_pprof(stacks: list[Stack]) -> bytes:
             + _bytes_field(3, label)
         )
         body += _bytes_field(2, sample)
-    for ident in functions.values():
-        line = _int_field(1, ident)
-        body += _bytes_field(4, _int_field(1, ident) + _bytes_field(4, line))
-    for name, ident in functions.items():
-        fields = _int_field(1, ident) + _int_field(2, string(name)) + _int_field(3, string(name))
+    for (function_id, line), ident in locations.items():
+        entry = _int_field(1, function_id) + (_int_field(2, line) if line else b"")
+        body += _bytes_field(4, _int_field(1, ident) + _bytes_field(4, entry))
+    for name, (ident, system, file, start) in functions.items():
+        fields = _int_field(1, ident) + _int_field(2, string(name))
+        fields += _int_field(3, string(system)) + _int_field(4, string(file))
+        fields += _int_field(5, start) if start else b""
         body += _bytes_field(5, fields)
     period_type = _bytes_field(11, ops_type)
     for text in strings:
