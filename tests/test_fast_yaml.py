@@ -152,7 +152,8 @@ def configs(draw: st.DrawFn, text: st.SearchStrategy[str]) -> CommentedMap:
         if draw(st.booleans()):
             entry["ranks"] = flow_seq(sorted(draw(st.sets(st.integers(0, 64), max_size=4))))
         if draw(st.booleans()):  # a field this version does not know, carried through
-            entry[draw(text)] = draw(st.one_of(extra_values, text))
+            unknown = draw(text.filter(lambda key, known=tuple(entry): key not in known))
+            entry[unknown] = draw(st.one_of(extra_values, text))
         entries.append(entry)
     config = CommentedMap()
     config["version"] = 2

@@ -127,6 +127,11 @@ def evil_run(opguard: Callable[..., Any], tmp_path: Path) -> Path:
     doc = {"format": "opguard-divergence", "version": 1,
            "meta": {"ranks": [0, 1], "source": EVIL}, "findings": [finding, *tricky]}  # fmt: skip
     (run_dir / "evil_divergence.json").write_text(json.dumps(doc))
+    summary_path = run_dir / "pipeline_summary.json"
+    summary = json.loads(summary_path.read_text())  # as a two-rank run would record it
+    summary["stages"].append({"stage": "divergence", "entry": "evil", "status": "ok",
+                              "outputs": ["evil_divergence.json"]})  # fmt: skip
+    summary_path.write_text(json.dumps(summary))
     CliRunner().invoke(create_cli(create_plugin_manager()), ["report", str(run_dir)])
     return run_dir
 
