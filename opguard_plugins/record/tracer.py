@@ -408,7 +408,8 @@ class CallsiteRecorder:
 
     def current_stream(self) -> int:
         """The id of this thread's current CUDA stream (0 before CUDA is initialised)."""
-        if not torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
+        # torch.cuda.is_initialized has no annotations (unused where torch is absent)
+        if not torch.cuda.is_initialized():  # type: ignore[no-untyped-call, unused-ignore]
             return 0
         self.device = "cuda"
         return int(torch.cuda.current_stream().stream_id)
@@ -425,7 +426,8 @@ class CallsiteRecorder:
             pass
 
 
-class _FunctionMode(TorchFunctionMode):
+# Without torch, mypy sees its mode classes as Any: subclassing them is `misc`.
+class _FunctionMode(TorchFunctionMode):  # type: ignore[misc, unused-ignore]
     """Learns the public torch callable that Python code invoked."""
 
     def __init__(self, recorder: CallsiteRecorder) -> None:
@@ -444,11 +446,13 @@ class _FunctionMode(TorchFunctionMode):
         return self.recorder.call(func, args, kwargs or {}, sys._getframe(1))
 
 
-class _DispatchMode(TorchDispatchMode):  # type: ignore[no-untyped-call]
+# TorchDispatchMode's __init_subclass__ and __init__ have no annotations; without torch
+# the class is Any (misc)
+class _DispatchMode(TorchDispatchMode):  # type: ignore[no-untyped-call, misc, unused-ignore]
     """Sees every operator that ran and records it with the Python stack."""
 
     def __init__(self, recorder: CallsiteRecorder) -> None:
-        super().__init__()  # type: ignore[no-untyped-call]
+        super().__init__()  # type: ignore[no-untyped-call, unused-ignore]
         self.recorder = recorder
         if recorder.counter is not None:  # the C path: no Python frame per operator
             self.__torch_dispatch__ = types.MethodType(recorder.counter.dispatch, self)  # type: ignore[method-assign]
@@ -642,11 +646,12 @@ class CallsiteTracer:
             return
         function_mode = _FunctionMode(self.recorder)
         dispatch_mode = _DispatchMode(self.recorder)
-        function_mode.__enter__()  # type: ignore[no-untyped-call]
+        # the modes' __enter__ and __exit__ have no annotations (unused without torch)
+        function_mode.__enter__()  # type: ignore[no-untyped-call, unused-ignore]
         try:
-            dispatch_mode.__enter__()  # type: ignore[no-untyped-call]
+            dispatch_mode.__enter__()  # type: ignore[no-untyped-call, unused-ignore]
         except BaseException:
-            function_mode.__exit__(None, None, None)  # type: ignore[no-untyped-call]
+            function_mode.__exit__(None, None, None)  # type: ignore[no-untyped-call, unused-ignore]
             raise
         self._modes = [function_mode, dispatch_mode]
         self.recorder.active = True

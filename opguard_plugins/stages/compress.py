@@ -99,7 +99,7 @@ class Node:
         self.ranks = 0
         #: targets folded into this node by chain pruning, outermost first
         self.chain: list[str] | deque[str] = []
-        self.children: dict[tuple[str, str, str], Node] = {}
+        self.children: dict[tuple[str | None, str, str], Node] = {}
 
     @property
     def key(self) -> tuple[str, str, str]:
@@ -418,7 +418,7 @@ def fold_chains(root: Node, ranks: int | None = None) -> None:
         todo.extend(node.children.values())
     for node in reversed(order):
         mine = ranks if node is root and ranks is not None else node.ranks
-        folded: dict[tuple[str, str, str], Node] = {}
+        folded: dict[tuple[str | None, str, str], Node] = {}
         for child in node.children.values():
             if _is_chain_link(child) and child.ranks == mine:
                 links: list[str] = []

@@ -109,7 +109,7 @@ class _TorchImportWatcher:
             exec_module(module)
             _start_tracer()
 
-        spec.loader.exec_module = exec_module_then_trace  # type: ignore[method-assign]
+        spec.loader.exec_module = exec_module_then_trace
         return spec
 
 
