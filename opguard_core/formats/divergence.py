@@ -102,10 +102,6 @@ def load_divergence(path: Path) -> dict[str, Any]:
     return doc
 
 
-def _ranks(ranks: list[int]) -> str:
-    return ", ".join(map(str, ranks))
-
-
 def render_log(meta: dict[str, Any], findings: list[Finding]) -> str:
     """The log for a person: a header line, then each finding with its stack."""
     counts = tally(findings)

@@ -187,7 +187,6 @@ class ProfilerRecorder(CallsiteRecorder):
     def __init__(self) -> None:
         super().__init__(accelerated=False)
         self._codes: dict[tuple[str, str, int], ProfiledCode] = {}
-        self.folds = 0
 
     def line(self, code: Any, position: int, tables: dict[Any, LineTable]) -> int:
         """The profiler reports lines: a raw stack's position is already one."""
@@ -256,7 +255,6 @@ class ProfilerRecorder(CallsiteRecorder):
             for (stack, op), count in counts.items():
                 site = (stack, None, op, 0)
                 self.counts[site] = self.counts.get(site, 0) + count
-            self.folds += 1
 
 
 class ProfilerTracer(CallsiteTracer):

@@ -337,9 +337,6 @@ class CallsiteRecorder:
 
     # -- api (TorchFunctionMode side) ---------------------------------------
 
-    def current_api(self) -> str | None:
-        return getattr(self._local, "api", None)
-
     def call(
         self,
         func: Callable[..., Any],

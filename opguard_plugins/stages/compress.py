@@ -135,15 +135,6 @@ def hidden_frames(trace: CallsiteTrace, patterns: list[str]) -> list[bool]:
     ]
 
 
-def api_replaces_frame(
-    api_module: str, api_qualname: str, module: str | None, qualname: str
-) -> bool:
-    """Whether a frame is the api's own Python function (``torch.functional:split``)."""
-    if module is None or qualname != api_qualname:
-        return False
-    return module == api_module or (api_module == "torch" and module.startswith("torch."))
-
-
 def path_tables(
     frames: list[Frame],
     hidden: list[bool],
@@ -152,8 +143,10 @@ def path_tables(
     api_key_ids: list[int],
 ) -> PathTables:
     """The tables :func:`~opguard_plugins.stages.sorted_runs.callsite_paths` builds paths
-    from; ``api_parts`` are the apis' (module, qualname) by api index, and a frame is
-    replaced by an api exactly where :func:`api_replaces_frame` says so."""
+    from; ``api_parts`` are the apis' (module, qualname) by api index. A callsite's
+    innermost visible frame is replaced by its api where it is the api's own Python
+    function (``torch.functional:split``): the same qualname, and the api's module or,
+    for a ``torch`` api, any ``torch.*`` module."""
     quals: dict[str, int] = {}
     mods: dict[str, int] = {}
     frame_quals = array("i", [quals.setdefault(f.qualname, len(quals)) for f in frames])

@@ -174,7 +174,8 @@ class PathTables(NamedTuple):
     its module (-1: none) and whether the module is ``torch.*``; by api index: the
     api's key id, qualname and module (-2: no frame has it) and whether its module is
     ``torch``. Qualnames and modules are numbered in one table each, so equal ids are
-    equal strings (:func:`opguard_plugins.stages.compress.api_replaces_frame` on ids).
+    equal strings (:func:`opguard_plugins.stages.compress.path_tables` says when an api
+    replaces a frame; the paths compare those ids).
     """
 
     frame_keys: array[int]
