@@ -15,8 +15,9 @@ Identical (stack, api, op, stream) tuples are counted. Stacks are kept as raw
 ``(id(code), f_lasti)`` positions while recording; turning positions into lines, code
 objects into frames (relative paths, module names) and dropping the tracer's own frames
 and torch's dispatch plumbing happens once, when the trace is written. The per-operator
-path runs in C (``opguard_plugins/record/_recorder.c``) when that extension was built, and in
-Python otherwise: same keys, same trace (tracing.md, "The recorder's fast path").
+path runs in C (``opguard_plugins/record/_recorder.c``) when that extension was built, and
+in Python otherwise or with ``OPGUARD_PURE_PYTHON=1`` (:mod:`opguard_core.native`): same
+keys, same trace (tracing.md, "The recorder's fast path").
 
 Backward: on CPU the autograd engine runs backward on the thread that called
 ``.backward()``, so backward ops carry that Python stack naturally, with ``api``
@@ -52,7 +53,7 @@ import types
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.overrides import TorchFunctionMode, resolve_name
@@ -60,6 +61,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from opguard_core.files.atomic import atomic_write_bytes
 from opguard_core.formats.trace import Frame, encode_trace
+from opguard_core.native import load_native
+
+if TYPE_CHECKING:
+    from opguard_plugins.record._recorder import Counter
 
 TRACER_NAME = "opguard/1"
 
@@ -89,13 +94,18 @@ _OPS_FILE = os.path.normcase(os.path.join(_TORCH_DIR, "_ops.py"))
 RawStack = tuple[int, ...]
 Key = tuple[RawStack, "str | None", str, int]
 
-#: ``OPGUARD_TRACE_RECORDER=python`` keeps the modes backend on its Python path.
-RECORDER_ENV = "OPGUARD_TRACE_RECORDER"
 
-try:  # the C fast path of the modes backend; optional (built when a compiler exists)
-    from opguard_plugins.record._recorder import Counter as _Counter
-except ImportError:  # pragma: no cover - exercised by the fallback tests
-    _Counter = None
+def _native_counter() -> type[Counter] | None:
+    """The C fast path of the modes backend, or None: the Python path (not built, or
+    ``OPGUARD_PURE_PYTHON=1``; :func:`opguard_core.native.load_native`)."""
+    if load_native("opguard_plugins.record._recorder") is None:
+        return None
+    from opguard_plugins.record._recorder import Counter
+
+    return Counter
+
+
+_Counter = _native_counter()
 
 
 # ---------------------------------------------------------------------------
@@ -265,7 +275,7 @@ class _ThreadApi(threading.local):
 class CallsiteRecorder:
     """Counts (stack, api, op, stream) tuples; thread-safe."""
 
-    def __init__(self, *, accelerated: bool | None = None) -> None:
+    def __init__(self, *, accelerated: bool = True) -> None:
         self._counts: dict[Key, int] = {}
         self.modules: dict[types.CodeType, str | None] = {}
         self.codes: dict[int, types.CodeType] = {}
@@ -278,9 +288,7 @@ class CallsiteRecorder:
         self._cuda = torch.cuda.is_available()
         self._active = False
         #: the C fast path (``_recorder.Counter``), or None: :meth:`record` does it all
-        self.counter: Any = None
-        if accelerated is None:
-            accelerated = os.environ.get(RECORDER_ENV, "").lower() != "python"
+        self.counter: Counter | None = None
         overridden = any(
             getattr(type(self), name) is not getattr(CallsiteRecorder, name)
             for name in ("record", "call", "enter_api", "exit_api")

@@ -312,8 +312,13 @@ def build_tree(
         rank_of = array(_ID_TYPE, [0]) * len(keys)  # uint32s
         for position, kid in enumerate(key_order):
             rank_of[kid] = position
+
         # the path's ids through rank_of, as bytes: they sort as the tuples of ranks
-        found.sort(key=lambda item: (-item[0], runs.ranked_prefix(*idents[item[1]], rank_of)))
+        def order(item: tuple[int, int]) -> tuple[int, bytes]:
+            own, position = idents[item[1]]
+            return -item[0], runs.ranked_prefix(own, position, rank_of)
+
+        found.sort(key=order)
         kept: set[int] = set()
         for _, node in found:
             way = []
