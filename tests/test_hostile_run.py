@@ -261,7 +261,7 @@ TRACED_PROGRAM = textwrap.dedent(
     """
     import sys
     import torch
-    from opguard_plugins.record.tracer import trace_callsites
+    from opguard_plugins.tracer import trace_callsites
 
     x = torch.ones(2, 2)
 

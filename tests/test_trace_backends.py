@@ -17,9 +17,9 @@ torch = pytest.importorskip("torch")
 
 from opguard_core.formats.trace import DecodedTrace, load_trace  # noqa: E402
 from opguard_plugins.record.profiler import COMPILED_REGION_OP  # noqa: E402
-from opguard_plugins.record.tracer import trace_callsites  # noqa: E402
 from opguard_plugins.stages import locations  # noqa: E402
 from opguard_plugins.stages.generate import tags_for  # noqa: E402
+from opguard_plugins.tracer import trace_callsites  # noqa: E402
 
 pytestmark = pytest.mark.torch
 
@@ -243,7 +243,7 @@ def _rss_bytes() -> int:
 @pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="needs /proc")
 @pytest.mark.parametrize("backend", ["modes", "profiler"])
 def test_memory_is_flat_over_10000_steps(tmp_path: Path, backend: str) -> None:
-    from opguard_plugins.record.tracer import make_tracer
+    from opguard_plugins.record.backends import make_tracer
 
     torch.manual_seed(0)
     model = torch.nn.Linear(8, 8)
