@@ -52,6 +52,7 @@ from opguard_core.formats.trace import (
     Frame,
     PerRank,
     TraceHead,
+    check_nesting,
     check_ranks,
     decode_trace,
     encode_trace_parts,
@@ -624,6 +625,7 @@ class TraceAccumulator:
         if head.format != TRACE_FORMAT or head.version not in READ_VERSIONS:
             return False
         try:
+            check_nesting(head.meta, path)
             check_ranks(head.meta, [], path)
         except InputError:
             return False
