@@ -5,6 +5,8 @@
 (docs/performance.md, "Folding from the bytes"); ``opguard_plugins.stages._runs`` is
 compress's ("Compiled per-site work"). All are optional: without a C
 compiler and Python's headers the install goes on, and Python paths run instead.
+Each has a ``.pyi`` stub beside it; ``opguard_core.native.load_native`` loads them
+(docs/architecture.md, "C extensions").
 """
 
 from setuptools import Extension, setup

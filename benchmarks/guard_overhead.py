@@ -48,7 +48,7 @@ from opguard_core.cli.app import create_cli  # noqa: E402
 from opguard_core.formats.config import load_config  # noqa: E402
 from opguard_core.plugin.manager import create_plugin_manager  # noqa: E402
 from opguard_plugins.enforce.runtime import guarded  # noqa: E402
-from opguard_plugins.record.tracer import trace_callsites  # noqa: E402
+from opguard_plugins.tracer import trace_callsites  # noqa: E402
 
 
 class EmptyMode(TorchDispatchMode):  # type: ignore[no-untyped-call]

@@ -64,6 +64,7 @@ sys.path.insert(0, str(REPO))
 from loops import LOOPS  # noqa: E402
 
 from opguard_plugins.record import tracer as tracer_module  # noqa: E402
+from opguard_plugins.record.backends import make_tracer  # noqa: E402
 from opguard_plugins.record.tracer import CallsiteRecorder  # noqa: E402
 
 MODES = (
@@ -98,7 +99,7 @@ class Traced:
     the trace (timed on its own in the cold rounds)."""
 
     def __init__(self, directory: str, backend: str, python_path: bool = False) -> None:
-        self.tracer = tracer_module.make_tracer(backend, "bench", directory, rank=0)
+        self.tracer = make_tracer(backend, "bench", directory, rank=0)
         if python_path:  # the modes backend as without the C extension
             self.tracer.recorder = CallsiteRecorder(accelerated=False)
 

@@ -13,9 +13,10 @@ from typing import Any
 
 import pytest
 
+from opguard_core.combine.accumulator import TraceAccumulator
 from opguard_core.errors import InputError
 from opguard_core.formats.config import load_config, parse_config
-from opguard_core.formats.trace import MAX_RANK, decode_trace, load_trace
+from opguard_core.formats.trace import MAX_NESTING, MAX_RANK, decode_trace, load_trace
 from opguard_plugins.stages.basic_filter import load_basic_list
 from tests.builders import sample_inputs
 
@@ -131,6 +132,34 @@ def test_decode_trace_refuses_with_one_line_error(content: bytes, problem: str) 
     assert problem in message, message
     assert "\n" not in message
     assert caught.value.path == "dir/bad_rank0.json"
+
+
+def _nested_meta(depth: int, extra: bool = False) -> bytes:
+    """The table's valid document with ``meta`` nesting containers so that the document
+    is ``depth`` levels deep (itself level 1); ``extra``: also an unknown field, so
+    that msgspec's strict decode refuses it and the lax one reads it."""
+    data = json.loads(doc())
+    data["meta"]["deep"] = None
+    text = json.dumps(data)
+    nested = '{"a": ' * (depth - 2) + "1" + "}" * (depth - 2)
+    if extra:
+        text = text.replace('"frames":', '"extra": 1, "frames":', 1)
+    return text.replace('"deep": null', f'"deep": {nested}', 1).encode()
+
+
+@pytest.mark.parametrize("extra", [False, True], ids=["strict", "lax"])
+def test_the_nesting_bound_is_the_same_on_every_python(tmp_path: Path, extra: bool) -> None:
+    """msgspec's own bound depends on the Python version (about 1000 less the stack's
+    depth on 3.11, 1500 on 3.12, 10000 on 3.13): MAX_NESTING levels decode, one more
+    is refused, on every version and on the combine's scanner path too."""
+    assert decode_trace(_nested_meta(MAX_NESTING, extra), "ok.json").meta["deep"]
+    for depth in (MAX_NESTING + 1, 1200, 5000):
+        with pytest.raises(InputError, match=f"nesting too deep .more than {MAX_NESTING} levels"):
+            decode_trace(_nested_meta(depth, extra), "deep_rank0.json")
+        path = tmp_path / "deep_rank0.json"
+        path.write_bytes(_nested_meta(depth, extra))
+        with pytest.raises(InputError, match="nesting too deep"):
+            TraceAccumulator().add_file(path)
 
 
 def test_the_valid_document_used_by_the_table_decodes() -> None:

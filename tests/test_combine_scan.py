@@ -5,21 +5,20 @@
 well formed or not, the accumulator must end the same (same combined bytes) or refuse
 the file with the same one-line error, whichever path read it. The stack tables (C
 and Python) must agree on every operation. Skipped where the extension was not built,
-unless ``OPGUARD_REQUIRE_C_SCAN=1`` (set by .ci/run) makes that a failure.
+unless ``OPGUARD_REQUIRE_NATIVE=1`` (set by .ci/run) makes that a failure
+(tests/compiled.py); tests/test_native.py runs whole runs both ways.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import pickle
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 from builders import trace_doc
+from compiled import compiled, needs
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from strategies import trace_documents
@@ -31,20 +30,10 @@ from opguard_core.combine.stack_table import PyStackTable
 from opguard_core.errors import InputError
 
 REPO = Path(__file__).resolve().parent.parent
-try:
-    from opguard_core.combine._scan import StackTable as CStackTable  # type: ignore[import-not-found]
-except ImportError:
-    CStackTable = None
-
-needs_c = pytest.mark.skipif(CStackTable is None, reason="opguard_core.combine._scan was not built")
+_scan = compiled("opguard_core.combine._scan")
+CStackTable = None if _scan is None else _scan.StackTable
+needs_c = needs(_scan)
 TABLES = [PyStackTable, pytest.param(CStackTable, marks=needs_c, id="c")]
-
-
-def test_the_c_scanner_is_built_where_required() -> None:
-    if os.environ.get("OPGUARD_REQUIRE_C_SCAN") != "1":
-        pytest.skip("OPGUARD_REQUIRE_C_SCAN is not set")
-    assert CStackTable is not None, "opguard_core.combine._scan did not build"
-    assert stack_table.scan_callsites is not None, "the scanner is built but not in use"
 
 
 @pytest.mark.parametrize("table_type", TABLES)
@@ -89,8 +78,7 @@ def test_stack_tables_intern_absorb_and_pickle(table_type: Any) -> None:
 def test_c_site_order_is_the_reference(data: Any) -> None:
     """Stacks by their canonical bytes (a prefix first), then api ("" and None
     together, None first), op, stream: the C order is the reference's."""
-    from opguard_core.combine._scan import site_order
-
+    site_order = _scan.site_order
     stacks = data.draw(st.lists(st.lists(st.integers(0, 3), max_size=4), min_size=1, max_size=12))
     canonical = [(b"".join(i.to_bytes(4, "big") for i in s), tuple(s)) for s in stacks]
     texts = st.sampled_from(["", "a", "b", "\x00", "é", "aten::mm", "\U0001f600"])
@@ -227,8 +215,6 @@ def test_the_scanner_ends_where_msgspec_does(tmp_path_factory: Any, data: Any) -
     path.write_bytes(raw)
     other = data.draw(trace_documents(ranks=[5]))
     (directory / "other_rank5.json").write_text(json.dumps(other))
-    from opguard_core.combine import _scan
-
     assert _outcome(path, _scan) == _outcome(path, None)
 
 
@@ -241,8 +227,6 @@ def test_the_c_fold_keeps_the_reference_statistics(tmp_path_factory: Any, data: 
     """Ranks whose counts differ, past two values, past MAX_DISTINCT (a collective keeps
     its histogram all the same), missing on some ranks, a callsite twice in one file
     and a rank read twice: the C fold's per-rank statistics are the reference's."""
-    from opguard_core.combine import _scan
-
     wide = data.draw(st.booleans())  # up to 12 values: histograms past MAX_DISTINCT
     kinds = [
         ("aten::mm", None),
@@ -283,8 +267,6 @@ def test_the_c_fold_keeps_the_reference_statistics(tmp_path_factory: Any, data: 
 def test_the_c_fold_caps_histograms_like_the_reference(tmp_path: Path, distinct: int) -> None:
     """Exactly at MAX_DISTINCT (8) values a histogram stays; one more and only a
     collective's does, whether the ranks are folded one by one or merged."""
-    from opguard_core.combine import _scan
-
     paths = []
     for rank in range(distinct + 1):
         count = min(rank, distinct - 1) + 1  # 1 .. distinct, the last twice
@@ -303,7 +285,7 @@ def test_the_c_fold_caps_histograms_like_the_reference(tmp_path: Path, distinct:
 @needs_c
 def test_the_scanner_reads_the_plain_shape_itself() -> None:
     """Declining is always safe; this checks that it does not decline what tracers write."""
-    from opguard_core.combine._scan import find_callsites, scan_callsites
+    find_callsites, scan_callsites = _scan.find_callsites, _scan.scan_callsites
 
     raw = (
         b'[{"stack":[1,0],"api":"torch.mm","op":"aten::mm","stream":0,"count":3},\n'
@@ -335,27 +317,6 @@ def test_the_scanner_reads_the_plain_shape_itself() -> None:
         assert find_callsites(text) is None, text
 
 
-def test_the_python_path_writes_the_same_run(tmp_path: Path) -> None:
-    """``OPGUARD_COMBINE_SCAN=python`` (msgspec's path) and the default write the same
-    artifacts for the bundled traces."""
-    outputs = []
-    for scan in ("python", "default"):
-        base = tmp_path / scan
-        env = {**os.environ, "OPGUARD_TRACE_OUTPUT_BASE": str(base), "OPGUARD_COMBINE_SCAN": scan}
-        traces = sorted(map(str, (REPO / "examples" / "traces").glob("*_rank*.json")))
-        command = [sys.executable, "-m", "opguard_core.cli.app", "run", "--input", *traces]
-        subprocess.run([*command, "--basic", "--jobs", "1"], env=env, check=True)
-        [run] = base.iterdir()
-        outputs.append(
-            {
-                path.name: path.read_bytes()
-                for path in sorted(run.iterdir())
-                if path.suffix in (".json", ".yaml", ".log") and path.stem != "pipeline_summary"
-            }
-        )
-    assert outputs[0] == outputs[1] and len(outputs[0]) >= 8
-
-
 @needs_c
 def test_rank_files_written_by_the_tracer_never_reach_msgspecs_path(
     monkeypatch: pytest.MonkeyPatch,
@@ -384,7 +345,7 @@ def test_rank_files_written_by_the_tracer_never_reach_msgspecs_path(
 def test_the_scanner_survives_any_bytes(prefix: bytes, body: bytes, closes: bool) -> None:
     """Hostile bytes: the finder and the scanner return a value or None and never
     crash (run under AddressSanitizer too, for reads past the buffer: performance.md)."""
-    from opguard_core.combine._scan import find_callsites, scan_callsites
+    find_callsites, scan_callsites = _scan.find_callsites, _scan.scan_callsites
 
     data = prefix + body
     offset = find_callsites(data)

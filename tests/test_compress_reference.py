@@ -22,7 +22,6 @@ from opguard_core.model import RunOptions
 from opguard_plugins.stages.compress import (
     DEFAULT_HIDE,
     Node,
-    api_replaces_frame,
     build_tree,
     count_nodes,
     frame_kind,
@@ -31,6 +30,15 @@ from opguard_plugins.stages.compress import (
 from tests.builders import trace_doc
 from tests.strategies import rank_file_sets
 from tests.test_properties import combined
+
+
+def api_replaces_frame(
+    api_module: str, api_qualname: str, module: str | None, qualname: str
+) -> bool:
+    """Whether a frame is the api's own Python function (``torch.functional:split``)."""
+    if module is None or qualname != api_qualname:
+        return False
+    return module == api_module or (api_module == "torch" and module.startswith("torch."))
 
 
 def reference_tree(trace: CallsiteTrace, hide: list[str]) -> Node:

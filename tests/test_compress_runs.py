@@ -4,23 +4,24 @@
 counts, masks, ops and streams, the C ``Runs`` must give the same answer to every
 method, and ``build_tree`` the same tree through either (tests/test_compress_reference.py
 holds ``build_tree`` itself to the whole tree, pruned). Skipped where the extension was
-not built, unless ``OPGUARD_REQUIRE_C_RUNS=1`` (set by .ci/run) makes that a failure.
+not built, unless ``OPGUARD_REQUIRE_NATIVE=1`` (set by .ci/run) makes that a failure
+(tests/compiled.py).
 """
 
 from __future__ import annotations
 
-import os
 from array import array
 from typing import Any
 
 import pytest
+from compiled import compiled, needs
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from opguard_core.combine.accumulator import TraceAccumulator
 from opguard_core.formats.trace import load_trace
 from opguard_core.model import RunOptions
-from opguard_plugins.stages import compress, sorted_runs
+from opguard_plugins.stages import compress
 from opguard_plugins.stages.sorted_runs import (
     PathTables,
     PyRuns,
@@ -29,26 +30,12 @@ from opguard_plugins.stages.sorted_runs import (
     py_visible_frames,
 )
 
-try:
-    from opguard_plugins.stages._runs import Runs as CRuns  # type: ignore[import-not-found]
-    from opguard_plugins.stages._runs import callsite_paths as c_callsite_paths
-    from opguard_plugins.stages._runs import frames_at as c_frames_at
-    from opguard_plugins.stages._runs import visible_frames as c_visible_frames
-except ImportError:
-    CRuns = c_callsite_paths = c_frames_at = c_visible_frames = None
-
-needs_c = pytest.mark.skipif(CRuns is None, reason="opguard_plugins.stages._runs was not built")
+_runs = compiled("opguard_plugins.stages._runs")
+if _runs is not None:
+    CRuns, c_callsite_paths = _runs.Runs, _runs.callsite_paths
+    c_frames_at, c_visible_frames = _runs.frames_at, _runs.visible_frames
+needs_c = needs(_runs)
 WIDTH = 4
-
-
-def test_the_c_runs_are_built_where_required() -> None:
-    if os.environ.get("OPGUARD_REQUIRE_C_RUNS") != "1":
-        pytest.skip("OPGUARD_REQUIRE_C_RUNS is not set")
-    assert CRuns is not None, "opguard_plugins.stages._runs did not build"
-    assert sorted_runs.Runs is CRuns, "the C runs are built but not in use"
-    assert sorted_runs.callsite_paths is c_callsite_paths
-    assert sorted_runs.visible_frames is c_visible_frames
-    assert sorted_runs.frames_at is c_frames_at
 
 
 @st.composite

@@ -33,7 +33,7 @@ from opguard_core.formats.check import GUARD_FORMAT, load_report  # noqa: E402
 from opguard_core.formats.trace import load_trace  # noqa: E402
 from opguard_core.plugin.manager import create_plugin_manager  # noqa: E402
 from opguard_plugins.enforce.runtime import OpGuardViolation, guarded, sample_every  # noqa: E402
-from opguard_plugins.record.tracer import trace_callsites  # noqa: E402
+from opguard_plugins.tracer import trace_callsites  # noqa: E402
 
 pytestmark = pytest.mark.torch
 

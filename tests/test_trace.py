@@ -21,12 +21,8 @@ torch = pytest.importorskip("torch")
 from ruamel.yaml import YAML  # noqa: E402
 
 from opguard_core.formats.trace import DecodedTrace, load_trace  # noqa: E402
-from opguard_plugins.record.tracer import (  # noqa: E402
-    CallsiteTracer,
-    api_name,
-    op_name,
-    trace_callsites,
-)
+from opguard_plugins.record.tracer import CallsiteTracer, api_name, op_name  # noqa: E402
+from opguard_plugins.tracer import trace_callsites  # noqa: E402
 
 # traced torch programs take tens of seconds: the slow group (README, .ci/run)
 pytestmark = [pytest.mark.torch, pytest.mark.slow]

@@ -17,9 +17,9 @@ torch = pytest.importorskip("torch")
 
 from opguard_core.formats.trace import DecodedTrace, load_trace  # noqa: E402
 from opguard_plugins.record.profiler import COMPILED_REGION_OP  # noqa: E402
-from opguard_plugins.record.tracer import trace_callsites  # noqa: E402
 from opguard_plugins.stages import locations  # noqa: E402
 from opguard_plugins.stages.generate import tags_for  # noqa: E402
+from opguard_plugins.tracer import trace_callsites  # noqa: E402
 
 pytestmark = pytest.mark.torch
 
@@ -243,15 +243,24 @@ def _rss_bytes() -> int:
 @pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="needs /proc")
 @pytest.mark.parametrize("backend", ["modes", "profiler"])
 def test_memory_is_flat_over_10000_steps(tmp_path: Path, backend: str) -> None:
-    from opguard_plugins.record.tracer import make_tracer
+    from opguard_plugins.record.backends import make_tracer
 
     torch.manual_seed(0)
     model = torch.nn.Linear(8, 8)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     x = torch.randn(4, 8)
     tracer = make_tracer(backend, "m", tmp_path, rank=0)
+    folds = 0
     if backend == "profiler":
         tracer.fold_seconds = 0.5  # type: ignore[attr-defined]
+        fold = tracer.recorder.fold  # type: ignore[attr-defined]
+
+        def counted_fold(roots: list[Any]) -> None:
+            nonlocal folds
+            folds += 1
+            fold(roots)
+
+        tracer.recorder.fold = counted_fold  # type: ignore[attr-defined]
     # The baseline is taken after the first 1,000 steps and, for the profiler backend,
     # after its second fold: on a fast machine 1,000 steps take less than one cycle, and
     # the profiler's buffers of the first cycle are not "the first steps" settled.
@@ -265,7 +274,7 @@ def test_memory_is_flat_over_10000_steps(tmp_path: Path, backend: str) -> None:
             optimizer.zero_grad()
             model(x).sum().backward()
             optimizer.step()
-            settled = backend != "profiler" or tracer.recorder.folds >= 2  # type: ignore[attr-defined]
+            settled = backend != "profiler" or folds >= 2
             if baseline is None and step >= 1_000 and settled:
                 baseline = (step, _rss_bytes())
                 sites = len(tracer.recorder.counts)

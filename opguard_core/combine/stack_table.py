@@ -11,17 +11,19 @@ the same table; ``find_callsites`` and ``scan_callsites``, which read a rank fil
 folds one rank's keys in, per-rank statistics and all; ``merge_packed``, which folds
 in a helper's packed partial; and ``site_order``, which sorts the sites into
 canonical order (:func:`py_site_order` its reference). See performance.md, "Folding
-from the bytes" and "Compiled per-site work". ``OPGUARD_COMBINE_SCAN=python`` forces
-the Python path, which decodes every file with msgspec as before.
+from the bytes" and "Compiled per-site work". :func:`opguard_core.native.load_native`
+picks the module (``OPGUARD_PURE_PYTHON=1`` forces the Python path, which decodes every
+file with msgspec); ``_scan.pyi`` is its stub.
 """
 
 from __future__ import annotations
 
 import array
-import os
 import sys
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
+
+from opguard_core.native import load_native
 
 
 class StackTableLike(Protocol):
@@ -110,24 +112,58 @@ class PyStackTable:
         return len(self.stacks)
 
 
-#: (data, offset, closes, remap, table, apis, ops) -> (keys, counts, total) or None
-Scanner = Callable[..., Any]
-#: data -> offset of the top-level callsites value, or None
-Finder = Callable[[bytes], int | None]
+if TYPE_CHECKING:
+    from _typeshed import ReadableBuffer
+
+    from opguard_core.combine import _scan
+
+    #: (stack id, api, op, stream)
+    _Key = tuple[int, str | None, str, int]
+    #: data -> offset of the top-level callsites value, or None
+    Finder = Callable[[ReadableBuffer], int | None]
+    #: (data, offset, closes, remap, table, apis, ops) -> (keys, counts, total), or
+    #: None where the bytes are not of the plain shape; the table is the C one
+    Scanner = Callable[
+        [
+            ReadableBuffer,
+            int,
+            bool,
+            ReadableBuffer,
+            _scan.StackTable,
+            dict[str | None, str | None],
+            dict[str, str],
+        ],
+        tuple[list[_Key], list[int], int] | None,
+    ]
+    #: (sites, keys, counts, mask, collective_apis, max_distinct) -> no rank seen twice
+    Folder = Callable[
+        [dict[_Key, list[Any]], list[_Key], list[int], int, frozenset[str], int], bool
+    ]
+    #: (sites, stack_ids, apis, ops, streams, counts, masks, mins, stats,
+    #: collective_apis, max_distinct): a packed partial's sites folded in
+    Merger = Callable[
+        [
+            dict[_Key, list[Any]],
+            list[int],
+            list[str | None],
+            list[str],
+            list[int],
+            list[int],
+            list[int],
+            list[int],
+            dict[int, tuple[Any, ...]],
+            frozenset[str],
+            int,
+        ],
+        None,
+    ]
+    #: (keys, canonical) -> the keys' positions in canonical order
+    Orderer = Callable[[list[_Key], list[tuple[bytes, tuple[int, ...]]]], list[int]]
 
 
-#: (sites, keys, counts, mask, collective_apis, max_distinct) -> no rank seen twice
-Folder = Callable[[dict[Any, Any], list[Any], list[int], int, frozenset[str], int], bool]
-
-
-#: (sites, stack_ids, apis, ops, streams, counts, masks, mins, stats, collective_apis,
-#: max_distinct): a packed partial's sites folded in
-Merger = Callable[..., None]
-#: (keys, canonical) -> the keys' positions in canonical order
-Orderer = Callable[[list[Any], list[tuple[bytes, tuple[int, ...]]]], list[int]]
-
-
-def py_site_order(keys: list[Any], canonical: list[tuple[bytes, tuple[int, ...]]]) -> list[int]:
+def py_site_order(
+    keys: list[tuple[int, str | None, str, int]], canonical: list[tuple[bytes, tuple[int, ...]]]
+) -> list[int]:
     """The positions of ``keys`` (stack id, api, op, stream) sorted by (the stack's
     canonical bytes, api or "", op, stream, api is not None): the canonical order of
     a combined trace's callsites. The first five fields already differ between any
@@ -141,21 +177,19 @@ def py_site_order(keys: list[Any], canonical: list[tuple[bytes, tuple[int, ...]]
 
 
 def _implementation() -> tuple[
-    type, Finder | None, Scanner | None, Folder | None, Merger | None, Orderer
+    type[StackTableLike], Finder | None, Scanner | None, Folder | None, Merger | None, Orderer
 ]:
-    if os.environ.get("OPGUARD_COMBINE_SCAN") == "python":
+    if load_native("opguard_core.combine._scan") is None:
         return PyStackTable, None, None, None, None, py_site_order
-    try:
-        from opguard_core.combine._scan import (  # type: ignore[import-not-found,unused-ignore]
-            StackTable,
-            find_callsites,
-            fold_rank,
-            merge_packed,
-            scan_callsites,
-            site_order,
-        )
-    except ImportError:
-        return PyStackTable, None, None, None, None, py_site_order
+    from opguard_core.combine._scan import (
+        StackTable,
+        find_callsites,
+        fold_rank,
+        merge_packed,
+        scan_callsites,
+        site_order,
+    )
+
     return StackTable, find_callsites, scan_callsites, fold_rank, merge_packed, site_order
 
 

@@ -80,19 +80,6 @@ class Violation:
             out["stream"] = self.stream
         return out
 
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> Violation:
-        return cls(
-            kind=data["kind"],
-            severity=data["severity"],
-            target=data["target"],
-            context=list(data["context"]),
-            ranks=list(data["ranks"]),
-            message=data["message"],
-            op=data.get("op"),
-            stream=data.get("stream"),
-        )
-
 
 EntryKey = tuple[str, tuple[str, ...]]
 

@@ -169,13 +169,6 @@ def annotate_entries(text: str, config: dict[str, Any]) -> str:
     return "".join(out)
 
 
-def strip_summaries(text: str) -> str:
-    """``text`` without the summary lines :func:`annotate_entries` wrote (a summary
-    line is recognised only in the comment block right above an entry, so a person's
-    comments stay)."""
-    return split_entry_comments(text)[0] if "ops" in text else text
-
-
 def _is_block_line(line: str) -> bool:
     """A blank line, or a whole-line comment indented by at most two spaces: the lines
     that may stand between two entries and belong to the entry below them."""

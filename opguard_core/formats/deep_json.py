@@ -10,7 +10,6 @@ a writer and a reader whose memory, not stack, grows with depth:
   indent=1)`` writes (byte for byte) down to nesting level ``compact_from``; every
   container opened at that level or deeper is written compactly (msgspec's
   ``encode`` form, no whitespace), so indentation cannot grow with depth;
-* :func:`encode_compact` is ``msgspec.json.encode`` for any depth;
 * :func:`decode` is ``msgspec.json.decode`` while the document is shallow (run under
   a recursion limit low enough that C recursion stays safe) and an explicit-stack
   parser otherwise. Scalars are always encoded and decoded by msgspec, so strings
@@ -138,14 +137,6 @@ def encode_indented(value: Any, compact_from: int | None = None) -> bytes:
             out.append(_key(key) + (b":" if compact else b": "))
         emit(item, level + 1)
     return b"".join(out)
-
-
-def encode_compact(value: Any) -> bytes:
-    """``msgspec.json.encode(value)`` for a value of any depth."""
-    if not nests_deeper_than(value, MSGSPEC_LEVELS // 2):
-        with contextlib.suppress(RecursionError), _bounded_recursion(MSGSPEC_LEVELS):
-            return _encode(value)
-    return encode_indented(value, compact_from=0)
 
 
 _WS = rb"[ \t\n\r]*"

@@ -9,14 +9,12 @@ with the stack it came from.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import msgspec
 
 from opguard_core.errors import InputError
-from opguard_core.files.atomic import atomic_write_bytes, atomic_write_text
 
 DIVERGENCE_FORMAT = "opguard-divergence"
 DIVERGENCE_VERSION = 1
@@ -102,10 +100,6 @@ def load_divergence(path: Path) -> dict[str, Any]:
     return doc
 
 
-def _ranks(ranks: list[int]) -> str:
-    return ", ".join(map(str, ranks))
-
-
 def render_log(meta: dict[str, Any], findings: list[Finding]) -> str:
     """The log for a person: a header line, then each finding with its stack."""
     counts = tally(findings)
@@ -141,16 +135,3 @@ def render_log(meta: dict[str, Any], findings: list[Finding]) -> str:
             lines.append("  stack (outermost first):")
             lines.extend(f"    {frame}" for frame in stack)
     return "\n".join(lines) + "\n"
-
-
-def write_divergence(
-    path_of: Callable[[str], Path], source: str, meta: dict[str, Any], findings: list[Finding]
-) -> list[Path]:
-    """Write ``{source}_divergence.json`` and ``{source}_divergence.log`` (atomically;
-    ``path_of`` turns a file name into its path in the run directory) for ``findings``
-    in :func:`sort_findings` order; returns the two paths."""
-    findings = sort_findings(findings)
-    document, log = path_of(f"{source}_divergence.json"), path_of(f"{source}_divergence.log")
-    atomic_write_bytes(document, encode_divergence(meta, findings))
-    atomic_write_text(log, render_log(meta, findings))
-    return [document, log]

@@ -18,6 +18,7 @@ from typing import Annotated, Any
 import msgspec
 
 from opguard_core.errors import InputError
+from opguard_core.formats.deep_json import nests_deeper_than
 
 TRACE_FORMAT = "opguard-callsites"
 #: the version rank files are written in (the tracer's); version 2 adds per-rank
@@ -117,6 +118,13 @@ class _LaxTraceDocument(msgspec.Struct, kw_only=True, forbid_unknown_fields=Fals
     callsites: list[_LaxCallsite]
 
 
+#: How deep a trace document may nest JSON containers (the document itself is level 1;
+#: only ``meta`` and unknown fields can nest freely). msgspec stops at a depth that
+#: differs by Python (1000 less the stack's depth on 3.11, 1500 on 3.12, 10000 on
+#: 3.13); this bound, below all three, refuses the same documents on every version.
+MAX_NESTING = 500
+_TOO_DEEP = f"invalid trace: nesting too deep (more than {MAX_NESTING} levels)"
+
 _STRICT_DECODER = msgspec.json.Decoder(TraceDocument)
 _ANY_DECODER = msgspec.json.Decoder()
 _FRAME_FIELDS = frozenset(Frame.__struct_fields__)
@@ -204,6 +212,7 @@ def decode_trace(data: bytes, path: Path | str, check_frame_ids: bool = True) ->
     except (msgspec.ValidationError, msgspec.DecodeError, RecursionError):
         return _decode_lax(data, path)
     _check_header(doc.format, doc.version, path)
+    check_nesting(doc.meta, path)
     if check_frame_ids:
         validate_frame_ids(doc.frames, doc.callsites, path)
         check_ranks(doc.meta, doc.callsites, path)
@@ -228,14 +237,16 @@ def _decode_lax(data: bytes, path: Path | str) -> DecodedTrace:
     except msgspec.DecodeError as exc:
         raise InputError(path, f"not valid JSON: {_problem(exc)}") from None
     except RecursionError:
-        raise InputError(path, "not valid JSON: nesting too deep") from None
+        raise InputError(path, _TOO_DEEP) from None
+    if nests_deeper_than(raw, MAX_NESTING):
+        raise InputError(path, _TOO_DEEP)
     if not isinstance(raw, dict):
         raise InputError(path, f"expected a JSON object at top level, got {_json_type(raw)}")
     _check_header(raw.get("format"), raw.get("version"), path)
     try:
         doc = msgspec.convert(raw, _LaxTraceDocument)
     except RecursionError:
-        raise InputError(path, "invalid trace: nesting too deep") from None
+        raise InputError(path, _TOO_DEEP) from None
     except msgspec.ValidationError as exc:
         raise InputError(path, f"invalid trace: {_problem(exc)}") from None
     frames = [Frame(**msgspec.structs.asdict(f)) for f in doc.frames]
@@ -287,6 +298,13 @@ def validate_frame_ids(frames: list[Frame], callsites: list[Callsite], path: Pat
                 f"callsites[{index}].stack refers to frame {bad}, "
                 f"but the trace has only {limit} frames",
             )
+
+
+def check_nesting(meta: dict[str, Any], path: Path | str) -> None:
+    """Refuse a ``meta`` that nests deeper than :data:`MAX_NESTING` allows (its values
+    are the only free-form part a strict decode keeps)."""
+    if nests_deeper_than(meta, MAX_NESTING - 1):
+        raise InputError(path, _TOO_DEEP)
 
 
 def check_ranks(meta: dict[str, Any], callsites: list[Callsite], path: Path | str) -> None:

@@ -166,11 +166,13 @@ class _Record:
         self.ops = 0  # ops run while it was active (unknown_context)
 
 
-class _Mode(TorchDispatchMode):  # type: ignore[no-untyped-call]
+# TorchDispatchMode's __init_subclass__ and __init__ have no annotations; without torch
+# the class is Any (misc); the ignores are unused there
+class _Mode(TorchDispatchMode):  # type: ignore[no-untyped-call, misc, unused-ignore]
     """Checks every operator against the current thread's state."""
 
     def __init__(self, guard: Guard) -> None:
-        super().__init__()  # type: ignore[no-untyped-call]
+        super().__init__()  # type: ignore[no-untyped-call, unused-ignore]
         self.guard = guard
         self.local = guard.local
         self.cuda = guard.cuda
@@ -188,7 +190,8 @@ class _Mode(TorchDispatchMode):  # type: ignore[no-untyped-call]
             if state.chain:
                 guard.count_ops(state.chain)
             if state.known:
-                if self.cuda and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
+                # torch.cuda.is_initialized has no annotations (unused without torch)
+                if self.cuda and torch.cuda.is_initialized():  # type: ignore[no-untyped-call, unused-ignore]
                     key: Any = (func, int(torch.cuda.current_stream().stream_id))
                 else:
                     key = func
@@ -359,12 +362,13 @@ class Guard:
 
     def _push(self) -> None:
         if not self._pushed:
-            self._mode.__enter__()  # type: ignore[no-untyped-call]
+            # the mode's __enter__ and __exit__ have no annotations (unused without torch)
+            self._mode.__enter__()  # type: ignore[no-untyped-call, unused-ignore]
             self._pushed = True
 
     def _pop(self) -> None:
         if self._pushed and _get_current_dispatch_mode() is self._mode:
-            self._mode.__exit__(None, None, None)  # type: ignore[no-untyped-call]
+            self._mode.__exit__(None, None, None)  # type: ignore[no-untyped-call, unused-ignore]
             self._pushed = False
 
     def _after_step(self) -> None:

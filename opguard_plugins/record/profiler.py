@@ -187,7 +187,6 @@ class ProfilerRecorder(CallsiteRecorder):
     def __init__(self) -> None:
         super().__init__(accelerated=False)
         self._codes: dict[tuple[str, str, int], ProfiledCode] = {}
-        self.folds = 0
 
     def line(self, code: Any, position: int, tables: dict[Any, LineTable]) -> int:
         """The profiler reports lines: a raw stack's position is already one."""
@@ -254,9 +253,8 @@ class ProfilerRecorder(CallsiteRecorder):
                 work.append((child, outer, cell))
         with self._lock:
             for (stack, op), count in counts.items():
-                key = (stack, None, op, 0)
-                self.counts[key] = self.counts.get(key, 0) + count  # type: ignore[index]
-            self.folds += 1
+                site = (stack, None, op, 0)
+                self.counts[site] = self.counts.get(site, 0) + count
 
 
 class ProfilerTracer(CallsiteTracer):
@@ -266,7 +264,7 @@ class ProfilerTracer(CallsiteTracer):
 
     def __init__(self, *args: Any, fold_seconds: float = FOLD_SECONDS, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.recorder = ProfilerRecorder()
+        self.recorder: ProfilerRecorder = ProfilerRecorder()
         self.fold_seconds = fold_seconds
         self._cycle_started = 0.0
         self._profile: Any = None
@@ -279,7 +277,8 @@ class ProfilerTracer(CallsiteTracer):
         profile = torch.autograd.profiler.profile(
             use_cpu=True, use_kineto=True, with_stack=True, record_shapes=False
         )
-        profile.__enter__()
+        # torch's profile.__enter__ has no annotations (unused where torch is absent)
+        profile.__enter__()  # type: ignore[no-untyped-call, unused-ignore]
         self._profile = profile
         self._cycle_started = time.monotonic()
 

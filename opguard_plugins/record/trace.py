@@ -107,7 +107,7 @@ def written_traces(output_dir: Path, label: str, since: float) -> list[Path]:
 def lost_processes(output_dir: Path, label: str) -> list[dict[str, Any]]:
     """Traced processes that ended without writing their trace; their markers are removed.
 
-    A traced process leaves a marker (``opguard_plugins.record.tracer.MARKER_SUFFIX``) until
+    A traced process leaves a marker (``opguard_plugins.record.backends.MARKER_SUFFIX``) until
     its exit handler has run; one still there after the command ended means the
     process ended by ``os._exit`` or was killed by a signal.
     """

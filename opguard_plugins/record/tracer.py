@@ -15,8 +15,9 @@ Identical (stack, api, op, stream) tuples are counted. Stacks are kept as raw
 ``(id(code), f_lasti)`` positions while recording; turning positions into lines, code
 objects into frames (relative paths, module names) and dropping the tracer's own frames
 and torch's dispatch plumbing happens once, when the trace is written. The per-operator
-path runs in C (``opguard_plugins/record/_recorder.c``) when that extension was built, and in
-Python otherwise: same keys, same trace (tracing.md, "The recorder's fast path").
+path runs in C (``opguard_plugins/record/_recorder.c``) when that extension was built, and
+in Python otherwise or with ``OPGUARD_PURE_PYTHON=1`` (:mod:`opguard_core.native`): same
+keys, same trace (tracing.md, "The recorder's fast path").
 
 Backward: on CPU the autograd engine runs backward on the thread that called
 ``.backward()``, so backward ops carry that Python stack naturally, with ``api``
@@ -31,16 +32,17 @@ Collectives: on torch 2.13 with gloo (and NCCL), ``torch.distributed`` collectiv
 through the dispatcher as ``c10d::`` operators, so the dispatch mode records them like
 any other op, including those DDP's reducer issues from autograd hooks during backward.
 
-Public API: :func:`trace_callsites` (a context manager) and :func:`start_process_tracer`
-(used by ``opguard trace``'s bootstrap to trace a whole process, writing at exit).
+:class:`CallsiteTracer` is also the base of the ``profiler`` backend
+(:mod:`opguard_plugins.record.profiler`). The ways to run a tracer, ``trace_callsites``
+(a context manager, public as ``opguard_plugins.tracer.trace_callsites``) and
+``start_process_tracer`` (``opguard trace``'s bootstrap), choose the backend in
+:mod:`opguard_plugins.record.backends`.
 """
 
 from __future__ import annotations
 
-import atexit
 import bisect
 import contextlib
-import json
 import os
 import platform
 import shlex
@@ -49,10 +51,9 @@ import sys
 import sysconfig
 import threading
 import types
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.overrides import TorchFunctionMode, resolve_name
@@ -60,6 +61,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from opguard_core.files.atomic import atomic_write_bytes
 from opguard_core.formats.trace import Frame, encode_trace
+from opguard_core.native import load_native
+
+if TYPE_CHECKING:
+    from opguard_plugins.record._recorder import Counter
 
 TRACER_NAME = "opguard/1"
 
@@ -89,13 +94,18 @@ _OPS_FILE = os.path.normcase(os.path.join(_TORCH_DIR, "_ops.py"))
 RawStack = tuple[int, ...]
 Key = tuple[RawStack, "str | None", str, int]
 
-#: ``OPGUARD_TRACE_RECORDER=python`` keeps the modes backend on its Python path.
-RECORDER_ENV = "OPGUARD_TRACE_RECORDER"
 
-try:  # the C fast path of the modes backend; optional (built when a compiler exists)
-    from opguard_plugins.record._recorder import Counter as _Counter
-except ImportError:  # pragma: no cover - exercised by the fallback tests
-    _Counter = None
+def _native_counter() -> type[Counter] | None:
+    """The C fast path of the modes backend, or None: the Python path (not built, or
+    ``OPGUARD_PURE_PYTHON=1``; :func:`opguard_core.native.load_native`)."""
+    if load_native("opguard_plugins.record._recorder") is None:
+        return None
+    from opguard_plugins.record._recorder import Counter
+
+    return Counter
+
+
+_Counter = _native_counter()
 
 
 # ---------------------------------------------------------------------------
@@ -265,7 +275,7 @@ class _ThreadApi(threading.local):
 class CallsiteRecorder:
     """Counts (stack, api, op, stream) tuples; thread-safe."""
 
-    def __init__(self, *, accelerated: bool | None = None) -> None:
+    def __init__(self, *, accelerated: bool = True) -> None:
         self._counts: dict[Key, int] = {}
         self.modules: dict[types.CodeType, str | None] = {}
         self.codes: dict[int, types.CodeType] = {}
@@ -278,9 +288,7 @@ class CallsiteRecorder:
         self._cuda = torch.cuda.is_available()
         self._active = False
         #: the C fast path (``_recorder.Counter``), or None: :meth:`record` does it all
-        self.counter: Any = None
-        if accelerated is None:
-            accelerated = os.environ.get(RECORDER_ENV, "").lower() != "python"
+        self.counter: Counter | None = None
         overridden = any(
             getattr(type(self), name) is not getattr(CallsiteRecorder, name)
             for name in ("record", "call", "enter_api", "exit_api")
@@ -336,9 +344,6 @@ class CallsiteRecorder:
             self.counter.discard()
 
     # -- api (TorchFunctionMode side) ---------------------------------------
-
-    def current_api(self) -> str | None:
-        return getattr(self._local, "api", None)
 
     def call(
         self,
@@ -408,7 +413,8 @@ class CallsiteRecorder:
 
     def current_stream(self) -> int:
         """The id of this thread's current CUDA stream (0 before CUDA is initialised)."""
-        if not torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
+        # torch.cuda.is_initialized has no annotations (unused where torch is absent)
+        if not torch.cuda.is_initialized():  # type: ignore[no-untyped-call, unused-ignore]
             return 0
         self.device = "cuda"
         return int(torch.cuda.current_stream().stream_id)
@@ -425,7 +431,8 @@ class CallsiteRecorder:
             pass
 
 
-class _FunctionMode(TorchFunctionMode):
+# Without torch, mypy sees its mode classes as Any: subclassing them is `misc`.
+class _FunctionMode(TorchFunctionMode):  # type: ignore[misc, unused-ignore]
     """Learns the public torch callable that Python code invoked."""
 
     def __init__(self, recorder: CallsiteRecorder) -> None:
@@ -444,11 +451,13 @@ class _FunctionMode(TorchFunctionMode):
         return self.recorder.call(func, args, kwargs or {}, sys._getframe(1))
 
 
-class _DispatchMode(TorchDispatchMode):  # type: ignore[no-untyped-call]
+# TorchDispatchMode's __init_subclass__ and __init__ have no annotations; without torch
+# the class is Any (misc)
+class _DispatchMode(TorchDispatchMode):  # type: ignore[no-untyped-call, misc, unused-ignore]
     """Sees every operator that ran and records it with the Python stack."""
 
     def __init__(self, recorder: CallsiteRecorder) -> None:
-        super().__init__()  # type: ignore[no-untyped-call]
+        super().__init__()  # type: ignore[no-untyped-call, unused-ignore]
         self.recorder = recorder
         if recorder.counter is not None:  # the C path: no Python frame per operator
             self.__torch_dispatch__ = types.MethodType(recorder.counter.dispatch, self)  # type: ignore[method-assign]
@@ -620,7 +629,8 @@ class CallsiteTracer:
         extra_meta: dict[str, Any] | None = None,
     ) -> None:
         self.label = label
-        #: the label given; ``label`` differs in a forked child (:func:`fork_label`)
+        #: the label given; ``label`` differs in a forked child
+        #: (:func:`~opguard_plugins.record.backends.fork_label`)
         self.base_label = label
         self.marker: Path | None = None
         self.output_dir = Path(output_dir)
@@ -642,11 +652,12 @@ class CallsiteTracer:
             return
         function_mode = _FunctionMode(self.recorder)
         dispatch_mode = _DispatchMode(self.recorder)
-        function_mode.__enter__()  # type: ignore[no-untyped-call]
+        # the modes' __enter__ and __exit__ have no annotations (unused without torch)
+        function_mode.__enter__()  # type: ignore[no-untyped-call, unused-ignore]
         try:
-            dispatch_mode.__enter__()  # type: ignore[no-untyped-call]
+            dispatch_mode.__enter__()  # type: ignore[no-untyped-call, unused-ignore]
         except BaseException:
-            function_mode.__exit__(None, None, None)  # type: ignore[no-untyped-call]
+            function_mode.__exit__(None, None, None)  # type: ignore[no-untyped-call, unused-ignore]
             raise
         self._modes = [function_mode, dispatch_mode]
         self.recorder.active = True
@@ -766,151 +777,6 @@ class CallsiteTracer:
         atomic_write_bytes(path, encode_trace(meta, frames, callsites))
         self.written = path
         return path
-
-
-@contextmanager
-def trace_callsites(
-    label: str = "trace",
-    output_dir: str | os.PathLike[str] = ".",
-    rank: int | None = None,
-    *,
-    backend: str = "modes",
-    **extra_meta: Any,
-) -> Iterator[CallsiteTracer]:
-    """Trace the torch operators run inside the ``with`` block; write the trace on exit.
-
-    ::
-
-        from opguard_plugins.record.tracer import trace_callsites
-
-        with trace_callsites(label="mine", output_dir="traces") as tracer:
-            for step in range(3):
-                train_step(...)
-        print(tracer.written)   # traces/mine_callsite_rank0.json
-
-    :param label: the ``{label}`` in the file name and ``meta.label``.
-    :param output_dir: directory for the trace (created if missing).
-    :param rank: the rank to record; by default torch.distributed's rank (if the
-        default group exists at exit, or existed when a collective ran), else
-        ``$RANK``, else 0.
-    :param backend: ``modes`` (Python modes) or ``profiler`` (torch's profiler;
-        :mod:`opguard_plugins.record.profiler`), see docs/tracing.md.
-    :param extra_meta: more keys for the trace's ``meta``.
-    """
-    tracer = make_tracer(backend, label, output_dir, rank=rank, extra_meta=extra_meta)
-    tracer.start()
-    try:
-        yield tracer
-    finally:
-        tracer.stop()
-        tracer.write()
-
-
-# ---------------------------------------------------------------------------
-# Whole-process tracing (used by `opguard trace`)
-# ---------------------------------------------------------------------------
-
-_PROCESS_TRACER: CallsiteTracer | None = None
-_FORK_HOOK_INSTALLED = False
-#: a traced process announces itself with an empty marker file in the output
-#: directory and removes it once it has written (or decided not to write) its trace;
-#: a marker left behind tells ``opguard trace`` that a process ended without running
-#: its exit handlers (``os._exit``, a signal), so its operators were lost
-MARKER_SUFFIX = ".tracing"
-
-
-def marker_path(output_dir: str | os.PathLike[str], label: str, pid: int) -> Path:
-    """The marker of traced process ``pid`` (see :data:`MARKER_SUFFIX`)."""
-    return Path(output_dir) / f".{label}_callsite.{pid}{MARKER_SUFFIX}"
-
-
-def fork_label(label: str, pid: int) -> str:
-    """The label a forked child writes under: ``{label}.fork{pid}``, so that no two
-    processes write the same file (the child inherits its parent's rank)."""
-    return f"{label}.fork{pid}"
-
-
-def _write_marker(tracer: CallsiteTracer, parent: int | None) -> None:
-    path = marker_path(tracer.output_dir, tracer.base_label, os.getpid())
-    with contextlib.suppress(OSError):
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(
-            f'{{"pid": {os.getpid()}, "forked_from": {json.dumps(parent)}, '
-            f'"label": {json.dumps(tracer.label)}}}\n'
-        )
-    tracer.marker = path
-
-
-def _remove_marker(tracer: CallsiteTracer) -> None:
-    if tracer.marker is not None:
-        with contextlib.suppress(OSError):
-            tracer.marker.unlink()
-        tracer.marker = None
-
-
-def _after_fork_in_child() -> None:
-    """A forked child traces on (its modes are inherited) but records only its own ops,
-    under its own file name, with fresh locks."""
-    tracer = _PROCESS_TRACER
-    if tracer is None:
-        return
-    parent = os.getppid()
-    tracer.recorder.reset_after_fork()
-    tracer.label = fork_label(tracer.base_label, os.getpid())
-    tracer.marker = None
-    _write_marker(tracer, parent)
-
-
-#: Tracer backends by name (``opguard trace --backend NAME``); the first is the default.
-BACKENDS = ("modes", "profiler")
-
-
-def make_tracer(backend: str, *args: Any, **kwargs: Any) -> CallsiteTracer:
-    """A tracer of the named backend (``modes`` or ``profiler``)."""
-    if backend == "modes":
-        return CallsiteTracer(*args, **kwargs)
-    if backend == "profiler":
-        from opguard_plugins.record.profiler import ProfilerTracer
-
-        return ProfilerTracer(*args, **kwargs)
-    raise ValueError(f"unknown tracer backend {backend!r} (choose from {', '.join(BACKENDS)})")
-
-
-def start_process_tracer(label: str, output_dir: str) -> CallsiteTracer | None:
-    """Trace this whole process from now on and write the trace at interpreter exit.
-
-    Called by the ``sitecustomize`` bootstrap once torch is imported. Does nothing in
-    torchrun's launcher (it runs no model code and would otherwise claim rank 0), and
-    writes nothing if no operator ran.
-    """
-    global _PROCESS_TRACER
-    if _PROCESS_TRACER is not None or _is_launcher():
-        return _PROCESS_TRACER
-    global _FORK_HOOK_INSTALLED
-    tracer = make_tracer(os.environ.get("OPGUARD_TRACE_BACKEND") or BACKENDS[0], label, output_dir)
-    tracer.start()
-    _PROCESS_TRACER = tracer
-    _write_marker(tracer, None)
-    atexit.register(_finish_process_tracer)
-    if not _FORK_HOOK_INSTALLED:
-        os.register_at_fork(after_in_child=_after_fork_in_child)
-        _FORK_HOOK_INSTALLED = True
-    return tracer
-
-
-def _finish_process_tracer() -> None:
-    tracer = _PROCESS_TRACER
-    if tracer is None:
-        return
-    tracer.stop()
-    try:
-        if not tracer.recorder.counts or _is_launcher():  # `python -m torch.distributed.run`
-            return
-        tracer.write()
-    except Exception as exc:  # never turn a finished training run into a crash
-        print(f"opguard trace: could not write the trace: {exc}", file=sys.stderr)
-    finally:
-        _remove_marker(tracer)
 
 
 def _is_launcher() -> bool:

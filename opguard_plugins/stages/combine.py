@@ -22,7 +22,7 @@ import signal
 import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from opguard_core import hookimpl
 from opguard_core.combine.accumulator import CallsiteTrace, TraceAccumulator, gc_paused
@@ -117,7 +117,7 @@ def split_evenly(paths: Sequence[Path], parts: int) -> list[list[Path]]:
     return chunks
 
 
-def start_method() -> str:
+def start_method() -> Literal["fork", "spawn"]:
     """How to start helpers: ``fork`` when this process has a single thread, else ``spawn``.
 
     A forked helper starts at once, with every module already imported; a spawned
@@ -160,7 +160,8 @@ def combine_parallel(
 ) -> TraceAccumulator:
     """Combine with the main process and ``jobs - 1`` helpers sharing a queue of files."""
     helpers = max(1, min(jobs, len(paths)) - 1)
-    context = multiprocessing.get_context(start_method())
+    fork = start_method() == "fork"
+    context = multiprocessing.get_context("fork") if fork else multiprocessing.get_context("spawn")
     tasks = context.Queue()
     results = context.Queue()
     processes = [

@@ -99,7 +99,7 @@ class Node:
         self.ranks = 0
         #: targets folded into this node by chain pruning, outermost first
         self.chain: list[str] | deque[str] = []
-        self.children: dict[tuple[str, str, str], Node] = {}
+        self.children: dict[tuple[str | None, str, str], Node] = {}
 
     @property
     def key(self) -> tuple[str, str, str]:
@@ -135,15 +135,6 @@ def hidden_frames(trace: CallsiteTrace, patterns: list[str]) -> list[bool]:
     ]
 
 
-def api_replaces_frame(
-    api_module: str, api_qualname: str, module: str | None, qualname: str
-) -> bool:
-    """Whether a frame is the api's own Python function (``torch.functional:split``)."""
-    if module is None or qualname != api_qualname:
-        return False
-    return module == api_module or (api_module == "torch" and module.startswith("torch."))
-
-
 def path_tables(
     frames: list[Frame],
     hidden: list[bool],
@@ -152,8 +143,10 @@ def path_tables(
     api_key_ids: list[int],
 ) -> PathTables:
     """The tables :func:`~opguard_plugins.stages.sorted_runs.callsite_paths` builds paths
-    from; ``api_parts`` are the apis' (module, qualname) by api index, and a frame is
-    replaced by an api exactly where :func:`api_replaces_frame` says so."""
+    from; ``api_parts`` are the apis' (module, qualname) by api index. A callsite's
+    innermost visible frame is replaced by its api where it is the api's own Python
+    function (``torch.functional:split``): the same qualname, and the api's module or,
+    for a ``torch`` api, any ``torch.*`` module."""
     quals: dict[str, int] = {}
     mods: dict[str, int] = {}
     frame_quals = array("i", [quals.setdefault(f.qualname, len(quals)) for f in frames])
@@ -319,8 +312,13 @@ def build_tree(
         rank_of = array(_ID_TYPE, [0]) * len(keys)  # uint32s
         for position, kid in enumerate(key_order):
             rank_of[kid] = position
+
         # the path's ids through rank_of, as bytes: they sort as the tuples of ranks
-        found.sort(key=lambda item: (-item[0], runs.ranked_prefix(*idents[item[1]], rank_of)))
+        def order(item: tuple[int, int]) -> tuple[int, bytes]:
+            own, position = idents[item[1]]
+            return -item[0], runs.ranked_prefix(own, position, rank_of)
+
+        found.sort(key=order)
         kept: set[int] = set()
         for _, node in found:
             way = []
@@ -418,7 +416,7 @@ def fold_chains(root: Node, ranks: int | None = None) -> None:
         todo.extend(node.children.values())
     for node in reversed(order):
         mine = ranks if node is root and ranks is not None else node.ranks
-        folded: dict[tuple[str, str, str], Node] = {}
+        folded: dict[tuple[str | None, str, str], Node] = {}
         for child in node.children.values():
             if _is_chain_link(child) and child.ranks == mine:
                 links: list[str] = []

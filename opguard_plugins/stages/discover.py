@@ -141,14 +141,14 @@ def discover(inputs: Sequence[str], base_dir: Path) -> Discovery:
                 specs[key].append(spec)
     entries: list[InputEntry] = []
     used: set[str] = set()
-    for index, (key, files) in enumerate(groups.items(), start=1):
+    for index, (key, rank_of) in enumerate(groups.items(), start=1):
         name = base = safe_name(key[1])
         suffix = 2
         while name in used or reserved_entry_name(name) or _clashes(name, used):
             name = f"{base}_{suffix}"
             suffix += 1
         used.add(name)
-        ordered = tuple(sorted(files, key=lambda p: (files[p], str(p))))
+        ordered = tuple(sorted(rank_of, key=lambda p: (rank_of[p], str(p))))
         entries.append(InputEntry(name=name, files=ordered, index=index, specs=tuple(specs[key])))
     return Discovery(entries=entries, problems=problems)
 

@@ -13,18 +13,21 @@ the same type, which does each of these without a Python-level step per callsite
 (docs/performance.md, "Compiled per-site work"); and ``callsite_paths``, which builds
 the paths, ``frames_at``, which reads a node's frames, and ``visible_frames``, every
 stack's visible frames and calling function for divergence.
-``OPGUARD_COMPRESS_RUNS=python`` forces the references.
+:func:`opguard_core.native.load_native` picks the module (``OPGUARD_PURE_PYTHON=1``
+forces the references); ``_runs.pyi`` is its stub.
 """
 
 from __future__ import annotations
 
-import os
 from array import array
 from bisect import bisect_right
+from collections.abc import Callable
 from functools import reduce
 from itertools import accumulate, pairwise
 from operator import itemgetter, or_
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
+
+from opguard_core.native import load_native
 
 
 class PyRuns:
@@ -174,7 +177,8 @@ class PathTables(NamedTuple):
     its module (-1: none) and whether the module is ``torch.*``; by api index: the
     api's key id, qualname and module (-2: no frame has it) and whether its module is
     ``torch``. Qualnames and modules are numbered in one table each, so equal ids are
-    equal strings (:func:`opguard_plugins.stages.compress.api_replaces_frame` on ids).
+    equal strings (:func:`opguard_plugins.stages.compress.path_tables` says when an api
+    replaces a frame; the paths compare those ids).
     """
 
     frame_keys: array[int]
@@ -272,20 +276,30 @@ def py_visible_frames(
     return visible, callers
 
 
-def _implementation() -> tuple[type, Any, Any, Any]:
-    if os.environ.get("OPGUARD_COMPRESS_RUNS") == "python":
+if TYPE_CHECKING:
+    from opguard_plugins.stages import _runs
+
+    #: (stacks, apis, api_index, tables, width) -> (paths, frame paths)
+    PathsBuilder = Callable[
+        [list[tuple[int, ...]], list[str | None], dict[str, int], PathTables, int],
+        tuple[list[bytes], list[bytes]],
+    ]
+    #: (frame paths, origins, own, start, end) -> (first frame id, distinct frame ids)
+    FramesReader = Callable[[list[bytes], list[int], int, int, int], tuple[int, list[int]]]
+    #: (stacks, hidden, user) -> (visible frames, callers), per stack
+    VisibleFrames = Callable[
+        [list[tuple[int, ...]], bytes, bytes], tuple[list[list[int]], list[int | None]]
+    ]
+
+
+def _implementation() -> tuple[
+    type[PyRuns] | type[_runs.Runs], PathsBuilder, FramesReader, VisibleFrames
+]:
+    if load_native("opguard_plugins.stages._runs") is None:
         return PyRuns, py_callsite_paths, py_frames_at, py_visible_frames
-    try:
-        from opguard_plugins.stages._runs import (  # type: ignore[import-not-found,unused-ignore]
-            Runs,
-            callsite_paths,
-            frames_at,
-            visible_frames,
-        )
-    except ImportError:
-        return PyRuns, py_callsite_paths, py_frames_at, py_visible_frames
-    runs: type = Runs
-    return runs, callsite_paths, frames_at, visible_frames
+    from opguard_plugins.stages._runs import Runs, callsite_paths, frames_at, visible_frames
+
+    return Runs, callsite_paths, frames_at, visible_frames
 
 
 #: the implementations in use: the runs type, the paths builder and a node's frames

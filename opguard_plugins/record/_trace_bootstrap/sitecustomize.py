@@ -4,7 +4,7 @@ every Python process.
 ``opguard trace`` puts this directory first on ``PYTHONPATH``, so every Python
 process the traced command starts (torchrun's workers included) imports this module
 at start-up. When ``OPGUARD_TRACE_LABEL`` and ``OPGUARD_TRACE_DIR`` are set it adds an
-import hook that starts :func:`opguard_plugins.record.tracer.start_process_tracer` right after
+import hook that starts :func:`opguard_plugins.record.backends.start_process_tracer` right after
 ``torch`` has been imported (processes that never import torch pay nothing); the tracer
 writes ``{label}_callsite_rank{R}.json`` at interpreter exit. When
 ``OPGUARD_GUARD_CONFIG`` is set (``opguard guard``) it starts
@@ -68,7 +68,7 @@ def _start_tracer() -> None:
     if _tracing():
         try:
             _import_opguard()
-            from opguard_plugins.record.tracer import start_process_tracer
+            from opguard_plugins.record.backends import start_process_tracer
 
             start_process_tracer(
                 os.environ.get("OPGUARD_TRACE_LABEL", ""), os.environ.get("OPGUARD_TRACE_DIR", "")
@@ -109,7 +109,7 @@ class _TorchImportWatcher:
             exec_module(module)
             _start_tracer()
 
-        spec.loader.exec_module = exec_module_then_trace  # type: ignore[method-assign]
+        spec.loader.exec_module = exec_module_then_trace
         return spec
 
 

@@ -1,0 +1,60 @@
+"""Stub of the C extension ``opguard_plugins.record._recorder`` (``_recorder.c``).
+
+Loaded by :mod:`opguard_plugins.record.tracer` through
+:func:`opguard_core.native.load_native`; the Python path of
+:class:`~opguard_plugins.record.tracer.CallsiteRecorder` (``record``, ``call``,
+``_walk``) is the reference.
+"""
+
+import threading
+from collections.abc import Callable, Set
+from types import CodeType, FrameType
+from typing import Any, final
+
+#: (raw stack, api or None, op, stream): what the recorder counts
+_Key = tuple[tuple[int, ...], str | None, str, int]
+
+@final
+class Counter:
+    """Counts (stack, api, op, stream) keys for the modes backend; see tracer.py."""
+
+    #: count only while true
+    active: bool
+    def __init__(
+        self,
+        counts: dict[_Key, int],
+        codes: dict[int, CodeType],
+        modules: dict[CodeType, str | None],
+        op_names: dict[Any, str],
+        local: threading.local,
+        backward: list[Any],
+        skip_files: Set[str],
+        slow: Callable[[Any, FrameType | None], None],
+        api_names: dict[Any, str | None],
+        backward_apis: Set[str],
+        enter_api: Callable[[Callable[..., Any], FrameType | None], Any],
+        exit_api: Callable[[Any], None],
+        overload_type: type,
+        stream_of: Callable[[], int] | None = None,
+    ) -> None: ...
+    def dispatch(
+        self,
+        mode: Any,
+        func: Any,
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+        /,
+    ) -> Any: ...
+    def function(
+        self,
+        mode: Any,
+        func: Any,
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+        /,
+    ) -> Any: ...
+    def flush(self) -> None: ...
+    def discard(self) -> None: ...
+    def walk(self, frame: FrameType | None, /) -> tuple[int, ...]: ...

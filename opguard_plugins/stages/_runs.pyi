@@ -1,0 +1,57 @@
+"""Stub of the C extension ``opguard_plugins.stages._runs`` (``_runs.c``).
+
+Loaded by :mod:`opguard_plugins.stages.sorted_runs` through
+:func:`opguard_core.native.load_native`; :class:`~opguard_plugins.stages.sorted_runs.PyRuns`
+and the ``py_*`` functions there are the Python references.
+"""
+
+from collections.abc import Sequence
+from typing import final
+
+from _typeshed import ReadableBuffer
+
+from opguard_plugins.stages.sorted_runs import PathTables
+
+@final
+class Runs:
+    """The sorted paths of a trace's callsites and the runs below every node."""
+
+    def __new__(
+        cls,
+        paths: Sequence[bytes],
+        counts: Sequence[int],
+        masks: Sequence[int],
+        all_mask: int,
+        ops: Sequence[str],
+        streams: Sequence[int],
+        width: int,
+    ) -> Runs: ...
+    def weight(self, start: int, end: int, /) -> int: ...
+    def mask(self, start: int, end: int, /) -> int: ...
+    def uniform(self, start: int, end: int, /) -> bool: ...
+    def skip_ended(self, own: int, start: int, end: int, /) -> int: ...
+    def run_end(self, own: int, start: int, end: int, /) -> int: ...
+    def id_at(self, own: int, position: int, /) -> bytes: ...
+    def ranked_prefix(self, own: int, position: int, ranks: ReadableBuffer, /) -> bytes: ...
+    def tally(
+        self, start: int, end: int, ops: dict[str, int], streams: dict[int, int], /
+    ) -> None: ...
+    def distinct_prefixes(self) -> int: ...
+    def divergent(
+        self, floor: int, rank_floor: int, /
+    ) -> tuple[list[int], list[tuple[int, int]], list[tuple[int, int]]]: ...
+
+def callsite_paths(
+    stacks: list[tuple[int, ...]],
+    apis: list[str | None],
+    api_index: dict[str, int],
+    tables: PathTables,
+    width: int,
+    /,
+) -> tuple[list[bytes], list[bytes]]: ...
+def frames_at(
+    frame_paths: list[bytes], origins: list[int], own: int, start: int, end: int, /
+) -> tuple[int, list[int]]: ...
+def visible_frames(
+    stacks: list[tuple[int, ...]], hidden: ReadableBuffer, user: ReadableBuffer, /
+) -> tuple[list[list[int]], list[int | None]]: ...
