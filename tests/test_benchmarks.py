@@ -98,3 +98,19 @@ def test_side_by_side_fails_when_a_run_fails(tmp_path: Path) -> None:
     result = side_by_side("--source", ".", "--input", str(tmp_path / "missing.json"))
     assert result.returncode != 0
     assert "opguard run from" in result.stderr and "failed" in result.stderr
+
+
+def test_kineto_import_benchmark_reports_every_figure() -> None:
+    kineto = REPO / "tests" / "data" / "kineto"
+    result = script(
+        "kineto_import.py", "--repeat", "1",
+        str(kineto / "hta_backward_thread.json"), str(kineto / "h100_bert_small.pt.trace.json.gz"),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    header, *rows, verdict = result.stdout.strip().splitlines()
+    assert header.split()[1:] == ["MB", "parse", "ms", "import", "ms", "read", "ms", "ratio",
+                                  "median", "import", "peak", "MB", "parse", "peak", "MB",
+                                  "peak/size"]  # fmt: skip
+    assert len(rows) == 2 and rows[1].split()[0].endswith("h100_bert_small.pt.trace.json.gz")
+    assert verdict.startswith("worst median import/parse ratio, files of 100 kB or more: ")
+    assert result.stderr == ""  # the reader's window warnings are not printed
