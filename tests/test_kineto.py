@@ -31,6 +31,7 @@ from opguard_core.formats.trace import read_bytes
 from opguard_plugins.readers.kineto import KinetoError, looks_like_kineto, read_kineto
 from opguard_plugins.stages.combine import combine_parallel
 from opguard_plugins.stages.compress import DEFAULT_HIDE
+from opguard_plugins.stages.discover import discover
 from tests.conftest import RunResult
 
 KINETO = Path(__file__).parent / "data" / "kineto"
@@ -763,3 +764,22 @@ def test_full_mi300() -> None:
     collectives = {k: v for k, v in op_roles(doc).items() if k[0].startswith("c10d::")}
     assert collectives == {("c10d::allreduce_", "comm"): 6, ("c10d::broadcast_", "comm"): 6}
     assert doc["meta"]["window"]["device_events_without_launch"] == 968
+
+
+def test_only_files_of_another_format_group_by_their_numbers(tmp_path: Path) -> None:
+    """Callsite traces whose names differ in numbers stay entries of their own (two runs,
+    not two ranks); Kineto files so named are one entry; a lone one is named by its stem."""
+    for n in (1, 2):
+        shutil.copy(SAMPLES / "gpt_callsite_rank0.json", tmp_path / f"run{n}.json")
+        shutil.copy(
+            KINETO / f"dlrm_rank{n}.pt.trace.json.gz", tmp_path / f"gpu{n}.pt.trace.json.gz"
+        )
+    shutil.copy(KINETO / "h100_bert_small.pt.trace.json.gz", tmp_path / "bert.pt.trace.json.gz")
+    found = discover(["run*.json", "gpu*.pt.trace.json.gz", "bert.pt.trace.json.gz"], tmp_path)
+    assert not found.problems
+    assert [(e.name, [f.name for f in e.files]) for e in found.entries] == [
+        ("run1", ["run1.json"]),
+        ("run2", ["run2.json"]),
+        ("gpu", ["gpu1.pt.trace.json.gz", "gpu2.pt.trace.json.gz"]),
+        ("bert", ["bert.pt.trace.json.gz"]),
+    ]

@@ -34,8 +34,8 @@ ROLE_VERSION = 4
 READ_VERSIONS = (1, 2, 4)
 RANK_IN_NAME = re.compile(r"_rank(\d+)$")
 #: what a trace file's name ends with after its stem: ``.json``, Kineto's
-#: ``.pt.trace.json``, either gzip'd
-_TRACE_SUFFIX = re.compile(r"(\.pt\.trace)?(\.json)?(\.gz)?$")
+#: ``.pt.trace.json``, either gzip'd; else any one suffix (``.txt``)
+_TRACE_SUFFIX = re.compile(r"((\.pt\.trace)?\.json|\.[^.]*)?(\.gz)?$")
 #: Ranks are kept as bits of an integer mask, so an absurd rank (``10**12``) would
 #: allocate gigabytes; anything at or above this is refused as bad input.
 MAX_RANK = 1 << 20
@@ -47,7 +47,8 @@ Role = Annotated[str, msgspec.Meta(pattern=ROLE_PATTERN)]
 
 def trace_stem(path: Path | str) -> str:
     """A trace file's name without its suffixes (``x_rank1.pt.trace.json.gz`` ->
-    ``x_rank1``): what rank numbers in names and entry names are read from."""
+    ``x_rank1``, ``x_rank1.txt`` -> ``x_rank1``): what rank numbers in names and entry
+    names are read from."""
     name = Path(path).name
     return _TRACE_SUFFIX.sub("", name, count=1) or name
 
