@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -98,3 +99,26 @@ def test_side_by_side_fails_when_a_run_fails(tmp_path: Path) -> None:
     result = side_by_side("--source", ".", "--input", str(tmp_path / "missing.json"))
     assert result.returncode != 0
     assert "opguard run from" in result.stderr and "failed" in result.stderr
+
+
+def test_the_other_generator_makes_what_it_promises(tmp_path: Path) -> None:
+    """Deep stacks from a large pool, a count differing on every rank for every
+    shared callsite, and callsites only one rank has (benchmarks/generate_traces_other.py)."""
+    result = script("generate_traces_other.py", "-n", "3", "-m", "500", "--rank-only", "50",
+                    "-o", str(tmp_path), "-q")  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    by_rank = []
+    for rank in range(3):
+        doc = json.loads((tmp_path / f"other_callsite_rank{rank}.json").read_text())
+        frames = doc["frames"]
+        sites = {}
+        for site in doc["callsites"]:
+            path = tuple(frames[i]["qualname"] for i in site["stack"])
+            assert 30 <= len(path) <= 40
+            sites[(path, site["op"])] = site["count"]
+        assert len(sites) == 500
+        by_rank.append(sites)
+    shared = set(by_rank[0]) & set(by_rank[1]) & set(by_rank[2])
+    assert len(shared) == 450
+    assert all(len({r[key] for r in by_rank}) == 3 for key in shared)
+    assert any(op.startswith("c10d::") for _, op in shared)
