@@ -50,6 +50,7 @@ import psutil
 import opguard_core
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import generate_traces_other
 from generate_traces import Shape, generate
 from side_by_side import compile_checkout
 
@@ -85,16 +86,26 @@ class ParseFigures:
     peak_rss: int = 0
 
 
-def data_dir(base: Path, shape: Shape) -> Path:
+#: the data sets: the project's own generator, and one shaped unlike it
+#: (generate_traces_other.py: deep random stacks, counts differing on every rank)
+GENERATORS = ("team", "other")
+
+AnyShape = Shape | generate_traces_other.OtherShape
+
+
+def data_dir(base: Path, shape: AnyShape) -> Path:
     return base / f"{shape.label}_r{shape.ranks}_m{shape.callsites}_s{shape.seed}"
 
 
-def ensure_data(base: Path, shape: Shape) -> list[Path]:
+def ensure_data(base: Path, shape: AnyShape) -> list[Path]:
     """The rank files of ``shape``, generated if missing."""
     folder = data_dir(base, shape)
     paths = [folder / f"{shape.label}_callsite_rank{r}.json" for r in range(shape.ranks)]
     if not all(p.exists() for p in paths):
-        generate(shape, folder)
+        if isinstance(shape, Shape):
+            generate(shape, folder)
+        else:
+            generate_traces_other.generate(shape, folder)
     return paths
 
 
@@ -283,7 +294,7 @@ def machine() -> str:
 
 
 def report(
-    shape: Shape,
+    shape: AnyShape,
     parse: ParseFigures,
     run: RunFigures,
     memory: list[RunFigures],
@@ -291,7 +302,8 @@ def report(
     pss: bool = False,
 ) -> str:
     lines = [
-        f"## {shape.ranks} ranks × {shape.callsites:,} callsites ({run.megabytes:,.0f} MB)",
+        f"## {shape.ranks} ranks × {shape.callsites:,} callsites ({run.megabytes:,.0f} MB, "
+        f"generator {shape.label})",
         "",
         f"Machine: {machine()}",
         "",
@@ -367,6 +379,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--callsites", "-m", type=int, default=40_000)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
+        "--generator",
+        choices=GENERATORS,
+        default="team",
+        help="team: generate_traces.py; other: generate_traces_other.py (shaped unlike it)",
+    )
+    parser.add_argument(
         "--data",
         type=Path,
         default=DEFAULT_DATA,
@@ -408,7 +426,13 @@ def main(argv: Sequence[str] | None = None) -> None:
         extra += ["--jobs", str(args.jobs)]
     if args.executor is not None:
         extra += ["--executor", args.executor]
-    shape = Shape(ranks=args.ranks, callsites=args.callsites, seed=args.seed)
+    shape: AnyShape = (
+        Shape(ranks=args.ranks, callsites=args.callsites, seed=args.seed)
+        if args.generator == "team"
+        else generate_traces_other.OtherShape(
+            ranks=args.ranks, callsites=args.callsites, seed=args.seed
+        )
+    )
     made: list[Path] = []
     out = Path(tempfile.mkdtemp(prefix="opguard-bench-out-"))
     try:

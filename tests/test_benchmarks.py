@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -127,3 +128,26 @@ def test_gpu_stream_check_runs_its_plumbing_on_cpu() -> None:
     assert "communicate  c10d::allreduce_             3       3" in out
     assert "on_side      aten::mul                    3       3  [(0, 'compute')]" in out
     assert out.rstrip().endswith("ops agree: True; roles agree (where both saw the op): True")
+
+
+def test_the_other_generator_makes_what_it_promises(tmp_path: Path) -> None:
+    """Deep stacks from a large pool, a count differing on every rank for every
+    shared callsite, and callsites only one rank has (benchmarks/generate_traces_other.py)."""
+    result = script("generate_traces_other.py", "-n", "3", "-m", "500", "--rank-only", "50",
+                    "-o", str(tmp_path), "-q")  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    by_rank = []
+    for rank in range(3):
+        doc = json.loads((tmp_path / f"other_callsite_rank{rank}.json").read_text())
+        frames = doc["frames"]
+        sites = {}
+        for site in doc["callsites"]:
+            path = tuple(frames[i]["qualname"] for i in site["stack"])
+            assert 30 <= len(path) <= 40
+            sites[(path, site["op"])] = site["count"]
+        assert len(sites) == 500
+        by_rank.append(sites)
+    shared = set(by_rank[0]) & set(by_rank[1]) & set(by_rank[2])
+    assert len(shared) == 450
+    assert all(len({r[key] for r in by_rank}) == 3 for key in shared)
+    assert any(op.startswith("c10d::") for _, op in shared)

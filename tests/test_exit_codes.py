@@ -103,6 +103,7 @@ SCENARIOS: dict[tuple[str, ExitCode], Scenario] = {
     ("guard", ExitCode.INPUT_UNREADABLE): lambda t: ["--config", _broken(t), *_python("pass")],
     ("trace", ExitCode.OK): lambda t: ["--output-dir", str(t / "traces"), *_python("pass")],
     ("show", ExitCode.OK): lambda t: [_config(t)],
+    ("show", ExitCode.STAGE_FAILED): lambda t: [_config(t), "--focus", "no_such:frame"],
     ("show", ExitCode.INPUT_UNREADABLE): lambda t: [_broken(t)],
     ("compare", ExitCode.OK): lambda t: [_config(t), _config(t)],
     ("compare", ExitCode.STAGE_FAILED): lambda t: [

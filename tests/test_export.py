@@ -238,10 +238,7 @@ def test_a_selection_that_leaves_nothing_is_an_error(tmp_path: Path) -> None:
     warning = json.loads(lines[0])
     assert (warning["event"], warning["option"], warning["pattern"]) == (
         "pattern matched nothing", "--focus", "nothing:here")  # fmt: skip
-    assert (
-        lines[-1]
-        == f"opguard: error: {src}: nothing to export: no stack passes --focus nothing:here"
-    )
+    assert lines[-1] == f"opguard: error: {src}: nothing left: no stack passes --focus nothing:here"
     # a pattern with a line break stays on one line
     result = export(src, "--format", "collapsed", "-o", out, "--focus", "a\nb", expect=1)
     assert result.stderr.strip().splitlines()[-1].endswith("--focus a\\nb")

@@ -199,3 +199,29 @@ def test_meta_records_the_steps_of_each_source(opguard, samples) -> None:
     expected = {"fsdp_callsite": steps("fsdp_callsite"), "gpt_callsite": steps(GPT)}
     assert _config(run)["meta"]["steps"] == {GPT: expected[GPT]}
     assert _config(run, "final_combined_instrumentation.yaml")["meta"]["steps"] == expected
+
+
+def test_a_selection_that_leaves_nothing_is_an_error(opguard, samples) -> None:
+    """A --focus that matches nothing at all (a typo) fails the entry's compress and the
+    run, as show, filter and export fail: an empty config would pass for a result."""
+    run = opguard("run", "--base-dir", samples, "-i", "gpt_callsite_rank*.json",
+                  "--focus", "no_such_module:.*", expect=1)  # fmt: skip
+    summary = json.loads(run.read("pipeline_summary.json"))
+    (failed,) = [s for s in summary["stages"] if s["status"] == "failed"]
+    assert failed["stage"] == "compress"
+    assert failed["error"] == (
+        "gpt_callsite: nothing left: no callsite passes --focus no_such_module:.*"
+    )
+    assert not (run.run_dir / "gpt_callsite_compressed.json").exists()
+
+
+def test_show_and_filter_refuse_a_selection_that_leaves_nothing(opguard, samples) -> None:
+    run = opguard("run", "--base-dir", samples, "-i", "gpt_callsite_rank*.json", expect=0)
+    config = run.run_dir / "gpt_callsite_instrumentation.yaml"
+    shown = opguard("show", config, "--focus", "nothing:here")
+    assert shown.exit_code == 1 and "nothing left: no entry passes --focus nothing:here" in (
+        shown.stderr
+    )
+    out = samples / "f.yaml"
+    filtered = opguard("filter", config, "--ignore", ".*", "-o", out)
+    assert filtered.exit_code == 1 and not out.exists()

@@ -18,7 +18,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from opguard_core.combine.accumulator import CallsiteTrace
-from opguard_core.errors import OpGuardError
+from opguard_core.errors import OpGuardError, one_line
 from opguard_core.formats.config import entry_key
 from opguard_core.formats.tree import split_api, target_name
 
@@ -77,6 +77,16 @@ class Selection:
             focused = focused or in_focus
             ignored = ignored or in_ignore
         return focused and not ignored
+
+    def refuse_empty(self, where: str, what: str, before: int, after: int) -> None:
+        """A selection that keeps none of ``before`` (> 0) items is an error, not an
+        empty result: raise one line naming ``where``, ``what`` and the patterns."""
+        if self and before and not after:
+            chosen = [f"--focus {p.pattern}" for p in self.focus]
+            chosen += [f"--ignore {p.pattern}" for p in self.ignore]
+            raise OpGuardError(
+                one_line(f"{where}: nothing left: no {what} passes {' '.join(chosen)}")
+            )
 
     def unmatched(self) -> list[tuple[str, str]]:
         """(option, pattern) of every pattern that has matched nothing yet."""

@@ -17,27 +17,34 @@ rename, which would silently replace an earlier one of the same name, so:
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Iterable
 
-from opguard_core.run.steps import FINAL, STEPS
 from opguard_core.run.summary import REPORT_FILE, SUMMARY_FILE
 
 #: The files of the run itself, beside what the steps write.
 OWN_ARTIFACTS: tuple[str, ...] = (SUMMARY_FILE, REPORT_FILE)
 
 
-def _entry_templates() -> tuple[str, ...]:
+@functools.cache
+def entry_templates() -> tuple[str, ...]:
     """What an entry's artifacts are called, as the steps declare them (``{entry}``
     is the entry name; the filter step names its output after the config it filters,
-    an entry's when the run has one entry)."""
+    an entry's when the run has one entry). Read on first use: the steps' module
+    imports what a stage needs, which ``opguard CMD --help`` should not pay for."""
+    from opguard_core.run.steps import STEPS
+
     return tuple(t for step in STEPS for t in step.artifacts.values() if "{entry}" in t)
 
 
-def _run_patterns() -> tuple[str, ...]:
+@functools.cache
+def run_patterns() -> tuple[str, ...]:
     """Every other artifact, as a regex matching the whole file name (a template's
     numbered fields, such as ``{step}`` of ``temp_combined_{step}.yaml``, as digits);
     a run step's ``{entry}`` stands for the merged config's name (the filter's)."""
+    from opguard_core.run.steps import FINAL, STEPS
+
     templates = [
         t.format(entry=FINAL) if "{entry}" in t else t
         for step in STEPS
@@ -49,20 +56,22 @@ def _run_patterns() -> tuple[str, ...]:
     )
 
 
-ENTRY_ARTIFACTS = _entry_templates()
-RUN_ARTIFACTS = _run_patterns()
-_RUN_ARTIFACT = re.compile("|".join(f"(?:{p})" for p in RUN_ARTIFACTS))
+@functools.cache
+def _run_artifact() -> re.Pattern[str]:
+    return re.compile("|".join(f"(?:{p})" for p in run_patterns()))
 
 
 def entry_artifacts(name: str) -> list[str]:
     """The artifact file names entry ``name`` may write."""
-    return [template.format(entry=name) for template in ENTRY_ARTIFACTS]
+    return [template.format(entry=name) for template in entry_templates()]
 
 
 def reserved_entry_name(name: str) -> bool:
     """Whether an artifact of an entry called ``name`` would be a run artifact's name."""
+    from opguard_core.run.steps import FINAL
+
     return name == FINAL or any(
-        _RUN_ARTIFACT.fullmatch(artifact) for artifact in entry_artifacts(name)
+        _run_artifact().fullmatch(artifact) for artifact in entry_artifacts(name)
     )
 
 
@@ -88,10 +97,10 @@ def check_entry_names(names: Iterable[str]) -> list[str]:
 
 
 __all__ = [
-    "ENTRY_ARTIFACTS",
     "OWN_ARTIFACTS",
-    "RUN_ARTIFACTS",
     "check_entry_names",
     "entry_artifacts",
+    "entry_templates",
     "reserved_entry_name",
+    "run_patterns",
 ]

@@ -225,6 +225,7 @@ def _select(entry: InputEntry, trace: Any, options: RunOptions) -> Any:
     same selection); every user pattern that matched nothing is a warning."""
     selection = Selection.of(options.focus, options.ignore)
     selected = select_trace(trace, selection)
+    selection.refuse_empty(entry.name, "callsite", len(trace.callsites), len(selected.callsites))
     unmatched = selection.unmatched()
     unmatched += [("--hide", p) for p in unmatched_hide(trace, options.hide)]
     for option, pattern in unmatched:

@@ -15,8 +15,6 @@ import contextvars
 from collections.abc import Iterator
 from typing import Any
 
-import structlog
-
 from opguard_core.logs import get_logger
 
 _COLLECTED: contextvars.ContextVar[list[dict[str, Any]] | None] = contextvars.ContextVar(
@@ -31,6 +29,8 @@ def warn(message: str, **fields: Any) -> None:
     :param fields: JSON-able details (``pattern=``, ``file=``, ...); the bound
         ``stage`` and ``entry`` are added where there are (a field overrides them).
     """
+    import structlog  # here: importing this module stays cheap (opguard CMD --help)
+
     bound = structlog.contextvars.get_contextvars()
     record: dict[str, Any] = {"message": " ".join(message.split())}
     for key in ("stage", "entry"):

@@ -48,7 +48,6 @@ from opguard_core.formats.config import entry_key, load_config
 from opguard_core.logs import configure_logging
 from opguard_core.model import InputEntry, RunOptions
 from opguard_core.plugin.manager import OpGuardPluginManager, call_impl
-from opguard_core.run.pipeline import Pipeline
 from opguard_core.run.summary import config_source
 from opguard_plugins.enforce.rules import DEFAULT_TOLERANCE
 
@@ -109,6 +108,8 @@ def observe(manager: OpGuardPluginManager, inputs: Sequence[str], options: RunOp
     merged with ``opguard_merge``; a file covering several ranks is kept under its
     first rank.
     """
+    from opguard_core.run.pipeline import Pipeline  # the runner: not for check --help
+
     configs: dict[int, CommentedMap] = {}
     combined: CommentedMap | None = None
     with Pipeline(manager, inputs, options) as pipeline:

@@ -79,7 +79,8 @@ _selection_options = selection_options("entries with a context frame or target")
 #: the codes of a command that writes a config
 WRITES: exits.Codes = {
     ExitCode.OK: None,
-    ExitCode.STAGE_FAILED: "the output could not be written",
+    ExitCode.STAGE_FAILED: "the output could not be written, or (filter) --focus/--ignore "
+    "left no entry",
     ExitCode.INPUT_UNREADABLE: None,
 }
 
@@ -181,8 +182,10 @@ def make_filter(manager: OpGuardPluginManager) -> click.Command:
         options = RunOptions(basic=basic, basic_list=basic_list, verbose=bool(verbose))
         _, loaded = read_input(config, filtered=False)
         if selection:
-            loaded["entries"][:] = select_entries(loaded, selection)
+            kept = select_entries(loaded, selection)
             _warn_unmatched(selection)
+            selection.refuse_empty(str(config), "entry", len(loaded["entries"]), len(kept))
+            loaded["entries"][:] = kept
             _record_selection(loaded, focus, ignore)
         filtered, _ = apply_filters(active_filters(manager, options), loaded, options)
         atomic_write_text(output, dump_config(filtered))
@@ -285,6 +288,7 @@ def show(
     path, loaded = read_input(config)
     rows, selected = show_rows(loaded, selection, tags, top or None)
     _warn_unmatched(selection)
+    selection.refuse_empty(str(path), "entry", len(loaded["entries"]), selected)
     meta = loaded.get("meta") or {}
     head = {
         "config": str(path),
@@ -309,7 +313,14 @@ def show(
         click.echo(plain_table(rows), nl=False)
 
 
-show_command = exits.command("show", {ExitCode.OK: None, ExitCode.INPUT_UNREADABLE: None})(show)
+show_command = exits.command(
+    "show",
+    {
+        ExitCode.OK: None,
+        ExitCode.STAGE_FAILED: "--focus/--ignore left no entry",
+        ExitCode.INPUT_UNREADABLE: None,
+    },
+)(show)
 
 
 @hookimpl

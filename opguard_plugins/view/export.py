@@ -24,7 +24,7 @@ from opguard_core.cli import exits
 from opguard_core.cli.options import verbose_option
 from opguard_core.combine.accumulator import TraceAccumulator
 from opguard_core.configs.selection import PatternError, Selection, compile_patterns
-from opguard_core.errors import ExitCode, OpGuardError, PluginError, one_line
+from opguard_core.errors import ExitCode, PluginError
 from opguard_core.files.atomic import atomic_write_bytes
 from opguard_core.formats.readers import HEAD, Readers
 from opguard_core.formats.stacks import Stack, tree_stacks
@@ -196,15 +196,11 @@ def make_command(manager: OpGuardPluginManager) -> click.Command:
             )
         tree = load_source(src, not no_default_hide, Readers(manager))
         unmatched: list[tuple[str, str]] = []
-        stacks = select_stacks(tree_stacks(tree), hide, focus, ignore, unmatched)
+        all_stacks = tree_stacks(tree)
+        stacks = select_stacks(all_stacks, hide, focus, ignore, unmatched)
         for option, pattern in unmatched:
             get_logger().warning("pattern matched nothing", option=option, pattern=pattern)
-        if not stacks and tree["root"]["count"]:
-            chosen = [f"--focus {p}" for p in focus] + [f"--ignore {p}" for p in ignore]
-            # not an unreadable input: the command could not do what it was asked
-            raise OpGuardError(
-                one_line(f"{src}: nothing to export: no stack passes {' '.join(chosen)}")
-            )
+        Selection.of(focus, ignore).refuse_empty(str(src), "stack", len(all_stacks), len(stacks))
         data = writers[fmt](stacks)
         out = output or src.with_name(src.name.removesuffix(".json") + SUFFIX.get(fmt, f".{fmt}"))
         atomic_write_bytes(out, data)
