@@ -30,6 +30,7 @@ from opguard_core.formats.streams import (
     legacy_stream_counts,
     role_order,
 )
+from opguard_core.formats.trace import load_trace
 from opguard_core.formats.tree import load_tree
 from tests.builders import trace_doc, write
 
@@ -119,16 +120,26 @@ def test_a_version_1_tree_reads_with_roles(tmp_path: Path) -> None:
     assert loaded["root"]["children"][0]["self_streams"] == {"compute": 2, "comm": 2, "side1": 1}
 
 
-def test_a_version_1_trace_combines_by_role(tmp_path: Path) -> None:
-    doc = trace_doc([([MAIN], None, "aten::mm", 4), ([MAIN], None, "c10d::allreduce_", 1)])
-    doc["callsites"][1]["stream"] = 7  # an old tracer: the caller's stream
+@pytest.mark.parametrize("scanned", [True, False])
+def test_a_version_1_trace_combines_by_role(tmp_path: Path, scanned: bool) -> None:
+    """A collective an old tracer recorded on two streams (the callers') is one comm
+    callsite, not a callsite twice in one file (which would drop the statistics)."""
+    sites = [([MAIN], None, "aten::mm", 4), ([MAIN], None, "c10d::allreduce_", 1),
+             ([MAIN], None, "c10d::allreduce_", 2)]  # fmt: skip
     accumulator = TraceAccumulator()
-    accumulator.add_file(write(tmp_path / "t_rank0.json", doc))
+    for rank in (0, 1):
+        doc = trace_doc(sites, rank=rank)
+        doc["callsites"][2]["stream"] = 7
+        path = write(tmp_path / f"t_rank{rank}.json", doc)
+        if scanned:
+            accumulator.add_file(path)  # the C scanner where built
+        else:
+            accumulator.add(load_trace(path))  # msgspec's path
     combined = json.loads(accumulator.result().to_json())
-    assert combined["version"] == 4
-    assert [(s["op"], s["role"], "stream" in s) for s in combined["callsites"]] == [
-        ("aten::mm", "compute", False),
-        ("c10d::allreduce_", "comm", False),
+    assert combined["version"] == 4 and combined["meta"]["per_rank_stats"] is True
+    assert [(s["op"], s["role"], s["count"], "stream" in s) for s in combined["callsites"]] == [
+        ("aten::mm", "compute", 8, False),
+        ("c10d::allreduce_", "comm", 6, False),
     ]
 
 

@@ -515,7 +515,10 @@ class TraceAccumulator:
         except IndexError:  # a frame id out of range (decoding may leave this check to us)
             validate_frame_ids(trace.frames, callsites, trace.path)
             raise
-        self._fold_file(trace.path, trace.meta, file_ranks, total, keys, counts, callsites)
+        folded, folded_counts = keys, counts
+        if trace.derived_roles and len(file_ranks) == 1:
+            folded, folded_counts = _without_duplicates(keys, counts)
+        self._fold_file(trace.path, trace.meta, file_ranks, total, folded, folded_counts, callsites)
         for position, site_extra in trace.callsite_extras.items():
             if site_extra:
                 self.site_extras.setdefault(keys[position], _Agreement()).add(site_extra)
@@ -681,7 +684,7 @@ class TraceAccumulator:
         if head.version >= ROLE_VERSION:  # every key has its role (the scan required it)
             keys = cast("list[SiteKey]", scan_keys)
         else:
-            keys = _with_roles(scan_keys, self.roles)
+            keys, counts = _without_duplicates(_with_roles(scan_keys, self.roles), counts)
         total = self._checked_total(path, file_total)
         self._fold_file(path, head.meta, file_ranks, total, keys, counts, None)
         self.extras.add({})
@@ -894,6 +897,19 @@ def _with_roles(keys: list[ScanKey], roles: dict[str, str]) -> list[SiteKey]:
         (stack, api, op, found[(op, role)] if isinstance(role, int) else role)
         for stack, api, op, role in keys
     ]
+
+
+def _without_duplicates(keys: list[SiteKey], counts: list[int]) -> tuple[list[SiteKey], list[int]]:
+    """A one-rank file's keys with those that are equal (a version 1 or 2 file's
+    collective recorded on two streams: one role, ``comm``) made one, counts summed,
+    in the order first seen: a callsite twice in one file would otherwise drop every
+    per-rank statistic of the combine."""
+    if len(set(keys)) == len(keys):
+        return keys, counts
+    merged: dict[SiteKey, int] = {}
+    for key, count in zip(keys, counts, strict=True):
+        merged[key] = merged.get(key, 0) + count
+    return list(merged), list(merged.values())
 
 
 def _copy_slot(slot: list[Any]) -> list[Any]:

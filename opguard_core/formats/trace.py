@@ -168,6 +168,9 @@ class DecodedTrace(msgspec.Struct, kw_only=True):
     extras: dict[str, Any] = {}
     frame_extras: dict[int, dict[str, Any]] = {}
     callsite_extras: dict[int, dict[str, Any]] = {}
+    #: whether some callsite's role was derived (a version 1 or 2 document): two of
+    #: them may then share a role (a collective recorded on two streams)
+    derived_roles: bool = False
 
     def ranks(self) -> list[int]:
         """The ranks this trace covers: ``meta.ranks``, ``meta.rank``, the file name, or [0]."""
@@ -255,7 +258,7 @@ def decode_trace(data: bytes, path: Path | str, check_frame_ids: bool = True) ->
         return _decode_lax(data, path)
     _check_header(doc.format, doc.version, path)
     check_nesting(doc.meta, path)
-    assign_roles(doc.callsites, doc.version, path)
+    derived = assign_roles(doc.callsites, doc.version, path)
     if check_frame_ids:
         validate_frame_ids(doc.frames, doc.callsites, path)
         check_ranks(doc.meta, doc.callsites, path)
@@ -265,7 +268,13 @@ def decode_trace(data: bytes, path: Path | str, check_frame_ids: bool = True) ->
         except InputError:
             validate_frame_ids(doc.frames, doc.callsites, path)
             raise
-    return DecodedTrace(path=str(path), meta=doc.meta, frames=doc.frames, callsites=doc.callsites)
+    return DecodedTrace(
+        path=str(path),
+        meta=doc.meta,
+        frames=doc.frames,
+        callsites=doc.callsites,
+        derived_roles=derived,
+    )
 
 
 def load_trace(path: Path, check_frame_ids: bool = True) -> DecodedTrace:
@@ -294,7 +303,7 @@ def _decode_lax(data: bytes, path: Path | str) -> DecodedTrace:
         raise InputError(path, f"invalid trace: {_problem(exc)}") from None
     frames = [Frame(**msgspec.structs.asdict(f)) for f in doc.frames]
     callsites = [Callsite(**msgspec.structs.asdict(c)) for c in doc.callsites]
-    assign_roles(callsites, doc.version, path)
+    derived = assign_roles(callsites, doc.version, path)
     validate_frame_ids(frames, callsites, path)
     check_ranks(doc.meta, callsites, path)
     frame_extras = _extras(raw["frames"], _FRAME_FIELDS)
@@ -308,6 +317,7 @@ def _decode_lax(data: bytes, path: Path | str) -> DecodedTrace:
         extras=extras,
         frame_extras=frame_extras,
         callsite_extras=callsite_extras,
+        derived_roles=derived,
     )
 
 
@@ -330,22 +340,23 @@ def _check_header(fmt: object, version: object, path: Path | str) -> None:
         )
 
 
-def assign_roles(callsites: list[Callsite], version: int, path: Path | str) -> None:
+def assign_roles(callsites: list[Callsite], version: int, path: Path | str) -> bool:
     """Give every callsite its ``role``: a version-4 document must state each one; a
     version 1 or 2 document's are derived from op and raw stream (:func:`legacy_roles`;
-    a role it states anyway is kept)."""
+    a role it states anyway is kept). Whether any role was derived."""
     if version >= ROLE_VERSION:
         for index, site in enumerate(callsites):
             if site.role is None:
                 raise InputError(
                     path, f"callsites[{index}] has no role (version {version} needs one)"
                 )
-        return
+        return False
     missing = [site for site in callsites if site.role is None]
     if missing:
         roles = legacy_roles((site.op, site.stream or 0) for site in missing)
         for site in missing:
             site.role = roles[(site.op, site.stream or 0)]
+    return bool(missing)
 
 
 def validate_frame_ids(frames: list[Frame], callsites: list[Callsite], path: Path | str) -> None:

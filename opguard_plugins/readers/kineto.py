@@ -922,20 +922,23 @@ class _Importer:
     def canonical(
         self, counts: dict[tuple[int, str | None, str, int, str], int]
     ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-        """Frames sorted by value, callsites by (stack, api, op, stream, role)
-        (formats.md §1's canonical output; two frame ids with equal values merge)."""
+        """Frames sorted by value, callsites by (stack, api, op, role) (formats.md §1's
+        canonical output; two frame ids with equal values merge, and so do callsites
+        that differ only in their raw stream, which is then the smallest: a
+        collective on its comm stream and one whose kernels the window cut)."""
         expanded = {sid: self.stacks.frames(sid) for sid, *_ in counts}
         used = {fid for fids in expanded.values() for fid in fids}
         values = {fid: self.frames.frame(fid) for fid in used}
         order = sorted({_frame_key(v) for v in values.values()})
         index_of = {key: i for i, key in enumerate(order)}
         fid_index = {fid: index_of[_frame_key(v)] for fid, v in values.items()}
-        merged: dict[tuple[tuple[int, ...], str, str, int, str], int] = {}
+        merged: dict[tuple[tuple[int, ...], str, str, str], tuple[int, int]] = {}
         for (sid, api, op, stream, role), n in counts.items():
-            key = (tuple(fid_index[f] for f in expanded[sid]), api or "", op, stream, role)
-            merged[key] = merged.get(key, 0) + n
+            key = (tuple(fid_index[f] for f in expanded[sid]), api or "", op, role)
+            count, low = merged.get(key, (0, stream))
+            merged[key] = (count + n, min(low, stream))
         callsites: list[dict[str, Any]] = []
-        for (stack, api, op, stream, role), n in sorted(merged.items()):
+        for (stack, api, op, role), (n, stream) in sorted(merged.items()):
             site: dict[str, Any] = {"stack": list(stack)}
             if api:
                 site["api"] = api

@@ -718,7 +718,11 @@ class CallsiteTracer:
         maker = _FrameMaker(self.recorder.modules, roots)
         with self.recorder._lock:
             raw = list(self.recorder.counts.items())
-        merged: dict[tuple[tuple[Frame, ...], str | None, str, int], int] = {}
+        #: (frames, api, op, role) -> [count, raw stream]: a collective called from
+        #: several streams is one callsite (its role is comm), on the smallest of them
+        merged: dict[tuple[tuple[Frame, ...], str | None, str, str], list[int]] = {}
+        role = self.recorder.streams.role
+        streams: dict[int, str] = {}
         frame_cache: dict[tuple[types.CodeType, int], Frame] = {}
         codes = self.recorder.codes
         line = self.recorder.line
@@ -739,24 +743,28 @@ class CallsiteTracer:
                 if value is None:
                     value = frame_cache[pair] = maker.frame(*pair)
                 frames.append(value)
-            key = (tuple(frames), api, op, stream)
-            merged[key] = merged.get(key, 0) + count
+            site_role = role(stream, op)
+            if not is_comm_op(op):
+                streams[stream] = site_role
+            key = (tuple(frames), api, op, site_role)
+            slot = merged.get(key)
+            if slot is None:
+                merged[key] = [count, stream]
+            else:
+                slot[0] += count
+                slot[1] = min(slot[1], stream)
         unique = sorted({f for key in merged for f in key[0]}, key=Frame.sort_key)
         ids = {frame: index for index, frame in enumerate(unique)}
         callsites: list[dict[str, Any]] = []
         rows = sorted(
-            ((([ids[f] for f in k[0]]), k[1], k[2], k[3], n) for k, n in merged.items()),
+            (([ids[f] for f in frames], api, op, site_role, count, stream)
+             for (frames, api, op, site_role), (count, stream) in merged.items()),
             key=lambda row: (row[0], row[2], row[1] or "", row[3]),
-        )
-        role = self.recorder.streams.role
-        streams: dict[int, str] = {}
-        for stack_ids, api, op, stream, count in rows:
+        )  # fmt: skip
+        for stack_ids, api, op, site_role, count, stream in rows:
             site_dict: dict[str, Any] = {"stack": stack_ids}
             if api is not None:
                 site_dict["api"] = api
-            site_role = role(stream, op)
-            if not is_comm_op(op):
-                streams[stream] = site_role
             site_dict.update({"op": op, "stream": stream, "role": site_role, "count": count})
             callsites.append(site_dict)
         meta: dict[str, Any] = {
