@@ -158,7 +158,7 @@ def configs(draw: st.DrawFn, text: st.SearchStrategy[str]) -> CommentedMap:
             entry[unknown] = draw(st.one_of(extra_values, text))
         entries.append(entry)
     config = CommentedMap()
-    config["version"] = 2
+    config["version"] = CONFIG_VERSION
     config["source"] = draw(text)
     config["meta"] = block_map(
         [
