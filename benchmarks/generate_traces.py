@@ -42,6 +42,11 @@ from pathlib import Path
 
 import msgspec
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from opguard_core.formats.streams import is_comm_op
+from opguard_core.formats.trace import TRACE_VERSION
+
 #: (api, op) pairs a transformer training step issues, weighted by how common they are.
 API_OPS: tuple[tuple[str | None, str, int], ...] = (
     ("torch.nn.functional.linear", "aten::addmm", 12),
@@ -256,7 +261,11 @@ def _callsite(rng: random.Random, stack: list[int], weights: list[int]) -> dict[
     if api is not None:
         site["api"] = api
     site["op"] = op
-    site["stream"] = 0 if rng.random() < 0.85 else rng.choice((1, 2, 3))
+    stream = 0 if rng.random() < 0.85 else rng.choice((1, 2, 3))
+    site["stream"] = stream
+    # the role the tracer writes (formats.md, "Streams and roles"); a collective's raw
+    # stream is the caller's, its role comm
+    site["role"] = "comm" if is_comm_op(op) else "compute" if stream == 0 else f"side{stream}"
     site["count"] = rng.choice((1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 96, 192))
     return site
 
@@ -327,7 +336,9 @@ def rank_document(
         "tracer": "opguard-bench/1",
         "seed": shape.seed,
     }
-    head = msgspec.json.encode({"format": "opguard-callsites", "version": 1, "meta": meta})
+    head = msgspec.json.encode(
+        {"format": "opguard-callsites", "version": TRACE_VERSION, "meta": meta}
+    )
     frames = b",\n".join(encoder.encode(pool.frames[f]) for f in order)
     return b"".join(
         [

@@ -38,6 +38,11 @@ from pathlib import Path
 
 import msgspec
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from opguard_core.formats.streams import is_comm_op
+from opguard_core.formats.trace import TRACE_VERSION
+
 OPS = ("aten::mm", "aten::addmm", "aten::add", "aten::mul", "aten::view", "aten::cat",
        "aten::copy_", "aten::gelu", "aten::sum", "aten::index", "aten::transpose",
        "aten::native_layer_norm", "aten::_softmax", "aten::empty", "aten::relu")  # fmt: skip
@@ -135,11 +140,16 @@ def rank_document(
     encoder = msgspec.json.Encoder()
     for stack, op, count in sites:
         ids = [local.setdefault(frame, len(local)) for frame in stack]
-        lines.append(encoder.encode({"stack": ids, "op": op, "stream": 0, "count": count}))
+        role = "comm" if is_comm_op(op) else "compute"
+        lines.append(
+            encoder.encode({"stack": ids, "op": op, "stream": 0, "role": role, "count": count})
+        )
     order = sorted(local, key=local.__getitem__)
     meta = {"rank": rank, "world_size": shape.ranks, "tracer": "opguard-bench-other/1",
             "seed": shape.seed}  # fmt: skip
-    head = msgspec.json.encode({"format": "opguard-callsites", "version": 1, "meta": meta})
+    head = msgspec.json.encode(
+        {"format": "opguard-callsites", "version": TRACE_VERSION, "meta": meta}
+    )
     return b"".join([
         head[:-1], b',\n"frames":[\n', b",\n".join(encoder.encode(frames[f]) for f in order),
         b'\n],\n"callsites":[\n', b",\n".join(lines), b"\n]}\n",

@@ -16,11 +16,22 @@ from hypothesis import strategies as st
 from ruamel.yaml.comments import CommentedMap
 
 from opguard_core.formats.config import CONFIG_VERSION, flow_map, flow_seq
-from opguard_core.formats.trace import TRACE_FORMAT, TRACE_VERSION
+from opguard_core.formats.streams import is_comm_op, legacy_roles
+from opguard_core.formats.trace import READ_VERSIONS, ROLE_VERSION, TRACE_FORMAT
 
 FrameValue = tuple[str, int, str, str, str | None]
-#: identity of a callsite by frame *values*: (stack of frames, api, op, stream)
+#: a callsite drawn by frame *values*: (stack of frames, api, op, raw stream)
 SiteIdentity = tuple[tuple[FrameValue, ...], str | None, str, int]
+#: what a combine keys on: (stack of frames, api, op, stream role)
+RoleIdentity = tuple[tuple[FrameValue, ...], str | None, str, str]
+#: the role a version-4 document gives a raw stream (a collective is on ``comm``)
+ROLE_OF_STREAM = {0: "compute", 1: "side1", 2: "side2"}
+
+
+def site_role(op: str, stream: int) -> str:
+    """The role a drawn version-4 document writes for (op, raw stream)."""
+    return "comm" if is_comm_op(op) else ROLE_OF_STREAM[stream]
+
 
 #: (file, function, qualname, module) — user code, torch code, plumbing, an api's own frame
 FRAME_POOL: tuple[tuple[str, str, str, str | None], ...] = (
@@ -93,8 +104,11 @@ def trace_documents(
 
     ``ranks`` are the ranks it covers (one rank: a raw rank file; several: an earlier
     combined trace whose callsites may name a subset). ``shapes`` is a pool of callsite
-    identities shared with other documents; the document also gets unique ones.
+    identities shared with other documents; the document also gets unique ones. Its
+    version is any read: version 4 writes each callsite's role (:func:`site_role`),
+    older ones leave it to the reader's rule for them.
     """
+    version = draw(st.sampled_from(READ_VERSIONS))
     if ranks is None:
         ranks = [draw(st.integers(min_value=0, max_value=7))]
     shared = shapes or []
@@ -114,6 +128,8 @@ def trace_documents(
         site["op"] = op
         if stream or draw(st.booleans()):
             site["stream"] = stream
+        if version >= ROLE_VERSION:
+            site["role"] = site_role(op, stream)
         site["count"] = draw(st.integers(min_value=1, max_value=50))
         if len(ranks) > 1 and draw(st.booleans()):
             site["ranks"] = sorted(draw(st.sets(st.sampled_from(ranks), min_size=1)))
@@ -127,7 +143,7 @@ def trace_documents(
         meta["ranks"] = sorted(ranks)
     return {
         "format": TRACE_FORMAT,
-        "version": TRACE_VERSION,
+        "version": version,
         "meta": meta,
         "frames": [frame_dict(f) for f in frames],
         "callsites": callsites,
@@ -162,18 +178,20 @@ def encode_doc(doc: dict[str, Any]) -> bytes:
     return json.dumps(doc).encode("utf-8")
 
 
-def identity_counts(doc: dict[str, Any]) -> Counter[SiteIdentity]:
-    """Counts per callsite identity (stack as frame values, api, op, stream)."""
+def identity_counts(doc: dict[str, Any]) -> Counter[RoleIdentity]:
+    """Counts per callsite identity (stack as frame values, api, op, stream role); a
+    callsite without a role (versions 1 and 2) gets the reader's rule's."""
     frames = [
         (f["file"], f["line"], f["function"], f["qualname"], f.get("module")) for f in doc["frames"]
     ]
-    counts: Counter[SiteIdentity] = Counter()
+    legacy = legacy_roles((s["op"], s.get("stream", 0)) for s in doc["callsites"])
+    counts: Counter[RoleIdentity] = Counter()
     for site in doc["callsites"]:
         key = (
             tuple(frames[i] for i in site["stack"]),
             site.get("api"),
             site["op"],
-            site.get("stream", 0),
+            site.get("role") or legacy[(site["op"], site.get("stream", 0))],
         )
         counts[key] += site["count"]
     return counts
@@ -213,7 +231,9 @@ def configs(draw: st.DrawFn, source: str | None = None) -> CommentedMap:
         ops = draw(st.dictionaries(st.sampled_from(OPS), st.integers(1, 40), min_size=1))
         total = sum(ops.values())
         split = draw(st.integers(0, total))
-        streams = {0: split, 1: total - split} if 0 < split < total else {0: total}
+        streams = (
+            {"compute": split, "side1": total - split} if 0 < split < total else {"compute": total}
+        )
         item = CommentedMap()
         item["target"] = target
         item["kind"] = draw(st.sampled_from(KINDS))

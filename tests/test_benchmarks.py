@@ -101,6 +101,35 @@ def test_side_by_side_fails_when_a_run_fails(tmp_path: Path) -> None:
     assert "opguard run from" in result.stderr and "failed" in result.stderr
 
 
+def test_kineto_import_benchmark_reports_every_figure() -> None:
+    kineto = REPO / "tests" / "data" / "kineto"
+    result = script(
+        "kineto_import.py", "--repeat", "1",
+        str(kineto / "hta_backward_thread.json"), str(kineto / "h100_bert_small.pt.trace.json.gz"),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    header, *rows, verdict = result.stdout.strip().splitlines()
+    assert header.split()[1:] == ["MB", "parse", "ms", "import", "ms", "read", "ms", "ratio",
+                                  "median", "import", "peak", "MB", "parse", "peak", "MB",
+                                  "peak/size"]  # fmt: skip
+    assert len(rows) == 2 and rows[1].split()[0].endswith("h100_bert_small.pt.trace.json.gz")
+    assert verdict.startswith("worst median import/parse ratio, files of 100 kB or more: ")
+    assert result.stderr == ""  # the reader's window warnings are not printed
+
+
+@pytest.mark.slow  # two torch processes with a gloo group
+def test_gpu_stream_check_runs_its_plumbing_on_cpu() -> None:
+    """Issue 28's GPU check, prepared for a machine with a GPU: on CPU (gloo) every op
+    is on compute, the collective on comm, and both sources agree."""
+    pytest.importorskip("torch")
+    result = script("gpu_stream_check.py", "--cpu")
+    assert result.returncode == 0, result.stdout + result.stderr
+    out = result.stdout
+    assert "communicate  c10d::allreduce_             3       3" in out
+    assert "on_side      aten::mul                    3       3  [(0, 'compute')]" in out
+    assert out.rstrip().endswith("ops agree: True; roles agree (where both saw the op): True")
+
+
 def test_the_other_generator_makes_what_it_promises(tmp_path: Path) -> None:
     """Deep stacks from a large pool, a count differing on every rank for every
     shared callsite, and callsites only one rank has (benchmarks/generate_traces_other.py)."""

@@ -20,7 +20,13 @@ from hypothesis import strategies as st
 from opguard_core import hookimpl
 from opguard_core.cli.app import create_cli
 from opguard_core.errors import ExitCode
-from opguard_core.formats.check import CHECK_FORMAT, KINDS, Violation, load_report
+from opguard_core.formats.check import (
+    CHECK_FORMAT,
+    KINDS,
+    REPORT_VERSION,
+    Violation,
+    load_report,
+)
 from opguard_core.formats.config import load_config
 from opguard_core.plugin.manager import create_plugin_manager
 from opguard_plugins.enforce.check import options_from_settings
@@ -113,7 +119,7 @@ def test_a_config_accepts_the_traces_it_was_made_from(
     config = make_config(tmp_path, [pattern], *(["--basic"] if basic else []))
     _, report = check_json(config, pattern, expect=0)
     assert report["violations"] == []
-    assert report["format"] == CHECK_FORMAT and report["version"] == 1
+    assert report["format"] == CHECK_FORMAT and report["version"] == REPORT_VERSION
     assert report["config"] == str(config)
 
 
@@ -327,11 +333,15 @@ def test_every_kind_has_a_default_severity() -> None:
 
 
 def test_unexpected_stream(tmp_path: Path) -> None:
+    """Streams are checked by role: a version-1 trace's stream 7 is side1 (formats.md)."""
     base = write(tmp_path / "s.json", trace_doc([([MAIN], None, "aten::add", 4)], stream=0))
     config = make_config(tmp_path, [str(base)])
     other = write(tmp_path / "o.json", trace_doc([([MAIN], None, "aten::add", 4)], stream=7))
     _, report = check_json(config, other, expect=1)
-    assert [(v["kind"], v["stream"]) for v in report["violations"]] == [("unexpected_stream", 7)]
+    assert [(v["kind"], v["stream"]) for v in report["violations"]] == [
+        ("unexpected_stream", "side1")
+    ]
+    assert "ran on stream side1" in report["violations"][0]["message"]
 
 
 ops = st.sampled_from(["aten::add", "aten::mm", "aten::relu", "c10d::allreduce_"])

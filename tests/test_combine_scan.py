@@ -172,6 +172,9 @@ FAULTS: dict[str, Any] = {
     "stream exponent": lambda t: t.replace('"op":', '"stream": 1e2, "op":', 1),
     "true count": _first('"count":', '"count": true, "c":'),
     "ranks": lambda t: t.replace('"op":', '"ranks": [0], "op":', 1),
+    "role not a string": _first('"op":', '"role": 5, "op":'),
+    "unknown role": _first('"op":', '"role": "gpu", "op":'),
+    "duplicate role": _first('"op":', '"role": "comm", "role": "comm", "op":'),
 }
 
 
@@ -293,20 +296,30 @@ def test_the_scanner_reads_the_plain_shape_itself() -> None:
     )
     apis: dict[Any, Any] = {}
     ops: dict[Any, Any] = {}
+    roles: dict[Any, Any] = {}
     table = CStackTable()
     remap = bytes(memoryview(b"\x07\0\0\0\x09\0\0\0"))
-    keys, counts, total = scan_callsites(raw, 0, False, remap, table, apis, ops)
+    keys, counts, total = scan_callsites(raw, 0, False, remap, table, apis, ops, roles, False)
+    # no role (a version 1 or 2 file): the raw stream in its place, for legacy_roles
     assert keys == [(0, "torch.mm", "aten::mm", 0), (1, None, "aten::view", -1)]
     assert counts == [3, 1] and total == 4
     assert table[0] == (9, 7) and table[1] == ()
     assert keys[0][2] is ops["aten::mm"]  # interned
+    assert scan_callsites(raw, 0, False, remap, table, apis, ops, roles, True) is None
+    with_roles = raw.replace(b'"count"', b'"role":"side1","count"')
+    keys, _, _ = scan_callsites(with_roles, 0, False, remap, table, apis, ops, roles, True)
+    assert [key[3] for key in keys] == ["side1", "side1"] and keys[0][3] is roles["side1"]
+    apis, ops, roles = {}, {}, {}
     # in a whole document: found past members whose strings hold brackets and quotes
     head = b'{"meta": {"n": "\\"callsites\\": [{"}, "frames": [[], {"x": "]"}], "callsites" : '
     offset = find_callsites(head + raw + b"\n}\n")
     assert offset == len(head)
-    assert scan_callsites(head + raw + b"}", offset, True, remap, table, apis, ops) is not None
-    assert scan_callsites(head + raw + b', "x": 1}', offset, True, remap, table, apis, ops) is None
-    assert scan_callsites(head + raw + b"}", offset, False, remap, table, apis, ops) is None
+    scan = lambda data, closes: scan_callsites(  # noqa: E731
+        data, offset, closes, remap, table, apis, ops, roles, False
+    )
+    assert scan(head + raw + b"}", True) is not None
+    assert scan(head + raw + b', "x": 1}', True) is None
+    assert scan(head + raw + b"}", False) is None
     for text in (
         b"[]",
         b'{"callsites"',
@@ -352,6 +365,11 @@ def test_the_scanner_survives_any_bytes(prefix: bytes, body: bytes, closes: bool
     assert offset is None or 0 <= offset <= len(data)
     remap = bytes(4 * 3)
     for start in {0, offset or 0, len(prefix)}:
-        result = scan_callsites(data, start, closes, remap, CStackTable(), {}, {})
-        assert result is None or len(result[0]) == len(result[1])
-    assert scan_callsites(data, len(data) + 1, closes, remap, CStackTable(), {}, {}) is None
+        for require_role in (False, True):
+            result = scan_callsites(
+                data, start, closes, remap, CStackTable(), {}, {}, {}, require_role
+            )
+            assert result is None or len(result[0]) == len(result[1])
+    assert (
+        scan_callsites(data, len(data) + 1, closes, remap, CStackTable(), {}, {}, {}, False) is None
+    )

@@ -111,7 +111,7 @@ def test_subtree_pruning_folds_small_subtrees_into_the_parent() -> None:
     (main,) = tree["root"]["children"]
     assert [node_target(c) for c in main["children"]] == ["model:Model.forward"]
     assert main["self_ops"] == {"aten::add": 3, "aten::cat": 2}
-    assert main["self_streams"] == {"0": 5}
+    assert main["self_streams"] == {"compute": 5}
     fraction = compress(doc, min_fraction=0.05, chains=False)
     assert fraction["root"]["children"][0]["self_ops"] == {"aten::add": 3, "aten::cat": 2}
 
@@ -139,11 +139,12 @@ def test_ranks_of_nodes_follow_the_callsites() -> None:
     }
 
 
-def test_streams_are_strings_and_ops_without_frames_stay_at_root() -> None:
+def test_streams_are_roles_and_ops_without_frames_stay_at_root() -> None:
+    """A version-1 trace's stream 7 is side1 (its only stream besides 0)."""
     doc = trace_doc([([], None, "aten::empty", 2)], stream=7)
     tree = compress(doc)
     assert tree["root"]["self_ops"] == {"aten::empty": 2}
-    assert tree["root"]["self_streams"] == {"7": 2}
+    assert tree["root"]["self_streams"] == {"side1": 2}
 
 
 @pytest.mark.parametrize(

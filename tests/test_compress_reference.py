@@ -76,7 +76,7 @@ def reference_tree(trace: CallsiteTrace, hide: list[str]) -> Node:
             child.ranks |= mask
             node = child
         node.self_ops[site.op] += site.count
-        node.self_streams[site.stream] += site.count
+        node.self_streams[site.role] += site.count
     return root
 
 

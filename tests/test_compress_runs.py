@@ -41,7 +41,7 @@ WIDTH = 4
 @st.composite
 def run_inputs(draw: st.DrawFn) -> tuple[Any, ...]:
     """Sorted paths of small ids (so that runs share prefixes), and per position a
-    count, a mask within the ranks, an op and a stream."""
+    count, a mask within the ranks, an op and a stream role."""
     ranks = draw(st.integers(1, 70))  # past 64: masks of more than one machine word
     all_mask = (1 << ranks) - 1
     size = draw(st.integers(0, 40))
@@ -59,7 +59,8 @@ def run_inputs(draw: st.DrawFn) -> tuple[Any, ...]:
     )
     op_names = st.sampled_from(["aten::mm", "aten::add", "c10d::x"])
     ops = draw(st.lists(op_names, min_size=size, max_size=size))
-    streams = draw(st.lists(st.integers(0, 2), min_size=size, max_size=size))
+    roles = st.sampled_from(["compute", "comm", "side1"])
+    streams = draw(st.lists(roles, min_size=size, max_size=size))
     return paths, counts, masks, all_mask, ops, streams, WIDTH
 
 

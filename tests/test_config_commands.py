@@ -17,6 +17,7 @@ from click.testing import CliRunner, Result
 from ruamel.yaml import YAML
 
 from opguard_core.cli.app import cli_for
+from opguard_core.formats.config import CONFIG_VERSION
 
 SAMPLES = Path(__file__).parent / "data" / "samples"
 V1 = Path(__file__).parent / "data" / "configs" / "gpt_callsite_v1.yaml"
@@ -342,8 +343,10 @@ def test_a_v1_config_goes_through_every_command(run_dir, tmp_path) -> None:
     assert invoke("merge", V1, run_dir / FSDP, "-o", merged).exit_code == 0
     for out in (filtered, merged):
         text = out.read_text()
-        assert safe(out)["version"] == 2
+        assert safe(out)["version"] == CONFIG_VERSION
         assert "  ops:\n" in text and "ops: {" not in text  # block ops: v2 layout
+        # stream ids became roles (0 is compute; the collectives' counts are comm)
+        assert "      compute: " in text and "      0: " not in text
         assert "# reviewed: the training loop, keep\n" in text
         assert "count: 5548  # checked against the profiler\n" in text
         assert text.startswith("# gpt_callsite, reviewed 2026-11-26")

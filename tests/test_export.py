@@ -294,13 +294,14 @@ def test_split_streams_keeps_both_marginals(ops: dict[str, int], data: st.DataOb
     total = sum(ops.values())
     cuts = sorted(data.draw(st.lists(st.integers(0, total), max_size=3)))
     parts = [b - a for a, b in zip([0, *cuts], [*cuts, total], strict=True)]
-    streams = {str(i): n for i, n in enumerate(parts) if n}
+    roles = ["compute", "comm", "side1", "side2"]
+    streams = {roles[i]: n for i, n in enumerate(parts) if n}
     triples = split_streams(ops, streams)
     by_op: dict[str, int] = {}
     by_stream: dict[str, int] = {}
     for op, stream, n in triples:
         assert n > 0
         by_op[op] = by_op.get(op, 0) + n
-        by_stream[str(stream)] = by_stream.get(str(stream), 0) + n
+        by_stream[stream] = by_stream.get(stream, 0) + n
     assert by_op == ops
     assert by_stream == streams

@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 from ruamel.yaml.comments import CommentedMap, CommentedSeq
 
 from opguard_core.formats.config import (
+    CONFIG_VERSION,
     _dump_fast,
     _dump_with_ruamel,
     annotate_entries,
@@ -146,7 +147,8 @@ def configs(draw: st.DrawFn, text: st.SearchStrategy[str]) -> CommentedMap:
         entry["tags"] = flow_seq(draw(st.lists(text, max_size=3)))
         ops = draw(st.dictionaries(text, counts, max_size=4))
         entry["ops"] = block_map(ops.items())
-        streams = draw(st.dictionaries(st.integers(0, 2**40), counts, max_size=3))
+        roles = st.sampled_from(["compute", "comm", "comm2", "side1", "side12"])
+        streams = draw(st.dictionaries(roles, counts, max_size=3))
         entry["stream_counts"] = (block_map if draw(st.booleans()) else flow_map)(streams.items())
         entry["count"] = draw(counts)
         if draw(st.booleans()):
@@ -156,7 +158,7 @@ def configs(draw: st.DrawFn, text: st.SearchStrategy[str]) -> CommentedMap:
             entry[unknown] = draw(st.one_of(extra_values, text))
         entries.append(entry)
     config = CommentedMap()
-    config["version"] = 2
+    config["version"] = CONFIG_VERSION
     config["source"] = draw(text)
     config["meta"] = block_map(
         [
@@ -201,7 +203,7 @@ def test_arbitrary_text_round_trips(target: str, op: str) -> None:
     entry["context"] = flow_seq([op, target])
     entry["ops"] = block_map([(op, 1)])
     entry["count"] = 1
-    config = CommentedMap([("version", 2), ("source", op), ("entries", [entry])])
+    config = CommentedMap([("version", CONFIG_VERSION), ("source", op), ("entries", [entry])])
     if len(op) < 100:
         config["meta"] = block_map([("sources", flow_seq([op])), ("total", 1)])
     assert plain(parse_config(dump_config(config), "arbitrary")) == plain(config)
@@ -237,7 +239,7 @@ def test_comments_fall_back_to_ruamel() -> None:
 
 def test_loaded_comments_survive() -> None:
     text = (
-        "# a person's note\nversion: 2  # the format\nsource: s\nmeta:\n  total: 10\n"
+        "# a person's note\nversion: 3  # the format\nsource: s\nmeta:\n  total: 10\n"
         "entries:\n  # 4 ops, 40.0% of total\n  - target: a:b  # mine\n    count: 4\n"
         "  # a note before the second entry\n  # 6 ops, 60.0% of total\n  - target: c:d\n"
         "    count: 6\n"

@@ -169,7 +169,7 @@ def test_deep_tree_file_is_msgspec_bytes_down_to_the_compact_level(tmp_path: Pat
     # (== on a 30,000-level dict would itself recurse: compare the written forms)
     compact = functools.partial(deep_json.encode_indented, compact_from=0)
     assert compact(deep_json.decode(encoded)) == compact(tree)
-    assert encoded.startswith(b'{\n "format": "opguard-calltree",\n "version": 1,\n "meta": {\n')
+    assert encoded.startswith(b'{\n "format": "opguard-calltree",\n "version": 3,\n "meta": {\n')
 
 
 def test_shallow_trees_keep_their_bytes(samples: Path) -> None:
@@ -501,7 +501,7 @@ def _too_deep(tree: dict[str, Any]) -> dict[str, Any]:
         "kind": "function",
         "count": total,
         "self_ops": {"aten::mm": total},
-        "self_streams": {"0": total},
+        "self_streams": {"compute": total},
         "ranks": [0],
         "chain": [],
         "children": [],
@@ -522,7 +522,7 @@ def _huge(tree: dict[str, Any]) -> dict[str, Any]:
     big = 10**400
     tree["root"]["count"] = big
     tree["root"]["self_ops"] = {"aten::mm": big}
-    tree["root"]["self_streams"] = {"0": big}
+    tree["root"]["self_streams"] = {"compute": big}
     tree["root"]["children"] = []
     return tree
 

@@ -163,7 +163,7 @@ def test_compression_conserves_counts_and_meets_invariants(
     expected_streams: Counter[str] = Counter()
     for site in trace.callsites:
         expected_ops[site.op] += site.count
-        expected_streams[str(site.stream)] += site.count
+        expected_streams[str(site.role)] += site.count
     assert ops == expected_ops
     assert streams == expected_streams
     assert tree["meta"]["compression"]["total"] == trace.total
@@ -325,7 +325,7 @@ def test_a_trace_written_in_parts_is_the_trace_encoded_whole(
     from opguard_core.formats import trace as trace_format
     from opguard_core.formats.trace import Callsite
 
-    sites = [Callsite(stack=(0,) * i, op="aten::mm", count=i + 1) for i in range(5)]
+    sites = [Callsite(stack=(0,) * i, op="aten::mm", role="compute", count=i + 1) for i in range(5)]
     extras = {1: {"x": 1}, 4: {"y": [1]}}
     for callsite_extras in ({}, extras):
         trace = CallsiteTrace(
@@ -334,7 +334,7 @@ def test_a_trace_written_in_parts_is_the_trace_encoded_whole(
         monkeypatch.setattr(trace_format, "PART_CALLSITES", part)
         lines = []
         for index, site in enumerate(sites):
-            doc = {"stack": site.stack, "op": site.op, "stream": 0, "count": site.count}
+            doc = {"stack": site.stack, "op": site.op, "role": "compute", "count": site.count}
             lines.append(msgspec.json.encode({**doc, **callsite_extras.get(index, {})}))
         written = trace.to_json()
         assert written.split(b'"callsites":[\n')[1] == b",\n".join(lines) + b"\n]}\n"

@@ -253,7 +253,7 @@ def test_tree_view_keeps_the_largest_nodes_and_their_parents() -> None:
     def node(name: str, count: int, own: int, children: list[Any], ranks: list[int]) -> Any:
         return {"module": "m", "qualname": name, "file": None, "kind": "function",
                 "count": count, "self_ops": {"aten::x": own} if own else {},
-                "self_streams": {"0": own} if own else {}, "children": children,
+                "self_streams": {"compute": own} if own else {}, "children": children,
                 "ranks": ranks}  # fmt: skip
 
     leaves = [node(f"leaf{i}", 10 - i, 10 - i, [], [0, 1]) for i in range(6)]

@@ -141,6 +141,9 @@ def test_format_contract_and_relative_paths(one_step_trace: DecodedTrace) -> Non
     assert {"command", "python_version"} <= meta.keys()
     assert trace.ranks() == [0]
     assert all(site.stream == 0 and site.count >= 1 for site in trace.callsites)
+    # on CPU every op is on the default stream: compute (a collective would be comm)
+    assert {site.role for site in trace.callsites} == {"compute"}
+    assert meta["streams"] == {"0": "compute"}
     keys = [(tuple(s.stack), s.api, s.op, s.stream) for s in trace.callsites]
     assert len(keys) == len(set(keys)), "identical callsites must be counted, not repeated"
     assert len(set(trace.frames)) == len(trace.frames), "frames must be interned"

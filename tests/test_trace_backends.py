@@ -176,6 +176,7 @@ def test_trace_command_profiler_backend(tmp_path: Path) -> None:
         trace, "aten::linear"
     )
     assert all(site.api is None and site.stream == 0 for site in trace.callsites)
+    assert {site.role for site in trace.callsites} == {"compute"}
     bad = subprocess.run(
         [*OPGUARD, "trace", "--backend", "nope", "--", "true"], capture_output=True, text=True
     )

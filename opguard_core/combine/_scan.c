@@ -8,16 +8,19 @@
  * ``callsites`` starts, skipping the members before it without decoding them, so the
  * header can be decoded by msgspec from the bytes before it alone.
  *
- * ``scan_callsites(data, offset, closes, remap, table, apis, ops)`` reads the
- * ``callsites`` array at ``offset`` straight from the JSON bytes (with ``closes``, the
- * document's closing brace must follow it): every stack's frame ids are mapped through
- * ``remap`` (the file's frame ids -> the accumulator's, uint32 bytes) and interned in
- * ``table``, api and op are interned in the dicts ``apis``/``ops``, and it returns
- * ``(keys, counts, total)``: one key ``(stack id, api, op, stream)`` and one count per
- * callsite, in file order, and the sum of the counts. It accepts only the plain shape
- * a tracer writes (the keys ``stack``, ``api``, ``op``, ``stream``, ``count``, each at
- * most once; strings without escapes; ids within ``remap``; integers of at most 18
- * digits) and returns None for anything else, without raising: the caller then decodes
+ * ``scan_callsites(data, offset, closes, remap, table, apis, ops, roles, require_role)``
+ * reads the ``callsites`` array at ``offset`` straight from the JSON bytes (with
+ * ``closes``, the document's closing brace must follow it): every stack's frame ids are
+ * mapped through ``remap`` (the file's frame ids -> the accumulator's, uint32 bytes) and
+ * interned in ``table``, api, op and role are interned in the dicts ``apis``/``ops``/
+ * ``roles``, and it returns ``(keys, counts, total)``: one key ``(stack id, api, op,
+ * role)`` and one count per callsite, in file order, and the sum of the counts; a
+ * callsite without a role has its raw stream (an int, 0 when absent) in the role's
+ * place, for the caller to map (a version 1 or 2 file), and with ``require_role`` the
+ * scan gives up on it. It accepts only the plain shape a tracer writes (the keys
+ * ``stack``, ``api``, ``op``, ``stream``, ``role``, ``count``, each at most once; strings
+ * without escapes; ids within ``remap``; integers of at most 18 digits) and returns
+ * None for anything else, without raising: the caller then decodes
  * the file with msgspec (the reference path), which explains any error. A None may
  * leave stacks interned that no key refers to; nothing else is touched.
  *
@@ -602,7 +605,7 @@ intern_string(CacheEntry *cache, PyObject *table, const char *s, Py_ssize_t n)
     return interned;
 }
 
-enum { HAS_STACK = 1, HAS_API = 2, HAS_OP = 4, HAS_STREAM = 8, HAS_COUNT = 16 };
+enum { HAS_STACK = 1, HAS_API = 2, HAS_OP = 4, HAS_STREAM = 8, HAS_COUNT = 16, HAS_ROLE = 32 };
 
 /* Past one JSON value (not checked: the decoder checks the text around the callsites);
  * 0 if the text ends first. Strings skip their escapes; brackets count depth. */
@@ -671,13 +674,16 @@ scan_callsites(PyObject *Py_UNUSED(module), PyObject *args)
     Py_ssize_t offset;
     int closes;
     StackTable *table;
-    PyObject *apis, *ops;
-    if (!PyArg_ParseTuple(args, "y*npy*O!O!O!", &data, &offset, &closes, &remap_buf,
-                          &StackTableType, &table, &PyDict_Type, &apis, &PyDict_Type, &ops))
+    PyObject *apis, *ops, *roles;
+    int require_role;
+    if (!PyArg_ParseTuple(args, "y*npy*O!O!O!O!p", &data, &offset, &closes, &remap_buf,
+                          &StackTableType, &table, &PyDict_Type, &apis, &PyDict_Type, &ops,
+                          &PyDict_Type, &roles, &require_role))
         return NULL;
     const uint32_t *remap = remap_buf.buf;
     size_t n_frames = (size_t)remap_buf.len / sizeof(uint32_t);
     CacheEntry api_cache[CACHE_SIZE] = {{0}}, op_cache[CACHE_SIZE] = {{0}};
+    CacheEntry role_cache[CACHE_SIZE] = {{0}};
     uint32_t *ids = NULL;
     size_t ids_cap = 0;
     int64_t total = 0;
@@ -699,7 +705,7 @@ scan_callsites(PyObject *Py_UNUSED(module), PyObject *args)
             goto fallback;
         int seen = 0;
         size_t n_ids = 0;
-        PyObject *api = Py_None, *op = NULL;
+        PyObject *api = Py_None, *op = NULL, *role = NULL;
         int64_t stream = 0, count = 0;
         skip_ws(&c);
         if (c.p < c.end && *c.p == '}') {
@@ -719,6 +725,8 @@ scan_callsites(PyObject *Py_UNUSED(module), PyObject *args)
                 field = HAS_OP;
             else if (key_len == 6 && memcmp(key, "stream", 6) == 0)
                 field = HAS_STREAM;
+            else if (key_len == 4 && memcmp(key, "role", 4) == 0)
+                field = HAS_ROLE;
             else if (key_len == 5 && memcmp(key, "count", 5) == 0)
                 field = HAS_COUNT;
             if (field == 0 || (seen & field))
@@ -747,7 +755,7 @@ scan_callsites(PyObject *Py_UNUSED(module), PyObject *args)
                     }
                 }
             }
-            else if (field == HAS_API || field == HAS_OP) {
+            else if (field == HAS_API || field == HAS_OP || field == HAS_ROLE) {
                 const char *s;
                 Py_ssize_t n;
                 skip_ws(&c);
@@ -758,8 +766,11 @@ scan_callsites(PyObject *Py_UNUSED(module), PyObject *args)
                 else {
                     if (!read_string(&c, &s, &n))
                         goto fallback;
-                    PyObject *text = intern_string(field == HAS_API ? api_cache : op_cache,
-                                                   field == HAS_API ? apis : ops, s, n);
+                    CacheEntry *cache = field == HAS_API ? api_cache
+                                        : field == HAS_OP ? op_cache
+                                                          : role_cache;
+                    PyObject *text = intern_string(
+                        cache, field == HAS_API ? apis : field == HAS_OP ? ops : roles, s, n);
                     if (text == NULL) {
                         if (!PyErr_ExceptionMatches(PyExc_UnicodeDecodeError))
                             goto fail;
@@ -768,8 +779,10 @@ scan_callsites(PyObject *Py_UNUSED(module), PyObject *args)
                     }
                     if (field == HAS_API)
                         api = text;
-                    else
+                    else if (field == HAS_OP)
                         op = text;
+                    else
+                        role = text;
                 }
             }
             else if (field == HAS_STREAM) {
@@ -788,6 +801,8 @@ scan_callsites(PyObject *Py_UNUSED(module), PyObject *args)
         }
         if (!(seen & HAS_STACK) || !(seen & HAS_OP) || !(seen & HAS_COUNT))
             goto fallback;
+        if (require_role && role == NULL)
+            goto fallback; /* msgspec's path names the callsite */
         if (total > INT64_MAX - count)
             goto fallback; /* msgspec's path reports the sum */
         total += count;
@@ -805,7 +820,7 @@ scan_callsites(PyObject *Py_UNUSED(module), PyObject *args)
         PyTuple_SET_ITEM(key, 0, number);
         PyTuple_SET_ITEM(key, 1, Py_NewRef(api));
         PyTuple_SET_ITEM(key, 2, Py_NewRef(op));
-        number = PyLong_FromLongLong(stream);
+        number = role != NULL ? Py_NewRef(role) : PyLong_FromLongLong(stream);
         if (number == NULL) {
             Py_DECREF(key);
             goto fail;
@@ -867,7 +882,7 @@ slot_set(PyObject *slot, Py_ssize_t index, PyObject *value)
     return PyList_SetItem(slot, index, value);
 }
 
-/* whether the key (stack id, api, op, stream) is a collective: ``is_collective`` */
+/* whether the key (stack id, api, op, role) is a collective: ``is_collective`` */
 static int
 key_is_collective(PyObject *key, PyObject *collective_apis)
 {
@@ -1213,9 +1228,9 @@ done:
     return status;
 }
 
-/* merge_packed(sites, stack_ids, apis, ops, streams, counts, masks, mins, stats,
+/* merge_packed(sites, stack_ids, apis, ops, roles, counts, masks, mins, stats,
  * collective_apis, max_distinct): ``TraceAccumulator._merge_packed``'s fold in C. The
- * site at each position has key (stack_ids[i], apis[i], ops[i], streams[i]) and slot
+ * site at each position has key (stack_ids[i], apis[i], ops[i], roles[i]) and slot
  * [counts[i], masks[i], mins[i], *stats[i]] where ``stats`` (a dict by position) has
  * it, else [counts[i], masks[i], mins[i], None, mins[i], None, None]; a new key takes
  * the slot, a known one has it merged in (``merge_slot``). */
@@ -1362,7 +1377,7 @@ rank_of(PyObject *ranks, PyObject *value, uint32_t *out)
 }
 
 /* site_order(keys, canonical) -> list: the positions of the keys (stack id, api, op,
- * stream) sorted by (canonical[stack id][0], api or "", op, stream, api is not None):
+ * role) sorted by (canonical[stack id][0], api or "", op, role, api is not None):
  * stacks by their canonical bytes, the rest by Python's order of their values */
 static PyObject *
 site_order(PyObject *Py_UNUSED(module), PyObject *args)
@@ -1462,15 +1477,15 @@ static PyMethodDef module_methods[] = {
     {"find_callsites", find_callsites, METH_O,
      "find_callsites(data) -> offset or None: where the top-level callsites value starts."},
     {"scan_callsites", scan_callsites, METH_VARARGS,
-     "scan_callsites(data, offset, closes, remap, table, apis, ops) -> (keys, counts, "
-     "total) or None."},
+     "scan_callsites(data, offset, closes, remap, table, apis, ops, roles, require_role) -> "
+     "(keys, counts, total) or None."},
     {"fold_rank", fold_rank, METH_VARARGS,
      "fold_rank(sites, keys, counts, mask, collective_apis, max_distinct) -> bool: fold "
      "one rank's callsites."},
     {"site_order", site_order, METH_VARARGS,
      "site_order(keys, canonical) -> list: the keys' positions in canonical order."},
     {"merge_packed", merge_packed, METH_VARARGS,
-     "merge_packed(sites, stack_ids, apis, ops, streams, counts, masks, mins, stats, "
+     "merge_packed(sites, stack_ids, apis, ops, roles, counts, masks, mins, stats, "
      "collective_apis, max_distinct): fold a packed partial's sites in."},
     {NULL, NULL, 0, NULL},
 };

@@ -11,8 +11,10 @@ from typing import Any, final
 
 from _typeshed import ReadableBuffer
 
-#: (stack id, api or None, op, stream)
-_SiteKey = tuple[int, str | None, str, int]
+#: (stack id, api or None, op, role)
+_SiteKey = tuple[int, str | None, str, str]
+#: a scanned key: the raw stream (an int) in the role's place where a callsite has none
+_ScanKey = tuple[int, str | None, str, str | int]
 
 @final
 class StackTable:
@@ -38,8 +40,10 @@ def scan_callsites(
     table: StackTable,
     apis: dict[str | None, str | None],
     ops: dict[str, str],
+    roles: dict[str, str],
+    require_role: bool,
     /,
-) -> tuple[list[_SiteKey], list[int], int] | None: ...
+) -> tuple[list[_ScanKey], list[int], int] | None: ...
 def fold_rank(
     sites: dict[_SiteKey, list[Any]],
     keys: list[_SiteKey],
@@ -57,7 +61,7 @@ def merge_packed(
     stack_ids: list[int],
     apis: list[str | None],
     ops: list[str],
-    streams: list[int],
+    roles: list[str],
     counts: list[int],
     masks: list[int],
     mins: list[int],

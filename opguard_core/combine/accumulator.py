@@ -3,7 +3,9 @@
 :class:`TraceAccumulator` takes decoded traces one at a time (so a run never holds
 every rank file at once) and other accumulators (so partial results from worker
 processes or a Dask cluster fold together). Callsite identity is
-(stack as frame values, api, op, stream); ranks are kept as an integer bit mask.
+(stack as frame values, api, op, stream role); ranks are kept as an integer bit mask.
+Raw stream ids differ between machines and runtimes, so they are not part of it:
+a combined trace keeps roles only (formats.md, "Streams and roles").
 The result is canonical: frames sorted by value, callsites by stack, so the output
 does not depend on the order the inputs came in.
 
@@ -43,9 +45,11 @@ from opguard_core.combine.stack_table import (
 )
 from opguard_core.errors import InputError
 from opguard_core.formats.readers import Readers, is_callsite_trace
+from opguard_core.formats.streams import is_role, legacy_roles
 from opguard_core.formats.trace import (
     COMBINED_VERSION,
     READ_VERSIONS,
+    ROLE_VERSION,
     TRACE_FORMAT,
     Callsite,
     DecodedTrace,
@@ -67,14 +71,30 @@ if TYPE_CHECKING:
     from opguard_core.combine._scan import StackTable
 
 #: key of a callsite in an accumulator: (stack id in its :attr:`TraceAccumulator.stacks`,
-#: api, op, stream)
-SiteKey = tuple[int, str | None, str, int]
+#: api, op, role)
+SiteKey = tuple[int, str | None, str, str]
+#: a key as the scanner reads it: a callsite without a role has its raw stream there
+ScanKey = tuple[int, str | None, str, str | int]
 
 #: A non-collective callsite's histogram of per-rank counts is kept while it has at
 #: most this many distinct values; past it only min and max (with their ranks) are.
 MAX_DISTINCT = 8
 #: ``meta`` key of a combined trace whose callsites carry exact per-rank statistics
 PER_RANK_KEY = "per_rank_stats"
+#: ``meta`` keys holding counts by name (an importer's ``window``: what the profiling
+#: window cut), which a combine adds up over its inputs instead of keeping only
+#: values every input agrees on
+SUMMED_META = ("window",)
+
+
+def _counts(value: object) -> dict[str, int] | None:
+    """``value`` when it is a mapping of names to non-negative integers, else None."""
+    if isinstance(value, dict) and all(
+        isinstance(k, str) and type(v) is int and 0 <= v <= MAX_COUNT for k, v in value.items()
+    ):
+        return value
+    return None
+
 
 #: Python-level collective apis (``torch.distributed.*``); any op ``c10d::*`` is one too
 COLLECTIVE_APIS = frozenset(
@@ -276,13 +296,13 @@ def mask_to_ranks(mask: int) -> list[int]:
 
 
 class _SiteOut(msgspec.Struct, kw_only=True, omit_defaults=True):
-    """A callsite as written: key order stack, api, op, stream, count, ranks;
+    """A callsite as written: key order stack, api, op, role, count, ranks;
     ``api`` and ``ranks`` left out when None (same bytes as the dict form)."""
 
     stack: tuple[int, ...]
     api: str | None = None
     op: str
-    stream: int
+    role: str | None
     count: int
     ranks: list[int] | None = None
     per_rank: PerRank | None = None
@@ -324,7 +344,7 @@ class CallsiteTrace:
                     stack=site.stack,
                     api=site.api,
                     op=site.op,
-                    stream=site.stream,
+                    role=site.role,
                     count=site.count,
                     ranks=site.ranks,
                     per_rank=site.per_rank,
@@ -350,7 +370,7 @@ class CallsiteTrace:
         if site.api is not None:
             doc["api"] = site.api
         doc["op"] = site.op
-        doc["stream"] = site.stream
+        doc["role"] = site.role
         doc["count"] = site.count
         if site.ranks is not None:
             doc["ranks"] = site.ranks
@@ -410,7 +430,7 @@ class _PackedSites(NamedTuple):
     stack_ids: bytes
     apis: list[str | None]
     ops: list[str]
-    streams: list[int]
+    roles: list[str]
     counts: list[int]
     masks: list[int]
     mins: list[int]
@@ -429,6 +449,7 @@ class TraceAccumulator:
         #: and comparing two keys compares these by identity, not by their bytes
         self.apis: dict[str | None, str | None] = {}
         self.ops: dict[str, str] = {}
+        self.roles: dict[str, str] = {}
         #: key -> [count, rank mask, min, min mask, max, max mask, histogram] (see _COUNT)
         self.sites: dict[SiteKey, list[Any]] = {}
         #: False once a rank came twice or an input had no per-rank statistics
@@ -443,6 +464,8 @@ class TraceAccumulator:
         #: every op added so far; refused past MAX_COUNT (no reader holds more exactly)
         self.total = 0
         self.meta = _Agreement()
+        #: SUMMED_META keys: the sums over the inputs
+        self.summed: dict[str, dict[str, int]] = {}
         self.extras = _Agreement()
         self.frame_extras: dict[Frame, _Agreement] = {}
         self.site_extras: dict[SiteKey, _Agreement] = {}
@@ -458,7 +481,7 @@ class TraceAccumulator:
     def add(self, trace: DecodedTrace) -> None:
         """Add one decoded trace (one rank file, or an earlier combined trace).
 
-        Every callsite becomes a key (stack id, api, op, stream): its stack is
+        Every callsite becomes a key (stack id, api, op, role): its stack is
         re-interned with one C-level gather over the file's frame table
         (``itemgetter(*stack)``, a third faster than ``map``), then interned in
         :attr:`stacks`; its api and op strings are interned (so keys compare them by
@@ -476,6 +499,7 @@ class TraceAccumulator:
         gather = itemgetter
         intern = self.stacks.intern
         intern_api, intern_op = self.apis.setdefault, self.ops.setdefault
+        intern_role = self.roles.setdefault
         try:
             keys = [
                 (
@@ -484,14 +508,17 @@ class TraceAccumulator:
                     else intern(tuple(map(remap, site.stack))),
                     intern_api(site.api, site.api),
                     intern_op(site.op, site.op),
-                    site.stream,
+                    intern_role(site.role or "", site.role or ""),  # set by decoding
                 )
                 for site in callsites
             ]
         except IndexError:  # a frame id out of range (decoding may leave this check to us)
             validate_frame_ids(trace.frames, callsites, trace.path)
             raise
-        self._fold_file(trace.path, trace.meta, file_ranks, total, keys, counts, callsites)
+        folded, folded_counts = keys, counts
+        if trace.derived_roles and len(file_ranks) == 1:
+            folded, folded_counts = _without_duplicates(keys, counts)
+        self._fold_file(trace.path, trace.meta, file_ranks, total, folded, folded_counts, callsites)
         for position, site_extra in trace.callsite_extras.items():
             if site_extra:
                 self.site_extras.setdefault(keys[position], _Agreement()).add(site_extra)
@@ -529,6 +556,9 @@ class TraceAccumulator:
         """
         file_mask = ranks_to_mask(file_ranks)
         meta = {k: v for k, v in file_meta.items() if k not in ("rank", "ranks", PER_RANK_KEY)}
+        summed = {name: c for name in SUMMED_META if (c := _counts(meta.get(name))) is not None}
+        for name in summed:
+            del meta[name]
         single = len(file_ranks) == 1
         # a multi-rank input (an earlier combined trace) has exact per-rank counts
         # only if it says so; a rank seen before makes every statistic inexact
@@ -588,6 +618,7 @@ class TraceAccumulator:
         stated = "rank" in file_meta or "ranks" in file_meta
         self.claims.append((path, tuple(file_ranks), len(keys), stated))
         self.meta.add(meta)
+        self._add_summed(summed)
 
     def add_file(self, path: Path | str, readers: Readers | None = None) -> None:
         """Read, decode and :meth:`add` one trace file. A plain rank file is read by
@@ -640,14 +671,30 @@ class TraceAccumulator:
             cast("StackTable", self.stacks),  # the scanner is in use only with the C table
             self.apis,
             self.ops,
+            self.roles,
+            head.version >= ROLE_VERSION,
         )
+        if scanned is not None and not all(map(is_role, self.roles)):
+            # msgspec's path names the callsite and its role; the others stay interned
+            self.roles = {role: role for role in self.roles if is_role(role)}
+            return False
         if scanned is None:
             return False
-        keys, counts, file_total = scanned
+        scan_keys, counts, file_total = scanned
+        if head.version >= ROLE_VERSION:  # every key has its role (the scan required it)
+            keys = cast("list[SiteKey]", scan_keys)
+        else:
+            keys, counts = _without_duplicates(_with_roles(scan_keys, self.roles), counts)
         total = self._checked_total(path, file_total)
         self._fold_file(path, head.meta, file_ranks, total, keys, counts, None)
         self.extras.add({})
         return True
+
+    def _add_summed(self, summed: dict[str, dict[str, int]]) -> None:
+        for key, counts in summed.items():
+            mine = self.summed.setdefault(key, {})
+            for name, count in counts.items():
+                mine[name] = min(mine.get(name, 0) + count, MAX_COUNT)
 
     def update(self, other: TraceAccumulator) -> None:
         """Fold another accumulator (for example a worker's partial result) into this one."""
@@ -662,11 +709,11 @@ class TraceAccumulator:
         if other._packed is not None:
             self._merge_packed(other._packed, new_ids)
         self._fold(
-            ((new_ids[stack], api, op, stream), slot)
-            for (stack, api, op, stream), slot in other.sites.items()
+            ((new_ids[stack], api, op, role), slot)
+            for (stack, api, op, role), slot in other.sites.items()
         )
-        for (stack, api, op, stream), extra in other.site_extras.items():
-            key = (new_ids[stack], api, op, stream)
+        for (stack, api, op, role), extra in other.site_extras.items():
+            key = (new_ids[stack], api, op, role)
             self.site_extras.setdefault(key, _Agreement()).update(extra)
         for frame, agreement in other.frame_extras.items():
             self.frame_extras.setdefault(frame, _Agreement()).update(agreement)
@@ -678,6 +725,7 @@ class TraceAccumulator:
         self.total = total
         self.claims += other.claims
         self.meta.update(other.meta)
+        self._add_summed(other.summed)
         self.extras.update(other.extras)
 
     def __getstate__(self) -> dict[str, Any]:
@@ -688,7 +736,7 @@ class TraceAccumulator:
         every stack, and folds them in with C-level remapping."""
         self._unpack()
         state = dict(self.__dict__)
-        for cache in ("frame_ids", "apis", "ops"):
+        for cache in ("frame_ids", "apis", "ops", "roles"):
             del state[cache]
         sites = state.pop("sites")
         keys = list(sites)
@@ -713,7 +761,7 @@ class TraceAccumulator:
         self.__dict__.update(state)
         self.sites = {}
         self.frame_ids = {frame: index for index, frame in enumerate(self.frames)}
-        self.apis, self.ops = {}, {}
+        self.apis, self.ops, self.roles = {}, {}, {}
 
     def _unpack(self) -> None:
         """Unpack sites that arrived pickled into ``sites`` (once, on first use)."""
@@ -735,7 +783,7 @@ class TraceAccumulator:
                 stack_ids,
                 packed.apis,
                 packed.ops,
-                packed.streams,
+                packed.roles,
                 packed.counts,
                 packed.masks,
                 packed.mins,
@@ -747,17 +795,17 @@ class TraceAccumulator:
         self._fold(  # the reference for merge_packed (opguard_core/combine/_scan.c)
             (
                 (
-                    (stack, api, op, stream),
+                    (stack, api, op, role),
                     [count, mask, low, *stats[position]]
                     if position in stats
                     else [count, mask, low, None, low, None, None],
                 )
-                for position, (stack, api, op, stream, count, mask, low) in enumerate(
+                for position, (stack, api, op, role, count, mask, low) in enumerate(
                     zip(
                         stack_ids,
                         packed.apis,
                         packed.ops,
-                        packed.streams,
+                        packed.roles,
                         packed.counts,
                         packed.masks,
                         packed.mins,
@@ -805,7 +853,7 @@ class TraceAccumulator:
                     stack=canonical[key[0]][1],
                     api=key[1],
                     op=key[2],
-                    stream=key[3],
+                    role=key[3],
                     count=slot[_COUNT],
                     ranks=None if mask == all_mask else ranks_of(mask),
                     per_rank=(
@@ -825,6 +873,7 @@ class TraceAccumulator:
             if agreement is not None and agreement.result():
                 frame_extras[position] = agreement.result()
         meta = self.meta.result()
+        meta.update({key: dict(sorted(counts.items())) for key, counts in self.summed.items()})
         meta["ranks"] = mask_to_ranks(all_mask)
         if stats_valid and self.inputs:
             meta[PER_RANK_KEY] = True
@@ -836,6 +885,31 @@ class TraceAccumulator:
             frame_extras=frame_extras,
             callsite_extras=callsite_extras,
         )
+
+
+def _with_roles(keys: list[ScanKey], roles: dict[str, str]) -> list[SiteKey]:
+    """A version 1 or 2 file's scanned keys with their roles: a callsite without one
+    has its raw stream in the role's place, whose role :func:`legacy_roles` gives
+    (interned in ``roles``)."""
+    legacy = {(op, stream) for _, _, op, stream in keys if isinstance(stream, int)}
+    found = {pair: roles.setdefault(role, role) for pair, role in legacy_roles(legacy).items()}
+    return [
+        (stack, api, op, found[(op, role)] if isinstance(role, int) else role)
+        for stack, api, op, role in keys
+    ]
+
+
+def _without_duplicates(keys: list[SiteKey], counts: list[int]) -> tuple[list[SiteKey], list[int]]:
+    """A one-rank file's keys with those that are equal (a version 1 or 2 file's
+    collective recorded on two streams: one role, ``comm``) made one, counts summed,
+    in the order first seen: a callsite twice in one file would otherwise drop every
+    per-rank statistic of the combine."""
+    if len(set(keys)) == len(keys):
+        return keys, counts
+    merged: dict[SiteKey, int] = {}
+    for key, count in zip(keys, counts, strict=True):
+        merged[key] = merged.get(key, 0) + count
+    return list(merged), list(merged.values())
 
 
 def _copy_slot(slot: list[Any]) -> list[Any]:

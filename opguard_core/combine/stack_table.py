@@ -1,6 +1,6 @@
 """Stacks interned as dense ids, and the scanner that reads callsites from bytes.
 
-A combine keys its callsites by (stack id, api, op, stream) instead of by the stack's
+A combine keys its callsites by (stack id, api, op, role) instead of by the stack's
 tuple of frame ids: the tuple is hashed and compared once per distinct stack, not
 once per callsite per rank, and a partial result travels with each stack once.
 
@@ -117,12 +117,15 @@ if TYPE_CHECKING:
 
     from opguard_core.combine import _scan
 
-    #: (stack id, api, op, stream)
-    _Key = tuple[int, str | None, str, int]
+    #: (stack id, api, op, role)
+    _Key = tuple[int, str | None, str, str]
+    #: a scanned key: a callsite without a role has its raw stream in the role's place
+    _ScanKey = tuple[int, str | None, str, str | int]
     #: data -> offset of the top-level callsites value, or None
     Finder = Callable[[ReadableBuffer], int | None]
-    #: (data, offset, closes, remap, table, apis, ops) -> (keys, counts, total), or
-    #: None where the bytes are not of the plain shape; the table is the C one
+    #: (data, offset, closes, remap, table, apis, ops, roles, require_role) -> (keys,
+    #: counts, total), or None where the bytes are not of the plain shape; the table is
+    #: the C one
     Scanner = Callable[
         [
             ReadableBuffer,
@@ -132,14 +135,16 @@ if TYPE_CHECKING:
             _scan.StackTable,
             dict[str | None, str | None],
             dict[str, str],
+            dict[str, str],
+            bool,
         ],
-        tuple[list[_Key], list[int], int] | None,
+        tuple[list[_ScanKey], list[int], int] | None,
     ]
     #: (sites, keys, counts, mask, collective_apis, max_distinct) -> no rank seen twice
     Folder = Callable[
         [dict[_Key, list[Any]], list[_Key], list[int], int, frozenset[str], int], bool
     ]
-    #: (sites, stack_ids, apis, ops, streams, counts, masks, mins, stats,
+    #: (sites, stack_ids, apis, ops, roles, counts, masks, mins, stats,
     #: collective_apis, max_distinct): a packed partial's sites folded in
     Merger = Callable[
         [
@@ -147,7 +152,7 @@ if TYPE_CHECKING:
             list[int],
             list[str | None],
             list[str],
-            list[int],
+            list[str],
             list[int],
             list[int],
             list[int],
@@ -162,10 +167,10 @@ if TYPE_CHECKING:
 
 
 def py_site_order(
-    keys: list[tuple[int, str | None, str, int]], canonical: list[tuple[bytes, tuple[int, ...]]]
+    keys: list[tuple[int, str | None, str, str]], canonical: list[tuple[bytes, tuple[int, ...]]]
 ) -> list[int]:
-    """The positions of ``keys`` (stack id, api, op, stream) sorted by (the stack's
-    canonical bytes, api or "", op, stream, api is not None): the canonical order of
+    """The positions of ``keys`` (stack id, api, op, role) sorted by (the stack's
+    canonical bytes, api or "", op, role, api is not None): the canonical order of
     a combined trace's callsites. The first five fields already differ between any
     two keys, so a plain tuple sort orders by them alone."""
     keyed = [

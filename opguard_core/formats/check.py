@@ -1,6 +1,6 @@
 """Check and guard reports: the :class:`Violation` record, its writer, reader and validation.
 
-``opguard check`` writes ``{"format": "opguard-check-report", "version": 1, "config",
+``opguard check`` writes ``{"format": "opguard-check-report", "version": 2, "config",
 "violations"}``; ``opguard guard`` writes ``guard_report_rank{R}.json`` with the same
 violation objects plus ``rank``, ``stack`` and ``count`` (formats.md §5).
 """
@@ -18,7 +18,10 @@ from opguard_core.files.atomic import atomic_write_text
 
 CHECK_FORMAT = "opguard-check-report"
 GUARD_FORMAT = "opguard-guard-report"
-REPORT_VERSION = 1
+#: version 2: a violation's ``stream`` is a stream role (``side1``), not a raw id;
+#: version 1 reports are still read
+REPORT_VERSION = 2
+READ_REPORT_VERSIONS = (1, 2)
 
 ERROR = "error"
 WARNING = "warning"
@@ -49,7 +52,7 @@ class Violation:
     :ivar ranks: the ranks it was seen on, sorted.
     :ivar message: one line for a person.
     :ivar op: the operator, for op kinds (and op-level drift).
-    :ivar stream: the stream, for ``unexpected_stream``.
+    :ivar stream: the stream role, for ``unexpected_stream``.
     """
 
     kind: str
@@ -59,7 +62,7 @@ class Violation:
     ranks: list[int]
     message: str
     op: str | None = None
-    stream: int | None = None
+    stream: str | None = None
 
     def identity(self) -> tuple[Any, ...]:
         """What makes two violations the same one (their ranks are then joined)."""
@@ -139,7 +142,7 @@ def sort_key(item: Violation) -> tuple[Any, ...]:
         item.target,
         item.context,
         item.op or "",
-        -1 if item.stream is None else item.stream,
+        "" if item.stream is None else item.stream,
     )
 
 
@@ -222,7 +225,7 @@ def load_report(path: Path) -> dict[str, Any]:
         GUARD_FORMAT,
     ):
         raise InputError(path, "not an opguard check or guard report")
-    if document.get("version") != REPORT_VERSION:
+    if document.get("version") not in READ_REPORT_VERSIONS:
         raise InputError(path, f"unsupported report version {document.get('version')!r}")
     violations = document.get("violations")
     if not isinstance(violations, list):

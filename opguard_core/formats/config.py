@@ -35,10 +35,15 @@ from ruamel.yaml.representer import RoundTripRepresenter
 from ruamel.yaml.tag import Tag
 
 from opguard_core.errors import InputError
+from opguard_core.formats.streams import is_role, legacy_side_roles, legacy_stream_counts
 
-#: the layout written; version 1 (flow maps of ops, no summary comments) is still read
-CONFIG_VERSION = 2
-READ_VERSIONS = (1, 2)
+#: the layout written: version 3 keys ``stream_counts`` by stream role (formats.md,
+#: "Streams and roles"); version 2 (raw stream ids) and version 1 (also flow maps of
+#: ops, no summary comments) are still read, and upgraded (:func:`upgrade_config`)
+CONFIG_VERSION = 3
+READ_VERSIONS = (1, 2, 3)
+#: the first version whose ``stream_counts`` are by role
+ROLE_VERSION = 3
 EntryKey = tuple[str, tuple[str, ...]]
 
 
@@ -493,21 +498,36 @@ def parse_config(text: str, path: Path | str) -> CommentedMap:
         for entry, block in zip(entries, blocks, strict=True):
             if block and isinstance(entry, CommentedMap):
                 set_entry_comments(entry, block)
-    if config["version"] == 1:
-        upgrade_v1(config)
+    upgrade_config(config)
     return config  # type: ignore[no-any-return]
 
 
-def upgrade_v1(config: CommentedMap) -> None:
-    """Bring a loaded version-1 config to the version-2 layout in place: ``meta``,
-    ``ops`` and ``stream_counts`` become block mappings (comments stay where they
-    were). The data is the same; v1 simply had no run settings in ``meta``."""
+def upgrade_config(config: CommentedMap) -> None:
+    """Bring a loaded config of an older version to the current one in place.
+
+    Version 1: ``meta``, ``ops`` and ``stream_counts`` become block mappings
+    (comments stay where they were; v1 simply had no run settings in ``meta``).
+    Versions 1 and 2: ``stream_counts`` by raw stream id become counts by role
+    (:func:`~opguard_core.formats.streams.legacy_stream_counts`: 0 is ``compute``,
+    the other ids ``side1``, … ascending over the whole config, and the entry's
+    collective ops ``comm``)."""
+    version = config["version"]
+    if version == 1:
+        for mapping in [config.get("meta")] + [
+            entry.get(field) for entry in config["entries"] for field in ("ops", "stream_counts")
+        ]:
+            if isinstance(mapping, CommentedMap):
+                mapping.fa.set_block_style()
+    if version < ROLE_VERSION:
+        entries = config["entries"]
+        sides = legacy_side_roles(s for e in entries for s in (e.get("stream_counts") or {}))
+        for entry in entries:
+            if "stream_counts" in entry:
+                counts = legacy_stream_counts(
+                    entry.get("stream_counts") or {}, entry.get("ops") or {}, sides
+                )
+                entry["stream_counts"] = block_map(counts.items())
     config["version"] = CONFIG_VERSION
-    for mapping in [config.get("meta")] + [
-        entry.get(field) for entry in config["entries"] for field in ("ops", "stream_counts")
-    ]:
-        if isinstance(mapping, CommentedMap):
-            mapping.fa.set_block_style()
 
 
 def load_config(path: Path) -> CommentedMap:
@@ -574,10 +594,17 @@ def validate_config(config: object, path: Path | str) -> None:
         ):
             raise InputError(path, f"{where}.ops must map op names to counts")
         streams = entry.get("stream_counts", {})
+        by_role = config["version"] >= ROLE_VERSION
         if not isinstance(streams, dict) or not all(
-            _is_int(k) and _is_int(v) and v >= 0 for k, v in streams.items()
+            (is_role(k) if by_role else _is_int(k)) and _is_int(v) and v >= 0
+            for k, v in streams.items()
         ):
-            raise InputError(path, f"{where}.stream_counts must map stream ids to counts")
+            raise InputError(
+                path,
+                f"{where}.stream_counts must map "
+                + ("stream roles (compute, comm, side1, …)" if by_role else "stream ids")
+                + " to counts",
+            )
         if not _is_int(entry.get("count", 0)):
             raise InputError(path, f"{where}.count must be an integer")
         if "kind" in entry and not isinstance(entry["kind"], str):

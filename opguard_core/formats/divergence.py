@@ -1,6 +1,6 @@
 """Divergence reports (``{name}_divergence.json`` and ``.log``): document, writer, reader.
 
-The document is ``{"format": "opguard-divergence", "version": 1, "meta", "findings"}``;
+The document is ``{"format": "opguard-divergence", "version": 2, "meta", "findings"}``;
 every finding has ``kind``, ``severity`` (``error`` or ``warning``), ``ranks`` (the
 ranks that deviate), ``target`` and ``message``, plus what its kind carries (see
 docs/divergence.md). The log is the same findings for a person: errors first, each
@@ -17,7 +17,10 @@ import msgspec
 from opguard_core.errors import InputError
 
 DIVERGENCE_FORMAT = "opguard-divergence"
-DIVERGENCE_VERSION = 1
+#: version 2: a collective finding's ``stream`` is its stream role (``comm``), not a raw
+#: id; version 1 documents are still read
+DIVERGENCE_VERSION = 2
+READ_VERSIONS = (1, 2)
 SEVERITIES = ("error", "warning")
 KINDS = ("collective_mismatch", "rank_specific", "count_skew")
 
@@ -91,10 +94,11 @@ def load_divergence(path: Path) -> dict[str, Any]:
     if (
         not isinstance(doc, dict)
         or doc.get("format") != DIVERGENCE_FORMAT
-        or doc.get("version") != DIVERGENCE_VERSION
+        or doc.get("version") not in READ_VERSIONS
     ):
         raise InputError(
-            path, f"expected format {DIVERGENCE_FORMAT!r} version {DIVERGENCE_VERSION}"
+            path,
+            f"expected format {DIVERGENCE_FORMAT!r} version {' or '.join(map(str, READ_VERSIONS))}",
         )
     check_findings(doc.get("findings"), str(path))
     return doc

@@ -1,8 +1,8 @@
 """A call tree as flat stacks: what the export formats (collapsed, speedscope, pprof) draw.
 
-One :class:`Stack` per (node, op, stream) with own ops: the frames from the root's
-child down to the node (``module:qualname``) with each frame's file and first line,
-the op and stream, and the count. The stacks' counts add up to the tree's root count
+One :class:`Stack` per (node, op, stream role) with own ops: the frames from the
+root's child down to the node (``module:qualname``) with each frame's file and first
+line, the op and stream role, and the count. The stacks' counts add up to the tree's root count
 (conservation, formats.md §2).
 """
 
@@ -10,13 +10,15 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
+from opguard_core.formats.streams import COMPUTE, sorted_roles
 from opguard_core.formats.tree import node_target
 
 
 class Stack(NamedTuple):
     frames: tuple[str, ...]
     op: str
-    stream: int
+    #: the stream role
+    stream: str
     weight: int
     #: per frame, (file, first line) as the tree's node records them (``""`` and 0 where
     #: it has none, e.g. a torch api); parallel to ``frames``, or empty when unknown
@@ -24,7 +26,7 @@ class Stack(NamedTuple):
 
 
 def tree_stacks(tree: dict[str, Any]) -> list[Stack]:
-    """Every (node, op, stream) of ``tree`` with own ops, depth first (iterative).
+    """Every (node, op, stream role) of ``tree`` with own ops, depth first (iterative).
 
     A node's own ops are split over streams by ``self_streams`` in op order; the
     tree records ops and streams separately, so where a node has several of both
@@ -59,11 +61,12 @@ def _unlink(link: Any) -> tuple[tuple[str, ...], tuple[tuple[str, int], ...]]:
 
 def split_streams(
     self_ops: dict[str, int], self_streams: dict[str, int]
-) -> list[tuple[str, int, int]]:
-    """(op, stream, count) triples whose op sums are ``self_ops`` and stream sums
-    ``self_streams``: ops and streams are paired off in sorted order."""
-    streams = sorted((int(s), c) for s, c in self_streams.items() if c > 0)
-    out: list[tuple[str, int, int]] = []
+) -> list[tuple[str, str, int]]:
+    """(op, role, count) triples whose op sums are ``self_ops`` and role sums
+    ``self_streams``: ops and roles are paired off in sorted order (roles by
+    :func:`~opguard_core.formats.streams.role_order`)."""
+    streams = [(s, c) for s, c in sorted_roles(self_streams) if c > 0]
+    out: list[tuple[str, str, int]] = []
     index = 0
     left = streams[0][1] if streams else 0
     for op, count in sorted(self_ops.items()):
@@ -75,6 +78,6 @@ def split_streams(
             if left == 0:
                 index += 1
                 left = streams[index][1] if index < len(streams) else 0
-        if count > 0:  # self_streams sum short (the tree check forbids it): stream 0
-            out.append((op, 0, count))
+        if count > 0:  # self_streams sum short (the tree check forbids it): compute
+            out.append((op, COMPUTE, count))
     return out

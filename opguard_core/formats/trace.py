@@ -19,20 +19,38 @@ import msgspec
 
 from opguard_core.errors import InputError
 from opguard_core.formats.deep_json import nests_deeper_than
+from opguard_core.formats.streams import ROLE_PATTERN, legacy_roles
 
 TRACE_FORMAT = "opguard-callsites"
-#: the version rank files are written in (the tracer's); version 2 adds per-rank
-#: statistics (``meta.per_rank_stats``, a callsite's ``per_rank``) for combined traces
-TRACE_VERSION = 1
-COMBINED_VERSION = 2
-READ_VERSIONS = (1, 2)
+#: the version rank files (the tracer's, the readers') and combined traces are written
+#: in. Version 2 added per-rank statistics (``meta.per_rank_stats``, a callsite's
+#: ``per_rank``) for combined traces; version 4 a stream ``role`` on every callsite
+#: (formats.md, "Streams and roles"), which a combined trace keys on instead of the
+#: raw ``stream``. Versions 1 and 2 are read, their roles derived (:func:`legacy_roles`).
+TRACE_VERSION = 4
+COMBINED_VERSION = TRACE_VERSION
+#: the first version whose callsites carry a ``role``
+ROLE_VERSION = 4
+READ_VERSIONS = (1, 2, 4)
 RANK_IN_NAME = re.compile(r"_rank(\d+)$")
+#: what a trace file's name ends with after its stem: ``.json``, Kineto's
+#: ``.pt.trace.json``, either gzip'd; else any one suffix (``.txt``)
+_TRACE_SUFFIX = re.compile(r"((\.pt\.trace)?\.json|\.[^.]*)?(\.gz)?$")
 #: Ranks are kept as bits of an integer mask, so an absurd rank (``10**12``) would
 #: allocate gigabytes; anything at or above this is refused as bad input.
 MAX_RANK = 1 << 20
 
 PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
 NonNegativeInt = Annotated[int, msgspec.Meta(ge=0)]
+Role = Annotated[str, msgspec.Meta(pattern=ROLE_PATTERN)]
+
+
+def trace_stem(path: Path | str) -> str:
+    """A trace file's name without its suffixes (``x_rank1.pt.trace.json.gz`` ->
+    ``x_rank1``, ``x_rank1.txt`` -> ``x_rank1``): what rank numbers in names and entry
+    names are read from."""
+    name = Path(path).name
+    return _TRACE_SUFFIX.sub("", name, count=1) or name
 
 
 class Frame(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True, gc=False):
@@ -66,16 +84,20 @@ class PerRank(msgspec.Struct, kw_only=True, omit_defaults=True, forbid_unknown_f
 
 
 class Callsite(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, gc=False):
-    """One (stack, api, op, stream) with its count; ``stack`` holds frame ids.
+    """One (stack, api, op, role) with its count; ``stack`` holds frame ids.
 
-    ``stack`` is a tuple: msgspec decodes a JSON array into an exactly sized tuple
-    faster than into a list, and a combine uses it as (part of) a dict key.
+    ``stream`` is the raw stream id a rank file records (None in a combined trace,
+    which keys on ``role``; version 1 and 2 files default it to 0); ``role`` is set
+    on every decoded callsite (:func:`assign_roles`). ``stack`` is a tuple: msgspec
+    decodes a JSON array into an exactly sized tuple faster than into a list, and a
+    combine uses it as (part of) a dict key.
     """
 
     stack: tuple[NonNegativeInt, ...]
     op: str
     api: str | None = None
-    stream: int = 0
+    stream: int | None = None
+    role: Role | None = None
     count: PositiveInt
     ranks: list[NonNegativeInt] | None = None
     per_rank: PerRank | None = None
@@ -146,6 +168,9 @@ class DecodedTrace(msgspec.Struct, kw_only=True):
     extras: dict[str, Any] = {}
     frame_extras: dict[int, dict[str, Any]] = {}
     callsite_extras: dict[int, dict[str, Any]] = {}
+    #: whether some callsite's role was derived (a version 1 or 2 document): two of
+    #: them may then share a role (a collective recorded on two streams)
+    derived_roles: bool = False
 
     def ranks(self) -> list[int]:
         """The ranks this trace covers: ``meta.ranks``, ``meta.rank``, the file name, or [0]."""
@@ -160,7 +185,7 @@ def trace_ranks(meta: dict[str, Any], path: str) -> list[int]:
     rank = meta.get("rank")
     if isinstance(rank, int) and _is_rank(rank):
         return [rank]
-    match = RANK_IN_NAME.search(Path(path).stem)
+    match = RANK_IN_NAME.search(trace_stem(path))
     if match:
         return [int(match.group(1))]
     return [0]
@@ -197,6 +222,26 @@ def read_bytes(path: Path) -> bytes:
         raise InputError(path, f"cannot read file: {exc.strerror or exc}") from None
 
 
+def read_head(path: Path, size: int = 4096) -> bytes:
+    """The first ``size`` bytes of an input file (of its decompressed content when it
+    is gzip'd), to tell its format by; one-line :class:`InputError` when unreadable."""
+    try:
+        with path.open("rb") as file:
+            head = file.read(size)
+            if not head.startswith(GZIP_MAGIC):
+                return head
+            file.seek(0)
+            inflate = zlib.decompressobj(wbits=31)
+            out = b""
+            while len(out) < size and not inflate.eof and (chunk := file.read(16384)):
+                out += inflate.decompress(chunk)
+            return out[:size]
+    except zlib.error as exc:
+        raise InputError(path, f"not a readable gzip file: {exc}") from None
+    except OSError as exc:
+        raise InputError(path, f"cannot read file: {exc.strerror or exc}") from None
+
+
 def decode_trace(data: bytes, path: Path | str, check_frame_ids: bool = True) -> DecodedTrace:
     """Decode and validate one trace document; raise :class:`InputError` on any problem.
 
@@ -213,6 +258,7 @@ def decode_trace(data: bytes, path: Path | str, check_frame_ids: bool = True) ->
         return _decode_lax(data, path)
     _check_header(doc.format, doc.version, path)
     check_nesting(doc.meta, path)
+    derived = assign_roles(doc.callsites, doc.version, path)
     if check_frame_ids:
         validate_frame_ids(doc.frames, doc.callsites, path)
         check_ranks(doc.meta, doc.callsites, path)
@@ -222,7 +268,13 @@ def decode_trace(data: bytes, path: Path | str, check_frame_ids: bool = True) ->
         except InputError:
             validate_frame_ids(doc.frames, doc.callsites, path)
             raise
-    return DecodedTrace(path=str(path), meta=doc.meta, frames=doc.frames, callsites=doc.callsites)
+    return DecodedTrace(
+        path=str(path),
+        meta=doc.meta,
+        frames=doc.frames,
+        callsites=doc.callsites,
+        derived_roles=derived,
+    )
 
 
 def load_trace(path: Path, check_frame_ids: bool = True) -> DecodedTrace:
@@ -251,6 +303,7 @@ def _decode_lax(data: bytes, path: Path | str) -> DecodedTrace:
         raise InputError(path, f"invalid trace: {_problem(exc)}") from None
     frames = [Frame(**msgspec.structs.asdict(f)) for f in doc.frames]
     callsites = [Callsite(**msgspec.structs.asdict(c)) for c in doc.callsites]
+    derived = assign_roles(callsites, doc.version, path)
     validate_frame_ids(frames, callsites, path)
     check_ranks(doc.meta, callsites, path)
     frame_extras = _extras(raw["frames"], _FRAME_FIELDS)
@@ -264,6 +317,7 @@ def _decode_lax(data: bytes, path: Path | str) -> DecodedTrace:
         extras=extras,
         frame_extras=frame_extras,
         callsite_extras=callsite_extras,
+        derived_roles=derived,
     )
 
 
@@ -282,8 +336,27 @@ def _check_header(fmt: object, version: object, path: Path | str) -> None:
             path,
             f"unknown format {fmt!r} version {version!r} "
             f"(expected format {TRACE_FORMAT!r} version "
-            f"{' or '.join(map(str, READ_VERSIONS))})",
+            f"{', '.join(map(str, READ_VERSIONS[:-1]))} or {READ_VERSIONS[-1]})",
         )
+
+
+def assign_roles(callsites: list[Callsite], version: int, path: Path | str) -> bool:
+    """Give every callsite its ``role``: a version-4 document must state each one; a
+    version 1 or 2 document's are derived from op and raw stream (:func:`legacy_roles`;
+    a role it states anyway is kept). Whether any role was derived."""
+    if version >= ROLE_VERSION:
+        for index, site in enumerate(callsites):
+            if site.role is None:
+                raise InputError(
+                    path, f"callsites[{index}] has no role (version {version} needs one)"
+                )
+        return False
+    missing = [site for site in callsites if site.role is None]
+    if missing:
+        roles = legacy_roles((site.op, site.stream or 0) for site in missing)
+        for site in missing:
+            site.role = roles[(site.op, site.stream or 0)]
+    return bool(missing)
 
 
 def validate_frame_ids(frames: list[Frame], callsites: list[Callsite], path: Path | str) -> None:

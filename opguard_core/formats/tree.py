@@ -10,9 +10,13 @@ import msgspec
 
 from opguard_core.errors import InputError, InvariantError
 from opguard_core.formats import deep_json
+from opguard_core.formats.streams import is_role, legacy_side_roles, legacy_stream_counts
 
 TREE_FORMAT = "opguard-calltree"
-TREE_VERSION = 1
+#: version 3 keys ``self_streams`` by stream role (formats.md, "Streams and roles");
+#: version 1 (raw stream ids) is read and upgraded (:func:`upgrade_tree`)
+TREE_VERSION = 3
+READ_VERSIONS = (1, 3)
 TORCH_API = "torch_api"
 #: nodes at this tree level (the root is level 0) and below are written compactly,
 #: one line per such subtree: a shallower tree's bytes are msgspec's indented form
@@ -119,6 +123,9 @@ def check_tree(tree: dict[str, Any], expected_total: int | None = None) -> None:
         for field in ("self_ops", "self_streams"):
             for name, value in node[field].items():
                 _check_count(where, f"{field}[{name!r}]", value)
+        for name in node["self_streams"]:
+            if not is_role(name):
+                raise InvariantError(f"{where}: self_streams key {name!r} is not a stream role")
         own = sum(node["self_ops"].values())
         below = sum(child["count"] for child in node["children"])
         if node["count"] != own + below:
@@ -176,14 +183,33 @@ def decode_json(data: bytes, path: Path | str) -> Any:
         raise InputError(path, f"not valid JSON: {exc}") from None
 
 
+def upgrade_tree(tree: dict[str, Any]) -> None:
+    """Bring a version-1 tree to version 3 in place: ``self_streams`` by raw id become
+    counts by role (:func:`legacy_stream_counts`: 0 is ``compute``, other ids
+    ``side1``, … ascending over the whole tree, a node's collective ops ``comm``)."""
+    if tree.get("format") != TREE_FORMAT or tree.get("version") != 1:
+        return
+    nodes = [node for node, _ in iter_nodes(tree["root"])]
+    raw = [{int(k): v for k, v in node["self_streams"].items()} for node in nodes]
+    sides = legacy_side_roles(stream for streams in raw for stream in streams)
+    for node, streams in zip(nodes, raw, strict=True):
+        node["self_streams"] = legacy_stream_counts(streams, node["self_ops"], sides)
+    tree["version"] = TREE_VERSION
+
+
 def checked_tree(tree: Any, path: Path | str) -> dict[str, Any]:
-    """``tree`` (a decoded document) when it is a valid call tree, else InputError."""
+    """``tree`` (a decoded document) when it is a valid call tree (of a version read,
+    upgraded), else InputError."""
     if not isinstance(tree, dict):
         raise InputError(path, "expected a JSON object at top level")
     try:
+        if tree.get("version") in READ_VERSIONS:
+            upgrade_tree(tree)
         check_tree(tree)
     except (KeyError, TypeError, AttributeError) as exc:
         raise InputError(path, f"invalid call tree: missing or mistyped {exc}") from None
+    except ValueError as exc:  # a version-1 stream id that is not a number
+        raise InputError(path, f"invalid call tree: {exc}") from None
     except InvariantError as exc:
         raise InputError(path, str(exc)) from None
     return tree

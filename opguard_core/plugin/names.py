@@ -25,6 +25,7 @@ BUILTIN_PLUGINS: dict[str, str] = {
     "check": "opguard_plugins.enforce.check",
     "check_rules": "opguard_plugins.enforce.rules",
     "guard": "opguard_plugins.enforce.guard",
+    "kineto": "opguard_plugins.readers.kineto",
 }
 
 #: Built-ins the pipeline cannot run without; use ``--skip STAGE`` to skip a stage.

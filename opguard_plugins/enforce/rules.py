@@ -13,6 +13,7 @@ from typing import Any
 
 from opguard_core import hookimpl
 from opguard_core.formats.check import ERROR, WARNING, CheckInput, Violation
+from opguard_core.formats.streams import sorted_roles
 
 Rule = Callable[[dict[str, Any] | None, dict[str, Any] | None, CheckInput], list[Violation]]
 
@@ -55,20 +56,20 @@ def unexpected_ops(
 def unexpected_streams(
     observed: dict[str, Any] | None, expected: dict[str, Any] | None, check: CheckInput
 ) -> list[Violation]:
-    """``unexpected_stream``: an op ran on a stream the entry does not list."""
+    """``unexpected_stream``: an op ran on a stream role the entry does not list."""
     if observed is None or expected is None:
         return []
-    known = {int(s) for s in (expected.get("stream_counts") or {})}
+    known = set(expected.get("stream_counts") or {})
     return [
         _violation(
             "unexpected_stream",
             ERROR,
             check,
-            f"{count} op(s) of {_where(check)} ran on stream {stream}, which it does not list",
-            stream=int(stream),
+            f"{count} op(s) of {_where(check)} ran on stream {role}, which it does not list",
+            stream=role,
         )
-        for stream, count in sorted((observed.get("stream_counts") or {}).items())
-        if int(stream) not in known
+        for role, count in sorted_roles(observed.get("stream_counts") or {})
+        if role not in known
     ]
 
 

@@ -25,8 +25,12 @@ How it works (docs/guard.md):
   intersection, which is exactly "every active entry lists it" (inclusive counting,
   as the config counts). States are interned, so the per-op check is one dict lookup.
 * **One TorchDispatchMode** sees every operator and checks it against the current
-  thread's state. A violation's first occurrence keeps the Python stack; ``warn``
-  logs it once, ``raise`` raises :class:`OpGuardViolation` inside the offending call.
+  thread's state. Streams are checked by role (formats.md, "Streams and roles"):
+  on CUDA every op's current stream is noted (:class:`StreamRoles`, so side streams
+  are numbered in order of first use, as the tracer numbers them; with ``sample``, a
+  stream first used in an unchecked step is numbered when it is next seen). A
+  violation's first occurrence keeps the Python stack; ``warn`` logs it once,
+  ``raise`` raises :class:`OpGuardViolation` inside the offending call.
 * **Sampling**: with ``sample=P`` only every ``round(1/P)``-th optimizer step is
   checked (steps counted with torch's global optimizer step hook, from 0, so step 0,
   which includes everything before the first ``optimizer.step()``, is checked); in
@@ -66,6 +70,7 @@ from opguard_core.formats.check import (
     write_json,
 )
 from opguard_core.formats.config import entry_key, load_config
+from opguard_core.formats.streams import StreamRoles
 from opguard_core.formats.tree import TORCH_API
 from opguard_core.logs import resolve_format
 from opguard_plugins.record.tracer import _is_launcher, count_optimizer_steps, op_name
@@ -141,7 +146,7 @@ class _State:
         key: EntryKey | None,
         known: frozenset[EntryKey],
         allowed: frozenset[str] | None,
-        streams: frozenset[int] | None,
+        streams: frozenset[str] | None,
     ) -> None:
         self.path = path  # the last `depth` active targets, outermost first
         self.key = key
@@ -184,17 +189,17 @@ class _Mode(TorchDispatchMode):  # type: ignore[no-untyped-call, misc, unused-ig
         args: tuple[Any, ...] = (),
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
+        stream: int | None = None
+        # torch.cuda.is_initialized has no annotations (unused without torch)
+        if self.cuda and torch.cuda.is_initialized():  # type: ignore[no-untyped-call, unused-ignore]
+            stream = self.guard.streams.see(int(torch.cuda.current_stream().stream_id))
         state = getattr(self.local, "state", None)
         if state is not None and state.watch and self.guard.checking:
             guard = self.guard
             if state.chain:
                 guard.count_ops(state.chain)
             if state.known:
-                # torch.cuda.is_initialized has no annotations (unused without torch)
-                if self.cuda and torch.cuda.is_initialized():  # type: ignore[no-untyped-call, unused-ignore]
-                    key: Any = (func, int(torch.cuda.current_stream().stream_id))
-                else:
-                    key = func
+                key: Any = func if stream is None else (func, stream)
                 ok = state.ok.get(key)
                 if ok is None:
                     guard.check_op(state, key)
@@ -271,10 +276,12 @@ class Guard:
         self.ops = {
             k: frozenset(str(o) for o in (e.get("ops") or {})) for k, e in self.entries.items()
         }
+        #: the stream roles each entry lists; ``streams`` gives this process's roles
         self.stream_sets = {
-            k: frozenset(int(s) for s in (e.get("stream_counts") or {}))
+            k: frozenset(str(s) for s in (e.get("stream_counts") or {}))
             for k, e in self.entries.items()
         }
+        self.streams = StreamRoles()
         kinds: dict[str, set[str]] = {}
         for (target, _), entry in self.entries.items():
             kinds.setdefault(target, set()).add(str(entry.get("kind") or ""))
@@ -543,7 +550,7 @@ class Guard:
         if interned is not None and interned.key == key:
             return interned
         allowed: frozenset[str] | None = None
-        streams: frozenset[int] | None = None
+        streams: frozenset[str] | None = None
         for item in known:
             ops, ss = self.ops[item], self.stream_sets[item]
             allowed = ops if allowed is None else allowed & ops
@@ -603,11 +610,12 @@ class Guard:
     # -- violations -----------------------------------------------------------
 
     def check_op(self, state: _State, key: Any) -> None:
-        """First sight of an op (and stream) in ``state``: accept it or record why not."""
-        func, stream = key if isinstance(key, tuple) else (key, None)
+        """First sight of an op (and raw stream) in ``state``: accept it or record why not."""
+        func, raw = key if isinstance(key, tuple) else (key, None)
         op = op_name(func)
         if op.startswith("c10d::") and self.rank is None:
             self._snapshot_rank()
+        stream = None if raw is None else self.streams.role(raw, op)
         op_ok = state.allowed is None or op in state.allowed
         stream_ok = stream is None or state.streams is None or stream in state.streams
         state.ok[key] = op_ok and stream_ok

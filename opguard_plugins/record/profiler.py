@@ -33,7 +33,7 @@ frame lines are the lines of the calls between them; the innermost frame's line 
 the line of the last Python-visible call before the op (exact when the op is reached
 through a function call, approximate for operator syntax such as ``a + b``).
 ``api`` is not recorded (the profiler does not see torch's Python function layer),
-``stream`` is 0.
+``stream`` is 0 (role ``compute``; a collective is on ``comm``).
 
 The trace is built and written by the same code as the modes backend's
 (:class:`~opguard_plugins.record.tracer.CallsiteTracer`), so the format is identical.

@@ -11,7 +11,11 @@ Two of torch's Python-level modes are pushed for the traced region:
   and records it with the current Python stack (a ``sys._getframe`` walk), the current
   ``api`` and the device stream.
 
-Identical (stack, api, op, stream) tuples are counted. Stacks are kept as raw
+Identical (stack, api, op, stream) tuples are counted. Each callsite is written with
+its raw stream id and its stream role (formats.md, "Streams and roles": a collective
+op is on ``comm``, whichever stream called it, as NCCL runs it on its own stream;
+the default stream, id 0, is ``compute``; other streams are ``side1``, ``side2``, … in
+order of first use, :class:`~opguard_core.formats.streams.StreamRoles`). Stacks are kept as raw
 ``(id(code), f_lasti)`` positions while recording; turning positions into lines, code
 objects into frames (relative paths, module names) and dropping the tracer's own frames
 and torch's dispatch plumbing happens once, when the trace is written. The per-operator
@@ -60,6 +64,7 @@ from torch.overrides import TorchFunctionMode, resolve_name
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from opguard_core.files.atomic import atomic_write_bytes
+from opguard_core.formats.streams import StreamRoles, is_comm_op
 from opguard_core.formats.trace import Frame, encode_trace
 from opguard_core.native import load_native
 
@@ -286,6 +291,8 @@ class CallsiteRecorder:
         self._local = _ThreadApi()
         self._backward: list[_BackwardContext] = []
         self._cuda = torch.cuda.is_available()
+        #: roles of the raw streams seen (each op's stream is noted, in order)
+        self.streams = StreamRoles()
         self._active = False
         #: the C fast path (``_recorder.Counter``), or None: :meth:`record` does it all
         self.counter: Counter | None = None
@@ -417,7 +424,7 @@ class CallsiteRecorder:
         if not torch.cuda.is_initialized():  # type: ignore[no-untyped-call, unused-ignore]
             return 0
         self.device = "cuda"
-        return int(torch.cuda.current_stream().stream_id)
+        return self.streams.see(int(torch.cuda.current_stream().stream_id))
 
     def snapshot_rank(self) -> None:
         """Remember rank and world size while the default process group exists."""
@@ -711,7 +718,11 @@ class CallsiteTracer:
         maker = _FrameMaker(self.recorder.modules, roots)
         with self.recorder._lock:
             raw = list(self.recorder.counts.items())
-        merged: dict[tuple[tuple[Frame, ...], str | None, str, int], int] = {}
+        #: (frames, api, op, role) -> [count, raw stream]: a collective called from
+        #: several streams is one callsite (its role is comm), on the smallest of them
+        merged: dict[tuple[tuple[Frame, ...], str | None, str, str], list[int]] = {}
+        role = self.recorder.streams.role
+        streams: dict[int, str] = {}
         frame_cache: dict[tuple[types.CodeType, int], Frame] = {}
         codes = self.recorder.codes
         line = self.recorder.line
@@ -732,20 +743,29 @@ class CallsiteTracer:
                 if value is None:
                     value = frame_cache[pair] = maker.frame(*pair)
                 frames.append(value)
-            key = (tuple(frames), api, op, stream)
-            merged[key] = merged.get(key, 0) + count
+            site_role = role(stream, op)
+            if not is_comm_op(op):
+                streams[stream] = site_role
+            key = (tuple(frames), api, op, site_role)
+            slot = merged.get(key)
+            if slot is None:
+                merged[key] = [count, stream]
+            else:
+                slot[0] += count
+                slot[1] = min(slot[1], stream)
         unique = sorted({f for key in merged for f in key[0]}, key=Frame.sort_key)
         ids = {frame: index for index, frame in enumerate(unique)}
         callsites: list[dict[str, Any]] = []
         rows = sorted(
-            ((([ids[f] for f in k[0]]), k[1], k[2], k[3], n) for k, n in merged.items()),
+            (([ids[f] for f in frames], api, op, site_role, count, stream)
+             for (frames, api, op, site_role), (count, stream) in merged.items()),
             key=lambda row: (row[0], row[2], row[1] or "", row[3]),
-        )
-        for stack_ids, api, op, stream, count in rows:
+        )  # fmt: skip
+        for stack_ids, api, op, site_role, count, stream in rows:
             site_dict: dict[str, Any] = {"stack": stack_ids}
             if api is not None:
                 site_dict["api"] = api
-            site_dict.update({"op": op, "stream": stream, "count": count})
+            site_dict.update({"op": op, "stream": stream, "role": site_role, "count": count})
             callsites.append(site_dict)
         meta: dict[str, Any] = {
             "label": self.label,
@@ -759,6 +779,7 @@ class CallsiteTracer:
             or shlex.join(sys.argv),
             "python_version": platform.python_version(),
             "tracer": TRACER_NAME,
+            "streams": {str(s): streams[s] for s in sorted(streams)},
         }
         if self.steps:
             meta["steps"] = self.steps

@@ -22,6 +22,7 @@ from typing import Any, NamedTuple
 from opguard_core import hookimpl
 from opguard_core.combine.accumulator import CallsiteTrace, gc_paused, mask_to_ranks, ranks_to_mask
 from opguard_core.configs.selection import compile_patterns
+from opguard_core.formats.streams import COMPUTE, sorted_roles
 from opguard_core.formats.trace import Frame
 from opguard_core.formats.tree import (
     TORCH_API,
@@ -45,6 +46,10 @@ DEFAULT_HIDE: tuple[str, ...] = (
     r"torch\._dynamo\.eval_frame:.*<locals>\._fn",
     r"torch\.distributed\.c10d_logger:.*",
     r"[^:]*:.*<locals>\.(wrapper|wrapped|wrapped_fn|wrapped_func|inner|_fn|decorate_context"
+    r"|maybe_fallback|_use_grad)",
+    # the same closures of torch's own decorators in traces without qualnames (Kineto's
+    # frames name a function, not its class or enclosing function: docs/compression.md)
+    r"torch\.[^:]*:(wrapper|wrapped|wrapped_fn|wrapped_func|inner|_fn|decorate_context"
     r"|maybe_fallback|_use_grad)",
 )
 
@@ -95,7 +100,8 @@ class Node:
         # Counter() runs Python-level __init__/update; an empty one needs neither
         # (a trie of a large trace has hundreds of thousands of nodes).
         self.self_ops: Counter[str] = _new_counter(Counter)
-        self.self_streams: Counter[int] = _new_counter(Counter)
+        #: own ops by stream role
+        self.self_streams: Counter[str] = _new_counter(Counter)
         self.ranks = 0
         #: targets folded into this node by chain pruning, outermost first
         self.chain: list[str] | deque[str] = []
@@ -272,7 +278,7 @@ def build_tree(
         [all_mask if site.ranks is None else ranks_to_mask(site.ranks) for site in sorted_sites],
         all_mask,
         [site.op for site in sorted_sites],
-        [site.stream for site in sorted_sites],
+        [site.role or COMPUTE for site in sorted_sites],
         WIDTH,
     )
     del paths, sorted_sites
@@ -444,7 +450,7 @@ def _node_fields(node: Node) -> dict[str, Any]:
         "kind": node.kind,
         "count": node.count,
         "self_ops": dict(sorted(node.self_ops.items())),
-        "self_streams": {str(s): c for s, c in sorted(node.self_streams.items())},
+        "self_streams": dict(sorted_roles(node.self_streams)),
         "ranks": mask_to_ranks(node.ranks),
         "chain": list(node.chain),
         "children": [],
@@ -506,7 +512,7 @@ def _compress_trace(trace: CallsiteTrace, options: RunOptions) -> dict[str, Any]
             "name": "<root>",
             "count": root.count,
             "self_ops": dict(sorted(root.self_ops.items())),
-            "self_streams": {str(s): c for s, c in sorted(root.self_streams.items())},
+            "self_streams": dict(sorted_roles(root.self_streams)),
             "children": [_node_doc(child) for child in root_children],
         },
     }

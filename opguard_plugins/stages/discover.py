@@ -1,12 +1,18 @@
 """Stage 1, discover: turn ``--input`` values into named entries.
 
 Each value is a file name or a glob pattern (``*``, ``?``, ``[...]``), relative to
-``--base-dir`` unless absolute. Files named ``{X}_rank{R}.json`` that sit in the
-same directory form one entry named ``X``, whether they came from one quoted
-pattern or from the shell's expansion of it; any other file is an entry of its own,
-named after its stem. Entries keep the order in which they first appear; rank
-files are sorted by rank. Names are made file-name safe and unique, and never one
-whose artifacts would be a run artifact's name (``opguard_core.run.artifacts``).
+``--base-dir`` unless absolute. Files named ``{X}_rank{R}`` (with a trace suffix:
+``.json``, ``.pt.trace.json``, either gzip'd) that sit in the same directory form
+one entry named ``X``, whether they came from one quoted pattern or from the shell's
+expansion of it. Files of another format (not ``opguard-callsites`` documents, by
+their first bytes: Kineto's ``rank0.pt.trace.json.gz``, ``rank1…``) that sit in the
+same directory and whose names differ only in their numbers are the ranks of one job
+too: one entry, named after the text before the first number (``rank``), its files
+ordered by their numbers; their ranks come from their content (a reader's document,
+such as Kineto's ``distributedInfo``). Any other file is an entry of its own, named
+after its stem. Entries keep the order in which they first appear; rank files are
+sorted by rank. Names are made file-name safe and unique, and never one whose
+artifacts would be a run artifact's name (``opguard_core.run.artifacts``).
 
 A value naming an existing file is read as that file even if its name holds glob
 characters (``[a].json``); it is expanded as a pattern only when no such file
@@ -26,12 +32,16 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from opguard_core import hookimpl
+from opguard_core.errors import InputError
+from opguard_core.formats.readers import is_callsite_trace
+from opguard_core.formats.trace import read_head, trace_stem
 from opguard_core.model import Discovery, InputEntry, InputProblem
 from opguard_core.run.artifacts import check_entry_names, reserved_entry_name
 from opguard_core.run.warnings import warn
 
 RANK_FILE = re.compile(r"^(?P<name>.+)_rank(?P<rank>\d+)$")
 _UNSAFE = re.compile(r"[^A-Za-z0-9._+-]")
+_NUMBER = re.compile(r"\d+")
 
 
 #: Longest entry name; artifact suffixes add up to 35 more bytes (file names stop at 255).
@@ -106,20 +116,55 @@ def _identity(path: Path) -> tuple[int, int]:
     return (st.st_dev, st.st_ino)
 
 
-def _group(path: Path) -> tuple[tuple[str, str], int]:
-    stem = path.name[: -len(".json")] if path.name.endswith(".json") else path.stem
-    match = RANK_FILE.match(stem)
+Group = tuple[str, str]
+#: a file's place in its entry: a rank, or the numbers in its name
+Order = tuple[int, ...]
+
+
+def _rank_group(path: Path) -> tuple[Group, Order] | None:
+    """A ``{X}_rank{R}`` file's entry key and rank."""
+    match = RANK_FILE.match(trace_stem(path))
     if match:
-        return (str(path.parent), match.group("name")), int(match.group("rank"))
-    return (str(path), stem), -1
+        return (str(path.parent), match.group("name")), (int(match.group("rank")),)
+    return None
+
+
+def _numbered_name(path: Path) -> str:
+    """``path``'s name with each number replaced by ``#`` (``rank#.pt.trace.json.gz``)."""
+    return _NUMBER.sub("#", path.name)
+
+
+def _of_another_format(path: Path) -> bool:
+    """Whether ``path`` starts as something other than an ``opguard-callsites``
+    document (unreadable: left to the combine, which reports it)."""
+    try:
+        return not is_callsite_trace(read_head(path))
+    except InputError:
+        return False
+
+
+def _numbered_groups(files: list[Path]) -> dict[Path, tuple[Group, Order]]:
+    """The files (not rank-named) that are the ranks of one job: of another format,
+    in one directory, their names the same but for their numbers (two or more)."""
+    buckets: dict[tuple[Path, str], list[Path]] = {}
+    for file in files:
+        buckets.setdefault((file.parent, _numbered_name(file)), []).append(file)
+    found: dict[Path, tuple[Group, Order]] = {}
+    for (parent, numbered), members in buckets.items():
+        if len(members) < 2 or not all(map(_of_another_format, members)):
+            continue
+        name = trace_stem(numbered).split("#", 1)[0].rstrip("._-") or "trace"
+        for file in members:
+            order = tuple(int(n) for n in _NUMBER.findall(file.name))
+            found[file] = ((str(parent), name), order)
+    return found
 
 
 def discover(inputs: Sequence[str], base_dir: Path) -> Discovery:
     """The built-in discovery (see the module docstring)."""
-    groups: dict[tuple[str, str], dict[Path, int]] = {}
-    specs: dict[tuple[str, str], list[str]] = {}
     problems: list[InputProblem] = []
     seen: dict[tuple[int, int], Path] = {}
+    inputs_read: list[tuple[str, Path]] = []
     for spec in inputs:
         files, found = _expand(spec, base_dir)
         problems += [InputProblem(spec=spec, error=problem) for problem in found]
@@ -135,10 +180,15 @@ def discover(inputs: Sequence[str], base_dir: Path) -> Discovery:
                         same_as=str(first),
                     )
                 continue
-            key, rank = _group(file)
-            groups.setdefault(key, {})[file.absolute()] = rank
-            if spec not in specs.setdefault(key, []):
-                specs[key].append(spec)
+            inputs_read.append((spec, file))
+    numbered = _numbered_groups([f for _, f in inputs_read if _rank_group(f) is None])
+    groups: dict[Group, dict[Path, Order]] = {}
+    specs: dict[Group, list[str]] = {}
+    for spec, file in inputs_read:
+        key, order = _rank_group(file) or numbered.get(file) or ((str(file), trace_stem(file)), ())
+        groups.setdefault(key, {})[file.absolute()] = order
+        if spec not in specs.setdefault(key, []):
+            specs[key].append(spec)
     entries: list[InputEntry] = []
     used: set[str] = set()
     for index, (key, rank_of) in enumerate(groups.items(), start=1):

@@ -182,7 +182,7 @@ def _collectives(trace: CallsiteTrace, stacks: _Stacks, exact: bool) -> Iterator
             "ranks": deviating,
             "op": site.op,
             "api": site.api,
-            "stream": site.stream,
+            "stream": site.role,
             "target": where["target"],
             "context": where["context"],
             "expected": expected if known else None,

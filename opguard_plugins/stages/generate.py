@@ -15,6 +15,7 @@ from ruamel.yaml.comments import CommentedMap
 
 from opguard_core import hookimpl
 from opguard_core.formats.config import CONFIG_VERSION, EntryKey, block_map, flow_map, flow_seq
+from opguard_core.formats.streams import sorted_roles
 from opguard_core.formats.tree import TORCH_API, node_target
 from opguard_core.model import RunOptions
 from opguard_plugins.stages import locations
@@ -76,13 +77,14 @@ class _Entry:
         self.file: str | None = None
         self.lines: set[int] = set()
         self.ops: Counter[str] = Counter()
-        self.streams: Counter[int] = Counter()
+        #: ops by stream role
+        self.streams: Counter[str] = Counter()
         self.ranks: set[int] = set()
 
 
-def _inclusive(root: dict[str, Any]) -> dict[int, tuple[Counter[str], Counter[int]]]:
-    """Inclusive ops and streams of every node, keyed by ``id(node)`` (post-order)."""
-    sums: dict[int, tuple[Counter[str], Counter[int]]] = {}
+def _inclusive(root: dict[str, Any]) -> dict[int, tuple[Counter[str], Counter[str]]]:
+    """Inclusive ops and stream roles of every node, keyed by ``id(node)`` (post-order)."""
+    sums: dict[int, tuple[Counter[str], Counter[str]]] = {}
     order: list[dict[str, Any]] = []
     stack = [root]
     while stack:
@@ -91,7 +93,7 @@ def _inclusive(root: dict[str, Any]) -> dict[int, tuple[Counter[str], Counter[in
         stack.extend(node["children"])
     for node in reversed(order):
         ops: Counter[str] = Counter(node["self_ops"])
-        streams: Counter[int] = Counter({int(s): c for s, c in node["self_streams"].items()})
+        streams: Counter[str] = Counter(node["self_streams"])
         for child in node["children"]:
             child_ops, child_streams = sums[id(child)]
             ops.update(child_ops)
@@ -169,7 +171,7 @@ def generate_config(tree: dict[str, Any], source: str, depth: int) -> CommentedM
         item["context"] = flow_seq(context)
         item["tags"] = flow_seq(tags_for(target, kind, entry.ops))
         item["ops"] = block_map(sorted(entry.ops.items()))
-        item["stream_counts"] = block_map(sorted(entry.streams.items()))
+        item["stream_counts"] = block_map(sorted_roles(entry.streams))
         item["count"] = sum(entry.ops.values())
         ranks = sorted(entry.ranks)
         if ranks != meta_ranks:

@@ -25,6 +25,7 @@ from opguard_core.formats.config import (
     flow_seq,
     set_entry_comments,
 )
+from opguard_core.formats.streams import sorted_roles
 from opguard_core.formats.tree import TORCH_API
 from opguard_core.formats.values import same_json, value_order
 
@@ -60,11 +61,12 @@ def _keep_comments(into: CommentedMap, *sources: Any) -> None:
                     into.ca.items[key] = comment
 
 
-def _add_counts(a: Any, b: Any) -> CommentedMap:
+def _add_counts(a: Any, b: Any, roles: bool = False) -> CommentedMap:
+    """The sum of two count mappings, sorted by key (stream ``roles`` in role order)."""
     total: dict[Any, int] = dict(a or {})
     for key, value in (b or {}).items():
         total[key] = total.get(key, 0) + value
-    summed = block_map(sorted(total.items()))
+    summed = block_map(sorted_roles(total) if roles else sorted(total.items()))
     _keep_comments(summed, a, b)
     return summed
 
@@ -98,7 +100,9 @@ def merge_entries(
     left["lines"] = _sorted_union(left.get("lines"), right.get("lines"))
     left["tags"] = _sorted_union(left.get("tags"), right.get("tags"))
     left["ops"] = _add_counts(left.get("ops"), right.get("ops"))
-    left["stream_counts"] = _add_counts(left.get("stream_counts"), right.get("stream_counts"))
+    left["stream_counts"] = _add_counts(
+        left.get("stream_counts"), right.get("stream_counts"), roles=True
+    )
     left["count"] = int(left.get("count", 0)) + int(right.get("count", 0))
     left["ranks"] = _sorted_union(_entry_ranks(left, left_ranks), _entry_ranks(right, right_ranks))
     return left

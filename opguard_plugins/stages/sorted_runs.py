@@ -33,7 +33,7 @@ from opguard_core.native import load_native
 class PyRuns:
     """The sorted ``paths`` (bytes, ``width`` bytes an id) of a trace's callsites,
     with each one's ``counts``, rank ``masks`` (``all_mask``: every rank), ``ops``
-    and ``streams``; positions are indices into the sorted order."""
+    and ``streams`` (stream roles); positions are indices into the sorted order."""
 
     def __init__(
         self,
@@ -42,7 +42,7 @@ class PyRuns:
         masks: list[int],
         all_mask: int,
         ops: list[str],
-        streams: list[int],
+        streams: list[str],
         width: int,
     ) -> None:
         self.paths = list(paths)
@@ -100,9 +100,9 @@ class PyRuns:
         ids = [int.from_bytes(prefix[j : j + 4], "big") for j in range(0, len(prefix) - 3, 4)]
         return b"".join(ranks[i].to_bytes(4, "big") for i in ids)
 
-    def tally(self, start: int, end: int, ops: dict[str, int], streams: dict[int, int]) -> None:
+    def tally(self, start: int, end: int, ops: dict[str, int], streams: dict[str, int]) -> None:
         """Add the counts of positions ``start`` to ``end`` to ``ops`` and ``streams``
-        (by each position's op and stream)."""
+        (by each position's op and stream role)."""
         counts, my_ops, my_streams = self.counts, self.ops, self.streams
         for position in range(start, end):
             count = counts[position]

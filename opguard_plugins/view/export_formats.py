@@ -110,7 +110,7 @@ def write_pprof(stacks: list[Stack]) -> bytes:
     equals its system name, and would cut ``train:<module>`` to ``train:``. A
     location per (function, line): a frame's line is its tree node's first line,
     so ``go tool pprof -list`` shows the counts in the source where the file is
-    found. The op is the leaf frame (no file) and the stream a label ``stream``.
+    found. The op is the leaf frame (no file) and the stream role a label ``stream``.
     """
     strings: dict[str, int] = {"": 0}
 
@@ -141,8 +141,7 @@ def write_pprof(stacks: list[Stack]) -> bytes:
             for name, site in zip(stack.frames, sites, strict=True)
         ]
         ids.append(location(stack.op, stack.op, "", 0))
-        # a string label: pprof drops numeric labels whose value is 0 (stream 0)
-        label = _int_field(1, stream_key) + _int_field(2, string(str(stack.stream)))
+        label = _int_field(1, stream_key) + _int_field(2, string(stack.stream))
         sample = (
             _packed(1, ids[::-1])  # leaf first
             + _packed(2, [stack.weight])

@@ -22,6 +22,7 @@ from typing import Any
 from opguard_core import hookimpl
 from opguard_core.combine.accumulator import CallsiteTrace
 from opguard_core.errors import OpGuardError
+from opguard_core.formats.streams import sorted_roles
 from opguard_core.model import RunOptions
 from opguard_plugins.stages.compress import compress_trace
 
@@ -50,7 +51,7 @@ def _fold_subtrees(node: dict[str, Any]) -> None:
         streams.update(below["self_streams"])
         stack.extend(below["children"])
     node["self_ops"] = dict(sorted(ops.items()))
-    node["self_streams"] = dict(sorted(streams.items(), key=lambda item: int(item[0])))
+    node["self_streams"] = dict(sorted_roles(streams))  # stream roles, compute first
     node["children"] = []
 
 
