@@ -27,7 +27,18 @@ def big_traces(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
+def _children(pid: int) -> list[str]:
+    """The pids of ``pid``'s children (the combine pool's workers, once it runs):
+    signalling then, not after a fixed sleep, keeps the test true on a fast machine
+    where the whole combine takes less than any sleep we could choose."""
+    try:
+        return Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    except OSError:
+        return []
+
+
 @pytest.mark.slow
+@pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="needs Linux /proc")
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
 def test_signal_to_the_group_stops_pool_cleanly(
     big_traces: Path, tmp_path: Path, sig: signal.Signals
@@ -40,15 +51,14 @@ def test_signal_to_the_group_stops_pool_cleanly(
     )  # fmt: skip
     deadline = time.monotonic() + 30
     summary = None
-    while time.monotonic() < deadline:  # wait until combine has started
+    while time.monotonic() < deadline:  # wait until discover is done and the pool runs
         found = list(out.glob("*/pipeline_summary.json"))
         if found:
             summary = found[0]
             stages = json.loads(summary.read_text())["stages"]
-            if any(s["stage"] == "discover" for s in stages):
+            if any(s["stage"] == "discover" for s in stages) and _children(proc.pid):
                 break
-        time.sleep(0.02)
-    time.sleep(0.3)
+        time.sleep(0.005)
     os.killpg(proc.pid, sig)
     _, err = proc.communicate(timeout=60)
     stderr = err.decode()
