@@ -36,7 +36,7 @@ from opguard_core.errors import InputError
 from opguard_core.formats.readers import is_callsite_trace
 from opguard_core.formats.trace import read_head, trace_stem
 from opguard_core.model import Discovery, InputEntry, InputProblem
-from opguard_core.run.artifacts import check_entry_names, reserved_entry_name
+from opguard_core.run.artifacts import entry_artifacts, reserved_entry_name
 from opguard_core.run.warnings import warn
 
 RANK_FILE = re.compile(r"^(?P<name>.+)_rank(?P<rank>\d+)$")
@@ -105,9 +105,11 @@ def _expand(spec: str, base_dir: Path) -> tuple[list[Path], list[str]]:
     return [path], []
 
 
-def _clashes(name: str, used: set[str]) -> bool:
-    """Whether ``name`` would write a file an entry already named in ``used`` writes."""
-    return bool(check_entry_names([*used, name]))
+def _clashes(name: str, owned: dict[str, str]) -> bool:
+    """Whether ``name`` would write a file an entry already named writes (``owned``:
+    each artifact file name of the entries named so far, to its entry). A look-up per
+    artifact, so naming n entries costs O(n), not O(n²)."""
+    return any(artifact in owned for artifact in entry_artifacts(name))
 
 
 def _identity(path: Path) -> tuple[int, int]:
@@ -191,13 +193,15 @@ def discover(inputs: Sequence[str], base_dir: Path) -> Discovery:
             specs[key].append(spec)
     entries: list[InputEntry] = []
     used: set[str] = set()
+    owned: dict[str, str] = {}
     for index, (key, rank_of) in enumerate(groups.items(), start=1):
         name = base = safe_name(key[1])
         suffix = 2
-        while name in used or reserved_entry_name(name) or _clashes(name, used):
+        while name in used or reserved_entry_name(name) or _clashes(name, owned):
             name = f"{base}_{suffix}"
             suffix += 1
         used.add(name)
+        owned.update(dict.fromkeys(entry_artifacts(name), name))
         ordered = tuple(sorted(rank_of, key=lambda p: (rank_of[p], str(p))))
         entries.append(InputEntry(name=name, files=ordered, index=index, specs=tuple(specs[key])))
     return Discovery(entries=entries, problems=problems)
