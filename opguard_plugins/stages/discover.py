@@ -16,13 +16,15 @@ artifacts would be a run artifact's name (``opguard_core.run.artifacts``).
 
 A value naming an existing file is read as that file even if its name holds glob
 characters (``[a].json``); it is expanded as a pattern only when no such file
-exists. A directory, FIFO or device, named or matched, is refused. The same file
+exists. A directory, FIFO or device, named or matched, is refused; so is a symbolic
+link that dangles or loops, as that input's problem (the other files go on). The same file
 reached by two spellings (``a.json``, ``sub/../a.json``, a symlink) is one input:
 the first spelling is kept and the others logged as a warning.
 """
 
 from __future__ import annotations
 
+import errno
 import glob
 import hashlib
 import os
@@ -61,12 +63,28 @@ def safe_name(stem: str) -> str:
     return name
 
 
+def _link_target(path: Path) -> str:
+    try:
+        return repr(os.readlink(path))
+    except OSError:
+        return "?"
+
+
 def _not_a_file(path: Path) -> str | None:
-    """Why ``path`` cannot be read as a trace (None: a regular file, or absent)."""
+    """Why ``path`` cannot be read as a trace (None: a regular file, or absent).
+
+    A symbolic link that leads nowhere (dangling) or to itself (a loop) is refused
+    here, as its own problem, so it fails only its input, never the whole discovery."""
     try:
         mode = path.stat().st_mode
-    except OSError:
+    except FileNotFoundError:
+        if path.is_symlink():
+            return f"{path}: a dangling symbolic link (its target {_link_target(path)} is missing)"
         return None
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            return f"{path}: a symbolic link loop (too many levels of symbolic links)"
+        return f"{path}: cannot be read: {exc.strerror or exc}"
     if stat.S_ISREG(mode):
         return None
     if stat.S_ISDIR(mode):
@@ -97,11 +115,11 @@ def _expand(spec: str, base_dir: Path) -> tuple[list[Path], list[str]]:
             return [], [f"pattern {spec!r} matched no files (relative to {base_dir})"]
         problems = [p for p in map(_not_a_file, matches) if p]
         return [p for p in matches if _not_a_file(p) is None], problems
-    if not path.exists():
-        return [], [f"{path}: no such file"]
     problem = _not_a_file(path)
     if problem:
         return [], [problem]
+    if not path.exists():
+        return [], [f"{path}: no such file"]
     return [path], []
 
 
@@ -171,7 +189,11 @@ def discover(inputs: Sequence[str], base_dir: Path) -> Discovery:
         files, found = _expand(spec, base_dir)
         problems += [InputProblem(spec=spec, error=problem) for problem in found]
         for file in files:
-            identity = _identity(file)
+            try:
+                identity = _identity(file)
+            except OSError as exc:  # changed since it was matched: this file only
+                problems.append(InputProblem(spec=spec, error=f"{file}: {exc.strerror or exc}"))
+                continue
             first = seen.setdefault(identity, file)
             if first != file:
                 if first.absolute() != file.absolute():
