@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as _dt
-import functools
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -192,9 +191,14 @@ def build_summary(
     }
 
 
-@functools.cache
+_FIELD_NAMES: dict[type, tuple[str, ...]] = {}
+
+
 def _field_names(kind: type) -> tuple[str, ...]:
-    return tuple(f.name for f in dataclasses.fields(kind))
+    names = _FIELD_NAMES.get(kind)
+    if names is None:
+        names = _FIELD_NAMES[kind] = tuple(f.name for f in dataclasses.fields(kind))
+    return names
 
 
 def record_fields(record: StageRecord) -> dict[str, Any]:

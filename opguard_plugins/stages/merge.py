@@ -125,7 +125,7 @@ def _sources(config: dict[str, Any]) -> set[str]:
 
 def merge_configs(left: CommentedMap, right: CommentedMap) -> CommentedMap:
     """The built-in merge. ``left`` is copied, never changed in place."""
-    result = copy_config(left)
+    result: CommentedMap = copy_config(left)
     left_meta = result.get("meta") or {}
     right_meta = right.get("meta") or {}
     left_ranks = list(left_meta.get("ranks", []))
