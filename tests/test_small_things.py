@@ -12,11 +12,19 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from hypothesis import given
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from opguard_core.combine.accumulator import mask_to_ranks, ranks_to_mask
-from opguard_core.formats.config import copy_config, dump_config, load_config
+from opguard_core.formats.config import (
+    _dump_with_ruamel,
+    _load_fast,
+    _yaml,
+    copy_config,
+    dump_config,
+    load_config,
+    split_entry_comments,
+)
 from opguard_core.formats.tree import (
     TREE_VERSION,
     iter_nodes,
@@ -25,6 +33,7 @@ from opguard_core.formats.tree import (
     ranks_to_ranges,
 )
 from opguard_core.run.summary import read_summary
+from tests import test_fast_yaml as fast_yaml
 from tests.conftest import RunResult
 
 Run = Callable[..., RunResult]
@@ -237,3 +246,29 @@ def test_a_named_symlink_loop_is_one_line(tmp_path: Path, opguard: Run) -> None:
     assert run.exit_code != 0
     assert "self.json: a symbolic link loop" in run.stderr
     assert "Traceback" not in run.stderr
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(fast_yaml.configs(fast_yaml.strings))
+def test_the_fast_reader_reads_what_ruamel_reads(config: Any) -> None:
+    """Adversarial strings (``yes``, ``0x1F``, ``a: b``, ``'``, line separators, ...):
+    whenever the fast reader's result is taken, it is the document ruamel reads,
+    styles included; otherwise ruamel reads the text."""
+    text = _dump_with_ruamel(config)
+    stripped, _ = split_entry_comments(text)
+    fast = _load_fast(stripped)
+    slow = _yaml().load(stripped)
+    if fast is not None:
+        assert fast_yaml.plain(fast) == fast_yaml.plain(slow)
+        assert _dump_with_ruamel(fast) == _dump_with_ruamel(slow) == stripped
+
+
+def test_a_written_config_takes_the_fast_reader(tmp_path: Path, opguard: Run) -> None:
+    """What the run writes is read back by the fast reader (not ruamel's loader)."""
+    run = opguard("run", "-i", write(tmp_path / "x.json", trace(5, rank=0)), expect=0)
+    assert run.run_dir is not None
+    text = (run.run_dir / "x_instrumentation.yaml").read_text()
+    stripped, _ = split_entry_comments(text)
+    fast = _load_fast(stripped)
+    assert fast is not None
+    assert fast_yaml.plain(fast) == fast_yaml.plain(_yaml().load(stripped))

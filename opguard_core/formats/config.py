@@ -37,6 +37,7 @@ from ruamel.yaml.scalarint import ScalarInt
 from ruamel.yaml.tag import Tag
 
 from opguard_core.errors import InputError
+from opguard_core.formats.config_reader import read_fast
 from opguard_core.formats.streams import is_role, legacy_side_roles, legacy_stream_counts
 
 #: the layout written: version 3 keys ``stream_counts`` by stream role (formats.md,
@@ -537,14 +538,27 @@ def _dump_fast(config: CommentedMap) -> str | None:
         return None
 
 
+def _load_fast(text: str) -> CommentedMap | None:
+    """``text`` read by the fast reader (:mod:`opguard_core.formats.config_reader`)
+    when the fast writer writes the result back to exactly ``text``; else None (then
+    ruamel reads it: anything unusual, comments inside entries, aliases, duplicate
+    keys, other styles)."""
+    config = read_fast(text)
+    if config is None or _dump_fast(config) != text:
+        return None
+    return config
+
+
 def parse_config(text: str, path: Path | str) -> CommentedMap:
     """Parse and validate config text; raise :class:`InputError` naming the problem."""
     stripped, blocks = split_entry_comments(text)
-    try:
-        config = _yaml().load(stripped)
-    except YAMLError as exc:
-        problem = str(exc).splitlines()
-        raise InputError(path, f"malformed YAML: {' '.join(problem)}") from None
+    config = _load_fast(stripped)
+    if config is None:
+        try:
+            config = _yaml().load(stripped)
+        except YAMLError as exc:
+            problem = str(exc).splitlines()
+            raise InputError(path, f"malformed YAML: {' '.join(problem)}") from None
     validate_config(config, path)
     entries = config["entries"]
     if len(blocks) == len(entries):
