@@ -552,7 +552,7 @@ def _load_fast(text: str) -> CommentedMap | None:
 def parse_config(text: str, path: Path | str) -> CommentedMap:
     """Parse and validate config text; raise :class:`InputError` naming the problem."""
     stripped, blocks = split_entry_comments(text)
-    config = _load_fast(stripped)
+    config: Any = _load_fast(stripped)
     if config is None:
         try:
             config = _yaml().load(stripped)
