@@ -54,6 +54,11 @@ _STR_TAG = "tag:yaml.org,2002:str"
 #: strings ruamel's emitter would write plain (or with a raw line break) in a form
 #: its own parser refuses or reads differently: both writers quote them
 _LEADS_NEEDING_QUOTES = ("?", ":")
+#: a letter, then letters, digits and ``_ . + / -``: no indicator, space or break, so
+#: ruamel writes it plain in block and flow context unless it resolves to another type
+#: (``true``, ``null``: :meth:`_FastWriter._plain_str`). Names such as a merged config's
+#: ``source`` (``job0+job1+…``) skip the emitter's per-character analysis.
+_SAFE_PLAIN = re.compile(r"[A-Za-z][A-Za-z0-9_.+/-]*")
 _BREAKS_NEEDING_ESCAPES = ("\x85", "\u2028", "\u2029")
 
 
@@ -343,6 +348,8 @@ class _FastWriter:
         (``Emitter.choose_scalar_style``)."""
         if not value:
             return "''"
+        if _SAFE_PLAIN.fullmatch(value) and self._plain_str(value):
+            return value  # what the analysis below decides, without its per-character loop
         analysis = self.emitter.analyze_scalar(value)
         if analysis.multiline:
             raise _Unusual
@@ -364,6 +371,13 @@ class _FastWriter:
         if analysis.allow_single_quoted:
             return "'" + value.replace("'", "''") + "'"
         return self.double_quoted(value)
+
+    def _plain_str(self, value: str) -> bool:
+        resolve = self.resolver.resolve
+        return bool(
+            resolve(ScalarNode, value, (False, True)) == _STR_TAG
+            and resolve(ScalarNode, value, (True, False)) == _STR_TAG
+        )
 
     @staticmethod
     def double_quoted(value: str) -> str:
