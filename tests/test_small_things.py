@@ -248,7 +248,7 @@ def test_a_named_symlink_loop_is_one_line(tmp_path: Path, opguard: Run) -> None:
     assert "Traceback" not in run.stderr
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(fast_yaml.configs(fast_yaml.strings))
 def test_the_fast_reader_reads_what_ruamel_reads(config: Any) -> None:
     """Adversarial strings (``yes``, ``0x1F``, ``a: b``, ``'``, line separators, ...):
