@@ -367,6 +367,8 @@ def test_every_summary_write_failing_is_one_line_and_exit_1(
 def test_summary_writes_failing_mid_run_still_leave_the_final_summary(
     opguard: Callable[..., Any], samples: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    # a write after every stage, as before summary writes were paced (SummaryPace)
+    monkeypatch.setattr("opguard_core.run.summary.SummaryPace.PACE", 0)
     _failing_writes(
         monkeypatch, lambda name, n: name == "pipeline_summary.json" and n in (2, 3, 5), errno.EIO
     )

@@ -272,3 +272,29 @@ def test_a_written_config_takes_the_fast_reader(tmp_path: Path, opguard: Run) ->
     fast = _load_fast(stripped)
     assert fast is not None
     assert fast_yaml.plain(fast) == fast_yaml.plain(_yaml().load(stripped))
+
+
+def test_paced_summary_writes_still_end_complete(
+    tmp_path: Path, opguard: Run, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """However far apart the summary writes are paced, the final write lists every
+    stage record (the pace only skips intermediate rewrites)."""
+    from opguard_core.files import atomic
+
+    monkeypatch.setattr("opguard_core.run.summary.SummaryPace.PACE", 10**9)
+    writes: list[str] = []
+    original = atomic.atomic_write_bytes
+
+    def counting(path: Path, data: bytes, *args: Any, **kwargs: Any) -> Any:
+        if Path(path).name == "pipeline_summary.json":
+            writes.append(json.loads(data)["status"])
+        return original(path, data, *args, **kwargs)
+
+    monkeypatch.setattr("opguard_core.run.runner.atomic_write_bytes", counting)
+    inputs = [write(tmp_path / f"in{i}.json", trace(2, offset=i, rank=0)) for i in range(3)]
+    run = opguard("run", *[a for p in inputs for a in ("-i", p)], expect=0)
+    assert run.run_dir is not None
+    assert writes == ["running", "ok"]  # the first stage's, then the final one
+    summary = read_summary(run.run_dir)
+    assert [s["stage"] for s in summary["stages"]].count("generate") == 3
+    assert summary["status"] == "ok"
