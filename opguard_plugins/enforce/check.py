@@ -32,7 +32,7 @@ from opguard_core.cli.options import (
     verbose_option,
 )
 from opguard_core.configs.chain import BASIC_FILTER_PLUGIN
-from opguard_core.errors import ExitCode, PluginError
+from opguard_core.errors import ExitCode, InputError, PluginError, one_line
 from opguard_core.files.atomic import atomic_write_text
 from opguard_core.formats.check import (
     ERROR,
@@ -235,7 +235,9 @@ def format_text(config: str, violations: Sequence[Violation]) -> str:
     for v in violations:
         ranks = ",".join(map(str, v.ranks))
         lines.append(f"{v.severity:<7} {v.kind:<17} ranks {ranks:<5} {v.message}")
-    return "\n".join(lines) + "\n"
+    # names come from the config and the traces: control characters escaped, so
+    # none can forge a line or send the terminal an escape sequence
+    return "\n".join(one_line(line) for line in lines) + "\n"
 
 
 CODES: exits.Codes = {
@@ -284,7 +286,7 @@ def make_command(manager: OpGuardPluginManager) -> click.Command:
         observed = observe(manager, input_options, options)
         if observed.problems:
             for problem in observed.problems:
-                click.echo(f"opguard: error: {problem}", err=True)
+                click.echo(f"opguard: error: {one_line(problem)}", err=True)
             return ExitCode.INPUT_UNREADABLE
         violations = check_configs(
             manager, config, observed.configs, tolerance, strict, observed.combined

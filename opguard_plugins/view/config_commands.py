@@ -38,7 +38,7 @@ from opguard_core.configs.chain import (
     settings_of,
 )
 from opguard_core.configs.selection import PatternError, Selection, select_entries
-from opguard_core.errors import ExitCode
+from opguard_core.errors import ExitCode, one_line
 from opguard_core.files.atomic import atomic_write_text
 from opguard_core.formats.config import dump_config, entry_key, flow_seq, load_config
 from opguard_core.logs import get_logger
@@ -228,9 +228,12 @@ def show_rows(
 
 
 def _cells(row: dict[str, Any]) -> list[str]:
+    """The row's table cells, control characters escaped (:func:`one_line`): a name
+    from a config can neither forge a row nor send a terminal an escape sequence."""
     share = "" if row["share"] is None else f"{100 * row['share']:.1f}%"
     ops = ", ".join(f"{o['op']} {o['count']}" for o in row["main_ops"])
-    return [str(row["count"]), share, row["target"], " > ".join(row["context"]), ops]
+    names = [row["target"], " > ".join(row["context"]), ops]
+    return [str(row["count"]), share, *(one_line(name) for name in names)]
 
 
 HEADERS = ["count", "share", "target", "context", "main ops"]
@@ -257,12 +260,14 @@ def _on_terminal() -> bool:
 def _rich_table(title: str, rows: list[dict[str, Any]]) -> None:
     from rich.console import Console
     from rich.table import Table
+    from rich.text import Text
 
-    table = Table(title=title, title_justify="left")
+    # Text, not str: rich would read ``[...]`` in a name as console markup
+    table = Table(title=Text(title), title_justify="left")
     for i, header in enumerate(HEADERS):
         table.add_column(header, justify="right" if i < 2 else "left", overflow="fold")
     for row in rows:
-        table.add_row(*_cells(row))
+        table.add_row(*(Text(cell) for cell in _cells(row)))
     Console().print(table)
 
 
@@ -302,7 +307,7 @@ def show(
     if fmt == "json":
         click.echo(json.dumps({**head, "entries": rows}, indent=2))
         return
-    title = (
+    title = one_line(
         f"{head['config']}: {head['source']}, {head['total']} ops on ranks {head['ranks']}; "
         f"showing {len(rows)} of {selected} entries ({head['entries_in_config']} in the config)"
     )
