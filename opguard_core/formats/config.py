@@ -24,8 +24,6 @@ from typing import Any
 
 from ruamel.yaml import YAML
 from ruamel.yaml.anchor import Anchor
-from ruamel.yaml.composer import Composer
-from ruamel.yaml.constructor import DuplicateKeyError
 from ruamel.yaml.comments import (
     CommentedMap,
     CommentedSeq,
@@ -33,6 +31,8 @@ from ruamel.yaml.comments import (
     format_attrib,
     merge_attrib,
 )
+from ruamel.yaml.composer import Composer
+from ruamel.yaml.constructor import DuplicateKeyError
 from ruamel.yaml.error import YAMLError
 from ruamel.yaml.events import AliasEvent
 from ruamel.yaml.nodes import MappingNode, ScalarNode, SequenceNode
@@ -635,13 +635,14 @@ def max_config_bytes() -> int:
     """:data:`MAX_CONFIG_BYTES`, or ``$OPGUARD_MAX_CONFIG_BYTES`` when it is a
     positive integer."""
     value = os.environ.get(MAX_CONFIG_BYTES_ENV, "").strip()
-    return int(value) if value.isdigit() and 0 < len(value) < 19 and int(value) else MAX_CONFIG_BYTES
+    if value.isdigit() and len(value) < 19 and int(value) > 0:
+        return int(value)
+    return MAX_CONFIG_BYTES
 
 
 def _too_large(size: int, limit: int) -> str:
     return (
-        f"config too large: {size} bytes (more than {limit}; "
-        f"set {MAX_CONFIG_BYTES_ENV} to read it)"
+        f"config too large: {size} bytes (more than {limit}; set {MAX_CONFIG_BYTES_ENV} to read it)"
     )
 
 
@@ -650,13 +651,15 @@ def load_config(path: Path) -> CommentedMap:
     :func:`max_config_bytes` is refused before it is read)."""
     limit = max_config_bytes()
     try:
-        if not stat.S_ISREG(path.stat().st_mode):  # a FIFO or a device would block
-            kind = "Is a directory" if path.is_dir() else "not a regular file"
+        info = path.stat()
+        if not stat.S_ISREG(info.st_mode):  # a FIFO or a device would block
+            kind = "Is a directory" if stat.S_ISDIR(info.st_mode) else "not a regular file"
             raise InputError(path, f"cannot read file: {kind}")
-        with path.open("rb") as handle:
-            data = handle.read(limit + 1)
-        if len(data) > limit:
-            raise InputError(path, _too_large(max(path.stat().st_size, len(data)), limit))
+        if info.st_size > limit:
+            raise InputError(path, _too_large(info.st_size, limit))
+        data = path.read_bytes()
+        if len(data) > limit:  # it grew since
+            raise InputError(path, _too_large(len(data), limit))
         # universal newlines, as ``read_text`` reads
         text = data.decode("utf-8").replace("\r\n", "\n").replace("\r", "\n")
     except InputError:

@@ -40,6 +40,7 @@ from opguard_core.configs.chain import (
 from opguard_core.configs.selection import PatternError, Selection, select_entries
 from opguard_core.errors import ExitCode, one_line
 from opguard_core.files.atomic import atomic_write_text
+from opguard_core.files.output_dirs import check_output_file
 from opguard_core.formats.config import dump_config, entry_key, flow_seq, load_config
 from opguard_core.logs import get_logger
 from opguard_core.model import RunOptions
@@ -142,10 +143,11 @@ def make_merge(manager: OpGuardPluginManager) -> click.Command:
         """Merge configs (or run directories) as the run does: ((A+B)+C)+…"""
         if len(configs) < 2:
             raise click.UsageError("give at least two configs to merge")
-        loaded = [read_input(path)[1] for path in configs]
-        merged = fold(manager, loaded)
+        inputs = [read_input(path) for path in configs]
+        check_output_file(output, [source for source, _ in inputs])
+        merged = fold(manager, [config for _, config in inputs])
         atomic_write_text(output, dump_config(merged))
-        click.echo(str(output))
+        click.echo(one_line(str(output)))
 
     return exits.command("merge", WRITES)(merge)
 
@@ -180,7 +182,8 @@ def make_filter(manager: OpGuardPluginManager) -> click.Command:
         selection = _selection(focus, ignore)
         check_basic(manager.disabled, basic)
         options = RunOptions(basic=basic, basic_list=basic_list, verbose=bool(verbose))
-        _, loaded = read_input(config, filtered=False)
+        source, loaded = read_input(config, filtered=False)
+        check_output_file(output, [source])
         if selection:
             kept = select_entries(loaded, selection)
             _warn_unmatched(selection)
@@ -189,7 +192,7 @@ def make_filter(manager: OpGuardPluginManager) -> click.Command:
             _record_selection(loaded, focus, ignore)
         filtered, _ = apply_filters(active_filters(manager, options), loaded, options)
         atomic_write_text(output, dump_config(filtered))
-        click.echo(str(output))
+        click.echo(one_line(str(output)))
 
     return exits.command("filter", WRITES)(filter_)
 
