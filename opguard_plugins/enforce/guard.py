@@ -20,7 +20,7 @@ import click
 from opguard_core import hookimpl
 from opguard_core.cli import exits
 from opguard_core.cli.options import config_option
-from opguard_core.errors import ExitCode, OpGuardError
+from opguard_core.errors import ExitCode, OpGuardError, one_line
 from opguard_core.formats.check import ERROR, load_report
 from opguard_core.formats.config import load_config
 from opguard_core.run.summary import config_source
@@ -121,7 +121,7 @@ def guard(
     reports = written_reports(report_dir, started)
     errors, warnings, problems = summarize(reports)
     for problem in problems:
-        click.echo(f"opguard: error: {problem}", err=True)
+        click.echo(f"opguard: error: {one_line(problem)}", err=True)
     if reports:
         names = ", ".join(p.name for p in reports)
         click.echo(

@@ -72,7 +72,7 @@ from opguard_core.formats.check import (
 from opguard_core.formats.config import entry_key, load_config
 from opguard_core.formats.streams import StreamRoles
 from opguard_core.formats.tree import TORCH_API
-from opguard_core.logs import resolve_format
+from opguard_core.logs import escape_controls, resolve_format
 from opguard_plugins.record.tracer import _is_launcher, count_optimizer_steps, op_name
 
 ON_VIOLATION = ("warn", "raise")
@@ -316,13 +316,17 @@ class Guard:
         self._step_hook: Any = None
         self._finished = False
         self.written: Path | None = None
+        console = resolve_format(os.environ.get("OPGUARD_GUARD_LOG_FORMAT")) == "console"
+        escape: list[Any] = [escape_controls] if console else []
         self.log = structlog.wrap_logger(
             structlog.PrintLogger(file=sys.stderr),
             processors=[
                 structlog.processors.add_log_level,
                 structlog.processors.TimeStamper(fmt="iso"),
+                # names from the config: control characters escaped (JSON escapes them)
+                *escape,
                 structlog.dev.ConsoleRenderer(colors=False)
-                if resolve_format(os.environ.get("OPGUARD_GUARD_LOG_FORMAT")) == "console"
+                if console
                 else structlog.processors.JSONRenderer(),
             ],
         )
