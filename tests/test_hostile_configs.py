@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import stat
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -405,12 +406,22 @@ def test_output_equal_to_an_input_is_refused(tmp_path: Path, run_dir: Path) -> N
     assert {p: p.read_bytes() for p in before} == before
 
 
-def test_output_onto_a_device_is_refused(tmp_path: Path, run_dir: Path) -> None:
-    """An atomic write would replace the node itself (as root: /dev/null a file)."""
+def test_output_onto_a_device_or_fifo_is_refused(tmp_path: Path, run_dir: Path) -> None:
+    """An atomic write replaces the path: ``-o /dev/null`` made /dev/null a file (as
+    root). Tested on nodes of the test's own (never on /dev: a build without the
+    check would break the machine)."""
     config = next(run_dir.glob("*_instrumentation.yaml"))
-    result = invoke("merge", config, config, "-o", "/dev/null")
-    one_error_line(result, 2, "/dev/null", "not a regular file")
-    assert not Path("/dev/null").is_file()
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    nodes = [fifo]
+    if os.geteuid() == 0:  # a character device like /dev/null (1, 3)
+        device = tmp_path / "null"
+        os.mknod(device, stat.S_IFCHR | 0o666, os.makedev(1, 3))
+        nodes.append(device)
+    for node in nodes:
+        result = invoke("merge", config, config, "-o", node)
+        one_error_line(result, 2, node.name, "not a regular file")
+        assert not node.is_file()
 
 
 @pytest.mark.parametrize("where", ["file/sub.txt", "/proc/opguard_check.txt"])
@@ -442,3 +453,23 @@ def test_check_reads_a_configs_basic_list_next_to_it(tmp_path: Path, run_dir: Pa
     result = invoke("check", "--config", config, "-i", trace)
     assert result.exit_code == 0, result.stderr
     assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("text", "problem"),
+    [
+        ("utilities: " + "[" * 100_000 + "]" * 100_000 + "\n", "nested deeper than"),
+        (_laughs().replace("entries: []", "utilities: []"), "YAML aliases expand"),
+        ("utilities: [" + "9" * 5000 + "]\n", "an integer of 5000 characters"),
+    ],
+    ids=["deep", "aliases", "huge_int"],
+)
+def test_a_hostile_basic_list_is_one_line(tmp_path: Path, text: str, problem: str) -> None:
+    """A config names its basic list for ``check``: the list is bounded like a config."""
+    config = tmp_path / "c.yaml"
+    config.write_text(config_text(entry("app:main")))
+    basic = tmp_path / "basic.yaml"
+    basic.write_text(text)
+    result = invoke("filter", config, "--basic-list", basic, "--basic", "-o", tmp_path / "f.yaml")
+    one_error_line(result, 5, "basic.yaml", problem)
+    assert not (tmp_path / "f.yaml").exists()

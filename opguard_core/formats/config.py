@@ -120,7 +120,7 @@ def _node_size(node: Any, sizes: dict[int, int]) -> int:
     return size
 
 
-class _BoundedComposer(Composer):
+class BoundedComposer(Composer):
     """ruamel's composer with the limits of hostile input: nesting depth
     (:data:`MAX_DEPTH`, before Python's recursion limit), the nodes aliases expand to
     (:data:`MAX_ALIAS_NODES`) and the digits of an integer (:data:`MAX_INT_DIGITS`)."""
@@ -164,7 +164,7 @@ class _BoundedComposer(Composer):
 
 def _yaml() -> YAML:
     yaml = YAML(typ="rt", pure=True)
-    yaml.Composer = _BoundedComposer
+    yaml.Composer = BoundedComposer
     yaml.Representer = _Representer
     yaml.width = 2**30  # never wrap: flow maps of ops can be longer than any fixed width
     yaml.indent(mapping=2, sequence=4, offset=2)
