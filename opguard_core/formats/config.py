@@ -678,7 +678,7 @@ def _is_int(value: object) -> bool:
 
 
 def _is_count(value: object) -> bool:
-    """An int (not a bool) of 0 or more: counts, totals, ranks and line numbers."""
+    """An int (not a bool) of 0 or more: counts, totals and ranks."""
     return _is_int(value) and value >= 0  # type: ignore[operator]
 
 
@@ -728,10 +728,12 @@ def validate_config(config: object, path: Path | str) -> None:
                 f"{where} repeats entries[{first}] (target {key[0]!r}, same context):"
                 " each (target, context) may appear once",
             )
-        for field in ("lines", "ranks"):
-            value = entry.get(field, [])
-            if not isinstance(value, list) or not all(_is_count(v) for v in value):
-                raise InputError(path, f"{where}.{field} must be a list of integers (0 or more)")
+        lines = entry.get("lines", [])
+        if not isinstance(lines, list) or not all(_is_int(v) for v in lines):
+            raise InputError(path, f"{where}.lines must be a list of integers")
+        ranks = entry.get("ranks", [])
+        if not isinstance(ranks, list) or not all(_is_count(v) for v in ranks):
+            raise InputError(path, f"{where}.ranks must be a list of integers (0 or more)")
         ops = entry.get("ops", {})
         if not isinstance(ops, dict) or not all(
             isinstance(k, str) and _is_int(v) and v >= 0 for k, v in ops.items()
