@@ -49,10 +49,10 @@ def load_basic_list(path: Path | None = None) -> BasicList:
         raise InputError(where, f"cannot read basic-filter list: {exc.strerror or exc}") from None
     except ConfigLimitError as exc:
         raise InputError(where, str(exc)) from None
-    except ValueError as exc:  # a value the constructor refuses
-        raise InputError(where, f"unreadable value: {exc}") from None
     except (YAMLError, UnicodeDecodeError) as exc:
         raise InputError(where, f"malformed YAML: {' '.join(str(exc).split())}") from None
+    except ValueError as exc:  # a value the constructor refuses
+        raise InputError(where, f"unreadable value: {exc}") from None
     if not isinstance(data, dict):
         raise InputError(where, "basic-filter list must be a mapping with 'utilities'")
     utilities = data.get("utilities")
