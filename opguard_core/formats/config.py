@@ -593,6 +593,8 @@ def parse_config(text: str, path: Path | str) -> CommentedMap:
         raise InputError(path, f"nested deeper than {MAX_DEPTH} levels") from None
     except ValueError as exc:  # a value the constructor refuses (int digits, dates, ...)
         raise InputError(path, f"unreadable value: {exc}") from None
+    except MemoryError:
+        raise InputError(path, "out of memory reading this config") from None
     validate_config(config, path)
     entries = config["entries"]
     if len(blocks) == len(entries):
