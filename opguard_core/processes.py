@@ -11,6 +11,8 @@ Two small things every launcher and every traced process of OpGuard shares:
   :func:`die_with_parent` (SIGKILL) first thing. Elsewhere (macOS, Windows) there is
   no such request: :func:`die_with_parent` returns False and a command killed with
   SIGKILL leaves its child running (docs/reliability.md, "Crash-safe recording").
+  The request reaches the direct child only, and is tied to the *thread* that
+  started it: launch from the main thread (both launchers do).
 * :func:`at_sigterm` runs callbacks when SIGTERM arrives (the tracer writes its trace,
   the guard its report), then does what would have happened without them: the
   handler that was installed before is called, or, where there was none, the process

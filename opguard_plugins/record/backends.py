@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import gc
 import json
 import os
 import sys
@@ -23,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from opguard_core.processes import at_sigterm
+from opguard_plugins.record import tracer as tracer_module
 from opguard_plugins.record.flush import flush_settings, partial_marker
 from opguard_plugins.record.tracer import CallsiteTracer, _gc_paused, _is_launcher
 
@@ -128,6 +130,9 @@ def _after_fork_in_child() -> None:
     if tracer is None:
         return
     global _FORKED_FROM
+    if tracer_module.GC_PAUSED:  # forked while the flusher copied the counts
+        tracer_module.GC_PAUSED = False
+        gc.enable()
     parent = _FORKED_FROM = os.getppid()
     tracer.recorder.reset_after_fork()
     tracer.writing = threading.RLock()  # the parent's flusher may have held it

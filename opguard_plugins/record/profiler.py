@@ -273,7 +273,8 @@ class ProfilerTracer(CallsiteTracer):
         self._hook: Any = None
         self._steps = 0
         self._thread = threading.get_ident()
-        self._folding = threading.Lock()
+        # re-entrant: a SIGTERM handler may stop the tracer while this thread folds
+        self._folding = threading.RLock()
 
     def _begin(self) -> None:
         profile = torch.autograd.profiler.profile(

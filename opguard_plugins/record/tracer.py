@@ -827,13 +827,21 @@ def _gc_paused() -> Any:
     """No garbage collection while the counts are copied: a collection can run Python
     code (finalizers), which lets another thread run and record in the middle of the
     copy (the periodic flush copies from its own thread)."""
+    global GC_PAUSED
     enabled = gc.isenabled()
     gc.disable()
+    GC_PAUSED = enabled
     try:
         yield
     finally:
         if enabled:
+            GC_PAUSED = False
             gc.enable()
+
+
+#: whether :func:`_gc_paused` has the collector off now (a fork then must turn it on
+#: again in the child: the thread that would have is not there)
+GC_PAUSED = False
 
 
 def _is_launcher() -> bool:
