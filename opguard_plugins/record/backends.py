@@ -18,6 +18,7 @@ import json
 import os
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -141,6 +142,7 @@ def _after_fork_in_child() -> None:
     _write_marker(tracer, parent)
     state = _STATE
     if state is not None and not state.finished:
+        state.flushed = None
         state.start_flusher()  # threads do not survive a fork
 
 
@@ -172,6 +174,8 @@ class _ProcessState:
         self.stop = threading.Event()
         self.thread: threading.Thread | None = None
         self.flush_failed = False
+        #: what the last flush wrote (:func:`_seen`)
+        self.flushed: tuple[int, int, int] | None = None
 
     def start_flusher(self) -> None:
         if self.seconds > 0:
@@ -183,11 +187,18 @@ class _ProcessState:
 
     def _loop(self) -> None:
         stop = self.stop
-        while not stop.wait(self.seconds):
+        wait = self.seconds
+        while not stop.wait(wait):
+            started = time.monotonic()
             _flush("flush", blocking=False)
+            # a flush holds the GIL while it builds the trace: never more than
+            # 1 / FLUSH_SHARE of the time between flushes (a huge trace waits longer)
+            wait = max(self.seconds, (time.monotonic() - started) * FLUSH_SHARE)
 
 
 _STATE: _ProcessState | None = None
+#: a periodic flush waits at least this many times as long as the last one took
+FLUSH_SHARE = 100
 
 
 def _flush(reason: str, blocking: bool = True) -> Path | None:
@@ -200,8 +211,12 @@ def _flush(reason: str, blocking: bool = True) -> Path | None:
         return None
     try:
         with tracer.quiesced() as ready:
-            if not ready or state.finished or not _has_counts(tracer):
+            if not ready or state.finished:
                 return None
+            seen = _seen(tracer)
+            if not seen[0] or (seen == state.flushed and reason == "flush"):  # nothing new
+                return None
+            state.flushed = seen
             path = tracer.write(partial=partial_marker(reason, tracer.steps_done))
         _write_marker(tracer, _FORKED_FROM, flushed=path)
         return path
@@ -214,9 +229,11 @@ def _flush(reason: str, blocking: bool = True) -> Path | None:
         tracer.writing.release()
 
 
-def _has_counts(tracer: CallsiteTracer) -> bool:
+def _seen(tracer: CallsiteTracer) -> tuple[int, int, int]:
+    """(callsites, operator calls, steps) recorded so far: what a flush compares."""
     with tracer.recorder._lock, _gc_paused():
-        return bool(tracer.recorder.counts)
+        counts = tracer.recorder.counts
+        return len(counts), sum(counts.values()), tracer.steps_done
 
 
 def _on_step(steps: int) -> None:
