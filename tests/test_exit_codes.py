@@ -72,6 +72,16 @@ def _writes_error_report(tmp: Path) -> list[str]:
     return ["--config", _config(tmp), "--report-dir", str(tmp / "reports"), *_python(code)]
 
 
+def _trace_write_fails(tmp: Path) -> list[str]:
+    """A 'program' that leaves what a traced process leaves when its trace could not be
+    written (its marker, saying why); tests/test_crash_safe_trace.py does it for real."""
+    out = tmp / "traces"
+    marker = out / ".trace_callsite.4242.tracing"
+    info = json.dumps({"pid": 4242, "forked_from": None, "error": "No space left on device"})
+    code = f"import pathlib; pathlib.Path({str(marker)!r}).write_text({info!r})"
+    return ["--output-dir", str(out), *_python(code)]
+
+
 class _Interrupting:
     """A discover plugin that receives SIGTERM while the run runs."""
 
@@ -102,6 +112,11 @@ SCENARIOS: dict[tuple[str, ExitCode], Scenario] = {
     ("guard", ExitCode.STAGE_FAILED): _writes_error_report,
     ("guard", ExitCode.INPUT_UNREADABLE): lambda t: ["--config", _broken(t), *_python("pass")],
     ("trace", ExitCode.OK): lambda t: ["--output-dir", str(t / "traces"), *_python("pass")],
+    ("trace", ExitCode.STAGE_FAILED): _trace_write_fails,
+    ("trace", ExitCode.COMMAND_NOT_EXECUTABLE): lambda t: ["--output-dir", str(t), "--", "/etc"],
+    ("trace", ExitCode.COMMAND_NOT_FOUND): lambda t: ["--output-dir", str(t), "--", "no-such-x"],
+    ("guard", ExitCode.COMMAND_NOT_EXECUTABLE): lambda t: ["--config", _config(t), "--", "/etc"],
+    ("guard", ExitCode.COMMAND_NOT_FOUND): lambda t: ["--config", _config(t), "--", "no-such-x"],
     ("show", ExitCode.OK): lambda t: [_config(t)],
     ("show", ExitCode.STAGE_FAILED): lambda t: [_config(t), "--focus", "no_such:frame"],
     ("show", ExitCode.INPUT_UNREADABLE): lambda t: [_broken(t)],

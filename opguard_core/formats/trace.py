@@ -26,12 +26,14 @@ TRACE_FORMAT = "opguard-callsites"
 #: in. Version 2 added per-rank statistics (``meta.per_rank_stats``, a callsite's
 #: ``per_rank``) for combined traces; version 4 a stream ``role`` on every callsite
 #: (formats.md, "Streams and roles"), which a combined trace keys on instead of the
-#: raw ``stream``. Versions 1 and 2 are read, their roles derived (:func:`legacy_roles`).
-TRACE_VERSION = 4
+#: raw ``stream``; version 5 ``meta.partial`` on a rank file written before its process
+#: was done (a periodic flush, SIGTERM, an uncaught exception). Versions 1 and 2 are
+#: read, their roles derived (:func:`legacy_roles`).
+TRACE_VERSION = 5
 COMBINED_VERSION = TRACE_VERSION
 #: the first version whose callsites carry a ``role``
 ROLE_VERSION = 4
-READ_VERSIONS = (1, 2, 4)
+READ_VERSIONS = (1, 2, 4, 5)
 RANK_IN_NAME = re.compile(r"_rank(\d+)$")
 #: what a trace file's name ends with after its stem: ``.json``, Kineto's
 #: ``.pt.trace.json``, either gzip'd; else any one suffix (``.txt``)

@@ -24,7 +24,7 @@ from opguard_core.errors import ExitCode, OpGuardError
 from opguard_core.formats.check import ERROR, load_report
 from opguard_core.formats.config import load_config
 from opguard_core.run.summary import config_source
-from opguard_plugins.record.trace import bootstrap_env, run_bootstrapped
+from opguard_plugins.record.trace import LAUNCH_CODES, bootstrap_env, run_bootstrapped
 
 
 def guard_env(
@@ -72,6 +72,7 @@ CODES: exits.Codes = {
     ExitCode.OK: "the command succeeded and no report has an error",
     ExitCode.STAGE_FAILED: "a report has an error, or a report could not be read",
     ExitCode.INPUT_UNREADABLE: "the config could not be read",
+    **LAUNCH_CODES,
 }
 
 

@@ -48,7 +48,6 @@ import contextlib
 import functools
 import importlib.abc
 import os
-import signal
 import sys
 import threading
 import types
@@ -73,6 +72,7 @@ from opguard_core.formats.config import entry_key, load_config
 from opguard_core.formats.streams import StreamRoles
 from opguard_core.formats.tree import TORCH_API
 from opguard_core.logs import resolve_format
+from opguard_core.processes import at_sigterm
 from opguard_plugins.record.tracer import _is_launcher, count_optimizer_steps, op_name
 
 ON_VIOLATION = ("warn", "raise")
@@ -855,10 +855,7 @@ def start_process_guard() -> Guard | None:
     guard.start()
     _PROCESS_GUARD = guard
     atexit.register(_finish_process_guard)
-    if threading.current_thread() is threading.main_thread():
-        with contextlib.suppress(ValueError, OSError):
-            if signal.getsignal(signal.SIGTERM) in (signal.SIG_DFL, None):
-                signal.signal(signal.SIGTERM, _on_sigterm)
+    at_sigterm(_on_sigterm)
     return guard
 
 
@@ -872,10 +869,11 @@ def _finish_process_guard() -> None:
     _PROCESS_GUARD.finish(unwrap=False)
 
 
-def _on_sigterm(signum: int, frame: Any) -> None:
-    _finish_process_guard()
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    os.kill(os.getpid(), signal.SIGTERM)
+def _on_sigterm(ends: bool) -> None:
+    """SIGTERM: write the report now when the process ends with it; else the program's
+    own handler runs and the report is written at exit."""
+    if ends:
+        _finish_process_guard()
 
 
 __all__ = [

@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import gc
 import os
 import platform
 import shlex
@@ -287,7 +288,7 @@ class CallsiteRecorder:
         self.rank: int | None = None
         self.world_size: int | None = None
         self.device = "cpu"
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
         self._local = _ThreadApi()
         self._backward: list[_BackwardContext] = []
         self._cuda = torch.cuda.is_available()
@@ -344,7 +345,7 @@ class CallsiteRecorder:
     def reset_after_fork(self) -> None:
         """In a forked child: forget the parent's counts; new locks (a lock held by
         another thread at the fork would stay held forever), no running backward."""
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
         self._counts.clear()  # in place: the C path holds these two
         self._backward.clear()
         if self.counter is not None:
@@ -650,6 +651,11 @@ class CallsiteTracer:
         #: optimizer steps finished while started (torch's global step hook); ``meta.steps``
         self.steps = 0
         self.written: Path | None = None
+        #: held while a trace is built and written (the periodic flush's thread, a
+        #: signal handler and the exit handler may all write)
+        self.writing = threading.RLock()
+        #: called after every optimizer step counted (the periodic flush by steps)
+        self.on_step: Callable[[int], None] | None = None
 
     # -- lifecycle ------------------------------------------------------------
 
@@ -670,9 +676,16 @@ class CallsiteTracer:
         self.recorder.active = True
         self._step_hook = count_optimizer_steps(self._count_step)
 
+    @property
+    def steps_done(self) -> int:
+        """Optimizer steps finished while started (``meta.partial.step``)."""
+        return self.steps
+
     def _count_step(self) -> None:
         if self.recorder.active:
             self.steps += 1
+            if self.on_step is not None:
+                self.on_step(self.steps)
 
     def stop(self) -> None:
         """Stop counting and pop the modes (when they are still on top of the stack)."""
@@ -716,7 +729,7 @@ class CallsiteTracer:
         rank = self.resolve_rank()
         roots = _path_roots(program_roots if program_roots is not None else default_program_roots())
         maker = _FrameMaker(self.recorder.modules, roots)
-        with self.recorder._lock:
+        with self.recorder._lock, _gc_paused():
             raw = list(self.recorder.counts.items())
         #: (frames, api, op, role) -> [count, raw stream]: a collective called from
         #: several streams is one callsite (its role is comm), on the smallest of them
@@ -790,14 +803,45 @@ class CallsiteTracer:
         """Where :meth:`write` puts the trace: ``{label}_callsite_rank{R}.json``."""
         return self.output_dir / f"{self.label}_callsite_rank{self.resolve_rank()}.json"
 
-    def write(self) -> Path:
-        """Write the trace atomically and return its path."""
-        meta, frames, callsites = self.build()
-        path = self.output_dir / f"{self.label}_callsite_rank{meta['rank']}.json"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write_bytes(path, encode_trace(meta, frames, callsites))
-        self.written = path
-        return path
+    def write(self, partial: dict[str, Any] | None = None) -> Path:
+        """Write the trace atomically and return its path; ``partial`` (``meta.partial``,
+        formats.md §1: why and up to when) marks a trace the process is not done with."""
+        with self.writing:
+            meta, frames, callsites = self.build()
+            if partial:
+                meta["partial"] = partial
+            path = self.output_dir / f"{self.label}_callsite_rank{meta['rank']}.json"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            atomic_write_bytes(path, encode_trace(meta, frames, callsites))
+            self.written = path
+            return path
+
+    def quiesced(self) -> contextlib.AbstractContextManager[bool]:
+        """Entered by a periodic flush from another thread around :meth:`write`: whether
+        the recorded counts may be read now (always, for this backend)."""
+        return contextlib.nullcontext(True)
+
+
+@contextlib.contextmanager
+def _gc_paused() -> Any:
+    """No garbage collection while the counts are copied: a collection can run Python
+    code (finalizers), which lets another thread run and record in the middle of the
+    copy (the periodic flush copies from its own thread)."""
+    global GC_PAUSED
+    enabled = gc.isenabled()
+    gc.disable()
+    GC_PAUSED = enabled
+    try:
+        yield
+    finally:
+        if enabled:
+            GC_PAUSED = False
+            gc.enable()
+
+
+#: whether :func:`_gc_paused` has the collector off now (a fork then must turn it on
+#: again in the child: the thread that would have is not there)
+GC_PAUSED = False
 
 
 def _is_launcher() -> bool:
