@@ -31,7 +31,7 @@ import click
 
 from opguard_core import hookimpl
 from opguard_core.cli import exits
-from opguard_core.errors import ExitCode
+from opguard_core.errors import CommandNotRunnable, ExitCode
 from opguard_core.files.output_dirs import (
     OUTPUT_BASE_ENV,
     prepare_output_dir,
@@ -196,7 +196,13 @@ def run_forwarding(command: Sequence[str], env: dict[str, str]) -> tuple[int, li
     try:
         process = subprocess.Popen(build_argv(command), env=env)
     except FileNotFoundError:
-        raise click.ClickException(f"command not found: {command[0]}") from None
+        raise CommandNotRunnable(command[0], found=False) from None
+    except (PermissionError, IsADirectoryError, NotADirectoryError):
+        # NotADirectoryError: a path through a file (file/x); a shell says 126 too
+        raise CommandNotRunnable(command[0], found=True) from None
+    except OSError as exc:  # ENOEXEC (no #! line), E2BIG, ...: found, not executable
+        reason = exc.strerror or type(exc).__name__
+        raise CommandNotRunnable(f"{command[0]} ({reason})", found=True) from None
 
     def forward(signum: int, _frame: Any) -> None:
         received.append(signum)
