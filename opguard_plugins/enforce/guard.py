@@ -4,8 +4,10 @@
 [--sample P] -- COMMAND...`` runs COMMAND (a script, ``python -m pkg``, ``torchrun
 ...``) the way ``opguard trace`` does (the same bootstrap, :mod:`opguard_plugins.record.trace`),
 with :mod:`opguard_plugins.enforce.runtime` started in every Python process that imports
-torch. Each process writes ``DIR/guard_report_rank{R}.json`` at exit (formats.md §5).
-See docs/guard.md.
+torch. Each process writes ``DIR/guard_report_rank{R}.json`` at exit (formats.md §5)
+and tells this command whether its guard started, wrote its report and checked ops
+(:mod:`opguard_plugins.enforce.status`): the command never exits 0 for a program it
+did not check (``ExitCode.GUARD_FAILED``). See docs/guard.md.
 """
 
 from __future__ import annotations
