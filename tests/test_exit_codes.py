@@ -121,6 +121,8 @@ SCENARIOS: dict[tuple[str, ExitCode], Scenario] = {
     ("guard", ExitCode.COMMAND_NOT_EXECUTABLE): lambda t: ["--config", _config(t), "--", str(t)],
     ("guard", ExitCode.INPUT_UNREADABLE): lambda t: ["--config", _broken(t), *_python("pass")],
     ("trace", ExitCode.OK): lambda t: ["--output-dir", str(t / "traces"), *_python("pass")],
+    ("trace", ExitCode.COMMAND_NOT_FOUND): lambda t: ["--", "no_such_xyz"],
+    ("trace", ExitCode.COMMAND_NOT_EXECUTABLE): lambda t: ["--", str(t)],
     ("show", ExitCode.OK): lambda t: [_config(t)],
     ("show", ExitCode.STAGE_FAILED): lambda t: [_config(t), "--focus", "no_such:frame"],
     ("show", ExitCode.INPUT_UNREADABLE): lambda t: [_broken(t)],

@@ -30,7 +30,7 @@ from opguard_core.formats.config import load_config
 from opguard_core.run.summary import config_source
 from opguard_plugins.enforce.status import STATUS_ENV, read_statuses
 from opguard_plugins.enforce.status import problems as guard_problems
-from opguard_plugins.record.trace import bootstrap_env, run_bootstrapped
+from opguard_plugins.record.trace import LAUNCH_CODES, bootstrap_env, run_bootstrapped
 
 
 def guard_env(
@@ -107,8 +107,7 @@ CODES: exits.Codes = {
     ExitCode.INPUT_UNREADABLE: "the config could not be read (or a setting in it is invalid)",
     ExitCode.GUARD_FAILED: "the guard did not check the program: the config has no "
     "entries, a guard could not start or write its report, or no op was checked",
-    ExitCode.COMMAND_NOT_EXECUTABLE: None,
-    ExitCode.COMMAND_NOT_FOUND: None,
+    **LAUNCH_CODES,
 }
 
 

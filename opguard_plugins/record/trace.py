@@ -234,7 +234,16 @@ def run_traced(
     return outcome.exit_code, outcome.files
 
 
-CODES: exits.Codes = {ExitCode.OK: "the command succeeded"}
+#: the codes of starting COMMAND (``opguard trace`` and ``opguard guard``)
+LAUNCH_CODES: exits.Codes = {
+    ExitCode.COMMAND_NOT_EXECUTABLE: None,
+    ExitCode.COMMAND_NOT_FOUND: None,
+}
+
+CODES: exits.Codes = {
+    ExitCode.OK: "the command succeeded",
+    **LAUNCH_CODES,
+}
 
 
 @click.option(
