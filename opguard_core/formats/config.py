@@ -14,10 +14,10 @@ by ruamel (:func:`_dump_with_ruamel`).
 
 from __future__ import annotations
 
+import collections.abc
 import io
-import math
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -634,13 +634,17 @@ def _is_setting_int(value: object) -> bool:
 
 
 def _is_fraction(value: object) -> bool:
-    number = _is_setting_int(value) or isinstance(value, float)
-    return number and math.isfinite(value) and 0.0 <= value <= 1.0  # type: ignore[arg-type, operator]
+    """A finite number in [0, 1] (the comparisons are false for nan)."""
+    if not (_is_setting_int(value) or isinstance(value, float)):
+        return False
+    return 0.0 <= value <= 1.0  # type: ignore[operator]
 
 
 def _is_ratio(value: object) -> bool:
-    number = _is_setting_int(value) or isinstance(value, float)
-    return number and math.isfinite(value) and value >= 0.0  # type: ignore[arg-type, operator]
+    """A finite number, 0 or more (the comparisons are false for nan)."""
+    if not (_is_setting_int(value) or isinstance(value, float)):
+        return False
+    return 0.0 <= value < float("inf")  # type: ignore[operator]
 
 
 def _is_strings(value: object) -> bool:
@@ -663,7 +667,7 @@ _NAMES = (_is_strings, "a list of strings")
 #: every ``meta.settings`` key OpGuard reads (``opguard check`` rebuilds a run with
 #: them, ``opguard guard`` uses ``min_count``, ``min_fraction`` and ``context_depth``):
 #: the test a value must pass and what it must be. Other keys are ignored.
-SETTINGS: dict[str, tuple[Callable[[object], bool], str]] = {
+SETTINGS: dict[str, tuple[collections.abc.Callable[[object], bool], str]] = {
     "min_count": _INTEGER,
     "min_fraction": (_is_fraction, "a finite number from 0 to 1"),
     "chains": _BOOLEAN,

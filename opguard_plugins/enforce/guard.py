@@ -105,8 +105,8 @@ CODES: exits.Codes = {
     ExitCode.USAGE_ERROR: "bad command line or option value (--sample nan, an unusable "
     "--report-dir)",
     ExitCode.INPUT_UNREADABLE: "the config could not be read (or a setting in it is invalid)",
-    ExitCode.GUARD_FAILED: "the guard did not check the program: the config has no "
-    "entries, a guard could not start or write its report, or no op was checked",
+    ExitCode.GUARD_FAILED: "the program was not checked: no config entries, no guard "
+    "started, one could not start or write its report, or no op was checked",
     **LAUNCH_CODES,
 }
 
