@@ -105,6 +105,7 @@ BAD_SETTINGS = [
     ("    jobs: many\n", "meta.settings.jobs"),
     ("    skew: -.inf\n", "meta.settings.skew"),
     ("    executor: 3\n", "meta.settings.executor"),
+    ("    extra: 5\n", "meta.settings.extra"),
 ]
 
 
@@ -155,17 +156,6 @@ def test_check_blames_the_config_field_not_an_option(tmp_path: Path) -> None:
     assert result.exit_code == ExitCode.INPUT_UNREADABLE
     line = one_error_line(result.stderr)
     assert "meta.settings.hide[0]" in line and "--hide" not in line
-
-
-def test_check_reads_a_basic_list_setting_as_a_file(tmp_path: Path) -> None:
-    """``basic_list`` from a config reached the basic filter as a str (AttributeError
-    traceback); it is a file name now, and a bad file is one line."""
-    bad_list = tmp_path / "list.yaml"
-    bad_list.write_text("[1, 2]\n")
-    settings = f"    filters: [basic_filter]\n    basic_list: {bad_list}\n"
-    result = invoke("check", "--config", relu_config(tmp_path, settings), "-i", TRACE)
-    assert result.exit_code != 0
-    assert "list.yaml" in one_error_line(result.stderr)
 
 
 # ---------------------------------------------------------------------------

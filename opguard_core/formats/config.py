@@ -655,6 +655,10 @@ def _is_string(value: object) -> bool:
     return isinstance(value, str)
 
 
+def _is_mapping(value: object) -> bool:
+    return isinstance(value, dict)
+
+
 def _is_optional_string(value: object) -> bool:
     return value is None or isinstance(value, str)
 
@@ -687,10 +691,11 @@ SETTINGS: dict[str, tuple[collections.abc.Callable[[object], bool], str]] = {
     "verbose": _BOOLEAN,
     "skew": (_is_ratio, "a finite number, 0 or more"),
     "fail_on_divergence": _BOOLEAN,
+    "extra": (_is_mapping, "a mapping"),
 }
-#: settings keys that are never read from a config (how a run was started, not how
+#: settings keys that are never read from a config (where a run was started, not how
 #: its config was made)
-IGNORED_SETTINGS = frozenset({"base_dir", "extra"})
+IGNORED_SETTINGS = frozenset({"base_dir"})
 
 
 def _shown(value: object) -> str:
@@ -722,6 +727,6 @@ def validate_settings(settings: object, path: Path | str) -> None:
                 except (re.error, OverflowError, RecursionError, ValueError) as exc:
                     raise InputError(
                         path,
-                        f"meta.settings.{key}[{index}] {_shown(pattern)} is not a regular "
+                        f"meta.settings.{key}[{index}] {_shown(pattern)}: not a regular "
                         f"expression: {exc}",
                     ) from None

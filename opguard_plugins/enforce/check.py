@@ -44,7 +44,7 @@ from opguard_core.formats.check import (
     join_ranks,
     write_json,
 )
-from opguard_core.formats.config import IGNORED_SETTINGS, entry_key, load_config
+from opguard_core.formats.config import entry_key, load_config
 from opguard_core.logs import configure_logging
 from opguard_core.model import InputEntry, RunOptions
 from opguard_core.plugin.manager import OpGuardPluginManager, call_impl
@@ -59,11 +59,9 @@ def options_from_settings(config: dict[str, Any], base_dir: Path = Path(".")) ->
     """The RunOptions that rebuild a run the way ``config`` was made.
 
     Read tolerantly: a key of ``meta.settings`` that names a RunOptions field is used
-    (so ``focus``/``ignore`` work once runs record them; ``load_config`` has checked
-    its type, :data:`~opguard_core.formats.config.SETTINGS`), unknown keys and
-    ``base_dir``/``extra`` are ignored and missing ones keep RunOptions' defaults.
-    ``hide`` is the full list that was in force (the defaults included), so the
-    default list is not added again. A config
+    (so ``focus``/``ignore`` work once runs record them), unknown keys are ignored and
+    missing ones keep RunOptions' defaults. ``hide`` is the full list that was in
+    force (the defaults included), so the default list is not added again. A config
     whose ``filters`` include the basic filter is rebuilt with ``--basic``.
     """
     meta = config.get("meta") or {}
@@ -72,11 +70,9 @@ def options_from_settings(config: dict[str, Any], base_dir: Path = Path(".")) ->
     fields = {f.name: f for f in dataclasses.fields(RunOptions)}
     values: dict[str, Any] = {"base_dir": base_dir}
     for key, value in settings.items():
-        if key in _SPECIAL_SETTINGS or key not in fields or key in IGNORED_SETTINGS:
+        if key in _SPECIAL_SETTINGS or key not in fields or key == "base_dir":
             continue
         values[key] = _plain(value)
-    if values.get("basic_list") is not None:  # validated by load_config: a file name
-        values["basic_list"] = Path(values["basic_list"])
     if isinstance(settings.get("hide"), list):
         values["hide"] = tuple(str(p) for p in settings["hide"])
         values["default_hide"] = False
