@@ -14,12 +14,11 @@ by ruamel (:func:`_dump_with_ruamel`).
 
 from __future__ import annotations
 
-import collections.abc
 import io
 import re
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from ruamel.yaml import YAML
 from ruamel.yaml.anchor import Anchor
@@ -33,7 +32,6 @@ from ruamel.yaml.comments import (
 from ruamel.yaml.error import YAMLError
 from ruamel.yaml.nodes import ScalarNode
 from ruamel.yaml.representer import RoundTripRepresenter
-from ruamel.yaml.scalarbool import ScalarBoolean
 from ruamel.yaml.tag import Tag
 
 from opguard_core.errors import InputError
@@ -623,7 +621,14 @@ def validate_config(config: object, path: Path | str) -> None:
 _MAX_SETTING_INT = 2**63 - 1
 
 
+class _Check(Protocol):
+    def __call__(self, value: object, /) -> bool: ...
+
+
 def _is_setting_bool(value: object) -> bool:
+    """``true``/``false``, also an anchored one (ruamel's ``ScalarBoolean``, an int)."""
+    from ruamel.yaml.scalarbool import ScalarBoolean
+
     return isinstance(value, bool | ScalarBoolean)
 
 
@@ -671,7 +676,7 @@ _NAMES = (_is_strings, "a list of strings")
 #: every ``meta.settings`` key OpGuard reads (``opguard check`` rebuilds a run with
 #: them, ``opguard guard`` uses ``min_count``, ``min_fraction`` and ``context_depth``):
 #: the test a value must pass and what it must be. Other keys are ignored.
-SETTINGS: dict[str, tuple[collections.abc.Callable[[object], bool], str]] = {
+SETTINGS: dict[str, tuple[_Check, str]] = {
     "min_count": _INTEGER,
     "min_fraction": (_is_fraction, "a finite number from 0 to 1"),
     "chains": _BOOLEAN,
