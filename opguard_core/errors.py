@@ -23,9 +23,6 @@ class ExitCode(enum.IntEnum):
     DIVERGENCE = 4
     #: an input (trace, config, run directory) could not be read
     INPUT_UNREADABLE = 5
-    #: ``opguard guard``: the guard did not check the program (it could not start,
-    #: could not write a report, or checked no op)
-    GUARD_FAILED = 6
     #: the command to run (``opguard trace``/``guard -- COMMAND``) is not executable
     #: (a directory, no execute permission), as a shell says it
     COMMAND_NOT_EXECUTABLE = 126
@@ -33,6 +30,9 @@ class ExitCode(enum.IntEnum):
     COMMAND_NOT_FOUND = 127
     #: stopped by SIGINT or SIGTERM
     INTERRUPTED = 130
+    #: ``opguard guard``: the program was not checked (no config entries, no guard
+    #: started, one could not start or write its report, or no op was checked)
+    GUARD_FAILED = 6
 
 
 #: characters that could start a new line or restyle a terminal: C0 and C1 controls
