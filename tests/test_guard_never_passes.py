@@ -20,6 +20,7 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -221,6 +222,18 @@ def test_a_program_that_never_starts_a_guard_is_not_a_pass(
     code, err = _exit_of([*args, "--", sys.executable, "-c", "pass"], capsys)
     assert code == ExitCode.GUARD_FAILED
     assert "no process of COMMAND started the guard" in err
+
+
+def test_no_usable_temporary_directory_is_no_traceback(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The status files go to the report directory when $TMPDIR is unusable."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "no_such_tmp"))
+    args = ["guard", "--config", relu_config(tmp_path), "--report-dir", tmp_path / "rep"]
+    code, err = _exit_of([*args, "--", sys.executable, "-c", "pass"], capsys)
+    assert code == ExitCode.GUARD_FAILED and "Traceback" not in err
+    assert "no process of COMMAND started the guard" in err
+    assert os.listdir(tmp_path / "rep") == []  # cleaned up
 
 
 def test_a_missing_or_non_executable_command_exits_like_a_shell(

@@ -55,6 +55,17 @@ def guard_env(
     return bootstrap_env(variables, command)
 
 
+def _status_dir(report_dir: Path) -> tempfile.TemporaryDirectory[str]:
+    """A private directory for the guarded processes' status files: in the system's
+    temporary directory, else (none usable) in the report directory."""
+    try:
+        return tempfile.TemporaryDirectory(prefix="opguard-guard-", ignore_cleanup_errors=True)
+    except OSError:
+        return tempfile.TemporaryDirectory(
+            prefix=".opguard-guard-status-", dir=report_dir, ignore_cleanup_errors=True
+        )
+
+
 def check_sample(_ctx: click.Context, _param: click.Parameter, value: float) -> float:
     """``--sample``: a finite P in (0, 1] whose 1/P is finite (``nan``, ``1e-320`` and
     ``inf`` are refused here, before COMMAND starts, not inside it)."""
@@ -154,7 +165,7 @@ def guard(
         )
     prepare_output_dir(report_dir, "--report-dir")
     started = time.time() - 1.0  # file systems with coarse timestamps
-    with tempfile.TemporaryDirectory(prefix="opguard-guard-") as status_dir:
+    with _status_dir(report_dir) as status_dir:
         env = guard_env(config_path, report_dir, on_violation, sample, command, Path(status_dir))
         log_format = (click.get_current_context().obj or {}).get("log_format")
         if log_format:  # `opguard --log-format X guard ...`: the guarded processes log as X
