@@ -16,9 +16,12 @@ How it works (docs/guard.md):
   or class ``__dict__``), by a thin wrapper that pushes an *active-target state*
   while it runs; module-level functions are also replaced in every module that
   imported them by name. Modules not imported yet are wrapped right after they are
-  (an import hook). A target that cannot be imported or wrapped is listed in the
-  report's ``unwrapped`` with the reason, never an error. ``torch_api`` entries are
-  not wrapped: their ops count for the enclosing function entries (inclusive).
+  (an import hook); a module still being imported when the guard starts (the
+  program's first import imports torch, a circular import) is wrapped when its
+  import finishes (:class:`_LoadingSpec`). A target that cannot be imported or
+  wrapped is listed in the report's ``unwrapped`` with the reason, never an error.
+  ``torch_api`` entries are not wrapped: their ops count for the enclosing function
+  entries (inclusive).
 * **A state** is the (target, context) key of the innermost active target plus the
   set of every active config entry (the key and all its active ancestors), with the
   intersection of their op lists: an op is accepted when it is in that
