@@ -30,6 +30,9 @@ class ExitCode(enum.IntEnum):
     COMMAND_NOT_FOUND = 127
     #: stopped by SIGINT or SIGTERM
     INTERRUPTED = 130
+    #: ``opguard guard``: the program was not checked (no config entries, no guard
+    #: started, one could not start or write its report, or no op was checked)
+    GUARD_FAILED = 6
 
 
 #: characters that could start a new line or restyle a terminal: C0 and C1 controls

@@ -32,6 +32,7 @@ MEANING: dict[ExitCode, str] = {
     ExitCode.COMMAND_NOT_EXECUTABLE: "COMMAND is not executable (a directory, no permission)",
     ExitCode.COMMAND_NOT_FOUND: "COMMAND was not found",
     ExitCode.INTERRUPTED: "stopped by SIGINT or SIGTERM",
+    ExitCode.GUARD_FAILED: "the program was not checked (opguard guard)",
 }
 
 #: The codes every command can end with, whatever it declares: a bad command line

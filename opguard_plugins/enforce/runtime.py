@@ -16,9 +16,12 @@ How it works (docs/guard.md):
   or class ``__dict__``), by a thin wrapper that pushes an *active-target state*
   while it runs; module-level functions are also replaced in every module that
   imported them by name. Modules not imported yet are wrapped right after they are
-  (an import hook). A target that cannot be imported or wrapped is listed in the
-  report's ``unwrapped`` with the reason, never an error. ``torch_api`` entries are
-  not wrapped: their ops count for the enclosing function entries (inclusive).
+  (an import hook); a module still being imported when the guard starts (the
+  program's first import imports torch, a circular import) is wrapped when its
+  import finishes (:class:`_LoadingSpec`). A target that cannot be imported or
+  wrapped is listed in the report's ``unwrapped`` with the reason, never an error.
+  ``torch_api`` entries are not wrapped: their ops count for the enclosing function
+  entries (inclusive).
 * **A state** is the (target, context) key of the innermost active target plus the
   set of every active config entry (the key and all its active ancestors), with the
   intersection of their op lists: an op is accepted when it is in that
@@ -47,6 +50,7 @@ import atexit
 import contextlib
 import functools
 import importlib.abc
+import importlib.machinery
 import os
 import sys
 import threading
@@ -60,12 +64,14 @@ import structlog
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode
 
+from opguard_core.errors import one_line
 from opguard_core.formats.check import (
     ERROR,
     WARNING,
     EntryKey,
     Violation,
     guard_report,
+    sample_every,
     write_json,
 )
 from opguard_core.formats.config import entry_key, load_config
@@ -73,6 +79,7 @@ from opguard_core.formats.streams import StreamRoles
 from opguard_core.formats.tree import TORCH_API
 from opguard_core.logs import resolve_format
 from opguard_core.processes import at_sigterm
+from opguard_plugins.enforce.status import clear_status, write_status
 from opguard_plugins.record.tracer import _is_launcher, count_optimizer_steps, op_name
 
 ON_VIOLATION = ("warn", "raise")
@@ -105,13 +112,6 @@ class OpGuardViolation(RuntimeError):
     def __init__(self, violation: Violation) -> None:
         super().__init__(f"opguard guard: {violation.kind}: {violation.message}")
         self.violation = violation
-
-
-def sample_every(sample: float) -> int:
-    """``--sample P`` as "check every N-th optimizer step": ``N = round(1/P)`` (≥ 1)."""
-    if not 0.0 < sample <= 1.0:
-        raise ValueError(f"sample must be in (0, 1], not {sample}")
-    return max(1, round(1.0 / sample))
 
 
 def main_module_alias() -> str | None:
@@ -309,6 +309,12 @@ class Guard:
         self.cuda = torch.cuda.is_available()
         self.step = 0
         self.checked_steps = 0
+        #: ops checked against the config (first sights per state): 0 means the guard
+        #: checked nothing (no config target ran)
+        self.checked_ops = 0
+        #: modules that were still being imported when the guard started: wrapped
+        #: when their import finishes (:func:`_when_loaded`)
+        self.loading: set[str] = set()
         self.checking = True
         self._mode = _Mode(self)
         self._pushed = False
@@ -316,6 +322,8 @@ class Guard:
         self._step_hook: Any = None
         self._finished = False
         self.written: Path | None = None
+        #: why the report could not be written (None: written, or not yet)
+        self.write_error: str | None = None
         self.log = structlog.wrap_logger(
             structlog.PrintLogger(file=sys.stderr),
             processors=[
@@ -337,6 +345,12 @@ class Guard:
             module = sys.modules.get(module_name)
             if module is None and module_name == alias:
                 module = sys.modules.get("__main__")
+            # half-loaded (the program's first import imports torch, or a circular
+            # import): its functions may not exist yet; wrap when it is done
+            later = functools.partial(self._loaded, module_name)
+            if module is not None and _initializing(module) and _when_loaded(module, later):
+                self.loading.add(module_name)
+                continue
             if module is not None:
                 self.wrap_module(module_name, module, replaced)
         if replaced:
@@ -346,6 +360,15 @@ class Guard:
         self._step_hook = count_optimizer_steps(self._after_step)
         self.checked_steps = 1
         self._push()
+
+    def _loaded(self, module_name: str) -> None:
+        """A module that was half-loaded when the guard started has finished importing:
+        wrap its targets now (if the guard still runs and the import succeeded)."""
+        self.loading.discard(module_name)
+        module = sys.modules.get(module_name)
+        if self._watcher is None or module is None or module_name not in self.pending:
+            return
+        self.wrap_module(module_name, module)
 
     def stop(self, unwrap: bool = True) -> None:
         """Pop the mode, remove the hooks and (by default) restore every original."""
@@ -611,6 +634,7 @@ class Guard:
 
     def check_op(self, state: _State, key: Any) -> None:
         """First sight of an op (and raw stream) in ``state``: accept it or record why not."""
+        self.checked_ops += 1
         func, raw = key if isinstance(key, tuple) else (key, None)
         op = op_name(func)
         if op.startswith("c10d::") and self.rank is None:
@@ -741,6 +765,11 @@ class Guard:
         alias = main_module_alias()
         for module, qualnames in self.pending.items():
             reason = MAIN_REASON if module == alias else f"module {module} was never imported"
+            if module in self.loading:
+                reason = (
+                    f"module {module} was being imported when the guard started, "
+                    "and that import never finished"
+                )
             for qualname in qualnames:
                 unwrapped[f"{module}:{qualname}"] = reason
         return guard_report(
@@ -776,8 +805,58 @@ class Guard:
         try:
             return self.write()
         except Exception as exc:
-            print(f"opguard guard: could not write the report: {exc!r}", file=sys.stderr)
+            self.write_error = one_line(str(exc) or repr(exc))
+            print(f"opguard guard: could not write the report: {self.write_error}", file=sys.stderr)
             return None
+
+
+def _initializing(module: types.ModuleType) -> bool:
+    """Whether ``module`` is still being imported (its code has not finished running)."""
+    spec = getattr(module, "__spec__", None)
+    return bool(getattr(spec, "_initializing", False))
+
+
+class _LoadingSpec(importlib.machinery.ModuleSpec):
+    """A half-loaded module's spec while the guard waits for its import to finish:
+    importlib sets ``spec._initializing = False`` right after the module's code ran
+    (``importlib._bootstrap._load_unlocked``, in a ``finally``), which calls the
+    callbacks :func:`_when_loaded` registered and turns the spec back into a plain
+    ``ModuleSpec``."""
+
+    @property
+    def _initializing(self) -> bool:
+        return bool(self.__dict__.get("_initializing", False))
+
+    @_initializing.setter
+    def _initializing(self, value: bool) -> None:
+        self.__dict__["_initializing"] = value
+        if value:
+            return
+        callbacks = self.__dict__.pop("_opguard_when_loaded", [])
+        self.__class__ = importlib.machinery.ModuleSpec  # type: ignore[assignment]
+        for callback in callbacks:
+            try:
+                callback()
+            except Exception as exc:  # never break the program's import
+                print(f"opguard guard: cannot wrap a late module: {exc!r}", file=sys.stderr)
+
+
+def _when_loaded(module: types.ModuleType, callback: Any) -> bool:
+    """Call ``callback()`` once ``module``'s import finishes; False when that cannot be
+    watched (a spec that is not a plain ``ModuleSpec``)."""
+    spec = getattr(module, "__spec__", None)
+    if type(spec) is _LoadingSpec:
+        spec.__dict__.setdefault("_opguard_when_loaded", []).append(callback)
+        return True
+    if type(spec) is not importlib.machinery.ModuleSpec:
+        return False
+    try:
+        spec.__dict__["_opguard_when_loaded"] = [callback]
+        spec.__class__ = _LoadingSpec
+    except TypeError:
+        spec.__dict__.pop("_opguard_when_loaded", None)
+        return False
+    return True
 
 
 def python_stack(frame: types.FrameType | None) -> list[dict[str, Any]]:
@@ -854,6 +933,7 @@ def start_process_guard() -> Guard | None:
     )
     guard.start()
     _PROCESS_GUARD = guard
+    write_status("started")
     atexit.register(_finish_process_guard)
     at_sigterm(_on_sigterm)
     return guard
@@ -865,8 +945,17 @@ def _finish_process_guard() -> None:
         return
     if _is_launcher():
         _PROCESS_GUARD.stop(unwrap=False)
+        clear_status()
         return
-    _PROCESS_GUARD.finish(unwrap=False)
+    if _PROCESS_GUARD._finished:
+        return
+    written = _PROCESS_GUARD.finish(unwrap=False)
+    write_status(
+        "finished",
+        report=None if written is None else str(written),
+        error=_PROCESS_GUARD.write_error,
+        checked=_PROCESS_GUARD.checked_ops,
+    )
 
 
 def _on_sigterm(ends: bool) -> None:
