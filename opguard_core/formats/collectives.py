@@ -15,8 +15,8 @@ collective *signatures* it issued, and, step by step, the order it issued them i
 * ``groups``: the process groups the sequence used, by c10d name (``"0"`` is the
   default group; torch numbers the others in creation order, the same on every rank
   that creates them in the same order), ``desc`` (torch's description, e.g.
-  ``default_pg``, or null), ``size`` and ``ranks``, its members' global ranks in group
-  rank order.
+  ``default_pg``, or null), ``size`` (null when unknown) and ``ranks``, its members'
+  global ranks in group rank order.
 * ``signatures``: each distinct collective call: ``op`` (the dispatcher's name,
   ``c10d::allreduce_``, ``_c10d_functional::all_reduce``), ``group`` (an index into
   ``groups``), ``dtype`` (torch's name without ``torch.``: ``float32``), ``numel`` (the
@@ -125,7 +125,8 @@ class Group(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tru
 
     name: str
     desc: str | None = None
-    size: PositiveInt
+    #: None where the recorder could not tell (a gloo Flight Recorder dump)
+    size: PositiveInt | None = None
     ranks: tuple[NonNegativeInt, ...] = ()
 
 
@@ -264,7 +265,7 @@ def check_collectives(
                 raise InputError(path, f"{where}.ranks has rank {rank} a second time")
             seen.add(rank)
         for g, group in enumerate(seq.groups):
-            if group.ranks and len(group.ranks) != group.size:
+            if group.ranks and group.size is not None and len(group.ranks) != group.size:
                 raise InputError(
                     path, f"{where}.groups[{g}] has size {group.size} but {len(group.ranks)} ranks"
                 )
