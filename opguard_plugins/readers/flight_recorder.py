@@ -154,25 +154,29 @@ def looks_like_json_dump(data: bytes) -> bool:
 # ---------------------------------------------------------------------------
 
 
+class Refused(pickle.UnpicklingError):
+    """What :class:`PlainUnpickler` raises for a global or a persistent id."""
+
+
 class PlainUnpickler(pickle.Unpickler):
     """An unpickler that builds plain data only: it refuses every global (so no
     class is instantiated and no function called) and every persistent id."""
 
     def find_class(self, module: str, name: str) -> Any:
-        raise pickle.UnpicklingError(
+        raise Refused(
             f"refuses the global {module}.{name} (a dump holds plain data only; "
             "it is never unpickled as code)"
         )
 
     def persistent_load(self, pid: Any) -> Any:
-        raise pickle.UnpicklingError("refuses a persistent id (a dump holds plain data only)")
+        raise Refused("refuses a persistent id (a dump holds plain data only)")
 
 
 def load_pickle(data: bytes) -> Any:
     """The plain data a pickle holds; :class:`FlightRecorderError` for anything else."""
     try:
         value = PlainUnpickler(io.BytesIO(data)).load()
-    except pickle.UnpicklingError as exc:
+    except Refused as exc:
         raise FlightRecorderError(f"not a plain-data pickle: {exc}") from None
     except EOFError:
         raise FlightRecorderError("truncated pickle (ran out of data)") from None
