@@ -69,6 +69,7 @@ NOT_COLLECTIVES = frozenset(
         "_c10d_functional::wait_tensor",
         "c10d_functional::wait_tensor",
         "_c10d_functional_autograd::wait_tensor",
+        "_c10d_functional::_wrap_tensor_autograd",
     }
 )
 
