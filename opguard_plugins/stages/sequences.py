@@ -1,0 +1,385 @@
+"""Divergence by collective sequence (docs/divergence.md, "Collective sequences").
+
+Every rank's collectives on a process group must match the other members' one by
+one, in order: the n-th collective a rank issues on a group pairs with the n-th of
+every other member, whatever line issued it. :func:`sequence_findings` compares the
+sequences a combined trace carries (formats.md, "Collective sequences") by position,
+per group, and reports the *first* position where the members disagree: later ones
+usually follow from it.
+
+At that position each member issues a collective (its kind, dtype, element count,
+shapes, reduce op: :meth:`~opguard_core.formats.collectives.Signature.key`) or none
+(its sequence ended). The value a strict majority of members holds is the expected
+one and the other ranks deviate; without a strict majority (always so for two ranks
+that disagree) the lowest rank's value is taken as the reference and the finding says
+``"majority": false`` with the distribution. Each deviating value is one finding,
+whose kind a short look-ahead decides: the explanation under which the two sequences
+agree longest after the position (a window of :data:`WINDOW` collectives):
+
+* ``collective_order``: the next two collectives swapped (or another collective
+  where the others issue this one);
+* ``collective_missing``: the rank skipped this collective; ``collective_extra``: it
+  issued one the others do not;
+* ``collective_dtype``, ``collective_size``, ``collective_reduce_op``: the same
+  collective with another dtype, element count/shape or reduce op;
+* ``collective_group``: a ``collective_missing`` on one group and a
+  ``collective_extra`` of the same collective, in the same step, on another group of
+  the same rank merge into one: the rank issued it on a different group.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from itertools import islice
+from typing import Any
+
+from opguard_core.formats.collectives import (
+    NOT_COLLECTIVES,
+    Collectives,
+    CollectiveSequence,
+    Group,
+    Signature,
+    collective_kind,
+)
+from opguard_core.formats.divergence import Finding
+
+#: collectives compared after the first disagreement to tell its kind
+WINDOW = 32
+
+#: a group as divergence knows it: its name and members (several groups may share a
+#: name where ranks created groups in a different order)
+GroupId = tuple[str, tuple[int, ...]]
+#: one collective at a position: (step, signature) of one sequence
+Call = tuple[int, Signature]
+
+#: turns a signature's stack into {"target", "context", "stack"} (frame names)
+Describe = Callable[[tuple[int, ...]], dict[str, Any]]
+
+
+@dataclass
+class _View:
+    """One distinct sequence's collectives on one group, and the ranks that issued it."""
+
+    sequence: CollectiveSequence
+    group_index: int | None  # the group's index in the sequence (None: never used it)
+    ranks: list[int]
+
+    def calls(self) -> Iterator[Call]:
+        if self.group_index is None:
+            return
+        signatures = self.sequence.signatures
+        for step, call in self.sequence.calls():
+            signature = signatures[call]
+            if signature.group == self.group_index and signature.op not in NOT_COLLECTIVES:
+                yield step, signature
+
+    def shape(self) -> tuple[Any, ...]:
+        """What two views must share to agree: each run's keys on the group, runs with
+        none dropped and neighbours with the same keys merged (canonical, however the
+        sequence's other groups split its runs)."""
+        if self.group_index is None:
+            return ()
+        signatures = self.sequence.signatures
+        merged: list[list[Any]] = []
+        for run in self.sequence.steps:
+            keys = tuple(
+                signatures[c].key()
+                for c in run.calls
+                if signatures[c].group == self.group_index
+                and signatures[c].op not in NOT_COLLECTIVES
+            )
+            if not keys:
+                continue
+            if merged and merged[-1][1] + 1 == run.first and merged[-1][2] == keys:
+                merged[-1][1] = run.last
+            else:
+                merged.append([run.first, run.last, keys])
+        return tuple((first, last, keys) for first, last, keys in merged)
+
+
+def _group_id(group: Group) -> GroupId:
+    return (group.name, tuple(group.ranks))
+
+
+def sequence_findings(collectives: Collectives, describe: Describe) -> list[Finding]:
+    """The first disagreement on every process group (module docstring)."""
+    by_rank = collectives.by_rank()
+    groups: dict[GroupId, Group] = {}
+    for seq in collectives.sequences:
+        for group in seq.groups:
+            groups.setdefault(_group_id(group), group)
+    findings: list[Finding] = []
+    for gid in sorted(groups, key=lambda g: (_name_order(g[0]), g)):
+        group = groups[gid]
+        members = [r for r in (group.ranks or ()) if r in by_rank]
+        users = [r for r, seq in by_rank.items() if any(_group_id(g) == gid for g in seq.groups)]
+        ranks = sorted(set(members) | set(users))
+        if len(ranks) < 2:
+            continue
+        views: dict[int, _View] = {}
+        for rank in ranks:
+            seq = by_rank[rank]
+            view = views.get(id(seq))
+            if view is None:
+                index = next((i for i, g in enumerate(seq.groups) if _group_id(g) == gid), None)
+                view = views[id(seq)] = _View(seq, index, [])
+            view.ranks.append(rank)
+        classes: dict[tuple[Any, ...], list[_View]] = {}
+        for view in views.values():
+            classes.setdefault(view.shape(), []).append(view)
+        if len(classes) < 2:
+            continue
+        findings.extend(_first_disagreement(group, list(classes.values()), describe))
+    return _merge_groups(findings)
+
+
+def _name_order(name: str) -> tuple[int, str]:
+    return (int(name), "") if name.isdigit() else (1 << 62, name)
+
+
+def _first_disagreement(
+    group: Group, classes: list[list[_View]], describe: Describe
+) -> list[Finding]:
+    """Findings at the first position where ``classes`` (views that agree) differ."""
+    reps = [views[0] for views in classes]
+    ranks_of = [sorted(r for v in views for r in v.ranks) for views in classes]
+    iterators = [rep.calls() for rep in reps]
+    position = 0
+    while True:
+        here = [next(it, None) for it in iterators]
+        keys = [None if call is None else call[1].key() for call in here]
+        if len(set(keys)) > 1:
+            break
+        if keys[0] is None:  # all ended together: they differ in step numbers only
+            return []
+        position += 1
+    # the distribution at the position: key -> ranks
+    distribution: dict[Any, list[int]] = {}
+    for key, ranks in zip(keys, ranks_of, strict=True):
+        distribution.setdefault(key, []).extend(ranks)
+    total = sum(len(r) for r in distribution.values())
+    winner = max(distribution, key=lambda k: len(distribution[k]))
+    majority = 2 * len(distribution[winner]) > total
+    if not majority:  # the lowest rank's value is the reference
+        winner = min(distribution, key=lambda k: min(distribution[k]))
+    reference = next(i for i, key in enumerate(keys) if key == winner)
+    expected_window = list(islice(reps[reference].calls(), position, position + WINDOW + 2))
+    shown = [
+        {"value": _text(here[keys.index(key)]), "ranks": sorted(ranks)}
+        for key, ranks in sorted(distribution.items(), key=lambda kv: min(kv[1]))
+    ]
+    findings = []
+    done: set[Any] = set()
+    for index, key in enumerate(keys):
+        if key == winner or key in done:
+            continue
+        done.add(key)
+        got_window = list(islice(reps[index].calls(), position, position + WINDOW + 2))
+        kind = _kind(expected_window, got_window)
+        findings.append(
+            _finding(
+                kind,
+                group,
+                position,
+                expected_window[0] if expected_window else None,
+                got_window[0] if got_window else None,
+                sorted(distribution[key]),
+                sorted(distribution[winner]),
+                majority,
+                shown,
+                describe,
+            )
+        )
+    return findings
+
+
+def _kind(expected: list[Call], got: list[Call]) -> str:
+    """What explains the disagreement at ``expected[0]`` / ``got[0]`` best."""
+    if not got:
+        return "collective_missing"
+    if not expected:
+        return "collective_extra"
+    exp = [s.key() for _, s in expected]
+    have = [s.key() for _, s in got]
+    e, g = expected[0][1], got[0][1]
+
+    def agree(a: list[Any], b: list[Any]) -> int:
+        count = 0
+        for x, y in zip(a, b, strict=False):
+            if x != y:
+                return count
+            count += 1
+        return count + (WINDOW if len(a) == len(b) else 0)  # both end: as good as it gets
+
+    same = collective_kind(e.op) == collective_kind(g.op)
+    scores = {
+        "substitute": agree(exp[1:], have[1:]),
+        "collective_order": (
+            agree(exp[2:], have[2:]) + 2
+            if len(exp) > 1 and len(have) > 1 and exp[0] == have[1] and exp[1] == have[0]
+            else -1
+        ),
+        "collective_missing": agree(exp[1:], have) if exp[1:2] == have[:1] else -1,
+        "collective_extra": agree(exp, have[1:]) if have[1:2] == exp[:1] else -1,
+    }
+    order = ["substitute", "collective_order", "collective_missing", "collective_extra"]
+    if not same:  # another collective: a substitution only where nothing else explains it
+        order = [*order[1:], "substitute"]
+    best = max(order, key=lambda name: (scores[name], -order.index(name)))
+    if best != "substitute":
+        return best
+    if not same:
+        return "collective_order"
+    if e.dtype != g.dtype:
+        return "collective_dtype"
+    if e.numel != g.numel or e.shapes != g.shapes:
+        return "collective_size"
+    return "collective_reduce_op"
+
+
+def _signature_doc(call: Call | None, group: Group) -> dict[str, Any] | None:
+    if call is None:
+        return None
+    step, sig = call
+    return {
+        "op": sig.op,
+        "dtype": sig.dtype,
+        "numel": sig.numel,
+        "shapes": [list(shape) for shape in sig.shapes] if sig.shapes is not None else None,
+        "reduce_op": sig.reduce_op,
+        "group": group.name,
+        "step": step,
+    }
+
+
+def _text(call: Call | None) -> str:
+    """A collective as a person reads it: ``c10d::allreduce_ float32[6] sum``."""
+    if call is None:
+        return "no collective (its sequence ended)"
+    sig = call[1]
+    if sig.shapes is None:
+        shape = f"({sig.numel} elements)" if sig.numel is not None else ""
+    else:
+        shape = ",".join("[" + ",".join(map(str, s)) + "]" for s in sig.shapes)
+    parts = [sig.op, f"{sig.dtype or '?'}{shape}"]
+    if sig.reduce_op:
+        parts.append(sig.reduce_op)
+    return " ".join(parts)
+
+
+_WHAT = {
+    "collective_order": "another collective at this position (out of order)",
+    "collective_dtype": "another dtype",
+    "collective_size": "another size",
+    "collective_reduce_op": "another reduce op",
+}
+
+
+def _finding(
+    kind: str,
+    group: Group,
+    position: int,
+    expected: Call | None,
+    got: Call | None,
+    ranks: list[int],
+    expected_ranks: list[int],
+    majority: bool,
+    distribution: list[dict[str, Any]],
+    describe: Describe,
+) -> Finding:
+    where_got = describe(got[1].stack) if got is not None else None
+    where_expected = describe(expected[1].stack) if expected is not None else None
+    where = where_got or where_expected or {"target": "<root>", "context": [], "stack": []}
+    op = (got or expected or (0, None))[1]
+    step = (got or expected or (None, None))[0]
+    label = f"group {group.name}" + (f" ({group.desc})" if group.desc else "")
+    rank_text = ", ".join(map(str, ranks[:8])) + (" …" if len(ranks) > 8 else "")
+    them = (
+        "most ranks"
+        if majority
+        else f"rank {expected_ranks[0]} (no majority: the lowest rank is the reference)"
+    )
+    head = f"collective #{position} on {label}, step {step}: rank(s) {rank_text}"
+    if kind == "collective_missing":
+        then = f"issue {_text(got)} next" if got is not None else "issue no further collective"
+        message = f"{head} skip {_text(expected)}, which {them} issue(s) here; they {then}"
+    elif kind == "collective_extra":
+        then = f"issue(s) {_text(expected)} here" if expected is not None else "issue(s) none"
+        message = f"{head} issue {_text(got)}, which {them} do(es) not: {them} {then}"
+    else:
+        message = (
+            f"{head} issue {_text(got)} where {them} issue(s) {_text(expected)}: {_WHAT[kind]}"
+        )
+    message += "; the job hangs here or computes wrong values"
+    return {
+        "kind": kind,
+        "severity": "error",
+        "ranks": ranks,
+        "op": op.op if op is not None else None,
+        "group": {
+            "name": group.name,
+            "desc": group.desc,
+            "size": group.size,
+            "ranks": list(group.ranks),
+        },
+        "position": position,
+        "step": step,
+        "expected": _signature_doc(expected, group),
+        "got": _signature_doc(got, group),
+        "expected_ranks": expected_ranks,
+        "majority": majority,
+        "distribution": distribution,
+        "target": where["target"],
+        "context": where["context"],
+        "stack": where_got["stack"] if where_got else [],
+        "expected_stack": where_expected["stack"] if where_expected else [],
+        "size": len(ranks),
+        "message": message,
+    }
+
+
+def _merge_groups(findings: list[Finding]) -> list[Finding]:
+    """A rank's ``collective_missing`` on one group and ``collective_extra`` of the
+    same collective in the same step on another: one ``collective_group`` finding."""
+    extras = [f for f in findings if f["kind"] == "collective_extra"]
+    merged: list[Finding] = []
+    used: set[int] = set()
+    for finding in findings:
+        if finding["kind"] != "collective_missing" or finding["expected"] is None:
+            continue
+        want = {k: v for k, v in finding["expected"].items() if k != "group"}
+        for extra in extras:
+            if id(extra) in used or extra["got"] is None:
+                continue
+            have = {k: v for k, v in extra["got"].items() if k != "group"}
+            if have == want and extra["ranks"] == finding["ranks"]:
+                used.update((id(extra), id(finding)))
+                merged.append(_group_finding(finding, extra))
+                break
+    return [f for f in findings if id(f) not in used] + merged
+
+
+def _group_finding(missing: Finding, extra: Finding) -> Finding:
+    expected, got = missing["expected"], extra["got"]
+    group, other = missing["group"], extra["group"]
+    ranks = missing["ranks"]
+    rank_text = ", ".join(map(str, ranks[:8])) + (" …" if len(ranks) > 8 else "")
+    return {
+        **missing,
+        "kind": "collective_group",
+        "got": got,
+        "other_group": other,
+        "stack": extra["stack"],
+        "target": extra["target"],
+        "context": extra["context"],
+        "message": (
+            f"collective #{missing['position']} on group {group['name']}"
+            f"{' (' + group['desc'] + ')' if group['desc'] else ''}, step {missing['step']}: "
+            f"rank(s) {rank_text} issue {expected['op']} {expected['dtype']}"
+            f"{''.join(str(s) for s in expected['shapes'] or []).replace(' ', '')} on group "
+            f"{other['name']} (ranks {other['ranks']}) where the others issue it on "
+            f"group {group['name']} (ranks {group['ranks']}): a different process group; "
+            "the job hangs here"
+        ),
+    }
