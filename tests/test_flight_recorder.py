@@ -22,6 +22,7 @@ from opguard_core.formats.trace import decode_trace
 from opguard_plugins.readers.flight_recorder import (
     FlightRecorderError,
     PlainUnpickler,
+    check_cost,
     looks_like_json_dump,
     looks_like_pickle,
     read_dump,
@@ -260,12 +261,12 @@ class _Exploit:
         return (os.system, (f"touch {self.marker}",))
 
 
-def _deep_shared(levels: int) -> bytes:
-    """A small pickle that expands to 2**levels values: one list referenced twice per level."""
-    value: list[Any] = []
-    for _ in range(levels):
-        value = [value, value]
-    return pickle.dumps({"version": "2.10", "entries": [], "pg_status": value}, protocol=2)
+def _shared(count: int) -> bytes:
+    """A small pickle whose entries are ``count`` references to one entry, itself with
+    ``count`` references to one frame: count**2 frames to convert."""
+    frame = {"filename": "a.py", "line": 1, "name": "f"}
+    entry = nccl_dump()["entries"][0] | {"frames": [frame] * count}
+    return pickle.dumps({"version": "2.10", "entries": [entry] * count}, protocol=2)
 
 
 def hostile_cases(tmp_path: Path) -> list[tuple[str, bytes, str]]:
@@ -281,9 +282,9 @@ def hostile_cases(tmp_path: Path) -> list[tuple[str, bytes, str]]:
         ("garbage opcode", b"\x80\x02\xff\xfe", "not a readable pickle"),
         ("huge length", b"\x80\x02X\xff\xff\xff\x7f", "pickle data was truncated"),
         (
-            "set",
-            pickle.dumps({"version": "2.10", "entries": [], "x": {1, 2}}, protocol=4),
-            "holds a set, not plain data",
+            "entries not a list",
+            pickle.dumps({"version": "2.10", "entries": {"a": 1}}, protocol=4),
+            "Expected `array`, got `object` - at `$.entries`",
         ),
         ("not a dump", pickle.dumps([1, 2, 3]), "not a Flight Recorder dump"),
         (
@@ -297,7 +298,7 @@ def hostile_cases(tmp_path: Path) -> list[tuple[str, bytes, str]]:
             pickle.dumps(nccl_dump(entries=[nccl_dump()["entries"][0] | {"input_sizes": [[-4]]}])),
             "negative size",
         ),
-        ("laughs", _deep_shared(60), "expands to more than"),
+        ("shared", _shared(3000), "expands to more than"),
         ("json", b'{"pg_config": {}, "version": 3}', "Expected `str`, got `int`"),
         ("json truncated", b'{"pg_config": {}, "entries": [', "invalid dump"),
     ]
@@ -322,19 +323,13 @@ def test_plain_unpickler_refuses_every_global() -> None:
 
 
 def test_a_real_dump_stays_within_the_value_budget() -> None:
-    """The budget (4 values per byte) holds for real dumps with room to spare."""
+    """The budget (4 values per byte) holds for real dumps with room to spare: one
+    value per byte is refused for none of them."""
     for scenario in SCENARIOS:
         data = (DATA / scenario / "rank_1").read_bytes()
-        value = PlainUnpickler(io.BytesIO(data)).load()
-        todo, seen = [value], 0
-        while todo:
-            item = todo.pop()
-            seen += 1
-            if isinstance(item, dict):
-                todo.extend([*item.keys(), *item.values()])
-            elif isinstance(item, list | tuple):
-                todo.extend(item)
-        assert seen < len(data)
+        check_cost(PlainUnpickler(io.BytesIO(data)).load(), len(data))
+    with pytest.raises(FlightRecorderError, match="expands to more than 100 values"):
+        check_cost(PlainUnpickler(io.BytesIO(data)).load(), 100)
 
 
 def test_the_rank_is_the_number_a_name_ends_with(tmp_path: Path) -> None:

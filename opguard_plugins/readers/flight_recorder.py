@@ -9,9 +9,10 @@ taken by its content, whatever its name:
   to ``TORCH_FR_DUMP_TEMP_FILE<rank>`` (``TORCH_NCCL_DEBUG_INFO_TEMP_FILE``). It is
   **never unpickled as such**: :class:`PlainUnpickler` refuses every global (a class,
   a function: what makes unpickling run code), every persistent id and out-of-band
-  buffer, so only plain data (dicts, lists, tuples, strings, numbers) can come out;
-  :func:`check_plain` then bounds how many values it expands to (a pickle can repeat
-  one object by reference, so a small file could otherwise stand for a huge tree);
+  buffer, so only plain data (dicts, lists, tuples, sets, strings, numbers) can come
+  out; :func:`check_cost` then bounds what the fields read expand to (a pickle can
+  repeat one object by reference, so a small file could otherwise stand for a huge
+  tree);
 * a **JSON dump** (``_dump_fr_trace_json()``): a JSON object naming the dump's keys
   (``pg_config``, ``comm_lib_version``, ``profiling_name``) near its start. It has no
   stacks (torch's JSON dump omits ``frames``).
@@ -48,6 +49,7 @@ from typing import Any
 import msgspec
 
 from opguard_core import hookimpl
+from opguard_core.combine.accumulator import gc_paused
 from opguard_core.errors import InputError
 from opguard_core.formats.collectives import (
     Collectives,
@@ -186,36 +188,55 @@ def load_pickle(data: bytes) -> Any:
         raise FlightRecorderError(
             f"not a readable pickle: {type(exc).__name__}: {' '.join(str(exc).split())[:200]}"
         ) from None
-    check_plain(value, VALUES_PER_BYTE * len(data) + BASE_VALUES)
     return value
 
 
-_SCALARS = (str, int, float, bool, type(None), bytes)
+def check_cost(value: dict[Any, Any], budget: int) -> None:
+    """Refuse a dump whose fields that are read hold more than ``budget`` values when a
+    value shared by reference is counted each time it is referenced: what converting
+    them costs. A pickle can reference one object many times for two bytes each, so a
+    small file could otherwise stand for an entries list of a million entries each with
+    a million frames. Only the fields read count (the rest is never walked), and it
+    stops as soon as the budget is spent."""
+    cost = 0
+
+    def spent() -> FlightRecorderError:
+        return FlightRecorderError(
+            f"expands to more than {budget} values (a pickle that repeats objects "
+            "by reference, far beyond what a dump holds)"
+        )
+
+    entries = value.get("entries")
+    if isinstance(entries, list | tuple):
+        cost += len(entries)
+        for entry in entries:
+            if not isinstance(entry, dict):
+                continue
+            cost += len(entry)
+            for key in _LISTS:
+                field = entry.get(key)
+                if isinstance(field, list | tuple):
+                    cost += len(field)
+                    for item in field:
+                        if isinstance(item, dict | list | tuple):
+                            cost += len(item)
+            if cost > budget:
+                raise spent()
+    config = value.get("pg_config")
+    if isinstance(config, dict):
+        cost += len(config)
+        for group in config.values():
+            if isinstance(group, dict):
+                cost += len(group)
+                ranks = group.get("ranks")
+                if isinstance(ranks, list | tuple):
+                    cost += len(ranks)
+    if cost > budget:
+        raise spent()
 
 
-def check_plain(value: Any, budget: int) -> None:
-    """Refuse a value that is not plain data (dicts, lists, tuples, strings, numbers)
-    or that expands to more than ``budget`` values when shared objects are counted
-    each time they are referenced (iteratively: depth costs no recursion)."""
-    todo = [value]
-    seen = 0
-    while todo:
-        item = todo.pop()
-        seen += 1
-        if seen > budget:
-            raise FlightRecorderError(
-                f"expands to more than {budget} values (a pickle that repeats objects "
-                "by reference, far beyond what a dump holds)"
-            )
-        if isinstance(item, _SCALARS):
-            continue
-        if isinstance(item, dict):
-            todo.extend(item.keys())
-            todo.extend(item.values())
-        elif isinstance(item, list | tuple):
-            todo.extend(item)
-        else:
-            raise FlightRecorderError(f"holds a {type(item).__name__}, not plain data")
+#: an entry's fields that hold containers
+_LISTS = ("frames", "input_sizes", "input_dtypes", "process_group")
 
 
 # ---------------------------------------------------------------------------
@@ -269,6 +290,7 @@ def decode_dump(data: bytes) -> _Dump:
             raise FlightRecorderError(
                 "a pickle that is not a Flight Recorder dump (no 'version' or 'entries')"
             )
+        check_cost(value, VALUES_PER_BYTE * len(data) + BASE_VALUES)
         try:
             return msgspec.convert(value, _Dump)
         except msgspec.ValidationError as exc:
@@ -318,11 +340,14 @@ def _group_ranks(config: _PgConfig | None) -> tuple[int, ...]:
 def read_dump(data: bytes, path: Path) -> tuple[dict[str, Any], list[str]]:
     """A dump as an ``opguard-callsites`` document (one rank), and the warnings."""
     rank = rank_of(path)
-    dump = decode_dump(data)
+    with gc_paused():  # many small acyclic containers: no collection could free any
+        dump = decode_dump(data)
     entries = sorted(dump.entries, key=lambda e: e.record_id)
     warnings: list[str] = []
 
     frame_ids: dict[tuple[str, int, str], int] = {}
+    raw_ids: dict[tuple[str, int, str], int] = {}
+    raw_signatures: dict[tuple[Any, ...], int] = {}
     groups: dict[tuple[str, str], int] = {}
     group_list: list[Group] = []
     signatures: dict[Signature, int] = {}
@@ -351,31 +376,40 @@ def read_dump(data: bytes, path: Path) -> tuple[dict[str, Any], list[str]]:
             first_seq.setdefault(name, entry.collective_seq_id)
         stack: list[int] = []
         for frame in reversed(entry.frames):
-            key = (relative_file(frame.filename), frame.line, frame.name)
-            fid = frame_ids.get(key)
+            raw = (frame.filename, frame.line, frame.name)
+            fid = raw_ids.get(raw)
             if fid is None:
-                fid = frame_ids[key] = len(frame_ids)
+                key = (relative_file(frame.filename), frame.line, frame.name)
+                fid = frame_ids.get(key)
+                if fid is None:
+                    fid = frame_ids[key] = len(frame_ids)
+                raw_ids[raw] = fid
             stack.append(fid)
         if entry.frames:
             with_frames += 1
-        shapes = tuple(tuple(size) for size in entry.input_sizes)
-        if any(d < 0 for shape in shapes for d in shape):
-            raise FlightRecorderError(
-                f"entry {entry.record_id} has a negative size in input_sizes {entry.input_sizes}"
-            )
         dtype = entry.input_dtypes[0] if entry.input_dtypes else None
-        signature = Signature(
-            op=op,
-            group=group,
-            dtype=DTYPES.get(dtype, dtype) if dtype is not None else None,
-            numel=sum(math.prod(shape) for shape in shapes) if shapes else None,
-            shapes=shapes or None,
-            reduce_op=None,
-            stack=tuple(stack),
-        )
-        sid = signatures.get(signature)
+        raw_signature = (op, group, dtype, tuple(map(tuple, entry.input_sizes)), tuple(stack))
+        sid = raw_signatures.get(raw_signature)
         if sid is None:
-            sid = signatures[signature] = len(signatures)
+            shapes = raw_signature[3]
+            if any(d < 0 for shape in shapes for d in shape):
+                raise FlightRecorderError(
+                    f"entry {entry.record_id} has a negative size in input_sizes "
+                    f"{entry.input_sizes}"
+                )
+            signature = Signature(
+                op=op,
+                group=group,
+                dtype=DTYPES.get(dtype, dtype) if dtype is not None else None,
+                numel=sum(math.prod(shape) for shape in shapes) if shapes else None,
+                shapes=shapes or None,
+                reduce_op=None,
+                stack=raw_signature[4],
+            )
+            sid = signatures.get(signature)
+            if sid is None:
+                sid = signatures[signature] = len(signatures)
+            raw_signatures[raw_signature] = sid
         calls.append(sid)
         site = (tuple(stack), op)
         counts[site] = counts.get(site, 0) + 1
