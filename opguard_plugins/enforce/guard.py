@@ -24,11 +24,18 @@ from opguard_core.errors import ExitCode, OpGuardError
 from opguard_core.formats.check import ERROR, load_report
 from opguard_core.formats.config import load_config
 from opguard_core.run.summary import config_source
+from opguard_plugins.enforce.sequence_guard import load_collectives
 from opguard_plugins.record.trace import bootstrap_env, run_bootstrapped
 
 
 def guard_env(
-    config: Path, report_dir: Path, on_violation: str, sample: float, command: tuple[str, ...]
+    config: Path,
+    report_dir: Path,
+    on_violation: str,
+    sample: float,
+    command: tuple[str, ...],
+    collectives: Path | None = None,
+    collective_timeout: float | None = None,
 ) -> dict[str, str]:
     """The environment that starts the guard in COMMAND's Python processes."""
     variables = {
@@ -37,6 +44,10 @@ def guard_env(
         "OPGUARD_GUARD_ON_VIOLATION": on_violation,
         "OPGUARD_GUARD_SAMPLE": repr(sample),
     }
+    if collectives is not None:
+        variables["OPGUARD_GUARD_COLLECTIVES"] = str(collectives.resolve())
+    if collective_timeout is not None:
+        variables["OPGUARD_GUARD_COLLECTIVE_TIMEOUT"] = repr(collective_timeout)
     return bootstrap_env(variables, command)
 
 
@@ -71,7 +82,7 @@ def summarize(reports: list[Path]) -> tuple[int, int, list[str]]:
 CODES: exits.Codes = {
     ExitCode.OK: "the command succeeded and no report has an error",
     ExitCode.STAGE_FAILED: "a report has an error, or a report could not be read",
-    ExitCode.INPUT_UNREADABLE: "the config could not be read",
+    ExitCode.INPUT_UNREADABLE: "the config (or the --collectives trace) could not be read",
 }
 
 
@@ -96,6 +107,20 @@ CODES: exits.Codes = {
     show_default=True,
     help="Check only every round(1/P)-th optimizer step (step 0 always).",
 )
+@click.option(
+    "--collectives",
+    "collectives_path",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="A good run's callsite trace with collective sequences ({entry}_combined.json): "
+    "each collective is checked against it before it is issued.",
+)
+@click.option(
+    "--collective-timeout",
+    type=click.FloatRange(min=0.0, min_open=True),
+    default=None,
+    help="Report a rank that waits longer than this many seconds in one collective.",
+)
 @config_option
 @click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
 def guard(
@@ -103,6 +128,8 @@ def guard(
     report_dir: Path,
     on_violation: str,
     sample: float,
+    collectives_path: Path | None,
+    collective_timeout: float | None,
     command: tuple[str, ...],
 ) -> int:
     """Run COMMAND with CONFIG enforced at run time, writing one report per rank.
@@ -111,9 +138,19 @@ def guard(
     """
     config_path = config_source(config_path)
     load_config(config_path)
+    if collectives_path is not None:
+        load_collectives(collectives_path)
     report_dir.mkdir(parents=True, exist_ok=True)
     started = time.time() - 1.0  # file systems with coarse timestamps
-    env = guard_env(config_path, report_dir, on_violation, sample, command)
+    env = guard_env(
+        config_path,
+        report_dir,
+        on_violation,
+        sample,
+        command,
+        collectives_path,
+        collective_timeout,
+    )
     log_format = (click.get_current_context().obj or {}).get("log_format")
     if log_format:  # `opguard --log-format X guard ...`: the guarded processes log as X
         env["OPGUARD_GUARD_LOG_FORMAT"] = log_format
