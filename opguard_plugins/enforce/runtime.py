@@ -77,9 +77,11 @@ from opguard_core.formats.tree import TORCH_API
 from opguard_core.logs import resolve_format
 from opguard_plugins.enforce import sequence_guard
 from opguard_plugins.enforce.sequence_guard import (
+    LAST,
     NAMESPACES,
     SequenceChecker,
     Watchdog,
+    call_text,
     load_collectives,
     work_of,
 )
@@ -341,6 +343,8 @@ class Guard:
         )
         self.collective_timeout = collective_timeout
         self.watchdog: Watchdog | None = None
+        #: the last collectives this process issued (a watchdog report names them)
+        self.last_collectives: deque[str] = deque(maxlen=LAST)
         self.collective_checks = self.sequences is not None or collective_timeout is not None
         self.log = structlog.wrap_logger(
             structlog.PrintLogger(file=sys.stderr),
@@ -372,7 +376,7 @@ class Guard:
         self._step_hook = count_optimizer_steps(self._after_step)
         self.checked_steps = 1
         if self.collective_timeout is not None and self.watchdog is None:
-            last = self.sequences.last if self.sequences is not None else deque[str]()
+            last = self.last_collectives
             self.watchdog = Watchdog(
                 self.collective_timeout, self._waited_too_long, lambda: list(last)
             )
@@ -736,12 +740,14 @@ class Guard:
         op = op_name(func)
         frame = sys._getframe(1)
         target = caller_target(frame)
-        if self.sequences is not None and is_collective(op):
-            if self.sequences.rank is None:
-                self.sequences.bind(self.resolve_rank())
+        if is_collective(op):
             group, dtype, numel, shapes, reduce_op = describe(func, op, args, kwargs)
-            name = group[0] if group is not None else "?"
-            self.sequences.check(op, (name, dtype, numel, shapes, reduce_op), self.step, target)
+            call = (group[0] if group is not None else "?", dtype, numel, shapes, reduce_op)
+            self.last_collectives.append(call_text(op, call, self.step))
+            if self.sequences is not None:
+                if self.sequences.rank is None:
+                    self.sequences.bind(self.resolve_rank())
+                self.sequences.check(op, call, self.step, target)
         watchdog = self.watchdog
         if watchdog is None:
             return func(*args, **(kwargs or {}))
