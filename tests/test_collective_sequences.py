@@ -63,8 +63,9 @@ def rank_doc(
             lines[line] = len(frames)
             frames.append({"file": "job.py", "line": line, "function": "step",
                            "qualname": "step", "module": "job"})  # fmt: skip
+        reduce_op = "sum" if "reduce" in op else None
         sig = {"op": op, "group": group, "dtype": dtype, "numel": numel, "shapes": [[numel]],
-               "reduce_op": "sum" if "reduce" in op else None, "stack": [0, lines[line]]}  # fmt: skip
+               "reduce_op": reduce_op, "stack": [0, lines[line]]}  # fmt: skip
         key = json.dumps(sig)
         if key not in sig_ids:
             sig_ids[key] = len(signatures)
@@ -239,7 +240,7 @@ def test_ranks_issuing_the_same_sequence_from_other_lines_agree(
                 (1, AR, "float32", 8, 11),
             ],
             "collective_extra",
-        ),  # fmt: skip
+        ),
     ],
 )
 def test_each_kind_of_disagreement_names_the_culprit(
