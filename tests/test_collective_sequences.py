@@ -380,3 +380,24 @@ def test_a_real_two_rank_gloo_job(case: str, tmp_path: Path) -> None:
     op = {"funcol": "_c10d_functional::all_reduce", "nested": "c10d::_allgather_base_"}
     assert finding["op"] == op.get(case, "c10d::allreduce_")
     assert finding["stack"] and finding["expected_stack"]
+
+
+@pytest.mark.slow  # runs a torch program twice
+def test_the_sequence_does_not_grow_with_steps() -> None:
+    """``benchmarks/sequence_memory.py``: a job repeating 10 or 2000 steps records the
+    same signatures and one step run; the written sequence is the same size but for
+    the digits of the last step."""
+    pytest.importorskip("torch")
+    figures = []
+    for steps in (10, 2000):
+        proc = subprocess.run(
+            [sys.executable, str(REPO / "benchmarks" / "sequence_memory.py"), "--steps",
+             str(steps)],
+            capture_output=True, text=True, timeout=300, cwd=REPO,
+        )  # fmt: skip
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        figures.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+    few, many = figures
+    assert few["collectives"] == 30 and many["collectives"] == 6000
+    assert (few["signatures"], few["runs"]) == (many["signatures"], many["runs"]) == (3, 1)
+    assert many["collectives_bytes"] - few["collectives_bytes"] <= 3
