@@ -328,6 +328,82 @@ def test_without_sequences_collectives_are_compared_by_count(
     assert "compared by count" in doc["log"]
 
 
+# ----------------------------------------------------------------------------- tracer
+
+_CUSTOM_OP: list[Any] = []
+
+
+def custom_gather() -> Any:
+    """A custom op whose kernel issues an all-gather (registered once per process)."""
+    if not _CUSTOM_OP:
+        import torch
+        import torch.distributed as dist
+
+        def gather(x: Any) -> Any:
+            out = torch.empty(x.numel() * dist.get_world_size(), dtype=x.dtype)
+            dist.all_gather_into_tensor(out, x)
+            return out
+
+        # the schema is given: annotations are strings here (``from __future__``)
+        op = torch.library.custom_op(
+            "opguard_test::gather", gather, mutates_args=(), schema="(Tensor x) -> Tensor"
+        )
+        _CUSTOM_OP.append(op)
+    return _CUSTOM_OP[0]
+
+
+@pytest.mark.torch
+@pytest.mark.parametrize("accelerated", [True, False])
+def test_the_tracer_records_the_sequence(tmp_path: Path, accelerated: bool) -> None:
+    """One-rank gloo group: c10d, functional and nested collectives, by step, with
+    group, dtype, shapes and reduce op; the C path and the Python path agree."""
+    torch = pytest.importorskip("torch")
+    import torch.distributed as dist
+    import torch.distributed._functional_collectives as funcol
+
+    from opguard_plugins.record.tracer import CallsiteRecorder, CallsiteTracer
+
+    gather = custom_gather()
+    dist.init_process_group(
+        "gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1
+    )
+    try:
+        tracer = CallsiteTracer(label="seq", output_dir=tmp_path)
+        tracer.recorder = CallsiteRecorder(accelerated=accelerated)
+        model = torch.nn.Linear(2, 2)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        tracer.start()
+        try:
+            for _ in range(3):
+                dist.all_reduce(torch.ones(6), op=dist.ReduceOp.MAX)
+                funcol.all_reduce(torch.ones(2, 3, dtype=torch.int32), "sum", dist.group.WORLD)
+                gather(torch.ones(3))
+                model(torch.ones(1, 2)).sum().backward()
+                opt.step()
+            dist.broadcast(torch.ones(4), 0)
+        finally:
+            tracer.stop()
+        trace = load_trace(tracer.write())
+    finally:
+        dist.destroy_process_group()
+    assert trace.collectives is not None
+    (seq,) = trace.collectives.sequences
+    assert seq.ranks == [0]
+    assert [(g.name, g.desc, g.size, g.ranks) for g in seq.groups] == [("0", "default_pg", 1, (0,))]
+    described = [(s.op, s.dtype, s.numel, s.shapes, s.reduce_op) for s in seq.signatures]
+    assert described == [
+        ("c10d::allreduce_", "float32", 6, ((6,),), "max"),
+        ("_c10d_functional::all_reduce", "int32", 6, ((2, 3),), "sum"),
+        ("c10d::_allgather_base_", "float32", 3, ((3,),), None),
+        ("c10d::broadcast_", "float32", 4, ((4,),), None),
+    ]
+    assert [(r.first, r.last, r.calls) for r in seq.steps] == [(0, 2, (0, 1, 2)), (3, 3, (3,))]
+    frames = trace.frames
+    nested = seq.signatures[2].stack
+    assert any(frames[f].function == "gather" for f in nested)  # the kernel's own frame
+    assert not any(frames[f].file.endswith("collectives.py") for f in nested)
+
+
 # ----------------------------------------------------------------------------- live
 
 
