@@ -304,6 +304,26 @@ def test_only_the_first_disagreement_per_group_is_reported(
     assert len(collective_findings(doc)) == 1
 
 
+def test_runs_are_compared_without_expanding_them(
+    opguard: Callable[..., Any], tmp_path: Path
+) -> None:
+    """A run of 10**15 identical steps costs one comparison: the disagreement after
+    it is found at once, with its position and step."""
+    last = 10**15
+    docs = [rank_doc(r, good(steps=2)) for r in (0, 1)]
+    for doc in docs:
+        seq = doc["collectives"]["sequences"][0]
+        seq["steps"] = [[0, last, [0, 1]]]
+    docs[1]["collectives"]["sequences"][0]["signatures"].append(
+        {**docs[1]["collectives"]["sequences"][0]["signatures"][1], "dtype": "int32"}
+    )
+    docs[0]["collectives"]["sequences"][0]["steps"].append([last + 1, last + 1, [1]])
+    docs[1]["collectives"]["sequences"][0]["steps"].append([last + 1, last + 1, [2]])
+    (finding,) = collective_findings(run_docs(opguard, tmp_path, *docs))
+    assert finding["kind"] == "collective_dtype"
+    assert (finding["position"], finding["step"]) == (2 * (last + 1), last + 1)
+
+
 def test_a_reduce_op_mismatch_is_its_own_kind(opguard: Callable[..., Any], tmp_path: Path) -> None:
     docs = [rank_doc(r, good()) for r in (0, 1)]
     docs[1]["collectives"]["sequences"][0]["signatures"].append(
