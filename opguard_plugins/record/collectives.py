@@ -77,6 +77,8 @@ CORE_NAMESPACES = frozenset(
         "xpu",
         "mps",
         "cuda",
+        "fsdp",  # FSDP2's copy-in/out ops: torch's own, no collective inside
+        "_dtensor",
     }
 )
 #: where a collective's input tensors are, by schema argument name

@@ -69,7 +69,7 @@ from torch.overrides import TorchFunctionMode, resolve_name
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from opguard_core.files.atomic import atomic_write_bytes
-from opguard_core.formats.collectives import Collectives, is_collective
+from opguard_core.formats.collectives import Collectives, CollectiveSequence, is_collective
 from opguard_core.formats.streams import StreamRoles, is_comm_op
 from opguard_core.formats.trace import Frame, encode_trace
 from opguard_core.native import load_native
@@ -815,6 +815,10 @@ class CallsiteTracer:
         sequence = self.recorder.sequence.build(
             rank, lambda stack: tuple(ids[f] for f in stacks[stack])
         )
+        if sequence is None and self.world_size() > 1:
+            # a rank of a distributed job that issued no collective: an empty sequence,
+            # which differs from "not recorded"
+            sequence = CollectiveSequence(ranks=[rank])
         self.collectives = Collectives(sequences=[sequence]) if sequence is not None else None
         callsites: list[dict[str, Any]] = []
         rows = sorted(

@@ -109,6 +109,7 @@ class _Stacks:
 
     def __init__(self, trace: CallsiteTrace, options: RunOptions) -> None:
         hide = [*(DEFAULT_HIDE if options.default_hide else ()), *options.hide]
+        self.frames = trace.frames
         self.names = [target_name(f.module, f.file, f.qualname) for f in trace.frames]
         self.user = bytes(not (f.module or "").startswith("torch") for f in trace.frames)
         self.hidden = bytes(hidden_frames(trace, hide))
@@ -130,9 +131,16 @@ class _Stacks:
         ]
 
     def describe_stack(self, stack: tuple[int, ...]) -> dict[str, Any]:
-        """:meth:`describe` for a stack of frame ids (a collective signature's)."""
+        """:meth:`describe` for a stack of frame ids (a collective signature's), its
+        ``stack`` with each frame's file and line (two ranks' stacks often differ in
+        lines only)."""
         visible, callers = visible_frames([tuple(stack)], self.hidden, self.user)
-        return self.describe(visible[0], callers[0])
+        where = self.describe(visible[0], callers[0])
+        where["stack"] = [
+            f"{self.names[fid]} ({self.frames[fid].file}:{self.frames[fid].line})"
+            for fid in visible[0]
+        ]
+        return where
 
     def describe(self, frames: list[int], position: int | None) -> dict[str, Any]:
         if position is None:

@@ -29,9 +29,8 @@ agree longest after the position (a window of :data:`WINDOW` collectives):
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
-from itertools import islice
 from typing import Any
 
 from opguard_core.formats.collectives import (
@@ -46,6 +45,10 @@ from opguard_core.formats.divergence import Finding
 
 #: collectives compared after the first disagreement to tell its kind
 WINDOW = 32
+#: collectives compared one by one on a group before giving up (whole steps that
+#: agree are skipped at once; only sequences that agree call by call but split their
+#: steps differently are walked one by one)
+MAX_STEPPED = 10_000_000
 
 #: a group as divergence knows it: its name and members (several groups may share a
 #: name where ranks created groups in a different order)
@@ -57,45 +60,100 @@ Call = tuple[int, Signature]
 Describe = Callable[[tuple[int, ...]], dict[str, Any]]
 
 
+#: one stretch of a view: steps ``first``..``last`` each issued ``calls`` on the group
+Block = tuple[int, int, tuple[Signature, ...], tuple[Any, ...]]
+
+
 @dataclass
 class _View:
-    """One distinct sequence's collectives on one group, and the ranks that issued it."""
+    """One distinct sequence's collectives on one group, and the ranks that issued it:
+    its runs filtered on the group, runs with none dropped, neighbours with the same
+    keys merged (canonical, however the sequence's other groups split its runs)."""
 
-    sequence: CollectiveSequence
-    group_index: int | None  # the group's index in the sequence (None: never used it)
+    blocks: list[Block]
     ranks: list[int]
 
-    def calls(self) -> Iterator[Call]:
-        if self.group_index is None:
-            return
-        signatures = self.sequence.signatures
-        for step, call in self.sequence.calls():
-            signature = signatures[call]
-            if signature.group == self.group_index and signature.op not in NOT_COLLECTIVES:
-                yield step, signature
+    @classmethod
+    def of(cls, sequence: CollectiveSequence, group_index: int | None) -> _View:
+        blocks: list[Block] = []
+        if group_index is not None:
+            signatures = sequence.signatures
+            for run in sequence.steps:
+                calls = tuple(
+                    signatures[c]
+                    for c in run.calls
+                    if signatures[c].group == group_index
+                    and signatures[c].op not in NOT_COLLECTIVES
+                )
+                if not calls:
+                    continue
+                keys = tuple(sig.key() for sig in calls)
+                if blocks and blocks[-1][1] + 1 == run.first and blocks[-1][3] == keys:
+                    first, _, before, _ = blocks[-1]
+                    blocks[-1] = (first, run.last, before, keys)
+                else:
+                    blocks.append((run.first, run.last, calls, keys))
+        return cls(blocks, [])
 
     def shape(self) -> tuple[Any, ...]:
-        """What two views must share to agree: each run's keys on the group, runs with
-        none dropped and neighbours with the same keys merged (canonical, however the
-        sequence's other groups split its runs)."""
-        if self.group_index is None:
-            return ()
-        signatures = self.sequence.signatures
-        merged: list[list[Any]] = []
-        for run in self.sequence.steps:
-            keys = tuple(
-                signatures[c].key()
-                for c in run.calls
-                if signatures[c].group == self.group_index
-                and signatures[c].op not in NOT_COLLECTIVES
-            )
-            if not keys:
-                continue
-            if merged and merged[-1][1] + 1 == run.first and merged[-1][2] == keys:
-                merged[-1][1] = run.last
-            else:
-                merged.append([run.first, run.last, keys])
-        return tuple((first, last, keys) for first, last, keys in merged)
+        """What two views must share to agree."""
+        return tuple((first, last, keys) for first, last, _, keys in self.blocks)
+
+
+class _Cursor:
+    """A position in a view: block, repetition (step) in it, call in that step. Moves
+    a call at a time, or whole steps at once (:meth:`skip`), so runs of millions of
+    steps are never expanded."""
+
+    __slots__ = ("block", "blocks", "call", "rep")
+
+    def __init__(self, blocks: list[Block]) -> None:
+        self.blocks = blocks
+        self.block = self.rep = self.call = 0
+
+    def copy(self) -> _Cursor:
+        other = _Cursor(self.blocks)
+        other.block, other.rep, other.call = self.block, self.rep, self.call
+        return other
+
+    def current(self) -> Block | None:
+        return self.blocks[self.block] if self.block < len(self.blocks) else None
+
+    def peek(self) -> Call | None:
+        block = self.current()
+        if block is None:
+            return None
+        return block[0] + self.rep, block[2][self.call]
+
+    def key(self) -> Any:
+        block = self.current()
+        return None if block is None else block[3][self.call]
+
+    def advance(self) -> None:
+        block = self.blocks[self.block]
+        self.call += 1
+        if self.call == len(block[2]):
+            self.skip(1)
+
+    def reps_left(self) -> int:
+        block = self.blocks[self.block]
+        return block[1] - block[0] + 1 - self.rep
+
+    def skip(self, reps: int) -> None:
+        """Skip ``reps`` whole steps from the start of one (at most those left)."""
+        first, last = self.blocks[self.block][:2]
+        self.call = 0
+        self.rep += reps
+        if self.rep > last - first:  # the block is done
+            self.block += 1
+            self.rep = 0
+
+    def window(self, size: int) -> list[Call]:
+        cursor, out = self.copy(), list[Call]()
+        while len(out) < size and (call := cursor.peek()) is not None:
+            out.append(call)
+            cursor.advance()
+        return out
 
 
 def _group_id(group: Group) -> GroupId:
@@ -106,24 +164,27 @@ def sequence_findings(collectives: Collectives, describe: Describe) -> list[Find
     """The first disagreement on every process group (module docstring)."""
     by_rank = collectives.by_rank()
     groups: dict[GroupId, Group] = {}
+    #: per group: each sequence that used it, with the group's index there
+    users: dict[GroupId, dict[int, int]] = {}
     for seq in collectives.sequences:
-        for group in seq.groups:
-            groups.setdefault(_group_id(group), group)
+        for index, group in enumerate(seq.groups):
+            gid = _group_id(group)
+            groups.setdefault(gid, group)
+            users.setdefault(gid, {})[id(seq)] = index
     findings: list[Finding] = []
     for gid in sorted(groups, key=lambda g: (_name_order(g[0]), g)):
         group = groups[gid]
-        members = [r for r in (group.ranks or ()) if r in by_rank]
-        users = [r for r, seq in by_rank.items() if any(_group_id(g) == gid for g in seq.groups)]
-        ranks = sorted(set(members) | set(users))
-        if len(ranks) < 2:
+        used = users[gid]
+        members = {r for r in group.ranks if r in by_rank}
+        members.update(r for seq in collectives.sequences if id(seq) in used for r in seq.ranks)
+        if len(members) < 2:
             continue
         views: dict[int, _View] = {}
-        for rank in ranks:
+        for rank in sorted(members):
             seq = by_rank[rank]
             view = views.get(id(seq))
             if view is None:
-                index = next((i for i, g in enumerate(seq.groups) if _group_id(g) == gid), None)
-                view = views[id(seq)] = _View(seq, index, [])
+                view = views[id(seq)] = _View.of(seq, used.get(id(seq)))
             view.ranks.append(rank)
         classes: dict[tuple[Any, ...], list[_View]] = {}
         for view in views.values():
@@ -142,18 +203,33 @@ def _first_disagreement(
     group: Group, classes: list[list[_View]], describe: Describe
 ) -> list[Finding]:
     """Findings at the first position where ``classes`` (views that agree) differ."""
-    reps = [views[0] for views in classes]
+    cursors = [_Cursor(views[0].blocks) for views in classes]
     ranks_of = [sorted(r for v in views for r in v.ranks) for views in classes]
-    iterators = [rep.calls() for rep in reps]
-    position = 0
+    position = stepped = 0
     while True:
-        here = [next(it, None) for it in iterators]
-        keys = [None if call is None else call[1].key() for call in here]
+        blocks = [c.current() for c in cursors]
+        if (
+            all(c.call == 0 for c in cursors)
+            and all(b is not None for b in blocks)
+            and len({b[3] for b in blocks if b is not None}) == 1
+        ):  # every class at the start of a step with the same calls: skip whole steps
+            reps = min(c.reps_left() for c in cursors)
+            for cursor in cursors:
+                cursor.skip(reps)
+            position += reps * len(blocks[0][3]) if blocks[0] is not None else 0
+            continue
+        keys = [c.key() for c in cursors]
         if len(set(keys)) > 1:
             break
         if keys[0] is None:  # all ended together: they differ in step numbers only
             return []
+        for cursor in cursors:
+            cursor.advance()
         position += 1
+        stepped += 1
+        if stepped > MAX_STEPPED:
+            return []
+    here = [c.peek() for c in cursors]
     # the distribution at the position: key -> ranks
     distribution: dict[Any, list[int]] = {}
     for key, ranks in zip(keys, ranks_of, strict=True):
@@ -164,7 +240,7 @@ def _first_disagreement(
     if not majority:  # the lowest rank's value is the reference
         winner = min(distribution, key=lambda k: min(distribution[k]))
     reference = next(i for i, key in enumerate(keys) if key == winner)
-    expected_window = list(islice(reps[reference].calls(), position, position + WINDOW + 2))
+    expected_window = cursors[reference].window(WINDOW + 2)
     shown = [
         {"value": _text(here[keys.index(key)]), "ranks": sorted(ranks)}
         for key, ranks in sorted(distribution.items(), key=lambda kv: min(kv[1]))
@@ -175,7 +251,7 @@ def _first_disagreement(
         if key == winner or key in done:
             continue
         done.add(key)
-        got_window = list(islice(reps[index].calls(), position, position + WINDOW + 2))
+        got_window = cursors[index].window(WINDOW + 2)
         kind = _kind(expected_window, got_window)
         findings.append(
             _finding(
