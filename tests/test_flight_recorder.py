@@ -42,11 +42,25 @@ def read(path: Path) -> dict[str, Any]:
     return json.loads(json.dumps(document))  # as a file holds it
 
 
+def job_lines(text: str) -> list[int]:
+    """The lines of ``fr_job.py`` holding ``text``."""
+    return [n for n, line in enumerate(JOB.read_text().splitlines(), 1) if text in line]
+
+
 def job_line(text: str) -> int:
     """The line of ``fr_job.py`` holding ``text`` (once)."""
-    lines = [n for n, line in enumerate(JOB.read_text().splitlines(), 1) if text in line]
-    assert len(lines) == 1, (text, lines)
-    return lines[0]
+    (line,) = job_lines(text)
+    return line
+
+
+#: the call in fr_job.py where rank 1 departs: (text, which of the lines holding it)
+CULPRIT_LINE = {
+    "order": ("dist.broadcast(b, src=0)", 0),
+    "skip": ("dist.broadcast(b, src=0)", 1),
+    "dtype": ("dist.all_reduce(a, group=", 0),
+    "size": ("dist.broadcast(b, src=0)", 2),
+    "group": ("dist.all_reduce(a, group=", 0),
+}
 
 
 # what each call of fr_job.py's step is: (op, group name, dtype, numel)
@@ -388,7 +402,12 @@ def test_opguard_names_the_culprit_of_each_recorded_job(opguard: Opguard, scenar
     for finding in findings:
         assert finding["group"]["name"] == "0" and finding["expected_ranks"] == [0, 2]
         assert finding["stack"][-1].startswith("torch.distributed.distributed_c10d:")
-        assert "fr_job:step" in finding["stack"]
+        # the culprit's own line, from the dump's frames
+        text, index = CULPRIT_LINE[scenario]
+        line = job_lines(text)[index]  # the path is where fr_job.py was when recorded
+        assert any(
+            re.fullmatch(rf"fr_job:step \(/\S+/fr_job\.py:{line}\)", s) for s in finding["stack"]
+        )
 
 
 def patched_for_torchfrtrace(source: Path, target: Path) -> None:
