@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from opguard_core.formats.trace import decode_trace
+from opguard_core.formats.trace import decode_trace, read_bytes
 from opguard_plugins.readers.flight_recorder import (
     FlightRecorderError,
     PlainUnpickler,
@@ -153,11 +153,21 @@ def test_detected_by_content(scenario: str) -> None:
     assert looks_like_json_dump((DATA / "dtype_json" / "rank_0.json").read_bytes())
 
 
+def test_kineto_traces_are_not_taken() -> None:
+    """Kineto's ``distributedInfo`` names a ``pg_config`` as a dump does."""
+    kineto = Path(__file__).parent / "data" / "kineto"
+    for path in sorted(kineto.glob("*.json*")):
+        data = read_bytes(path)
+        assert not looks_like_json_dump(data) and not looks_like_pickle(data), path
+
+
 @pytest.mark.parametrize(
     "head",
     [
         b'{"format": "opguard-callsites", "version": 1, "pg_config": {}}',
         b'{"traceEvents": []}',
+        b'{"distributedInfo": {"pg_config": []}, "traceEvents": []}',
+        b'{"schemaVersion": 1, "comm_lib_version": "x"}',
         b"[1, 2, 3]",
         b"",
     ],
@@ -313,8 +323,8 @@ def hostile_cases(tmp_path: Path) -> list[tuple[str, bytes, str]]:
             "negative size",
         ),
         ("shared", _shared(3000), "expands to more than"),
-        ("json", b'{"pg_config": {}, "version": 3}', "Expected `str`, got `int`"),
-        ("json truncated", b'{"pg_config": {}, "entries": [', "invalid dump"),
+        ("json", b'{"comm_lib_version": "", "version": 3}', "Expected `str`, got `int`"),
+        ("json truncated", b'{"comm_lib_version": "", "entries": [', "invalid dump"),
     ]
 
 

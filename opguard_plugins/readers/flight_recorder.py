@@ -13,8 +13,8 @@ taken by its content, whatever its name:
   out; :func:`check_cost` then bounds what the fields read expand to (a pickle can
   repeat one object by reference, so a small file could otherwise stand for a huge
   tree);
-* a **JSON dump** (``_dump_fr_trace_json()``): a JSON object naming the dump's keys
-  (``pg_config``, ``comm_lib_version``, ``profiling_name``) near its start. It has no
+* a **JSON dump** (``_dump_fr_trace_json()``): a JSON object naming a dump's own keys
+  (``comm_lib_version``, ``pg_status``, ...) near its start, and none of Kineto's. It has no
   stacks (torch's JSON dump omits ``frames``).
 
 One dump is one rank, and a dump does not say which: its rank is the number its file
@@ -74,7 +74,10 @@ HEAD = 65536
 VALUES_PER_BYTE = 4
 BASE_VALUES = 100_000
 
-_JSON_KEYS = (b'"pg_config"', b'"comm_lib_version"', b'"profiling_name"')
+#: keys only a dump has (torch writes its keys sorted: ``comm_lib_version`` first)
+_JSON_KEYS = (b'"comm_lib_version"', b'"pg_status"', b'"nccl_comm_state"')
+#: Kineto's top-level keys: its ``distributedInfo`` has a ``pg_config`` too
+_KINETO_KEYS = (b'"traceEvents"', b'"schemaVersion"', b'"deviceProperties"', b'"distributedInfo"')
 _RANK_AT_END = re.compile(r"(\d+)$")
 _RANKS = re.compile(r"-?\d+")
 
@@ -144,11 +147,16 @@ def looks_like_pickle(data: bytes) -> bool:
 
 def looks_like_json_dump(data: bytes) -> bool:
     """Whether ``data`` looks like ``_dump_fr_trace_json()``'s output: a JSON object
-    naming one of a dump's keys in its first :data:`HEAD` bytes."""
+    naming one of a dump's own keys in its first :data:`HEAD` bytes, and none of
+    Kineto's."""
     text = data[:HEAD].lstrip(b"\xef\xbb\xbf \t\r\n")
     if not text.startswith(b"{") or b'"opguard-' in text[:4096]:
         return False
-    return any(key in text for key in _JSON_KEYS)
+    if any(key in text for key in _KINETO_KEYS):
+        return False
+    return any(key in text for key in _JSON_KEYS) or (
+        b'"entries"' in text and b'"profiling_name"' in text
+    )
 
 
 # ---------------------------------------------------------------------------
