@@ -325,6 +325,11 @@ def hostile_cases(tmp_path: Path) -> list[tuple[str, bytes, str]]:
         ("shared", _shared(3000), "expands to more than"),
         ("json", b'{"comm_lib_version": "", "version": 3}', "Expected `str`, got `int`"),
         ("json truncated", b'{"comm_lib_version": "", "entries": [', "invalid dump"),
+        (
+            "json deep",
+            b'{"comm_lib_version": "", "x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
+            "nesting too deep",
+        ),
     ]
 
 
@@ -337,6 +342,17 @@ def test_hostile_dumps_are_refused_in_one_line(tmp_path: Path) -> None:
         assert problem in message, (name, message)
         assert "\n" not in message, name
     assert not (tmp_path / "pwned").exists()
+
+
+def test_a_deeply_nested_pickle_is_read_without_recursion(tmp_path: Path) -> None:
+    """200,000 nested lists under a key the reader does not read: built, never walked."""
+    depth = 200_000
+    # EMPTY_DICT, MARK, 'version': '2.10', 'entries': [], 'x': the nest, SETITEMS, STOP
+    head = b"\x80\x02}(X\x07\x00\x00\x00versionX\x04\x00\x00\x002.10X\x07\x00\x00\x00entries]"
+    nest = b"X\x01\x00\x00\x00x" + b"]" * depth + b"a" * (depth - 1)
+    data = head + nest + b"u."
+    document, _ = read_dump(data, tmp_path / "rank_0")
+    assert document["meta"]["entries"] == 0
 
 
 def test_plain_unpickler_refuses_every_global() -> None:

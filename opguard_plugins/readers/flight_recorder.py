@@ -286,6 +286,9 @@ class _Dump(msgspec.Struct, gc=False):
 _JSON_DECODER = msgspec.json.Decoder(_Dump)
 
 
+_TOO_DEEP = "invalid dump: nesting too deep"
+
+
 def _problem(exc: Exception) -> str:
     return " ".join(str(exc).split())[:300]
 
@@ -303,10 +306,14 @@ def decode_dump(data: bytes) -> _Dump:
             return msgspec.convert(value, _Dump)
         except msgspec.ValidationError as exc:
             raise FlightRecorderError(f"invalid dump: {_problem(exc)}") from None
+        except RecursionError:
+            raise FlightRecorderError(_TOO_DEEP) from None
     try:
         return _JSON_DECODER.decode(data)
     except (msgspec.ValidationError, msgspec.DecodeError) as exc:
         raise FlightRecorderError(f"invalid dump: {_problem(exc)}") from None
+    except RecursionError:  # msgspec's own bound on nesting (a dump nests 5 levels)
+        raise FlightRecorderError(_TOO_DEEP) from None
 
 
 # ---------------------------------------------------------------------------
