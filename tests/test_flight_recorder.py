@@ -512,3 +512,34 @@ def test_torchfrtrace_fails_on_gloo_dumps_as_recorded(tmp_path: Path) -> None:
         pytest.skip("this torch's torchfrtrace reads gloo dumps as they are")
     # ('0', R): the default group's name with the first rank it walks to
     assert re.search(r"KeyError: \('0', \d+\)", result.stderr), result.stderr[-2000:]
+
+
+def test_ring_buffers_that_wrapped_at_different_points_line_up(
+    opguard: Opguard, tmp_path: Path
+) -> None:
+    """The dtype job's dumps as if each rank's ring buffer had wrapped at another point
+    (ranks 0, 1, 2 lost their first 2, 1, 3 entries): positions still count from the
+    job's start (``Group.first`` from ``collective_seq_id``), so the finding is the
+    same as on the whole dumps, and each reader warns."""
+    folder = tmp_path / "wrapped"
+    folder.mkdir()
+    for rank, lost in ((0, 2), (1, 1), (2, 3)):
+        dump = PlainUnpickler(io.BytesIO((DATA / "dtype" / f"rank_{rank}").read_bytes())).load()
+        dump["entries"] = dump["entries"][lost:]
+        (folder / f"rank_{rank}").write_bytes(pickle.dumps(dump, protocol=2))
+    run = opguard("run", "-i", folder / "rank_*", "--fail-on-divergence")
+    assert run.exit_code == 4, run.stderr
+    findings = json.loads(run.read("rank_divergence.json"))["findings"]
+    errors = [f for f in findings if f["severity"] == "error"]
+    assert [(f["kind"], f["ranks"], f["position"]) for f in errors] == [
+        ("collective_dtype", [1], 2)
+    ]
+    combined = json.loads(run.read("rank_combined.json"))
+    firsts = {
+        (s["ranks"][0], g["name"]): g.get("first", 0)
+        for s in combined["collectives"]["sequences"]
+        for g in s["groups"]
+    }
+    assert firsts == {(0, "0"): 2, (0, "1"): 0, (1, "0"): 1, (1, "1"): 0, (2, "0"): 2, (2, "1"): 1}
+    summary = json.loads(run.read("pipeline_summary.json"))
+    assert sum("ring buffer wrapped" in w["message"] for w in summary["warnings"]) == 3

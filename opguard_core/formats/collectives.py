@@ -129,6 +129,16 @@ class Group(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tru
     #: None where the recorder could not tell (a gloo Flight Recorder dump)
     size: PositiveInt | None = None
     ranks: tuple[NonNegativeInt, ...] = ()
+    #: the position on this group of the sequence's first collective on it: the ones
+    #: before were not recorded (a Flight Recorder ring buffer that wrapped); 0 when
+    #: the sequence starts with the job (written only when it is not 0)
+    first: NonNegativeInt = 0
+
+
+def _encode_group(group: Group) -> bytes:
+    if group.first:
+        return msgspec.json.encode(group)
+    return msgspec.json.encode({f: getattr(group, f) for f in ("name", "desc", "size", "ranks")})
 
 
 class Signature(
@@ -305,7 +315,7 @@ def encode_collectives(found: Collectives) -> bytes:
     for s, seq in enumerate(found.sequences):
         parts.append(b"\n" if s == 0 else b",\n")
         parts.append(b'{"ranks":' + encode(seq.ranks) + b',\n"groups":[')
-        parts.append(b",".join(encode(g) for g in seq.groups))
+        parts.append(b",".join(_encode_group(g) for g in seq.groups))
         parts.append(b'],\n"signatures":[\n')
         parts.append(b",\n".join(encode(sig) for sig in seq.signatures))
         parts.append(b'],\n"steps":[\n')

@@ -34,7 +34,10 @@ order; it becomes
 
 A dump has no steps: every collective is in step 0. Its ring buffer keeps the last
 ``TORCH_FR_BUFFER_SIZE`` entries; when it has wrapped, the first collectives are
-gone, positions no longer count from the job's start, and a warning says so.
+gone: a group's ``first`` (formats.md, "Collective sequences") is then its first
+entry's ``collective_seq_id`` less one, so positions still count from the job's
+start and ranks whose buffers wrapped at different points line up (as
+``torchfrtrace`` pairs them); a warning says what was lost.
 """
 
 from __future__ import annotations
@@ -435,9 +438,13 @@ def read_dump(data: bytes, path: Path) -> tuple[dict[str, Any], list[str]]:
             f"{path}: the Flight Recorder ring buffer wrapped (the dump starts at record "
             f"{entries[0].record_id}"
             + (f", group(s) {', '.join(wrapped)} past their first collective" if wrapped else "")
-            + "): positions count from the oldest entry kept, not the job's start; raise "
-            "TORCH_FR_BUFFER_SIZE (docs/flight_recorder.md)"
+            + "): collectives before it are compared only where other ranks' dumps kept "
+            "them; raise TORCH_FR_BUFFER_SIZE (docs/flight_recorder.md)"
         )
+    group_list = [
+        msgspec.structs.replace(group, first=first_seq.get(group.name, 1) - 1)
+        for group in group_list
+    ]
 
     # frames in canonical order (formats.md §1): sorted by value
     values = {fid: _frame(*key) for key, fid in frame_ids.items()}
@@ -488,6 +495,9 @@ def read_dump(data: bytes, path: Path) -> tuple[dict[str, Any], list[str]]:
         "callsites": callsites,
         "collectives": msgspec.to_builtins(Collectives(sequences=[sequence])),
     }
+    for group in document["collectives"]["sequences"][0]["groups"]:
+        if not group["first"]:
+            del group["first"]  # as the format writes it
     return document, warnings
 
 

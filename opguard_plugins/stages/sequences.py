@@ -72,10 +72,13 @@ class _View:
 
     blocks: list[Block]
     ranks: list[int]
+    #: the position of its first call (``Group.first``: earlier ones not recorded)
+    first: int = 0
 
     @classmethod
     def of(cls, sequence: CollectiveSequence, group_index: int | None) -> _View:
         blocks: list[Block] = []
+        first = sequence.groups[group_index].first if group_index is not None else 0
         if group_index is not None:
             signatures = sequence.signatures
             for run in sequence.steps:
@@ -93,11 +96,11 @@ class _View:
                     blocks[-1] = (first, run.last, before, keys)
                 else:
                     blocks.append((run.first, run.last, calls, keys))
-        return cls(blocks, [])
+        return cls(blocks, [], first)
 
     def shape(self) -> tuple[Any, ...]:
         """What two views must share to agree."""
-        return tuple((first, last, keys) for first, last, _, keys in self.blocks)
+        return (self.first, *((first, last, keys) for first, last, _, keys in self.blocks))
 
 
 class _Cursor:
@@ -199,13 +202,31 @@ def _name_order(name: str) -> tuple[int, str]:
     return (int(name), "") if name.isdigit() else (1 << 62, name)
 
 
+def _advance_by(cursor: _Cursor, calls: int) -> None:
+    """Move ``cursor`` on by ``calls`` calls, whole steps at once where it can."""
+    while calls > 0 and (block := cursor.current()) is not None:
+        per = len(block[2])
+        if cursor.call == 0 and calls >= per:
+            reps = min(cursor.reps_left(), calls // per)
+            cursor.skip(reps)
+            calls -= reps * per
+        else:
+            cursor.advance()
+            calls -= 1
+
+
 def _first_disagreement(
     group: Group, classes: list[list[_View]], describe: Describe
 ) -> list[Finding]:
     """Findings at the first position where ``classes`` (views that agree) differ."""
     cursors = [_Cursor(views[0].blocks) for views in classes]
     ranks_of = [sorted(r for v in views for r in v.ranks) for views in classes]
-    position = stepped = 0
+    # a view that starts later (its first calls not recorded) is compared from there:
+    # the others skip their calls before it
+    position = max(views[0].first for views in classes)
+    for views, cursor in zip(classes, cursors, strict=True):
+        _advance_by(cursor, position - views[0].first)
+    stepped = 0
     while True:
         blocks = [c.current() for c in cursors]
         if (
