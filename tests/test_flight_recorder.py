@@ -514,19 +514,24 @@ def test_torchfrtrace_fails_on_gloo_dumps_as_recorded(tmp_path: Path) -> None:
     assert re.search(r"KeyError: \('0', \d+\)", result.stderr), result.stderr[-2000:]
 
 
-def test_ring_buffers_that_wrapped_at_different_points_line_up(
-    opguard: Opguard, tmp_path: Path
-) -> None:
-    """The dtype job's dumps as if each rank's ring buffer had wrapped at another point
-    (ranks 0, 1, 2 lost their first 2, 1, 3 entries): positions still count from the
-    job's start (``Group.first`` from ``collective_seq_id``), so the finding is the
-    same as on the whole dumps, and each reader warns."""
-    folder = tmp_path / "wrapped"
+def wrapped_dumps(folder: Path) -> Path:
+    """The dtype job's dumps as if each rank's ring buffer had wrapped at another point:
+    ranks 0, 1, 2 lost their first 2, 1, 3 entries."""
     folder.mkdir()
     for rank, lost in ((0, 2), (1, 1), (2, 3)):
         dump = PlainUnpickler(io.BytesIO((DATA / "dtype" / f"rank_{rank}").read_bytes())).load()
         dump["entries"] = dump["entries"][lost:]
         (folder / f"rank_{rank}").write_bytes(pickle.dumps(dump, protocol=2))
+    return folder
+
+
+def test_ring_buffers_that_wrapped_at_different_points_line_up(
+    opguard: Opguard, tmp_path: Path
+) -> None:
+    """Positions still count from the job's start (``Group.first`` from
+    ``collective_seq_id``), so the finding is the one on the whole dumps, and each
+    reader warns."""
+    folder = wrapped_dumps(tmp_path / "wrapped")
     run = opguard("run", "-i", folder / "rank_*", "--fail-on-divergence")
     assert run.exit_code == 4, run.stderr
     findings = json.loads(run.read("rank_divergence.json"))["findings"]
@@ -543,3 +548,12 @@ def test_ring_buffers_that_wrapped_at_different_points_line_up(
     assert firsts == {(0, "0"): 2, (0, "1"): 0, (1, "0"): 1, (1, "1"): 0, (2, "0"): 2, (2, "1"): 1}
     summary = json.loads(run.read("pipeline_summary.json"))
     assert sum("ring buffer wrapped" in w["message"] for w in summary["warnings"]) == 3
+
+
+@pytest.mark.slow
+def test_side_by_side_on_wrapped_ring_buffers(tmp_path: Path) -> None:
+    """torchfrtrace pairs by ``collective_seq_id`` too: the same culprit."""
+    pytest.importorskip("torch.distributed.flight_recorder.fr_trace")
+    patched_for_torchfrtrace(wrapped_dumps(tmp_path / "wrapped"), tmp_path / "dumps")
+    culprits, lines = torchfrtrace_culprits(tmp_path / "dumps")
+    assert culprits == {1} and "COLLECTIVE_DTYPE_MISMATCH" in lines[0], lines
