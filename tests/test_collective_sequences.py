@@ -348,6 +348,20 @@ def test_without_sequences_collectives_are_compared_by_count(
     assert "compared by count" in doc["log"]
 
 
+def test_ranks_without_a_sequence_are_counted_and_named(
+    opguard: Callable[..., Any], tmp_path: Path
+) -> None:
+    """Rank 1's trace is older (no sequence) and issued fewer collectives: the count
+    finding stays, and the log names the rank whose sequence is missing."""
+    old = rank_doc(1, good(steps=2))
+    del old["collectives"]
+    old["version"] = 4
+    doc = run_docs(opguard, tmp_path, rank_doc(0, good()), old)
+    assert doc["meta"]["sequence_ranks"] == [0]
+    assert {f["kind"] for f in collective_findings(doc)} == {"collective_mismatch"}
+    assert "rank(s) 1 recorded no collective sequence" in doc["log"]
+
+
 # ----------------------------------------------------------------------------- tracer
 
 _CUSTOM_OP: list[Any] = []

@@ -161,11 +161,11 @@ def find_divergence(trace: CallsiteTrace, options: RunOptions) -> list[Finding]:
     exact = trace.per_rank_stats
     stacks = _Stacks(trace, options)
     collectives = trace.collectives
-    if collectives is not None and collectives.sequences:
-        # by sequence; counts per callsite only where no rank recorded a sequence
-        findings = sequence_findings(collectives, stacks.describe_stack)
-    else:
-        findings = list(_collectives(trace, stacks, exact))
+    covered = {r for seq in collectives.sequences for r in seq.ranks} if collectives else set()
+    findings = sequence_findings(collectives, stacks.describe_stack) if collectives else []
+    if not covered.issuperset(ranks):
+        # some rank recorded no sequence (an older trace): counts per callsite too
+        findings.extend(_collectives(trace, stacks, exact))
     findings.extend(_rank_specific(trace, stacks))
     if exact:
         findings.extend(_count_skew(trace, stacks, options.skew))
