@@ -771,7 +771,7 @@ class Guard:
         identity = self.remember(violation)
         self.hit(identity)
         if may_raise and self.on_violation == "raise":
-            raise OpGuardViolation(self.records[identity].violation)
+            raise OpGuardViolation(violation)  # this call's (the record keeps the first)
 
     def _waited_too_long(
         self, op: str, target: str, message: str, stack: list[dict[str, Any]]
