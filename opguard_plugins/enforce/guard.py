@@ -28,6 +28,7 @@ from opguard_core.files.output_dirs import prepare_output_dir
 from opguard_core.formats.check import ERROR, load_report, sample_every
 from opguard_core.formats.config import load_config
 from opguard_core.run.summary import config_source
+from opguard_plugins.enforce.sequence_guard import load_collectives
 from opguard_plugins.enforce.status import STATUS_ENV, read_statuses
 from opguard_plugins.enforce.status import problems as guard_problems
 from opguard_plugins.record.trace import LAUNCH_CODES, bootstrap_env, run_bootstrapped
@@ -40,6 +41,8 @@ def guard_env(
     sample: float,
     command: tuple[str, ...],
     status_dir: Path | None = None,
+    collectives: Path | None = None,
+    collective_timeout: float | None = None,
 ) -> dict[str, str]:
     """The environment that starts the guard in COMMAND's Python processes (with
     ``status_dir``: where each process says whether its guard did its work,
@@ -52,6 +55,10 @@ def guard_env(
     }
     if status_dir is not None:
         variables[STATUS_ENV] = str(status_dir)
+    if collectives is not None:
+        variables["OPGUARD_GUARD_COLLECTIVES"] = str(collectives.resolve())
+    if collective_timeout is not None:
+        variables["OPGUARD_GUARD_COLLECTIVE_TIMEOUT"] = repr(collective_timeout)
     return bootstrap_env(variables, command)
 
 
@@ -115,7 +122,8 @@ CODES: exits.Codes = {
     ExitCode.STAGE_FAILED: "a report has an error, or a report could not be read",
     ExitCode.USAGE_ERROR: "bad command line or option value (--sample nan, an unusable "
     "--report-dir)",
-    ExitCode.INPUT_UNREADABLE: "the config could not be read (or a setting in it is invalid)",
+    ExitCode.INPUT_UNREADABLE: "the config (or the --collectives trace) could not be read, "
+    "or a setting in it is invalid",
     ExitCode.GUARD_FAILED: "the program was not checked: no config entries, no guard "
     "started, one could not start or write its report, or no op was checked",
     **LAUNCH_CODES,
@@ -144,6 +152,20 @@ CODES: exits.Codes = {
     show_default=True,
     help="Check only every round(1/P)-th optimizer step (step 0 always).",
 )
+@click.option(
+    "--collectives",
+    "collectives_path",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="A good run's callsite trace with collective sequences ({entry}_combined.json): "
+    "each collective is checked against it before it is issued.",
+)
+@click.option(
+    "--collective-timeout",
+    type=click.FloatRange(min=0.0, min_open=True),
+    default=None,
+    help="Report a rank that waits longer than this many seconds in one collective.",
+)
 @config_option
 @click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
 def guard(
@@ -151,6 +173,8 @@ def guard(
     report_dir: Path,
     on_violation: str,
     sample: float,
+    collectives_path: Path | None,
+    collective_timeout: float | None,
     command: tuple[str, ...],
 ) -> int:
     """Run COMMAND with CONFIG enforced at run time, writing one report per rank.
@@ -163,10 +187,21 @@ def guard(
         raise NothingToCheck(
             f"{config_path}: the config has no entries: the guard would check nothing"
         )
+    if collectives_path is not None:
+        load_collectives(collectives_path)
     prepare_output_dir(report_dir, "--report-dir")
     started = time.time() - 1.0  # file systems with coarse timestamps
     with _status_dir(report_dir) as status_dir:
-        env = guard_env(config_path, report_dir, on_violation, sample, command, Path(status_dir))
+        env = guard_env(
+            config_path,
+            report_dir,
+            on_violation,
+            sample,
+            command,
+            Path(status_dir),
+            collectives_path,
+            collective_timeout,
+        )
         log_format = (click.get_current_context().obj or {}).get("log_format")
         if log_format:  # `opguard --log-format X guard ...`: the guarded processes log as X
             env["OPGUARD_GUARD_LOG_FORMAT"] = log_format

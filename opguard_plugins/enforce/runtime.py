@@ -55,6 +55,7 @@ import os
 import sys
 import threading
 import types
+from collections import deque
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
@@ -74,12 +75,24 @@ from opguard_core.formats.check import (
     sample_every,
     write_json,
 )
+from opguard_core.formats.collectives import Collectives, is_collective
 from opguard_core.formats.config import entry_key, load_config
 from opguard_core.formats.streams import StreamRoles
 from opguard_core.formats.tree import TORCH_API
 from opguard_core.logs import resolve_format
 from opguard_core.processes import at_sigterm
+from opguard_plugins.enforce import sequence_guard
+from opguard_plugins.enforce.sequence_guard import (
+    LAST,
+    NAMESPACES,
+    SequenceChecker,
+    Watchdog,
+    call_text,
+    load_collectives,
+    work_of,
+)
 from opguard_plugins.enforce.status import clear_status, write_status
+from opguard_plugins.record.collectives import describe
 from opguard_plugins.record.tracer import _is_launcher, count_optimizer_steps, op_name
 
 ON_VIOLATION = ("warn", "raise")
@@ -96,6 +109,8 @@ _PLUMBING = frozenset(
     )
 )
 _STACK_LIMIT = 40
+_OWN_FILES = frozenset({_THIS_FILE, os.path.abspath(sequence_guard.__file__)})
+_TORCH_PREFIX = _TORCH_DIR + os.sep
 MAIN_REASON = (
     "defined in the program's __main__ script, which is running before its functions "
     "exist; its entries are checked through the targets it calls"
@@ -205,6 +220,8 @@ class _Mode(TorchDispatchMode):  # type: ignore[no-untyped-call, misc, unused-ig
                     guard.check_op(state, key)
                 elif not ok:
                     guard.repeat_op(state, key)
+        if self.guard.collective_checks and getattr(func, "namespace", None) in NAMESPACES:
+            return self.guard.run_collective(func, args, kwargs)
         return func(*args, **(kwargs or {}))
 
 
@@ -253,6 +270,8 @@ class Guard:
         on_violation: str = "warn",
         sample: float = 1.0,
         rank: int | None = None,
+        collectives: Collectives | None = None,
+        collective_timeout: float | None = None,
     ) -> None:
         if on_violation not in ON_VIOLATION:
             raise ValueError(f"on_violation must be warn or raise, not {on_violation!r}")
@@ -324,6 +343,17 @@ class Guard:
         self.written: Path | None = None
         #: why the report could not be written (None: written, or not yet)
         self.write_error: str | None = None
+        #: the collective checks (sequence_guard.py): the good run's sequences, a watchdog
+        self.sequences = (
+            SequenceChecker(collectives, self._collective_violation)
+            if collectives is not None
+            else None
+        )
+        self.collective_timeout = collective_timeout
+        self.watchdog: Watchdog | None = None
+        #: the last collectives this process issued (a watchdog report names them)
+        self.last_collectives: deque[str] = deque(maxlen=LAST)
+        self.collective_checks = self.sequences is not None or collective_timeout is not None
         self.log = structlog.wrap_logger(
             structlog.PrintLogger(file=sys.stderr),
             processors=[
@@ -359,6 +389,11 @@ class Guard:
         sys.meta_path.insert(0, self._watcher)
         self._step_hook = count_optimizer_steps(self._after_step)
         self.checked_steps = 1
+        if self.collective_timeout is not None and self.watchdog is None:
+            last = self.last_collectives
+            self.watchdog = Watchdog(
+                self.collective_timeout, self._waited_too_long, lambda: list(last)
+            )
         self._push()
 
     def _loaded(self, module_name: str) -> None:
@@ -373,6 +408,8 @@ class Guard:
     def stop(self, unwrap: bool = True) -> None:
         """Pop the mode, remove the hooks and (by default) restore every original."""
         self._pop()
+        if self.watchdog is not None:
+            self.watchdog.stop()
         if self._step_hook is not None:
             self._step_hook.remove()
             self._step_hook = None
@@ -717,6 +754,76 @@ class Guard:
                     message=v.message,
                 )
 
+    # -- collectives (sequence_guard.py) -----------------------------------------
+
+    def run_collective(
+        self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any] | None
+    ) -> Any:
+        """Check a collective against the good run's sequence, then issue it (under the
+        watchdog's eye when there is one)."""
+        op = op_name(func)
+        frame = sys._getframe(1)
+        target = caller_target(frame)
+        if is_collective(op):
+            group, dtype, numel, shapes, reduce_op = describe(func, op, args, kwargs)
+            call = (group[0] if group is not None else "?", dtype, numel, shapes, reduce_op)
+            self.last_collectives.append(call_text(op, call, self.step))
+            if self.sequences is not None:
+                if self.sequences.rank is None:
+                    self.sequences.bind(self.resolve_rank())
+                self.sequences.check(op, call, self.step, target)
+        watchdog = self.watchdog
+        if watchdog is None:
+            return func(*args, **(kwargs or {}))
+        token = watchdog.enter(op, target, python_stack(frame))
+        try:
+            result = func(*args, **(kwargs or {}))
+            work = work_of(result)
+        except BaseException:
+            watchdog.leave(token)
+            raise
+        if work is None:
+            watchdog.leave(token)
+        else:
+            try:
+                work.get_future().add_done_callback(lambda _: watchdog.leave(token))
+            except Exception:  # a backend without futures: timed while the call ran
+                watchdog.leave(token)
+        return result
+
+    def _collective_violation(self, violation: Violation, message: str, may_raise: bool) -> None:
+        identity = self.remember(violation)
+        self.hit(identity)
+        if may_raise and self.on_violation == "raise":
+            raise OpGuardViolation(violation)  # this call's (the record keeps the first)
+
+    def _waited_too_long(
+        self, op: str, target: str, message: str, stack: list[dict[str, Any]]
+    ) -> None:
+        """The watchdog's report: a ``collective_timeout`` error, logged and written now
+        (a hung job may be killed before it exits)."""
+        rank = self.resolve_rank()
+        violation = Violation(
+            "collective_timeout", ERROR, target, [], [], f"rank {rank}: {message}", op=op
+        )
+        identity = self.remember(violation)
+        record = self.records[identity]
+        record.count += 1
+        if record.count == 1:
+            record.stack = stack
+        self.log.error(
+            "opguard guard: collective timeout",
+            kind="collective_timeout",
+            rank=rank,
+            op=op,
+            message=violation.message,
+            stack=[f"{f['file']}:{f['line']} {f['function']}" for f in stack[-8:]],
+        )
+        try:
+            self.write()
+        except Exception as exc:
+            print(f"opguard guard: could not write the report: {exc!r}", file=sys.stderr)
+
     # -- report ---------------------------------------------------------------
 
     def _snapshot_rank(self) -> None:
@@ -859,6 +966,20 @@ def _when_loaded(module: types.ModuleType, callback: Any) -> bool:
     return True
 
 
+def caller_target(frame: types.FrameType | None) -> str:
+    """``module:qualname`` of the innermost frame outside torch and the guard (the
+    program's line that issued the call); ``?`` when there is none."""
+    while frame is not None:
+        filename = os.path.abspath(frame.f_code.co_filename)
+        if filename not in _OWN_FILES and not filename.startswith(_TORCH_PREFIX):
+            module = frame.f_globals.get("__name__")
+            if module == "__main__":
+                module = main_module_alias() or module
+            return f"{module}:{frame.f_code.co_qualname}"
+        frame = frame.f_back
+    return "?"
+
+
 def python_stack(frame: types.FrameType | None) -> list[dict[str, Any]]:
     """The Python stack at ``frame``, outermost first, without the guard's and torch's
     dispatch frames; at most the innermost 40."""
@@ -866,7 +987,7 @@ def python_stack(frame: types.FrameType | None) -> list[dict[str, Any]]:
     while frame is not None:
         code = frame.f_code
         filename = os.path.abspath(code.co_filename)
-        if filename != _THIS_FILE and filename not in _PLUMBING:
+        if filename not in _OWN_FILES and filename not in _PLUMBING:
             out.append(
                 {"file": code.co_filename, "line": frame.f_lineno, "function": code.co_qualname}
             )
@@ -888,6 +1009,8 @@ def guarded(
     on_violation: str = "warn",
     sample: float = 1.0,
     rank: int | None = None,
+    collectives: str | os.PathLike[str] | Collectives | None = None,
+    collective_timeout: float | None = None,
 ) -> Iterator[Guard]:
     """Enforce ``config`` on the ``with`` block; write the report when it ends.
 
@@ -897,9 +1020,16 @@ def guarded(
         (:class:`OpGuardViolation` inside the offending call).
     :param sample: check every ``round(1/sample)``-th optimizer step (1.0: all).
     :param rank: the rank to report; by default torch.distributed's, else ``$RANK``.
+    :param collectives: the good run's collective sequences (a callsite trace's path,
+        or loaded): each collective is checked before it is issued (sequence_guard.py).
+    :param collective_timeout: report a collective call that waits longer (seconds).
     """
     loaded, path = _load(config)
-    guard = Guard(loaded, path, report_dir, on_violation, sample, rank)
+    if collectives is not None and not isinstance(collectives, Collectives):
+        collectives = load_collectives(Path(collectives))
+    guard = Guard(
+        loaded, path, report_dir, on_violation, sample, rank, collectives, collective_timeout
+    )
     guard.start()
     try:
         yield guard
@@ -924,12 +1054,16 @@ def start_process_guard() -> Guard | None:
     if _PROCESS_GUARD is not None or _is_launcher():
         return _PROCESS_GUARD
     config_path = os.environ["OPGUARD_GUARD_CONFIG"]
+    sequences = os.environ.get("OPGUARD_GUARD_COLLECTIVES")
+    timeout = os.environ.get("OPGUARD_GUARD_COLLECTIVE_TIMEOUT")
     guard = Guard(
         load_config(Path(config_path)),
         config_path,
         os.environ.get("OPGUARD_GUARD_DIR", "."),
         os.environ.get("OPGUARD_GUARD_ON_VIOLATION", "warn"),
         float(os.environ.get("OPGUARD_GUARD_SAMPLE", "1")),
+        collectives=load_collectives(Path(sequences)) if sequences else None,
+        collective_timeout=float(timeout) if timeout else None,
     )
     guard.start()
     _PROCESS_GUARD = guard

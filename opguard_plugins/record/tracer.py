@@ -33,8 +33,13 @@ running, are attributed to the stack (and ``api``) recorded when ``Tensor.backwa
 Python frames of that thread (a custom ``autograd.Function.backward``).
 
 Collectives: on torch 2.13 with gloo (and NCCL), ``torch.distributed`` collectives go
-through the dispatcher as ``c10d::`` operators, so the dispatch mode records them like
-any other op, including those DDP's reducer issues from autograd hooks during backward.
+through the dispatcher as ``c10d::`` operators (functional collectives, used by
+``torch.compile``, DTensor and tensor parallelism, as ``_c10d_functional::``), so the
+dispatch mode records them like any other op, including those DDP's reducer issues
+from autograd hooks during backward. Each collective is also appended, with its
+process group, dtype, shapes and reduce op, to the rank's collective sequence
+(:mod:`opguard_plugins.record.collectives`, formats.md "Collective sequences"), and
+a custom op's kernels are run so that the collectives they issue are recorded too.
 
 :class:`CallsiteTracer` is also the base of the ``profiler`` backend
 (:mod:`opguard_plugins.record.profiler`). The ways to run a tracer, ``trace_callsites``
@@ -65,9 +70,11 @@ from torch.overrides import TorchFunctionMode, resolve_name
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from opguard_core.files.atomic import atomic_write_bytes
+from opguard_core.formats.collectives import Collectives, CollectiveSequence, is_collective
 from opguard_core.formats.streams import StreamRoles, is_comm_op
 from opguard_core.formats.trace import Frame, encode_trace
 from opguard_core.native import load_native
+from opguard_plugins.record.collectives import SequenceRecorder, describe, diverts, run_nested
 
 if TYPE_CHECKING:
     from opguard_plugins.record._recorder import Counter
@@ -78,6 +85,10 @@ TRACER_NAME = "opguard/1"
 BACKWARD_APIS = frozenset({"Tensor.backward", "torch.autograd.backward", "torch.autograd.grad"})
 
 _THIS_FILE = os.path.normcase(os.path.abspath(__file__))
+#: the tracer's own files, whose frames never show in a stack
+_OWN_FILES = frozenset(
+    {_THIS_FILE, os.path.normcase(os.path.join(os.path.dirname(_THIS_FILE), "collectives.py"))}
+)
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
 #: Files whose frames are dispatch plumbing: they only forward a call into a mode.
 _PLUMBING_FILES = frozenset(
@@ -185,6 +196,9 @@ def _prefer_own_name(name: str, func: Callable[..., Any]) -> str:
 
 
 _OP_CACHE: dict[Any, str] = {}
+#: op names the C path hands to Python with their arguments (collectives, custom ops
+#: that may issue one: :func:`opguard_plugins.record.collectives.diverts`)
+_DIVERT: set[str] = set()
 
 
 def op_name(func: Any) -> str:
@@ -203,6 +217,8 @@ def op_name(func: Any) -> str:
         if "::" not in name:
             name = f"{getattr(func, 'namespace', 'unknown')}::{name}"
     name = name.split(".", 1)[0] if "::" in name and "." in name.split("::", 1)[1] else name
+    if diverts(name):
+        _DIVERT.add(name)  # before the cache: the C path checks the name it finds there
     with contextlib.suppress(TypeError):
         _OP_CACHE[func] = name
     return name
@@ -294,12 +310,15 @@ class CallsiteRecorder:
         self._cuda = torch.cuda.is_available()
         #: roles of the raw streams seen (each op's stream is noted, in order)
         self.streams = StreamRoles()
+        #: the collective sequence; ``step`` is the step collectives are recorded in
+        self.sequence = SequenceRecorder()
+        self.step = 0
         self._active = False
         #: the C fast path (``_recorder.Counter``), or None: :meth:`record` does it all
         self.counter: Counter | None = None
         overridden = any(
             getattr(type(self), name) is not getattr(CallsiteRecorder, name)
-            for name in ("record", "call", "enter_api", "exit_api")
+            for name in ("record", "call", "enter_api", "exit_api", "dispatch")
         )
         if accelerated and _Counter is not None and not overridden:
             self.counter = _Counter(
@@ -317,6 +336,8 @@ class CallsiteRecorder:
                 self.exit_api,
                 torch._ops.OpOverload,
                 self.current_stream if self._cuda else None,
+                _DIVERT,
+                self.dispatch,
             )
 
     @property
@@ -348,6 +369,7 @@ class CallsiteRecorder:
         self._lock = threading.RLock()
         self._counts.clear()  # in place: the C path holds these two
         self._backward.clear()
+        self.sequence.reset()
         if self.counter is not None:
             self.counter.discard()
 
@@ -394,9 +416,31 @@ class CallsiteRecorder:
 
     # -- ops (TorchDispatchMode side) -----------------------------------------
 
-    def record(self, func: Any, frame: types.FrameType | None) -> None:
+    def dispatch(
+        self,
+        func: Any,
+        frame: types.FrameType | None,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any] | None,
+    ) -> Any:
+        """Record one operator call issued from ``frame`` and run it (the dispatch
+        mode's work; the C path hands over a new operator, a collective and a custom
+        op, whose kernels may issue collectives: :func:`run_nested`)."""
+        self.record(func, frame, args, kwargs)
+        if self._active and op_name(func) in _DIVERT and not is_comm_op(op_name(func)):
+            return run_nested(func, args, kwargs, self.record, op_name)
+        return func(*args, **(kwargs or {}))
+
+    def record(
+        self,
+        func: Any,
+        frame: types.FrameType | None,
+        args: tuple[Any, ...] | None = None,
+        kwargs: dict[str, Any] | None = None,
+    ) -> None:
         """Count one operator call issued from ``frame`` (the C fast path hands over the
-        cases it leaves to Python: a new operator, a collective, a backward)."""
+        cases it leaves to Python: a new operator, a collective, a backward); a
+        collective whose arguments are given joins the collective sequence."""
         if not self._active:
             return
         op = op_name(func)
@@ -413,11 +457,13 @@ class CallsiteRecorder:
                 stack = context.stack + stack
                 api = context.api
         stream = self.current_stream() if self._cuda else 0
-        if op.startswith("c10d::") and self.rank is None:
+        if is_comm_op(op) and self.rank is None:
             self.snapshot_rank()
         key = (stack, api, op, stream)
         with self._lock:
             self._counts[key] = self._counts.get(key, 0) + 1
+        if args is not None and is_collective(op):
+            self.sequence.add(stack, op, describe(func, op, args, kwargs), self.step)
 
     def current_stream(self) -> int:
         """The id of this thread's current CUDA stream (0 before CUDA is initialised)."""
@@ -477,8 +523,7 @@ class _DispatchMode(TorchDispatchMode):  # type: ignore[no-untyped-call, misc, u
         args: tuple[Any, ...] = (),
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
-        self.recorder.record(func, sys._getframe(1))
-        return func(*args, **(kwargs or {}))
+        return self.recorder.dispatch(func, sys._getframe(1), args, kwargs)
 
 
 def count_optimizer_steps(callback: Callable[[], None]) -> Any:
@@ -569,9 +614,9 @@ class _FrameMaker:
             return cached
         filename = os.path.normcase(os.path.abspath(code.co_filename))
         hidden = (
-            filename == _THIS_FILE
+            filename in _OWN_FILES
             or filename in _PLUMBING_FILES
-            or (filename == _OPS_FILE and code.co_name == "__call__")
+            or (filename == _OPS_FILE and code.co_name in ("__call__", "redispatch"))
         )
         self._hidden[code] = hidden
         return hidden
@@ -650,6 +695,8 @@ class CallsiteTracer:
         self._step_hook: Any = None
         #: optimizer steps finished while started (torch's global step hook); ``meta.steps``
         self.steps = 0
+        #: the collective sequence :meth:`build` made (None: no collective recorded)
+        self.collectives: Collectives | None = None
         self.written: Path | None = None
         #: held while a trace is built and written (the periodic flush's thread, a
         #: signal handler and the exit handler may all write)
@@ -684,6 +731,7 @@ class CallsiteTracer:
     def _count_step(self) -> None:
         if self.recorder.active:
             self.steps += 1
+            self.recorder.step = self.steps
             if self.on_step is not None:
                 self.on_step(self.steps)
 
@@ -741,7 +789,8 @@ class CallsiteTracer:
         line = self.recorder.line
         tables: dict[types.CodeType, LineTable] = {}
         positions: dict[tuple[int, int], tuple[types.CodeType, int]] = {}
-        for (stack, api, op, stream), count in raw:
+
+        def frames_of(stack: RawStack) -> tuple[Frame, ...]:
             pairs = []
             for index in range(0, len(stack), 2):
                 at = (stack[index], stack[index + 1])
@@ -756,18 +805,34 @@ class CallsiteTracer:
                 if value is None:
                     value = frame_cache[pair] = maker.frame(*pair)
                 frames.append(value)
+            return tuple(frames)
+
+        for (stack, api, op, stream), count in raw:
+            frames = frames_of(stack)
             site_role = role(stream, op)
             if not is_comm_op(op):
                 streams[stream] = site_role
-            key = (tuple(frames), api, op, site_role)
+            key = (frames, api, op, site_role)
             slot = merged.get(key)
             if slot is None:
                 merged[key] = [count, stream]
             else:
                 slot[0] += count
                 slot[1] = min(slot[1], stream)
-        unique = sorted({f for key in merged for f in key[0]}, key=Frame.sort_key)
+        stacks = {stack: frames_of(stack) for stack in self.recorder.sequence.stacks()}
+        unique = sorted(
+            {f for key in merged for f in key[0]} | {f for fs in stacks.values() for f in fs},
+            key=Frame.sort_key,
+        )
         ids = {frame: index for index, frame in enumerate(unique)}
+        sequence = self.recorder.sequence.build(
+            rank, lambda stack: tuple(ids[f] for f in stacks[stack])
+        )
+        if sequence is None and self.world_size() > 1:
+            # a rank of a distributed job that issued no collective: an empty sequence,
+            # which differs from "not recorded"
+            sequence = CollectiveSequence(ranks=[rank])
+        self.collectives = Collectives(sequences=[sequence]) if sequence is not None else None
         callsites: list[dict[str, Any]] = []
         rows = sorted(
             (([ids[f] for f in frames], api, op, site_role, count, stream)
@@ -812,7 +877,9 @@ class CallsiteTracer:
                 meta["partial"] = partial
             path = self.output_dir / f"{self.label}_callsite_rank{meta['rank']}.json"
             path.parent.mkdir(parents=True, exist_ok=True)
-            atomic_write_bytes(path, encode_trace(meta, frames, callsites))
+            atomic_write_bytes(
+                path, encode_trace(meta, frames, callsites, collectives=self.collectives)
+            )
             self.written = path
             return path
 
