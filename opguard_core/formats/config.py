@@ -20,7 +20,7 @@ import re
 import stat
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from ruamel.yaml import YAML
 from ruamel.yaml.anchor import Anchor
@@ -708,6 +708,7 @@ def validate_config(config: object, path: Path | str) -> None:
         isinstance(k, str) and _is_int(v) and v >= 0 for k, v in steps.items()
     ):
         raise InputError(path, "meta.steps must map sources to step counts")
+    validate_settings(meta.get("settings"), path)
     entries = config.get("entries")
     if not isinstance(entries, list):
         raise InputError(path, "'entries' must be a list")
@@ -759,3 +760,126 @@ def validate_config(config: object, path: Path | str) -> None:
             raise InputError(path, f"{where}.kind must be a string")
         if entry.get("file") is not None and not isinstance(entry["file"], str):
             raise InputError(path, f"{where}.file must be a string or null")
+
+
+# ------------------------------------------------------------------ meta.settings
+
+#: the largest integer a setting may hold (a C ``int64``): larger ones overflow the
+#: floats and slices they are used in
+_MAX_SETTING_INT = 2**63 - 1
+
+
+class _Check(Protocol):
+    def __call__(self, value: object, /) -> bool: ...
+
+
+def _is_setting_bool(value: object) -> bool:
+    """``true``/``false``, also an anchored one (ruamel's ``ScalarBoolean``, an int)."""
+    from ruamel.yaml.scalarbool import ScalarBoolean
+
+    return isinstance(value, bool | ScalarBoolean)
+
+
+def _is_setting_int(value: object) -> bool:
+    if not isinstance(value, int) or _is_setting_bool(value):
+        return False
+    return 0 <= value <= _MAX_SETTING_INT
+
+
+def _is_fraction(value: object) -> bool:
+    """A finite number in [0, 1] (the comparisons are false for nan)."""
+    if not (_is_setting_int(value) or isinstance(value, float)):
+        return False
+    return 0.0 <= value <= 1.0  # type: ignore[operator]
+
+
+def _is_ratio(value: object) -> bool:
+    """A finite number, 0 or more (the comparisons are false for nan)."""
+    if not (_is_setting_int(value) or isinstance(value, float)):
+        return False
+    return 0.0 <= value < float("inf")  # type: ignore[operator]
+
+
+def _is_strings(value: object) -> bool:
+    return isinstance(value, list) and all(isinstance(v, str) for v in value)
+
+
+def _is_string(value: object) -> bool:
+    return isinstance(value, str)
+
+
+def _is_mapping(value: object) -> bool:
+    return isinstance(value, dict)
+
+
+def _is_optional_string(value: object) -> bool:
+    return value is None or isinstance(value, str)
+
+
+_INTEGER = (_is_setting_int, "an integer from 0 to 2**63-1")
+_BOOLEAN = (_is_setting_bool, "true or false")
+_PATTERNS = (_is_strings, "a list of regular expressions")
+_NAMES = (_is_strings, "a list of strings")
+
+#: every ``meta.settings`` key OpGuard reads (``opguard check`` rebuilds a run with
+#: them, ``opguard guard`` uses ``min_count``, ``min_fraction`` and ``context_depth``):
+#: the test a value must pass and what it must be. Other keys are ignored.
+SETTINGS: dict[str, tuple[_Check, str]] = {
+    "min_count": _INTEGER,
+    "min_fraction": (_is_fraction, "a finite number from 0 to 1"),
+    "chains": _BOOLEAN,
+    "hide": _PATTERNS,
+    "focus": _PATTERNS,
+    "ignore": _PATTERNS,
+    "filter_focus": _PATTERNS,
+    "filter_ignore": _PATTERNS,
+    "default_hide": _BOOLEAN,
+    "context_depth": _INTEGER,
+    "filters": _NAMES,
+    "basic": _BOOLEAN,
+    "basic_list": (_is_optional_string, "a file name or null"),
+    "compressor": (_is_optional_string, "a plugin name or null"),
+    "executor": (_is_string, "an executor name"),
+    "jobs": _INTEGER,
+    "verbose": _BOOLEAN,
+    "skew": (_is_ratio, "a finite number, 0 or more"),
+    "fail_on_divergence": _BOOLEAN,
+    "extra": (_is_mapping, "a mapping"),
+}
+#: settings keys that are never read from a config (where a run was started, not how
+#: its config was made)
+IGNORED_SETTINGS = frozenset({"base_dir"})
+
+
+def _shown(value: object) -> str:
+    """A setting's value in an error: its repr, cut to 60 characters."""
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def validate_settings(settings: object, path: Path | str) -> None:
+    """Refuse a ``meta.settings`` that is not a mapping, or any key of :data:`SETTINGS`
+    whose value has the wrong type or range, with one line naming the field
+    (``meta.settings.context_depth must be an integer from 0 to 2**63-1, not 'deep'``);
+    patterns must compile (``meta.settings.hide[2] …``)."""
+    if settings is None:
+        return
+    if not isinstance(settings, dict):
+        raise InputError(path, f"meta.settings must be a mapping, not {_shown(settings)}")
+    for key, value in settings.items():
+        rule = SETTINGS.get(key) if isinstance(key, str) else None
+        if rule is None:
+            continue
+        test, expected = rule
+        if not test(value):
+            raise InputError(path, f"meta.settings.{key} must be {expected}, not {_shown(value)}")
+        if rule is _PATTERNS:
+            for index, pattern in enumerate(value):
+                try:
+                    re.compile(pattern)
+                except (re.error, OverflowError, RecursionError, ValueError) as exc:
+                    raise InputError(
+                        path,
+                        f"meta.settings.{key}[{index}] {_shown(pattern)}: not a regular "
+                        f"expression: {exc}",
+                    ) from None
