@@ -35,9 +35,11 @@ class ExitCode(enum.IntEnum):
     GUARD_FAILED = 6
 
 
-#: characters that could start a new line or restyle a terminal: C0 and C1 controls
-#: (newline, carriage return, ESC of ANSI sequences, NEL, ...), DEL, U+2028/2029
-_CONTROLS = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029]")
+#: characters that could start a new line, restyle a terminal or reorder what it shows:
+#: C0 and C1 controls (newline, carriage return, ESC of ANSI sequences, BEL, NEL, ...),
+#: DEL, U+2028/2029, and the bidirectional formatting characters (U+061C, U+200E/200F,
+#: U+202A-202E, U+2066-2069: "Trojan Source" reordering)
+_CONTROLS = re.compile("[\x00-\x1f\x7f-\x9f\u061c\u200e\u200f\u2028-\u202e\u2066-\u2069]")
 _NAMED = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
 
 

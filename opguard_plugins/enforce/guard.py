@@ -210,7 +210,7 @@ def guard(
     reports = written_reports(report_dir, started)
     errors, warnings, problems = summarize(reports)
     for problem in problems:
-        click.echo(f"opguard: error: {problem}", err=True)
+        click.echo(f"opguard: error: {one_line(problem)}", err=True)
     if reports:
         names = ", ".join(p.name for p in reports)
         click.echo(

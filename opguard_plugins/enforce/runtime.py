@@ -79,7 +79,7 @@ from opguard_core.formats.collectives import Collectives, is_collective
 from opguard_core.formats.config import entry_key, load_config
 from opguard_core.formats.streams import StreamRoles
 from opguard_core.formats.tree import TORCH_API
-from opguard_core.logs import resolve_format
+from opguard_core.logs import escape_controls, resolve_format
 from opguard_core.processes import at_sigterm
 from opguard_plugins.enforce import sequence_guard
 from opguard_plugins.enforce.sequence_guard import (
@@ -354,13 +354,17 @@ class Guard:
         #: the last collectives this process issued (a watchdog report names them)
         self.last_collectives: deque[str] = deque(maxlen=LAST)
         self.collective_checks = self.sequences is not None or collective_timeout is not None
+        console = resolve_format(os.environ.get("OPGUARD_GUARD_LOG_FORMAT")) == "console"
+        escape: list[Any] = [escape_controls] if console else []
         self.log = structlog.wrap_logger(
             structlog.PrintLogger(file=sys.stderr),
             processors=[
                 structlog.processors.add_log_level,
                 structlog.processors.TimeStamper(fmt="iso"),
+                # names from the config: control characters escaped (JSON escapes them)
+                *escape,
                 structlog.dev.ConsoleRenderer(colors=False)
-                if resolve_format(os.environ.get("OPGUARD_GUARD_LOG_FORMAT")) == "console"
+                if console
                 else structlog.processors.JSONRenderer(),
             ],
         )
