@@ -23,13 +23,23 @@ class ExitCode(enum.IntEnum):
     DIVERGENCE = 4
     #: an input (trace, config, run directory) could not be read
     INPUT_UNREADABLE = 5
+    #: the command to run (``opguard trace``/``guard -- COMMAND``) is not executable
+    #: (a directory, no execute permission), as a shell says it
+    COMMAND_NOT_EXECUTABLE = 126
+    #: the command to run was not found, as a shell says it
+    COMMAND_NOT_FOUND = 127
     #: stopped by SIGINT or SIGTERM
     INTERRUPTED = 130
+    #: ``opguard guard``: the program was not checked (no config entries, no guard
+    #: started, one could not start or write its report, or no op was checked)
+    GUARD_FAILED = 6
 
 
-#: characters that could start a new line or restyle a terminal: C0 and C1 controls
-#: (newline, carriage return, ESC of ANSI sequences, NEL, ...), DEL, U+2028/2029
-_CONTROLS = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029]")
+#: characters that could start a new line, restyle a terminal or reorder what it shows:
+#: C0 and C1 controls (newline, carriage return, ESC of ANSI sequences, BEL, NEL, ...),
+#: DEL, U+2028/2029, and the bidirectional formatting characters (U+061C, U+200E/200F,
+#: U+202A-202E, U+2066-2069: "Trojan Source" reordering)
+_CONTROLS = re.compile("[\x00-\x1f\x7f-\x9f\u061c\u200e\u200f\u2028-\u202e\u2066-\u2069]")
 _NAMED = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
 
 
@@ -105,3 +115,13 @@ class Interrupted(BaseException):
     def __init__(self, signal_name: str) -> None:
         self.signal_name = signal_name
         super().__init__(signal_name)
+
+
+class CommandNotRunnable(OpGuardError):
+    """The command ``opguard trace``/``guard`` was asked to run could not be started:
+    not found (exit 127) or not executable (exit 126), the codes a shell uses."""
+
+    def __init__(self, command: str, found: bool) -> None:
+        self.exit_code = ExitCode.COMMAND_NOT_EXECUTABLE if found else ExitCode.COMMAND_NOT_FOUND
+        problem = "is not executable" if found else "command not found"
+        super().__init__(f"{one_line(command)}: {problem}")

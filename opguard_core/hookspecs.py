@@ -113,7 +113,9 @@ def opguard_divergence(trace: CallsiteTrace, options: RunOptions) -> list[dict[s
     Stops at first non-None result. Called for entries with two or more ranks.
 
     :param trace: the combined trace, with per-rank statistics when
-        ``trace.per_rank_stats`` (formats.md §1, version 2).
+        ``trace.per_rank_stats`` (formats.md §1, version 2) and the ranks' collective
+        sequences in ``trace.collectives`` where they were recorded (formats.md,
+        "Collective sequences"; None otherwise).
     :param options: run settings (``skew``, the hide settings).
     :returns: the findings, each a dict with ``kind``, ``severity`` (``error`` or
         ``warning``), ``ranks`` (the deviating ranks), ``target`` and ``message``

@@ -151,3 +151,14 @@ def test_the_other_generator_makes_what_it_promises(tmp_path: Path) -> None:
     assert len(shared) == 450
     assert all(len({r[key] for r in by_rank}) == 3 for key in shared)
     assert any(op.startswith("c10d::") for _, op in shared)
+
+
+@pytest.mark.slow  # runs a traced torch program
+def test_flush_cost_benchmark_reports_both_traces() -> None:
+    pytest.importorskip("torch")
+    result = script("flush_cost.py", "--steps", "2", "--functions", "50", "--repeat", "2")
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert [line.split(":")[0] for line in lines] == ["tiny GPT", "50 functions"], lines
+    assert "150 callsites" in lines[1]  # three ops in each generated function
+    assert all("% of the run at 30 s" in line for line in lines)

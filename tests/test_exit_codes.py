@@ -15,6 +15,7 @@ import sys
 from collections.abc import Callable
 from importlib.metadata import EntryPoint
 from pathlib import Path
+from typing import Any
 
 import pytest
 from click.testing import CliRunner
@@ -58,6 +59,16 @@ def _no_dir(tmp: Path) -> str:
     return str(tmp / "no" / "such" / "dir" / "out.x")
 
 
+def _relu_config(tmp: Path) -> str:
+    """A config whose one entry is F.relu, which may run aten::relu."""
+    path = tmp / "relu.yaml"
+    path.write_text(
+        "version: 3\nentries:\n  - target: torch.nn.functional:relu\n    kind: function\n"
+        "    context: []\n    ops: {aten::relu: 1}\n    count: 1\n"
+    )
+    return str(path)
+
+
 def _python(code: str) -> list[str]:
     return ["--", sys.executable, "-c", code]
 
@@ -70,6 +81,16 @@ def _writes_error_report(tmp: Path) -> list[str]:
     target = tmp / "reports" / "guard_report_rank0.json"
     code = f"import pathlib; pathlib.Path({str(target)!r}).write_text({json.dumps(report)!r})"
     return ["--config", _config(tmp), "--report-dir", str(tmp / "reports"), *_python(code)]
+
+
+def _trace_write_fails(tmp: Path) -> list[str]:
+    """A 'program' that leaves what a traced process leaves when its trace could not be
+    written (its marker, saying why); tests/test_crash_safe_trace.py does it for real."""
+    out = tmp / "traces"
+    marker = out / ".trace_callsite.4242.tracing"
+    info = json.dumps({"pid": 4242, "forked_from": None, "error": "No space left on device"})
+    code = f"import pathlib; pathlib.Path({str(marker)!r}).write_text({info!r})"
+    return ["--output-dir", str(out), *_python(code)]
 
 
 class _Interrupting:
@@ -98,10 +119,21 @@ SCENARIOS: dict[tuple[str, ExitCode], Scenario] = {
     ("check", ExitCode.OK): lambda t: ["--config", _config(t), "-i", _trace(t)],
     ("check", ExitCode.STAGE_FAILED): lambda t: ["--config", _config(t), "-i", FSDP],
     ("check", ExitCode.INPUT_UNREADABLE): lambda t: ["--config", _broken(t), "-i", _trace(t)],
-    ("guard", ExitCode.OK): lambda t: ["--config", _config(t), *_python("pass")],
+    ("guard", ExitCode.OK): lambda t: [
+        "--config",
+        _relu_config(t),
+        *_python("import torch; torch.nn.functional.relu(torch.ones(2))"),
+    ],
     ("guard", ExitCode.STAGE_FAILED): _writes_error_report,
+    # no process of the command imports torch: no guard ran
+    ("guard", ExitCode.GUARD_FAILED): lambda t: ["--config", _config(t), *_python("pass")],
+    ("guard", ExitCode.COMMAND_NOT_FOUND): lambda t: ["--config", _config(t), "--", "no_such_xyz"],
+    ("guard", ExitCode.COMMAND_NOT_EXECUTABLE): lambda t: ["--config", _config(t), "--", str(t)],
     ("guard", ExitCode.INPUT_UNREADABLE): lambda t: ["--config", _broken(t), *_python("pass")],
     ("trace", ExitCode.OK): lambda t: ["--output-dir", str(t / "traces"), *_python("pass")],
+    ("trace", ExitCode.STAGE_FAILED): _trace_write_fails,
+    ("trace", ExitCode.COMMAND_NOT_EXECUTABLE): lambda t: ["--output-dir", str(t), "--", "/etc"],
+    ("trace", ExitCode.COMMAND_NOT_FOUND): lambda t: ["--output-dir", str(t), "--", "no-such-x"],
     ("show", ExitCode.OK): lambda t: [_config(t)],
     ("show", ExitCode.STAGE_FAILED): lambda t: [_config(t), "--focus", "no_such:frame"],
     ("show", ExitCode.INPUT_UNREADABLE): lambda t: [_broken(t)],
@@ -156,8 +188,16 @@ def documented() -> dict[str, dict[ExitCode, str]]:
     }
 
 
-def _case_ids() -> list[tuple[str, ExitCode]]:
-    return [(name, code) for name, codes in documented().items() for code in codes]
+#: scenarios that run a torch program: the slow group
+SLOW = {("guard", ExitCode.OK)}
+
+
+def _case_ids() -> list[Any]:
+    return [
+        pytest.param(name, code, marks=[pytest.mark.slow] if (name, code) in SLOW else [])
+        for name, codes in documented().items()
+        for code in codes
+    ]
 
 
 @pytest.fixture(autouse=True)

@@ -24,6 +24,7 @@ from opguard_core.formats.config import (
     annotate_entries,
     block_map,
     dump_config,
+    entry_key,
     flow_map,
     flow_seq,
     parse_config,
@@ -156,6 +157,8 @@ def configs(draw: st.DrawFn, text: st.SearchStrategy[str]) -> CommentedMap:
         if draw(st.booleans()):  # a field this version does not know, carried through
             unknown = draw(text.filter(lambda key, known=tuple(entry): key not in known))
             entry[unknown] = draw(st.one_of(extra_values, text))
+        if any(entry_key(e) == entry_key(entry) for e in entries):
+            continue  # one entry per (target, context): the loader refuses a repeat
         entries.append(entry)
     config = CommentedMap()
     config["version"] = CONFIG_VERSION

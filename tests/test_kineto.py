@@ -77,7 +77,7 @@ def role_map(doc: dict[str, Any]) -> dict[str, str]:
 def check_document(doc: dict[str, Any]) -> None:
     """What the importer promises beyond the format (which the decoder checks): frames
     in canonical order, every callsite's (stream, role) as ``meta.streams`` says."""
-    assert doc["format"] == "opguard-callsites" and doc["version"] == 4
+    assert doc["format"] == "opguard-callsites" and doc["version"] == 6
     frames = doc["frames"]
     keys = [
         (f["file"], f["line"], f["function"], f["qualname"], f.get("module") or "") for f in frames
@@ -615,7 +615,7 @@ def test_a_glob_of_kineto_rank_files_is_one_entry(opguard: Opguard, tmp_path: Pa
     assert [e["name"] for e in summary["entries"]] == ["rank"]
     combined = json.loads(run.read("rank_combined.json"))
     meta = combined["meta"]
-    assert combined["version"] == 4 and meta["ranks"] == list(range(8))
+    assert combined["version"] == 6 and meta["ranks"] == list(range(8))
     assert meta["source_format"] == "kineto" and meta["world_size"] == 8
     assert meta["streams"] == {"7": "compute", "84": "comm", "22": "side1", "24": "side2"}
     assert meta["window"]["device_events_without_launch"] == sum(

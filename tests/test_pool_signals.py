@@ -73,3 +73,80 @@ def test_signal_to_the_group_stops_pool_cleanly(
     expected = {"pipeline_summary.json", "report.html"}
     leftovers = [p.name for p in summary.parent.iterdir() if p.name not in expected]
     assert leftovers == []
+
+
+#: a process that starts a forked helper (opguard run's second core) that would work
+#: for a minute, prints the helper's pid, then waits for it
+_FORKS_A_HELPER = """
+import os, sys, time
+from opguard_core.run.forked import ForkedCall
+
+def work():
+    time.sleep(60)
+
+read, write = os.pipe()
+call = ForkedCall.start(lambda: (os.write(write, str(os.getpid()).encode()), work()), "x")
+assert call is not None
+print(os.read(read, 100).decode(), flush=True)
+call.result()
+"""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG: Linux")
+def test_sigkill_of_run_kills_its_forked_helper() -> None:
+    """An orphaned helper would hold the run directory (and disable stale-run
+    detection): it dies with the process that forked it, even by SIGKILL."""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _FORKS_A_HELPER], stdout=subprocess.PIPE, text=True, cwd=REPO
+    )
+    assert proc.stdout is not None
+    helper = int(proc.stdout.readline())
+    assert _alive(helper)
+    proc.kill()
+    proc.wait(timeout=30)
+    deadline = time.monotonic() + 10
+    while _alive(helper) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _alive(helper)
+
+
+_PARENT_GONE_FIRST = """
+import os, signal, sys, time
+from opguard_core.processes import die_with_parent
+
+before, after = sys.argv[1], sys.argv[2]
+if os.fork() == 0:  # an intermediate process: forks the helper and leaves at once
+    mid = os.getpid()
+    if os.fork() == 0:  # the helper: its parent is gone before it asks
+        while os.getppid() == mid:
+            time.sleep(0.01)
+        open(before, "w").close()
+        die_with_parent(signal.SIGKILL, mid)
+        open(after, "w").close()  # only if die_with_parent missed the parent's death
+    os._exit(0)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG: Linux")
+def test_die_with_parent_when_the_parent_died_before_the_request(tmp_path: Path) -> None:
+    """A helper whose parent died between the fork and its request kills itself."""
+    before, after = tmp_path / "before", tmp_path / "after"
+    subprocess.run(
+        [sys.executable, "-c", _PARENT_GONE_FIRST, str(before), str(after)],
+        cwd=REPO, timeout=30, check=True,
+    )  # fmt: skip
+    deadline = time.monotonic() + 10
+    while not before.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert before.exists()
+    time.sleep(0.5)
+    assert not after.exists()

@@ -299,7 +299,9 @@ def test_many_findings_keep_the_report_small(opguard: Callable[..., Any], sample
 
 def test_report_command_bad_run_dir(opguard: Callable[..., Any], tmp_path: Path) -> None:
     result = opguard("report", tmp_path, expect=5)
-    assert result.stderr == f"opguard: error: {tmp_path / 'pipeline_summary.json'}: no such file\n"
+    assert result.stderr == (
+        f"opguard: error: {tmp_path}: not a run directory (no pipeline_summary.json)\n"
+    )
 
 
 def test_the_console_summary_names_the_report(opguard: Callable[..., Any], samples: Path) -> None:

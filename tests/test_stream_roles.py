@@ -136,7 +136,7 @@ def test_a_version_1_trace_combines_by_role(tmp_path: Path, scanned: bool) -> No
         else:
             accumulator.add(load_trace(path))  # msgspec's path
     combined = json.loads(accumulator.result().to_json())
-    assert combined["version"] == 4 and combined["meta"]["per_rank_stats"] is True
+    assert combined["version"] == 6 and combined["meta"]["per_rank_stats"] is True
     assert [(s["op"], s["role"], s["count"], "stream" in s) for s in combined["callsites"]] == [
         ("aten::mm", "compute", 8, False),
         ("c10d::allreduce_", "comm", 6, False),

@@ -29,7 +29,10 @@ MEANING: dict[ExitCode, str] = {
     ExitCode.PLUGIN_ERROR: "a plugin could not be loaded, or failed",
     ExitCode.DIVERGENCE: "ranks diverge (an error finding, with --fail-on-divergence)",
     ExitCode.INPUT_UNREADABLE: "an input (trace, config, run directory) could not be read",
+    ExitCode.COMMAND_NOT_EXECUTABLE: "COMMAND is not executable (a directory, no permission)",
+    ExitCode.COMMAND_NOT_FOUND: "COMMAND was not found",
     ExitCode.INTERRUPTED: "stopped by SIGINT or SIGTERM",
+    ExitCode.GUARD_FAILED: "the program was not checked (opguard guard)",
 }
 
 #: The codes every command can end with, whatever it declares: a bad command line

@@ -238,7 +238,7 @@ def _print_summary(runner: Runner) -> None:
         return
     summary = runner.summary(final=True)
     if current_format() == "console":
-        click.echo("\n".join(summary_lines(summary)), err=True)
+        click.echo("\n".join(one_line(line) for line in summary_lines(summary)), err=True)
     else:
         get_logger().info("run summary", **summary_fields(summary))
 

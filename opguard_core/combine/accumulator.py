@@ -19,6 +19,11 @@ of it grows with the number of ranks beyond the width of a rank mask. The
 statistics are exact only when every rank comes from one input; an accumulator
 that sees a rank twice, or a multi-rank input without statistics (a version-1
 combined file), drops them (``stats_valid``).
+
+Collective sequences (formats.md, "Collective sequences") are carried as they are:
+each distinct sequence (its stacks re-interned) with the mask of the ranks that
+issued it, so ranks that agree cost one sequence. A rank whose sequence arrives
+twice makes the sequences unknown (``sequences_valid``), as for the statistics.
 """
 
 from __future__ import annotations
@@ -45,6 +50,15 @@ from opguard_core.combine.stack_table import (
     site_order,
 )
 from opguard_core.errors import InputError
+from opguard_core.formats.collectives import (
+    Collectives,
+    CollectiveSequence,
+    Group,
+    Signature,
+    StepRun,
+    check_collectives,
+    decode_collectives,
+)
 from opguard_core.formats.readers import Readers, is_callsite_trace
 from opguard_core.formats.streams import is_role, legacy_roles
 from opguard_core.formats.trace import (
@@ -82,6 +96,9 @@ ScanKey = tuple[int, str | None, str, str | int]
 MAX_DISTINCT = 8
 #: ``meta`` key of a combined trace whose callsites carry exact per-rank statistics
 PER_RANK_KEY = "per_rank_stats"
+#: a collective sequence in an accumulator: groups, signatures (stacks as the
+#: accumulator's frame ids), step runs
+SequenceKey = tuple[tuple[Group, ...], tuple[Signature, ...], tuple[StepRun, ...]]
 #: ``meta`` keys holding counts by name (an importer's ``window``: what the profiling
 #: window cut), which a combine adds up over its inputs instead of keeping only
 #: values every input agrees on
@@ -368,6 +385,8 @@ class CallsiteTrace:
     extras: dict[str, Any] = dataclasses.field(default_factory=dict)
     frame_extras: dict[int, dict[str, Any]] = dataclasses.field(default_factory=dict)
     callsite_extras: dict[int, dict[str, Any]] = dataclasses.field(default_factory=dict)
+    #: the ranks' collective sequences, None where none was recorded
+    collectives: Collectives | None = None
 
     @property
     def ranks(self) -> list[int]:
@@ -398,7 +417,13 @@ class CallsiteTrace:
                 for site in self.callsites
             )
             return encode_trace_parts(
-                self.meta, self.frames, outs, self.extras, self.frame_extras, COMBINED_VERSION
+                self.meta,
+                self.frames,
+                outs,
+                self.extras,
+                self.frame_extras,
+                COMBINED_VERSION,
+                self.collectives,
             )
         return encode_trace_parts(
             self.meta,
@@ -407,6 +432,7 @@ class CallsiteTrace:
             self.extras,
             self.frame_extras,
             COMBINED_VERSION,
+            self.collectives,
         )
 
     def _site_doc(self, index: int) -> dict[str, Any]:
@@ -515,6 +541,10 @@ class TraceAccumulator:
         self.extras = _Agreement()
         self.frame_extras: dict[Frame, _Agreement] = {}
         self.site_extras: dict[SiteKey, _Agreement] = {}
+        #: each distinct collective sequence -> the mask of the ranks that issued it
+        self.sequences: dict[SequenceKey, int] = {}
+        #: False once a rank's sequence came twice (the sequences are then dropped)
+        self.sequences_valid = True
 
     def _intern(self, frame: Frame) -> int:
         index = self.frame_ids.get(frame)
@@ -565,12 +595,27 @@ class TraceAccumulator:
         if trace.derived_roles and len(file_ranks) == 1:
             folded, folded_counts = _without_duplicates(keys, counts)
         self._fold_file(trace.path, trace.meta, file_ranks, total, folded, folded_counts, callsites)
+        if trace.collectives is not None:
+            self._add_sequences(trace.collectives.sequences, local)
         for position, site_extra in trace.callsite_extras.items():
             if site_extra:
                 self.site_extras.setdefault(keys[position], _Agreement()).add(site_extra)
         for index, extra in trace.frame_extras.items():
             self.frame_extras.setdefault(trace.frames[index], _Agreement()).add(extra)
         self.extras.add(trace.extras)
+
+    def _add_sequences(self, sequences: Iterable[CollectiveSequence], remap: list[int]) -> None:
+        """Fold sequences in, their stacks' frame ids mapped through ``remap`` (the
+        input's frame id -> this accumulator's)."""
+        for seq in sequences:
+            key = _sequence_key(seq, remap)
+            mask = ranks_to_mask(seq.ranks)
+            self._add_sequence(key, mask)
+
+    def _add_sequence(self, key: SequenceKey, mask: int) -> None:
+        if any(mask & held for held in self.sequences.values()):
+            self.sequences_valid = False
+        self.sequences[key] = self.sequences.get(key, 0) | mask
 
     def _checked_total(self, path: str, file_total: int) -> int:
         """The ops added so far with a file's; refused past :data:`MAX_COUNT`."""
@@ -726,6 +771,17 @@ class TraceAccumulator:
             return False
         if scanned is None:
             return False
+        collectives = head.collectives
+        if collectives is None and offset is not None:
+            try:
+                collectives = _tail_collectives(data, path, len(head.frames), file_ranks)
+            except InputError:
+                return False  # msgspec's path explains it
+        elif collectives is not None:
+            try:
+                check_collectives(collectives, path, len(head.frames), file_ranks)
+            except InputError:
+                return False
         scan_keys, counts, file_total = scanned
         if head.version >= ROLE_VERSION:  # every key has its role (the scan required it)
             keys = cast("list[SiteKey]", scan_keys)
@@ -733,6 +789,10 @@ class TraceAccumulator:
             keys, counts = _without_duplicates(_with_roles(scan_keys, self.roles), counts)
         total = self._checked_total(path, file_total)
         self._fold_file(path, head.meta, file_ranks, total, keys, counts, None)
+        if collectives is not None:
+            frame_ids = array.array("I")
+            frame_ids.frombytes(local)
+            self._add_sequences(collectives.sequences, frame_ids.tolist())
         self.extras.add({})
         return True
 
@@ -763,6 +823,9 @@ class TraceAccumulator:
             self.site_extras.setdefault(key, _Agreement()).update(extra)
         for frame, agreement in other.frame_extras.items():
             self.frame_extras.setdefault(frame, _Agreement()).update(agreement)
+        self.sequences_valid = self.sequences_valid and other.sequences_valid
+        for seq_key, mask in other.sequences.items():
+            self._add_sequence(seq_key if identity else _remap_key(seq_key, remap), mask)
         self.stats_valid = (
             self.stats_valid and other.stats_valid and not (self.rank_mask & other.rank_mask)
         )
@@ -923,6 +986,14 @@ class TraceAccumulator:
         meta["ranks"] = mask_to_ranks(all_mask)
         if stats_valid and self.inputs:
             meta[PER_RANK_KEY] = True
+        collectives = None
+        if self.sequences and self.sequences_valid:
+            sequences = [
+                _sequence_of(_remap_key(key, new_id), mask_to_ranks(mask))
+                for key, mask in self.sequences.items()
+            ]
+            sequences.sort(key=lambda seq: seq.ranks[0])
+            collectives = Collectives(sequences=sequences)
         return CallsiteTrace(
             meta=dict(sorted(meta.items())),
             frames=frames,
@@ -930,7 +1001,59 @@ class TraceAccumulator:
             extras=self.extras.result(),
             frame_extras=frame_extras,
             callsite_extras=callsite_extras,
+            collectives=collectives,
         )
+
+
+def _sequence_key(seq: CollectiveSequence, remap: list[int]) -> SequenceKey:
+    """A sequence as an accumulator keys it, its stacks mapped through ``remap``."""
+    return (
+        tuple(seq.groups),
+        tuple(
+            msgspec.structs.replace(sig, stack=tuple(remap[f] for f in sig.stack))
+            for sig in seq.signatures
+        ),
+        tuple(seq.steps),
+    )
+
+
+def _remap_key(key: SequenceKey, remap: list[int]) -> SequenceKey:
+    groups, signatures, steps = key
+    return (
+        groups,
+        tuple(
+            msgspec.structs.replace(sig, stack=tuple(remap[f] for f in sig.stack))
+            for sig in signatures
+        ),
+        steps,
+    )
+
+
+def _sequence_of(key: SequenceKey, ranks: list[int]) -> CollectiveSequence:
+    groups, signatures, steps = key
+    return CollectiveSequence(
+        ranks=ranks, groups=list(groups), signatures=list(signatures), steps=list(steps)
+    )
+
+
+#: how a writer puts ``collectives`` after the callsites (a JSON string cannot hold
+#: the newline, so this is never inside one)
+_COLLECTIVES_TAIL = b'],\n"collectives":'
+
+
+def _tail_collectives(data: bytes, path: str, frames: int, ranks: list[int]) -> Collectives | None:
+    """The ``collectives`` a writer put after the callsites (which the scanner's
+    header decode leaves out); None where the document has none; InputError where
+    they cannot be read so (msgspec's path then reads the document)."""
+    at = data.rfind(_COLLECTIVES_TAIL)
+    if at < 0:
+        if b'"collectives"' in data:
+            raise InputError(path, "collectives where the scanner does not look")
+        return None
+    tail = data[at + len(_COLLECTIVES_TAIL) :].rstrip()
+    if not tail.endswith(b"}"):
+        raise InputError(path, "truncated collectives")
+    return decode_collectives(tail[:-1], path, frames, ranks)
 
 
 def _with_roles(keys: list[ScanKey], roles: dict[str, str]) -> list[SiteKey]:

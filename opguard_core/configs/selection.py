@@ -18,6 +18,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from opguard_core.combine.accumulator import CallsiteTrace
+from opguard_core.configs.backtracking import Backtracking, check_backtracking
 from opguard_core.errors import OpGuardError, one_line
 from opguard_core.formats.config import entry_key
 from opguard_core.formats.tree import split_api, target_name
@@ -30,13 +31,23 @@ class PatternError(OpGuardError):
 def compile_patterns(patterns: Iterable[str], option: str) -> list[re.Pattern[str]]:
     """Each of ``patterns`` compiled on its own (never joined with another, so inline
     flags, group names and backreferences mean what they say); :class:`PatternError`
-    names the first the ``re`` module refuses or that overflows (``a{99999999999}``)."""
+    names the first the ``re`` module refuses or that overflows (``a{99999999999}``),
+    or that could backtrack catastrophically
+    (:func:`~opguard_core.configs.backtracking.check_backtracking`)."""
     compiled = []
     for pattern in patterns:
         try:
             compiled.append(re.compile(pattern))
         except (re.error, OverflowError, RecursionError, ValueError) as exc:
             raise PatternError(f"{option} {pattern!r}: not a regular expression: {exc}") from None
+        try:
+            check_backtracking(pattern)
+        except Backtracking as exc:
+            raise PatternError(
+                f"{option} {pattern!r}: could backtrack catastrophically ({exc}); make the"
+                " repetition possessive (*+, ++) or end each repeat with a character it"
+                " cannot match"
+            ) from None
     return compiled
 
 

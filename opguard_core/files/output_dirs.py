@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import errno
 import os
+import stat
+from collections.abc import Iterable
 from pathlib import Path
 
 from opguard_core.errors import UsageProblem
@@ -133,9 +135,37 @@ def trace_output_base(explicit: Path | None = None) -> Path:
     return Path(env) if env else DEFAULT_OUTPUT_BASE
 
 
+def check_output_file(output: Path, inputs: Iterable[Path], option: str = "-o") -> None:
+    """Refuse an output file that would replace one of ``inputs`` (the same file by
+    ``os.path.samefile``: a hard link, a symlink or another spelling of it), or that
+    is not a regular file (a device, a FIFO, ``/dev/stdout``: an atomic write would
+    replace the node itself). :class:`UsageProblem`, one line, before anything is
+    written."""
+    try:
+        info = output.stat()
+    except OSError:
+        return  # nothing there yet (or unreachable: the write says why)
+    if not stat.S_ISREG(info.st_mode):
+        raise UsageProblem(
+            f"{option} {os.fsdecode(output)!r}: not a regular file (a directory, device"
+            " or FIFO); write to a file"
+        )
+    for source in inputs:
+        try:
+            same = os.path.samefile(output, source)
+        except OSError:
+            continue
+        if same:
+            raise UsageProblem(
+                f"{option} {os.fsdecode(output)!r}: is the input {os.fsdecode(source)!r};"
+                " write the output elsewhere"
+            )
+
+
 __all__ = [
     "OUTPUT_BASE_ENV",
     "OutputLocationError",
+    "check_output_file",
     "prepare_output_dir",
     "trace_output_base",
     "wrap_os_error",

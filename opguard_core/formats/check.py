@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -188,6 +189,22 @@ def guard_report(
     }
 
 
+def sample_every(sample: float) -> int:
+    """The guard's ``--sample P`` as "check every N-th optimizer step":
+    ``N = round(1/P)`` (≥ 1); ``ValueError`` naming the problem unless P is a finite
+    number in (0, 1] whose ``1/P`` is finite (``nan``, ``1e-320`` are refused)."""
+    try:
+        value = float(sample)
+    except (TypeError, ValueError):
+        raise ValueError(f"{sample!r} is not a number") from None
+    if not (math.isfinite(value) and 0.0 < value <= 1.0):
+        raise ValueError(f"{sample!r} is not a finite number in (0, 1]")
+    interval = 1.0 / value
+    if not math.isfinite(interval):
+        raise ValueError(f"{sample!r} is too small: 1/P overflows")
+    return max(1, round(interval))
+
+
 def write_json(path: Path, document: dict[str, Any]) -> None:
     """Write a report atomically (sorted keys are not used: field order is the contract's)."""
     atomic_write_text(path, json.dumps(document, indent=2) + "\n")
@@ -271,5 +288,6 @@ __all__ = [
     "guard_report",
     "join_ranks",
     "load_report",
+    "sample_every",
     "write_json",
 ]

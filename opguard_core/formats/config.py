@@ -16,10 +16,12 @@ from __future__ import annotations
 
 import copy
 import io
+import os
 import re
+import stat
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from ruamel.yaml import YAML
 from ruamel.yaml.anchor import Anchor
@@ -30,8 +32,11 @@ from ruamel.yaml.comments import (
     format_attrib,
     merge_attrib,
 )
+from ruamel.yaml.composer import Composer
+from ruamel.yaml.constructor import DuplicateKeyError
 from ruamel.yaml.error import YAMLError
-from ruamel.yaml.nodes import ScalarNode
+from ruamel.yaml.events import AliasEvent
+from ruamel.yaml.nodes import MappingNode, ScalarNode, SequenceNode
 from ruamel.yaml.representer import RoundTripRepresenter
 from ruamel.yaml.scalarint import ScalarInt
 from ruamel.yaml.tag import Tag
@@ -84,8 +89,90 @@ class _Representer(RoundTripRepresenter):
 _Representer.add_representer(str, _Representer.represent_str)
 
 
+# ------------------------------------------------------------ hostile input limits
+
+#: the largest config file read, in bytes (docs/configs.md, "Limits"): the round-trip
+#: loader reads ~160 kB/s and holds ~100 bytes per byte of YAML, so this bounds a
+#: read at about a minute and 1 GB. ``OPGUARD_MAX_CONFIG_BYTES`` raises it.
+MAX_CONFIG_BYTES = 8 * 2**20
+MAX_CONFIG_BYTES_ENV = "OPGUARD_MAX_CONFIG_BYTES"
+#: the deepest nesting of mappings and sequences read (a config needs 5)
+MAX_DEPTH = 32
+#: how many nodes all aliases of a document may stand for together: an alias costs
+#: the size of what it names, so "billion laughs" documents stop here
+MAX_ALIAS_NODES = 100_000
+#: the longest integer read, in digits (counts need 20; Python refuses 4300)
+MAX_INT_DIGITS = 100
+_INT_TAG = "tag:yaml.org,2002:int"
+
+
+class ConfigLimitError(Exception):
+    """A config breaks one of the limits above; :func:`parse_config` names the file."""
+
+    def __init__(self, problem: str, mark: Any = None) -> None:
+        line = getattr(mark, "line", None)
+        super().__init__(problem + (f" (line {line + 1})" if isinstance(line, int) else ""))
+
+
+def _node_size(node: Any, sizes: dict[int, int]) -> int:
+    """How many nodes ``node`` stands for once every alias in it is expanded."""
+    known = sizes.get(id(node))
+    if known is not None:
+        return known
+    size = 1
+    if isinstance(node, SequenceNode):
+        size += sum(_node_size(item, sizes) for item in node.value)
+    elif isinstance(node, MappingNode):
+        size += sum(_node_size(k, sizes) + _node_size(v, sizes) for k, v in node.value)
+    sizes[id(node)] = size
+    return size
+
+
+class BoundedComposer(Composer):
+    """ruamel's composer with the limits of hostile input: nesting depth
+    (:data:`MAX_DEPTH`, before Python's recursion limit), the nodes aliases expand to
+    (:data:`MAX_ALIAS_NODES`) and the digits of an integer (:data:`MAX_INT_DIGITS`)."""
+
+    def __init__(self, loader: Any = None) -> None:
+        super().__init__(loader)
+        self._nesting = 0
+        self._expanded = 0
+        self._sizes: dict[int, int] = {}
+
+    def compose_node(self, parent: Any, index: Any) -> Any:
+        if self.parser.check_event(AliasEvent):
+            event = self.parser.peek_event()
+            target = self.anchors.get(event.anchor)
+            if target is not None:
+                self._expanded += _node_size(target, self._sizes)
+                if self._expanded > MAX_ALIAS_NODES:
+                    raise ConfigLimitError(
+                        f"YAML aliases expand to more than {MAX_ALIAS_NODES} nodes",
+                        event.start_mark,
+                    )
+            return super().compose_node(parent, index)
+        self._nesting += 1
+        if self._nesting > MAX_DEPTH:
+            mark = self.parser.peek_event().start_mark
+            raise ConfigLimitError(f"nested deeper than {MAX_DEPTH} levels", mark)
+        try:
+            return super().compose_node(parent, index)
+        finally:
+            self._nesting -= 1
+
+    def compose_scalar_node(self, anchor: Any) -> Any:
+        node = super().compose_scalar_node(anchor)
+        if str(node.tag) == _INT_TAG and len(node.value) > MAX_INT_DIGITS:
+            raise ConfigLimitError(
+                f"an integer of {len(node.value)} characters (at most {MAX_INT_DIGITS})",
+                node.start_mark,
+            )
+        return node
+
+
 def _yaml() -> YAML:
     yaml = YAML(typ="rt", pure=True)
+    yaml.Composer = BoundedComposer
     yaml.Representer = _Representer
     yaml.width = 2**30  # never wrap: flow maps of ops can be longer than any fixed width
     yaml.indent(mapping=2, sequence=4, offset=2)
@@ -565,14 +652,30 @@ def _load_fast(text: str) -> CommentedMap | None:
 
 def parse_config(text: str, path: Path | str) -> CommentedMap:
     """Parse and validate config text; raise :class:`InputError` naming the problem."""
+    limit = max_config_bytes()
+    if len(text) > limit:  # characters: never more than the bytes
+        raise InputError(path, _too_large(len(text.encode("utf-8", "surrogatepass")), limit))
     stripped, blocks = split_entry_comments(text)
     config: Any = _load_fast(stripped)
     if config is None:
         try:
             config = _yaml().load(stripped)
+        except ConfigLimitError as exc:
+            raise InputError(path, str(exc)) from None
+        except DuplicateKeyError as exc:
+            line = getattr(exc.problem_mark, "line", None)
+            found = str(exc.problem or "").split(" with value")[0].removeprefix("found ")
+            where = f" (line {line + 1})" if isinstance(line, int) else ""
+            raise InputError(path, f"malformed YAML: {found or 'duplicate key'}{where}") from None
         except YAMLError as exc:
             problem = str(exc).splitlines()
             raise InputError(path, f"malformed YAML: {' '.join(problem)}") from None
+        except RecursionError:  # the limits above keep the composer far from it
+            raise InputError(path, f"nested deeper than {MAX_DEPTH} levels") from None
+        except ValueError as exc:  # a value the constructor refuses (int digits, dates, ...)
+            raise InputError(path, f"unreadable value: {exc}") from None
+        except MemoryError:
+            raise InputError(path, "out of memory reading this config") from None
     validate_config(config, path)
     entries = config["entries"]
     if len(blocks) == len(entries):
@@ -611,10 +714,39 @@ def upgrade_config(config: CommentedMap) -> None:
     config["version"] = CONFIG_VERSION
 
 
+def max_config_bytes() -> int:
+    """:data:`MAX_CONFIG_BYTES`, or ``$OPGUARD_MAX_CONFIG_BYTES`` when it is a
+    positive integer."""
+    value = os.environ.get(MAX_CONFIG_BYTES_ENV, "").strip()
+    if value.isdigit() and len(value) < 19 and int(value) > 0:
+        return int(value)
+    return MAX_CONFIG_BYTES
+
+
+def _too_large(size: int, limit: int) -> str:
+    return (
+        f"config too large: {size} bytes (more than {limit}; set {MAX_CONFIG_BYTES_ENV} to read it)"
+    )
+
+
 def load_config(path: Path) -> CommentedMap:
-    """Read, parse and validate an instrumentation config file."""
+    """Read, parse and validate an instrumentation config file (one larger than
+    :func:`max_config_bytes` is refused before it is read)."""
+    limit = max_config_bytes()
     try:
-        text = path.read_text(encoding="utf-8")
+        info = path.stat()
+        if not stat.S_ISREG(info.st_mode):  # a FIFO or a device would block
+            kind = "Is a directory" if stat.S_ISDIR(info.st_mode) else "not a regular file"
+            raise InputError(path, f"cannot read file: {kind}")
+        if info.st_size > limit:
+            raise InputError(path, _too_large(info.st_size, limit))
+        data = path.read_bytes()
+        if len(data) > limit:  # it grew since
+            raise InputError(path, _too_large(len(data), limit))
+        # universal newlines, as ``read_text`` reads
+        text = data.decode("utf-8").replace("\r\n", "\n").replace("\r", "\n")
+    except InputError:
+        raise
     except FileNotFoundError:
         raise InputError(path, "no such file") from None
     except UnicodeDecodeError:
@@ -628,11 +760,16 @@ def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def _is_count(value: object) -> bool:
+    """An int (not a bool) of 0 or more: counts, totals and ranks."""
+    return _is_int(value) and value >= 0  # type: ignore[operator]
+
+
 def validate_config(config: object, path: Path | str) -> None:
     """Check the shape of a config document (types of every field §3 names)."""
     if not isinstance(config, dict):
         raise InputError(path, "expected a YAML mapping at top level")
-    if config.get("version") not in READ_VERSIONS:
+    if not _is_int(config.get("version")) or config.get("version") not in READ_VERSIONS:
         known = " or ".join(str(v) for v in READ_VERSIONS)
         raise InputError(
             path, f"unknown config version {config.get('version')!r} (expected {known})"
@@ -643,18 +780,20 @@ def validate_config(config: object, path: Path | str) -> None:
     if not isinstance(meta, dict):
         raise InputError(path, "'meta' must be a mapping")
     ranks = meta.get("ranks", [])
-    if not isinstance(ranks, list) or not all(_is_int(r) for r in ranks):
-        raise InputError(path, "meta.ranks must be a list of integers")
-    if not _is_int(meta.get("total", 0)):
-        raise InputError(path, "meta.total must be an integer")
+    if not isinstance(ranks, list) or not all(_is_count(r) for r in ranks):
+        raise InputError(path, "meta.ranks must be a list of integers (0 or more)")
+    if not _is_count(meta.get("total", 0)):
+        raise InputError(path, "meta.total must be an integer (0 or more)")
     steps = meta.get("steps", {})
     if not isinstance(steps, dict) or not all(
         isinstance(k, str) and _is_int(v) and v >= 0 for k, v in steps.items()
     ):
         raise InputError(path, "meta.steps must map sources to step counts")
+    validate_settings(meta.get("settings"), path)
     entries = config.get("entries")
     if not isinstance(entries, list):
         raise InputError(path, "'entries' must be a list")
+    seen: dict[EntryKey, int] = {}
     for index, entry in enumerate(entries):
         where = f"entries[{index}]"
         if not isinstance(entry, dict):
@@ -665,10 +804,20 @@ def validate_config(config: object, path: Path | str) -> None:
             value = entry.get(field, [])
             if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
                 raise InputError(path, f"{where}.{field} must be a list of strings")
-        for field in ("lines", "ranks"):
-            value = entry.get(field, [])
-            if not isinstance(value, list) or not all(_is_int(v) for v in value):
-                raise InputError(path, f"{where}.{field} must be a list of integers")
+        key = entry_key(entry)
+        first = seen.setdefault(key, index)
+        if first != index:
+            raise InputError(
+                path,
+                f"{where} repeats entries[{first}] (target {key[0]!r}, same context):"
+                " each (target, context) may appear once",
+            )
+        lines = entry.get("lines", [])
+        if not isinstance(lines, list) or not all(_is_int(v) for v in lines):
+            raise InputError(path, f"{where}.lines must be a list of integers")
+        ranks = entry.get("ranks", [])
+        if not isinstance(ranks, list) or not all(_is_count(v) for v in ranks):
+            raise InputError(path, f"{where}.ranks must be a list of integers (0 or more)")
         ops = entry.get("ops", {})
         if not isinstance(ops, dict) or not all(
             isinstance(k, str) and _is_int(v) and v >= 0 for k, v in ops.items()
@@ -686,9 +835,132 @@ def validate_config(config: object, path: Path | str) -> None:
                 + ("stream roles (compute, comm, side1, …)" if by_role else "stream ids")
                 + " to counts",
             )
-        if not _is_int(entry.get("count", 0)):
-            raise InputError(path, f"{where}.count must be an integer")
+        if not _is_count(entry.get("count", 0)):
+            raise InputError(path, f"{where}.count must be an integer (0 or more)")
         if "kind" in entry and not isinstance(entry["kind"], str):
             raise InputError(path, f"{where}.kind must be a string")
         if entry.get("file") is not None and not isinstance(entry["file"], str):
             raise InputError(path, f"{where}.file must be a string or null")
+
+
+# ------------------------------------------------------------------ meta.settings
+
+#: the largest integer a setting may hold (a C ``int64``): larger ones overflow the
+#: floats and slices they are used in
+_MAX_SETTING_INT = 2**63 - 1
+
+
+class _Check(Protocol):
+    def __call__(self, value: object, /) -> bool: ...
+
+
+def _is_setting_bool(value: object) -> bool:
+    """``true``/``false``, also an anchored one (ruamel's ``ScalarBoolean``, an int)."""
+    from ruamel.yaml.scalarbool import ScalarBoolean
+
+    return isinstance(value, bool | ScalarBoolean)
+
+
+def _is_setting_int(value: object) -> bool:
+    if not isinstance(value, int) or _is_setting_bool(value):
+        return False
+    return 0 <= value <= _MAX_SETTING_INT
+
+
+def _is_fraction(value: object) -> bool:
+    """A finite number in [0, 1] (the comparisons are false for nan)."""
+    if not (_is_setting_int(value) or isinstance(value, float)):
+        return False
+    return 0.0 <= value <= 1.0  # type: ignore[operator]
+
+
+def _is_ratio(value: object) -> bool:
+    """A finite number, 0 or more (the comparisons are false for nan)."""
+    if not (_is_setting_int(value) or isinstance(value, float)):
+        return False
+    return 0.0 <= value < float("inf")  # type: ignore[operator]
+
+
+def _is_strings(value: object) -> bool:
+    return isinstance(value, list) and all(isinstance(v, str) for v in value)
+
+
+def _is_string(value: object) -> bool:
+    return isinstance(value, str)
+
+
+def _is_mapping(value: object) -> bool:
+    return isinstance(value, dict)
+
+
+def _is_optional_string(value: object) -> bool:
+    return value is None or isinstance(value, str)
+
+
+_INTEGER = (_is_setting_int, "an integer from 0 to 2**63-1")
+_BOOLEAN = (_is_setting_bool, "true or false")
+_PATTERNS = (_is_strings, "a list of regular expressions")
+_NAMES = (_is_strings, "a list of strings")
+
+#: every ``meta.settings`` key OpGuard reads (``opguard check`` rebuilds a run with
+#: them, ``opguard guard`` uses ``min_count``, ``min_fraction`` and ``context_depth``):
+#: the test a value must pass and what it must be. Other keys are ignored.
+SETTINGS: dict[str, tuple[_Check, str]] = {
+    "min_count": _INTEGER,
+    "min_fraction": (_is_fraction, "a finite number from 0 to 1"),
+    "chains": _BOOLEAN,
+    "hide": _PATTERNS,
+    "focus": _PATTERNS,
+    "ignore": _PATTERNS,
+    "filter_focus": _PATTERNS,
+    "filter_ignore": _PATTERNS,
+    "default_hide": _BOOLEAN,
+    "context_depth": _INTEGER,
+    "filters": _NAMES,
+    "basic": _BOOLEAN,
+    "basic_list": (_is_optional_string, "a file name or null"),
+    "compressor": (_is_optional_string, "a plugin name or null"),
+    "executor": (_is_string, "an executor name"),
+    "jobs": _INTEGER,
+    "verbose": _BOOLEAN,
+    "skew": (_is_ratio, "a finite number, 0 or more"),
+    "fail_on_divergence": _BOOLEAN,
+    "extra": (_is_mapping, "a mapping"),
+}
+#: settings keys that are never read from a config (where a run was started, not how
+#: its config was made)
+IGNORED_SETTINGS = frozenset({"base_dir"})
+
+
+def _shown(value: object) -> str:
+    """A setting's value in an error: its repr, cut to 60 characters."""
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def validate_settings(settings: object, path: Path | str) -> None:
+    """Refuse a ``meta.settings`` that is not a mapping, or any key of :data:`SETTINGS`
+    whose value has the wrong type or range, with one line naming the field
+    (``meta.settings.context_depth must be an integer from 0 to 2**63-1, not 'deep'``);
+    patterns must compile (``meta.settings.hide[2] …``)."""
+    if settings is None:
+        return
+    if not isinstance(settings, dict):
+        raise InputError(path, f"meta.settings must be a mapping, not {_shown(settings)}")
+    for key, value in settings.items():
+        rule = SETTINGS.get(key) if isinstance(key, str) else None
+        if rule is None:
+            continue
+        test, expected = rule
+        if not test(value):
+            raise InputError(path, f"meta.settings.{key} must be {expected}, not {_shown(value)}")
+        if rule is _PATTERNS:
+            for index, pattern in enumerate(value):
+                try:
+                    re.compile(pattern)
+                except (re.error, OverflowError, RecursionError, ValueError) as exc:
+                    raise InputError(
+                        path,
+                        f"meta.settings.{key}[{index}] {_shown(pattern)}: not a regular "
+                        f"expression: {exc}",
+                    ) from None

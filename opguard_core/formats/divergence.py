@@ -18,11 +18,22 @@ from opguard_core.errors import InputError
 
 DIVERGENCE_FORMAT = "opguard-divergence"
 #: version 2: a collective finding's ``stream`` is its stream role (``comm``), not a raw
-#: id; version 1 documents are still read
-DIVERGENCE_VERSION = 2
-READ_VERSIONS = (1, 2)
+#: id; version 3: the collective-sequence kinds (``SEQUENCE_KINDS``) and
+#: ``meta.sequence_ranks``; versions 1 and 2 are still read
+DIVERGENCE_VERSION = 3
+READ_VERSIONS = (1, 2, 3)
 SEVERITIES = ("error", "warning")
-KINDS = ("collective_mismatch", "rank_specific", "count_skew")
+#: findings of the comparison of collective sequences by position (docs/divergence.md)
+SEQUENCE_KINDS = (
+    "collective_order",
+    "collective_dtype",
+    "collective_size",
+    "collective_reduce_op",
+    "collective_missing",
+    "collective_extra",
+    "collective_group",
+)
+KINDS = ("collective_mismatch", *SEQUENCE_KINDS, "rank_specific", "count_skew")
 
 Finding = dict[str, Any]
 
@@ -112,6 +123,22 @@ def render_log(meta: dict[str, Any], findings: list[Finding]) -> str:
         f"{counts['errors']} error(s), {counts['warnings']} warning(s) "
         f"(count skew threshold {meta.get('skew')})",
     ]
+    sequence_ranks = meta.get("sequence_ranks")
+    if isinstance(sequence_ranks, list) and sequence_ranks:
+        lines.append(
+            f"collective sequences compared by position for rank(s) {_ranks(sequence_ranks)}"
+        )
+        without = [r for r in meta.get("ranks", []) if r not in sequence_ranks]
+        if without:
+            lines.append(
+                f"note: rank(s) {_ranks(without)} recorded no collective sequence (an older "
+                "trace): their collectives are not compared"
+            )
+    elif isinstance(sequence_ranks, list):
+        lines.append(
+            "note: no collective sequence was recorded (traces older than version 6): "
+            "collectives are compared by count per callsite"
+        )
     if not meta.get("per_rank_stats", True):
         lines.append(
             "note: the combined trace has no per-rank statistics (a rank came twice or a "
@@ -128,6 +155,8 @@ def render_log(meta: dict[str, Any], findings: list[Finding]) -> str:
             what = f"{f['op']}{api} in {f['target']}"
         lines.append(f"{f['severity'].upper()} {f['kind']}: {what}")
         lines.append(f"  {f['message']}")
+        if f["kind"] in SEQUENCE_KINDS:
+            lines.extend(_sequence_lines(f))
         counts_by_rank = f.get("counts")
         if counts_by_rank:
             shown = list(counts_by_rank.items())
@@ -138,4 +167,41 @@ def render_log(meta: dict[str, Any], findings: list[Finding]) -> str:
         if stack:
             lines.append("  stack (outermost first):")
             lines.extend(f"    {frame}" for frame in stack)
+        expected_stack = f.get("expected_stack") or []
+        if expected_stack and expected_stack != stack:
+            lines.append("  expected from (outermost first):")
+            lines.extend(f"    {frame}" for frame in expected_stack)
     return "\n".join(lines) + "\n"
+
+
+def _ranks(ranks: list[int]) -> str:
+    text = ", ".join(map(str, ranks[:16]))
+    return text + (f" … ({len(ranks)} ranks)" if len(ranks) > 16 else "")
+
+
+def _sequence_lines(f: Finding) -> list[str]:
+    """A sequence finding's expected/got and distribution, one line each."""
+
+    def call(doc: Any) -> str:
+        if not isinstance(doc, dict):
+            return "none"
+        shapes = doc.get("shapes")
+        shape = "".join(str(s) for s in shapes) if isinstance(shapes, list) else ""
+        text = f"{doc.get('op')} {doc.get('dtype')}{shape.replace(' ', '')}"
+        if doc.get("reduce_op"):
+            text += f" {doc['reduce_op']}"
+        return f"{text} on group {doc.get('group')} (step {doc.get('step')})"
+
+    lines = [
+        f"  expected: {call(f.get('expected'))}"
+        + (f" (ranks {_ranks(f.get('expected_ranks') or [])})" if f.get("expected_ranks") else ""),
+        f"  got:      {call(f.get('got'))} (ranks {_ranks(f.get('ranks') or [])})",
+    ]
+    if not f.get("majority", True):
+        spread = "; ".join(
+            f"{d.get('value')}: ranks {_ranks(d.get('ranks') or [])}"
+            for d in f.get("distribution") or []
+            if isinstance(d, dict)
+        )
+        lines.append(f"  no majority: {spread}")
+    return lines

@@ -18,6 +18,7 @@ from typing import Annotated, Any
 import msgspec
 
 from opguard_core.errors import InputError
+from opguard_core.formats.collectives import Collectives, check_collectives, encode_collectives
 from opguard_core.formats.deep_json import nests_deeper_than
 from opguard_core.formats.streams import ROLE_PATTERN, legacy_roles
 
@@ -26,12 +27,16 @@ TRACE_FORMAT = "opguard-callsites"
 #: in. Version 2 added per-rank statistics (``meta.per_rank_stats``, a callsite's
 #: ``per_rank``) for combined traces; version 4 a stream ``role`` on every callsite
 #: (formats.md, "Streams and roles"), which a combined trace keys on instead of the
-#: raw ``stream``. Versions 1 and 2 are read, their roles derived (:func:`legacy_roles`).
-TRACE_VERSION = 4
+#: raw ``stream``; version 5 ``meta.partial`` on a rank file written before its process
+#: was done (a periodic flush, SIGTERM, an uncaught exception); version 6 the ranks'
+#: collective sequences (top-level ``collectives``,
+#: :mod:`opguard_core.formats.collectives`). Versions 1 and 2 are read, their roles
+#: derived (:func:`legacy_roles`); 4 and 5 have no sequences.
+TRACE_VERSION = 6
 COMBINED_VERSION = TRACE_VERSION
 #: the first version whose callsites carry a ``role``
 ROLE_VERSION = 4
-READ_VERSIONS = (1, 2, 4)
+READ_VERSIONS = (1, 2, 4, 5, 6)
 RANK_IN_NAME = re.compile(r"_rank(\d+)$")
 #: what a trace file's name ends with after its stem: ``.json``, Kineto's
 #: ``.pt.trace.json``, either gzip'd; else any one suffix (``.txt``)
@@ -111,6 +116,7 @@ class TraceDocument(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     meta: dict[str, Any] = {}
     frames: list[Frame]
     callsites: list[Callsite]
+    collectives: Collectives | None = None
 
 
 class TraceHead(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -122,6 +128,7 @@ class TraceHead(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     meta: dict[str, Any] = {}
     frames: list[Frame]
     callsites: msgspec.Raw
+    collectives: Collectives | None = None
 
 
 class _LaxFrame(Frame, frozen=True, kw_only=True, forbid_unknown_fields=False):
@@ -138,6 +145,7 @@ class _LaxTraceDocument(msgspec.Struct, kw_only=True, forbid_unknown_fields=Fals
     meta: dict[str, Any] = {}
     frames: list[_LaxFrame]
     callsites: list[_LaxCallsite]
+    collectives: Collectives | None = None
 
 
 #: How deep a trace document may nest JSON containers (the document itself is level 1;
@@ -171,6 +179,8 @@ class DecodedTrace(msgspec.Struct, kw_only=True):
     #: whether some callsite's role was derived (a version 1 or 2 document): two of
     #: them may then share a role (a collective recorded on two streams)
     derived_roles: bool = False
+    #: the ranks' collective sequences (version 6), None where none was recorded
+    collectives: Collectives | None = None
 
     def ranks(self) -> list[int]:
         """The ranks this trace covers: ``meta.ranks``, ``meta.rank``, the file name, or [0]."""
@@ -268,12 +278,15 @@ def decode_trace(data: bytes, path: Path | str, check_frame_ids: bool = True) ->
         except InputError:
             validate_frame_ids(doc.frames, doc.callsites, path)
             raise
+    if doc.collectives is not None:
+        check_collectives(doc.collectives, path, len(doc.frames), trace_ranks(doc.meta, str(path)))
     return DecodedTrace(
         path=str(path),
         meta=doc.meta,
         frames=doc.frames,
         callsites=doc.callsites,
         derived_roles=derived,
+        collectives=doc.collectives,
     )
 
 
@@ -306,6 +319,8 @@ def _decode_lax(data: bytes, path: Path | str) -> DecodedTrace:
     derived = assign_roles(callsites, doc.version, path)
     validate_frame_ids(frames, callsites, path)
     check_ranks(doc.meta, callsites, path)
+    if doc.collectives is not None:
+        check_collectives(doc.collectives, path, len(frames), trace_ranks(doc.meta, str(path)))
     frame_extras = _extras(raw["frames"], _FRAME_FIELDS)
     callsite_extras = _extras(raw["callsites"], _CALLSITE_FIELDS)
     extras = {k: v for k, v in raw.items() if k not in _TRACE_FIELDS}
@@ -318,6 +333,7 @@ def _decode_lax(data: bytes, path: Path | str) -> DecodedTrace:
         frame_extras=frame_extras,
         callsite_extras=callsite_extras,
         derived_roles=derived,
+        collectives=doc.collectives,
     )
 
 
@@ -434,9 +450,12 @@ def encode_trace(
     extras: dict[str, Any] | None = None,
     frame_extras: dict[int, dict[str, Any]] | None = None,
     version: int = TRACE_VERSION,
+    collectives: Collectives | None = None,
 ) -> bytes:
     """Encode a trace canonically: fixed key order, one callsite per line, trailing newline."""
-    return b"".join(encode_trace_parts(meta, frames, callsites, extras, frame_extras, version))
+    return b"".join(
+        encode_trace_parts(meta, frames, callsites, extras, frame_extras, version, collectives)
+    )
 
 
 #: callsites encoded per part of :func:`encode_trace_parts`
@@ -450,6 +469,7 @@ def encode_trace_parts(
     extras: dict[str, Any] | None = None,
     frame_extras: dict[int, dict[str, Any]] | None = None,
     version: int = TRACE_VERSION,
+    collectives: Collectives | None = None,
 ) -> Iterator[bytes]:
     """:func:`encode_trace` in parts, the callsites :data:`PART_CALLSITES` at a time
     (taken from ``callsites`` as they come), to write as they come: neither the
@@ -468,7 +488,10 @@ def encode_trace_parts(
             yield b",\n"
         yield b",\n".join(map(encode, part))
         first = False
-    yield b"\n]}\n"
+    if collectives is None:
+        yield b"\n]}\n"
+    else:
+        yield b'\n],\n"collectives":' + encode_collectives(collectives) + b"}\n"
 
 
 def _frame_dict(frame: Frame) -> dict[str, Any]:

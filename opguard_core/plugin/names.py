@@ -26,6 +26,7 @@ BUILTIN_PLUGINS: dict[str, str] = {
     "check_rules": "opguard_plugins.enforce.rules",
     "guard": "opguard_plugins.enforce.guard",
     "kineto": "opguard_plugins.readers.kineto",
+    "flight_recorder": "opguard_plugins.readers.flight_recorder",
 }
 
 #: Built-ins the pipeline cannot run without; use ``--skip STAGE`` to skip a stage.

@@ -4,7 +4,9 @@
 pickled through a pipe, then leaves with ``os._exit`` (no ``atexit`` handler, no
 ``finally`` of the parent's stack runs twice). ``result()`` waits for it; ``cancel()``
 kills it. The child shares the parent's memory copy-on-write, so it starts at once
-with everything already loaded and built.
+with everything already loaded and built. It dies with the parent (SIGKILL, Linux:
+:func:`opguard_core.processes.die_with_parent`), so a killed ``opguard run`` leaves no
+helper holding its run directory.
 
 A fork is only safe with a single thread (another thread may hold a lock the child
 would never see released), so :func:`can_fork` says no while any other thread runs
@@ -25,6 +27,7 @@ from collections.abc import Callable
 from typing import Any
 
 from opguard_core.errors import OpGuardError
+from opguard_core.processes import die_with_parent
 
 
 def can_fork() -> bool:
@@ -50,10 +53,13 @@ class ForkedCall:
             with contextlib.suppress(Exception):
                 stream.flush()
         read_fd, write_fd = os.pipe()
+        parent = os.getpid()
         pid = os.fork()
         if pid == 0:  # the child
             code = 0
             try:
+                # an orphan would hold the run directory: die with the parent
+                die_with_parent(signal.SIGKILL, parent)
                 os.close(read_fd)
                 signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides
                 signal.signal(signal.SIGTERM, signal.SIG_DFL)

@@ -192,6 +192,12 @@ def divergence(call: StepCall, entry: InputEntry, needs: Mapping[str, Any]) -> N
         "ranks": trace.ranks,
         "skew": call.options.skew,
         "per_rank_stats": trace.per_rank_stats,
+        # the ranks whose collective sequence was compared (empty: counts were)
+        "sequence_ranks": sorted(
+            rank
+            for seq in (trace.collectives.sequences if trace.collectives is not None else [])
+            for rank in seq.ranks
+        ),
     }
     call.write("findings", encode_divergence(meta, findings))
     call.write("log", render_log(meta, findings))

@@ -32,11 +32,12 @@ def final_configs(summary: dict[str, Any]) -> tuple[str | None, str | None]:
 
     merged_name = STEP["merge"].artifacts["final"]
     ok = [r for r in summary.get("stages", []) if r.get("status") == "ok"]
-    filtered = next((r["outputs"][0] for r in ok if r["stage"] == "filter" and r["outputs"]), None)
-    merged = [o for r in ok if r["stage"] == "merge" for o in r["outputs"] if o == merged_name]
+    outputs = [(r.get("stage"), r.get("outputs") or []) for r in ok]
+    filtered = next((o[0] for stage, o in outputs if stage == "filter" and o), None)
+    merged = [n for stage, o in outputs if stage == "merge" for n in o if n == merged_name]
     final = merged[-1] if merged else None
     if final is None and len(summary.get("entries", [])) == 1:
-        final = next((r["outputs"][0] for r in ok if r["stage"] == "generate"), None)
+        final = next((o[0] for stage, o in outputs if stage == "generate" and o), None)
     return final, filtered
 
 
@@ -58,8 +59,9 @@ def outputs_by_entry(summary: dict[str, Any], stage: str) -> dict[str | None, li
     the run's own record, to its files): one pass however many entries a run has."""
     found: dict[str | None, list[str]] = {}
     for r in summary.get("stages", []):
-        if r.get("stage") == stage and r.get("status") == "ok":
-            files = found.setdefault(r.get("entry"), [])
+        entry = r.get("entry")
+        if r.get("stage") == stage and r.get("status") == "ok" and isinstance(entry, str | None):
+            files = found.setdefault(entry, [])
             files += [str(output) for output in r.get("outputs") or []]
     return found
 
@@ -77,17 +79,79 @@ def read_summary(run_dir: Path) -> dict[str, Any]:
         raise InputError(path, f"unreadable run summary: {exc}") from None
     if not isinstance(data, dict):
         raise InputError(path, "unreadable run summary: not a JSON object")
+    check_summary(data, path)
     return data
+
+
+def _safe_name(name: object) -> bool:
+    """A plain file name: one path component, never ``.``, ``..`` or absolute."""
+    return (
+        isinstance(name, str)
+        and name not in ("", ".", "..")
+        and not any(c in name for c in "/\\\0")
+    )
+
+
+def check_summary(data: dict[str, Any], path: Path | str) -> None:
+    """Check the parts of a summary that readers use (formats.md §4): ``stages`` a
+    list of records whose ``outputs`` are plain file names (the artifacts of a run
+    are inside its directory, so a name with a path separator or ``..`` is refused),
+    ``entries`` a list of records with a ``name``, ``warnings`` a list of mappings.
+    :class:`InputError` names the first problem."""
+    stages = data.get("stages", [])
+    if not isinstance(stages, list):
+        raise InputError(path, "unreadable run summary: 'stages' must be a list")
+    for index, record in enumerate(stages):
+        where = f"stages[{index}]"
+        if not isinstance(record, dict):
+            raise InputError(path, f"unreadable run summary: {where} must be an object")
+        for field in ("stage", "status", "entry"):
+            if record.get(field) is not None and not isinstance(record[field], str):
+                raise InputError(path, f"unreadable run summary: {where}.{field} must be a string")
+        outputs = record.get("outputs")
+        if outputs is None:
+            continue
+        if not isinstance(outputs, list):
+            raise InputError(path, f"unreadable run summary: {where}.outputs must be a list")
+        for output in outputs:
+            if not _safe_name(output):
+                raise InputError(
+                    path,
+                    f"{where}.outputs names {output!r}, not a file inside the run directory",
+                )
+    entries = data.get("entries", [])
+    if not isinstance(entries, list) or not all(
+        isinstance(e, dict) and isinstance(e.get("name"), str) for e in entries
+    ):
+        raise InputError(path, "unreadable run summary: 'entries' must be a list of named entries")
+    warnings = data.get("warnings")
+    if warnings is not None and (
+        not isinstance(warnings, list) or not all(isinstance(w, dict) for w in warnings)
+    ):
+        raise InputError(path, "unreadable run summary: 'warnings' must be a list of objects")
+
+
+def run_artifact(run_dir: Path, name: str) -> Path:
+    """``run_dir / name`` for a name a summary gave, confined to the run directory:
+    a name that is not a plain file name, or a link that leads out of the directory,
+    is an :class:`InputError` (a run directory is input, not trusted)."""
+    summary = run_dir / SUMMARY_FILE
+    if not _safe_name(name):
+        raise InputError(summary, f"names {name!r}, not a file inside the run directory")
+    path = run_dir / name
+    if path.resolve().parent != run_dir.resolve():
+        raise InputError(summary, f"{name!r} leads outside the run directory")
+    return path
 
 
 def run_config(run_dir: Path, filtered: bool = True) -> Path:
     """The config a run directory stands for: its filtered final config when there is
-    one and ``filtered``, else its final config."""
+    one and ``filtered``, else its final config (confined: :func:`run_artifact`)."""
     final, filtered_name = final_configs(read_summary(run_dir))
     name = (filtered_name if filtered else None) or final
     if name is None:
         raise InputError(run_dir, "the run made no final config (name an entry's config)")
-    return run_dir / name
+    return run_artifact(run_dir, name)
 
 
 def config_source(path: Path, filtered: bool = True) -> Path:
@@ -286,11 +350,13 @@ __all__ = [
     "SUMMARY_FILE",
     "SummaryPace",
     "build_summary",
+    "check_summary",
     "config_source",
     "divergence_counts",
     "final_configs",
     "outputs_by_entry",
     "read_summary",
+    "run_artifact",
     "run_config",
     "stage_outputs",
     "summary_fields",

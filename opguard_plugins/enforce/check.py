@@ -32,8 +32,10 @@ from opguard_core.cli.options import (
     verbose_option,
 )
 from opguard_core.configs.chain import BASIC_FILTER_PLUGIN
-from opguard_core.errors import ExitCode, PluginError
+from opguard_core.configs.selection import PatternError, compile_patterns
+from opguard_core.errors import ExitCode, InputError, PluginError, one_line
 from opguard_core.files.atomic import atomic_write_text
+from opguard_core.files.output_dirs import check_output_file
 from opguard_core.formats.check import (
     ERROR,
     WARNING,
@@ -52,17 +54,43 @@ from opguard_core.run.summary import config_source
 from opguard_plugins.enforce.rules import DEFAULT_TOLERANCE
 
 #: ``meta.settings`` keys that are not RunOptions fields of the same name.
-_SPECIAL_SETTINGS = frozenset({"hide", "filters"})
+_SPECIAL_SETTINGS = frozenset({"hide", "filters", "basic_list"})
+#: ``meta.settings`` keys holding regular expressions
+_PATTERN_SETTINGS = ("hide", "focus", "ignore")
 
 
-def options_from_settings(config: dict[str, Any], base_dir: Path = Path(".")) -> RunOptions:
+def check_setting_patterns(config: dict[str, Any], path: Path) -> None:
+    """The config's recorded ``hide``/``focus``/``ignore`` patterns compiled as the
+    run compiles them (:func:`~opguard_core.configs.selection.compile_patterns`): one
+    that is not a regular expression, or could backtrack catastrophically, is an
+    :class:`InputError` naming the config and the setting, before any trace is read."""
+    meta = config.get("meta") or {}
+    settings = meta.get("settings") if isinstance(meta, dict) else None
+    if not isinstance(settings, dict):
+        return
+    for key in _PATTERN_SETTINGS:
+        patterns = settings.get(key)
+        if isinstance(patterns, str):
+            patterns = [patterns]
+        if not isinstance(patterns, list):
+            continue
+        try:
+            compile_patterns([str(p) for p in patterns], f"meta.settings.{key}")
+        except PatternError as exc:
+            raise InputError(path, str(exc)) from None
+
+
+def options_from_settings(
+    config: dict[str, Any], base_dir: Path = Path("."), config_dir: Path | None = None
+) -> RunOptions:
     """The RunOptions that rebuild a run the way ``config`` was made.
 
     Read tolerantly: a key of ``meta.settings`` that names a RunOptions field is used
     (so ``focus``/``ignore`` work once runs record them), unknown keys are ignored and
     missing ones keep RunOptions' defaults. ``hide`` is the full list that was in
     force (the defaults included), so the default list is not added again. A config
-    whose ``filters`` include the basic filter is rebuilt with ``--basic``.
+    whose ``filters`` include the basic filter is rebuilt with ``--basic``, with its
+    ``basic_list`` (a file name, relative to ``config_dir``) when it names one.
     """
     meta = config.get("meta") or {}
     settings = meta.get("settings") if isinstance(meta, dict) else None
@@ -78,6 +106,10 @@ def options_from_settings(config: dict[str, Any], base_dir: Path = Path(".")) ->
         values["default_hide"] = False
     filters = settings.get("filters") or []
     values["basic"] = BASIC_FILTER_PLUGIN in filters
+    basic_list = settings.get("basic_list")
+    if isinstance(basic_list, str) and basic_list:
+        # a file the config names: relative to the config, as a person wrote it
+        values["basic_list"] = (config_dir or Path(".")) / basic_list
     return RunOptions(**values)
 
 
@@ -99,6 +131,8 @@ class Observed:
     configs: dict[int, CommentedMap]
     problems: list[str]
     combined: CommentedMap | None = None
+    #: every trace file read
+    files: list[Path] = dataclasses.field(default_factory=list)
 
 
 def observe(manager: OpGuardPluginManager, inputs: Sequence[str], options: RunOptions) -> Observed:
@@ -130,7 +164,8 @@ def observe(manager: OpGuardPluginManager, inputs: Sequence[str], options: RunOp
             if whole is not None:
                 combined = whole if combined is None else pipeline.merge(combined, whole)
         problems = pipeline.failures()
-    return Observed(configs, problems, combined)
+    files = [Path(path) for entry in entries for path in entry.files]
+    return Observed(configs, problems, combined, files)
 
 
 def _steps(config: dict[str, Any]) -> int | None:
@@ -235,7 +270,9 @@ def format_text(config: str, violations: Sequence[Violation]) -> str:
     for v in violations:
         ranks = ",".join(map(str, v.ranks))
         lines.append(f"{v.severity:<7} {v.kind:<17} ranks {ranks:<5} {v.message}")
-    return "\n".join(lines) + "\n"
+    # names come from the config and the traces: control characters escaped, so
+    # none can forge a line or send the terminal an escape sequence
+    return "\n".join(one_line(line) for line in lines) + "\n"
 
 
 CODES: exits.Codes = {
@@ -279,13 +316,18 @@ def make_command(manager: OpGuardPluginManager) -> click.Command:
         if verbose:
             configure_logging((ctx.obj or {}).get("log_format"), verbose)
         config_path = config_source(config_path)
+        if output is not None:
+            check_output_file(output, [config_path])
         config = load_config(config_path)
-        options = options_from_settings(config, base_dir)
+        check_setting_patterns(config, config_path)
+        options = options_from_settings(config, base_dir, config_path.parent)
         observed = observe(manager, input_options, options)
         if observed.problems:
             for problem in observed.problems:
-                click.echo(f"opguard: error: {problem}", err=True)
+                click.echo(f"opguard: error: {one_line(problem)}", err=True)
             return ExitCode.INPUT_UNREADABLE
+        if output is not None:  # a trace given as -o is read, never replaced
+            check_output_file(output, [config_path, *observed.files])
         violations = check_configs(
             manager, config, observed.configs, tolerance, strict, observed.combined
         )
@@ -313,4 +355,10 @@ def opguard_register_commands(cli: click.Group, manager: OpGuardPluginManager) -
     cli.add_command(make_command(manager))
 
 
-__all__ = ["check_configs", "observe", "opguard_register_commands", "options_from_settings"]
+__all__ = [
+    "check_configs",
+    "check_setting_patterns",
+    "observe",
+    "opguard_register_commands",
+    "options_from_settings",
+]

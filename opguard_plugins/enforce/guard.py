@@ -4,13 +4,16 @@
 [--sample P] -- COMMAND...`` runs COMMAND (a script, ``python -m pkg``, ``torchrun
 ...``) the way ``opguard trace`` does (the same bootstrap, :mod:`opguard_plugins.record.trace`),
 with :mod:`opguard_plugins.enforce.runtime` started in every Python process that imports
-torch. Each process writes ``DIR/guard_report_rank{R}.json`` at exit (formats.md §5).
-See docs/guard.md.
+torch. Each process writes ``DIR/guard_report_rank{R}.json`` at exit (formats.md §5)
+and tells this command whether its guard started, wrote its report and checked ops
+(:mod:`opguard_plugins.enforce.status`): the command never exits 0 for a program it
+did not check (``ExitCode.GUARD_FAILED``). See docs/guard.md.
 """
 
 from __future__ import annotations
 
 import signal
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -20,24 +23,64 @@ import click
 from opguard_core import hookimpl
 from opguard_core.cli import exits
 from opguard_core.cli.options import config_option
-from opguard_core.errors import ExitCode, OpGuardError
-from opguard_core.formats.check import ERROR, load_report
+from opguard_core.errors import ExitCode, OpGuardError, one_line
+from opguard_core.files.output_dirs import prepare_output_dir
+from opguard_core.formats.check import ERROR, load_report, sample_every
 from opguard_core.formats.config import load_config
 from opguard_core.run.summary import config_source
-from opguard_plugins.record.trace import bootstrap_env, run_bootstrapped
+from opguard_plugins.enforce.sequence_guard import load_collectives
+from opguard_plugins.enforce.status import STATUS_ENV, read_statuses
+from opguard_plugins.enforce.status import problems as guard_problems
+from opguard_plugins.record.trace import LAUNCH_CODES, bootstrap_env, run_bootstrapped
 
 
 def guard_env(
-    config: Path, report_dir: Path, on_violation: str, sample: float, command: tuple[str, ...]
+    config: Path,
+    report_dir: Path,
+    on_violation: str,
+    sample: float,
+    command: tuple[str, ...],
+    status_dir: Path | None = None,
+    collectives: Path | None = None,
+    collective_timeout: float | None = None,
 ) -> dict[str, str]:
-    """The environment that starts the guard in COMMAND's Python processes."""
+    """The environment that starts the guard in COMMAND's Python processes (with
+    ``status_dir``: where each process says whether its guard did its work,
+    :mod:`opguard_plugins.enforce.status`)."""
     variables = {
         "OPGUARD_GUARD_CONFIG": str(config.resolve()),
         "OPGUARD_GUARD_DIR": str(report_dir.resolve()),
         "OPGUARD_GUARD_ON_VIOLATION": on_violation,
         "OPGUARD_GUARD_SAMPLE": repr(sample),
     }
+    if status_dir is not None:
+        variables[STATUS_ENV] = str(status_dir)
+    if collectives is not None:
+        variables["OPGUARD_GUARD_COLLECTIVES"] = str(collectives.resolve())
+    if collective_timeout is not None:
+        variables["OPGUARD_GUARD_COLLECTIVE_TIMEOUT"] = repr(collective_timeout)
     return bootstrap_env(variables, command)
+
+
+def _status_dir(report_dir: Path) -> tempfile.TemporaryDirectory[str]:
+    """A private directory for the guarded processes' status files: in the system's
+    temporary directory, else (none usable) in the report directory."""
+    try:
+        return tempfile.TemporaryDirectory(prefix="opguard-guard-", ignore_cleanup_errors=True)
+    except OSError:
+        return tempfile.TemporaryDirectory(
+            prefix=".opguard-guard-status-", dir=report_dir, ignore_cleanup_errors=True
+        )
+
+
+def check_sample(_ctx: click.Context, _param: click.Parameter, value: float) -> float:
+    """``--sample``: a finite P in (0, 1] whose 1/P is finite (``nan``, ``1e-320`` and
+    ``inf`` are refused here, before COMMAND starts, not inside it)."""
+    try:
+        sample_every(value)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="'--sample'") from None
+    return value
 
 
 def written_reports(report_dir: Path, since: float) -> list[Path]:
@@ -48,6 +91,12 @@ def written_reports(report_dir: Path, since: float) -> list[Path]:
         if suffix.isdigit() and path.stat().st_mtime >= since:
             found.append((int(suffix), path))
     return [path for _, path in sorted(found)]
+
+
+class NothingToCheck(OpGuardError):
+    """The config gives the guard nothing to check."""
+
+    exit_code = ExitCode.GUARD_FAILED
 
 
 def summarize(reports: list[Path]) -> tuple[int, int, list[str]]:
@@ -69,9 +118,15 @@ def summarize(reports: list[Path]) -> tuple[int, int, list[str]]:
 
 
 CODES: exits.Codes = {
-    ExitCode.OK: "the command succeeded and no report has an error",
+    ExitCode.OK: "the command succeeded, every guard checked it and no report has an error",
     ExitCode.STAGE_FAILED: "a report has an error, or a report could not be read",
-    ExitCode.INPUT_UNREADABLE: "the config could not be read",
+    ExitCode.USAGE_ERROR: "bad command line or option value (--sample nan, an unusable "
+    "--report-dir)",
+    ExitCode.INPUT_UNREADABLE: "the config (or the --collectives trace) could not be read, "
+    "or a setting in it is invalid",
+    ExitCode.GUARD_FAILED: "the program was not checked: no config entries, no guard "
+    "started, one could not start or write its report, or no op was checked",
+    **LAUNCH_CODES,
 }
 
 
@@ -92,9 +147,24 @@ CODES: exits.Codes = {
 @click.option(
     "--sample",
     type=click.FloatRange(min=0.0, max=1.0, min_open=True),
+    callback=check_sample,
     default=1.0,
     show_default=True,
     help="Check only every round(1/P)-th optimizer step (step 0 always).",
+)
+@click.option(
+    "--collectives",
+    "collectives_path",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="A good run's callsite trace with collective sequences ({entry}_combined.json): "
+    "each collective is checked against it before it is issued.",
+)
+@click.option(
+    "--collective-timeout",
+    type=click.FloatRange(min=0.0, min_open=True),
+    default=None,
+    help="Report a rank that waits longer than this many seconds in one collective.",
 )
 @config_option
 @click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
@@ -103,6 +173,8 @@ def guard(
     report_dir: Path,
     on_violation: str,
     sample: float,
+    collectives_path: Path | None,
+    collective_timeout: float | None,
     command: tuple[str, ...],
 ) -> int:
     """Run COMMAND with CONFIG enforced at run time, writing one report per rank.
@@ -110,18 +182,35 @@ def guard(
     COMMAND is a Python script, python -m PKG, or torchrun ...; put it after "--".
     """
     config_path = config_source(config_path)
-    load_config(config_path)
-    report_dir.mkdir(parents=True, exist_ok=True)
+    config = load_config(config_path)
+    if not config["entries"]:
+        raise NothingToCheck(
+            f"{config_path}: the config has no entries: the guard would check nothing"
+        )
+    if collectives_path is not None:
+        load_collectives(collectives_path)
+    prepare_output_dir(report_dir, "--report-dir")
     started = time.time() - 1.0  # file systems with coarse timestamps
-    env = guard_env(config_path, report_dir, on_violation, sample, command)
-    log_format = (click.get_current_context().obj or {}).get("log_format")
-    if log_format:  # `opguard --log-format X guard ...`: the guarded processes log as X
-        env["OPGUARD_GUARD_LOG_FORMAT"] = log_format
-    code = run_bootstrapped(command, env)
+    with _status_dir(report_dir) as status_dir:
+        env = guard_env(
+            config_path,
+            report_dir,
+            on_violation,
+            sample,
+            command,
+            Path(status_dir),
+            collectives_path,
+            collective_timeout,
+        )
+        log_format = (click.get_current_context().obj or {}).get("log_format")
+        if log_format:  # `opguard --log-format X guard ...`: the guarded processes log as X
+            env["OPGUARD_GUARD_LOG_FORMAT"] = log_format
+        code = run_bootstrapped(command, env)
+        failures = guard_problems(read_statuses(Path(status_dir)))
     reports = written_reports(report_dir, started)
     errors, warnings, problems = summarize(reports)
     for problem in problems:
-        click.echo(f"opguard: error: {problem}", err=True)
+        click.echo(f"opguard: error: {one_line(problem)}", err=True)
     if reports:
         names = ", ".join(p.name for p in reports)
         click.echo(
@@ -131,12 +220,16 @@ def guard(
         )
     else:
         click.echo(
-            f"opguard guard: no report written to {report_dir} (did the command import torch?)",
+            f"opguard guard: no report written to {report_dir}",
             err=True,
         )
+    for failure in failures:
+        click.echo(f"opguard guard: error: {one_line(failure)}", err=True)
     if code != 0:
         return code
-    return ExitCode.STAGE_FAILED if errors or problems else ExitCode.OK
+    if errors or problems:  # what was checked found errors: that first
+        return ExitCode.STAGE_FAILED
+    return ExitCode.GUARD_FAILED if failures else ExitCode.OK
 
 
 guard_command = exits.command(

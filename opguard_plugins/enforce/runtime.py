@@ -16,9 +16,12 @@ How it works (docs/guard.md):
   or class ``__dict__``), by a thin wrapper that pushes an *active-target state*
   while it runs; module-level functions are also replaced in every module that
   imported them by name. Modules not imported yet are wrapped right after they are
-  (an import hook). A target that cannot be imported or wrapped is listed in the
-  report's ``unwrapped`` with the reason, never an error. ``torch_api`` entries are
-  not wrapped: their ops count for the enclosing function entries (inclusive).
+  (an import hook); a module still being imported when the guard starts (the
+  program's first import imports torch, a circular import) is wrapped when its
+  import finishes (:class:`_LoadingSpec`). A target that cannot be imported or
+  wrapped is listed in the report's ``unwrapped`` with the reason, never an error.
+  ``torch_api`` entries are not wrapped: their ops count for the enclosing function
+  entries (inclusive).
 * **A state** is the (target, context) key of the innermost active target plus the
   set of every active config entry (the key and all its active ancestors), with the
   intersection of their op lists: an op is accepted when it is in that
@@ -47,11 +50,12 @@ import atexit
 import contextlib
 import functools
 import importlib.abc
+import importlib.machinery
 import os
-import signal
 import sys
 import threading
 import types
+from collections import deque
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
@@ -61,18 +65,34 @@ import structlog
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode
 
+from opguard_core.errors import one_line
 from opguard_core.formats.check import (
     ERROR,
     WARNING,
     EntryKey,
     Violation,
     guard_report,
+    sample_every,
     write_json,
 )
+from opguard_core.formats.collectives import Collectives, is_collective
 from opguard_core.formats.config import entry_key, load_config
 from opguard_core.formats.streams import StreamRoles
 from opguard_core.formats.tree import TORCH_API
-from opguard_core.logs import resolve_format
+from opguard_core.logs import escape_controls, resolve_format
+from opguard_core.processes import at_sigterm
+from opguard_plugins.enforce import sequence_guard
+from opguard_plugins.enforce.sequence_guard import (
+    LAST,
+    NAMESPACES,
+    SequenceChecker,
+    Watchdog,
+    call_text,
+    load_collectives,
+    work_of,
+)
+from opguard_plugins.enforce.status import clear_status, write_status
+from opguard_plugins.record.collectives import describe
 from opguard_plugins.record.tracer import _is_launcher, count_optimizer_steps, op_name
 
 ON_VIOLATION = ("warn", "raise")
@@ -89,6 +109,8 @@ _PLUMBING = frozenset(
     )
 )
 _STACK_LIMIT = 40
+_OWN_FILES = frozenset({_THIS_FILE, os.path.abspath(sequence_guard.__file__)})
+_TORCH_PREFIX = _TORCH_DIR + os.sep
 MAIN_REASON = (
     "defined in the program's __main__ script, which is running before its functions "
     "exist; its entries are checked through the targets it calls"
@@ -105,13 +127,6 @@ class OpGuardViolation(RuntimeError):
     def __init__(self, violation: Violation) -> None:
         super().__init__(f"opguard guard: {violation.kind}: {violation.message}")
         self.violation = violation
-
-
-def sample_every(sample: float) -> int:
-    """``--sample P`` as "check every N-th optimizer step": ``N = round(1/P)`` (≥ 1)."""
-    if not 0.0 < sample <= 1.0:
-        raise ValueError(f"sample must be in (0, 1], not {sample}")
-    return max(1, round(1.0 / sample))
 
 
 def main_module_alias() -> str | None:
@@ -205,6 +220,8 @@ class _Mode(TorchDispatchMode):  # type: ignore[no-untyped-call, misc, unused-ig
                     guard.check_op(state, key)
                 elif not ok:
                     guard.repeat_op(state, key)
+        if self.guard.collective_checks and getattr(func, "namespace", None) in NAMESPACES:
+            return self.guard.run_collective(func, args, kwargs)
         return func(*args, **(kwargs or {}))
 
 
@@ -253,6 +270,8 @@ class Guard:
         on_violation: str = "warn",
         sample: float = 1.0,
         rank: int | None = None,
+        collectives: Collectives | None = None,
+        collective_timeout: float | None = None,
     ) -> None:
         if on_violation not in ON_VIOLATION:
             raise ValueError(f"on_violation must be warn or raise, not {on_violation!r}")
@@ -309,6 +328,12 @@ class Guard:
         self.cuda = torch.cuda.is_available()
         self.step = 0
         self.checked_steps = 0
+        #: ops checked against the config (first sights per state): 0 means the guard
+        #: checked nothing (no config target ran)
+        self.checked_ops = 0
+        #: modules that were still being imported when the guard started: wrapped
+        #: when their import finishes (:func:`_when_loaded`)
+        self.loading: set[str] = set()
         self.checking = True
         self._mode = _Mode(self)
         self._pushed = False
@@ -316,13 +341,30 @@ class Guard:
         self._step_hook: Any = None
         self._finished = False
         self.written: Path | None = None
+        #: why the report could not be written (None: written, or not yet)
+        self.write_error: str | None = None
+        #: the collective checks (sequence_guard.py): the good run's sequences, a watchdog
+        self.sequences = (
+            SequenceChecker(collectives, self._collective_violation)
+            if collectives is not None
+            else None
+        )
+        self.collective_timeout = collective_timeout
+        self.watchdog: Watchdog | None = None
+        #: the last collectives this process issued (a watchdog report names them)
+        self.last_collectives: deque[str] = deque(maxlen=LAST)
+        self.collective_checks = self.sequences is not None or collective_timeout is not None
+        console = resolve_format(os.environ.get("OPGUARD_GUARD_LOG_FORMAT")) == "console"
+        escape: list[Any] = [escape_controls] if console else []
         self.log = structlog.wrap_logger(
             structlog.PrintLogger(file=sys.stderr),
             processors=[
                 structlog.processors.add_log_level,
                 structlog.processors.TimeStamper(fmt="iso"),
+                # names from the config: control characters escaped (JSON escapes them)
+                *escape,
                 structlog.dev.ConsoleRenderer(colors=False)
-                if resolve_format(os.environ.get("OPGUARD_GUARD_LOG_FORMAT")) == "console"
+                if console
                 else structlog.processors.JSONRenderer(),
             ],
         )
@@ -337,6 +379,12 @@ class Guard:
             module = sys.modules.get(module_name)
             if module is None and module_name == alias:
                 module = sys.modules.get("__main__")
+            # half-loaded (the program's first import imports torch, or a circular
+            # import): its functions may not exist yet; wrap when it is done
+            later = functools.partial(self._loaded, module_name)
+            if module is not None and _initializing(module) and _when_loaded(module, later):
+                self.loading.add(module_name)
+                continue
             if module is not None:
                 self.wrap_module(module_name, module, replaced)
         if replaced:
@@ -345,11 +393,27 @@ class Guard:
         sys.meta_path.insert(0, self._watcher)
         self._step_hook = count_optimizer_steps(self._after_step)
         self.checked_steps = 1
+        if self.collective_timeout is not None and self.watchdog is None:
+            last = self.last_collectives
+            self.watchdog = Watchdog(
+                self.collective_timeout, self._waited_too_long, lambda: list(last)
+            )
         self._push()
+
+    def _loaded(self, module_name: str) -> None:
+        """A module that was half-loaded when the guard started has finished importing:
+        wrap its targets now (if the guard still runs and the import succeeded)."""
+        self.loading.discard(module_name)
+        module = sys.modules.get(module_name)
+        if self._watcher is None or module is None or module_name not in self.pending:
+            return
+        self.wrap_module(module_name, module)
 
     def stop(self, unwrap: bool = True) -> None:
         """Pop the mode, remove the hooks and (by default) restore every original."""
         self._pop()
+        if self.watchdog is not None:
+            self.watchdog.stop()
         if self._step_hook is not None:
             self._step_hook.remove()
             self._step_hook = None
@@ -611,6 +675,7 @@ class Guard:
 
     def check_op(self, state: _State, key: Any) -> None:
         """First sight of an op (and raw stream) in ``state``: accept it or record why not."""
+        self.checked_ops += 1
         func, raw = key if isinstance(key, tuple) else (key, None)
         op = op_name(func)
         if op.startswith("c10d::") and self.rank is None:
@@ -693,6 +758,76 @@ class Guard:
                     message=v.message,
                 )
 
+    # -- collectives (sequence_guard.py) -----------------------------------------
+
+    def run_collective(
+        self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any] | None
+    ) -> Any:
+        """Check a collective against the good run's sequence, then issue it (under the
+        watchdog's eye when there is one)."""
+        op = op_name(func)
+        frame = sys._getframe(1)
+        target = caller_target(frame)
+        if is_collective(op):
+            group, dtype, numel, shapes, reduce_op = describe(func, op, args, kwargs)
+            call = (group[0] if group is not None else "?", dtype, numel, shapes, reduce_op)
+            self.last_collectives.append(call_text(op, call, self.step))
+            if self.sequences is not None:
+                if self.sequences.rank is None:
+                    self.sequences.bind(self.resolve_rank())
+                self.sequences.check(op, call, self.step, target)
+        watchdog = self.watchdog
+        if watchdog is None:
+            return func(*args, **(kwargs or {}))
+        token = watchdog.enter(op, target, python_stack(frame))
+        try:
+            result = func(*args, **(kwargs or {}))
+            work = work_of(result)
+        except BaseException:
+            watchdog.leave(token)
+            raise
+        if work is None:
+            watchdog.leave(token)
+        else:
+            try:
+                work.get_future().add_done_callback(lambda _: watchdog.leave(token))
+            except Exception:  # a backend without futures: timed while the call ran
+                watchdog.leave(token)
+        return result
+
+    def _collective_violation(self, violation: Violation, message: str, may_raise: bool) -> None:
+        identity = self.remember(violation)
+        self.hit(identity)
+        if may_raise and self.on_violation == "raise":
+            raise OpGuardViolation(violation)  # this call's (the record keeps the first)
+
+    def _waited_too_long(
+        self, op: str, target: str, message: str, stack: list[dict[str, Any]]
+    ) -> None:
+        """The watchdog's report: a ``collective_timeout`` error, logged and written now
+        (a hung job may be killed before it exits)."""
+        rank = self.resolve_rank()
+        violation = Violation(
+            "collective_timeout", ERROR, target, [], [], f"rank {rank}: {message}", op=op
+        )
+        identity = self.remember(violation)
+        record = self.records[identity]
+        record.count += 1
+        if record.count == 1:
+            record.stack = stack
+        self.log.error(
+            "opguard guard: collective timeout",
+            kind="collective_timeout",
+            rank=rank,
+            op=op,
+            message=violation.message,
+            stack=[f"{f['file']}:{f['line']} {f['function']}" for f in stack[-8:]],
+        )
+        try:
+            self.write()
+        except Exception as exc:
+            print(f"opguard guard: could not write the report: {exc!r}", file=sys.stderr)
+
     # -- report ---------------------------------------------------------------
 
     def _snapshot_rank(self) -> None:
@@ -741,6 +876,11 @@ class Guard:
         alias = main_module_alias()
         for module, qualnames in self.pending.items():
             reason = MAIN_REASON if module == alias else f"module {module} was never imported"
+            if module in self.loading:
+                reason = (
+                    f"module {module} was being imported when the guard started, "
+                    "and that import never finished"
+                )
             for qualname in qualnames:
                 unwrapped[f"{module}:{qualname}"] = reason
         return guard_report(
@@ -776,8 +916,72 @@ class Guard:
         try:
             return self.write()
         except Exception as exc:
-            print(f"opguard guard: could not write the report: {exc!r}", file=sys.stderr)
+            self.write_error = one_line(str(exc) or repr(exc))
+            print(f"opguard guard: could not write the report: {self.write_error}", file=sys.stderr)
             return None
+
+
+def _initializing(module: types.ModuleType) -> bool:
+    """Whether ``module`` is still being imported (its code has not finished running)."""
+    spec = getattr(module, "__spec__", None)
+    return bool(getattr(spec, "_initializing", False))
+
+
+class _LoadingSpec(importlib.machinery.ModuleSpec):
+    """A half-loaded module's spec while the guard waits for its import to finish:
+    importlib sets ``spec._initializing = False`` right after the module's code ran
+    (``importlib._bootstrap._load_unlocked``, in a ``finally``), which calls the
+    callbacks :func:`_when_loaded` registered and turns the spec back into a plain
+    ``ModuleSpec``."""
+
+    @property
+    def _initializing(self) -> bool:
+        return bool(self.__dict__.get("_initializing", False))
+
+    @_initializing.setter
+    def _initializing(self, value: bool) -> None:
+        self.__dict__["_initializing"] = value
+        if value:
+            return
+        callbacks = self.__dict__.pop("_opguard_when_loaded", [])
+        self.__class__ = importlib.machinery.ModuleSpec  # type: ignore[assignment]
+        for callback in callbacks:
+            try:
+                callback()
+            except Exception as exc:  # never break the program's import
+                print(f"opguard guard: cannot wrap a late module: {exc!r}", file=sys.stderr)
+
+
+def _when_loaded(module: types.ModuleType, callback: Any) -> bool:
+    """Call ``callback()`` once ``module``'s import finishes; False when that cannot be
+    watched (a spec that is not a plain ``ModuleSpec``)."""
+    spec = getattr(module, "__spec__", None)
+    if type(spec) is _LoadingSpec:
+        spec.__dict__.setdefault("_opguard_when_loaded", []).append(callback)
+        return True
+    if type(spec) is not importlib.machinery.ModuleSpec:
+        return False
+    try:
+        spec.__dict__["_opguard_when_loaded"] = [callback]
+        spec.__class__ = _LoadingSpec
+    except TypeError:
+        spec.__dict__.pop("_opguard_when_loaded", None)
+        return False
+    return True
+
+
+def caller_target(frame: types.FrameType | None) -> str:
+    """``module:qualname`` of the innermost frame outside torch and the guard (the
+    program's line that issued the call); ``?`` when there is none."""
+    while frame is not None:
+        filename = os.path.abspath(frame.f_code.co_filename)
+        if filename not in _OWN_FILES and not filename.startswith(_TORCH_PREFIX):
+            module = frame.f_globals.get("__name__")
+            if module == "__main__":
+                module = main_module_alias() or module
+            return f"{module}:{frame.f_code.co_qualname}"
+        frame = frame.f_back
+    return "?"
 
 
 def python_stack(frame: types.FrameType | None) -> list[dict[str, Any]]:
@@ -787,7 +991,7 @@ def python_stack(frame: types.FrameType | None) -> list[dict[str, Any]]:
     while frame is not None:
         code = frame.f_code
         filename = os.path.abspath(code.co_filename)
-        if filename != _THIS_FILE and filename not in _PLUMBING:
+        if filename not in _OWN_FILES and filename not in _PLUMBING:
             out.append(
                 {"file": code.co_filename, "line": frame.f_lineno, "function": code.co_qualname}
             )
@@ -809,6 +1013,8 @@ def guarded(
     on_violation: str = "warn",
     sample: float = 1.0,
     rank: int | None = None,
+    collectives: str | os.PathLike[str] | Collectives | None = None,
+    collective_timeout: float | None = None,
 ) -> Iterator[Guard]:
     """Enforce ``config`` on the ``with`` block; write the report when it ends.
 
@@ -818,9 +1024,16 @@ def guarded(
         (:class:`OpGuardViolation` inside the offending call).
     :param sample: check every ``round(1/sample)``-th optimizer step (1.0: all).
     :param rank: the rank to report; by default torch.distributed's, else ``$RANK``.
+    :param collectives: the good run's collective sequences (a callsite trace's path,
+        or loaded): each collective is checked before it is issued (sequence_guard.py).
+    :param collective_timeout: report a collective call that waits longer (seconds).
     """
     loaded, path = _load(config)
-    guard = Guard(loaded, path, report_dir, on_violation, sample, rank)
+    if collectives is not None and not isinstance(collectives, Collectives):
+        collectives = load_collectives(Path(collectives))
+    guard = Guard(
+        loaded, path, report_dir, on_violation, sample, rank, collectives, collective_timeout
+    )
     guard.start()
     try:
         yield guard
@@ -845,20 +1058,22 @@ def start_process_guard() -> Guard | None:
     if _PROCESS_GUARD is not None or _is_launcher():
         return _PROCESS_GUARD
     config_path = os.environ["OPGUARD_GUARD_CONFIG"]
+    sequences = os.environ.get("OPGUARD_GUARD_COLLECTIVES")
+    timeout = os.environ.get("OPGUARD_GUARD_COLLECTIVE_TIMEOUT")
     guard = Guard(
         load_config(Path(config_path)),
         config_path,
         os.environ.get("OPGUARD_GUARD_DIR", "."),
         os.environ.get("OPGUARD_GUARD_ON_VIOLATION", "warn"),
         float(os.environ.get("OPGUARD_GUARD_SAMPLE", "1")),
+        collectives=load_collectives(Path(sequences)) if sequences else None,
+        collective_timeout=float(timeout) if timeout else None,
     )
     guard.start()
     _PROCESS_GUARD = guard
+    write_status("started")
     atexit.register(_finish_process_guard)
-    if threading.current_thread() is threading.main_thread():
-        with contextlib.suppress(ValueError, OSError):
-            if signal.getsignal(signal.SIGTERM) in (signal.SIG_DFL, None):
-                signal.signal(signal.SIGTERM, _on_sigterm)
+    at_sigterm(_on_sigterm)
     return guard
 
 
@@ -868,14 +1083,24 @@ def _finish_process_guard() -> None:
         return
     if _is_launcher():
         _PROCESS_GUARD.stop(unwrap=False)
+        clear_status()
         return
-    _PROCESS_GUARD.finish(unwrap=False)
+    if _PROCESS_GUARD._finished:
+        return
+    written = _PROCESS_GUARD.finish(unwrap=False)
+    write_status(
+        "finished",
+        report=None if written is None else str(written),
+        error=_PROCESS_GUARD.write_error,
+        checked=_PROCESS_GUARD.checked_ops,
+    )
 
 
-def _on_sigterm(signum: int, frame: Any) -> None:
-    _finish_process_guard()
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    os.kill(os.getpid(), signal.SIGTERM)
+def _on_sigterm(ends: bool) -> None:
+    """SIGTERM: write the report now when the process ends with it; else the program's
+    own handler runs and the report is written at exit."""
+    if ends:
+        _finish_process_guard()
 
 
 __all__ = [

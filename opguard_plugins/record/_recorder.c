@@ -12,8 +12,11 @@
  * the Python dict ``counts`` under the key ``(stack, api, op, stream)``, where ``stack`` is
  * the flat tuple ``(id(code), f_lasti, ...)`` outermost first: the value ``tracer._walk``
  * builds, so Python stays the reference implementation. Everything else (an operator
- * not yet named, a backward pass on another thread, a collective) is
- * handed to the Python ``slow`` callable with the same frame.
+ * not yet named, a backward pass on another thread) is handed to the Python ``slow``
+ * callable with the same frame. An operator not yet named, or whose name is in the
+ * ``divert`` set (collectives, whose arguments the collective sequence records, and
+ * operators that may issue one inside: tracer.py), is handed whole, arguments and all,
+ * to the Python ``divert_call(func, frame, args, kwargs)``, which records and runs it.
  *
  * Runs under the GIL and calls no Python code on the fast path, so it needs no lock.
  * Every code object seen is kept alive in ``codes`` (id -> code), so an address stays
@@ -77,6 +80,8 @@ typedef struct {
     PyObject *exit_api;   /* callable(context): unmarks it */
     PyObject *overload_type; /* torch._ops.OpOverload: called through its ``_op`` */
     PyObject *stream_of;  /* callable() -> the current stream id, or None (no CUDA) */
+    PyObject *divert;     /* set of op names Python records and runs itself, or None */
+    PyObject *divert_call; /* callable(func, frame, args, kwargs) -> result, or None */
     int active;
     IdTable ids;
     PyObject **positions; /* POSITIONS_CACHED ints, made on first use */
@@ -582,6 +587,33 @@ Counter_dispatch(Counter *self, PyObject *const *args, Py_ssize_t nargs)
     if (mode_arguments(args, nargs, "dispatch", &func, &call_args, &kwargs) < 0) {
         return NULL;
     }
+    if (self->divert_call != NULL && self->divert_call != Py_None) {
+        PyObject *named = PyDict_GetItemWithError(self->op_names, func); /* borrowed */
+        int diverted = named == NULL;
+        if (named == NULL) {
+            PyErr_Clear(); /* not named yet, or unhashable: Python names it */
+        }
+        else if (self->divert != NULL && self->divert != Py_None) {
+            diverted = PySet_Contains(self->divert, named);
+            if (diverted < 0) {
+                return NULL;
+            }
+        }
+        if (diverted) {
+            PyObject *frame = (PyObject *)running_frame();
+            PyObject *empty = call_args == NULL ? PyTuple_New(0) : NULL;
+            PyObject *result =
+                (call_args == NULL && empty == NULL)
+                    ? NULL
+                    : PyObject_CallFunctionObjArgs(
+                          self->divert_call, func, frame != NULL ? frame : Py_None,
+                          call_args != NULL ? call_args : empty,
+                          kwargs != NULL ? kwargs : Py_None, NULL);
+            Py_XDECREF(empty);
+            Py_XDECREF(frame);
+            return result;
+        }
+    }
     PyObject *counted = record_from(self, func, running_frame());
     if (counted == NULL) {
         return NULL;
@@ -764,17 +796,21 @@ Counter_init(Counter *self, PyObject *args, PyObject *kwargs)
     static char *names[] = {"counts",    "codes",         "modules",   "op_names",
                             "local",     "backward",      "skip_files", "slow",
                             "api_names", "backward_apis", "enter_api", "exit_api",
-                            "overload_type", "stream_of",
+                            "overload_type", "stream_of", "divert", "divert_call",
                             NULL};
     PyObject *counts, *codes, *modules, *op_names, *local, *backward, *skip_files, *slow;
     PyObject *api_names, *backward_apis, *enter_api, *exit_api, *overload_type;
-    PyObject *stream_of = Py_None;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O!O!O!O!OO!OOO!OOOO!|O", names, &PyDict_Type,
+    PyObject *stream_of = Py_None, *divert = Py_None, *divert_call = Py_None;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O!O!O!O!OO!OOO!OOOO!|OOO", names, &PyDict_Type,
                                      &counts, &PyDict_Type, &codes, &PyDict_Type, &modules,
                                      &PyDict_Type, &op_names, &local, &PyList_Type, &backward,
                                      &skip_files, &slow, &PyDict_Type, &api_names,
                                      &backward_apis, &enter_api, &exit_api, &PyType_Type,
-                                     &overload_type, &stream_of)) {
+                                     &overload_type, &stream_of, &divert, &divert_call)) {
+        return -1;
+    }
+    if (divert != Py_None && !PyAnySet_Check(divert)) {
+        PyErr_SetString(PyExc_TypeError, "divert must be a set or None");
         return -1;
     }
     if (!PyAnySet_Check(skip_files) || !PyAnySet_Check(backward_apis)) {
@@ -796,6 +832,8 @@ Counter_init(Counter *self, PyObject *args, PyObject *kwargs)
     Py_XSETREF(self->skip_files, Py_NewRef(skip_files));
     Py_XSETREF(self->slow, Py_NewRef(slow));
     Py_XSETREF(self->stream_of, Py_NewRef(stream_of));
+    Py_XSETREF(self->divert, Py_NewRef(divert));
+    Py_XSETREF(self->divert_call, Py_NewRef(divert_call));
     self->active = 0;
     if (self->positions == NULL) {
         self->positions = PyMem_Calloc(POSITIONS_CACHED, sizeof(PyObject *));
@@ -827,6 +865,8 @@ Counter_traverse(Counter *self, visitproc visit, void *arg)
     Py_VISIT(self->exit_api);
     Py_VISIT(self->overload_type);
     Py_VISIT(self->stream_of);
+    Py_VISIT(self->divert);
+    Py_VISIT(self->divert_call);
     return 0;
 }
 
@@ -847,6 +887,8 @@ Counter_clear(Counter *self)
     Py_CLEAR(self->exit_api);
     Py_CLEAR(self->overload_type);
     Py_CLEAR(self->stream_of);
+    Py_CLEAR(self->divert);
+    Py_CLEAR(self->divert_call);
     return 0;
 }
 

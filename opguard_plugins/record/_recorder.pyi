@@ -36,6 +36,9 @@ class Counter:
         exit_api: Callable[[Any], None],
         overload_type: type,
         stream_of: Callable[[], int] | None = None,
+        divert: Set[str] | None = None,
+        divert_call: Callable[[Any, FrameType | None, tuple[Any, ...], dict[str, Any] | None], Any]
+        | None = None,
     ) -> None: ...
     def dispatch(
         self,

@@ -41,12 +41,14 @@ The trace is built and written by the same code as the modes backend's
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import sys
 import threading
 import time
 import types
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -271,7 +273,8 @@ class ProfilerTracer(CallsiteTracer):
         self._hook: Any = None
         self._steps = 0
         self._thread = threading.get_ident()
-        self._folding = threading.Lock()
+        # re-entrant: a SIGTERM handler may stop the tracer while this thread folds
+        self._folding = threading.RLock()
 
     def _begin(self) -> None:
         profile = torch.autograd.profiler.profile(
@@ -307,6 +310,13 @@ class ProfilerTracer(CallsiteTracer):
             return
         if time.monotonic() - self._cycle_started >= self.fold_seconds:
             self.fold()
+        if self.on_step is not None:
+            self.on_step(self._steps)
+
+    @property
+    def steps_done(self) -> int:
+        """Optimizer steps seen (``meta.partial.step``)."""
+        return self._steps
 
     def fold(self) -> None:
         """End the profiler's current cycle, fold its events into counts, start the next."""
@@ -319,6 +329,17 @@ class ProfilerTracer(CallsiteTracer):
             self._begin()
         finally:
             self._folding.release()
+
+    @contextlib.contextmanager
+    def quiesced(self) -> Iterator[bool]:
+        """True (and no fold starts) unless a fold is running: a periodic flush from
+        another thread then skips, rather than read counts being folded into."""
+        acquired = self._folding.acquire(blocking=False)
+        try:
+            yield acquired
+        finally:
+            if acquired:
+                self._folding.release()
 
     def stop(self) -> None:
         """Fold the last cycle and stop the profiler."""

@@ -31,11 +31,18 @@ import click
 
 from opguard_core import hookimpl
 from opguard_core.cli import exits
-from opguard_core.errors import ExitCode
+from opguard_core.errors import CommandNotRunnable, ExitCode, one_line
 from opguard_core.files.output_dirs import (
     OUTPUT_BASE_ENV,
     prepare_output_dir,
     trace_output_base,
+)
+from opguard_core.processes import child_dies_with_parent
+from opguard_plugins.record.flush import (
+    DEFAULT_FLUSH_SECONDS,
+    DEFAULT_FLUSH_STEPS,
+    FLUSH_SECONDS_ENV,
+    FLUSH_STEPS_ENV,
 )
 
 BOOTSTRAP_DIR = Path(__file__).resolve().parent / "_trace_bootstrap"
@@ -80,14 +87,24 @@ def bootstrap_env(variables: dict[str, str], command: Sequence[str]) -> dict[str
 
 
 def build_env(
-    label: str, output_dir: Path, command: Sequence[str], backend: str = "modes"
+    label: str,
+    output_dir: Path,
+    command: Sequence[str],
+    backend: str = "modes",
+    flush_seconds: float | None = None,
+    flush_steps: int | None = None,
 ) -> dict[str, str]:
-    """The environment that turns tracing on in COMMAND's Python processes."""
+    """The environment that turns tracing on in COMMAND's Python processes (the flush
+    settings: ``$OPGUARD_TRACE_FLUSH_SECONDS``/``_STEPS``; None keeps what is set)."""
     variables = {
         "OPGUARD_TRACE_LABEL": label,
         "OPGUARD_TRACE_DIR": str(output_dir),
         "OPGUARD_TRACE_BACKEND": backend,
     }
+    if flush_seconds is not None:
+        variables[FLUSH_SECONDS_ENV] = repr(float(flush_seconds))
+    if flush_steps is not None:
+        variables[FLUSH_STEPS_ENV] = str(int(flush_steps))
     return bootstrap_env(variables, command)
 
 
@@ -134,13 +151,21 @@ class TraceOutcome:
     lost: list[dict[str, Any]]
 
     @property
+    def failed(self) -> list[dict[str, Any]]:
+        """The traced processes that tried to write their trace and could not."""
+        return [info for info in self.lost if info.get("error")]
+
+    @property
     def exit_code(self) -> int:
         """``opguard trace``'s exit code: 128+N after signal N was sent to it (130 for
-        SIGINT, 143 for SIGTERM), else the command's code, 128+N if a signal killed it."""
+        SIGINT, 143 for SIGTERM), else the command's code, 128+N if a signal killed it;
+        1 where the command succeeded but a trace could not be written."""
         if self.signals:
             return 128 + self.signals[-1]
         if self.returncode < 0:
             return 128 - self.returncode
+        if self.returncode == 0 and self.failed:
+            return int(ExitCode.STAGE_FAILED)
         return self.returncode
 
     def status_line(self) -> str | None:
@@ -173,14 +198,20 @@ def _terminal_delivered(signum: int) -> bool:
 
 
 def launch(
-    command: Sequence[str], label: str, output_dir: Path, backend: str = "modes"
+    command: Sequence[str],
+    label: str,
+    output_dir: Path,
+    backend: str = "modes",
+    flush_seconds: float | None = None,
+    flush_steps: int | None = None,
 ) -> TraceOutcome:
     """Run COMMAND traced (tracer ``backend``), forwarding SIGINT and SIGTERM to it, and
     wait for it."""
     output_dir = output_dir.resolve()
     output_dir.mkdir(parents=True, exist_ok=True)
     started = time.time() - 1.0  # file systems with coarse timestamps
-    returncode, received = run_forwarding(command, build_env(label, output_dir, command, backend))
+    env = build_env(label, output_dir, command, backend, flush_seconds, flush_steps)
+    returncode, received = run_forwarding(command, env)
     return TraceOutcome(
         returncode=returncode,
         signals=received,
@@ -191,12 +222,24 @@ def launch(
 
 def run_forwarding(command: Sequence[str], env: dict[str, str]) -> tuple[int, list[int]]:
     """Run COMMAND (see :func:`build_argv`) with ``env``, forwarding SIGINT and SIGTERM
-    to it; return its return code and the signals forwarded."""
+    to it; return its return code and the signals forwarded.
+
+    COMMAND gets SIGTERM if this process dies (Linux: even by SIGKILL; see
+    :func:`opguard_core.processes.child_dies_with_parent`), so it never runs on
+    unwatched. Raises :class:`CommandNotRunnable` (exit 127 or 126, as a shell) when
+    COMMAND cannot be found or executed."""
     received: list[int] = []
+    argv = build_argv(command)
     try:
-        process = subprocess.Popen(build_argv(command), env=env)
+        process = subprocess.Popen(argv, env=env, preexec_fn=child_dies_with_parent())
     except FileNotFoundError:
-        raise click.ClickException(f"command not found: {command[0]}") from None
+        raise CommandNotRunnable(command[0], found=False) from None
+    except (PermissionError, IsADirectoryError, NotADirectoryError):
+        # NotADirectoryError: a path through a file (file/x); a shell says 126 too
+        raise CommandNotRunnable(command[0], found=True) from None
+    except OSError as exc:  # ENOEXEC (no #! line), E2BIG, ...: found, not executable
+        reason = exc.strerror or type(exc).__name__
+        raise CommandNotRunnable(f"{command[0]} ({reason})", found=True) from None
 
     def forward(signum: int, _frame: Any) -> None:
         received.append(signum)
@@ -228,7 +271,17 @@ def run_traced(
     return outcome.exit_code, outcome.files
 
 
-CODES: exits.Codes = {ExitCode.OK: "the command succeeded"}
+#: the codes of starting COMMAND (``opguard trace`` and ``opguard guard``)
+LAUNCH_CODES: exits.Codes = {
+    ExitCode.COMMAND_NOT_EXECUTABLE: None,
+    ExitCode.COMMAND_NOT_FOUND: None,
+}
+
+CODES: exits.Codes = {
+    ExitCode.OK: "the command succeeded",
+    ExitCode.STAGE_FAILED: "the command succeeded but a traced process could not write its trace",
+    **LAUNCH_CODES,
+}
 
 
 @click.option(
@@ -253,16 +306,44 @@ CODES: exits.Codes = {ExitCode.OK: "the command succeeded"}
     "torch's profiler (runs the program's own ops, torch.compile compiles). "
     "See docs/tracing.md.",
 )
+@click.option(
+    "--flush-seconds",
+    type=click.FloatRange(min=0.0, max=1e9),
+    default=DEFAULT_FLUSH_SECONDS,
+    show_default=True,
+    envvar=FLUSH_SECONDS_ENV,
+    show_envvar=True,
+    help="Also write each trace, marked partial (meta.partial), every N seconds while "
+    "the program runs, so a SIGKILL loses at most N seconds; 0: never.",
+)
+@click.option(
+    "--flush-steps",
+    type=click.IntRange(min=0),
+    default=DEFAULT_FLUSH_STEPS,
+    show_default=True,
+    envvar=FLUSH_STEPS_ENV,
+    show_envvar=True,
+    help="Also write each trace, marked partial, every N optimizer steps; 0: never.",
+)
 @click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
-def trace(label: str, output_dir: Path | None, backend: str, command: tuple[str, ...]) -> int:
+def trace(
+    label: str,
+    output_dir: Path | None,
+    backend: str,
+    flush_seconds: float,
+    flush_steps: int,
+    command: tuple[str, ...],
+) -> int:
     """Run COMMAND with callsite tracing on, writing one trace per rank.
 
     COMMAND is a Python script (train.py ARGS), python -m PKG ARGS, or
     torchrun --nproc-per-node N train.py ARGS; put it after "--". Every Python
     process it starts that imports torch is traced and writes
     {label}_callsite_rank{R}.json into --output-dir at exit (a forked child:
-    {label}.fork{PID}_callsite_rank{R}.json). SIGINT and SIGTERM are forwarded to
-    COMMAND.
+    {label}.fork{PID}_callsite_rank{R}.json), also when it ends by SIGTERM or an
+    exception (then marked partial), and every --flush-seconds while it runs.
+    SIGINT and SIGTERM are forwarded to COMMAND; if opguard trace itself is killed,
+    COMMAND gets SIGTERM (Linux).
     """
     if not _SAFE_LABEL.match(label):
         raise click.BadParameter(
@@ -274,7 +355,7 @@ def trace(label: str, output_dir: Path | None, backend: str, command: tuple[str,
         output_dir = trace_output_base()
         what = f"${OUTPUT_BASE_ENV}" if os.environ.get(OUTPUT_BASE_ENV) else "output base"
     prepare_output_dir(output_dir, what)
-    outcome = launch(command, label, output_dir, backend)
+    outcome = launch(command, label, output_dir, backend, flush_seconds, flush_steps)
     files = outcome.files
     status = outcome.status_line()
     if status:
@@ -282,9 +363,23 @@ def trace(label: str, output_dir: Path | None, backend: str, command: tuple[str,
     for info in outcome.lost:
         pid = info.get("pid", "?")
         forked = f" (forked from {info['forked_from']})" if info.get("forked_from") else ""
+        if info.get("error"):
+            click.echo(
+                f"opguard trace: error: process {pid}{forked} could not write its trace: "
+                f"{one_line(str(info['error']))}",
+                err=True,
+            )
+            continue
+        flushed = info.get("flushed")
+        kept = (
+            f"its trace up to the last flush is in {one_line(Path(str(flushed)).name)} "
+            "(marked partial)"
+            if flushed
+            else "its operators are lost"
+        )
         click.echo(
             f"opguard trace: process {pid}{forked} ended without writing its trace "
-            "(os._exit, or killed by a signal): its operators are lost",
+            f"(os._exit, or killed by a signal): {kept}",
             err=True,
         )
     if files:
@@ -317,6 +412,7 @@ def opguard_register_commands(cli: click.Group) -> None:
 
 
 __all__ = [
+    "LAUNCH_CODES",
     "TraceOutcome",
     "bootstrap_env",
     "build_argv",

@@ -33,8 +33,13 @@ running, are attributed to the stack (and ``api``) recorded when ``Tensor.backwa
 Python frames of that thread (a custom ``autograd.Function.backward``).
 
 Collectives: on torch 2.13 with gloo (and NCCL), ``torch.distributed`` collectives go
-through the dispatcher as ``c10d::`` operators, so the dispatch mode records them like
-any other op, including those DDP's reducer issues from autograd hooks during backward.
+through the dispatcher as ``c10d::`` operators (functional collectives, used by
+``torch.compile``, DTensor and tensor parallelism, as ``_c10d_functional::``), so the
+dispatch mode records them like any other op, including those DDP's reducer issues
+from autograd hooks during backward. Each collective is also appended, with its
+process group, dtype, shapes and reduce op, to the rank's collective sequence
+(:mod:`opguard_plugins.record.collectives`, formats.md "Collective sequences"), and
+a custom op's kernels are run so that the collectives they issue are recorded too.
 
 :class:`CallsiteTracer` is also the base of the ``profiler`` backend
 (:mod:`opguard_plugins.record.profiler`). The ways to run a tracer, ``trace_callsites``
@@ -47,6 +52,7 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import gc
 import os
 import platform
 import shlex
@@ -64,9 +70,11 @@ from torch.overrides import TorchFunctionMode, resolve_name
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from opguard_core.files.atomic import atomic_write_bytes
+from opguard_core.formats.collectives import Collectives, CollectiveSequence, is_collective
 from opguard_core.formats.streams import StreamRoles, is_comm_op
 from opguard_core.formats.trace import Frame, encode_trace
 from opguard_core.native import load_native
+from opguard_plugins.record.collectives import SequenceRecorder, describe, diverts, run_nested
 
 if TYPE_CHECKING:
     from opguard_plugins.record._recorder import Counter
@@ -77,6 +85,10 @@ TRACER_NAME = "opguard/1"
 BACKWARD_APIS = frozenset({"Tensor.backward", "torch.autograd.backward", "torch.autograd.grad"})
 
 _THIS_FILE = os.path.normcase(os.path.abspath(__file__))
+#: the tracer's own files, whose frames never show in a stack
+_OWN_FILES = frozenset(
+    {_THIS_FILE, os.path.normcase(os.path.join(os.path.dirname(_THIS_FILE), "collectives.py"))}
+)
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
 #: Files whose frames are dispatch plumbing: they only forward a call into a mode.
 _PLUMBING_FILES = frozenset(
@@ -184,6 +196,9 @@ def _prefer_own_name(name: str, func: Callable[..., Any]) -> str:
 
 
 _OP_CACHE: dict[Any, str] = {}
+#: op names the C path hands to Python with their arguments (collectives, custom ops
+#: that may issue one: :func:`opguard_plugins.record.collectives.diverts`)
+_DIVERT: set[str] = set()
 
 
 def op_name(func: Any) -> str:
@@ -202,6 +217,8 @@ def op_name(func: Any) -> str:
         if "::" not in name:
             name = f"{getattr(func, 'namespace', 'unknown')}::{name}"
     name = name.split(".", 1)[0] if "::" in name and "." in name.split("::", 1)[1] else name
+    if diverts(name):
+        _DIVERT.add(name)  # before the cache: the C path checks the name it finds there
     with contextlib.suppress(TypeError):
         _OP_CACHE[func] = name
     return name
@@ -287,18 +304,21 @@ class CallsiteRecorder:
         self.rank: int | None = None
         self.world_size: int | None = None
         self.device = "cpu"
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
         self._local = _ThreadApi()
         self._backward: list[_BackwardContext] = []
         self._cuda = torch.cuda.is_available()
         #: roles of the raw streams seen (each op's stream is noted, in order)
         self.streams = StreamRoles()
+        #: the collective sequence; ``step`` is the step collectives are recorded in
+        self.sequence = SequenceRecorder()
+        self.step = 0
         self._active = False
         #: the C fast path (``_recorder.Counter``), or None: :meth:`record` does it all
         self.counter: Counter | None = None
         overridden = any(
             getattr(type(self), name) is not getattr(CallsiteRecorder, name)
-            for name in ("record", "call", "enter_api", "exit_api")
+            for name in ("record", "call", "enter_api", "exit_api", "dispatch")
         )
         if accelerated and _Counter is not None and not overridden:
             self.counter = _Counter(
@@ -316,6 +336,8 @@ class CallsiteRecorder:
                 self.exit_api,
                 torch._ops.OpOverload,
                 self.current_stream if self._cuda else None,
+                _DIVERT,
+                self.dispatch,
             )
 
     @property
@@ -344,9 +366,10 @@ class CallsiteRecorder:
     def reset_after_fork(self) -> None:
         """In a forked child: forget the parent's counts; new locks (a lock held by
         another thread at the fork would stay held forever), no running backward."""
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
         self._counts.clear()  # in place: the C path holds these two
         self._backward.clear()
+        self.sequence.reset()
         if self.counter is not None:
             self.counter.discard()
 
@@ -393,9 +416,31 @@ class CallsiteRecorder:
 
     # -- ops (TorchDispatchMode side) -----------------------------------------
 
-    def record(self, func: Any, frame: types.FrameType | None) -> None:
+    def dispatch(
+        self,
+        func: Any,
+        frame: types.FrameType | None,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any] | None,
+    ) -> Any:
+        """Record one operator call issued from ``frame`` and run it (the dispatch
+        mode's work; the C path hands over a new operator, a collective and a custom
+        op, whose kernels may issue collectives: :func:`run_nested`)."""
+        self.record(func, frame, args, kwargs)
+        if self._active and op_name(func) in _DIVERT and not is_comm_op(op_name(func)):
+            return run_nested(func, args, kwargs, self.record, op_name)
+        return func(*args, **(kwargs or {}))
+
+    def record(
+        self,
+        func: Any,
+        frame: types.FrameType | None,
+        args: tuple[Any, ...] | None = None,
+        kwargs: dict[str, Any] | None = None,
+    ) -> None:
         """Count one operator call issued from ``frame`` (the C fast path hands over the
-        cases it leaves to Python: a new operator, a collective, a backward)."""
+        cases it leaves to Python: a new operator, a collective, a backward); a
+        collective whose arguments are given joins the collective sequence."""
         if not self._active:
             return
         op = op_name(func)
@@ -412,11 +457,13 @@ class CallsiteRecorder:
                 stack = context.stack + stack
                 api = context.api
         stream = self.current_stream() if self._cuda else 0
-        if op.startswith("c10d::") and self.rank is None:
+        if is_comm_op(op) and self.rank is None:
             self.snapshot_rank()
         key = (stack, api, op, stream)
         with self._lock:
             self._counts[key] = self._counts.get(key, 0) + 1
+        if args is not None and is_collective(op):
+            self.sequence.add(stack, op, describe(func, op, args, kwargs), self.step)
 
     def current_stream(self) -> int:
         """The id of this thread's current CUDA stream (0 before CUDA is initialised)."""
@@ -476,8 +523,7 @@ class _DispatchMode(TorchDispatchMode):  # type: ignore[no-untyped-call, misc, u
         args: tuple[Any, ...] = (),
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
-        self.recorder.record(func, sys._getframe(1))
-        return func(*args, **(kwargs or {}))
+        return self.recorder.dispatch(func, sys._getframe(1), args, kwargs)
 
 
 def count_optimizer_steps(callback: Callable[[], None]) -> Any:
@@ -568,9 +614,9 @@ class _FrameMaker:
             return cached
         filename = os.path.normcase(os.path.abspath(code.co_filename))
         hidden = (
-            filename == _THIS_FILE
+            filename in _OWN_FILES
             or filename in _PLUMBING_FILES
-            or (filename == _OPS_FILE and code.co_name == "__call__")
+            or (filename == _OPS_FILE and code.co_name in ("__call__", "redispatch"))
         )
         self._hidden[code] = hidden
         return hidden
@@ -649,7 +695,14 @@ class CallsiteTracer:
         self._step_hook: Any = None
         #: optimizer steps finished while started (torch's global step hook); ``meta.steps``
         self.steps = 0
+        #: the collective sequence :meth:`build` made (None: no collective recorded)
+        self.collectives: Collectives | None = None
         self.written: Path | None = None
+        #: held while a trace is built and written (the periodic flush's thread, a
+        #: signal handler and the exit handler may all write)
+        self.writing = threading.RLock()
+        #: called after every optimizer step counted (the periodic flush by steps)
+        self.on_step: Callable[[int], None] | None = None
 
     # -- lifecycle ------------------------------------------------------------
 
@@ -670,9 +723,17 @@ class CallsiteTracer:
         self.recorder.active = True
         self._step_hook = count_optimizer_steps(self._count_step)
 
+    @property
+    def steps_done(self) -> int:
+        """Optimizer steps finished while started (``meta.partial.step``)."""
+        return self.steps
+
     def _count_step(self) -> None:
         if self.recorder.active:
             self.steps += 1
+            self.recorder.step = self.steps
+            if self.on_step is not None:
+                self.on_step(self.steps)
 
     def stop(self) -> None:
         """Stop counting and pop the modes (when they are still on top of the stack)."""
@@ -716,7 +777,7 @@ class CallsiteTracer:
         rank = self.resolve_rank()
         roots = _path_roots(program_roots if program_roots is not None else default_program_roots())
         maker = _FrameMaker(self.recorder.modules, roots)
-        with self.recorder._lock:
+        with self.recorder._lock, _gc_paused():
             raw = list(self.recorder.counts.items())
         #: (frames, api, op, role) -> [count, raw stream]: a collective called from
         #: several streams is one callsite (its role is comm), on the smallest of them
@@ -728,7 +789,8 @@ class CallsiteTracer:
         line = self.recorder.line
         tables: dict[types.CodeType, LineTable] = {}
         positions: dict[tuple[int, int], tuple[types.CodeType, int]] = {}
-        for (stack, api, op, stream), count in raw:
+
+        def frames_of(stack: RawStack) -> tuple[Frame, ...]:
             pairs = []
             for index in range(0, len(stack), 2):
                 at = (stack[index], stack[index + 1])
@@ -743,18 +805,34 @@ class CallsiteTracer:
                 if value is None:
                     value = frame_cache[pair] = maker.frame(*pair)
                 frames.append(value)
+            return tuple(frames)
+
+        for (stack, api, op, stream), count in raw:
+            frames = frames_of(stack)
             site_role = role(stream, op)
             if not is_comm_op(op):
                 streams[stream] = site_role
-            key = (tuple(frames), api, op, site_role)
+            key = (frames, api, op, site_role)
             slot = merged.get(key)
             if slot is None:
                 merged[key] = [count, stream]
             else:
                 slot[0] += count
                 slot[1] = min(slot[1], stream)
-        unique = sorted({f for key in merged for f in key[0]}, key=Frame.sort_key)
+        stacks = {stack: frames_of(stack) for stack in self.recorder.sequence.stacks()}
+        unique = sorted(
+            {f for key in merged for f in key[0]} | {f for fs in stacks.values() for f in fs},
+            key=Frame.sort_key,
+        )
         ids = {frame: index for index, frame in enumerate(unique)}
+        sequence = self.recorder.sequence.build(
+            rank, lambda stack: tuple(ids[f] for f in stacks[stack])
+        )
+        if sequence is None and self.world_size() > 1:
+            # a rank of a distributed job that issued no collective: an empty sequence,
+            # which differs from "not recorded"
+            sequence = CollectiveSequence(ranks=[rank])
+        self.collectives = Collectives(sequences=[sequence]) if sequence is not None else None
         callsites: list[dict[str, Any]] = []
         rows = sorted(
             (([ids[f] for f in frames], api, op, site_role, count, stream)
@@ -790,14 +868,47 @@ class CallsiteTracer:
         """Where :meth:`write` puts the trace: ``{label}_callsite_rank{R}.json``."""
         return self.output_dir / f"{self.label}_callsite_rank{self.resolve_rank()}.json"
 
-    def write(self) -> Path:
-        """Write the trace atomically and return its path."""
-        meta, frames, callsites = self.build()
-        path = self.output_dir / f"{self.label}_callsite_rank{meta['rank']}.json"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write_bytes(path, encode_trace(meta, frames, callsites))
-        self.written = path
-        return path
+    def write(self, partial: dict[str, Any] | None = None) -> Path:
+        """Write the trace atomically and return its path; ``partial`` (``meta.partial``,
+        formats.md §1: why and up to when) marks a trace the process is not done with."""
+        with self.writing:
+            meta, frames, callsites = self.build()
+            if partial:
+                meta["partial"] = partial
+            path = self.output_dir / f"{self.label}_callsite_rank{meta['rank']}.json"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            atomic_write_bytes(
+                path, encode_trace(meta, frames, callsites, collectives=self.collectives)
+            )
+            self.written = path
+            return path
+
+    def quiesced(self) -> contextlib.AbstractContextManager[bool]:
+        """Entered by a periodic flush from another thread around :meth:`write`: whether
+        the recorded counts may be read now (always, for this backend)."""
+        return contextlib.nullcontext(True)
+
+
+@contextlib.contextmanager
+def _gc_paused() -> Any:
+    """No garbage collection while the counts are copied: a collection can run Python
+    code (finalizers), which lets another thread run and record in the middle of the
+    copy (the periodic flush copies from its own thread)."""
+    global GC_PAUSED
+    enabled = gc.isenabled()
+    gc.disable()
+    GC_PAUSED = enabled
+    try:
+        yield
+    finally:
+        if enabled:
+            GC_PAUSED = False
+            gc.enable()
+
+
+#: whether :func:`_gc_paused` has the collector off now (a fork then must turn it on
+#: again in the child: the thread that would have is not there)
+GC_PAUSED = False
 
 
 def _is_launcher() -> bool:

@@ -20,6 +20,7 @@ from ruamel.yaml.error import YAMLError
 
 from opguard_core import hookimpl
 from opguard_core.errors import InputError
+from opguard_core.formats.config import BoundedComposer, ConfigLimitError, max_config_bytes
 from opguard_core.model import RunOptions
 
 
@@ -39,11 +40,19 @@ def load_basic_list(path: Path | None = None) -> BasicList:
             )
         else:
             text = path.read_text(encoding="utf-8")
-        data = YAML(typ="safe", pure=True).load(text)
+        if len(text) > max_config_bytes():
+            raise InputError(where, "basic-filter list too large")
+        yaml = YAML(typ="safe", pure=True)
+        yaml.Composer = BoundedComposer  # depth, aliases, integers: as for configs
+        data = yaml.load(text)
     except OSError as exc:
         raise InputError(where, f"cannot read basic-filter list: {exc.strerror or exc}") from None
+    except ConfigLimitError as exc:
+        raise InputError(where, str(exc)) from None
     except (YAMLError, UnicodeDecodeError) as exc:
         raise InputError(where, f"malformed YAML: {' '.join(str(exc).split())}") from None
+    except ValueError as exc:  # a value the constructor refuses
+        raise InputError(where, f"unreadable value: {exc}") from None
     if not isinstance(data, dict):
         raise InputError(where, "basic-filter list must be a mapping with 'utilities'")
     utilities = data.get("utilities")

@@ -158,7 +158,9 @@ def render_diff(diff: ConfigDiff, sort: Sort = "key", top: int | None = None) ->
     """The comparison as text: totals, only in the first, only in the other, changed.
     ``top`` keeps the first N of each section (a last line says how many more)."""
     diff = _ordered(diff, sort)
-    first, other = diff.first, diff.other
+    # the labels (file names) escaped like the entries: one side, one line
+    first = dataclasses.replace(diff.first, label=one_line(diff.first.label))
+    other = dataclasses.replace(diff.other, label=one_line(diff.other.label))
     w = max(24, len(first.label), len(other.label))  # labels of files can be long
     out = [
         f"comparison: {first.label} vs {other.label}",

@@ -1,10 +1,17 @@
 """Divergence: find the ranks that did something different (docs/divergence.md).
 
-Reads the per-rank statistics combine keeps per callsite (formats.md §1, version 2)
-and reports three kinds of finding:
+Where the trace carries the ranks' collective sequences (formats.md, "Collective
+sequences"), they are compared by position per process group
+(:mod:`opguard_plugins.stages.sequences`: ``collective_order``, ``_dtype``,
+``_size``, ``_missing``, ``_extra``, ``_group``, ``_reduce_op``, all errors).
+Otherwise (traces recorded before sequences existed) the per-rank statistics combine
+keeps per callsite (formats.md §1, version 2) give
 
 * ``collective_mismatch`` (error): a collective callsite whose count differs
-  between ranks, or that some ranks never issue;
+  between ranks, or that some ranks never issue.
+
+Both ways, two more kinds of finding:
+
 * ``rank_specific`` (warning): a function only some ranks ran (the outermost such
   function of each rank-specific path);
 * ``count_skew`` (warning): a function whose ops on some rank differ from the
@@ -33,6 +40,7 @@ from opguard_core.formats.trace import Callsite
 from opguard_core.formats.tree import target_name
 from opguard_core.model import RunOptions
 from opguard_plugins.stages.compress import DEFAULT_HIDE, hidden_frames
+from opguard_plugins.stages.sequences import sequence_findings
 from opguard_plugins.stages.sorted_runs import visible_frames
 
 #: how many enclosing functions a finding's ``context`` lists (as config entries do)
@@ -101,13 +109,15 @@ class _Stacks:
 
     def __init__(self, trace: CallsiteTrace, options: RunOptions) -> None:
         hide = [*(DEFAULT_HIDE if options.default_hide else ()), *options.hide]
+        self.frames = trace.frames
         self.names = [target_name(f.module, f.file, f.qualname) for f in trace.frames]
-        user = bytes(not (f.module or "").startswith("torch") for f in trace.frames)
+        self.user = bytes(not (f.module or "").startswith("torch") for f in trace.frames)
+        self.hidden = bytes(hidden_frames(trace, hide))
         #: per callsite: its frame ids without hidden ones, and the position in them of
         #: the calling function (the innermost frame outside torch, else the innermost
         #: frame; None for no frame)
         self.visible, self.callers = visible_frames(
-            [site.stack for site in trace.callsites], bytes(hidden_frames(trace, hide)), user
+            [site.stack for site in trace.callsites], self.hidden, self.user
         )
         #: per callsite: whether it is a collective (:func:`is_collective`, once per op)
         ops = {site.op for site in trace.callsites}
@@ -119,6 +129,18 @@ class _Stacks:
             all_mask if site.ranks is None else ranks_to_mask(site.ranks)
             for site in trace.callsites
         ]
+
+    def describe_stack(self, stack: tuple[int, ...]) -> dict[str, Any]:
+        """:meth:`describe` for a stack of frame ids (a collective signature's), its
+        ``stack`` with each frame's file and line (two ranks' stacks often differ in
+        lines only)."""
+        visible, callers = visible_frames([tuple(stack)], self.hidden, self.user)
+        where = self.describe(visible[0], callers[0])
+        where["stack"] = [
+            f"{self.names[fid]} ({self.frames[fid].file}:{self.frames[fid].line})"
+            for fid in visible[0]
+        ]
+        return where
 
     def describe(self, frames: list[int], position: int | None) -> dict[str, Any]:
         if position is None:
@@ -138,7 +160,12 @@ def find_divergence(trace: CallsiteTrace, options: RunOptions) -> list[Finding]:
         return []
     exact = trace.per_rank_stats
     stacks = _Stacks(trace, options)
-    findings = list(_collectives(trace, stacks, exact))
+    collectives = trace.collectives
+    covered = {r for seq in collectives.sequences for r in seq.ranks} if collectives else set()
+    findings = sequence_findings(collectives, stacks.describe_stack) if collectives else []
+    if not covered.issuperset(ranks):
+        # some rank recorded no sequence (an older trace): counts per callsite too
+        findings.extend(_collectives(trace, stacks, exact))
     findings.extend(_rank_specific(trace, stacks))
     if exact:
         findings.extend(_count_skew(trace, stacks, options.skew))

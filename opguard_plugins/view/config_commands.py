@@ -38,8 +38,9 @@ from opguard_core.configs.chain import (
     settings_of,
 )
 from opguard_core.configs.selection import PatternError, Selection, select_entries
-from opguard_core.errors import ExitCode
+from opguard_core.errors import ExitCode, one_line
 from opguard_core.files.atomic import atomic_write_text
+from opguard_core.files.output_dirs import check_output_file
 from opguard_core.formats.config import dump_config, entry_key, flow_seq, load_config
 from opguard_core.logs import get_logger
 from opguard_core.model import RunOptions
@@ -142,10 +143,11 @@ def make_merge(manager: OpGuardPluginManager) -> click.Command:
         """Merge configs (or run directories) as the run does: ((A+B)+C)+…"""
         if len(configs) < 2:
             raise click.UsageError("give at least two configs to merge")
-        loaded = [read_input(path)[1] for path in configs]
-        merged = fold(manager, loaded)
+        inputs = [read_input(path) for path in configs]
+        check_output_file(output, [source for source, _ in inputs])
+        merged = fold(manager, [config for _, config in inputs])
         atomic_write_text(output, dump_config(merged))
-        click.echo(str(output))
+        click.echo(one_line(str(output)))
 
     return exits.command("merge", WRITES)(merge)
 
@@ -180,7 +182,8 @@ def make_filter(manager: OpGuardPluginManager) -> click.Command:
         selection = _selection(focus, ignore)
         check_basic(manager.disabled, basic)
         options = RunOptions(basic=basic, basic_list=basic_list, verbose=bool(verbose))
-        _, loaded = read_input(config, filtered=False)
+        source, loaded = read_input(config, filtered=False)
+        check_output_file(output, [source])
         if selection:
             kept = select_entries(loaded, selection)
             _warn_unmatched(selection)
@@ -189,7 +192,7 @@ def make_filter(manager: OpGuardPluginManager) -> click.Command:
             _record_selection(loaded, focus, ignore)
         filtered, _ = apply_filters(active_filters(manager, options), loaded, options)
         atomic_write_text(output, dump_config(filtered))
-        click.echo(str(output))
+        click.echo(one_line(str(output)))
 
     return exits.command("filter", WRITES)(filter_)
 
@@ -228,9 +231,12 @@ def show_rows(
 
 
 def _cells(row: dict[str, Any]) -> list[str]:
+    """The row's table cells, control characters escaped (:func:`one_line`): a name
+    from a config can neither forge a row nor send a terminal an escape sequence."""
     share = "" if row["share"] is None else f"{100 * row['share']:.1f}%"
     ops = ", ".join(f"{o['op']} {o['count']}" for o in row["main_ops"])
-    return [str(row["count"]), share, row["target"], " > ".join(row["context"]), ops]
+    names = [row["target"], " > ".join(row["context"]), ops]
+    return [str(row["count"]), share, *(one_line(name) for name in names)]
 
 
 HEADERS = ["count", "share", "target", "context", "main ops"]
@@ -257,12 +263,14 @@ def _on_terminal() -> bool:
 def _rich_table(title: str, rows: list[dict[str, Any]]) -> None:
     from rich.console import Console
     from rich.table import Table
+    from rich.text import Text
 
-    table = Table(title=title, title_justify="left")
+    # Text, not str: rich would read ``[...]`` in a name as console markup
+    table = Table(title=Text(title), title_justify="left")
     for i, header in enumerate(HEADERS):
         table.add_column(header, justify="right" if i < 2 else "left", overflow="fold")
     for row in rows:
-        table.add_row(*_cells(row))
+        table.add_row(*(Text(cell) for cell in _cells(row)))
     Console().print(table)
 
 
@@ -302,7 +310,7 @@ def show(
     if fmt == "json":
         click.echo(json.dumps({**head, "entries": rows}, indent=2))
         return
-    title = (
+    title = one_line(
         f"{head['config']}: {head['source']}, {head['total']} ops on ranks {head['ranks']}; "
         f"showing {len(rows)} of {selected} entries ({head['entries_in_config']} in the config)"
     )

@@ -24,8 +24,9 @@ from opguard_core.cli import exits
 from opguard_core.cli.options import verbose_option
 from opguard_core.combine.accumulator import TraceAccumulator
 from opguard_core.configs.selection import PatternError, Selection, compile_patterns
-from opguard_core.errors import ExitCode, PluginError
+from opguard_core.errors import ExitCode, PluginError, one_line
 from opguard_core.files.atomic import atomic_write_bytes
+from opguard_core.files.output_dirs import check_output_file
 from opguard_core.formats.readers import HEAD, Readers
 from opguard_core.formats.stacks import Stack, tree_stacks
 from opguard_core.formats.trace import read_bytes
@@ -194,6 +195,8 @@ def make_command(manager: OpGuardPluginManager) -> click.Command:
             raise click.BadParameter(
                 f"{fmt!r}: not one of {', '.join(sorted(writers))}", param_hint="--format"
             )
+        out = output or src.with_name(src.name.removesuffix(".json") + SUFFIX.get(fmt, f".{fmt}"))
+        check_output_file(out, [src])
         tree = load_source(src, not no_default_hide, Readers(manager))
         unmatched: list[tuple[str, str]] = []
         all_stacks = tree_stacks(tree)
@@ -202,9 +205,8 @@ def make_command(manager: OpGuardPluginManager) -> click.Command:
             get_logger().warning("pattern matched nothing", option=option, pattern=pattern)
         Selection.of(focus, ignore).refuse_empty(str(src), "stack", len(all_stacks), len(stacks))
         data = writers[fmt](stacks)
-        out = output or src.with_name(src.name.removesuffix(".json") + SUFFIX.get(fmt, f".{fmt}"))
         atomic_write_bytes(out, data)
-        click.echo(str(out))
+        click.echo(one_line(str(out)))
 
     return exits.command("export", CODES)(export)
 

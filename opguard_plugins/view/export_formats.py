@@ -16,6 +16,7 @@ from typing import Any
 import msgspec
 
 from opguard_core import __version__, hookimpl
+from opguard_core.errors import one_line
 from opguard_core.formats.stacks import Stack
 
 SPEEDSCOPE_SCHEMA = "https://www.speedscope.app/file-format-schema.json"
@@ -33,6 +34,8 @@ def write_collapsed(stacks: list[Stack]) -> bytes:
     """Brendan Gregg's folded stacks: ``frame;frame;op count``, one line per path.
 
     ``;`` and line breaks inside a name would break the format; they become ``_``.
+    Other control characters (ESC, BEL, bidi overrides) are escaped
+    (:func:`~opguard_core.errors.one_line`): folded files are read on terminals.
     """
     lines = [
         ";".join(_clean(name) for name in path) + f" {count}"
@@ -42,7 +45,7 @@ def write_collapsed(stacks: list[Stack]) -> bytes:
 
 
 def _clean(name: str) -> str:
-    return name.replace(";", "_").replace("\n", "_").replace("\r", "_")
+    return one_line(name.replace(";", "_").replace("\n", "_").replace("\r", "_"))
 
 
 def write_speedscope(stacks: list[Stack]) -> bytes:

@@ -31,7 +31,7 @@ import msgspec
 from opguard_core import hookimpl
 from opguard_core.cli import exits
 from opguard_core.cli.options import verbose_option
-from opguard_core.errors import ExitCode, InputError
+from opguard_core.errors import ExitCode
 from opguard_core.files.atomic import atomic_write_text, safe_child
 from opguard_core.formats.config import load_config
 from opguard_core.formats.divergence import SEVERITIES
@@ -41,6 +41,8 @@ from opguard_core.run.summary import (
     REPORT_FILE,
     final_configs,
     outputs_by_entry,
+    read_summary,
+    run_artifact,
     stage_outputs,
 )
 
@@ -258,7 +260,7 @@ def read_config(
     written = configs.get(name)
     if written is not None:
         return config_view(written), None
-    path = safe_child(run_dir, name)
+    path = run_artifact(run_dir, name)
     if not path.exists():
         return None, None
     # the round-trip YAML loader reads ~100 kB/s: a config of tens of thousands of
@@ -513,7 +515,7 @@ def _slim_summary(summary: Mapping[str, Any]) -> dict[str, Any]:
 def _first(run_dir: Path, names: list[str]) -> Path | None:
     """The first of ``names`` that exists in ``run_dir`` (confined to it)."""
     for name in names:
-        path = safe_child(run_dir, name)
+        path = run_artifact(run_dir, name)
         if path.is_file():
             return path
     return None
@@ -606,14 +608,9 @@ def write_report(
     configs: Mapping[str, Any] | None = None,
 ) -> Path:
     """Write ``report.html`` into ``run_dir`` (atomically); returns its path."""
-    if summary is None:
-        path = run_dir / SUMMARY_NAME
-        try:
-            summary = msgspec.json.decode(read_bytes(path))
-        except msgspec.DecodeError as exc:
-            raise InputError(path, f"not valid JSON: {exc}") from None
-        if not isinstance(summary, dict):
-            raise InputError(path, "expected a JSON object at top level")
+    if summary is None:  # a run directory is input: its summary is checked, and
+        # every artifact it names is read only inside it (run_artifact)
+        summary = read_summary(run_dir)
     out = safe_child(run_dir, REPORT_NAME)
     atomic_write_text(out, render_report(run_dir, summary, configs))
     return out

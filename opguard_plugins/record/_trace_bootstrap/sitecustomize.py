@@ -83,6 +83,24 @@ def _start_tracer() -> None:
             start_process_guard()
         except Exception as exc:
             print(f"opguard guard: disabled in process {os.getpid()}: {exc!r}", file=sys.stderr)
+            _guard_failed(exc)
+
+
+def _guard_failed(exc: Exception) -> None:
+    """Tell ``opguard guard`` that the guard could not start here (its status file,
+    ``opguard_plugins/enforce/status.py``; written by hand: opguard may not import)."""
+    folder = os.environ.get("OPGUARD_GUARD_STATUS")
+    if not folder:
+        return
+    import json
+
+    reason = str(exc) or repr(exc)
+    document = {"pid": os.getpid(), "state": "failed", "error": f"{type(exc).__name__}: {reason}"}
+    path = os.path.join(folder, f"{os.getpid()}.json")
+    with contextlib.suppress(OSError, ValueError):
+        with open(path + ".tmp", "w", encoding="utf-8") as handle:
+            json.dump(document, handle)
+        os.replace(path + ".tmp", path)
 
 
 class _TorchImportWatcher:

@@ -422,6 +422,13 @@
   // One line per row, one column per rank (several ranks per pixel when they do not
   // fit: a column then shows its most deviating rank).
   const KIND_TITLES = new Map(Object.entries({
+    collective_order: ["Collectives out of order", "1 = the rank issues another collective at the first disagreement of its process group"],
+    collective_dtype: ["Collective dtype mismatches", "1 = the rank issues the collective with another dtype"],
+    collective_size: ["Collective size mismatches", "1 = the rank issues the collective with another size"],
+    collective_reduce_op: ["Collective reduce-op mismatches", "1 = the rank issues the collective with another reduce op"],
+    collective_missing: ["Collectives skipped", "1 = the rank skips the collective the others issue"],
+    collective_extra: ["Extra collectives", "1 = the rank issues a collective the others do not"],
+    collective_group: ["Collectives on another process group", "1 = the rank issues the collective on another group"],
     collective_mismatch: ["Collectives per rank", "collectives issued per rank, by calling function"],
     rank_specific: ["Functions only some ranks ran", "1 = the rank ran it"],
     count_skew: ["Count skew", "ops per rank, by function (ranks within the threshold shown as the median)"],
@@ -643,7 +650,7 @@
     for (const g of groups) if (!kinds.includes(g.kind)) kinds.push(g.kind);
     for (const kind of Object.keys(div.per_rank)) if (!kinds.includes(kind)) kinds.push(kind);
     kinds.sort(function (a, b) { return order(a) - order(b); });
-    function order(kind) { const i = ["collective_mismatch", "rank_specific", "count_skew"].indexOf(kind); return i < 0 ? 9 : i; }
+    function order(kind) { const i = ["collective_order", "collective_dtype", "collective_size", "collective_reduce_op", "collective_missing", "collective_extra", "collective_group", "collective_mismatch", "rank_specific", "count_skew"].indexOf(kind); return i < 0 ? 9 : i; }
     for (const kind of kinds) {
       const rows = [{ label: "findings on the rank", summary: true, kind: kind, row: { expected: 0, values: div.per_rank[kind] || [] }, hay: "" }];
       groups.forEach(function (g, i) {

@@ -1,0 +1,313 @@
+"""The guard's collective check: catch a desync on the rank that causes it, before the hang.
+
+``opguard guard --collectives TRACE`` (docs/guard.md, "Collective sequences") gives
+every guarded process the collective sequences a good run recorded (a callsite trace
+with ``collectives``: the good run's ``{entry}_combined.json``; formats.md,
+"Collective sequences"). Each rank then checks every collective it is about to issue
+against the one its own rank issued at that place in the good run, **before** it is
+issued (:class:`SequenceChecker`):
+
+* the place is (step, process group, position): the n-th collective the rank issues
+  on a group within an optimizer step (steps counted as the tracer counts them). A
+  step the good run did not reach repeats the good run's last recorded step (a job
+  that repeats itself), so a 3-step recording guards a 1000-step run;
+* it compares what the divergence stage compares
+  (:meth:`~opguard_core.formats.collectives.Signature.key`: what the op does,
+  dtype, element count, shapes, reduce op; a field either side does not know is not
+  compared) and the group. A disagreement is ``collective_group`` (the collective
+  the good run issued next on another group), ``collective_order`` (one the good run
+  issued later in the step on this group: skipped or out of order; or another
+  collective), ``collective_dtype``, ``collective_size``, ``collective_reduce_op``,
+  ``collective_extra`` (more collectives on the group in the step than the good run
+  issued) or ``collective_missing`` (fewer, found when the next step starts);
+* with ``--on-violation raise`` the offending rank raises
+  :class:`~opguard_plugins.enforce.runtime.OpGuardViolation` inside the call, with
+  the stack, so the collective is never issued and no peer waits for it; ``warn``
+  logs it and lets it run.
+
+:class:`Watchdog` (``--collective-timeout SECONDS``) reports a rank that has waited
+longer than that inside one collective call (a blocking gloo collective, a
+``wait_tensor``): a ``collective_timeout`` violation with its stack and its last
+collectives, logged and written to the rank's report at once (a hung job may be
+killed before it exits). It reports; it never stops the job. A ``c10d::`` collective
+is in flight from its call until its ``Work`` completes (a callback on the work's
+future, so the time spent in ``work.wait()`` or ``dist.all_reduce``'s own wait
+counts); a call that returns no work (``_c10d_functional::wait_tensor``) while it
+runs.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from opguard_core.errors import InputError
+from opguard_core.formats.check import ERROR, Violation
+from opguard_core.formats.collectives import (
+    NOT_COLLECTIVES,
+    Collectives,
+    CollectiveSequence,
+    Signature,
+    collective_kind,
+)
+from opguard_core.formats.trace import decode_trace, read_bytes
+
+#: op namespaces whose ops the checker looks at (``func.namespace``)
+NAMESPACES = frozenset({"c10d", "_c10d_functional", "c10d_functional"})
+#: how many of its last collectives a watchdog report names
+LAST = 8
+
+#: (group name, dtype, numel, shapes, reduce op) of a call about to be issued
+Call = tuple[str, str | None, int | None, tuple[tuple[int, ...], ...] | None, str | None]
+
+
+def work_of(result: Any) -> Any:
+    """The ``Work`` a ``c10d::`` op returned (boxed in a ScriptObject), or None."""
+    import torch
+    from torch.distributed.distributed_c10d import Work
+
+    items = result if isinstance(result, tuple | list) else (result,)
+    for item in items:
+        if isinstance(item, torch.ScriptObject):
+            try:
+                return Work.unbox(item)
+            except Exception:
+                return None
+    return None
+
+
+def load_collectives(path: Path) -> Collectives:
+    """The collective sequences of a callsite trace; one-line :class:`InputError` when
+    it has none."""
+    trace = decode_trace(read_bytes(path), path)
+    if trace.collectives is None or not trace.collectives.sequences:
+        raise InputError(
+            path,
+            "has no collective sequences (record the good run with opguard trace, "
+            "then give its {entry}_combined.json from opguard run)",
+        )
+    return trace.collectives
+
+
+def describe_signature(sig: Signature, groups: list[str]) -> str:
+    """``c10d::allreduce_ float32[8] on group 0`` (``?`` where unknown)."""
+    return _text(sig.op, sig.dtype, sig.numel, groups[sig.group])
+
+
+def call_text(op: str, call: Call, step: int) -> str:
+    """``c10d::allreduce_ float32[8] on group 0 (step 3)``: a watchdog's last collectives."""
+    return f"{_text(op, call[1], call[2], call[0])} (step {step})"
+
+
+def _text(op: str, dtype: str | None, numel: int | None, group: str) -> str:
+    size = "?" if numel is None else str(numel)
+    return f"{op} {dtype or '?'}[{size}] on group {group}"
+
+
+class ExpectedSteps:
+    """One rank's expected collectives, per step and group name (:meth:`at`)."""
+
+    def __init__(self, sequence: CollectiveSequence) -> None:
+        self.sequence = sequence
+        self.groups = [g.name for g in sequence.groups]
+        self._cache: dict[int, dict[str, list[Signature]]] = {}
+
+    def run_index(self, step: int) -> int | None:
+        """The run holding ``step``; a step past every run is the last run's (the job
+        repeats itself); a step between runs (or before the first) has none."""
+        runs = self.sequence.steps
+        if not runs:
+            return None
+        for index, run in enumerate(runs):
+            if run.first <= step <= run.last:
+                return index
+        return len(runs) - 1 if step > runs[-1].last else None
+
+    def at(self, step: int) -> dict[str, list[Signature]]:
+        """Group name → the collectives the good run issued on it in ``step``, in order."""
+        index = self.run_index(step)
+        if index is None:
+            return {}
+        found = self._cache.get(index)
+        if found is None:
+            found = {}
+            signatures = self.sequence.signatures
+            for call in self.sequence.steps[index].calls:
+                sig = signatures[call]
+                if sig.op not in NOT_COLLECTIVES:
+                    found.setdefault(self.groups[sig.group], []).append(sig)
+            self._cache[index] = found
+        return found
+
+
+def _differs(expected: Any, got: Any) -> bool:
+    return expected is not None and got is not None and expected != got
+
+
+def compare(expected: Signature, op: str, call: Call) -> str | None:
+    """The kind of the first difference between a call and the expected signature on
+    the same group (None: they agree)."""
+    _, dtype, numel, shapes, reduce_op = call
+    if collective_kind(expected.op) != collective_kind(op):
+        return "collective_order"
+    if _differs(expected.dtype, dtype):
+        return "collective_dtype"
+    if _differs(expected.numel, numel) or _differs(expected.shapes, shapes):
+        return "collective_size"
+    if _differs(expected.reduce_op, reduce_op):
+        return "collective_reduce_op"
+    return None
+
+
+class SequenceChecker:
+    """Checks one process's collectives against its rank's expected sequence.
+
+    :param collectives: the good run's sequences (every rank's).
+    :param report: called with each violation and whether this call must raise.
+    """
+
+    def __init__(
+        self, collectives: Collectives, report: Callable[[Violation, str, bool], None]
+    ) -> None:
+        self.collectives = collectives
+        self.report = report
+        self.expected: ExpectedSteps | None = None
+        self.rank: int | None = None
+        self.step: int | None = None
+        self.positions: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def bind(self, rank: int) -> bool:
+        """Take ``rank``'s expected sequence; False when the good run had no such rank."""
+        self.rank = rank
+        sequence = self.collectives.by_rank().get(rank)
+        self.expected = ExpectedSteps(sequence) if sequence is not None else None
+        return self.expected is not None
+
+    def check(self, op: str, call: Call, step: int, target: str) -> None:
+        """Before ``op`` is issued (``call`` describes it) in ``step``; ``target`` is
+        its innermost caller (``module:qualname``). Reports what disagrees."""
+        expected = self.expected
+        with self._lock:
+            if step != self.step:
+                missing = self._close_step()
+                self.step, self.positions = step, {}
+            else:
+                missing = []
+            group = call[0]
+            position = self.positions.get(group, 0)
+            self.positions[group] = position + 1
+        for violation in missing:
+            self.report(violation, "", False)
+        if expected is None:
+            return
+        plan = expected.at(step)
+        on_group = plan.get(group, [])
+        got = _text(op, call[1], call[2], group)
+        where = f"collective #{position} on group {group}, step {step}"
+        if position < len(on_group) and compare(on_group[position], op, call) is None:
+            return
+        other = self._on_other_group(plan, group, op, call)
+        later = next((s for s in on_group[position + 1 :] if compare(s, op, call) is None), None)
+        if other is not None:
+            kind = "collective_group"
+            want = describe_signature(other, expected.groups)
+        elif position >= len(on_group):
+            kind = "collective_extra"
+            want = f"no more (it issued {len(on_group)} on group {group} in this step)"
+        elif later is not None:
+            kind = "collective_order"
+            want = (
+                f"{describe_signature(on_group[position], expected.groups)} first "
+                "(this one comes later: skipped or out of order)"
+            )
+        else:
+            kind = compare(on_group[position], op, call) or "collective_order"
+            want = describe_signature(on_group[position], expected.groups)
+        message = f"rank {self.rank}: {where}: issues {got} where the good run issued {want}"
+        self.report(Violation(kind, ERROR, target, [], [], message, op=op), message, True)
+
+    def _on_other_group(
+        self, plan: dict[str, list[Signature]], group: str, op: str, call: Call
+    ) -> Signature | None:
+        """The collective the good run issued next on another group, if it is this one."""
+        for name, signatures in plan.items():
+            if name == group:
+                continue
+            position = self.positions.get(name, 0)
+            if position < len(signatures) and compare(signatures[position], op, call) is None:
+                return signatures[position]
+        return None
+
+    def _close_step(self) -> list[Violation]:
+        """``collective_missing`` for each group the finished step issued too few on."""
+        if self.expected is None or self.step is None:
+            return []
+        out = []
+        for group, signatures in self.expected.at(self.step).items():
+            issued = self.positions.get(group, 0)
+            if issued < len(signatures):
+                sig = signatures[issued]
+                message = (
+                    f"rank {self.rank}: step {self.step} ended after {issued} collective(s) "
+                    f"on group {group}; the good run went on with "
+                    f"{describe_signature(sig, self.expected.groups)}"
+                )
+                out.append(Violation("collective_missing", ERROR, sig.op, [], [], message))
+        return out
+
+
+class Watchdog:
+    """Reports a collective that has not completed ``timeout`` seconds after it was
+    issued (see the module docstring): :meth:`enter` when it is issued, :meth:`leave`
+    (with the token ``enter`` gave) when it completes."""
+
+    def __init__(
+        self,
+        timeout: float,
+        report: Callable[[str, str, str, list[dict[str, Any]]], None],
+        last: Callable[[], list[str]],
+    ) -> None:
+        self.timeout = timeout
+        self.report = report
+        self.last = last
+        self._calls: dict[int, tuple[float, str, str, list[dict[str, Any]], bool]] = {}
+        self._tokens = iter(range(1 << 62))
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="opguard-watchdog", daemon=True)
+        self._thread.start()
+
+    def enter(self, op: str, target: str, stack: list[dict[str, Any]]) -> int:
+        with self._lock:
+            token = next(self._tokens)
+            self._calls[token] = (time.monotonic(), op, target, stack, False)
+        return token
+
+    def leave(self, token: int) -> None:
+        with self._lock:
+            self._calls.pop(token, None)
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _watch(self) -> None:
+        period = min(max(self.timeout / 4, 0.05), 1.0)
+        while not self._stop.wait(period):
+            now = time.monotonic()
+            due = []
+            with self._lock:
+                for token, (start, op, target, stack, told) in self._calls.items():
+                    if not told and now - start > self.timeout:
+                        self._calls[token] = (start, op, target, stack, True)
+                        due.append((now - start, op, target, stack))
+            for waited, op, target, stack in due:
+                last = "; ".join(self.last()) or "none"
+                message = (
+                    f"waited {waited:.1f} s (more than {self.timeout:g} s) in {op}; "
+                    f"its last collectives: {last}"
+                )
+                self.report(op, target, message, stack)

@@ -1,0 +1,100 @@
+"""How each guarded process tells ``opguard guard`` whether its guard did its work.
+
+``opguard guard`` makes a private directory and names it in ``$OPGUARD_GUARD_STATUS``;
+every process whose guard starts (or fails to start) writes ``{pid}.json`` there:
+
+* ``{"pid": N, "state": "failed", "error": "..."}``: the guard could not start (written
+  by the bootstrap, which may not be able to import this module, so it writes the
+  same JSON by hand);
+* ``{"pid": N, "state": "started"}``: running; a process that ends without replacing
+  it (SIGKILL, ``os._exit``) wrote no report;
+* ``{"pid": N, "state": "finished", "report": PATH or null, "error": ... or null,
+  "checked": K}``: the report was written (or could not be: ``error``), and ``K``
+  ops were checked against the config (first sights per active-entry state).
+
+torchrun's launcher, which imports torch but runs no training code, removes its
+file. ``opguard guard`` reads them all after COMMAND ended (:func:`read_statuses`)
+and exits with ``ExitCode.GUARD_FAILED`` when a guard failed, a report is missing,
+or no process checked an op. No torch, no click: the guarded process imports this.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+#: the environment variable naming the status directory
+STATUS_ENV = "OPGUARD_GUARD_STATUS"
+
+
+def _path() -> Path | None:
+    folder = os.environ.get(STATUS_ENV)
+    return Path(folder) / f"{os.getpid()}.json" if folder else None
+
+
+def write_status(state: str, **fields: Any) -> None:
+    """Write this process's status (nothing without ``$OPGUARD_GUARD_STATUS``); never raises."""
+    path = _path()
+    if path is None:
+        return
+    document = {"pid": os.getpid(), "state": state, **fields}
+    temporary = path.with_name(f".{path.name}.tmp")
+    with contextlib.suppress(OSError, TypeError, ValueError):
+        temporary.write_text(json.dumps(document))
+        os.replace(temporary, path)
+
+
+def clear_status() -> None:
+    """Remove this process's status (torchrun's launcher: it guards nothing)."""
+    path = _path()
+    if path is not None:
+        with contextlib.suppress(OSError):
+            path.unlink()
+
+
+def read_statuses(folder: Path) -> list[dict[str, Any]]:
+    """Every process's status in ``folder``, by pid; an unreadable one is a failure."""
+    found: list[dict[str, Any]] = []
+    for path in sorted(folder.glob("*.json")):
+        try:
+            document = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, ValueError) as exc:
+            document = {"state": "failed", "error": f"unreadable status {path.name}: {exc}"}
+        if not isinstance(document, dict):
+            document = {"state": "failed", "error": f"unreadable status {path.name}"}
+        document.setdefault("pid", path.stem)
+        found.append(document)
+    return found
+
+
+def problems(statuses: list[dict[str, Any]]) -> list[str]:
+    """One line per process whose guard did not do its work; then, when every guard
+    finished but none checked an op, one line saying so; and one when no process
+    started a guard at all (COMMAND never imported torch)."""
+    if not statuses:
+        return ["no process of COMMAND started the guard (did it import torch?)"]
+    lines: list[str] = []
+    checked = 0
+    for status in statuses:
+        pid, state, error = status.get("pid"), status.get("state"), status.get("error")
+        if state == "failed":
+            lines.append(f"the guard could not start in process {pid}: {error}")
+        elif state == "started":
+            lines.append(f"process {pid} ended without writing its guard report (killed?)")
+        elif error:
+            lines.append(f"process {pid} could not write its guard report: {error}")
+        else:
+            value = status.get("checked")
+            checked += value if isinstance(value, int) else 0
+    if not lines and checked == 0:
+        lines.append(
+            "the guard checked no op: no config target ran (is the config made from this "
+            "program? see each report's 'unwrapped')"
+        )
+    return lines
+
+
+__all__ = ["STATUS_ENV", "clear_status", "problems", "read_statuses", "write_status"]

@@ -1,0 +1,482 @@
+"""Divergence by collective sequence (docs/divergence.md, "Collective sequences").
+
+Every rank's collectives on a process group must match the other members' one by
+one, in order: the n-th collective a rank issues on a group pairs with the n-th of
+every other member, whatever line issued it. :func:`sequence_findings` compares the
+sequences a combined trace carries (formats.md, "Collective sequences") by position,
+per group, and reports the *first* position where the members disagree: later ones
+usually follow from it.
+
+At that position each member issues a collective (its kind, dtype, element count,
+shapes, reduce op: :meth:`~opguard_core.formats.collectives.Signature.key`) or none
+(its sequence ended). The value a strict majority of members holds is the expected
+one and the other ranks deviate; without a strict majority (always so for two ranks
+that disagree) the lowest rank's value is taken as the reference and the finding says
+``"majority": false`` with the distribution. Each deviating value is one finding,
+whose kind a short look-ahead decides: the explanation under which the two sequences
+agree longest after the position (a window of :data:`WINDOW` collectives):
+
+* ``collective_order``: the next two collectives swapped (or another collective
+  where the others issue this one);
+* ``collective_missing``: the rank skipped this collective; ``collective_extra``: it
+  issued one the others do not;
+* ``collective_dtype``, ``collective_size``, ``collective_reduce_op``: the same
+  collective with another dtype, element count/shape or reduce op;
+* ``collective_group``: a ``collective_missing`` on one group and a
+  ``collective_extra`` of the same collective, in the same step, on another group of
+  the same rank merge into one: the rank issued it on a different group.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from opguard_core.formats.collectives import (
+    NOT_COLLECTIVES,
+    Collectives,
+    CollectiveSequence,
+    Group,
+    Signature,
+    collective_kind,
+)
+from opguard_core.formats.divergence import Finding
+
+#: collectives compared after the first disagreement to tell its kind
+WINDOW = 32
+#: collectives compared one by one on a group before giving up (whole steps that
+#: agree are skipped at once; only sequences that agree call by call but split their
+#: steps differently are walked one by one)
+MAX_STEPPED = 10_000_000
+
+#: a group as divergence knows it: its name and members (several groups may share a
+#: name where ranks created groups in a different order)
+GroupId = tuple[str, tuple[int, ...]]
+#: one collective at a position: (step, signature) of one sequence
+Call = tuple[int, Signature]
+
+#: turns a signature's stack into {"target", "context", "stack"} (frame names)
+Describe = Callable[[tuple[int, ...]], dict[str, Any]]
+
+
+#: one stretch of a view: steps ``first``..``last`` each issued ``calls`` on the group
+Block = tuple[int, int, tuple[Signature, ...], tuple[Any, ...]]
+
+
+@dataclass
+class _View:
+    """One distinct sequence's collectives on one group, and the ranks that issued it:
+    its runs filtered on the group, runs with none dropped, neighbours with the same
+    keys merged (canonical, however the sequence's other groups split its runs)."""
+
+    blocks: list[Block]
+    ranks: list[int]
+    #: the position of its first call (``Group.first``: earlier ones not recorded)
+    first: int = 0
+
+    @classmethod
+    def of(cls, sequence: CollectiveSequence, group_index: int | None) -> _View:
+        blocks: list[Block] = []
+        first = sequence.groups[group_index].first if group_index is not None else 0
+        if group_index is not None:
+            signatures = sequence.signatures
+            for run in sequence.steps:
+                calls = tuple(
+                    signatures[c]
+                    for c in run.calls
+                    if signatures[c].group == group_index
+                    and signatures[c].op not in NOT_COLLECTIVES
+                )
+                if not calls:
+                    continue
+                keys = tuple(sig.key() for sig in calls)
+                if blocks and blocks[-1][1] + 1 == run.first and blocks[-1][3] == keys:
+                    first, _, before, _ = blocks[-1]
+                    blocks[-1] = (first, run.last, before, keys)
+                else:
+                    blocks.append((run.first, run.last, calls, keys))
+        return cls(blocks, [], first)
+
+    def shape(self) -> tuple[Any, ...]:
+        """What two views must share to agree."""
+        return (self.first, *((first, last, keys) for first, last, _, keys in self.blocks))
+
+
+class _Cursor:
+    """A position in a view: block, repetition (step) in it, call in that step. Moves
+    a call at a time, or whole steps at once (:meth:`skip`), so runs of millions of
+    steps are never expanded."""
+
+    __slots__ = ("block", "blocks", "call", "rep")
+
+    def __init__(self, blocks: list[Block]) -> None:
+        self.blocks = blocks
+        self.block = self.rep = self.call = 0
+
+    def copy(self) -> _Cursor:
+        other = _Cursor(self.blocks)
+        other.block, other.rep, other.call = self.block, self.rep, self.call
+        return other
+
+    def current(self) -> Block | None:
+        return self.blocks[self.block] if self.block < len(self.blocks) else None
+
+    def peek(self) -> Call | None:
+        block = self.current()
+        if block is None:
+            return None
+        return block[0] + self.rep, block[2][self.call]
+
+    def key(self) -> Any:
+        block = self.current()
+        return None if block is None else block[3][self.call]
+
+    def advance(self) -> None:
+        block = self.blocks[self.block]
+        self.call += 1
+        if self.call == len(block[2]):
+            self.skip(1)
+
+    def reps_left(self) -> int:
+        block = self.blocks[self.block]
+        return block[1] - block[0] + 1 - self.rep
+
+    def skip(self, reps: int) -> None:
+        """Skip ``reps`` whole steps from the start of one (at most those left)."""
+        first, last = self.blocks[self.block][:2]
+        self.call = 0
+        self.rep += reps
+        if self.rep > last - first:  # the block is done
+            self.block += 1
+            self.rep = 0
+
+    def window(self, size: int) -> list[Call]:
+        cursor, out = self.copy(), list[Call]()
+        while len(out) < size and (call := cursor.peek()) is not None:
+            out.append(call)
+            cursor.advance()
+        return out
+
+
+def _group_id(group: Group) -> GroupId:
+    return (group.name, tuple(group.ranks))
+
+
+def sequence_findings(collectives: Collectives, describe: Describe) -> list[Finding]:
+    """The first disagreement on every process group (module docstring)."""
+    by_rank = collectives.by_rank()
+    groups: dict[GroupId, Group] = {}
+    #: per group: each sequence that used it, with the group's index there
+    users: dict[GroupId, dict[int, int]] = {}
+    for seq in collectives.sequences:
+        for index, group in enumerate(seq.groups):
+            gid = _group_id(group)
+            groups.setdefault(gid, group)
+            users.setdefault(gid, {})[id(seq)] = index
+    findings: list[Finding] = []
+    for gid in sorted(groups, key=lambda g: (_name_order(g[0]), g)):
+        group = groups[gid]
+        used = users[gid]
+        members = {r for r in group.ranks if r in by_rank}
+        members.update(r for seq in collectives.sequences if id(seq) in used for r in seq.ranks)
+        if len(members) < 2:
+            continue
+        views: dict[int, _View] = {}
+        for rank in sorted(members):
+            seq = by_rank[rank]
+            view = views.get(id(seq))
+            if view is None:
+                view = views[id(seq)] = _View.of(seq, used.get(id(seq)))
+            view.ranks.append(rank)
+        classes: dict[tuple[Any, ...], list[_View]] = {}
+        for view in views.values():
+            classes.setdefault(view.shape(), []).append(view)
+        if len(classes) < 2:
+            continue
+        findings.extend(_first_disagreement(group, list(classes.values()), describe))
+    return _merge_groups(findings)
+
+
+def _name_order(name: str) -> tuple[int, str]:
+    return (int(name), "") if name.isdigit() else (1 << 62, name)
+
+
+def _advance_by(cursor: _Cursor, calls: int) -> None:
+    """Move ``cursor`` on by ``calls`` calls, whole steps at once where it can."""
+    while calls > 0 and (block := cursor.current()) is not None:
+        per = len(block[2])
+        if cursor.call == 0 and calls >= per:
+            reps = min(cursor.reps_left(), calls // per)
+            cursor.skip(reps)
+            calls -= reps * per
+        else:
+            cursor.advance()
+            calls -= 1
+
+
+def _first_disagreement(
+    group: Group, classes: list[list[_View]], describe: Describe
+) -> list[Finding]:
+    """Findings at the first position where ``classes`` (views that agree) differ."""
+    cursors = [_Cursor(views[0].blocks) for views in classes]
+    ranks_of = [sorted(r for v in views for r in v.ranks) for views in classes]
+    # a view that starts later (its first calls not recorded) is compared from there:
+    # the others skip their calls before it
+    position = max(views[0].first for views in classes)
+    for views, cursor in zip(classes, cursors, strict=True):
+        _advance_by(cursor, position - views[0].first)
+    stepped = 0
+    while True:
+        blocks = [c.current() for c in cursors]
+        if (
+            all(c.call == 0 for c in cursors)
+            and all(b is not None for b in blocks)
+            and len({b[3] for b in blocks if b is not None}) == 1
+        ):  # every class at the start of a step with the same calls: skip whole steps
+            reps = min(c.reps_left() for c in cursors)
+            for cursor in cursors:
+                cursor.skip(reps)
+            position += reps * len(blocks[0][3]) if blocks[0] is not None else 0
+            continue
+        keys = [c.key() for c in cursors]
+        if len(set(keys)) > 1:
+            break
+        if keys[0] is None:  # all ended together: they differ in step numbers only
+            return []
+        for cursor in cursors:
+            cursor.advance()
+        position += 1
+        stepped += 1
+        if stepped > MAX_STEPPED:
+            return []
+    here = [c.peek() for c in cursors]
+    # the distribution at the position: key -> ranks
+    distribution: dict[Any, list[int]] = {}
+    for key, ranks in zip(keys, ranks_of, strict=True):
+        distribution.setdefault(key, []).extend(ranks)
+    total = sum(len(r) for r in distribution.values())
+    winner = max(distribution, key=lambda k: len(distribution[k]))
+    majority = 2 * len(distribution[winner]) > total
+    if not majority:  # the lowest rank's value is the reference
+        winner = min(distribution, key=lambda k: min(distribution[k]))
+    reference = next(i for i, key in enumerate(keys) if key == winner)
+    expected_window = cursors[reference].window(WINDOW + 2)
+    shown = [
+        {"value": _text(here[keys.index(key)]), "ranks": sorted(ranks)}
+        for key, ranks in sorted(distribution.items(), key=lambda kv: min(kv[1]))
+    ]
+    findings = []
+    done: set[Any] = set()
+    for index, key in enumerate(keys):
+        if key == winner or key in done:
+            continue
+        done.add(key)
+        got_window = cursors[index].window(WINDOW + 2)
+        kind = _kind(expected_window, got_window)
+        findings.append(
+            _finding(
+                kind,
+                group,
+                position,
+                expected_window[0] if expected_window else None,
+                got_window[0] if got_window else None,
+                sorted(distribution[key]),
+                sorted(distribution[winner]),
+                majority,
+                shown,
+                describe,
+            )
+        )
+    return findings
+
+
+def _kind(expected: list[Call], got: list[Call]) -> str:
+    """What explains the disagreement at ``expected[0]`` / ``got[0]`` best."""
+    if not got:
+        return "collective_missing"
+    if not expected:
+        return "collective_extra"
+    exp = [s.key() for _, s in expected]
+    have = [s.key() for _, s in got]
+    e, g = expected[0][1], got[0][1]
+
+    def agree(a: list[Any], b: list[Any]) -> int:
+        count = 0
+        for x, y in zip(a, b, strict=False):
+            if x != y:
+                return count
+            count += 1
+        return count + (WINDOW if len(a) == len(b) else 0)  # both end: as good as it gets
+
+    same = collective_kind(e.op) == collective_kind(g.op)
+    scores = {
+        "substitute": agree(exp[1:], have[1:]),
+        "collective_order": (
+            agree(exp[2:], have[2:]) + 2
+            if len(exp) > 1 and len(have) > 1 and exp[0] == have[1] and exp[1] == have[0]
+            else -1
+        ),
+        "collective_missing": agree(exp[1:], have) if exp[1:2] == have[:1] else -1,
+        "collective_extra": agree(exp, have[1:]) if have[1:2] == exp[:1] else -1,
+    }
+    order = ["substitute", "collective_order", "collective_missing", "collective_extra"]
+    if not same:  # another collective: a substitution only where nothing else explains it
+        order = [*order[1:], "substitute"]
+    best = max(order, key=lambda name: (scores[name], -order.index(name)))
+    if best != "substitute":
+        return best
+    if not same:
+        return "collective_order"
+    if e.dtype != g.dtype:
+        return "collective_dtype"
+    if e.numel != g.numel or e.shapes != g.shapes:
+        return "collective_size"
+    return "collective_reduce_op"
+
+
+def _signature_doc(call: Call | None, group: Group) -> dict[str, Any] | None:
+    if call is None:
+        return None
+    step, sig = call
+    return {
+        "op": sig.op,
+        "dtype": sig.dtype,
+        "numel": sig.numel,
+        "shapes": [list(shape) for shape in sig.shapes] if sig.shapes is not None else None,
+        "reduce_op": sig.reduce_op,
+        "group": group.name,
+        "step": step,
+    }
+
+
+def _text(call: Call | None) -> str:
+    """A collective as a person reads it: ``c10d::allreduce_ float32[6] sum``."""
+    if call is None:
+        return "no collective (its sequence ended)"
+    sig = call[1]
+    if sig.shapes is None:
+        shape = f"({sig.numel} elements)" if sig.numel is not None else ""
+    else:
+        shape = ",".join("[" + ",".join(map(str, s)) + "]" for s in sig.shapes)
+    parts = [sig.op, f"{sig.dtype or '?'}{shape}"]
+    if sig.reduce_op:
+        parts.append(sig.reduce_op)
+    return " ".join(parts)
+
+
+_WHAT = {
+    "collective_order": "another collective at this position (out of order)",
+    "collective_dtype": "another dtype",
+    "collective_size": "another size",
+    "collective_reduce_op": "another reduce op",
+}
+
+
+def _finding(
+    kind: str,
+    group: Group,
+    position: int,
+    expected: Call | None,
+    got: Call | None,
+    ranks: list[int],
+    expected_ranks: list[int],
+    majority: bool,
+    distribution: list[dict[str, Any]],
+    describe: Describe,
+) -> Finding:
+    where_got = describe(got[1].stack) if got is not None else None
+    where_expected = describe(expected[1].stack) if expected is not None else None
+    where = where_got or where_expected or {"target": "<root>", "context": [], "stack": []}
+    op = (got or expected or (0, None))[1]
+    step = (got or expected or (None, None))[0]
+    label = f"group {group.name}" + (f" ({group.desc})" if group.desc else "")
+    rank_text = ", ".join(map(str, ranks[:8])) + (" …" if len(ranks) > 8 else "")
+    them = (
+        "most ranks"
+        if majority
+        else f"rank {expected_ranks[0]} (no majority: the lowest rank is the reference)"
+    )
+    head = f"collective #{position} on {label}, step {step}: rank(s) {rank_text}"
+    if kind == "collective_missing":
+        then = f"issue {_text(got)} next" if got is not None else "issue no further collective"
+        message = f"{head} skip {_text(expected)}, which {them} issue(s) here; they {then}"
+    elif kind == "collective_extra":
+        then = f"issue(s) {_text(expected)} here" if expected is not None else "issue(s) none"
+        message = f"{head} issue {_text(got)}, which {them} do(es) not: {them} {then}"
+    else:
+        message = (
+            f"{head} issue {_text(got)} where {them} issue(s) {_text(expected)}: {_WHAT[kind]}"
+        )
+    message += "; the job hangs here or computes wrong values"
+    return {
+        "kind": kind,
+        "severity": "error",
+        "ranks": ranks,
+        "op": op.op if op is not None else None,
+        "group": {
+            "name": group.name,
+            "desc": group.desc,
+            "size": group.size,
+            "ranks": list(group.ranks),
+        },
+        "position": position,
+        "step": step,
+        "expected": _signature_doc(expected, group),
+        "got": _signature_doc(got, group),
+        "expected_ranks": expected_ranks,
+        "majority": majority,
+        "distribution": distribution,
+        "target": where["target"],
+        "context": where["context"],
+        "stack": where_got["stack"] if where_got else [],
+        "expected_stack": where_expected["stack"] if where_expected else [],
+        "size": len(ranks),
+        "message": message,
+    }
+
+
+def _merge_groups(findings: list[Finding]) -> list[Finding]:
+    """A rank's ``collective_missing`` on one group and ``collective_extra`` of the
+    same collective in the same step on another: one ``collective_group`` finding."""
+    extras = [f for f in findings if f["kind"] == "collective_extra"]
+    merged: list[Finding] = []
+    used: set[int] = set()
+    for finding in findings:
+        if finding["kind"] != "collective_missing" or finding["expected"] is None:
+            continue
+        want = {k: v for k, v in finding["expected"].items() if k != "group"}
+        for extra in extras:
+            if id(extra) in used or extra["got"] is None:
+                continue
+            have = {k: v for k, v in extra["got"].items() if k != "group"}
+            if have == want and extra["ranks"] == finding["ranks"]:
+                used.update((id(extra), id(finding)))
+                merged.append(_group_finding(finding, extra))
+                break
+    return [f for f in findings if id(f) not in used] + merged
+
+
+def _group_finding(missing: Finding, extra: Finding) -> Finding:
+    expected, got = missing["expected"], extra["got"]
+    group, other = missing["group"], extra["group"]
+    ranks = missing["ranks"]
+    rank_text = ", ".join(map(str, ranks[:8])) + (" …" if len(ranks) > 8 else "")
+    return {
+        **missing,
+        "kind": "collective_group",
+        "got": got,
+        "other_group": other,
+        "stack": extra["stack"],
+        "target": extra["target"],
+        "context": extra["context"],
+        "message": (
+            f"collective #{missing['position']} on group {group['name']}"
+            f"{' (' + group['desc'] + ')' if group['desc'] else ''}, step {missing['step']}: "
+            f"rank(s) {rank_text} issue {expected['op']} {expected['dtype']}"
+            f"{''.join(str(s) for s in expected['shapes'] or []).replace(' ', '')} on group "
+            f"{other['name']} (ranks {other['ranks']}) where the others issue it on "
+            f"group {group['name']} (ranks {group['ranks']}): a different process group; "
+            "the job hangs here"
+        ),
+    }

@@ -1,0 +1,513 @@
+"""Collective sequences: the format (formats.md, "Collective sequences"), combine's
+carrying them, and divergence comparing them by position (docs/divergence.md).
+
+Hand-made traces here; the real 2-rank gloo jobs under torchrun are the slow tests at
+the end (tests/data/desync/desync_job.py).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from opguard_core.combine.accumulator import TraceAccumulator
+from opguard_core.errors import InputError
+from opguard_core.formats.collectives import (
+    Collectives,
+    CollectiveSequence,
+    Group,
+    Signature,
+    StepRecorder,
+    StepRun,
+    collective_kind,
+)
+from opguard_core.formats.trace import decode_trace, encode_trace, load_trace
+from tests.builders import write
+
+REPO = Path(__file__).resolve().parent.parent
+DESYNC = REPO / "tests" / "data" / "desync"
+
+WORLD = {"name": "0", "desc": "default_pg", "size": 2, "ranks": [0, 1]}
+
+#: one collective: (step, op, dtype, numel, line); group "0" unless a 6th item names one
+Call = tuple[Any, ...]
+
+
+def rank_doc(
+    rank: int,
+    calls: list[Call],
+    groups: list[dict[str, Any]] | None = None,
+    world_size: int = 2,
+) -> dict[str, Any]:
+    """A version-6 rank file whose collectives are ``calls``, in order."""
+    groups = [dict(g) for g in (groups or [WORLD])]
+    names = [g["name"] for g in groups]
+    frames = [{"file": "job.py", "line": 1, "function": "main", "qualname": "main",
+               "module": "job"}]  # fmt: skip
+    lines: dict[int, int] = {}
+    signatures: list[dict[str, Any]] = []
+    sig_ids: dict[str, int] = {}
+    steps: list[list[Any]] = []
+    counts: dict[tuple[int, str], int] = {}
+    for call in calls:
+        step, op, dtype, numel, line = call[:5]
+        group = names.index(call[5]) if len(call) > 5 else 0
+        if line not in lines:
+            lines[line] = len(frames)
+            frames.append({"file": "job.py", "line": line, "function": "step",
+                           "qualname": "step", "module": "job"})  # fmt: skip
+        reduce_op = "sum" if "reduce" in op else None
+        sig = {"op": op, "group": group, "dtype": dtype, "numel": numel, "shapes": [[numel]],
+               "reduce_op": reduce_op, "stack": [0, lines[line]]}  # fmt: skip
+        key = json.dumps(sig)
+        if key not in sig_ids:
+            sig_ids[key] = len(signatures)
+            signatures.append(sig)
+        if steps and steps[-1][0] == step:
+            steps[-1][2].append(sig_ids[key])
+        else:
+            steps.append([step, step, [sig_ids[key]]])
+        counts[(lines[line], op)] = counts.get((lines[line], op), 0) + 1
+    callsites = [{"stack": [0, frame], "op": op, "stream": 0, "role": "comm", "count": n}
+                 for (frame, op), n in sorted(counts.items())]  # fmt: skip
+    callsites.append({"stack": [0], "op": "aten::add", "stream": 0, "role": "compute",
+                      "count": 1})  # fmt: skip
+    return {
+        "format": "opguard-callsites",
+        "version": 6,
+        "meta": {"rank": rank, "world_size": world_size},
+        "frames": frames,
+        "callsites": callsites,
+        "collectives": {"sequences": [{"ranks": [rank], "groups": groups,
+                                       "signatures": signatures, "steps": steps}]},
+    }  # fmt: skip
+
+
+AR = "c10d::allreduce_"
+
+
+def good(line_a: int = 10, line_b: int = 11, steps: int = 3) -> list[Call]:
+    """Each step: all_reduce a (float32, 6) then b (float32, 8)."""
+    calls: list[Call] = []
+    for step in range(steps):
+        calls += [(step, AR, "float32", 6, line_a), (step, AR, "float32", 8, line_b)]
+    return calls
+
+
+def replace_step(calls: list[Call], step: int, new: list[Call]) -> list[Call]:
+    return [c for c in calls if c[0] < step] + new + [c for c in calls if c[0] > step]
+
+
+def run_docs(
+    opguard: Callable[..., Any], tmp_path: Path, *docs: dict[str, Any], expect: int = 4
+) -> dict[str, Any]:
+    for doc in docs:
+        write(tmp_path / f"job_rank{doc['meta']['rank']}.json", doc)
+    run = opguard("run", "-i", str(tmp_path / "job_rank*.json"), "--fail-on-divergence",
+                  expect=expect)  # fmt: skip
+    result: dict[str, Any] = json.loads(run.read("job_divergence.json"))
+    result["log"] = run.read("job_divergence.log")
+    return result
+
+
+def collective_findings(doc: dict[str, Any]) -> list[dict[str, Any]]:
+    return [f for f in doc["findings"] if f["kind"].startswith("collective_")]
+
+
+# ----------------------------------------------------------------------------- format
+
+
+def test_a_sequence_round_trips_and_steps_run_length_encode() -> None:
+    recorder = StepRecorder()
+    for step in range(1000):
+        recorder.add(step, 0)
+        recorder.add(step, 1)
+    recorder.add(1000, 1)
+    runs = recorder.finish()
+    assert runs == [StepRun(0, 999, (0, 1)), StepRun(1000, 1000, (1,))]
+    seq = CollectiveSequence(
+        ranks=[0],
+        groups=[Group(name="0", desc="default_pg", size=2, ranks=(0, 1))],
+        signatures=[
+            Signature(op=AR, group=0, dtype="float32", numel=6, shapes=((6,),), stack=(0,)),
+            Signature(op="_c10d_functional::all_reduce", group=0, stack=(0,)),
+        ],
+        steps=runs,
+    )
+    frames = decode_trace(json.dumps(rank_doc(0, good())).encode(), "x_rank0.json").frames
+    data = encode_trace({"rank": 0}, frames, [], collectives=Collectives(sequences=[seq]))
+    back = decode_trace(data, "x_rank0.json")
+    assert back.collectives == Collectives(sequences=[seq])
+    assert back.collectives.sequences[0].count() == 2001
+    assert collective_kind(AR) == collective_kind("_c10d_functional::all_reduce") == "allreduce"
+
+
+def test_old_traces_read_without_a_sequence(tmp_path: Path) -> None:
+    doc = rank_doc(0, good())
+    del doc["collectives"]
+    doc["version"] = 4
+    assert load_trace(write(tmp_path / "old_rank0.json", doc)).collectives is None
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (lambda s: s["signatures"][0].update(group=5), "signatures[0].group is 5"),
+        (lambda s: s["signatures"][0].update(stack=[0, 99]), "refers to frame 99"),
+        (lambda s: s["steps"].append([0, 0, [0]]), "steps[3] is out of order"),
+        (lambda s: s["steps"][0][2].append(7), "refers to signature 7"),
+        (lambda s: s.update(ranks=[3]), "ranks has rank 3, not one of the trace's"),
+        (lambda s: s["groups"][0].update(size=3), "has size 3 but 2 ranks"),
+    ],
+)
+def test_a_bad_sequence_is_refused_in_one_line(
+    opguard: Callable[..., Any], tmp_path: Path, change: Any, message: str
+) -> None:
+    doc = rank_doc(0, good())
+    change(doc["collectives"]["sequences"][0])
+    path = write(tmp_path / "bad_rank0.json", doc)
+    with pytest.raises(InputError, match=re.escape(message)):
+        load_trace(path)
+    write(tmp_path / "bad_rank1.json", rank_doc(1, good()))
+    run = opguard("run", "-i", str(tmp_path / "bad_rank*.json"))
+    assert run.exit_code != 0
+    assert message in run.stderr and "Traceback" not in run.stderr
+
+
+# ----------------------------------------------------------------------------- combine
+
+
+def test_combine_keeps_one_sequence_for_ranks_that_agree(tmp_path: Path) -> None:
+    """64 ranks issuing the same sequence cost one sequence; a rank that differs costs
+    one more; every way of folding gives the same bytes."""
+    paths = [write(tmp_path / f"j_rank{r}.json", rank_doc(r, good())) for r in range(64)]
+    odd = replace_step(good(), 1, [(1, AR, "int32", 6, 10), (1, AR, "float32", 8, 11)])
+    paths.append(write(tmp_path / "j_rank64.json", rank_doc(64, odd)))
+    whole = TraceAccumulator()
+    for path in paths:
+        whole.add_file(path)
+    result = whole.result()
+    assert result.collectives is not None
+    assert [s.ranks for s in result.collectives.sequences] == [list(range(64)), [64]]
+    halves = [TraceAccumulator(), TraceAccumulator()]
+    for index, path in enumerate(reversed(paths)):
+        halves[index % 2].add(load_trace(path))  # msgspec's path, other order
+    halves[1].update(halves[0])
+    assert halves[1].result().to_json() == result.to_json()
+    again = TraceAccumulator()  # a combined trace read back
+    again.add(decode_trace(result.to_json(), "j_combined.json"))
+    assert again.result().to_json() == result.to_json()
+
+
+def test_a_rank_whose_sequence_comes_twice_drops_the_sequences(tmp_path: Path) -> None:
+    accumulator = TraceAccumulator()
+    accumulator.add_file(write(tmp_path / "a_rank0.json", rank_doc(0, good())))
+    accumulator.add_file(write(tmp_path / "b_rank0.json", rank_doc(0, good(12))))
+    assert accumulator.result().collectives is None
+
+
+# ----------------------------------------------------------------------------- divergence
+
+
+def test_ranks_issuing_the_same_sequence_from_other_lines_agree(
+    opguard: Callable[..., Any], tmp_path: Path
+) -> None:
+    doc = run_docs(opguard, tmp_path, rank_doc(0, good(10, 11)), rank_doc(1, good(20, 21)),
+                   expect=0)  # fmt: skip
+    assert collective_findings(doc) == []
+    assert doc["meta"]["sequence_ranks"] == [0, 1]
+    assert "compared by position" in doc["log"]
+
+
+@pytest.mark.parametrize(
+    ("step1", "kind"),
+    [
+        ([(1, AR, "float32", 8, 11), (1, AR, "float32", 6, 10)], "collective_order"),
+        ([(1, AR, "int32", 6, 10), (1, AR, "float32", 8, 11)], "collective_dtype"),
+        ([(1, AR, "float32", 7, 10), (1, AR, "float32", 8, 11)], "collective_size"),
+        ([(1, AR, "float32", 8, 11)], "collective_missing"),
+        (
+            [
+                (1, AR, "float32", 6, 10),
+                (1, "c10d::broadcast_", "float32", 6, 12),
+                (1, AR, "float32", 8, 11),
+            ],
+            "collective_extra",
+        ),
+    ],
+)
+def test_each_kind_of_disagreement_names_the_culprit(
+    opguard: Callable[..., Any], tmp_path: Path, step1: list[Call], kind: str
+) -> None:
+    """Three ranks, rank 2 departs in step 1: a strict majority names rank 2, at
+    position 2 of the default group (step 1's first collective), in step 1."""
+    world = {**WORLD, "size": 3, "ranks": [0, 1, 2]}
+    docs = [rank_doc(r, good(), [world], 3) for r in (0, 1)]
+    docs.append(rank_doc(2, replace_step(good(), 1, step1), [world], 3))
+    found = collective_findings(run_docs(opguard, tmp_path, *docs))
+    assert len(found) == 1, found
+    finding = found[0]
+    assert finding["kind"] == kind and finding["severity"] == "error"
+    assert finding["ranks"] == [2] and finding["expected_ranks"] == [0, 1]
+    assert finding["majority"] is True
+    # an extra collective comes after step 1's first (a), the others replace it
+    assert (finding["position"], finding["step"]) == (3 if kind == "collective_extra" else 2, 1)
+    assert finding["group"]["name"] == "0" and finding["group"]["ranks"] == [0, 1, 2]
+    if kind != "collective_extra":
+        assert finding["expected"]["dtype"] == "float32" and finding["expected"]["numel"] == 6
+        assert any("job.py:10" in frame for frame in finding["expected_stack"])
+    if kind == "collective_dtype":
+        assert finding["got"]["dtype"] == "int32"
+    if kind == "collective_size":
+        assert finding["got"]["numel"] == 7
+    if kind == "collective_extra":
+        assert finding["got"]["op"] == "c10d::broadcast_"
+
+
+def test_two_ranks_have_no_majority_and_say_so(opguard: Callable[..., Any], tmp_path: Path) -> None:
+    odd = replace_step(good(), 1, [(1, AR, "int32", 6, 10), (1, AR, "float32", 8, 11)])
+    doc = run_docs(opguard, tmp_path, rank_doc(0, good()), rank_doc(1, odd))
+    (finding,) = collective_findings(doc)
+    assert finding["kind"] == "collective_dtype" and finding["majority"] is False
+    assert finding["ranks"] == [1] and finding["expected_ranks"] == [0]
+    assert [d["ranks"] for d in finding["distribution"]] == [[0], [1]]
+    assert "int32[6]" in finding["distribution"][1]["value"]
+    assert "no majority" in doc["log"]
+
+
+def test_a_collective_on_another_group_is_one_group_finding(
+    opguard: Callable[..., Any], tmp_path: Path
+) -> None:
+    other = {"name": "1", "desc": None, "size": 2, "ranks": [0, 1]}
+    odd = replace_step(good(), 1, [(1, AR, "float32", 6, 10, "1"), (1, AR, "float32", 8, 11)])
+    doc = run_docs(opguard, tmp_path, rank_doc(0, good(), [WORLD, other]),
+                   rank_doc(1, odd, [WORLD, other]))  # fmt: skip
+    (finding,) = collective_findings(doc)
+    assert finding["kind"] == "collective_group" and finding["ranks"] == [1]
+    assert finding["group"]["name"] == "0" and finding["other_group"]["name"] == "1"
+    assert finding["step"] == 1
+
+
+def test_only_the_first_disagreement_per_group_is_reported(
+    opguard: Callable[..., Any], tmp_path: Path
+) -> None:
+    odd = [(s, AR, "int32", 6, 10) if s >= 1 and n == 6 else (s, AR, "float32", n, line)
+           for s, _, _, n, line in good(steps=50)]  # fmt: skip
+    doc = run_docs(opguard, tmp_path, rank_doc(0, good(steps=50)), rank_doc(1, odd))
+    assert len(collective_findings(doc)) == 1
+
+
+def test_runs_are_compared_without_expanding_them(
+    opguard: Callable[..., Any], tmp_path: Path
+) -> None:
+    """A run of 10**15 identical steps costs one comparison: the disagreement after
+    it is found at once, with its position and step."""
+    last = 10**15
+    docs = [rank_doc(r, good(steps=2)) for r in (0, 1)]
+    for doc in docs:
+        seq = doc["collectives"]["sequences"][0]
+        seq["steps"] = [[0, last, [0, 1]]]
+    docs[1]["collectives"]["sequences"][0]["signatures"].append(
+        {**docs[1]["collectives"]["sequences"][0]["signatures"][1], "dtype": "int32"}
+    )
+    docs[0]["collectives"]["sequences"][0]["steps"].append([last + 1, last + 1, [1]])
+    docs[1]["collectives"]["sequences"][0]["steps"].append([last + 1, last + 1, [2]])
+    (finding,) = collective_findings(run_docs(opguard, tmp_path, *docs))
+    assert finding["kind"] == "collective_dtype"
+    assert (finding["position"], finding["step"]) == (2 * (last + 1), last + 1)
+
+
+def test_a_reduce_op_mismatch_is_its_own_kind(opguard: Callable[..., Any], tmp_path: Path) -> None:
+    docs = [rank_doc(r, good()) for r in (0, 1)]
+    docs[1]["collectives"]["sequences"][0]["signatures"].append(
+        {**docs[1]["collectives"]["sequences"][0]["signatures"][0], "reduce_op": "max"}
+    )
+    docs[1]["collectives"]["sequences"][0]["steps"][1][2][0] = 2
+    (finding,) = collective_findings(run_docs(opguard, tmp_path, *docs))
+    assert finding["kind"] == "collective_reduce_op" and finding["got"]["reduce_op"] == "max"
+
+
+def test_without_sequences_collectives_are_compared_by_count(
+    opguard: Callable[..., Any], tmp_path: Path
+) -> None:
+    """An old trace (version 4, no sequence): the count-based finding stays."""
+    docs = [rank_doc(0, good()), rank_doc(1, good(steps=2))]
+    for doc in docs:
+        del doc["collectives"]
+        doc["version"] = 4
+    doc = run_docs(opguard, tmp_path, *docs)
+    assert {f["kind"] for f in collective_findings(doc)} == {"collective_mismatch"}
+    assert doc["meta"]["sequence_ranks"] == []
+    assert "compared by count" in doc["log"]
+
+
+def test_ranks_without_a_sequence_are_counted_and_named(
+    opguard: Callable[..., Any], tmp_path: Path
+) -> None:
+    """Rank 1's trace is older (no sequence) and issued fewer collectives: the count
+    finding stays, and the log names the rank whose sequence is missing."""
+    old = rank_doc(1, good(steps=2))
+    del old["collectives"]
+    old["version"] = 4
+    doc = run_docs(opguard, tmp_path, rank_doc(0, good()), old)
+    assert doc["meta"]["sequence_ranks"] == [0]
+    assert {f["kind"] for f in collective_findings(doc)} == {"collective_mismatch"}
+    assert "rank(s) 1 recorded no collective sequence" in doc["log"]
+
+
+# ----------------------------------------------------------------------------- tracer
+
+_CUSTOM_OP: list[Any] = []
+
+
+def custom_gather() -> Any:
+    """A custom op whose kernel issues an all-gather (registered once per process)."""
+    if not _CUSTOM_OP:
+        import torch
+        import torch.distributed as dist
+
+        def gather(x: Any) -> Any:
+            out = torch.empty(x.numel() * dist.get_world_size(), dtype=x.dtype)
+            dist.all_gather_into_tensor(out, x)
+            return out
+
+        # the schema is given: annotations are strings here (``from __future__``)
+        op = torch.library.custom_op(
+            "opguard_test::gather", gather, mutates_args=(), schema="(Tensor x) -> Tensor"
+        )
+        _CUSTOM_OP.append(op)
+    return _CUSTOM_OP[0]
+
+
+@pytest.mark.torch
+@pytest.mark.parametrize("accelerated", [True, False])
+def test_the_tracer_records_the_sequence(tmp_path: Path, accelerated: bool) -> None:
+    """One-rank gloo group: c10d, functional and nested collectives, by step, with
+    group, dtype, shapes and reduce op; the C path and the Python path agree."""
+    torch = pytest.importorskip("torch")
+    import torch.distributed as dist
+    import torch.distributed._functional_collectives as funcol
+
+    from opguard_plugins.record.tracer import CallsiteRecorder, CallsiteTracer
+
+    gather = custom_gather()
+    dist.init_process_group(
+        "gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1
+    )
+    try:
+        tracer = CallsiteTracer(label="seq", output_dir=tmp_path)
+        tracer.recorder = CallsiteRecorder(accelerated=accelerated)
+        model = torch.nn.Linear(2, 2)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        tracer.start()
+        try:
+            for _ in range(3):
+                dist.all_reduce(torch.ones(6), op=dist.ReduceOp.MAX)
+                funcol.all_reduce(torch.ones(2, 3, dtype=torch.int32), "sum", dist.group.WORLD)
+                gather(torch.ones(3))
+                model(torch.ones(1, 2)).sum().backward()
+                opt.step()
+            dist.broadcast(torch.ones(4), 0)
+        finally:
+            tracer.stop()
+        trace = load_trace(tracer.write())
+    finally:
+        dist.destroy_process_group()
+    assert trace.collectives is not None
+    (seq,) = trace.collectives.sequences
+    assert seq.ranks == [0]
+    assert [(g.name, g.desc, g.size, g.ranks) for g in seq.groups] == [("0", "default_pg", 1, (0,))]
+    described = [(s.op, s.dtype, s.numel, s.shapes, s.reduce_op) for s in seq.signatures]
+    assert described == [
+        ("c10d::allreduce_", "float32", 6, ((6,),), "max"),
+        ("_c10d_functional::all_reduce", "int32", 6, ((2, 3),), "sum"),
+        ("c10d::_allgather_base_", "float32", 3, ((3,),), None),
+        ("c10d::broadcast_", "float32", 4, ((4,),), None),
+    ]
+    assert [(r.first, r.last, r.calls) for r in seq.steps] == [(0, 2, (0, 1, 2)), (3, 3, (3,))]
+    frames = trace.frames
+    nested = seq.signatures[2].stack
+    assert any(frames[f].function == "gather" for f in nested)  # the kernel's own frame
+    assert not any(frames[f].file.endswith("collectives.py") for f in nested)
+
+
+# ----------------------------------------------------------------------------- live
+
+
+CASES = {
+    "order": "collective_order",
+    "dtype": "collective_dtype",
+    "size": "collective_size",
+    "skip": "collective_missing",
+    "group": "collective_group",
+    "funcol": "collective_dtype",
+    "nested": "collective_dtype",
+    "lines": None,
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_a_real_two_rank_gloo_job(case: str, tmp_path: Path) -> None:
+    """``opguard trace`` a 2-rank gloo job under torchrun whose rank 1 departs in step
+    1 (tests/data/desync/desync_job.py), then ``opguard run --fail-on-divergence``."""
+    pytest.importorskip("torch")
+    out = tmp_path / "traces"
+    proc = subprocess.run(
+        [sys.executable, "-m", "opguard_core.cli.app", "trace", "--label", "desync",
+         "--output-dir", str(out), "--", sys.executable, "-m", "torch.distributed.run",
+         "--nproc-per-node", "2", str(DESYNC / "desync_job.py"), "--case", case,
+         "--timeout", "2"],
+        capture_output=True, text=True, timeout=120, cwd=REPO,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run = subprocess.run(
+        [sys.executable, "-m", "opguard_core.cli.app", "run", "-i",
+         str(out / "desync_callsite_rank*.json"), "--output-base", str(tmp_path / "runs"),
+         "--fail-on-divergence"],
+        capture_output=True, text=True, timeout=120, cwd=REPO,
+    )  # fmt: skip
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    doc = json.loads((run_dir / "desync_callsite_divergence.json").read_text())
+    found = collective_findings(doc)
+    kind = CASES[case]
+    if kind is None:
+        assert found == [] and run.returncode == 0, run.stderr
+        return
+    assert run.returncode == 4, run.stderr
+    assert [f["kind"] for f in found] == [kind]
+    finding = found[0]
+    assert finding["ranks"] == [1] and finding["expected_ranks"] == [0]
+    assert (finding["step"], finding["position"]) == (1, 2)
+    assert finding["group"]["name"] == "0" and finding["group"]["desc"] == "default_pg"
+    op = {"funcol": "_c10d_functional::all_reduce", "nested": "c10d::_allgather_base_"}
+    assert finding["op"] == op.get(case, "c10d::allreduce_")
+    assert finding["stack"] and finding["expected_stack"]
+
+
+@pytest.mark.slow  # runs a torch program twice
+def test_the_sequence_does_not_grow_with_steps() -> None:
+    """``benchmarks/sequence_memory.py``: a job repeating 10 or 2000 steps records the
+    same signatures and one step run; the written sequence is the same size but for
+    the digits of the last step."""
+    pytest.importorskip("torch")
+    figures = []
+    for steps in (10, 2000):
+        proc = subprocess.run(
+            [sys.executable, str(REPO / "benchmarks" / "sequence_memory.py"), "--steps",
+             str(steps)],
+            capture_output=True, text=True, timeout=300, cwd=REPO,
+        )  # fmt: skip
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        figures.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+    few, many = figures
+    assert few["collectives"] == 30 and many["collectives"] == 6000
+    assert (few["signatures"], few["runs"]) == (many["signatures"], many["runs"]) == (3, 1)
+    assert many["collectives_bytes"] - few["collectives_bytes"] <= 3

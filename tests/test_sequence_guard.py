@@ -1,0 +1,308 @@
+"""The guard's collective check (opguard_plugins/enforce/sequence_guard.py, docs/guard.md).
+
+Quick: :class:`SequenceChecker` against hand-built sequences, one kind of departure at
+a time, and the watchdog's timing. Slow: a real 2-rank gloo job
+(tests/data/guard_desync/guard_job.py) recorded with ``opguard trace`` and ``opguard
+run`` when good, then run under ``opguard guard --collectives`` with rank 1 departing
+in step 1: it raises on rank 1 before the collective is issued, or warns and goes on;
+``--collective-timeout`` reports the rank left waiting.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from opguard_core.formats.check import Violation
+from opguard_core.formats.collectives import (
+    Collectives,
+    CollectiveSequence,
+    Group,
+    Signature,
+    StepRun,
+)
+from opguard_plugins.enforce.sequence_guard import SequenceChecker, Watchdog
+
+REPO = Path(__file__).resolve().parent.parent
+JOB = REPO / "tests" / "data" / "guard_desync" / "guard_job.py"
+
+WORLD = Group(name="0", desc="default_pg", size=2, ranks=(0, 1))
+OTHER = Group(name="1", desc="undefined", size=2, ranks=(0, 1))
+A = Signature(op="c10d::allreduce_", group=0, dtype="float32", numel=6, shapes=((6,),),
+              reduce_op="sum")  # fmt: skip
+B = Signature(op="c10d::allreduce_", group=0, dtype="float32", numel=8, shapes=((8,),),
+              reduce_op="sum")  # fmt: skip
+C = Signature(op="c10d::broadcast_", group=1, dtype="float32", numel=2, shapes=((2,),))
+
+
+def good(rank: int, steps: int = 3) -> Collectives:
+    """Steps 0..steps-1 each issue A, B on the world group and C on the other."""
+    sequence = CollectiveSequence(
+        ranks=[rank], groups=[WORLD, OTHER], signatures=[A, B, C],
+        steps=[StepRun(0, steps - 1, (0, 1, 2))],
+    )  # fmt: skip
+    return Collectives(sequences=[sequence])
+
+
+def call(sig: Signature, group: str | None = None, **change: Any) -> tuple[str, Any]:
+    """(op, call) as the guard describes a call that issues ``sig`` (changed)."""
+    fields = {"dtype": sig.dtype, "numel": sig.numel, "shapes": sig.shapes,
+              "reduce_op": sig.reduce_op, **change}  # fmt: skip
+    name = group or ("0" if sig.group == 0 else "1")
+    return sig.op, (name, fields["dtype"], fields["numel"], fields["shapes"], fields["reduce_op"])
+
+
+class Recorded:
+    def __init__(self) -> None:
+        self.violations: list[tuple[Violation, bool]] = []
+
+    def __call__(self, violation: Violation, message: str, may_raise: bool) -> None:
+        self.violations.append((violation, may_raise))
+
+    def kinds(self) -> list[str]:
+        return [v.kind for v, _ in self.violations]
+
+
+def run_steps(steps: list[list[tuple[str, Any]]], rank: int = 1) -> Recorded:
+    recorded = Recorded()
+    checker = SequenceChecker(good(rank), recorded)
+    assert checker.bind(rank)
+    for number, calls in enumerate(steps):
+        for op, described in calls:
+            checker.check(op, described, number, "job:step")
+    return recorded
+
+
+GOOD_STEP = [call(A), call(B), call(C)]
+
+
+def test_the_good_sequence_passes_and_later_steps_repeat_the_last() -> None:
+    """A 3-step recording guards a 10-step run: step 3 on repeats step 2."""
+    assert run_steps([GOOD_STEP] * 10).violations == []
+
+
+def test_another_line_is_not_a_departure() -> None:
+    """The stack is not compared: the same collectives from elsewhere agree."""
+    recorded = Recorded()
+    checker = SequenceChecker(good(0), recorded)
+    checker.bind(0)
+    for step in range(4):
+        for number, (op, described) in enumerate(GOOD_STEP):
+            checker.check(op, described, step, f"job:line{(step + number) % 3}")
+    assert recorded.violations == []
+
+
+@pytest.mark.parametrize(
+    ("step1", "kind"),
+    [
+        ([call(A, dtype="int32"), call(B), call(C)], "collective_dtype"),
+        ([call(A, numel=8, shapes=((8,),)), call(B), call(C)], "collective_order"),  # B early
+        ([call(A, numel=7, shapes=((7,),)), call(B), call(C)], "collective_size"),
+        ([call(A, reduce_op="max"), call(B), call(C)], "collective_reduce_op"),
+        ([call(B), call(A), call(C)], "collective_order"),
+        ([call(B), call(C)], "collective_order"),  # A skipped: B comes early
+        ([call(A), call(B), call(A), call(C)], "collective_extra"),
+        ([call(C, group="0"), call(A), call(B)], "collective_group"),  # C's is group 1
+        ([call(A, group="1")], "collective_group"),  # A's is the world group
+        ([call(A), call(B), call(C), call(C)], "collective_extra"),
+    ],
+)
+def test_each_departure_is_named_at_the_first_call(step1: list[Any], kind: str) -> None:
+    recorded = run_steps([GOOD_STEP, step1])
+    assert recorded.kinds()[0] == kind
+    assert recorded.violations[0][1] is True  # raised under --on-violation raise
+
+
+def test_a_collective_on_another_group_is_a_group_departure() -> None:
+    """C issued on the world group after A and B, where the good run issued it on group 1."""
+    recorded = run_steps([GOOD_STEP, [call(A), call(B), call(C, group="0")]])
+    (violation, _) = recorded.violations[0]
+    assert violation.kind == "collective_group"
+    assert "issues c10d::broadcast_ float32[2] on group 0 where the good run issued" in (
+        violation.message
+    )
+    assert violation.message.endswith("c10d::broadcast_ float32[2] on group 1")
+
+
+def test_a_missing_collective_is_found_when_the_next_step_starts() -> None:
+    recorded = run_steps([GOOD_STEP, [call(A), call(B)], GOOD_STEP])
+    assert recorded.kinds() == ["collective_missing"]
+    violation, may_raise = recorded.violations[0]
+    assert not may_raise and "step 1 ended after 0 collective(s) on group 1" in violation.message
+
+
+def test_unknown_fields_are_not_compared() -> None:
+    """A field the recording lacks (a Flight Recorder dump has no reduce op) matches."""
+    assert run_steps([GOOD_STEP, [call(A, reduce_op=None), call(B), call(C)]]).violations == []
+
+
+def test_a_rank_the_good_run_lacked_is_not_checked() -> None:
+    checker = SequenceChecker(good(0), Recorded())
+    assert not checker.bind(5)
+
+
+def test_the_watchdog_reports_a_call_in_flight_too_long_once() -> None:
+    reports: list[tuple[str, str, str]] = []
+    done = threading.Event()
+
+    def report(op: str, target: str, message: str, stack: list[dict[str, Any]]) -> None:
+        reports.append((op, target, message))
+        done.set()
+
+    watchdog = Watchdog(0.2, report, lambda: ["c10d::allreduce_ float32[6] on group 0 (step 1)"])
+    try:
+        quick = watchdog.enter("c10d::allreduce_", "job:step", [])
+        watchdog.leave(quick)
+        token = watchdog.enter("c10d::broadcast_", "job:step", [])
+        assert done.wait(5)
+        time.sleep(0.3)  # a second period: reported once
+        watchdog.leave(token)
+    finally:
+        watchdog.stop()
+    (found,) = reports
+    assert found[:2] == ("c10d::broadcast_", "job:step")
+    assert "more than 0.2 s" in found[2] and "last collectives: c10d::allreduce_" in found[2]
+
+
+# --- a real job ------------------------------------------------------------------
+
+
+def opguard(*args: str | Path, timeout: int = 180) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "opguard_core.cli.app", *map(str, args)],
+        capture_output=True, text=True, timeout=timeout, cwd=REPO,
+    )  # fmt: skip
+
+
+def torchrun(case: str) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+            str(JOB), "--case", case]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def good_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """(config, combined trace) of the job with no departure, traced then run."""
+    pytest.importorskip("torch")
+    base = tmp_path_factory.mktemp("good")
+    traced = opguard("trace", "--label", "good", "--output-dir", base / "traces", "--",
+                     *torchrun("none"))  # fmt: skip
+    assert traced.returncode == 0, traced.stderr[-3000:]
+    run = opguard("run", "-i", base / "traces" / "good_callsite_rank*.json",
+                  "--output-base", base / "runs")  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    (run_dir,) = (base / "runs").iterdir()
+    return run_dir / "good_callsite_instrumentation.yaml", run_dir / "good_callsite_combined.json"
+
+
+def reports(directory: Path) -> dict[int, list[dict[str, Any]]]:
+    out = {}
+    for rank in (0, 1):
+        document = json.loads((directory / f"guard_report_rank{rank}.json").read_text())
+        out[rank] = document["violations"]
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("case", "kind"), [("dtype", "collective_dtype"), ("order", "collective_order"),
+                       ("skip", "collective_order")],
+)  # fmt: skip
+def test_raise_stops_the_offending_rank_before_the_collective(
+    good_run: tuple[Path, Path], tmp_path: Path, case: str, kind: str
+) -> None:
+    config, combined = good_run
+    guarded = opguard("guard", "--config", config, "--collectives", combined,
+                      "--on-violation", "raise", "--report-dir", tmp_path, "--",
+                      *torchrun(case))  # fmt: skip
+    assert guarded.returncode != 0
+    # rank 1 raised inside its call (the job prints it and exits 3)
+    assert f"rank 1: OpGuardViolation: opguard guard: {kind}: rank 1:" in guarded.stderr
+    found = reports(tmp_path)
+    assert found[0] == []  # rank 0 did nothing wrong
+    (violation,) = found[1]
+    assert (violation["kind"], violation["count"], violation["target"]) == (
+        kind,
+        1,
+        "guard_job:step",
+    )
+    assert "step 1" in violation["message"]
+    functions = [frame["function"] for frame in violation["stack"]]
+    assert functions[-3:] == ["step", "_exception_logger.<locals>.wrapper", "all_reduce"]
+
+
+@pytest.mark.slow
+def test_warn_lets_the_job_run_on(good_run: tuple[Path, Path], tmp_path: Path) -> None:
+    """gloo all-reduces int32 against float32 without a word (same byte size): the job
+    ends, wrong; the guard said so on rank 1, once (step 2 is right again)."""
+    config, combined = good_run
+    guarded = opguard("guard", "--config", config, "--collectives", combined,
+                      "--report-dir", tmp_path, "--", *torchrun("dtype"))  # fmt: skip
+    assert guarded.returncode == 1, guarded.stderr[-3000:]  # an error in a report
+    assert "OpGuardViolation" not in guarded.stderr
+    found = reports(tmp_path)
+    assert found[0] == [] and [(v["kind"], v["count"]) for v in found[1]] == [
+        ("collective_dtype", 1)
+    ]
+
+
+@pytest.mark.slow
+def test_a_good_run_under_the_guard_is_clean(good_run: tuple[Path, Path], tmp_path: Path) -> None:
+    config, combined = good_run
+    guarded = opguard("guard", "--config", config, "--collectives", combined,
+                      "--on-violation", "raise", "--collective-timeout", "5",
+                      "--report-dir", tmp_path, "--", *torchrun("none"))  # fmt: skip
+    assert guarded.returncode == 0, guarded.stderr[-3000:]
+    assert reports(tmp_path) == {0: [], 1: []}
+
+
+@pytest.mark.slow
+def test_the_watchdog_names_the_rank_left_waiting(
+    good_run: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """Rank 1 sleeps 2.5 s in step 1: rank 0 waits in its all-reduce of ``a``."""
+    config, _ = good_run
+    guarded = opguard("guard", "--config", config, "--collective-timeout", "1",
+                      "--report-dir", tmp_path, "--", *torchrun("wait"))  # fmt: skip
+    assert guarded.returncode == 1, guarded.stderr[-3000:]
+    found = reports(tmp_path)
+    assert found[1] == []
+    (violation,) = found[0]
+    assert (violation["kind"], violation["op"], violation["target"]) == (
+        "collective_timeout",
+        "c10d::allreduce_",
+        "guard_job:step",
+    )
+    assert "rank 0: waited" in violation["message"]
+    assert "c10d::allreduce_ float32[6] on group 0 (step 1)" in violation["message"]
+    assert violation["stack"][-1]["function"] == "all_reduce"
+
+
+def test_a_trace_without_sequences_is_refused_in_one_line(tmp_path: Path) -> None:
+    from click.testing import CliRunner
+
+    from opguard_core.cli.app import create_cli
+    from opguard_core.plugin.manager import create_plugin_manager
+
+    samples = REPO / "tests" / "data" / "samples"
+    config = tmp_path / "c.yaml"
+    result = CliRunner().invoke(
+        create_cli(create_plugin_manager()),
+        ["run", "-i", str(samples / "gpt_callsite_rank*.json"), "--output-base", str(tmp_path)],
+    )
+    assert result.exit_code == 0, result.output
+    (config,) = tmp_path.glob("*/gpt_callsite_instrumentation.yaml")
+    old = samples / "gpt_callsite_rank0.json"
+    result = CliRunner().invoke(
+        create_cli(create_plugin_manager()),
+        ["guard", "--config", str(config), "--collectives", str(old), "--", "x.py"],
+    )
+    assert result.exit_code == 5
+    (line,) = result.stderr.strip().splitlines()
+    assert line.startswith(f"opguard: error: {old}: has no collective sequences")
