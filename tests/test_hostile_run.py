@@ -169,7 +169,7 @@ def test_deep_tree_file_is_msgspec_bytes_down_to_the_compact_level(tmp_path: Pat
     # (== on a 30,000-level dict would itself recurse: compare the written forms)
     compact = functools.partial(deep_json.encode_indented, compact_from=0)
     assert compact(deep_json.decode(encoded)) == compact(tree)
-    assert encoded.startswith(b'{\n "format": "opguard-calltree",\n "version": 3,\n "meta": {\n')
+    assert encoded.startswith(b'{\n "format": "opguard-calltree",\n "version": 4,\n "meta": {\n')
 
 
 def test_shallow_trees_keep_their_bytes(samples: Path) -> None:
@@ -367,6 +367,8 @@ def test_every_summary_write_failing_is_one_line_and_exit_1(
 def test_summary_writes_failing_mid_run_still_leave_the_final_summary(
     opguard: Callable[..., Any], samples: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    # a write after every stage, as before summary writes were paced (SummaryPace)
+    monkeypatch.setattr("opguard_core.run.summary.SummaryPace.PACE", 0)
     _failing_writes(
         monkeypatch, lambda name, n: name == "pipeline_summary.json" and n in (2, 3, 5), errno.EIO
     )

@@ -14,6 +14,7 @@ by ruamel (:func:`_dump_with_ruamel`).
 
 from __future__ import annotations
 
+import copy
 import io
 import os
 import re
@@ -37,9 +38,11 @@ from ruamel.yaml.error import YAMLError
 from ruamel.yaml.events import AliasEvent
 from ruamel.yaml.nodes import MappingNode, ScalarNode, SequenceNode
 from ruamel.yaml.representer import RoundTripRepresenter
+from ruamel.yaml.scalarint import ScalarInt
 from ruamel.yaml.tag import Tag
 
 from opguard_core.errors import InputError
+from opguard_core.formats.config_reader import read_fast
 from opguard_core.formats.streams import is_role, legacy_side_roles, legacy_stream_counts
 
 #: the layout written: version 3 keys ``stream_counts`` by stream role (formats.md,
@@ -56,6 +59,11 @@ _STR_TAG = "tag:yaml.org,2002:str"
 #: strings ruamel's emitter would write plain (or with a raw line break) in a form
 #: its own parser refuses or reads differently: both writers quote them
 _LEADS_NEEDING_QUOTES = ("?", ":")
+#: a letter, then letters, digits and ``_ . + / -``: no indicator, space or break, so
+#: ruamel writes it plain in block and flow context unless it resolves to another type
+#: (``true``, ``null``: :meth:`_FastWriter._plain_str`). Names such as a merged config's
+#: ``source`` (``job0+job1+…``) skip the emitter's per-character analysis.
+_SAFE_PLAIN = re.compile(r"[A-Za-z][A-Za-z0-9_.+/-]*")
 _BREAKS_NEEDING_ESCAPES = ("\x85", "\u2028", "\u2029")
 
 
@@ -190,6 +198,49 @@ def block_map(items: Iterable[tuple[Any, Any]]) -> CommentedMap:
     mapping = CommentedMap(items)
     mapping.fa.set_block_style()
     return mapping
+
+
+def _copy_attributes(source: CommentedMap | CommentedSeq, target: Any) -> None:
+    """The YAML attributes of ``source`` that a dump reads (comments, flow style,
+    anchor, tag, merge keys) onto ``target``; not line and column, which only say
+    where ``source`` was read from. An empty comment is made anew, not copied."""
+    comment = getattr(source, comment_attrib, None)
+    if comment is not None and (
+        comment.comment or comment.items or comment.end or getattr(comment, "_pre", None)
+    ):
+        setattr(target, comment_attrib, copy.deepcopy(comment))
+    fmt = getattr(source, format_attrib, None)
+    if fmt is not None:
+        setattr(target, format_attrib, copy.copy(fmt))
+    for attrib in (Anchor.attrib, Tag.attrib, merge_attrib):
+        if hasattr(source, attrib):
+            setattr(target, attrib, copy.deepcopy(getattr(source, attrib)))
+
+
+def copy_config(value: Any) -> Any:
+    """A deep copy of a loaded or built config (or any part of it), linear in its size.
+
+    ``copy.deepcopy`` of a ruamel sequence copies the sequence's YAML attributes
+    (line and column of every item) once per item: quadratic in a config read from a
+    file (2 x 4000 entries: minutes). This copies each container's attributes once."""
+    kind = type(value)
+    if kind is CommentedMap:
+        mapping = CommentedMap()
+        for key, item in value.items():
+            mapping[key] = copy_config(item)
+        _copy_attributes(value, mapping)
+        return mapping
+    if kind is CommentedSeq:
+        seq = CommentedSeq([copy_config(item) for item in value])
+        _copy_attributes(value, seq)
+        return seq
+    if kind is dict:
+        return {key: copy_config(item) for key, item in value.items()}
+    if kind is list:
+        return [copy_config(item) for item in value]
+    if kind in (str, int, float, bool) or value is None:
+        return value
+    return copy.deepcopy(value)
 
 
 def entry_key(entry: dict[str, Any]) -> EntryKey:
@@ -384,6 +435,8 @@ class _FastWriter:
         (``Emitter.choose_scalar_style``)."""
         if not value:
             return "''"
+        if _SAFE_PLAIN.fullmatch(value) and self._plain_str(value):
+            return value  # what the analysis below decides, without its per-character loop
         analysis = self.emitter.analyze_scalar(value)
         if analysis.multiline:
             raise _Unusual
@@ -405,6 +458,13 @@ class _FastWriter:
         if analysis.allow_single_quoted:
             return "'" + value.replace("'", "''") + "'"
         return self.double_quoted(value)
+
+    def _plain_str(self, value: str) -> bool:
+        resolve = self.resolver.resolve
+        return bool(
+            resolve(ScalarNode, value, (False, True)) == _STR_TAG
+            and resolve(ScalarNode, value, (True, False)) == _STR_TAG
+        )
 
     @staticmethod
     def double_quoted(value: str) -> str:
@@ -437,6 +497,14 @@ class _FastWriter:
             return int.__repr__(value)
         if kind is bool:
             return "true" if value else "false"
+        if kind is ScalarInt:  # a loaded ``0`` or ``007``: ruamel writes its width back
+            anchor = getattr(value, Anchor.attrib, None)
+            if getattr(value, "_underscore", None) is not None or (
+                anchor is not None and anchor.value is not None
+            ):
+                raise _Unusual
+            width = getattr(value, "_width", None)
+            return format(value, "d") if width is None else f"{value:0{width}d}"
         if kind is float:  # settings such as min_fraction: ruamel's own representation
             node = self.representer.represent_float(value)
             if node.style or node.tag != "tag:yaml.org,2002:float":
@@ -571,30 +639,43 @@ def _dump_fast(config: CommentedMap) -> str | None:
         return None
 
 
+def _load_fast(text: str) -> CommentedMap | None:
+    """``text`` read by the fast reader (:mod:`opguard_core.formats.config_reader`)
+    when the fast writer writes the result back to exactly ``text``; else None (then
+    ruamel reads it: anything unusual, comments inside entries, aliases, duplicate
+    keys, other styles)."""
+    config = read_fast(text)
+    if config is None or _dump_fast(config) != text:
+        return None
+    return config
+
+
 def parse_config(text: str, path: Path | str) -> CommentedMap:
     """Parse and validate config text; raise :class:`InputError` naming the problem."""
     limit = max_config_bytes()
     if len(text) > limit:  # characters: never more than the bytes
         raise InputError(path, _too_large(len(text.encode("utf-8", "surrogatepass")), limit))
     stripped, blocks = split_entry_comments(text)
-    try:
-        config = _yaml().load(stripped)
-    except ConfigLimitError as exc:
-        raise InputError(path, str(exc)) from None
-    except DuplicateKeyError as exc:
-        line = getattr(exc.problem_mark, "line", None)
-        found = str(exc.problem or "").split(" with value")[0].removeprefix("found ")
-        where = f" (line {line + 1})" if isinstance(line, int) else ""
-        raise InputError(path, f"malformed YAML: {found or 'duplicate key'}{where}") from None
-    except YAMLError as exc:
-        problem = str(exc).splitlines()
-        raise InputError(path, f"malformed YAML: {' '.join(problem)}") from None
-    except RecursionError:  # the limits above keep the composer far from it
-        raise InputError(path, f"nested deeper than {MAX_DEPTH} levels") from None
-    except ValueError as exc:  # a value the constructor refuses (int digits, dates, ...)
-        raise InputError(path, f"unreadable value: {exc}") from None
-    except MemoryError:
-        raise InputError(path, "out of memory reading this config") from None
+    config: Any = _load_fast(stripped)
+    if config is None:
+        try:
+            config = _yaml().load(stripped)
+        except ConfigLimitError as exc:
+            raise InputError(path, str(exc)) from None
+        except DuplicateKeyError as exc:
+            line = getattr(exc.problem_mark, "line", None)
+            found = str(exc.problem or "").split(" with value")[0].removeprefix("found ")
+            where = f" (line {line + 1})" if isinstance(line, int) else ""
+            raise InputError(path, f"malformed YAML: {found or 'duplicate key'}{where}") from None
+        except YAMLError as exc:
+            problem = str(exc).splitlines()
+            raise InputError(path, f"malformed YAML: {' '.join(problem)}") from None
+        except RecursionError:  # the limits above keep the composer far from it
+            raise InputError(path, f"nested deeper than {MAX_DEPTH} levels") from None
+        except ValueError as exc:  # a value the constructor refuses (int digits, dates, ...)
+            raise InputError(path, f"unreadable value: {exc}") from None
+        except MemoryError:
+            raise InputError(path, "out of memory reading this config") from None
     validate_config(config, path)
     entries = config["entries"]
     if len(blocks) == len(entries):

@@ -13,10 +13,15 @@ from opguard_core.formats import deep_json
 from opguard_core.formats.streams import is_role, legacy_side_roles, legacy_stream_counts
 
 TREE_FORMAT = "opguard-calltree"
-#: version 3 keys ``self_streams`` by stream role (formats.md, "Streams and roles");
-#: version 1 (raw stream ids) is read and upgraded (:func:`upgrade_tree`)
-TREE_VERSION = 3
-READ_VERSIONS = (1, 3)
+#: version 4 writes ``ranks`` (of every node, and ``meta.ranks``) as ranges
+#: (:func:`ranks_to_ranges`); version 3 keys ``self_streams`` by stream role
+#: (formats.md, "Streams and roles"); versions 1 (raw stream ids) and 3 are read and
+#: upgraded (:func:`upgrade_tree`). In memory ``ranks`` are always lists of ranks.
+TREE_VERSION = 4
+RANGES_VERSION = 4
+READ_VERSIONS = (1, 3, 4)
+#: a run of at least this many consecutive ranks is written as ``[first, last]``
+RANGE_MIN = 3
 TORCH_API = "torch_api"
 #: nodes at this tree level (the root is level 0) and below are written compactly,
 #: one line per such subtree: a shallower tree's bytes are msgspec's indented form
@@ -183,17 +188,79 @@ def decode_json(data: bytes, path: Path | str) -> Any:
         raise InputError(path, f"not valid JSON: {exc}") from None
 
 
+def ranks_to_ranges(ranks: list[int]) -> list[int | list[int]]:
+    """Sorted distinct ranks as written in a version-4 tree: each run of at least
+    :data:`RANGE_MIN` consecutive ranks as ``[first, last]`` (inclusive), any other
+    rank as itself: ``[0, 1, 2, 3, 7, 9, 10]`` → ``[[0, 3], 7, 9, 10]``. One form per
+    set of ranks, so the bytes stay deterministic."""
+    out: list[int | list[int]] = []
+    i, n = 0, len(ranks)
+    if n >= RANGE_MIN and ranks[-1] - ranks[0] == n - 1:  # one run (sorted, distinct)
+        return [[ranks[0], ranks[-1]]]
+    while i < n:
+        j = i
+        while j + 1 < n and ranks[j + 1] == ranks[j] + 1:
+            j += 1
+        if j - i + 1 >= RANGE_MIN:
+            out.append([ranks[i], ranks[j]])
+        else:
+            out.extend(ranks[i : j + 1])
+        i = j + 1
+    return out
+
+
+def ranges_to_ranks(ranges: Any, where: str = "ranks") -> list[int]:
+    """The ranks a version-4 ``ranks`` value lists (:func:`ranks_to_ranges`'s inverse).
+    Raises :class:`InvariantError` unless it is a list of non-negative integers and
+    ``[first, last]`` pairs (first <= last), ascending and disjoint."""
+    if not isinstance(ranges, list):
+        raise InvariantError(f"{where} must be a list of ranks and [first, last] ranges")
+    ranks: list[int] = []
+    last = -1
+    for item in ranges:
+        if type(item) is int:
+            first = end = item
+        elif isinstance(item, list) and len(item) == 2 and all(type(v) is int for v in item):
+            first, end = item
+        else:
+            raise InvariantError(f"{where}: {_short(item)} is neither a rank nor [first, last]")
+        if first <= last or end < first:
+            raise InvariantError(
+                f"{where}: {_short(item)} is not ascending, disjoint and first <= last"
+            )
+        ranks.extend(range(first, end + 1))
+        last = end
+    return ranks
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else f"{text[:37]}..."
+
+
 def upgrade_tree(tree: dict[str, Any]) -> None:
-    """Bring a version-1 tree to version 3 in place: ``self_streams`` by raw id become
-    counts by role (:func:`legacy_stream_counts`: 0 is ``compute``, other ids
-    ``side1``, … ascending over the whole tree, a node's collective ops ``comm``)."""
-    if tree.get("format") != TREE_FORMAT or tree.get("version") != 1:
+    """Bring a tree read from a file to the in-memory form of version 4, in place.
+
+    Version 4: every ``ranks`` (nodes, ``meta.ranks``) from ranges to a list of ranks.
+    Version 3 is that form already. Version 1: ``self_streams`` by raw id become counts
+    by role (:func:`legacy_stream_counts`: 0 is ``compute``, other ids ``side1``, …
+    ascending over the whole tree, a node's collective ops ``comm``)."""
+    version = tree.get("version")
+    if tree.get("format") != TREE_FORMAT or version not in READ_VERSIONS:
         return
     nodes = [node for node, _ in iter_nodes(tree["root"])]
-    raw = [{int(k): v for k, v in node["self_streams"].items()} for node in nodes]
-    sides = legacy_side_roles(stream for streams in raw for stream in streams)
-    for node, streams in zip(nodes, raw, strict=True):
-        node["self_streams"] = legacy_stream_counts(streams, node["self_ops"], sides)
+    if version == RANGES_VERSION:
+        meta = tree.get("meta")
+        if isinstance(meta, dict) and "ranks" in meta:
+            meta["ranks"] = ranges_to_ranks(meta["ranks"], "meta.ranks")
+        for node in nodes[1:]:
+            if "ranks" in node:
+                node["ranks"] = ranges_to_ranks(node["ranks"], f"{_safe_target(node)}: ranks")
+    if version == 1:
+        raw = [{int(k): v for k, v in node["self_streams"].items()} for node in nodes]
+        sides = legacy_side_roles(stream for streams in raw for stream in streams)
+        for node, streams in zip(nodes, raw, strict=True):
+            node["self_streams"] = legacy_stream_counts(streams, node["self_ops"], sides)
     tree["version"] = TREE_VERSION
 
 
@@ -228,7 +295,30 @@ def load_tree(path: Path) -> dict[str, Any]:
 
 def encode_tree(tree: dict[str, Any]) -> bytes:
     """Canonical JSON of a tree: insertion-ordered keys, one-space indentation; the
-    subtree of every node at level :data:`COMPACT_LEVEL` on one line (formats.md)."""
+    subtree of every node at level :data:`COMPACT_LEVEL` on one line (formats.md);
+    ``ranks`` as ranges (:func:`ranks_to_ranges`). ``tree`` is left as it was."""
+    held: list[tuple[dict[str, Any], Any]] = []
+    meta = tree.get("meta")
+    for holder in [meta] if isinstance(meta, dict) else []:
+        held.append((holder, holder.get("ranks")))
+    held += [(node, node.get("ranks")) for node, _ in iter_nodes(tree["root"])[1:]]
+    held = [(holder, ranks) for holder, ranks in held if _plain_ranks(ranks)]
+    try:
+        for holder, ranks in held:
+            holder["ranks"] = ranks_to_ranges(sorted(set(ranks)))
+        return _encode(tree)
+    finally:
+        for holder, ranks in held:
+            holder["ranks"] = ranks
+
+
+def _plain_ranks(ranks: Any) -> bool:
+    return isinstance(ranks, list) and (
+        not ranks or (set(map(type, ranks)) == {int} and min(ranks) >= 0)
+    )
+
+
+def _encode(tree: dict[str, Any]) -> bytes:
     if not deep_json.nests_deeper_than(tree, _COMPACT_NESTING):
         try:
             return msgspec.json.format(msgspec.json.encode(tree), indent=1) + b"\n"

@@ -13,14 +13,13 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime as _dt
-import gc
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import msgspec
 
-from opguard_core.combine.accumulator import gc_paused
+from opguard_core.combine.accumulator import collect_kept, gc_paused_run
 from opguard_core.errors import ExitCode, Interrupted, OpGuardError, one_line
 from opguard_core.files.atomic import atomic_write_bytes, safe_child
 from opguard_core.files.output_dirs import trace_output_base
@@ -32,7 +31,7 @@ from opguard_core.run.interrupts import Interrupts
 from opguard_core.run.records import Recorder, failure_reason
 from opguard_core.run.stale import find_stale_runs, release_run_directory, start_run_directory
 from opguard_core.run.steps import STEPS, RunContext, Step, StepCall, skip_reasons
-from opguard_core.run.summary import SUMMARY_FILE, build_summary
+from opguard_core.run.summary import SUMMARY_FILE, SummaryPace, build_summary
 from opguard_core.run.warnings import collecting, warn
 
 
@@ -66,6 +65,7 @@ class Runner:
         self.finished = False
         #: the last failure to write the summary (None: the last write succeeded)
         self.summary_error: str | None = None
+        self.summary_pace = SummaryPace()
 
     def start(self, run_dir: Path) -> RunContext:
         """Use ``run_dir`` for this run's artifacts; the context its steps share."""
@@ -191,7 +191,7 @@ class Runner:
             try:
                 done = self.process_entry(entry)
             finally:
-                gc.collect()  # cycles an entry's plugins left (the run pauses the collector)
+                collect_kept()  # cycles an entry's plugins left (the run pauses the collector)
             for name in kept & done.keys():
                 results[name][entry.index] = (entry, done[name])
         for step in self.per_run:
@@ -221,7 +221,7 @@ class Runner:
             # the cyclic collector stays off for the run: every collection would rescan
             # the millions of acyclic objects a large entry holds and free nothing;
             # run_steps collects once between entries, when those objects are gone
-            with self.interrupts.handled(), collecting(self.recorder.warnings), gc_paused():
+            with self.interrupts.handled(), collecting(self.recorder.warnings), gc_paused_run():
                 for stale in find_stale_runs(self.output_base, exclude=self.run_dir):
                     warn(stale.line(), stale_run_dir=str(stale.run_dir))
                 self.run_steps()
@@ -280,7 +280,7 @@ class Runner:
         """Rewrite ``pipeline_summary.json``. A failure (disk full, ...) never stops the
         run: it is logged once, the next write tries again, and ``summary_error``
         holds the last failure (None once a write succeeds)."""
-        if self.run_dir is None:
+        if self.run_dir is None or not self.summary_pace.ready(final):
             return
         try:
             data = msgspec.json.format(msgspec.json.encode(self.summary(final)), indent=2)
@@ -292,6 +292,7 @@ class Runner:
             self.summary_error = error
         else:
             self.summary_error = None
+            self.summary_pace.wrote()
 
 
 __all__ = ["Runner"]

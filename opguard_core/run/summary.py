@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as _dt
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -51,6 +52,18 @@ def stage_outputs(summary: dict[str, Any], stage: str, entry: str | None = None)
         and (entry is None or r.get("entry") == entry)
         for output in r.get("outputs") or []
     ]  # fmt: skip
+
+
+def outputs_by_entry(summary: dict[str, Any], stage: str) -> dict[str | None, list[str]]:
+    """:func:`stage_outputs` of ``stage`` for every entry at once (entry name, None for
+    the run's own record, to its files): one pass however many entries a run has."""
+    found: dict[str | None, list[str]] = {}
+    for r in summary.get("stages", []):
+        entry = r.get("entry")
+        if r.get("stage") == stage and r.get("status") == "ok" and isinstance(entry, str | None):
+            files = found.setdefault(entry, [])
+            files += [str(output) for output in r.get("outputs") or []]
+    return found
 
 
 def read_summary(run_dir: Path) -> dict[str, Any]:
@@ -166,6 +179,32 @@ def divergence_counts(summary: dict[str, Any]) -> dict[str, Any] | None:
     return totals
 
 
+class SummaryPace:
+    """When the run rewrites its summary. A write is followed by none (but the final
+    one) for :attr:`PACE` times its own duration, so the writes take at most
+    1/PACE of the run however many stage records the summary holds (a write after
+    every stage of n entries, each as long as the summary, would be quadratic); a
+    short run still writes after every stage."""
+
+    PACE = 20
+
+    def __init__(self) -> None:
+        self.due = 0.0
+        self.began = 0.0
+
+    def ready(self, final: bool) -> bool:
+        """Whether to write now (and if so, the write's timing starts)."""
+        now = time.perf_counter()
+        if not final and now < self.due:
+            return False
+        self.began = now
+        return True
+
+    def wrote(self) -> None:
+        """The write that :meth:`ready` allowed succeeded."""
+        self.due = self.began + self.PACE * (time.perf_counter() - self.began)
+
+
 def build_summary(
     *,
     run_dir: Path | None,
@@ -211,9 +250,26 @@ def build_summary(
             {"name": p.name, "distribution": p.distribution, "version": p.version, "hooks": p.hooks}
             for p in manager.describe()
         ],
-        "stages": [dataclasses.asdict(r) for r in records],
+        "stages": [record_fields(r) for r in records],
         "warnings": list(warnings),
     }
+
+
+_FIELD_NAMES: dict[type, tuple[str, ...]] = {}
+
+
+def _field_names(kind: type) -> tuple[str, ...]:
+    names = _FIELD_NAMES.get(kind)
+    if names is None:
+        names = _FIELD_NAMES[kind] = tuple(f.name for f in dataclasses.fields(kind))
+    return names
+
+
+def record_fields(record: StageRecord) -> dict[str, Any]:
+    """A stage record as the summary lists it: its fields by name, values shared,
+    not copied (``dataclasses.asdict`` deep-copies every record's counts on every
+    summary write: quadratic in a run of many entries)."""
+    return {name: getattr(record, name) for name in _field_names(type(record))}
 
 
 def _jsonable(value: Any) -> Any:
@@ -292,11 +348,13 @@ def summary_fields(summary: dict[str, Any]) -> dict[str, Any]:
 __all__ = [
     "REPORT_FILE",
     "SUMMARY_FILE",
+    "SummaryPace",
     "build_summary",
     "check_summary",
     "config_source",
     "divergence_counts",
     "final_configs",
+    "outputs_by_entry",
     "read_summary",
     "run_artifact",
     "run_config",

@@ -16,13 +16,15 @@ artifacts would be a run artifact's name (``opguard_core.run.artifacts``).
 
 A value naming an existing file is read as that file even if its name holds glob
 characters (``[a].json``); it is expanded as a pattern only when no such file
-exists. A directory, FIFO or device, named or matched, is refused. The same file
+exists. A directory, FIFO or device, named or matched, is refused; so is a symbolic
+link that dangles or loops, as that input's problem (the other files go on). The same file
 reached by two spellings (``a.json``, ``sub/../a.json``, a symlink) is one input:
 the first spelling is kept and the others logged as a warning.
 """
 
 from __future__ import annotations
 
+import errno
 import glob
 import hashlib
 import os
@@ -36,7 +38,7 @@ from opguard_core.errors import InputError
 from opguard_core.formats.readers import is_callsite_trace
 from opguard_core.formats.trace import read_head, trace_stem
 from opguard_core.model import Discovery, InputEntry, InputProblem
-from opguard_core.run.artifacts import check_entry_names, reserved_entry_name
+from opguard_core.run.artifacts import entry_artifacts, reserved_entry_name
 from opguard_core.run.warnings import warn
 
 RANK_FILE = re.compile(r"^(?P<name>.+)_rank(?P<rank>\d+)$")
@@ -61,12 +63,28 @@ def safe_name(stem: str) -> str:
     return name
 
 
+def _link_target(path: Path) -> str:
+    try:
+        return repr(os.readlink(path))
+    except OSError:
+        return "?"
+
+
 def _not_a_file(path: Path) -> str | None:
-    """Why ``path`` cannot be read as a trace (None: a regular file, or absent)."""
+    """Why ``path`` cannot be read as a trace (None: a regular file, or absent).
+
+    A symbolic link that leads nowhere (dangling) or to itself (a loop) is refused
+    here, as its own problem, so it fails only its input, never the whole discovery."""
     try:
         mode = path.stat().st_mode
-    except OSError:
+    except FileNotFoundError:
+        if path.is_symlink():
+            return f"{path}: a dangling symbolic link (its target {_link_target(path)} is missing)"
         return None
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            return f"{path}: a symbolic link loop (too many levels of symbolic links)"
+        return f"{path}: cannot be read: {exc.strerror or exc}"
     if stat.S_ISREG(mode):
         return None
     if stat.S_ISDIR(mode):
@@ -97,17 +115,19 @@ def _expand(spec: str, base_dir: Path) -> tuple[list[Path], list[str]]:
             return [], [f"pattern {spec!r} matched no files (relative to {base_dir})"]
         problems = [p for p in map(_not_a_file, matches) if p]
         return [p for p in matches if _not_a_file(p) is None], problems
-    if not path.exists():
-        return [], [f"{path}: no such file"]
     problem = _not_a_file(path)
     if problem:
         return [], [problem]
+    if not path.exists():
+        return [], [f"{path}: no such file"]
     return [path], []
 
 
-def _clashes(name: str, used: set[str]) -> bool:
-    """Whether ``name`` would write a file an entry already named in ``used`` writes."""
-    return bool(check_entry_names([*used, name]))
+def _clashes(name: str, owned: dict[str, str]) -> bool:
+    """Whether ``name`` would write a file an entry already named writes (``owned``:
+    each artifact file name of the entries named so far, to its entry). A look-up per
+    artifact, so naming n entries costs O(n), not O(n²)."""
+    return any(artifact in owned for artifact in entry_artifacts(name))
 
 
 def _identity(path: Path) -> tuple[int, int]:
@@ -169,7 +189,11 @@ def discover(inputs: Sequence[str], base_dir: Path) -> Discovery:
         files, found = _expand(spec, base_dir)
         problems += [InputProblem(spec=spec, error=problem) for problem in found]
         for file in files:
-            identity = _identity(file)
+            try:
+                identity = _identity(file)
+            except OSError as exc:  # changed since it was matched: this file only
+                problems.append(InputProblem(spec=spec, error=f"{file}: {exc.strerror or exc}"))
+                continue
             first = seen.setdefault(identity, file)
             if first != file:
                 if first.absolute() != file.absolute():
@@ -191,13 +215,15 @@ def discover(inputs: Sequence[str], base_dir: Path) -> Discovery:
             specs[key].append(spec)
     entries: list[InputEntry] = []
     used: set[str] = set()
+    owned: dict[str, str] = {}
     for index, (key, rank_of) in enumerate(groups.items(), start=1):
         name = base = safe_name(key[1])
         suffix = 2
-        while name in used or reserved_entry_name(name) or _clashes(name, used):
+        while name in used or reserved_entry_name(name) or _clashes(name, owned):
             name = f"{base}_{suffix}"
             suffix += 1
         used.add(name)
+        owned.update(dict.fromkeys(entry_artifacts(name), name))
         ordered = tuple(sorted(rank_of, key=lambda p: (rank_of[p], str(p))))
         entries.append(InputEntry(name=name, files=ordered, index=index, specs=tuple(specs[key])))
     return Discovery(entries=entries, problems=problems)

@@ -19,6 +19,7 @@ from ruamel.yaml.comments import CommentedMap, CommentedSeq
 from opguard_core import hookimpl
 from opguard_core.formats.config import (
     block_map,
+    copy_config,
     entry_comments,
     entry_key,
     flow_map,
@@ -124,7 +125,7 @@ def _sources(config: dict[str, Any]) -> set[str]:
 
 def merge_configs(left: CommentedMap, right: CommentedMap) -> CommentedMap:
     """The built-in merge. ``left`` is copied, never changed in place."""
-    result = copy.deepcopy(left)
+    result: CommentedMap = copy_config(left)
     left_meta = result.get("meta") or {}
     right_meta = right.get("meta") or {}
     left_ranks = list(left_meta.get("ranks", []))
@@ -139,7 +140,7 @@ def merge_configs(left: CommentedMap, right: CommentedMap) -> CommentedMap:
         key = entry_key(entry)
         mine = by_key.get(key)
         if mine is None:
-            mine = by_key[key] = copy.deepcopy(entry)
+            mine = by_key[key] = copy_config(entry)
             if "ranks" not in mine:
                 mine["ranks"] = flow_seq(right_ranks)
         else:

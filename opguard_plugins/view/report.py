@@ -40,6 +40,7 @@ from opguard_core.formats.tree import load_tree, node_target
 from opguard_core.run.summary import (
     REPORT_FILE,
     final_configs,
+    outputs_by_entry,
     read_summary,
     run_artifact,
     stage_outputs,
@@ -543,16 +544,19 @@ def report_data(
     final, filtered = final_configs(summary)
     shown_final = {"filtered": table(filtered), "final": table(final)}
     entries = []
+    trees, divergences, configs_of = (
+        outputs_by_entry(summary, stage) for stage in ("compress", "divergence", "generate")
+    )
     for item in summary.get("entries") or []:
         name = str(item["name"])
-        tree = _first(run_dir, stage_outputs(summary, "compress", name))
-        divergence = _first(run_dir, stage_outputs(summary, "divergence", name))
+        tree = _first(run_dir, trees.get(name, []))
+        divergence = _first(run_dir, divergences.get(name, []))
         entries.append(
             {
                 "name": name,
                 "index": item.get("index"),
                 "tree": tree_view(load_tree(tree)) if tree is not None else None,
-                "config": table(next(iter(stage_outputs(summary, "generate", name)), None)),
+                "config": table(next(iter(configs_of.get(name, [])), None)),
                 "divergence": read_divergence(divergence) if divergence is not None else None,
             }
         )
