@@ -9,6 +9,7 @@ fall-backs.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -168,7 +169,14 @@ def configs(draw: st.DrawFn, text: st.SearchStrategy[str]) -> CommentedMap:
             ("ranks", flow_seq(meta_ranks)),
             ("total", draw(counts)),
             ("sources", flow_seq(draw(st.lists(text, max_size=2)))),
-            ("settings", block_map([("hide", flow_seq(draw(st.lists(text, max_size=2))))])),
+            # hide patterns must compile (settings are validated at load): the drawn
+            # text escaped, which keeps it adversarial for YAML
+            (
+                "settings",
+                block_map(
+                    [("hide", flow_seq([re.escape(t) for t in draw(st.lists(text, max_size=2))]))]
+                ),
+            ),
         ]
     )
     config["entries"] = CommentedSeq(entries) if draw(st.booleans()) else entries

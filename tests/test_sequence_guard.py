@@ -202,10 +202,14 @@ def good_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 
 
 def reports(directory: Path) -> dict[int, list[dict[str, Any]]]:
+    """Each rank's violations; a rank torchrun tore down before its guard started (a
+    loaded machine) wrote no report and is left out."""
     out = {}
     for rank in (0, 1):
-        document = json.loads((directory / f"guard_report_rank{rank}.json").read_text())
-        out[rank] = document["violations"]
+        path = directory / f"guard_report_rank{rank}.json"
+        if rank == 0 and not path.exists():
+            continue
+        out[rank] = json.loads(path.read_text())["violations"]
     return out
 
 
@@ -225,7 +229,7 @@ def test_raise_stops_the_offending_rank_before_the_collective(
     # rank 1 raised inside its call (the job prints it and exits 3)
     assert f"rank 1: OpGuardViolation: opguard guard: {kind}: rank 1:" in guarded.stderr
     found = reports(tmp_path)
-    assert found[0] == []  # rank 0 did nothing wrong
+    assert found.get(0, []) == []  # rank 0 did nothing wrong
     (violation,) = found[1]
     assert (violation["kind"], violation["count"], violation["target"]) == (
         kind,
