@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -71,3 +74,17 @@ def sample_inputs(samples: Path, *names: str) -> list[str]:
     """``-i`` options for the sample entries ``names``, in that order (the first is
     the one compare holds the others against): ``sample_inputs(samples, "gpt", "fsdp")``."""
     return [arg for name in names for arg in ("-i", str(samples / f"{name}_callsite_rank*.json"))]
+
+
+def run_opguard(*args: str | Path, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    """``opguard ARGS`` in a subprocess, with every plugin enabled (whatever the
+    environment disables), its output captured as text."""
+    env = {k: v for k, v in os.environ.items() if k != "OPGUARD_DISABLE_PLUGINS"}
+    return subprocess.run(
+        [sys.executable, "-m", "opguard_core.cli.app", *[str(a) for a in args]],
+        env=env,
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )

@@ -12,9 +12,7 @@ from __future__ import annotations
 
 import importlib
 import json
-import os
 import shutil
-import subprocess
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -34,12 +32,12 @@ from opguard_core.formats.trace import load_trace  # noqa: E402
 from opguard_core.plugin.manager import create_plugin_manager  # noqa: E402
 from opguard_plugins.enforce.runtime import OpGuardViolation, guarded, sample_every  # noqa: E402
 from opguard_plugins.tracer import trace_callsites  # noqa: E402
+from tests.builders import run_opguard as run  # noqa: E402
 
 pytestmark = pytest.mark.torch
 
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLES = REPO / "examples"
-OPGUARD = [sys.executable, "-m", "opguard_core.cli.app"]
 
 MODEL = """
 import torch
@@ -270,19 +268,6 @@ def test_a_damaged_guard_report_is_refused_naming_the_file(
 # ---------------------------------------------------------------------------
 # whole programs (subprocesses): trace twice, check the second run, guard a third
 # ---------------------------------------------------------------------------
-
-
-def run(*args: str | Path, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
-    env = dict(os.environ)
-    env.pop("OPGUARD_DISABLE_PLUGINS", None)
-    return subprocess.run(
-        [*OPGUARD, *[str(a) for a in args]],
-        env=env,
-        cwd=cwd,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
 
 
 def program(example: str, folder: Path) -> list[str]:

@@ -18,7 +18,6 @@ import importlib
 import json
 import os
 import re
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -33,10 +32,10 @@ from opguard_core.formats.check import load_report, sample_every
 from opguard_core.formats.config import IGNORED_SETTINGS, SETTINGS, load_config
 from opguard_core.model import RunOptions
 from opguard_core.plugin.manager import create_plugin_manager
+from tests.builders import run_opguard as run
 
 REPO = Path(__file__).resolve().parent.parent
 TRACE = REPO / "examples" / "traces" / "single_callsite_rank0.json"
-OPGUARD = [sys.executable, "-m", "opguard_core.cli.app"]
 
 #: a hand-written config: F.relu may run aten::relu and nothing else
 RELU_CONFIG = """\
@@ -332,18 +331,6 @@ def test_a_half_loaded_module_is_wrapped_when_its_import_finishes(
 # ---------------------------------------------------------------------------
 # whole programs (subprocesses, torch): slow
 # ---------------------------------------------------------------------------
-
-
-def run(*args: str | Path, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if k != "OPGUARD_DISABLE_PLUGINS"}
-    return subprocess.run(
-        [*OPGUARD, *[str(a) for a in args]],
-        env=env,
-        cwd=cwd,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
 
 
 PROGRAMS = {

@@ -63,7 +63,7 @@ from opguard_core.formats.collectives import (
 )
 from opguard_core.formats.trace import TRACE_FORMAT, TRACE_VERSION, trace_stem
 from opguard_core.run.warnings import warn
-from opguard_plugins.readers.kineto import module_of, relative_file
+from opguard_plugins.readers.kineto import frame_key, module_of, relative_file
 
 #: ``meta.importer``: this reader and the version of its rules
 IMPORTER = "opguard-flight-recorder/1"
@@ -448,7 +448,7 @@ def read_dump(data: bytes, path: Path) -> tuple[dict[str, Any], list[str]]:
 
     # frames in canonical order (formats.md §1): sorted by value
     values = {fid: _frame(*key) for key, fid in frame_ids.items()}
-    order = sorted(values, key=lambda fid: _frame_key(values[fid]))
+    order = sorted(values, key=lambda fid: frame_key(values[fid]))
     new_id = {fid: i for i, fid in enumerate(order)}
     frames = [values[fid] for fid in order]
 
@@ -507,16 +507,6 @@ def _frame(file: str, line: int, function: str) -> dict[str, Any]:
     if module is not None:
         frame["module"] = module
     return frame
-
-
-def _frame_key(frame: dict[str, Any]) -> tuple[str, int, str, str, str]:
-    return (
-        frame["file"],
-        frame["line"],
-        frame["function"],
-        frame["qualname"],
-        frame.get("module") or "",
-    )
 
 
 @hookimpl

@@ -929,9 +929,9 @@ class _Importer:
         expanded = {sid: self.stacks.frames(sid) for sid, *_ in counts}
         used = {fid for fids in expanded.values() for fid in fids}
         values = {fid: self.frames.frame(fid) for fid in used}
-        order = sorted({_frame_key(v) for v in values.values()})
+        order = sorted({frame_key(v) for v in values.values()})
         index_of = {key: i for i, key in enumerate(order)}
-        fid_index = {fid: index_of[_frame_key(v)] for fid, v in values.items()}
+        fid_index = {fid: index_of[frame_key(v)] for fid, v in values.items()}
         merged: dict[tuple[tuple[int, ...], str, str, str], tuple[int, int]] = {}
         for (sid, api, op, stream, role), n in counts.items():
             key = (tuple(fid_index[f] for f in expanded[sid]), api or "", op, role)
@@ -1018,7 +1018,8 @@ class _Importer:
         return meta
 
 
-def _frame_key(frame: dict[str, Any]) -> tuple[str, int, str, str, str]:
+def frame_key(frame: dict[str, Any]) -> tuple[str, int, str, str, str]:
+    """A frame's fields as a sortable tuple (a reader interns and orders its frames by it)."""
     return (
         frame["file"],
         frame["line"],
