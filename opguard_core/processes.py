@@ -13,6 +13,12 @@ Two small things every launcher and every traced process of OpGuard shares:
   SIGKILL leaves its child running (docs/reliability.md, "Crash-safe recording").
   The request reaches the direct child only, and is tied to the *thread* that
   started it: launch from the main thread (both launchers do).
+* :func:`signals_deferred` holds SIGINT and SIGTERM back for a block whose locks a
+  signal's exception would leak (``multiprocessing.Queue.put`` takes a lock its
+  feeder thread and its finalizer need: a KeyboardInterrupt between the acquire and
+  the ``with`` block leaves it held, and the process hangs at exit); the signals
+  arrive when the block ends. A child forked inside the block inherits the mask and
+  calls :func:`signals_undeferred` first.
 * :func:`at_sigterm` runs callbacks when SIGTERM arrives (the tracer writes its trace,
   the guard its report), then does what would have happened without them: the
   handler that was installed before is called, or, where there was none, the process
@@ -28,7 +34,7 @@ import os
 import signal
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 #: ``prctl`` option: the signal to get when the parent dies (linux/prctl.h)
@@ -75,6 +81,31 @@ def child_dies_with_parent(sig: int = signal.SIGTERM) -> Callable[[], None] | No
         die_with_parent(sig, parent)
 
     return preexec
+
+
+#: the signals :func:`signals_deferred` holds back
+DEFERRED_SIGNALS = frozenset({signal.SIGINT, signal.SIGTERM})
+
+
+@contextlib.contextmanager
+def signals_deferred() -> Iterator[None]:
+    """Hold SIGINT and SIGTERM back for the block; their handlers run as it ends
+    (where the platform has no signal mask, nothing is held back)."""
+    if not hasattr(signal, "pthread_sigmask"):
+        yield
+        return
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, DEFERRED_SIGNALS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
+def signals_undeferred() -> None:
+    """Let SIGINT and SIGTERM in again: a child started inside
+    :func:`signals_deferred` calls this first."""
+    if hasattr(signal, "pthread_sigmask"):
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, DEFERRED_SIGNALS)
 
 
 _CALLBACKS: list[Callable[[bool], None]] = []
@@ -129,4 +160,11 @@ def at_sigterm(callback: Callable[[bool], None]) -> bool:
     return True
 
 
-__all__ = ["at_sigterm", "child_dies_with_parent", "die_with_parent", "sigterm_ends_process"]
+__all__ = [
+    "at_sigterm",
+    "child_dies_with_parent",
+    "die_with_parent",
+    "signals_deferred",
+    "signals_undeferred",
+    "sigterm_ends_process",
+]

@@ -150,3 +150,55 @@ def test_die_with_parent_when_the_parent_died_before_the_request(tmp_path: Path)
     assert before.exists()
     time.sleep(0.5)
     assert not after.exists()
+
+
+@pytest.mark.skipif(not hasattr(signal, "pthread_sigmask"), reason="needs a signal mask")
+def test_signals_deferred_hold_sigint_until_the_block_ends() -> None:
+    """The combine pool queues its tasks with signals deferred: a KeyboardInterrupt
+    inside ``Queue.put`` would leak the queue's lock and hang the run at exit (the
+    flake this test and the one above caught)."""
+    from opguard_core.processes import signals_deferred
+
+    seen: list[int] = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: seen.append(signum))
+    try:
+        with signals_deferred():
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.01)
+            assert seen == []
+        assert seen == [signal.SIGINT]
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+_KILLED_DURING_COMBINE = """
+import os, sys, time
+from pathlib import Path
+from opguard_plugins.stages import combine
+
+def slow_add(self, path, readers=None):  # the helpers work long enough to be seen
+    time.sleep(60)
+
+combine.TraceAccumulator.add_file = slow_add
+paths = [Path(f"r{i}.json") for i in range(4)]
+combine.combine_parallel(paths, jobs=3)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="needs Linux /proc")
+def test_sigkill_of_run_kills_its_combine_helpers() -> None:
+    """The combine pool's helpers die with the run, even when it is killed with SIGKILL
+    (a daemon process is only reaped by a parent that lives to exit)."""
+    proc = subprocess.Popen([sys.executable, "-c", _KILLED_DURING_COMBINE], cwd=REPO)
+    deadline = time.monotonic() + 30
+    while len(_children(proc.pid)) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    helpers = [int(pid) for pid in _children(proc.pid)]
+    assert len(helpers) == 2
+    proc.kill()
+    proc.wait(timeout=30)
+    deadline = time.monotonic() + 10
+    while any(map(_alive, helpers)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(map(_alive, helpers))

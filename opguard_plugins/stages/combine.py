@@ -31,6 +31,7 @@ from opguard_core.errors import InputError, OpGuardError
 from opguard_core.formats.readers import Readers
 from opguard_core.logs import progress
 from opguard_core.model import InputEntry, RunOptions
+from opguard_core.processes import die_with_parent, signals_deferred, signals_undeferred
 
 #: Below this many input bytes a pool costs more (process start-up) than it saves.
 AUTO_POOL_MIN_BYTES = 24 * 1024 * 1024
@@ -132,15 +133,19 @@ def start_method() -> Literal["fork", "spawn"]:
     return "spawn"
 
 
-def _helper(tasks: Any, results: Any, readers: Readers | None) -> None:
+def _helper(tasks: Any, results: Any, readers: Readers | None, parent: int) -> None:
     """A helper process: combine files from ``tasks`` until ``None``, then send the result.
 
     Signals: a forked helper inherits the runner's SIGTERM handler, so both are reset.
     SIGTERM kills a helper quietly; SIGINT (Ctrl-C reaches the whole process group) is
     left to the main process, which records the interruption and terminates helpers.
+    The helper was started with both held back (:func:`signals_deferred`) and dies
+    with ``parent`` (the runner), even if that one is killed with SIGKILL.
     """
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signals_undeferred()
+    die_with_parent(signal.SIGKILL, parent)
     accumulator = TraceAccumulator()
     try:
         with gc_paused():
@@ -166,16 +171,13 @@ def combine_parallel(
     results = context.Queue()
     processes = [
         context.Process(
-            target=_helper, args=(tasks, results, readers), daemon=True, name=f"combine-{i}"
+            target=_helper,
+            args=(tasks, results, readers, os.getpid()),
+            daemon=True,
+            name=f"combine-{i}",
         )
         for i in range(helpers)
     ]
-    for process in processes:  # before the queues' feeder threads start (see start_method)
-        process.start()
-    for path in paths:
-        tasks.put(str(path))
-    for _ in range(helpers + 1):
-        tasks.put(None)
     tick = advance or (lambda n: None)
     partials: list[TraceAccumulator] = []
 
@@ -197,6 +199,15 @@ def combine_parallel(
 
     total = TraceAccumulator()
     try:
+        # a signal inside Queue.put would leak the queue's lock, and closing the queue
+        # would then hang: the signals wait until the tasks are queued
+        with signals_deferred():
+            for process in processes:  # before the feeder threads start (start_method)
+                process.start()
+            for path in paths:
+                tasks.put(str(path))
+            for _ in range(helpers + 1):
+                tasks.put(None)
         with gc_paused():
             while (path := tasks.get()) is not None:
                 total.add_file(path, readers)
