@@ -789,6 +789,9 @@ def validate_config(config: object, path: Path | str) -> None:
         isinstance(k, str) and _is_int(v) and v >= 0 for k, v in steps.items()
     ):
         raise InputError(path, "meta.steps must map sources to step counts")
+    recorded = meta.get("recorded_by", [])
+    if not isinstance(recorded, list) or not all(isinstance(r, str) for r in recorded):
+        raise InputError(path, "meta.recorded_by must be a list of names")
     validate_settings(meta.get("settings"), path)
     entries = config.get("entries")
     if not isinstance(entries, list):

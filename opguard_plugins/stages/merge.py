@@ -152,13 +152,19 @@ def merge_configs(left: CommentedMap, right: CommentedMap) -> CommentedMap:
             del entry["ranks"]
         entries.append(entry)
     meta = CommentedMap(left_meta)
-    _carry_extras(meta, right_meta, frozenset({"ranks", "total", "sources", "steps"}))
+    _carry_extras(
+        meta, right_meta, frozenset({"ranks", "total", "sources", "steps", "recorded_by"})
+    )
     meta["ranks"] = flow_seq(all_ranks)
     meta["total"] = int(left_meta.get("total", 0)) + int(right_meta.get("total", 0))
     if "sources" in left_meta or "sources" in right_meta:
         meta["sources"] = _sorted_union(left_meta.get("sources"), right_meta.get("sources"))
     if "steps" in left_meta or "steps" in right_meta:
         meta["steps"] = _merge_steps(left_meta.get("steps"), right_meta.get("steps"))
+    if "recorded_by" in left_meta and "recorded_by" in right_meta:  # unknown on one: unknown
+        meta["recorded_by"] = _sorted_union(left_meta["recorded_by"], right_meta["recorded_by"])
+    else:
+        meta.pop("recorded_by", None)
     meta.fa.set_block_style()
     _keep_comments(meta, left_meta, right_meta)
     result["meta"] = meta
