@@ -47,6 +47,7 @@ from opguard_core.formats.check import (
     write_json,
 )
 from opguard_core.formats.config import entry_key, load_config
+from opguard_core.formats.tree import TORCH_API
 from opguard_core.logs import configure_logging
 from opguard_core.model import InputEntry, RunOptions
 from opguard_core.plugin.manager import OpGuardPluginManager, call_impl
@@ -295,7 +296,15 @@ def across_tracers(
         '(docs/tracing.md, "Backends")'
     )
     click.echo(one_line(message), err=True)  # names from the files: no forged lines
-    return [v for v in violations if v.kind in ACROSS_TRACERS]
+    # only the modes backend records the torch api called (formats.md §1): an api
+    # entry on one side only is no function that ran or did not
+    apis = {
+        e["target"]
+        for view in [config, *views]
+        for e in view["entries"]
+        if e.get("kind") == TORCH_API
+    }
+    return [v for v in violations if v.kind in ACROSS_TRACERS and v.target not in apis]
 
 
 def format_text(config: str, violations: Sequence[Violation]) -> str:
