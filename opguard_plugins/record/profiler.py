@@ -22,11 +22,17 @@ What is counted, per thread's event tree:
   counted as the op ``dynamo::compiled_region``, and the operators its graph calls
   (extern kernels such as ``aten::mm``; not Inductor's fused C++/Triton kernels) are
   counted beneath it;
-* nothing below Dynamo compiling a frame (``torch/_dynamo/convert_frame.py``): the
-  ops of tracing the frame with fake tensors are not the program's;
+* nothing below ``torch.compile`` compiling (a frame of
+  :data:`~opguard_plugins.record.tracer.COMPILER_FILES`: Dynamo converting a frame,
+  AOTAutograd compiling a backward lazily): those ops are not the program's and are
+  only counted, in ``meta.compile_ops``, as the modes backend does;
 * record-function annotations (``autograd::engine::evaluate_function: ...``,
   ``Optimizer.step#AdamW.step``, ``## Call CompiledFxGraph ... ##``) are not counted,
   the operators inside them are.
+
+Frames are named as the modes backend names them (``_Qualnames``: the code object
+found by file, name and line; ``__main__``'s module by the script's stem), so both
+backends give a function the same target (docs/tracing.md, "What both backends share").
 
 The stack is the chain of Python calls the profiler saw above the op, outermost first;
 frame lines are the lines of the calls between them; the innermost frame's line is
