@@ -877,9 +877,10 @@ class CallsiteTracer:
             return tuple(frames)
 
         compile_ops = self.compile_ops
-        compiling = maker.compiling
+        # ids of the compiler's frames (:data:`COMPILER_FILES`); usually none
+        compiler = {key for key, code in list(codes.items()) if maker.compiling(code)}
         for (stack, api, op, stream), count in raw:
-            if any(compiling(codes[stack[i]]) for i in range(0, len(stack), 2)):
+            if compiler and not compiler.isdisjoint(stack[0::2]):
                 compile_ops += count  # torch.compile compiling: not the program's op
                 continue
             frames = frames_of(stack)
