@@ -15,8 +15,9 @@ from typing import Any
 from hypothesis import strategies as st
 from ruamel.yaml.comments import CommentedMap
 
-from opguard_core.formats.config import CONFIG_VERSION, flow_map, flow_seq
+from opguard_core.formats.config import CONFIG_VERSION
 from opguard_core.formats.streams import is_comm_op, legacy_roles
+from opguard_core.formats.styles import flow_map, flow_seq
 from opguard_core.formats.trace import READ_VERSIONS, ROLE_VERSION, TRACE_FORMAT
 
 FrameValue = tuple[str, int, str, str, str | None]
