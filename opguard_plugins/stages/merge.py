@@ -21,7 +21,7 @@ from opguard_core import hookimpl
 from opguard_core.formats.config import copy_config, entry_comments, entry_key, set_entry_comments
 from opguard_core.formats.config_collectives import merge_config_collectives
 from opguard_core.formats.streams import sorted_roles
-from opguard_core.formats.styles import block_map, flow_map, flow_seq
+from opguard_core.formats.styles import block_map, elements_of, flow_map, flow_seq, items_of
 from opguard_core.formats.tree import TORCH_API
 from opguard_core.formats.values import same_json, value_order
 
@@ -44,7 +44,7 @@ def _carry_extras(into: dict[str, Any], other: dict[str, Any], known: frozenset[
 
 
 def _sorted_union(a: Any, b: Any) -> CommentedSeq:
-    return flow_seq(sorted(set(a or ()) | set(b or ())))
+    return flow_seq(sorted(set(elements_of(a or ())) | set(elements_of(b or ()))))
 
 
 def _keep_comments(into: CommentedMap, *sources: Any) -> None:
@@ -59,8 +59,8 @@ def _keep_comments(into: CommentedMap, *sources: Any) -> None:
 
 def _add_counts(a: Any, b: Any, roles: bool = False) -> CommentedMap:
     """The sum of two count mappings, sorted by key (stream ``roles`` in role order)."""
-    total: dict[Any, int] = dict(a or {})
-    for key, value in (b or {}).items():
+    total: dict[Any, int] = dict(items_of(a or {}))
+    for key, value in items_of(b or {}):
         total[key] = total.get(key, 0) + value
     summed = block_map(sorted_roles(total) if roles else sorted(total.items()))
     _keep_comments(summed, a, b)
