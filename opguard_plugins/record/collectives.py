@@ -226,6 +226,24 @@ def describe(
     return group, dtype, numel, shapes, reduce_op
 
 
+def describe_profiled(inputs: Any) -> Description:
+    """What the profiler (``record_shapes=True``) shows of one collective call: the
+    dtype and shapes of its first tensor argument. The profiler records neither the
+    process group nor the reduce op (a ``ScriptObject``, a string: None there), so
+    both are unknown (None); never raises."""
+    try:
+        for value in inputs or ():
+            items = value if isinstance(value, list) else [value]
+            metas = [t for t in items if hasattr(t, "dtype") and hasattr(t, "sizes")]
+            if metas:
+                shapes = tuple(tuple(int(d) for d in t.sizes) for t in metas)
+                dtype = str(metas[0].dtype).removeprefix("torch.")
+                return None, dtype, sum(math.prod(shape) for shape in shapes), shapes, None
+    except Exception:
+        pass
+    return None, None, None, None, None
+
+
 # ---------------------------------------------------------------------------
 # The sequence
 # ---------------------------------------------------------------------------

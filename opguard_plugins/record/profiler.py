@@ -47,6 +47,7 @@ The trace is built and written by the same code as the modes backend's
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import linecache
 import os
@@ -62,6 +63,8 @@ import torch
 from torch._C._profiler import RecordScope, _EventType
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
+from opguard_core.formats.collectives import is_collective
+from opguard_plugins.record.collectives import describe_profiled, may_nest
 from opguard_plugins.record.tracer import (
     COMPILER_PARTS,
     CallsiteRecorder,
@@ -79,6 +82,8 @@ FOLD_SECONDS = 2.0
 #: as the profiler names the files: the ops below are not the program's.
 _COMPILER_FILES = tuple(os.path.join("torch", *parts) for parts in COMPILER_PARTS)
 _COMPILED_REGION_PREFIX = "Torch-Compiled Region"
+#: the record-function label torch's optimizers wrap ``step`` in (one per step)
+_OPTIMIZER_STEP_PREFIX = "Optimizer.step#"
 _OP_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*::[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z0-9_]+)?$")
 
 
@@ -207,6 +212,18 @@ def _compiled_source(filename: str) -> types.CodeType | None:
         return None
 
 
+def _distributed_job() -> bool:
+    """Whether this process belongs to a job of several ranks (torchrun's
+    ``WORLD_SIZE``, or an initialized default group larger than one)."""
+    if os.environ.get("WORLD_SIZE", "1").strip() not in ("", "0", "1"):
+        return True
+    try:
+        dist = torch.distributed
+        return bool(dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1)
+    except Exception:
+        return False
+
+
 def _main_file() -> str | None:
     """The absolute path of the script ``__main__`` runs, while it has one: Python
     deletes ``__main__.__file__`` once a script ends, before the exit handlers (which
@@ -271,9 +288,14 @@ class ProfilerRecorder(CallsiteRecorder):
             self.codes[id(code)] = code  # type: ignore[assignment]
         return code
 
-    def fold(self, roots: list[Any]) -> None:
-        """Count the operators of one cycle's event trees (one root per thread's top)."""
+    def fold(self, roots: list[Any], first_step: int = 0) -> None:
+        """Count the operators of one cycle's event trees (one root per thread's top);
+        the cycle's collectives join the sequence, in time order, each in its step:
+        ``first_step`` (the steps finished when the cycle began) plus the optimizer
+        steps (``Optimizer.step#…`` events) that ended before it."""
         counts: dict[tuple[RawStack, str], int] = {}
+        collectives: list[tuple[int, RawStack, str, Any]] = []
+        step_ends: list[int] = []
         compile_ops = 0
         op_tag, py_tag, c_tag = _EventType.TorchOp, _EventType.PyCall, _EventType.PyCCall
         function_scope = RecordScope.FUNCTION
@@ -318,8 +340,17 @@ class ProfilerRecorder(CallsiteRecorder):
                         stack = outer if cell is None else (*outer, id(cell[0]), cell[1])
                         key = (stack, op)
                         counts[key] = counts.get(key, 0) + 1
+                        if is_collective(op):
+                            collectives.append((event.start_time_ns, stack, op, event))
+                        elif may_nest(op):  # a custom op: the collectives it issues
+                            collectives += [
+                                (inner.start_time_ns, stack, inner_op, inner)
+                                for inner, inner_op in _collectives_below(event)
+                            ]
                         if op != COMPILED_REGION_OP:
                             continue  # its sub-ops are not what the program issued
+                elif name.startswith(_OPTIMIZER_STEP_PREFIX):
+                    step_ends.append(event.end_time_ns)
             else:
                 continue
             for child in reversed(event.children):
@@ -329,6 +360,25 @@ class ProfilerRecorder(CallsiteRecorder):
             for (stack, op), count in counts.items():
                 site = (stack, None, op, 0)
                 self.counts[site] = self.counts.get(site, 0) + count
+        step_ends.sort()
+        collectives.sort(key=lambda item: item[0])
+        for start, stack, op, event in collectives:
+            step = first_step + bisect.bisect_right(step_ends, start)
+            self.sequence.add(stack, op, describe_profiled(event.extra_fields.inputs), step)
+
+
+def _collectives_below(root: Any) -> list[tuple[Any, str]]:
+    """The outermost collective op events below ``root`` (a custom op's), with their ops."""
+    found = []
+    work = list(root.children)
+    while work:
+        event = work.pop()
+        op = _op_of(event)
+        if op is not None and is_collective(op):
+            found.append((event, op))
+            continue
+        work.extend(event.children)
+    return found
 
 
 def _op_of(event: Any) -> str | None:
@@ -367,6 +417,8 @@ class ProfilerTracer(CallsiteTracer):
         self.recorder: ProfilerRecorder = ProfilerRecorder()
         self.fold_seconds = fold_seconds
         self._cycle_started = 0.0
+        #: the optimizer steps finished when the current cycle began
+        self._cycle_steps = 0
         self._profile: Any = None
         self._hook: Any = None
         self._thread = threading.get_ident()
@@ -377,13 +429,16 @@ class ProfilerTracer(CallsiteTracer):
         self._folding = threading.RLock()
 
     def _begin(self) -> None:
+        # input shapes only in a distributed job: what the collective sequence
+        # records of each collective (dtype, shapes); they cost every op a little
         profile = torch.autograd.profiler.profile(
-            use_cpu=True, use_kineto=True, with_stack=True, record_shapes=False
+            use_cpu=True, use_kineto=True, with_stack=True, record_shapes=_distributed_job()
         )
         # torch's profile.__enter__ has no annotations (unused where torch is absent)
         profile.__enter__()  # type: ignore[no-untyped-call, unused-ignore]
         self._profile = profile
         self._cycle_started = time.monotonic()
+        self._cycle_steps = self.steps
 
     def _end(self) -> None:
         profile, self._profile = self._profile, None
@@ -393,7 +448,7 @@ class ProfilerTracer(CallsiteTracer):
         results = profile.kineto_results
         profile.kineto_results = None
         if results is not None:
-            self.recorder.fold(results.experimental_event_tree())
+            self.recorder.fold(results.experimental_event_tree(), self._cycle_steps)
 
     def start(self) -> None:
         """Start the profiler and the fold-every-N-optimizer-steps hook."""
