@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 
 from opguard_core.formats.check import Violation
@@ -311,3 +312,24 @@ def test_a_trace_without_sequences_is_refused_in_one_line(tmp_path: Path) -> Non
     assert result.exit_code == 5
     (line,) = result.stderr.strip().splitlines()
     assert line.startswith(f"opguard: error: {old}: has no collective sequences")
+
+
+def test_a_good_run_of_unknown_groups_is_checked_as_one_group() -> None:
+    """A profiler backend's recording knows no group (``?``): the calls are checked by
+    their position among all of the rank's collectives, whatever group they are on."""
+    unknown = Group(name="?", size=1)
+    plain = [msgspec.structs.replace(s, group=0, reduce_op=None) for s in (A, B, C)]
+    sequence = CollectiveSequence(
+        ranks=[1], groups=[unknown], signatures=plain, steps=[StepRun(0, 2, (0, 1, 2))]
+    )
+    recorded = Recorded()
+    checker = SequenceChecker(Collectives(sequences=[sequence]), recorded)
+    assert checker.bind(1)
+    for step in range(3):  # the real groups: A and B on "0", C on "1"
+        for op, described in GOOD_STEP:
+            checker.check(op, described, step, "job:step")
+    assert recorded.violations == []
+    swapped = [call(B), call(A), call(C)]
+    for op, described in swapped:
+        checker.check(op, described, 3, "job:step")
+    assert recorded.kinds() == ["collective_order", "collective_size"]

@@ -73,6 +73,10 @@ NOT_COLLECTIVES = frozenset(
     }
 )
 
+#: the name of the group of a collective whose process group the recorder could not
+#: tell (the profiler backend's): compared as one group, whatever the real ones were
+UNKNOWN_GROUP = "?"
+
 #: op name (namespace and trailing ``_`` taken off) -> what it does
 _KINDS = {
     "allreduce": "allreduce",

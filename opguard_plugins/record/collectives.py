@@ -35,6 +35,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from opguard_core.formats.collectives import (
+    UNKNOWN_GROUP,
     CollectiveSequence,
     Group,
     Signature,
@@ -298,7 +299,7 @@ class SequenceRecorder:
         remap: list[int] = []
         for (stack, op, group, dtype, numel, shapes, reduce_op), _ in raw:
             if group is None:
-                group = ("?", None, 1, ())
+                group = (UNKNOWN_GROUP, None, 1, ())
             if group not in groups:
                 groups[group] = len(groups)
             signature = Signature(
