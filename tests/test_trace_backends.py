@@ -411,10 +411,10 @@ def test_memory_is_flat_over_10000_steps(tmp_path: Path, backend: str) -> None:
         tracer.fold_seconds = 0.5  # type: ignore[attr-defined]
         fold = tracer.recorder.fold  # type: ignore[attr-defined]
 
-        def counted_fold(roots: list[Any]) -> None:
+        def counted_fold(roots: list[Any], first_step: int = 0) -> None:
             nonlocal folds
             folds += 1
-            fold(roots)
+            fold(roots, first_step)
 
         tracer.recorder.fold = counted_fold  # type: ignore[attr-defined]
     # The baseline is taken after the first 1,000 steps and, for the profiler backend,
