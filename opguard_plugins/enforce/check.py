@@ -88,7 +88,9 @@ def options_from_settings(
     Read tolerantly: a key of ``meta.settings`` that names a RunOptions field is used
     (so ``focus``/``ignore`` work once runs record them), unknown keys are ignored and
     missing ones keep RunOptions' defaults. ``hide`` is the full list that was in
-    force (the defaults included), so the default list is not added again. A config
+    force (the defaults included): the default patterns in it are taken as the
+    defaults (:func:`_split_hide`), so they are neither added again nor reported when
+    they match nothing. A config
     whose ``filters`` include the basic filter is rebuilt with ``--basic``, with its
     ``basic_list`` (a file name, relative to ``config_dir``) when it names one.
     """
@@ -102,8 +104,7 @@ def options_from_settings(
             continue
         values[key] = _plain(value)
     if isinstance(settings.get("hide"), list):
-        values["hide"] = tuple(str(p) for p in settings["hide"])
-        values["default_hide"] = False
+        values.update(_split_hide([str(p) for p in settings["hide"]]))
     filters = settings.get("filters") or []
     values["basic"] = BASIC_FILTER_PLUGIN in filters
     basic_list = settings.get("basic_list")
@@ -111,6 +112,20 @@ def options_from_settings(
         # a file the config names: relative to the config, as a person wrote it
         values["basic_list"] = (config_dir or Path(".")) / basic_list
     return RunOptions(**values)
+
+
+def _split_hide(recorded: list[str]) -> dict[str, Any]:
+    """``hide`` and ``default_hide`` for a recorded ``hide`` list: when it holds every
+    default pattern, those are the defaults (``default_hide``: the run does not check
+    them, so check warns about no default pattern that matched nothing) and ``hide`` is
+    the rest, the patterns a person gave; else the whole list is the person's (a run
+    made with ``--no-default-hide``, or by an older OpGuard with other defaults)."""
+    from opguard_plugins.stages.compress import DEFAULT_HIDE  # not for check --help
+
+    if set(DEFAULT_HIDE) <= set(recorded):
+        defaults = set(DEFAULT_HIDE)
+        return {"hide": tuple(p for p in recorded if p not in defaults), "default_hide": True}
+    return {"hide": tuple(recorded), "default_hide": False}
 
 
 def _plain(value: Any) -> Any:
