@@ -51,6 +51,7 @@ import contextlib
 import functools
 import importlib.abc
 import importlib.machinery
+import math
 import os
 import sys
 import threading
@@ -290,6 +291,8 @@ class Guard:
             float(settings.get("min_count", 1) or 0),
             float(settings.get("min_fraction", 0) or 0) * float(meta.get("total", 0) or 0) / ranks,
         )
+        #: the ops an unknown_context needs to count (report and console alike)
+        self.log_unknown_at = max(math.ceil(self.threshold), 0)
         self.depth = int(settings.get("context_depth", 1) or 0)
         self.entries: dict[EntryKey, Any] = {entry_key(e): e for e in config["entries"]}
         self.ops = {
@@ -735,28 +738,40 @@ class Guard:
         return identity
 
     def count_ops(self, chain: tuple[tuple[Any, ...], ...]) -> None:
+        """One op ran under the ``unknown_context`` identities of ``chain``; one that
+        reaches :attr:`log_unknown_at` ops now counts (the report keeps it) and is logged."""
         for identity in chain:
-            self.records[identity].ops += 1
+            record = self.records[identity]
+            record.ops += 1
+            if record.ops == self.log_unknown_at and record.count:
+                self._log(record)
 
     def hit(self, identity: tuple[Any, ...]) -> None:
-        """Count one occurrence; the first keeps the stack and (``warn``) is logged."""
+        """Count one occurrence; the first keeps the stack and (``warn``) is logged, an
+        ``unknown_context`` only once its ops reach :attr:`log_unknown_at` (below that
+        the report leaves it out, so the console does too)."""
         record = self.records[identity]
         record.count += 1
         if record.count == 1:
             record.stack = python_stack(sys._getframe(1))
-            v = record.violation
-            if self.on_violation == "warn":
-                log = self.log.error if v.severity == ERROR else self.log.warning
-                log(
-                    "opguard guard: violation",
-                    kind=v.kind,
-                    severity=v.severity,
-                    target=v.target,
-                    context=v.context,
-                    op=v.op,
-                    stream=v.stream,
-                    message=v.message,
-                )
+            if record.violation.kind != "unknown_context" or record.ops >= self.log_unknown_at:
+                self._log(record)
+
+    def _log(self, record: _Record) -> None:
+        """Log a violation on the console (``warn``): once per identity."""
+        v = record.violation
+        if self.on_violation == "warn":
+            log = self.log.error if v.severity == ERROR else self.log.warning
+            log(
+                "opguard guard: violation",
+                kind=v.kind,
+                severity=v.severity,
+                target=v.target,
+                context=v.context,
+                op=v.op,
+                stream=v.stream,
+                message=v.message,
+            )
 
     # -- collectives (sequence_guard.py) -----------------------------------------
 
@@ -862,7 +877,7 @@ class Guard:
         for record in sorted(self.records.values(), key=lambda r: sort_key(r.violation)):
             if record.count == 0:
                 continue
-            if record.violation.kind == "unknown_context" and record.ops < self.threshold:
+            if record.violation.kind == "unknown_context" and record.ops < self.log_unknown_at:
                 continue  # the config's thresholds would have pruned it too
             data = record.violation.to_dict()
             data["ranks"] = [rank]
@@ -1003,7 +1018,12 @@ def python_stack(frame: types.FrameType | None) -> list[dict[str, Any]]:
 def _load(config: str | os.PathLike[str] | Mapping[str, Any]) -> tuple[Mapping[str, Any], str]:
     if isinstance(config, Mapping):
         return config, str(config.get("source", ""))
-    return load_config(Path(config)), str(config)
+    path = Path(config)
+    if path.is_dir():  # a run directory: its final config, as `opguard guard --config RUN`
+        from opguard_core.run.summary import config_source
+
+        path = config_source(path)
+    return load_config(path), str(path)
 
 
 @contextmanager
@@ -1018,7 +1038,8 @@ def guarded(
 ) -> Iterator[Guard]:
     """Enforce ``config`` on the ``with`` block; write the report when it ends.
 
-    :param config: a config path or a loaded config.
+    :param config: a config path, a run directory (its final config, as
+        ``opguard guard --config RUN``) or a loaded config.
     :param report_dir: where ``guard_report_rank{R}.json`` goes (created if missing).
     :param on_violation: ``warn`` (log each violation's first occurrence) or ``raise``
         (:class:`OpGuardViolation` inside the offending call).
