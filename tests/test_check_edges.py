@@ -291,3 +291,15 @@ def test_a_filtered_merged_config_checks_each_of_its_sources_cleanly(tmp_path: P
         report = check(run, traces, strict=True)
         assert report["config"].endswith("final_combined_filtered_instrumentation.yaml")
         assert report["violations"] == [], (source, kinds(report))
+
+
+def test_a_record_that_does_not_add_up_is_not_used(merged_run: Path, tmp_path: Path) -> None:
+    """Shares carried unread by another tool's merge no longer sum to the count: check
+    compares with the whole config (and says so) rather than with a wrong share."""
+    config = load_config(merged_run / "final_combined_instrumentation.yaml")
+    config["entries"][0]["count"] += 1
+    stale = tmp_path / "stale.yaml"
+    stale.write_text(dump_config(config))
+    report = check(stale, SOURCES["ddp_callsite"])
+    assert kinds(report).get("count_drift", 0) > 0
+    assert "merged config without per-source counts" in report["stderr"]

@@ -289,13 +289,19 @@ def check_configs(
 def recorded_sources(config: dict[str, Any]) -> list[str]:
     """The sources whose contributions a merged config records (``meta.source_ranks``
     and each entry's ``sources``: formats.md §3, version 4); empty when it records
-    none (one source, or a merge made before configs recorded them)."""
+    none (one source, or a merge made before configs recorded them) or a record that
+    does not add up (an entry whose shares do not sum to its count, a share of a
+    source without ranks: a merge by a tool that carried the fields unread)."""
     meta = config.get("meta") or {}
     source_ranks = meta.get("source_ranks")
     if not isinstance(source_ranks, dict) or len(source_ranks) < 2:
         return []
-    if not all(isinstance(e.get("sources"), dict) for e in config["entries"]):
-        return []
+    for entry in config["entries"]:
+        shares = entry.get("sources")
+        if not isinstance(shares, dict) or sum(shares.values()) != entry.get("count", 0):
+            return []
+        if not set(shares) <= set(source_ranks):
+            return []
     return sorted(str(s) for s in source_ranks)
 
 
@@ -486,8 +492,9 @@ def make_command(manager: OpGuardPluginManager) -> click.Command:
             get_logger().warning(
                 "merged config without per-source counts",
                 config=str(config_path),
-                hint="made before configs recorded them: count_drift and missing compare "
-                "with the sum of its sources; merge the sources' configs again",
+                hint="made before configs recorded each source's share, or the record does "
+                "not add up: count_drift and missing compare with the sum of its sources; "
+                "merge the sources' configs again",
             )
         if fmt == "json":
             document = check_report(str(config_path), violations)
