@@ -2,10 +2,11 @@
 
 * ``guarded()`` around a training loop at a script's top level, with the model
   defined in the script, is clean on the unchanged program (traced with ``opguard
-  trace``, made into a config by ``opguard run``), and still catches an edit;
-* the violations the guard prints on stderr while the program runs are the ones its
-  report (and ``opguard guard``'s summary line) counts: an ``unknown_context`` below
-  the config's pruning threshold is neither printed nor counted.
+  trace``, made into a config by ``opguard run``), also run five times longer, and
+  still catches an edit;
+* the violations the guard prints on stderr are the ones its report (and ``opguard
+  guard``'s summary line) counts: an ``unknown_context`` below the config's pruning
+  threshold is neither printed nor counted.
 """
 
 from __future__ import annotations
@@ -148,9 +149,14 @@ def test_guarded_at_a_scripts_top_level_is_clean_on_the_unchanged_program(
     for depth in ("1", "2"):
         run_dir = make_run(tmp_path, trace, "--context-depth", depth)
         reports = tmp_path / f"clean{depth}"
-        proc, report = run_guarded(script, run_dir / "net_callsite_instrumentation.yaml", reports)
+        proc, report = run_guarded(script, run_dir, reports)  # a run directory, as check
         assert printed(proc.stderr) == [], (depth, proc.stderr[-3000:])
         assert report["violations"] == [] and report["steps"] == 6, depth
+        # five times the traced steps: what the config pruned stays below its
+        # threshold, scaled by the steps (the config records 6)
+        proc, longer = run_guarded(script, run_dir, tmp_path / f"long{depth}", STEPS="30")
+        assert printed(proc.stderr) == [] and longer["violations"] == [], depth
+        assert longer["steps"] == 30
         # the script's own classes were wrapped: only its <module> is out of reach
         assert [u["target"] for u in report["unwrapped"]] == ["net:<module>"]
         config = load_config(run_dir / "net_callsite_instrumentation.yaml")
@@ -181,10 +187,10 @@ def _edited(config_path: Path, out: Path, min_count: int) -> Path:
 
 @pytest.mark.parametrize("min_count", [1, 100_000])
 def test_the_printed_violations_are_the_counted_ones(tmp_path: Path, min_count: int) -> None:
-    """``opguard guard``'s summary line counts exactly the violations printed while the
-    program ran: with ``min_count`` 100000 the moved entry's ``unknown_context`` is
-    below the threshold, so it is neither printed nor counted (it was printed and not
-    counted); with 1 it is both."""
+    """``opguard guard``'s summary line counts exactly the violations printed (errors
+    as they occur, an ``unknown_context`` when the guard finishes): with ``min_count``
+    100000 the moved entry's ``unknown_context`` is below the threshold, so it is
+    neither printed nor counted (it was printed and not counted); with 1 it is both."""
     proc = run(
         "trace", "--label", "p", "--output-dir", tmp_path / "t",
         "--", "python", EXAMPLES / "train_single.py",
