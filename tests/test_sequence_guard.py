@@ -3,8 +3,9 @@
 Quick: :class:`SequenceChecker` against hand-built sequences, one kind of departure at
 a time, and the watchdog's timing. Slow: a real 2-rank gloo job
 (tests/data/guard_desync/guard_job.py) recorded with ``opguard trace`` and ``opguard
-run`` when good, then run under ``opguard guard --collectives`` with rank 1 departing
-in step 1: it raises on rank 1 before the collective is issued, or warns and goes on;
+run`` when good, then run under ``opguard guard`` (the config's sequences, or
+``--collectives`` the combined trace's) with rank 1 departing in step 1: it raises
+on rank 1 before the collective is issued, or warns and goes on;
 ``--collective-timeout`` reports the rank left waiting.
 """
 
@@ -221,10 +222,10 @@ def reports(directory: Path) -> dict[int, list[dict[str, Any]]]:
 def test_raise_stops_the_offending_rank_before_the_collective(
     good_run: tuple[Path, Path], tmp_path: Path, case: str, kind: str
 ) -> None:
-    config, combined = good_run
-    guarded = opguard("guard", "--config", config, "--collectives", combined,
-                      "--on-violation", "raise", "--report-dir", tmp_path, "--",
-                      *torchrun(case))  # fmt: skip
+    config, _ = good_run  # the config carries the good run's sequences (version 4)
+    assert "\ncollectives:\n" in config.read_text()
+    guarded = opguard("guard", "--config", config, "--on-violation", "raise",
+                      "--report-dir", tmp_path, "--", *torchrun(case))  # fmt: skip
     assert guarded.returncode != 0
     # rank 1 raised inside its call (the job prints it and exits 3)
     assert f"rank 1: OpGuardViolation: opguard guard: {kind}: rank 1:" in guarded.stderr
@@ -258,8 +259,8 @@ def test_warn_lets_the_job_run_on(good_run: tuple[Path, Path], tmp_path: Path) -
 
 @pytest.mark.slow
 def test_a_good_run_under_the_guard_is_clean(good_run: tuple[Path, Path], tmp_path: Path) -> None:
-    config, combined = good_run
-    guarded = opguard("guard", "--config", config, "--collectives", combined,
+    config, _ = good_run
+    guarded = opguard("guard", "--config", config,
                       "--on-violation", "raise", "--collective-timeout", "5",
                       "--report-dir", tmp_path, "--", *torchrun("none"))  # fmt: skip
     assert guarded.returncode == 0, guarded.stderr[-3000:]

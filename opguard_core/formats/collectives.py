@@ -48,7 +48,7 @@ Collective ops are those of :data:`COLLECTIVE_NAMESPACES` except the waits
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -260,13 +260,18 @@ def decode_collectives(
 
 
 def check_collectives(
-    found: Collectives, path: Path | str, frames: int, ranks: Sequence[int]
+    found: Collectives,
+    path: Path | str,
+    frames: int,
+    ranks: Sequence[int],
+    label: Callable[[int], str] = "collectives.sequences[{}]".format,
 ) -> None:
     """Refuse a ``collectives`` whose ids point outside their tables, whose runs are
-    out of order, or whose ranks are not the trace's or appear twice."""
+    out of order, or whose ranks are not the trace's or appear twice (``label(s)``
+    names sequence ``s`` in the message)."""
     allowed, seen = set(ranks), set[int]()
     for s, seq in enumerate(found.sequences):
-        where = f"collectives.sequences[{s}]"
+        where = label(s)
         if not seq.ranks:
             raise InputError(path, f"{where}.ranks is empty")
         for rank in seq.ranks:

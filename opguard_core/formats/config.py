@@ -19,7 +19,6 @@ import io
 import os
 import re
 import stat
-from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -42,14 +41,21 @@ from ruamel.yaml.scalarint import ScalarInt
 from ruamel.yaml.tag import Tag
 
 from opguard_core.errors import InputError
+from opguard_core.formats.config_collectives import (
+    CONFIG_COLLECTIVES_VERSION,
+    read_config_collectives,
+)
 from opguard_core.formats.config_reader import read_fast
 from opguard_core.formats.streams import is_role, legacy_side_roles, legacy_stream_counts
+from opguard_core.formats.styles import block_map
 
-#: the layout written: version 3 keys ``stream_counts`` by stream role (formats.md,
-#: "Streams and roles"); version 2 (raw stream ids) and version 1 (also flow maps of
-#: ops, no summary comments) are still read, and upgraded (:func:`upgrade_config`)
-CONFIG_VERSION = 3
-READ_VERSIONS = (1, 2, 3)
+#: the layout written: version 4 may carry ``collectives`` (the good run's collective
+#: sequences: :mod:`opguard_core.formats.config_collectives`); since version 3
+#: ``stream_counts`` are keyed by stream role (formats.md, "Streams and roles");
+#: version 2 (raw stream ids) and version 1 (also flow maps of ops, no summary
+#: comments) are still read, and upgraded (:func:`upgrade_config`)
+CONFIG_VERSION = 4
+READ_VERSIONS = (1, 2, 3, 4)
 #: the first version whose ``stream_counts`` are by role
 ROLE_VERSION = 3
 EntryKey = tuple[str, tuple[str, ...]]
@@ -178,26 +184,6 @@ def _yaml() -> YAML:
     yaml.indent(mapping=2, sequence=4, offset=2)
     yaml.default_flow_style = False
     return yaml
-
-
-def flow_seq(items: Iterable[Any]) -> CommentedSeq:
-    seq = CommentedSeq(items)
-    seq.fa.set_flow_style()
-    return seq
-
-
-def flow_map(items: Iterable[tuple[Any, Any]]) -> CommentedMap:
-    mapping = CommentedMap(items)
-    mapping.fa.set_flow_style()
-    return mapping
-
-
-def block_map(items: Iterable[tuple[Any, Any]]) -> CommentedMap:
-    """A block mapping (one key per line), as v2 writes ``meta``, ``ops`` and
-    ``stream_counts``."""
-    mapping = CommentedMap(items)
-    mapping.fa.set_block_style()
-    return mapping
 
 
 def _copy_attributes(source: CommentedMap | CommentedSeq, target: Any) -> None:
@@ -852,6 +838,12 @@ def validate_config(config: object, path: Path | str) -> None:
             raise InputError(path, f"{where}.kind must be a string")
         if entry.get("file") is not None and not isinstance(entry["file"], str):
             raise InputError(path, f"{where}.file must be a string or null")
+    if "collectives" in config:
+        if config["version"] < CONFIG_COLLECTIVES_VERSION:
+            raise InputError(
+                path, f"collectives needs config version {CONFIG_COLLECTIVES_VERSION} or later"
+            )
+        read_config_collectives(config["collectives"], path)
 
 
 # ------------------------------------------------------------------ meta.settings

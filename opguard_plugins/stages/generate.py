@@ -14,8 +14,9 @@ from typing import Any
 from ruamel.yaml.comments import CommentedMap
 
 from opguard_core import hookimpl
-from opguard_core.formats.config import CONFIG_VERSION, EntryKey, block_map, flow_map, flow_seq
+from opguard_core.formats.config import CONFIG_VERSION, EntryKey
 from opguard_core.formats.streams import sorted_roles
+from opguard_core.formats.styles import block_map, flow_map, flow_seq
 from opguard_core.formats.tree import TORCH_API, node_target
 from opguard_core.model import RunOptions
 from opguard_plugins.stages import locations

@@ -6,10 +6,12 @@ Unmatched entries are kept. The left config's mappings are reused, so comments a
 person wrote there survive; so do the right's, where the left has none on a key,
 and the comment lines above an entry in either (the left's first). ``meta.ranks`` is
 the union, ``meta.total`` the sum, and ``source`` lists every merged source, sorted,
-joined by ``+``. A merge of two or more sources records what each contributed: an
-entry's ``sources`` (source -> count) and ``meta.source_ranks`` (source -> ranks), so
+joined by ``+``. ``collectives`` (config version 4) keeps every source's sequences
+(:func:`~opguard_core.formats.config_collectives.merge_config_collectives`). A merge
+of two or more sources records what each contributed (config version 4): an entry's
+``sources`` (source -> count) and ``meta.source_ranks`` (source -> ranks), so
 ``opguard check`` can hold one source's traces to that source's share (configs.md,
-"Checking against a merged config").
+"Checking against a run directory or a merged config").
 """
 
 from __future__ import annotations
@@ -20,16 +22,10 @@ from typing import Any
 from ruamel.yaml.comments import CommentedMap, CommentedSeq
 
 from opguard_core import hookimpl
-from opguard_core.formats.config import (
-    block_map,
-    copy_config,
-    entry_comments,
-    entry_key,
-    flow_map,
-    flow_seq,
-    set_entry_comments,
-)
+from opguard_core.formats.config import copy_config, entry_comments, entry_key, set_entry_comments
+from opguard_core.formats.config_collectives import merge_config_collectives
 from opguard_core.formats.streams import sorted_roles
+from opguard_core.formats.styles import block_map, flow_map, flow_seq
 from opguard_core.formats.tree import TORCH_API
 from opguard_core.formats.values import same_json, value_order
 
@@ -243,9 +239,13 @@ def merge_configs(left: CommentedMap, right: CommentedMap) -> CommentedMap:
     _keep_comments(meta, left_meta, right_meta)
     result["meta"] = meta
     result["source"] = "+".join(sorted(_sources(left) | _sources(right)))
-    _carry_extras(result, right, frozenset({"version", "source", "meta", "entries"}))
+    _carry_extras(result, right, frozenset({"version", "source", "meta", "entries", "collectives"}))
     seq = CommentedSeq(entries)
     result["entries"] = seq
+    if "collectives" in left or "collectives" in right:
+        result["collectives"] = merge_config_collectives(
+            left.get("collectives"), right.get("collectives")
+        )
     _record_contributions(result, both)
     return result
 

@@ -41,7 +41,8 @@ from opguard_core.configs.selection import PatternError, Selection, select_entri
 from opguard_core.errors import ExitCode, one_line
 from opguard_core.files.atomic import atomic_write_text
 from opguard_core.files.output_dirs import check_output_file
-from opguard_core.formats.config import dump_config, entry_key, flow_seq, load_config
+from opguard_core.formats.config import dump_config, entry_key, load_config
+from opguard_core.formats.styles import flow_seq
 from opguard_core.logs import get_logger
 from opguard_core.model import RunOptions
 from opguard_core.plugin.manager import OpGuardPluginManager
