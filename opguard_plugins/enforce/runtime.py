@@ -298,6 +298,9 @@ class Guard:
         steps = meta.get("steps")
         values = list(steps.values()) if isinstance(steps, dict) else []
         known = all(isinstance(v, int) and not isinstance(v, bool) for v in values)
+        sources = meta.get("sources")
+        if isinstance(sources, list) and isinstance(steps, dict):
+            known = known and all(s in steps for s in sources)  # every source's steps
         self.config_steps: int | None = sum(values) if values and known and sum(values) else None
         self.depth = int(settings.get("context_depth", 1) or 0)
         self.entries: dict[EntryKey, Any] = {entry_key(e): e for e in config["entries"]}
