@@ -47,7 +47,7 @@ from opguard_core.formats.config_collectives import (
 )
 from opguard_core.formats.config_reader import read_fast
 from opguard_core.formats.streams import is_role, legacy_side_roles, legacy_stream_counts
-from opguard_core.formats.styles import block_map
+from opguard_core.formats.styles import block_map, elements_of, items_of, put_new
 
 #: the layout written: version 4 may carry ``collectives`` (the good run's collective
 #: sequences: :mod:`opguard_core.formats.config_collectives`); since version 3
@@ -212,12 +212,12 @@ def copy_config(value: Any) -> Any:
     kind = type(value)
     if kind is CommentedMap:
         mapping = CommentedMap()
-        for key, item in value.items():
-            mapping[key] = copy_config(item)
+        for key, item in items_of(value):
+            put_new(mapping, key, copy_config(item))
         _copy_attributes(value, mapping)
         return mapping
     if kind is CommentedSeq:
-        seq = CommentedSeq([copy_config(item) for item in value])
+        seq = CommentedSeq([copy_config(item) for item in elements_of(value)])
         _copy_attributes(value, seq)
         return seq
     if kind is dict:
@@ -519,7 +519,7 @@ class _FastWriter:
             raise _Unusual
         seen.add(id(seq))
         scalar = self.scalar
-        return "[" + ", ".join([scalar(item, True) for item in seq]) + "]"
+        return "[" + ", ".join([scalar(item, True) for item in elements_of(seq)]) + "]"
 
     def flow_map(self, mapping: CommentedMap, seen: set[int]) -> str:
         """A flow mapping of scalar keys to scalars or flow sequences of scalars."""
@@ -528,7 +528,7 @@ class _FastWriter:
         seen.add(id(mapping))
         parts = []
         key, scalar = self.key, self.scalar
-        for name, value in mapping.items():
+        for name, value in items_of(mapping):
             kind = type(value)
             if kind is int:
                 text = int.__repr__(value)
@@ -564,7 +564,7 @@ class _FastWriter:
         seen.add(id(mapping))
         pad = " " * indent
         key, field = self.key, self.block_field
-        return "".join([field(pad + key(k, False), v, indent, seen) for k, v in mapping.items()])
+        return "".join([field(pad + key(k, False), v, indent, seen) for k, v in items_of(mapping)])
 
     def document(self, config: CommentedMap) -> str:
         """The whole document; raises :class:`_Unusual` for anything off its shape."""
@@ -573,7 +573,7 @@ class _FastWriter:
             raise _Unusual
         out: list[str] = []
         key, field = self.key, self.block_field
-        for name, value in config.items():
+        for name, value in items_of(config):
             head = key(name, False)
             if type(value) is list or (
                 type(value) is CommentedSeq and _check_plain(value) is not True
@@ -585,7 +585,7 @@ class _FastWriter:
                     out.append(f"{head}: []\n")
                     continue
                 out.append(f"{head}:\n")
-                for item in value:
+                for item in elements_of(value):
                     if (
                         type(item) is not CommentedMap
                         or not item
@@ -595,7 +595,7 @@ class _FastWriter:
                         raise _Unusual
                     seen.add(id(item))
                     lead = "  - "
-                    for item_key, item_value in item.items():
+                    for item_key, item_value in items_of(item):
                         out.append(field(lead + key(item_key, False), item_value, 4, seen))
                         lead = "    "
             else:
@@ -781,6 +781,9 @@ def validate_config(config: object, path: Path | str) -> None:
         for k, v in source_ranks.items()
     ):
         raise InputError(path, "meta.source_ranks must map sources to lists of ranks")
+    recorded = meta.get("recorded_by", [])
+    if not isinstance(recorded, list) or not all(isinstance(r, str) for r in recorded):
+        raise InputError(path, "meta.recorded_by must be a list of names")
     validate_settings(meta.get("settings"), path)
     entries = config.get("entries")
     if not isinstance(entries, list):
@@ -794,7 +797,9 @@ def validate_config(config: object, path: Path | str) -> None:
             raise InputError(path, f"{where}.target must be a string")
         for field in ("context", "tags"):
             value = entry.get(field, [])
-            if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            if not isinstance(value, list) or not all(
+                isinstance(v, str) for v in elements_of(value)
+            ):
                 raise InputError(path, f"{where}.{field} must be a list of strings")
         key = entry_key(entry)
         first = seen.setdefault(key, index)
@@ -805,21 +810,21 @@ def validate_config(config: object, path: Path | str) -> None:
                 " each (target, context) may appear once",
             )
         lines = entry.get("lines", [])
-        if not isinstance(lines, list) or not all(_is_int(v) for v in lines):
+        if not isinstance(lines, list) or not all(_is_int(v) for v in elements_of(lines)):
             raise InputError(path, f"{where}.lines must be a list of integers")
         ranks = entry.get("ranks", [])
-        if not isinstance(ranks, list) or not all(_is_count(v) for v in ranks):
+        if not isinstance(ranks, list) or not all(_is_count(v) for v in elements_of(ranks)):
             raise InputError(path, f"{where}.ranks must be a list of integers (0 or more)")
         ops = entry.get("ops", {})
         if not isinstance(ops, dict) or not all(
-            isinstance(k, str) and _is_int(v) and v >= 0 for k, v in ops.items()
+            isinstance(k, str) and _is_int(v) and v >= 0 for k, v in items_of(ops)
         ):
             raise InputError(path, f"{where}.ops must map op names to counts")
         streams = entry.get("stream_counts", {})
         by_role = config["version"] >= ROLE_VERSION
         if not isinstance(streams, dict) or not all(
             (is_role(k) if by_role else _is_int(k)) and _is_int(v) and v >= 0
-            for k, v in streams.items()
+            for k, v in items_of(streams)
         ):
             raise InputError(
                 path,

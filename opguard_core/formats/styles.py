@@ -6,7 +6,8 @@ Shared by :mod:`opguard_core.formats.config` and the modules it reads sections w
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections import OrderedDict
+from collections.abc import ItemsView, Iterable, Iterator
 from typing import Any
 
 from ruamel.yaml.comments import CommentedMap, CommentedSeq
@@ -32,4 +33,24 @@ def block_map(items: Iterable[tuple[Any, Any]]) -> CommentedMap:
     return mapping
 
 
-__all__ = ["block_map", "flow_map", "flow_seq"]
+def put_new(mapping: CommentedMap, key: Any, value: Any) -> None:
+    """``mapping[key] = value`` for a key not in ``mapping`` yet, without ruamel's
+    Python-level ``__setitem__`` (which looks the key up first, to keep the style of a
+    scalar string it would replace)."""
+    OrderedDict.__setitem__(mapping, key, value)
+    mapping._ok.add(key)
+
+
+def items_of(mapping: Any) -> ItemsView[Any, Any]:
+    """``mapping.items()``, at C speed for a ruamel mapping: its own view iterates in
+    Python and looks each key up again (the same pairs: a merged key is not stored)."""
+    return OrderedDict.items(mapping) if isinstance(mapping, OrderedDict) else mapping.items()
+
+
+def elements_of(seq: Any) -> Iterator[Any]:
+    """``iter(seq)``, at C speed for a ruamel sequence (whose ``__iter__`` is the
+    ``Sequence`` mixin's: one ``__getitem__`` call per item)."""
+    return list.__iter__(seq) if isinstance(seq, list) else iter(seq)
+
+
+__all__ = ["block_map", "elements_of", "flow_map", "flow_seq", "items_of", "put_new"]

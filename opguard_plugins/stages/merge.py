@@ -25,7 +25,7 @@ from opguard_core import hookimpl
 from opguard_core.formats.config import copy_config, entry_comments, entry_key, set_entry_comments
 from opguard_core.formats.config_collectives import merge_config_collectives
 from opguard_core.formats.streams import sorted_roles
-from opguard_core.formats.styles import block_map, flow_map, flow_seq
+from opguard_core.formats.styles import block_map, elements_of, flow_map, flow_seq, items_of
 from opguard_core.formats.tree import TORCH_API
 from opguard_core.formats.values import same_json, value_order
 
@@ -60,7 +60,7 @@ def _carry_extras(into: dict[str, Any], other: dict[str, Any], known: frozenset[
 
 
 def _sorted_union(a: Any, b: Any) -> CommentedSeq:
-    return flow_seq(sorted(set(a or ()) | set(b or ())))
+    return flow_seq(sorted(set(elements_of(a or ())) | set(elements_of(b or ()))))
 
 
 def _keep_comments(into: CommentedMap, *sources: Any) -> None:
@@ -75,8 +75,8 @@ def _keep_comments(into: CommentedMap, *sources: Any) -> None:
 
 def _add_counts(a: Any, b: Any, roles: bool = False) -> CommentedMap:
     """The sum of two count mappings, sorted by key (stream ``roles`` in role order)."""
-    total: dict[Any, int] = dict(a or {})
-    for key, value in (b or {}).items():
+    total: dict[Any, int] = dict(items_of(a or {}))
+    for key, value in items_of(b or {}):
         total[key] = total.get(key, 0) + value
     summed = block_map(sorted_roles(total) if roles else sorted(total.items()))
     _keep_comments(summed, a, b)
@@ -227,7 +227,9 @@ def merge_configs(left: CommentedMap, right: CommentedMap) -> CommentedMap:
         entries.append(entry)
     meta = CommentedMap(left_meta)
     _carry_extras(
-        meta, right_meta, frozenset({"ranks", "total", "sources", "steps", "source_ranks"})
+        meta,
+        right_meta,
+        frozenset({"ranks", "total", "sources", "steps", "recorded_by", "source_ranks"}),
     )
     meta["ranks"] = flow_seq(all_ranks)
     meta["total"] = int(left_meta.get("total", 0)) + int(right_meta.get("total", 0))
@@ -235,6 +237,10 @@ def merge_configs(left: CommentedMap, right: CommentedMap) -> CommentedMap:
         meta["sources"] = _sorted_union(left_meta.get("sources"), right_meta.get("sources"))
     if "steps" in left_meta or "steps" in right_meta:
         meta["steps"] = _merge_steps(left_meta.get("steps"), right_meta.get("steps"))
+    if "recorded_by" in left_meta and "recorded_by" in right_meta:  # unknown on one: unknown
+        meta["recorded_by"] = _sorted_union(left_meta["recorded_by"], right_meta["recorded_by"])
+    else:
+        meta.pop("recorded_by", None)
     meta.fa.set_block_style()
     _keep_comments(meta, left_meta, right_meta)
     result["meta"] = meta
