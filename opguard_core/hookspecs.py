@@ -194,7 +194,9 @@ def opguard_merge(left: CommentedMap, right: CommentedMap) -> CommentedMap | Non
     """Merge two configs by matching key (``target``, ``context``).
 
     Stops at first non-None result. Must be associative and commutative up to
-    entry order; the runner folds ``(1+2)+3+…``.
+    entry order; the runner folds ``(1+2)+3+…``. A merge that does not write each
+    source's share (entries' ``sources``, ``meta.source_ranks``: formats.md §3) should
+    drop them: ``opguard check`` then compares with the whole config.
 
     :param left: the accumulated config (its comments are kept).
     :param right: the next config.

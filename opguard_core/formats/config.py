@@ -775,6 +775,12 @@ def validate_config(config: object, path: Path | str) -> None:
         isinstance(k, str) and _is_int(v) and v >= 0 for k, v in steps.items()
     ):
         raise InputError(path, "meta.steps must map sources to step counts")
+    source_ranks = meta.get("source_ranks", {})
+    if not isinstance(source_ranks, dict) or not all(
+        isinstance(k, str) and isinstance(v, list) and all(_is_count(r) for r in v)
+        for k, v in source_ranks.items()
+    ):
+        raise InputError(path, "meta.source_ranks must map sources to lists of ranks")
     recorded = meta.get("recorded_by", [])
     if not isinstance(recorded, list) or not all(isinstance(r, str) for r in recorded):
         raise InputError(path, "meta.recorded_by must be a list of names")
@@ -828,6 +834,11 @@ def validate_config(config: object, path: Path | str) -> None:
             )
         if not _is_count(entry.get("count", 0)):
             raise InputError(path, f"{where}.count must be an integer (0 or more)")
+        by_source = entry.get("sources", {})
+        if not isinstance(by_source, dict) or not all(
+            isinstance(k, str) and _is_count(v) for k, v in by_source.items()
+        ):
+            raise InputError(path, f"{where}.sources must map sources to counts")
         if "kind" in entry and not isinstance(entry["kind"], str):
             raise InputError(path, f"{where}.kind must be a string")
         if entry.get("file") is not None and not isinstance(entry["file"], str):

@@ -48,7 +48,7 @@ from opguard_core.formats.check import (
 )
 from opguard_core.formats.config import entry_key, load_config
 from opguard_core.formats.tree import TORCH_API
-from opguard_core.logs import configure_logging
+from opguard_core.logs import configure_logging, get_logger
 from opguard_core.model import InputEntry, RunOptions
 from opguard_core.plugin.manager import OpGuardPluginManager, call_impl
 from opguard_core.run.summary import config_source
@@ -89,7 +89,9 @@ def options_from_settings(
     Read tolerantly: a key of ``meta.settings`` that names a RunOptions field is used
     (so ``focus``/``ignore`` work once runs record them), unknown keys are ignored and
     missing ones keep RunOptions' defaults. ``hide`` is the full list that was in
-    force (the defaults included), so the default list is not added again. A config
+    force (the defaults included): the default patterns in it are taken as the
+    defaults (:func:`_split_hide`), so they are neither added again nor reported when
+    they match nothing. A config
     whose ``filters`` include the basic filter is rebuilt with ``--basic``, with its
     ``basic_list`` (a file name, relative to ``config_dir``) when it names one.
     """
@@ -103,8 +105,7 @@ def options_from_settings(
             continue
         values[key] = _plain(value)
     if isinstance(settings.get("hide"), list):
-        values["hide"] = tuple(str(p) for p in settings["hide"])
-        values["default_hide"] = False
+        values.update(_split_hide([str(p) for p in settings["hide"]]))
     filters = settings.get("filters") or []
     values["basic"] = BASIC_FILTER_PLUGIN in filters
     basic_list = settings.get("basic_list")
@@ -112,6 +113,20 @@ def options_from_settings(
         # a file the config names: relative to the config, as a person wrote it
         values["basic_list"] = (config_dir or Path(".")) / basic_list
     return RunOptions(**values)
+
+
+def _split_hide(recorded: list[str]) -> dict[str, Any]:
+    """``hide`` and ``default_hide`` for a recorded ``hide`` list: when it holds every
+    default pattern, those are the defaults (``default_hide``: the run does not check
+    them, so check warns about no default pattern that matched nothing) and ``hide`` is
+    the rest, the patterns a person gave; else the whole list is the person's (a run
+    made with ``--no-default-hide``, or by an older OpGuard with other defaults)."""
+    from opguard_plugins.stages.compress import DEFAULT_HIDE  # not for check --help
+
+    if set(DEFAULT_HIDE) <= set(recorded):
+        defaults = set(DEFAULT_HIDE)
+        return {"hide": tuple(p for p in recorded if p not in defaults), "default_hide": True}
+    return {"hide": tuple(recorded), "default_hide": False}
 
 
 def _plain(value: Any) -> Any:
@@ -134,6 +149,8 @@ class Observed:
     combined: CommentedMap | None = None
     #: every trace file read
     files: list[Path] = dataclasses.field(default_factory=list)
+    #: each entry (its name: the traces' label) observed alone, as above
+    entries: dict[str, Observed] = dataclasses.field(default_factory=dict)
 
 
 def observe(manager: OpGuardPluginManager, inputs: Sequence[str], options: RunOptions) -> Observed:
@@ -147,10 +164,12 @@ def observe(manager: OpGuardPluginManager, inputs: Sequence[str], options: RunOp
 
     configs: dict[int, CommentedMap] = {}
     combined: CommentedMap | None = None
+    alone: dict[str, Observed] = {}
     with Pipeline(manager, inputs, options) as pipeline:
         entries = pipeline.discover()
         index = 0
         for entry in entries:
+            mine = alone[entry.name] = Observed({}, [], files=[Path(p) for p in entry.files])
             for path in entry.files:
                 index += 1
                 single = InputEntry(f"{entry.name}_{index}", (path,), index, entry.specs)
@@ -158,15 +177,17 @@ def observe(manager: OpGuardPluginManager, inputs: Sequence[str], options: RunOp
                 if config is None:
                     continue
                 rank = int(((config.get("meta") or {}).get("ranks") or [0])[0])
-                left = configs.get(rank)
-                configs[rank] = config if left is None else pipeline.merge(left, config)
+                for into in (configs, mine.configs):
+                    left = into.get(rank)
+                    into[rank] = config if left is None else pipeline.merge(left, config)
         for entry in entries:
             whole = pipeline.config(entry)
             if whole is not None:
+                alone[entry.name].combined = whole
                 combined = whole if combined is None else pipeline.merge(combined, whole)
         problems = pipeline.failures()
     files = [Path(path) for entry in entries for path in entry.files]
-    return Observed(configs, problems, combined, files)
+    return Observed(configs, problems, combined, files, alone)
 
 
 def _steps(config: dict[str, Any]) -> int | None:
@@ -307,11 +328,129 @@ def across_tracers(
     return [v for v in violations if v.kind in ACROSS_TRACERS and v.target not in apis]
 
 
-def format_text(config: str, violations: Sequence[Violation]) -> str:
+# ------------------------------------------------------------- merged configs
+
+
+def recorded_sources(config: dict[str, Any]) -> list[str]:
+    """The sources whose contributions a merged config records (``meta.source_ranks``
+    and each entry's ``sources``: formats.md §3, version 4); empty when it records
+    none (one source, or a merge made before configs recorded them) or a record that
+    does not add up (an entry whose shares do not sum to its count, a share of a
+    source without ranks: a merge by a tool that carried the fields unread)."""
+    meta = config.get("meta") or {}
+    source_ranks = meta.get("source_ranks")
+    if not isinstance(source_ranks, dict) or len(source_ranks) < 2:
+        return []
+    for entry in config["entries"]:
+        shares = entry.get("sources")
+        if not isinstance(shares, dict) or sum(shares.values()) != entry.get("count", 0):
+            return []
+        if not set(shares) <= set(source_ranks):
+            return []
+    return sorted(str(s) for s in source_ranks)
+
+
+def project(config: dict[str, Any], sources: Sequence[str]) -> dict[str, Any]:
+    """``config`` as the config of ``sources`` alone: the entries they contributed to,
+    each with their count; their ranks and steps. ``ops`` and ``stream_counts`` stay
+    the merged ones (a merge does not record them per source), so an op another source
+    ran in the same entry is accepted. An entry's ``ranks`` (where it lacks some) are
+    cut to the sources' ranks."""
+    meta = dict(config.get("meta") or {})
+    source_ranks = meta.pop("source_ranks")
+    ranks = sorted({int(r) for s in sources for r in source_ranks[s]})
+    entries = []
+    for entry in config["entries"]:
+        by_source = entry["sources"]
+        if not any(s in by_source for s in sources):
+            continue
+        mine = {k: v for k, v in entry.items() if k != "sources"}
+        mine["count"] = sum(int(by_source.get(s, 0)) for s in sources)
+        if "ranks" in entry:
+            mine["ranks"] = sorted(set(int(r) for r in entry["ranks"]) & set(ranks)) or ranks
+        entries.append(mine)
+    meta["ranks"] = ranks
+    meta["sources"] = sorted(sources)
+    steps = meta.pop("steps", None)
+    if isinstance(steps, dict) and all(s in steps for s in sources):
+        meta["steps"] = {s: steps[s] for s in sorted(sources)}
+    return {**config, "source": "+".join(sorted(sources)), "meta": meta, "entries": entries}
+
+
+def _counts(violations: Sequence[Violation]) -> tuple[int, int]:
+    errors = sum(v.severity == ERROR for v in violations)
+    return errors, len(violations) - errors
+
+
+def _best_fit(
+    manager: OpGuardPluginManager,
+    config: dict[str, Any],
+    observed: Observed,
+    candidates: Sequence[Sequence[str]],
+    tolerance: float,
+    strict: bool,
+) -> tuple[list[Violation], list[str]]:
+    """The candidate sources with the fewest errors, then warnings (the first of equals)."""
+    best: tuple[tuple[int, int], list[str], list[Violation]] | None = None
+    for sources in candidates:
+        found = check_configs(
+            manager,
+            project(config, sources),
+            observed.configs,
+            tolerance,
+            strict,
+            observed.combined,
+        )
+        if best is None or _counts(found) < best[0]:
+            best = (_counts(found), sorted(sources), found)
+    assert best is not None
+    return best[2], best[1]
+
+
+def check_merged(
+    manager: OpGuardPluginManager,
+    config: dict[str, Any],
+    observed: Observed,
+    chosen: Sequence[str],
+    tolerance: float,
+    strict: bool,
+) -> tuple[list[Violation], list[str]]:
+    """Check ``observed`` against ``config``; a merged config that records its sources'
+    shares (:func:`recorded_sources`) per source. With ``chosen`` (``--source``) all
+    the traces together against those sources' share; else each observed entry alone
+    against the source it is named after (the traces' label), or, named after none,
+    the source that fits it best (fewest errors, then warnings, then by name).
+    Returns the violations and one line per comparison made (none: the whole config)."""
+    names = recorded_sources(config)
+    if not names:
+        violations = check_configs(
+            manager, config, observed.configs, tolerance, strict, observed.combined
+        )
+        return violations, []
+    if chosen:
+        found, sources = _best_fit(manager, config, observed, [chosen], tolerance, strict)
+        return join_ranks(found), [f"{'+'.join(sources)} (--source)"]
+    found = []
+    made = []
+    for name, alone in sorted(observed.entries.items()):
+        if not alone.configs:
+            continue
+        if name in names:
+            candidates, how = [[name]], "its name"
+        else:
+            candidates, how = [[n] for n in names], "best fit"
+        violations, sources = _best_fit(manager, config, alone, candidates, tolerance, strict)
+        found.extend(violations)
+        made.append(f"{name} with {'+'.join(sources)} ({how})")
+    return join_ranks(found), made
+
+
+def format_text(config: str, violations: Sequence[Violation], compared: str | None = None) -> str:
     """The text report: a summary line, then one line per violation."""
     errors = sum(v.severity == ERROR for v in violations)
     warnings = sum(v.severity == WARNING for v in violations)
-    lines = [f"opguard check: {config}: {errors} error(s), {warnings} warning(s)"]
+    against = f" ({compared})" if compared else ""
+    lines = [f"opguard check: {config}{against}: {errors} error(s), {warnings} warning(s)"]
     for v in violations:
         ranks = ",".join(map(str, v.ranks))
         lines.append(f"{v.severity:<7} {v.kind:<17} ranks {ranks:<5} {v.message}")
@@ -342,6 +481,13 @@ def make_command(manager: OpGuardPluginManager) -> click.Command:
         show_default=True,
         help="count_drift: relative change of an entry's count per rank (and step) allowed.",
     )
+    @click.option(
+        "--source",
+        "sources",
+        multiple=True,
+        help="With a merged config: compare with this source's share (repeatable; "
+        "default: the sources the traces are named after, else the best fitting one).",
+    )
     @verbose_option
     def check(
         config_path: Path,
@@ -351,6 +497,7 @@ def make_command(manager: OpGuardPluginManager) -> click.Command:
         output: Path | None,
         strict: bool,
         tolerance: float,
+        sources: tuple[str, ...],
         verbose: int,
     ) -> ExitCode:
         """Check new traces against CONFIG; exit 1 when any error is found."""
@@ -373,9 +520,27 @@ def make_command(manager: OpGuardPluginManager) -> click.Command:
             return ExitCode.INPUT_UNREADABLE
         if output is not None:  # a trace given as -o is read, never replaced
             check_output_file(output, [config_path, *observed.files])
-        violations = check_configs(
-            manager, config, observed.configs, tolerance, strict, observed.combined
-        )
+        names = recorded_sources(config)
+        unknown = sorted(set(sources) - set(names))
+        if unknown:
+            recorded = ", ".join(names) or "none"
+            raise click.BadParameter(
+                f"{', '.join(unknown)}: not a source this config records ({recorded})",
+                param_hint="'--source'",
+            )
+        violations, made = check_merged(manager, config, observed, sources, tolerance, strict)
+        compared = None
+        if made:
+            compared = f"per source, of {len(names)}: {'; '.join(made)}"
+            get_logger().info("compared per source", recorded=names, comparisons=made)
+        elif len((config.get("meta") or {}).get("sources") or []) > 1:
+            get_logger().warning(
+                "merged config without per-source counts",
+                config=str(config_path),
+                hint="made before configs recorded each source's share, or the record does "
+                "not add up: count_drift and missing compare with the sum of its sources; "
+                "merge the sources' configs again",
+            )
         violations = across_tracers(config, observed, violations)
         if fmt == "json":
             document = check_report(str(config_path), violations)
@@ -384,7 +549,7 @@ def make_command(manager: OpGuardPluginManager) -> click.Command:
             else:
                 click.echo(json.dumps(document, indent=2))
         else:
-            text = format_text(str(config_path), violations)
+            text = format_text(str(config_path), violations, compared)
             if output is not None:
                 atomic_write_text(output, text)
             else:

@@ -32,8 +32,10 @@ How it works (docs/guard.md):
   on CUDA every op's current stream is noted (:class:`StreamRoles`, so side streams
   are numbered in order of first use, as the tracer numbers them; with ``sample``, a
   stream first used in an unchecked step is numbered when it is next seen). A
-  violation's first occurrence keeps the Python stack; ``warn`` logs it once,
-  ``raise`` raises :class:`OpGuardViolation` inside the offending call.
+  violation's first occurrence keeps the Python stack; ``warn`` logs it once (an
+  ``unknown_context`` when the guard finishes, if it ran enough ops to count: the
+  console shows what the report counts), ``raise`` raises :class:`OpGuardViolation`
+  inside the offending call.
 * **Sampling**: with ``sample=P`` only every ``round(1/P)``-th optimizer step is
   checked (steps counted with torch's global optimizer step hook, from 0, so step 0,
   which includes everything before the first ``optimizer.step()``, is checked); in
@@ -291,6 +293,15 @@ class Guard:
             float(settings.get("min_count", 1) or 0),
             float(settings.get("min_fraction", 0) or 0) * float(meta.get("total", 0) or 0) / ranks,
         )
+        #: the optimizer steps the config's counts cover (None: not recorded), so the
+        #: threshold grows with a longer guarded run (:meth:`unknown_threshold`)
+        steps = meta.get("steps")
+        values = list(steps.values()) if isinstance(steps, dict) else []
+        known = all(isinstance(v, int) and not isinstance(v, bool) for v in values)
+        sources = meta.get("sources")
+        if isinstance(sources, list) and isinstance(steps, dict):
+            known = known and all(s in steps for s in sources)  # every source's steps
+        self.config_steps: int | None = sum(values) if values and known and sum(values) else None
         self.depth = int(settings.get("context_depth", 1) or 0)
         self.entries: dict[EntryKey, Any] = {entry_key(e): e for e in config["entries"]}
         self.ops = {
@@ -740,24 +751,49 @@ class Guard:
             self.records[identity].ops += 1
 
     def hit(self, identity: tuple[Any, ...]) -> None:
-        """Count one occurrence; the first keeps the stack and (``warn``) is logged."""
+        """Count one occurrence; the first keeps the stack and (``warn``) is logged, but
+        an ``unknown_context``'s, which needs the whole run's op count
+        (:meth:`counts`), is logged when the guard finishes."""
         record = self.records[identity]
         record.count += 1
         if record.count == 1:
             record.stack = python_stack(sys._getframe(1))
-            v = record.violation
-            if self.on_violation == "warn":
-                log = self.log.error if v.severity == ERROR else self.log.warning
-                log(
-                    "opguard guard: violation",
-                    kind=v.kind,
-                    severity=v.severity,
-                    target=v.target,
-                    context=v.context,
-                    op=v.op,
-                    stream=v.stream,
-                    message=v.message,
-                )
+            if record.violation.kind != "unknown_context":
+                self._log(record)
+
+    def unknown_threshold(self) -> float:
+        """The ops an ``unknown_context`` must run to count: the config's pruning
+        threshold per rank, scaled up by the steps this guard checked over the
+        config's (``meta.steps``) when the config records them, so a guarded run
+        longer than the traced one keeps what the config pruned."""
+        if not self.config_steps:
+            return self.threshold
+        checked = self.step / self.every
+        return self.threshold * max(checked, self.config_steps) / self.config_steps
+
+    def counts(self, record: _Record) -> bool:
+        """Whether ``record`` is a violation of this run (the report's and the
+        console's test): it occurred, and an ``unknown_context`` ran enough ops."""
+        if record.count == 0:
+            return False
+        kind = record.violation.kind
+        return kind != "unknown_context" or record.ops >= self.unknown_threshold()
+
+    def _log(self, record: _Record) -> None:
+        """Log a violation on the console (``warn``): once per identity."""
+        v = record.violation
+        if self.on_violation == "warn":
+            log = self.log.error if v.severity == ERROR else self.log.warning
+            log(
+                "opguard guard: violation",
+                kind=v.kind,
+                severity=v.severity,
+                target=v.target,
+                context=v.context,
+                op=v.op,
+                stream=v.stream,
+                message=v.message,
+            )
 
     # -- collectives (sequence_guard.py) -----------------------------------------
 
@@ -861,10 +897,8 @@ class Guard:
         rank = self.resolve_rank()
         out = []
         for record in sorted(self.records.values(), key=lambda r: sort_key(r.violation)):
-            if record.count == 0:
-                continue
-            if record.violation.kind == "unknown_context" and record.ops < self.threshold:
-                continue  # the config's thresholds would have pruned it too
+            if not self.counts(record):
+                continue  # (unknown_context: the config's thresholds would have pruned it)
             data = record.violation.to_dict()
             data["ranks"] = [rank]
             data.update({"rank": rank, "count": record.count, "stack": record.stack})
@@ -914,6 +948,14 @@ class Guard:
             self.stop(unwrap=unwrap)
         except Exception as exc:
             print(f"opguard guard: could not stop cleanly: {exc!r}", file=sys.stderr)
+        try:  # the unknown_context warnings that count, now that the run's ops are known
+            from opguard_core.formats.check import sort_key
+
+            for record in sorted(self.records.values(), key=lambda r: sort_key(r.violation)):
+                if record.violation.kind == "unknown_context" and self.counts(record):
+                    self._log(record)
+        except Exception as exc:
+            print(f"opguard guard: could not log: {exc!r}", file=sys.stderr)
         try:
             return self.write()
         except Exception as exc:
@@ -1004,7 +1046,12 @@ def python_stack(frame: types.FrameType | None) -> list[dict[str, Any]]:
 def _load(config: str | os.PathLike[str] | Mapping[str, Any]) -> tuple[Mapping[str, Any], str]:
     if isinstance(config, Mapping):
         return config, str(config.get("source", ""))
-    return load_config(Path(config)), str(config)
+    path = Path(config)
+    if path.is_dir():  # a run directory: its final config, as `opguard guard --config RUN`
+        from opguard_core.run.summary import config_source
+
+        path = config_source(path)
+    return load_config(path), str(path)
 
 
 @contextmanager
@@ -1020,7 +1067,8 @@ def guarded(
 ) -> Iterator[Guard]:
     """Enforce ``config`` on the ``with`` block; write the report when it ends.
 
-    :param config: a config path or a loaded config.
+    :param config: a config path, a run directory (its final config, as
+        ``opguard guard --config RUN``) or a loaded config.
     :param report_dir: where ``guard_report_rank{R}.json`` goes (created if missing).
     :param on_violation: ``warn`` (log each violation's first occurrence) or ``raise``
         (:class:`OpGuardViolation` inside the offending call).

@@ -7,7 +7,11 @@ person wrote there survive; so do the right's, where the left has none on a key,
 and the comment lines above an entry in either (the left's first). ``meta.ranks`` is
 the union, ``meta.total`` the sum, and ``source`` lists every merged source, sorted,
 joined by ``+``. ``collectives`` (config version 4) keeps every source's sequences
-(:func:`~opguard_core.formats.config_collectives.merge_config_collectives`).
+(:func:`~opguard_core.formats.config_collectives.merge_config_collectives`). A merge
+of two or more sources records what each contributed (config version 4): an entry's
+``sources`` (source -> count) and ``meta.source_ranks`` (source -> ranks), so
+``opguard check`` can hold one source's traces to that source's share (configs.md,
+"Checking against a run directory or a merged config").
 """
 
 from __future__ import annotations
@@ -26,7 +30,19 @@ from opguard_core.formats.tree import TORCH_API
 from opguard_core.formats.values import same_json, value_order
 
 _ENTRY_FIELDS = frozenset(
-    {"target", "context", "kind", "file", "lines", "tags", "ops", "stream_counts", "count", "ranks"}
+    {
+        "target",
+        "context",
+        "kind",
+        "file",
+        "lines",
+        "tags",
+        "ops",
+        "stream_counts",
+        "count",
+        "ranks",
+        "sources",
+    }
 )
 
 
@@ -118,8 +134,71 @@ def _sources(config: dict[str, Any]) -> set[str]:
     return set(str(config.get("source", "")).split("+")) - {""}
 
 
+#: per entry key, each source's count; and each source's ranks
+Contributions = tuple[dict[Any, dict[str, int]], dict[str, list[int]]]
+
+
+def contributions(config: dict[str, Any]) -> Contributions | None:
+    """What each source contributed to ``config``: its entries' ``sources`` and its
+    ``meta.source_ranks`` where it records them (a merge of several sources), the whole
+    config for its one source, or None when neither is known (a merge made before
+    configs recorded it)."""
+    meta = config.get("meta") or {}
+    names = meta.get("sources")
+    names = sorted(str(n) for n in names) if isinstance(names, list) else sorted(_sources(config))
+    source_ranks = meta.get("source_ranks")
+    entries = config.get("entries") or []
+    if isinstance(source_ranks, dict) and all(isinstance(e.get("sources"), dict) for e in entries):
+        return (
+            {entry_key(e): {str(s): int(c) for s, c in e["sources"].items()} for e in entries},
+            {str(s): [int(r) for r in ranks] for s, ranks in source_ranks.items()},
+        )
+    if len(names) != 1:
+        return None
+    ranks = [int(r) for r in meta.get("ranks") or []]
+    return {entry_key(e): {names[0]: int(e.get("count", 0))} for e in entries}, {names[0]: ranks}
+
+
+def _add_contributions(left: Contributions, right: Contributions) -> Contributions:
+    counts = {key: dict(by_source) for key, by_source in left[0].items()}
+    for key, by_source in right[0].items():
+        mine = counts.setdefault(key, {})
+        for source, count in by_source.items():
+            mine[source] = mine.get(source, 0) + count
+    ranks = {source: set(r) for source, r in left[1].items()}
+    for source, r in right[1].items():
+        ranks.setdefault(source, set()).update(r)
+    return counts, {source: sorted(r) for source, r in ranks.items()}
+
+
+def _record_contributions(result: CommentedMap, both: Contributions | None) -> None:
+    """Write each entry's ``sources`` and ``meta.source_ranks`` (two or more sources,
+    all known); else remove them: a record that covers only some sources would hold
+    a source's traces to a wrong share."""
+    meta = result["meta"]
+    if both is None or len(both[1]) < 2:
+        meta.pop("source_ranks", None)
+        for entry in result["entries"]:
+            entry.pop("sources", None)
+        return
+    counts, ranks = both
+    record = flow_map((s, flow_seq(ranks[s])) for s in sorted(ranks))
+    after = [k for k in ("ranks", "total", "sources", "steps") if k in meta]
+    meta.insert(list(meta).index(after[-1]) + 1 if after else len(meta), "source_ranks", record)
+    for entry in result["entries"]:
+        entry.pop("sources", None)  # written last: after count and ranks
+        by_source = counts.get(entry_key(entry), {})
+        entry["sources"] = flow_map(sorted(by_source.items()))
+
+
 def merge_configs(left: CommentedMap, right: CommentedMap) -> CommentedMap:
     """The built-in merge. ``left`` is copied, never changed in place."""
+    left_share, right_share = contributions(left), contributions(right)
+    both = (
+        _add_contributions(left_share, right_share)
+        if left_share is not None and right_share is not None
+        else None
+    )
     result: CommentedMap = copy_config(left)
     left_meta = result.get("meta") or {}
     right_meta = right.get("meta") or {}
@@ -148,7 +227,9 @@ def merge_configs(left: CommentedMap, right: CommentedMap) -> CommentedMap:
         entries.append(entry)
     meta = CommentedMap(left_meta)
     _carry_extras(
-        meta, right_meta, frozenset({"ranks", "total", "sources", "steps", "recorded_by"})
+        meta,
+        right_meta,
+        frozenset({"ranks", "total", "sources", "steps", "recorded_by", "source_ranks"}),
     )
     meta["ranks"] = flow_seq(all_ranks)
     meta["total"] = int(left_meta.get("total", 0)) + int(right_meta.get("total", 0))
@@ -171,6 +252,7 @@ def merge_configs(left: CommentedMap, right: CommentedMap) -> CommentedMap:
         result["collectives"] = merge_config_collectives(
             left.get("collectives"), right.get("collectives")
         )
+    _record_contributions(result, both)
     return result
 
 

@@ -1,0 +1,305 @@
+"""``opguard check``'s rough edges (issue 29, point 4), through the CLI.
+
+* the default hide patterns are never reported as "pattern matched nothing"; a
+  pattern a person gave still is;
+* ``--config RUN_DIR`` checks against the run's final config, as show, compare,
+  merge and filter read it;
+* a merged config checks any one of its sources (and all of them together) without
+  an error, a ``count_drift`` or a ``missing``, also under ``--strict``.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+from click.testing import CliRunner, Result
+
+from opguard_core.cli.app import create_cli
+from opguard_core.formats.config import dump_config, entry_key, load_config
+from opguard_core.plugin.manager import create_plugin_manager
+from opguard_plugins.stages.compress import DEFAULT_HIDE
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples" / "traces"
+SOURCES = {
+    "ddp_callsite": str(EXAMPLES / "ddp_callsite_rank*.json"),
+    "fsdp_callsite": str(EXAMPLES / "fsdp_callsite_rank*.json"),
+    "single_callsite": str(EXAMPLES / "single_callsite_rank*.json"),
+}
+
+
+def invoke(*args: str | Path) -> Result:
+    argv = ["--log-format", "json", *[str(a) for a in args]]
+    return CliRunner().invoke(create_cli(create_plugin_manager()), argv, catch_exceptions=False)
+
+
+def make_run(tmp_path: Path, *inputs: str, extra: tuple[str, ...] = ()) -> Path:
+    """An ``opguard run`` of ``inputs``; its run directory."""
+    out = tmp_path / f"out{len(list(tmp_path.glob('out*')))}"
+    args = [a for i in inputs for a in ("-i", i)]
+    result = invoke("run", *args, "--output-base", out, *extra)
+    assert result.exit_code == 0, result.stderr
+    return Path(result.stdout.strip().splitlines()[-1])
+
+
+def check(config: Path, *inputs: str, expect: int = 0, strict: bool = False) -> dict[str, Any]:
+    """``opguard check --format json``; ``inputs`` are traces, or options (``--x``) with
+    their values."""
+    args: list[str | Path] = ["check", "--config", config, "--format", "json"]
+    values = iter(inputs)
+    for item in values:
+        args += [item, next(values)] if item.startswith("--") else ["-i", item]
+    result = invoke(*args, *(["--strict"] if strict else []))
+    assert result.exit_code == expect, (result.stdout[-3000:], result.stderr[-3000:])
+    report: dict[str, Any] = json.loads(result.stdout)
+    report["stderr"] = result.stderr
+    return report
+
+
+def unmatched(stderr: str) -> list[str]:
+    """The patterns of the "pattern matched nothing" records in JSON log lines."""
+    found = []
+    for line in stderr.splitlines():
+        if line.startswith("{") and "pattern matched nothing" in line:
+            found.append(json.loads(line)["pattern"])
+    return found
+
+
+def kinds(report: dict[str, Any]) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for item in report["violations"]:
+        counts[item["kind"]] = counts.get(item["kind"], 0) + 1
+    return counts
+
+
+# ----------------------------------------------------------- default hide patterns
+
+
+def test_check_reports_no_default_hide_pattern(tmp_path: Path) -> None:
+    """The example DDP trace has no frame for most default patterns (the run does not
+    warn about them); check, which re-runs the pipeline with the config's recorded
+    settings, used to warn about each of them on every run."""
+    run = make_run(tmp_path, SOURCES["ddp_callsite"])
+    report = check(run, SOURCES["ddp_callsite"])
+    assert report["violations"] == []
+    assert unmatched(report["stderr"]) == []
+
+
+def test_check_still_reports_a_users_pattern_that_matched_nothing(tmp_path: Path) -> None:
+    run = make_run(tmp_path, SOURCES["ddp_callsite"], extra=("--hide", r"nosuch\.module:.*"))
+    report = check(run, SOURCES["ddp_callsite"])
+    assert report["violations"] == []
+    found = unmatched(report["stderr"])
+    assert found and set(found) == {r"nosuch\.module:.*"}  # once per rank file and entry
+    assert not set(found) & set(DEFAULT_HIDE)
+
+
+def test_without_default_hide_every_recorded_pattern_is_the_users(tmp_path: Path) -> None:
+    """A run made with --no-default-hide and one of the defaults given by hand: that
+    pattern is the person's, and warned about when it matches nothing."""
+    pattern = "contextlib:.*"  # a default pattern no DDP example frame matches
+    assert pattern in DEFAULT_HIDE
+    run = make_run(
+        tmp_path, SOURCES["ddp_callsite"], extra=("--no-default-hide", "--hide", pattern)
+    )
+    report = check(run, SOURCES["ddp_callsite"])
+    assert report["violations"] == []
+    assert set(unmatched(report["stderr"])) == {pattern}
+
+
+# ------------------------------------------------------------ a run directory
+
+
+def test_a_run_directory_is_checked_against_its_final_config(tmp_path: Path) -> None:
+    run = make_run(tmp_path, SOURCES["ddp_callsite"], SOURCES["fsdp_callsite"])
+    final = run / "final_combined_instrumentation.yaml"
+    by_dir = check(run, SOURCES["ddp_callsite"], SOURCES["fsdp_callsite"])
+    by_file = check(final, SOURCES["ddp_callsite"], SOURCES["fsdp_callsite"])
+    assert by_dir["config"] == str(final)
+    assert by_dir["violations"] == by_file["violations"] == []
+
+
+def test_a_filtered_run_directory_is_checked_against_its_filtered_config(
+    tmp_path: Path,
+) -> None:
+    """The same config ``opguard show RUN`` shows: the filtered one when the run
+    filtered; a trace that only the filter's dropped entries would flag passes."""
+    run = make_run(tmp_path, SOURCES["single_callsite"], extra=("--basic",))
+    report = check(run, SOURCES["single_callsite"])
+    filtered = sorted(run.glob("*_filtered_instrumentation.yaml"))
+    assert [Path(report["config"])] == filtered
+    assert report["violations"] == []
+
+
+def test_a_run_directory_without_a_summary_is_refused_in_one_line(tmp_path: Path) -> None:
+    run = make_run(tmp_path, SOURCES["single_callsite"])
+    (run / "pipeline_summary.json").unlink()
+    result = invoke("check", "--config", run, "-i", SOURCES["single_callsite"])
+    assert result.exit_code == 5
+    assert len(result.stderr.strip().splitlines()) == 1 and str(run) in result.stderr
+
+
+# ------------------------------------------------------------ merged configs
+
+
+@pytest.fixture(scope="module")
+def merged_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The bundled example pipeline: the DDP, FSDP2 and single-process traces, merged."""
+    return make_run(
+        tmp_path_factory.mktemp("merged"),
+        SOURCES["ddp_callsite"],
+        SOURCES["fsdp_callsite"],
+        SOURCES["single_callsite"],
+    )
+
+
+@pytest.mark.parametrize("source", sorted(SOURCES))
+@pytest.mark.parametrize("strict", [False, True])
+def test_a_merged_config_checks_each_of_its_sources_cleanly(
+    merged_run: Path, source: str, strict: bool
+) -> None:
+    final = merged_run / "final_combined_instrumentation.yaml"
+    report = check(final, SOURCES[source], strict=strict)
+    assert report["violations"] == [], kinds(report)
+    text = invoke("check", "--config", final, "-i", SOURCES[source])
+    line = f"(per source, of 3: {source} with {source} (its name)): 0 error(s), 0 warning(s)"
+    assert line in text.stdout
+
+
+def test_a_merged_config_checks_all_its_sources_together(merged_run: Path) -> None:
+    report = check(merged_run, *SOURCES.values(), strict=True)
+    assert report["violations"] == []
+
+
+def test_a_merged_config_records_what_each_source_contributed(merged_run: Path) -> None:
+    config = load_config(merged_run / "final_combined_instrumentation.yaml")
+    assert config["meta"]["source_ranks"] == {
+        "ddp_callsite": [0, 1],
+        "fsdp_callsite": [0, 1],
+        "single_callsite": [0],
+    }
+    for entry in config["entries"]:
+        assert sum(entry["sources"].values()) == entry["count"], entry["target"]
+    for source in SOURCES:  # each source's share is that source's own config
+        own = load_config(merged_run / f"{source}_instrumentation.yaml")
+        share = {
+            entry_key(e): e["sources"][source] for e in config["entries"] if source in e["sources"]
+        }
+        assert share == {entry_key(e): e["count"] for e in own["entries"]}
+    # one source's config records nothing: it is all its source's
+    single = load_config(merged_run / "single_callsite_instrumentation.yaml")
+    assert "source_ranks" not in single["meta"]
+    assert all("sources" not in e for e in single["entries"])
+
+
+def test_the_merge_command_records_the_same(merged_run: Path, tmp_path: Path) -> None:
+    out = tmp_path / "m.yaml"
+    configs = [merged_run / f"{s}_instrumentation.yaml" for s in sorted(SOURCES)]
+    result = invoke("merge", *configs, "-o", out)
+    assert result.exit_code == 0, result.stderr
+    # the run folds in command-line order (ddp, fsdp, single): the same merge
+    assert out.read_text() == (merged_run / "final_combined_instrumentation.yaml").read_text()
+
+
+def test_traces_under_another_name_are_compared_with_the_best_fitting_source(
+    merged_run: Path, tmp_path: Path
+) -> None:
+    """A new run of the DDP job, labelled ``week2``: the DDP share fits it; forcing
+    the FSDP2 share shows the comparison is per source (FSDP2 ran other functions)."""
+    for rank in (0, 1):
+        shutil.copy(EXAMPLES / f"ddp_callsite_rank{rank}.json", tmp_path / f"week2_rank{rank}.json")
+    week2 = str(tmp_path / "week2_rank*.json")
+    assert check(merged_run, week2, strict=True)["violations"] == []
+    text = invoke("check", "--config", merged_run, "-i", week2)
+    assert "(per source, of 3: week2 with ddp_callsite (best fit))" in text.stdout
+    forced = check(merged_run, week2, "--source", "fsdp_callsite")
+    assert kinds(forced).get("missing", 0) > 0 and kinds(forced).get("unknown_target", 0) > 0
+    unknown = invoke("check", "--config", merged_run, "-i", week2, "--source", "nope")
+    assert unknown.exit_code == 2 and "nope: not a source this config records" in unknown.stderr
+
+
+def test_per_source_checks_still_find_missing_and_drift(merged_run: Path) -> None:
+    """Held to DDP and FSDP2 together, the DDP traces miss every FSDP2-only entry, and
+    the entries both ran issue half the ops per rank."""
+    report = check(
+        merged_run,
+        SOURCES["ddp_callsite"],
+        "--source",
+        "ddp_callsite",
+        "--source",
+        "fsdp_callsite",
+    )
+    found = kinds(report)
+    assert found.get("missing", 0) > 0 and found.get("count_drift", 0) > 0
+    assert found.get("unexpected_op", 0) == 0
+
+
+def test_a_merged_config_without_records_is_checked_whole_with_a_warning(
+    merged_run: Path, tmp_path: Path
+) -> None:
+    """A merge made before configs recorded the sources' shares (or edited by hand):
+    check compares with the whole config, as before, and says why."""
+    config = load_config(merged_run / "final_combined_instrumentation.yaml")
+    del config["meta"]["source_ranks"]
+    for entry in config["entries"]:
+        del entry["sources"]
+    old = tmp_path / "old.yaml"
+    old.write_text(dump_config(config))
+    report = check(old, SOURCES["ddp_callsite"])
+    assert kinds(report).get("count_drift", 0) > 0
+    assert "merged config without per-source counts" in report["stderr"]
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        ("    count: 192\n    sources: {ddp_callsite: x}\n", "entries[0].sources must map"),
+        ("    count: 192\n    sources: [1]\n", "entries[0].sources must map"),
+    ],
+)
+def test_bad_source_records_are_refused_in_one_line(
+    merged_run: Path, tmp_path: Path, edit: str, message: str
+) -> None:
+    text = (merged_run / "final_combined_instrumentation.yaml").read_text()
+    first = text.index("    count: ")
+    end = text.index("\n  #", first)
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(text[:first] + edit + text[end + 1 :])
+    result = invoke("check", "--config", bad, "-i", SOURCES["ddp_callsite"])
+    assert result.exit_code == 5, result.stderr
+    assert message in result.stderr and len(result.stderr.strip().splitlines()) == 1
+
+
+def test_bad_source_ranks_are_refused_in_one_line(merged_run: Path, tmp_path: Path) -> None:
+    text = (merged_run / "final_combined_instrumentation.yaml").read_text()
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(
+        text.replace("source_ranks: {ddp_callsite: [0, 1]", "source_ranks: {ddp_callsite: [x]")
+    )
+    result = invoke("check", "--config", bad, "-i", SOURCES["ddp_callsite"])
+    assert result.exit_code == 5 and "meta.source_ranks must map" in result.stderr
+
+
+def test_a_filtered_merged_config_checks_each_of_its_sources_cleanly(tmp_path: Path) -> None:
+    """``--basic``: the run directory stands for the filtered merged config, which
+    keeps each entry's record of its sources."""
+    run = make_run(tmp_path, *SOURCES.values(), extra=("--basic",))
+    for source, traces in SOURCES.items():
+        report = check(run, traces, strict=True)
+        assert report["config"].endswith("final_combined_filtered_instrumentation.yaml")
+        assert report["violations"] == [], (source, kinds(report))
+
+
+def test_a_record_that_does_not_add_up_is_not_used(merged_run: Path, tmp_path: Path) -> None:
+    """Shares carried unread by another tool's merge no longer sum to the count: check
+    compares with the whole config (and says so) rather than with a wrong share."""
+    config = load_config(merged_run / "final_combined_instrumentation.yaml")
+    config["entries"][0]["count"] += 1
+    stale = tmp_path / "stale.yaml"
+    stale.write_text(dump_config(config))
+    report = check(stale, SOURCES["ddp_callsite"])
+    assert kinds(report).get("count_drift", 0) > 0
+    assert "merged config without per-source counts" in report["stderr"]
