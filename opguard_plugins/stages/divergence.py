@@ -94,9 +94,27 @@ def add_per_rank_counts(into: dict[int, float], site: Callsite, ranks: list[int]
         into[rank] = get(rank, 0) + share
 
 
-def majority(hist: dict[int, int]) -> int:
-    """The count most ranks have; a tie goes to the count of the lowest rank."""
-    return max(hist, key=lambda value: (hist[value].bit_count(), -_lowest(hist[value])))
+def majority(hist: dict[int, int]) -> tuple[int, bool]:
+    """The count a strict majority (more than half) of the ranks has, and True; without
+    one, the count of the lowest rank (the reference, as for collective sequences) and
+    False. ``hist`` is {count: rank mask} over every rank compared."""
+    total = 0
+    best = best_ranks = -1
+    for value, mask in hist.items():
+        ranks = mask.bit_count()
+        total += ranks
+        if ranks > best_ranks:
+            best, best_ranks = value, ranks
+    if 2 * best_ranks > total:
+        return best, True
+    return min(hist, key=lambda value: _lowest(hist[value])), False
+
+
+def distribution(hist: dict[int, int]) -> list[list[int]]:
+    """``[[count, number of ranks], …]``, the most held first, then by count."""
+    return sorted(
+        ([value, mask.bit_count()] for value, mask in hist.items()), key=lambda d: (-d[1], d[0])
+    )
 
 
 def _lowest(mask: int) -> int:
@@ -111,6 +129,11 @@ class _Stacks:
         hide = [*(DEFAULT_HIDE if options.default_hide else ()), *options.hide]
         self.frames = trace.frames
         self.names = [target_name(f.module, f.file, f.qualname) for f in trace.frames]
+        #: per frame id: its function's number (frames of one function, at other lines,
+        #: share it), and per number the function's name
+        ids: dict[str, int] = {}
+        self.function = [ids.setdefault(name, len(ids)) for name in self.names]
+        self.function_names = list(ids)
         self.user = bytes(not (f.module or "").startswith("torch") for f in trace.frames)
         self.hidden = bytes(hidden_frames(trace, hide))
         #: per callsite: its frame ids without hidden ones, and the position in them of
@@ -174,11 +197,14 @@ def find_divergence(trace: CallsiteTrace, options: RunOptions) -> list[Finding]:
 
 def _collectives(trace: CallsiteTrace, stacks: _Stacks, exact: bool) -> Iterator[Finding]:
     all_mask = ranks_to_mask(trace.ranks)
-    for site, frames, caller, collective in zip(
-        trace.callsites, stacks.visible, stacks.callers, stacks.collective, strict=True
-    ):
+    nranks = len(trace.ranks)
+    ranks_of = _RankSets()
+    for index, collective in enumerate(stacks.collective):
         if not collective:
             continue
+        site = trace.callsites[index]
+        if site.per_rank is None and site.ranks is None:
+            continue  # every rank issued it equally often
         hist = site_histogram(site, all_mask, exact)
         if hist is None:  # counts unknown: only ranks that never issued it can be told
             if site.ranks is None:
@@ -186,24 +212,19 @@ def _collectives(trace: CallsiteTrace, stacks: _Stacks, exact: bool) -> Iterator
             hist = {-1: ranks_to_mask(site.ranks), 0: all_mask & ~ranks_to_mask(site.ranks)}
         if len(hist) < 2:
             continue
-        expected = majority(hist)
-        counts = {
+        expected, most = majority(hist)
+        deviating = ranks_of(all_mask & ~hist[expected])
+        by_rank = {
             rank: value
             for value, mask in hist.items()
             if value != expected
-            for rank in mask_to_ranks(mask)
+            for rank in ranks_of(mask)
         }
-        deviating = sorted(counts)
-        where = stacks.describe(frames, caller)
+        counts = {str(rank): by_rank[rank] for rank in deviating}
+        where = stacks.describe(stacks.visible[index], stacks.callers[index])
         known = -1 not in hist
-        shown = {str(r): counts[r] for r in deviating} if known else {}
-        issued = (
-            ", ".join(f"rank {r}: {counts[r]}" for r in deviating[:8])
-            + (" …" if len(deviating) > 8 else "")
-            if known
-            else "counts unknown"
-        )
-        yield {
+        holders = hist[expected].bit_count()
+        finding: Finding = {
             "kind": "collective_mismatch",
             "severity": "error",
             "ranks": deviating,
@@ -213,16 +234,84 @@ def _collectives(trace: CallsiteTrace, stacks: _Stacks, exact: bool) -> Iterator
             "target": where["target"],
             "context": where["context"],
             "expected": expected if known else None,
-            "counts": shown,
-            "size": sum(abs(counts[r] - expected) for r in deviating) if known else len(deviating),
-            "message": (
-                f"{site.op} in {where['target']} is issued "
-                f"{expected if known else 'never'} time(s) on most ranks but differently on "
-                f"rank(s) {_short(deviating)} ({issued}); every rank must issue a "
-                f"collective equally often"
+            "majority": most,
+            "counts": counts if known else {},
+            "size": (
+                sum(abs(value - expected) * mask.bit_count() for value, mask in hist.items())
+                if known
+                else len(deviating)
+            ),
+            "message": _mismatch_message(
+                site.op,
+                where["target"],
+                hist,
+                expected,
+                most,
+                (holders, nranks),
+                deviating,
+                counts if known else None,
             ),
             "stack": where["stack"],
+            "callsite": index,
         }
+        if not most:
+            finding["distribution"] = distribution(hist) if known else []
+        yield finding
+
+
+def _times(value: int) -> str:
+    return "never" if value == 0 else "an unknown number of times" if value < 0 else f"{value}x"
+
+
+def _mismatch_message(
+    op: str,
+    target: str,
+    hist: dict[int, int],
+    expected: int,
+    most: bool,
+    share: tuple[int, int],
+    deviating: list[int],
+    counts: dict[str, int] | None,
+) -> str:
+    """A ``collective_mismatch``'s message: who holds what, honestly (a strict
+    majority, else no majority with the distribution, count → number of ranks)."""
+    issued = (
+        ", ".join(f"rank {r}: {counts[str(r)]}" for r in deviating[:8])
+        + (" …" if len(deviating) > 8 else "")
+        if counts is not None
+        else "counts unknown"
+    )
+    holders, nranks = share
+    if most:
+        who = f"{_times(expected)} on {holders} of {nranks} ranks (a majority)"
+    else:
+        shown = distribution(hist) if counts is not None else []
+        spread = ", ".join(f"{_times(v)}: {n} rank(s)" for v, n in shown[:8])
+        spread += f", … ({len(shown)} values)" if len(shown) > 8 else ""
+        if counts is None:
+            spread = f"issued on {nranks - hist[0].bit_count()}, never on {hist[0].bit_count()}"
+        who = (
+            f"with no majority ({spread}); rank {_lowest(hist[expected])}, the lowest, "
+            f"issues it {_times(expected)}"
+        )
+    return (
+        f"{op} in {target} is issued {who}, differently on rank(s) {_short(deviating)} "
+        f"({issued}); every rank must issue a collective equally often"
+    )
+
+
+class _RankSets:
+    """:func:`mask_to_ranks` remembering the masks it saw (they repeat); the lists
+    are shared: read them only."""
+
+    def __init__(self) -> None:
+        self.known: dict[int, list[int]] = {}
+
+    def __call__(self, mask: int) -> list[int]:
+        ranks = self.known.get(mask)
+        if ranks is None:
+            ranks = self.known[mask] = mask_to_ranks(mask)
+        return ranks
 
 
 def _rank_specific(trace: CallsiteTrace, stacks: _Stacks) -> Iterator[Finding]:
@@ -230,48 +319,58 @@ def _rank_specific(trace: CallsiteTrace, stacks: _Stacks) -> Iterator[Finding]:
     all_mask = ranks_to_mask(trace.ranks)
     visible = stacks.visible
     masks = stacks.masks
+    function = stacks.function
     # a function in any callsite that every rank ran is run by every rank: one C-level
-    # set update per such callsite; only the (few) other callsites are walked
+    # set update per such callsite; callsites share one list per stack, each read once
     everywhere: set[int] = set()
-    # callsites share one list per stack: each distinct list is read once
-    full = {
-        id(frames): frames for frames, mask in zip(visible, masks, strict=True) if mask == all_mask
-    }
-    for frames in full.values():
-        everywhere.update(frames)
-    function_mask: dict[str, int] = dict.fromkeys({stacks.names[f] for f in everywhere}, all_mask)
+    seen: set[int] = set()
     for frames, mask in zip(visible, masks, strict=True):
-        if mask != all_mask:
-            for fid in frames:
-                name = stacks.names[fid]
-                function_mask[name] = function_mask.get(name, 0) | mask
-    roots: dict[str, dict[str, Any]] = {}
-    for site, frames, mask in zip(trace.callsites, visible, masks, strict=True):
-        if mask != all_mask:
-            for position, name in enumerate(map(stacks.names.__getitem__, frames)):
-                if function_mask[name] != all_mask:
-                    root = roots.setdefault(name, {"ops": 0, "best": (-1, frames, position)})
-                    if site.count > root["best"][0]:
-                        root["best"] = (site.count, frames, position)
-                    break
+        if mask == all_mask and id(frames) not in seen:
+            seen.add(id(frames))
+            everywhere.update(map(function.__getitem__, frames))
+    # only the callsites with a function outside ``everywhere`` are walked
+    partial = [
+        (index, frames, mask)
+        for index, (frames, mask) in enumerate(zip(visible, masks, strict=True))
+        if mask != all_mask and not everywhere.issuperset(map(function.__getitem__, frames))
+    ]
+    if not partial:
+        return
+    function_mask: dict[int, int] = {}
+    for _, frames, mask in partial:
+        for fid in frames:
+            number = function[fid]
+            if number not in everywhere:
+                function_mask[number] = function_mask.get(number, 0) | mask
+    # function → [ops, best count, its frames, position, callsite]
+    roots: dict[int, list[Any]] = {}
+    for index, frames, _ in partial:
+        count = trace.callsites[index].count
+        for position, fid in enumerate(frames):
+            number = function[fid]
+            if number in function_mask and function_mask[number] != all_mask:
+                root = roots.get(number)
+                if root is None:
+                    roots[number] = [0, count, frames, position, index]
+                elif count > root[1]:
+                    root[1:] = [count, frames, position, index]
+                break
     if not roots:
         return
-    root_frames = {fid for fid, name in enumerate(stacks.names) if name in roots}
-    within: dict[int, list[str]] = {}  # by stack (its frames' list): the roots in it
+    within: dict[int, list[int]] = {}  # by stack (its frames' list): the roots in it
     for site, frames in zip(trace.callsites, visible, strict=True):
-        names = within.get(id(frames))
-        if names is None:
-            names = within[id(frames)] = (
-                []
-                if root_frames.isdisjoint(frames)
-                else [name for name in {stacks.names[fid] for fid in frames} if name in roots]
-            )
-        for name in names:
-            roots[name]["ops"] += site.count
-    for name, root in roots.items():
-        ran = mask_to_ranks(function_mask[name])
-        missing = mask_to_ranks(all_mask & ~function_mask[name])
-        _, frames, position = root["best"]
+        numbers = within.get(id(frames))
+        if numbers is None:
+            numbers = within[id(frames)] = [
+                number for number in set(map(function.__getitem__, frames)) if number in roots
+            ]
+        for number in numbers:
+            roots[number][0] += site.count
+    ranks_of = _RankSets()
+    for number, (ops, _, frames, position, site_index) in roots.items():
+        name = stacks.function_names[number]
+        ran = ranks_of(function_mask[number])
+        missing = ranks_of(all_mask & ~function_mask[number])
         where = stacks.describe(frames, position)
         yield {
             "kind": "rank_specific",
@@ -280,56 +379,97 @@ def _rank_specific(trace: CallsiteTrace, stacks: _Stacks) -> Iterator[Finding]:
             "missing": missing,
             "target": name,
             "context": where["context"],
-            "ops": root["ops"],
-            "size": root["ops"],
+            "ops": ops,
+            "size": ops,
             "message": (
-                f"{name} ran only on rank(s) {_short(ran)} ({root['ops']} ops), "
-                f"never on {_short(missing)}"
+                f"{name} ran only on rank(s) {_short(ran)} ({ops} ops), never on {_short(missing)}"
             ),
             "stack": where["stack"][: position + 1],
+            "callsite": site_index,
         }
 
 
 def _count_skew(trace: CallsiteTrace, stacks: _Stacks, skew: float) -> Iterator[Finding]:
     """Functions (the calling function of their callsites) whose per-rank op count
-    strays from the median over ranks by more than ``skew`` times the median."""
+    strays from the median over ranks by more than ``skew`` times the median.
+
+    A function's per-rank total is a share every rank has (``uniform``) plus, per
+    rank, what differs from it (``varied``): a callsite whose histogram overflowed
+    adds the mean of its middle ranks to every rank and the difference to its min and
+    max ranks only, so a callsite costs a few additions, not one per rank."""
     ranks = trace.ranks
+    nranks = len(ranks)
     all_mask = ranks_to_mask(ranks)
-    # per calling function: ops summed over callsites, and per-rank totals, the latter
-    # only for functions with a callsite whose ranks disagree
-    ops: dict[str, int] = {}
-    uniform: dict[str, float] = {}
-    varied: dict[str, dict[int, float]] = {}
-    example: dict[str, tuple[int, list[int], int]] = {}
-    function_mask: dict[str, int] = {}
-    names = stacks.names
-    for site, frames, position, collective, mask in zip(
-        trace.callsites, stacks.visible, stacks.callers, stacks.collective, stacks.masks,
-        strict=True,
-    ):  # fmt: skip
+    ops: dict[int, int] = {}  # by calling function (frame's function number; -1: root)
+    uniform: dict[int, float] = {}
+    varied: dict[int, dict[int, float]] = {}
+    example: dict[int, tuple[int, list[int], int, int]] = {}
+    function_mask: dict[int, int] = {}
+    function = stacks.function
+    callsites = trace.callsites
+    for index, (frames, position, collective, mask) in enumerate(
+        zip(stacks.visible, stacks.callers, stacks.collective, stacks.masks, strict=True)
+    ):
         if collective:
             continue
-        name = "<root>" if position is None else names[frames[position]]
-        function_mask[name] = function_mask.get(name, 0) | mask
-        ops[name] = ops.get(name, 0) + site.count
-        if position is not None and site.count > example.get(name, (-1, [], 0))[0]:
-            example[name] = (site.count, frames, position)
-        if site.per_rank is None and mask == all_mask:
-            uniform[name] = uniform.get(name, 0) + site.count // len(ranks)
+        site = callsites[index]
+        count = site.count
+        number = -1 if position is None else function[frames[position]]
+        if mask == all_mask:
+            function_mask[number] = all_mask
+        else:
+            function_mask[number] = function_mask.get(number, 0) | mask
+        ops[number] = ops.get(number, 0) + count
+        if position is not None and count > example.get(number, (-1,))[0]:
+            example[number] = (count, frames, position, index)
+        stats = site.per_rank
+        if stats is None and mask == all_mask:
+            uniform[number] = uniform.get(number, 0) + count // nranks
             continue
-        add_per_rank_counts(varied.setdefault(name, {}), site, ranks)
-    for name, totals in varied.items():
-        if function_mask[name] != all_mask:
+        into = varied.get(number)
+        if into is None:
+            into = varied[number] = {}
+        get = into.get
+        if stats is None:
+            present = site.ranks or ranks
+            value = count // len(present)
+            for rank in present:
+                into[rank] = get(rank, 0) + value
+        elif stats.counts is not None:
+            for value, holders in stats.counts:
+                for rank in holders:
+                    into[rank] = get(rank, 0) + value
+        else:  # overflowed: min and max ranks exact, the rest their mean
+            low, high = stats.min_ranks, stats.max_ranks
+            present_count = mask.bit_count()
+            rest = present_count - len(low) - len(high)
+            share = (count - stats.min * len(low) - stats.max * len(high)) / rest if rest else 0
+            if mask == all_mask:
+                uniform[number] = uniform.get(number, 0) + share
+            else:
+                for rank in site.ranks or ranks:
+                    into[rank] = get(rank, 0) + share
+            for rank in low:
+                into[rank] = get(rank, 0) + stats.min - share
+            for rank in high:
+                into[rank] = get(rank, 0) + stats.max - share
+    names = stacks.function_names
+    for number, totals in varied.items():
+        if function_mask[number] != all_mask:
             continue  # some ranks never ran it: a rank_specific finding says so
-        base = uniform.get(name, 0)
-        per_rank = {rank: base + totals.get(rank, 0) for rank in ranks}
-        middle = median_low(per_rank.values())
-        deviating = sorted(r for r, v in per_rank.items() if abs(v - middle) > skew * middle)
+        base = uniform.get(number, 0)
+        get = totals.get
+        per_rank = [base + get(rank, 0) for rank in ranks]
+        middle = median_low(per_rank)
+        limit = skew * middle
+        deviating = [r for r, v in zip(ranks, per_rank, strict=True) if abs(v - middle) > limit]
         if not deviating:
             continue
-        _, frames, position = example.get(name, (0, [], 0))
+        name = "<root>" if number < 0 else names[number]
+        _, frames, position, site_index = example.get(number, (0, [], 0, None))
         where = stacks.describe(frames, position) if frames else stacks.describe([], None)
-        counts = {str(r): _number(per_rank[r]) for r in deviating}
+        by_rank = dict(zip(ranks, per_rank, strict=True))
+        counts = {str(r): _number(by_rank[r]) for r in deviating}
         yield {
             "kind": "count_skew",
             "severity": "warning",
@@ -338,18 +478,20 @@ def _count_skew(trace: CallsiteTrace, stacks: _Stacks, skew: float) -> Iterator[
             "context": where["context"],
             "expected": _number(middle),
             "counts": counts,
-            "ops": ops[name],
-            "size": int(sum(abs(per_rank[r] - middle) for r in deviating)),
+            "ops": ops[number],
+            "size": int(round(sum(abs(by_rank[r] - middle) for r in deviating), 6)),
             "message": (
                 f"{name}: ops on rank(s) {_short(deviating)} differ from the median "
                 f"{_number(middle)} by more than {skew:g}x"
             ),
             "stack": where["stack"][: position + 1] if frames else [],
+            "callsite": site_index,
         }
 
 
 def _number(value: float) -> int | float:
-    return int(value) if float(value).is_integer() else round(value, 3)
+    rounded = round(value, 3)
+    return int(rounded) if float(rounded).is_integer() else rounded
 
 
 def _short(ranks: list[int]) -> str:
