@@ -452,7 +452,13 @@ def _member(f: Finding) -> str:
         shown = list(counts_by_rank.items())
         text = ", ".join(f"{r}: {c}" for r, c in shown[:8])
         more = " …" if len(shown) > 8 else ""
-        reference = "expected" if f.get("majority", True) else "no majority, lowest rank"
+        reference = (
+            "median"
+            if f["kind"] == "count_skew"
+            else "expected"
+            if f.get("majority", True)
+            else "no majority, lowest rank"
+        )
         return f"{_what(f)}: {reference} {f.get('expected')}; rank {text}{more}"
     return f"{_what(f)}: {f['message']}"
 

@@ -322,17 +322,19 @@ def _rank_specific(trace: CallsiteTrace, stacks: _Stacks) -> Iterator[Finding]:
     function = stacks.function
     # a function in any callsite that every rank ran is run by every rank: one C-level
     # set update per such callsite; callsites share one list per stack, each read once
-    everywhere: set[int] = set()
-    seen: set[int] = set()
+    # (frame ids first: a function at another line of one shares its number)
+    seen_frames: set[int] = set()
     for frames, mask in zip(visible, masks, strict=True):
-        if mask == all_mask and id(frames) not in seen:
-            seen.add(id(frames))
-            everywhere.update(map(function.__getitem__, frames))
+        if mask == all_mask:
+            seen_frames.update(frames)
+    everywhere = set(map(function.__getitem__, seen_frames))
     # only the callsites with a function outside ``everywhere`` are walked
     partial = [
         (index, frames, mask)
         for index, (frames, mask) in enumerate(zip(visible, masks, strict=True))
-        if mask != all_mask and not everywhere.issuperset(map(function.__getitem__, frames))
+        if mask != all_mask
+        and not seen_frames.issuperset(frames)
+        and not everywhere.issuperset(map(function.__getitem__, frames))
     ]
     if not partial:
         return
@@ -400,73 +402,78 @@ def _count_skew(trace: CallsiteTrace, stacks: _Stacks, skew: float) -> Iterator[
     ranks = trace.ranks
     nranks = len(ranks)
     all_mask = ranks_to_mask(ranks)
-    ops: dict[int, int] = {}  # by calling function (frame's function number; -1: root)
-    uniform: dict[int, float] = {}
-    varied: dict[int, dict[int, float]] = {}
-    example: dict[int, tuple[int, list[int], int, int]] = {}
-    function_mask: dict[int, int] = {}
+    at = {rank: position for position, rank in enumerate(ranks)}
+    # by calling function (its number; the last slot: no frame): lists, not dicts
+    size = len(stacks.function_names) + 1
+    ops = [0] * size
+    uniform = [0.0] * size
+    varied: dict[int, list[float]] = {}  # per rank (in ``ranks`` order) what differs
+    best = [-1] * size  # the largest count of a callsite of the function
+    example: list[int | None] = [None] * size  # and that callsite
+    function_mask = [0] * size
     function = stacks.function
-    callsites = trace.callsites
-    for index, (frames, position, collective, mask) in enumerate(
-        zip(stacks.visible, stacks.callers, stacks.collective, stacks.masks, strict=True)
-    ):
+    for index, (site, frames, position, collective, mask) in enumerate(
+        zip(
+            trace.callsites, stacks.visible, stacks.callers, stacks.collective, stacks.masks,
+            strict=True,
+        )
+    ):  # fmt: skip
         if collective:
             continue
-        site = callsites[index]
         count = site.count
-        number = -1 if position is None else function[frames[position]]
-        if mask == all_mask:
-            function_mask[number] = all_mask
+        if position is None:
+            number = -1
         else:
-            function_mask[number] = function_mask.get(number, 0) | mask
-        ops[number] = ops.get(number, 0) + count
-        if position is not None and count > example.get(number, (-1,))[0]:
-            example[number] = (count, frames, position, index)
+            number = function[frames[position]]
+            if count > best[number]:
+                best[number] = count
+                example[number] = index
+        function_mask[number] |= mask
+        ops[number] += count
         stats = site.per_rank
         if stats is None and mask == all_mask:
-            uniform[number] = uniform.get(number, 0) + count // nranks
+            uniform[number] += count // nranks
             continue
-        into = varied.get(number)
-        if into is None:
-            into = varied[number] = {}
-        get = into.get
+        row = varied.get(number)
+        if row is None:
+            row = varied[number] = [0.0] * nranks
         if stats is None:
             present = site.ranks or ranks
             value = count // len(present)
             for rank in present:
-                into[rank] = get(rank, 0) + value
+                row[at[rank]] += value
         elif stats.counts is not None:
             for value, holders in stats.counts:
                 for rank in holders:
-                    into[rank] = get(rank, 0) + value
+                    row[at[rank]] += value
         else:  # overflowed: min and max ranks exact, the rest their mean
             low, high = stats.min_ranks, stats.max_ranks
-            present_count = mask.bit_count()
-            rest = present_count - len(low) - len(high)
+            rest = mask.bit_count() - len(low) - len(high)
             share = (count - stats.min * len(low) - stats.max * len(high)) / rest if rest else 0
             if mask == all_mask:
-                uniform[number] = uniform.get(number, 0) + share
+                uniform[number] += share
             else:
                 for rank in site.ranks or ranks:
-                    into[rank] = get(rank, 0) + share
+                    row[at[rank]] += share
             for rank in low:
-                into[rank] = get(rank, 0) + stats.min - share
+                row[at[rank]] += stats.min - share
             for rank in high:
-                into[rank] = get(rank, 0) + stats.max - share
+                row[at[rank]] += stats.max - share
     names = stacks.function_names
-    for number, totals in varied.items():
+    for number, row in varied.items():
         if function_mask[number] != all_mask:
             continue  # some ranks never ran it: a rank_specific finding says so
-        base = uniform.get(number, 0)
-        get = totals.get
-        per_rank = [base + get(rank, 0) for rank in ranks]
+        base = uniform[number]
+        per_rank = [base + value for value in row]
         middle = median_low(per_rank)
         limit = skew * middle
         deviating = [r for r, v in zip(ranks, per_rank, strict=True) if abs(v - middle) > limit]
         if not deviating:
             continue
         name = "<root>" if number < 0 else names[number]
-        _, frames, position, site_index = example.get(number, (0, [], 0, None))
+        site_index = example[number]
+        frames = stacks.visible[site_index] if site_index is not None else []
+        position = (stacks.callers[site_index] or 0) if site_index is not None else 0
         where = stacks.describe(frames, position) if frames else stacks.describe([], None)
         by_rank = dict(zip(ranks, per_rank, strict=True))
         counts = {str(r): _number(by_rank[r]) for r in deviating}
