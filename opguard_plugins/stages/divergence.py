@@ -324,8 +324,10 @@ def _rank_specific(trace: CallsiteTrace, stacks: _Stacks) -> Iterator[Finding]:
     # set update per such callsite; callsites share one list per stack, each read once
     # (frame ids first: a function at another line of one shares its number)
     seen_frames: set[int] = set()
+    seen: set[int] = set()  # callsites share one list per stack: each read once
     for frames, mask in zip(visible, masks, strict=True):
-        if mask == all_mask:
+        if mask == all_mask and id(frames) not in seen:
+            seen.add(id(frames))
             seen_frames.update(frames)
     everywhere = set(map(function.__getitem__, seen_frames))
     # only the callsites with a function outside ``everywhere`` are walked
@@ -359,13 +361,16 @@ def _rank_specific(trace: CallsiteTrace, stacks: _Stacks) -> Iterator[Finding]:
                 break
     if not roots:
         return
+    root_frames = {fid for fid, number in enumerate(function) if number in roots}
     within: dict[int, list[int]] = {}  # by stack (its frames' list): the roots in it
     for site, frames in zip(trace.callsites, visible, strict=True):
         numbers = within.get(id(frames))
         if numbers is None:
-            numbers = within[id(frames)] = [
-                number for number in set(map(function.__getitem__, frames)) if number in roots
-            ]
+            numbers = within[id(frames)] = (
+                []
+                if root_frames.isdisjoint(frames)
+                else [n for n in set(map(function.__getitem__, frames)) if n in roots]
+            )
         for number in numbers:
             roots[number][0] += site.count
     ranks_of = _RankSets()
