@@ -68,7 +68,7 @@ def test_two_ranks_that_disagree_have_no_majority(
     assert (f["ranks"], f["expected"], f["counts"]) == ([1], 2, {"1": 3})  # rank 0: reference
     assert f["distribution"] == [[2, 1], [3, 1]]
     assert "most ranks" not in f["message"] and "no majority (2x: 1 rank(s), 3x: 1" in f["message"]
-    assert "rank 0, the lowest, issues it 2x" in f["message"]
+    assert "against rank 0, the lowest (2x), rank(s) 1 differ (rank 1: 3)" in f["message"]
     assert "most ranks" not in log and "no majority" in log
 
 

@@ -216,8 +216,8 @@ def encode_divergence(meta: dict[str, Any], findings: list[Finding]) -> bytes:
                     "size": g["size"],
                     "count": len(rows),
                     "message": g["findings"][0]["message"],
-                    "first": first,
-                    "common": common,
+                    **({"first": first} if first else {}),
+                    **({"common": common} if common else {}),
                     "fields": fields,
                     "findings": [[row.get(k) for k in fields] for row in rows],
                 }

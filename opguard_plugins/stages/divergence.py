@@ -282,21 +282,22 @@ def _mismatch_message(
         else "counts unknown"
     )
     holders, nranks = share
+    tail = "every rank must issue a collective equally often"
     if most:
-        who = f"{_times(expected)} on {holders} of {nranks} ranks (a majority)"
+        return (
+            f"{op} in {target} is issued {_times(expected)} on {holders} of {nranks} ranks "
+            f"(a majority) but differently on rank(s) {_short(deviating)} ({issued}); {tail}"
+        )
+    if counts is None:
+        spread = f"issued on {nranks - hist[0].bit_count()}, never on {hist[0].bit_count()}"
     else:
-        shown = distribution(hist) if counts is not None else []
+        shown = distribution(hist)
         spread = ", ".join(f"{_times(v)}: {n} rank(s)" for v, n in shown[:8])
         spread += f", … ({len(shown)} values)" if len(shown) > 8 else ""
-        if counts is None:
-            spread = f"issued on {nranks - hist[0].bit_count()}, never on {hist[0].bit_count()}"
-        who = (
-            f"with no majority ({spread}); rank {_lowest(hist[expected])}, the lowest, "
-            f"issues it {_times(expected)}"
-        )
     return (
-        f"{op} in {target} is issued {who}, differently on rank(s) {_short(deviating)} "
-        f"({issued}); every rank must issue a collective equally often"
+        f"{op} in {target} is issued unequally with no majority ({spread}); against rank "
+        f"{_lowest(hist[expected])}, the lowest ({_times(expected)}), rank(s) "
+        f"{_short(deviating)} differ ({issued}); {tail}"
     )
 
 
