@@ -6,19 +6,26 @@ deviating-rank set, each frame and stack written once, and a majority that is on
 from __future__ import annotations
 
 import json
+import random
 from collections.abc import Callable
+from itertools import compress
 from pathlib import Path
 from typing import Any
 
 import msgspec
 import pytest
 
+from opguard_core.combine.accumulator import TraceAccumulator
 from opguard_core.formats.divergence import (
     DIVERGENCE_VERSION,
     encode_divergence,
     load_divergence,
     render_log,
 )
+from opguard_core.formats.trace import Callsite, decode_trace
+from opguard_core.model import RunOptions
+from opguard_core.native import load_native
+from opguard_plugins.stages import divergence
 from opguard_plugins.view.report import read_divergence
 from tests.builders import trace_doc
 
@@ -192,3 +199,64 @@ def test_a_malformed_version_4_document_is_one_line(tmp_path: Path) -> None:
         load_divergence(path)
     view = read_divergence(path)
     assert view is not None and "malformed" in view["note"]
+
+
+def random_job(rnd: random.Random) -> list[dict[str, Any]]:
+    """Rank files (version 1) of a job whose counts differ: up to 12 ranks (more
+    than MAX_DISTINCT distinct counts: overflowed histograms), not numbered 0..N-1,
+    callsites some ranks never ran, collectives among them."""
+    ranks = sorted(rnd.sample(range(20), rnd.randint(2, 12)))
+    functions = [("app", f"f{i}") for i in range(rnd.randint(1, 6))]
+    sites = [
+        (rnd.sample(functions, rnd.randint(1, len(functions))), rnd.choice(OPS),
+         [rnd.choice([0, rnd.randint(1, 30)]) if rnd.random() < 0.3 else rnd.randint(1, 30)
+          for _ in ranks])
+        for _ in range(rnd.randint(1, 12))
+    ]  # fmt: skip
+    docs = []
+    for at, rank in enumerate(ranks):
+        own = [([("app", "main"), *stack], None, op, counts[at])
+               for stack, op, counts in sites if counts[at] > 0]  # fmt: skip
+        docs.append(trace_doc(own or [([("app", "main")], None, "aten::mm", 1)], rank=rank))
+    return docs
+
+
+OPS = ["aten::mm", "aten::add", "c10d::allreduce_"]
+
+
+def test_the_compiled_skew_fold_is_the_python_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``skew_fold`` (C) gives what ``py_skew_fold`` gives, bit for bit, and so the
+    same count_skew findings, on random jobs."""
+    native = load_native("opguard_plugins.stages._runs")
+    if native is None or not hasattr(native, "skew_fold"):
+        pytest.skip("the C extension is not built")
+    rnd = random.Random(31)
+    compared = 0
+    for _ in range(150):
+        accumulator = TraceAccumulator()
+        for doc in random_job(rnd):
+            rank = doc["meta"]["rank"]
+            accumulator.add(decode_trace(json.dumps(doc).encode(), f"x_rank{rank}.json"))
+        trace = accumulator.result()
+        stacks = divergence._Stacks(trace, RunOptions())
+        keep = [not c for c in stacks.collective]
+        sites = list(compress(trace.callsites, keep))
+        numbers = [
+            -1 if p is None else stacks.function[f[p]]
+            for f, p in zip(
+                compress(stacks.visible, keep), compress(stacks.callers, keep), strict=True
+            )
+        ]
+        args = (sites, numbers, len(stacks.function_names), trace.ranks, 0.25)
+        assert native.skew_fold(*args) == divergence.py_skew_fold(*args)
+        with_c = divergence.find_divergence(trace, RunOptions())
+        monkeypatch.setattr(divergence, "skew_fold", divergence.py_skew_fold)
+        assert divergence.find_divergence(trace, RunOptions()) == with_c
+        monkeypatch.undo()
+        compared += bool(with_c)
+    assert compared > 50  # most jobs diverge
+    # a callsite of ranks the trace does not have: one line, no crash
+    site = trace_doc([(MAIN, None, "aten::mm", 3)], rank=7)["callsites"][0]
+    lone = msgspec.convert({**site, "stack": [0], "ranks": [7], "role": "compute"}, Callsite)
+    with pytest.raises(ValueError, match="rank 7 is not one of the trace's"):
+        native.skew_fold([lone], [0], 1, [0, 1], 0.25)

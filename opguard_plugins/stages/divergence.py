@@ -24,6 +24,7 @@ functions whose callsites disagree between ranks, one count per rank.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from itertools import compress
 from statistics import median_low
 from typing import Any
 
@@ -39,6 +40,7 @@ from opguard_core.formats.divergence import Finding
 from opguard_core.formats.trace import Callsite
 from opguard_core.formats.tree import target_name
 from opguard_core.model import RunOptions
+from opguard_core.native import load_native
 from opguard_plugins.stages.compress import DEFAULT_HIDE, hidden_frames
 from opguard_plugins.stages.sequences import sequence_findings
 from opguard_plugins.stages.sorted_runs import visible_frames
@@ -397,54 +399,58 @@ def _rank_specific(trace: CallsiteTrace, stacks: _Stacks) -> Iterator[Finding]:
         }
 
 
-def _count_skew(trace: CallsiteTrace, stacks: _Stacks, skew: float) -> Iterator[Finding]:
-    """Functions (the calling function of their callsites) whose per-rank op count
-    strays from the median over ranks by more than ``skew`` times the median.
+#: what :func:`py_skew_fold` gives: per calling function (its number; the last slot:
+#: no frame) the ops, whether a callsite of it ran on every rank and the index of its
+#: largest callsite; the callsites with ``ranks``; and per function whose per-rank
+#: ops stray from their median by more than ``skew`` times it, (number, median,
+#: per-rank ops in ``ranks`` order)
+SkewFold = tuple[
+    list[int], bytearray, list[int | None], list[int], list[tuple[int, float, list[float]]]
+]
 
-    A function's per-rank total is a share every rank has (``uniform``) plus, per
-    rank, what differs from it (``varied``): a callsite whose histogram overflowed
-    adds the mean of its middle ranks to every rank and the difference to its min and
-    max ranks only, so a callsite costs a few additions, not one per rank."""
-    ranks = trace.ranks
+
+def py_skew_fold(
+    sites: list[Callsite], numbers: list[int], functions: int, ranks: list[int], skew: float
+) -> SkewFold:
+    """Fold ``sites`` (with ``numbers[i]``, the calling function of ``sites[i]``, -1
+    for none) into per-function totals (:data:`SkewFold`); the reference of the C
+    ``skew_fold`` (``_runs.c``), which gives the same numbers, bit for bit.
+
+    A function's per-rank total is a share every rank has plus what differs per
+    rank: a callsite whose histogram overflowed adds the mean of its middle ranks to
+    every rank and the difference to its min and max ranks only, so a callsite costs
+    a few additions, not one per rank. The median is the lower one."""
     nranks = len(ranks)
-    all_mask = ranks_to_mask(ranks)
     at = {rank: position for position, rank in enumerate(ranks)}
-    # by calling function (its number; the last slot: no frame): lists, not dicts
-    size = len(stacks.function_names) + 1
+    size = functions + 1
     ops = [0] * size
     uniform = [0.0] * size
-    varied: dict[int, list[float]] = {}  # per rank (in ``ranks`` order) what differs
-    best = [-1] * size  # the largest count of a callsite of the function
-    example: list[int | None] = [None] * size  # and that callsite
-    function_mask = [0] * size
-    function = stacks.function
-    for index, (site, frames, position, collective, mask) in enumerate(
-        zip(
-            trace.callsites, stacks.visible, stacks.callers, stacks.collective, stacks.masks,
-            strict=True,
-        )
-    ):  # fmt: skip
-        if collective:
-            continue
+    full = bytearray(size)
+    best = [-1] * size
+    example: list[int | None] = [None] * size
+    varied: dict[int, list[float]] = {}
+    partial: list[int] = []
+    for index, (site, number) in enumerate(zip(sites, numbers, strict=True)):
+        slot = number if number >= 0 else functions
         count = site.count
-        if position is None:
-            number = -1
+        if number >= 0 and count > best[slot]:
+            best[slot] = count
+            example[slot] = index
+        ops[slot] += count
+        present = site.ranks
+        if present is None:
+            full[slot] = 1
         else:
-            number = function[frames[position]]
-            if count > best[number]:
-                best[number] = count
-                example[number] = index
-        function_mask[number] |= mask
-        ops[number] += count
+            partial.append(index)
         stats = site.per_rank
-        if stats is None and mask == all_mask:
-            uniform[number] += count // nranks
+        if stats is None and present is None:
+            uniform[slot] += count // nranks
             continue
-        row = varied.get(number)
+        row = varied.get(slot)
         if row is None:
-            row = varied[number] = [0.0] * nranks
+            row = varied[slot] = [0.0] * nranks
         if stats is None:
-            present = site.ranks or ranks
+            assert present is not None
             value = count // len(present)
             for rank in present:
                 row[at[rank]] += value
@@ -454,30 +460,71 @@ def _count_skew(trace: CallsiteTrace, stacks: _Stacks, skew: float) -> Iterator[
                     row[at[rank]] += value
         else:  # overflowed: min and max ranks exact, the rest their mean
             low, high = stats.min_ranks, stats.max_ranks
-            rest = mask.bit_count() - len(low) - len(high)
+            rest = (nranks if present is None else len(present)) - len(low) - len(high)
             share = (count - stats.min * len(low) - stats.max * len(high)) / rest if rest else 0
-            if mask == all_mask:
-                uniform[number] += share
+            if present is None:
+                uniform[slot] += share
             else:
-                for rank in site.ranks or ranks:
+                for rank in present:
                     row[at[rank]] += share
             for rank in low:
                 row[at[rank]] += stats.min - share
             for rank in high:
                 row[at[rank]] += stats.max - share
-    names = stacks.function_names
-    for number, row in varied.items():
-        if function_mask[number] != all_mask:
-            continue  # some ranks never ran it: a rank_specific finding says so
-        base = uniform[number]
+    found = []
+    for slot, row in varied.items():
+        base = uniform[slot]
         per_rank = [base + value for value in row]
         middle = median_low(per_rank)
         limit = skew * middle
+        if any(abs(v - middle) > limit for v in per_rank):
+            found.append((slot if slot < functions else -1, middle, per_rank))
+    return ops, full, example, partial, found
+
+
+def _skew_fold() -> Any:
+    native = load_native("opguard_plugins.stages._runs")
+    return getattr(native, "skew_fold", None) or py_skew_fold
+
+
+#: the implementation in use: the C one where it was built
+skew_fold = _skew_fold()
+
+
+def _count_skew(trace: CallsiteTrace, stacks: _Stacks, skew: float) -> Iterator[Finding]:
+    """Functions (the calling function of their callsites) whose per-rank op count
+    strays from the median over ranks by more than ``skew`` times the median: per
+    function, the share every rank has plus what differs per rank
+    (:func:`py_skew_fold`)."""
+    ranks = trace.ranks
+    all_mask = ranks_to_mask(ranks)
+    function = stacks.function
+    keep = [not collective for collective in stacks.collective]
+    indices = list(compress(range(len(keep)), keep))
+    sites = list(compress(trace.callsites, keep))
+    numbers = [
+        -1 if position is None else function[frames[position]]
+        for frames, position in zip(
+            compress(stacks.visible, keep), compress(stacks.callers, keep), strict=True
+        )
+    ]
+    functions = len(stacks.function_names)
+    ops, full, example, partial, found = skew_fold(sites, numbers, functions, ranks, float(skew))
+    masks = stacks.masks
+    function_mask: dict[int, int] = {}
+    for at in partial:
+        number = numbers[at]
+        function_mask[number] = function_mask.get(number, 0) | masks[indices[at]]
+    names = stacks.function_names
+    for number, middle, per_rank in found:
+        slot = number if number >= 0 else functions
+        if not full[slot] and function_mask.get(number) != all_mask:
+            continue  # some ranks never ran it: a rank_specific finding says so
+        limit = skew * middle
         deviating = [r for r, v in zip(ranks, per_rank, strict=True) if abs(v - middle) > limit]
-        if not deviating:
-            continue
         name = "<root>" if number < 0 else names[number]
-        site_index = example[number]
+        at = example[slot]
+        site_index = indices[at] if at is not None else None
         frames = stacks.visible[site_index] if site_index is not None else []
         position = (stacks.callers[site_index] or 0) if site_index is not None else 0
         where = stacks.describe(frames, position) if frames else stacks.describe([], None)
@@ -491,7 +538,7 @@ def _count_skew(trace: CallsiteTrace, stacks: _Stacks, skew: float) -> Iterator[
             "context": where["context"],
             "expected": _number(middle),
             "counts": counts,
-            "ops": ops[number],
+            "ops": ops[slot],
             "size": int(round(sum(abs(by_rank[r] - middle) for r in deviating), 6)),
             "message": (
                 f"{name}: ops on rank(s) {_short(deviating)} differ from the median "

@@ -495,11 +495,10 @@ def read_divergence(path: Path) -> dict[str, Any] | None:
     meta = meta if isinstance(meta, dict) else {}
     if isinstance(doc, dict) and isinstance(doc.get("groups"), list):
         try:
-            found = flatten_groups(doc, path.name)
+            flat = flatten_groups(doc, path.name)
         except InputError:
             return {**divergence_view({}, [], 0), "note": f"{path.name} has malformed groups"}
-        groups = _file_groups(found)
-        return divergence_view(meta, groups, len(found))
+        return divergence_view(meta, _file_groups(flat), len(flat))
     found = doc.get("findings") if isinstance(doc, dict) else doc
     if not isinstance(found, list):
         return {**divergence_view({}, [], 0), "note": f"{path.name} has no findings list"}
