@@ -95,14 +95,14 @@ def tally(findings: list[Finding]) -> dict[str, int]:
     return counts
 
 
-def group_findings(findings: list[Finding]) -> list[dict[str, Any]]:
+def group_findings(findings: list[Finding], ordered: bool = False) -> list[dict[str, Any]]:
     """Findings grouped by (kind, deviating-rank set), in the order the log and the
     report show them: errors first, then by the group's summed ``size`` (largest
     first), kind and ranks. Each group: ``kind``, ``severity`` (``error`` when any
     member is), ``ranks``, ``size`` and ``findings`` (its members in
-    :func:`sort_findings` order)."""
+    :func:`sort_findings` order; ``ordered``: ``findings`` already are)."""
     groups: dict[tuple[str, tuple[int, ...]], dict[str, Any]] = {}
-    for f in sort_findings(findings):
+    for f in findings if ordered else sort_findings(findings):
         key = (f["kind"], tuple(f["ranks"]))
         group = groups.get(key)
         if group is None:
@@ -139,7 +139,9 @@ STACKS_PER_GROUP = 1
 MAX_STACK_GROUPS = 64
 
 
-def encode_divergence(meta: dict[str, Any], findings: list[Finding]) -> bytes:
+def encode_divergence(
+    meta: dict[str, Any], findings: list[Finding], groups: list[dict[str, Any]] | None = None
+) -> bytes:
     """The version-4 document: header (``meta`` with ``counts``), ``frames`` and
     ``stacks`` (each written once), then one group per line.
 
@@ -153,9 +155,10 @@ def encode_divergence(meta: dict[str, Any], findings: list[Finding]) -> bytes:
     the group's first :data:`STACKS_PER_GROUP` findings, with their ``context``;
     left out for the rest, whose ``callsite`` names where the stack is), ``counts`` is a
     list (one count per rank of the group) where it names exactly the group's ranks,
-    and a ``distribution`` that its counts give is left out (null)."""
+    and a ``distribution`` that its counts give is left out (null). ``groups``:
+    :func:`group_findings` of ``findings``, where the caller has them."""
     encoder = msgspec.json.Encoder(order="deterministic")
-    groups = group_findings(findings)
+    groups = group_findings(findings) if groups is None else groups
     nranks = len(meta.get("ranks") or [])
     frame_ids: dict[str, int] = {}
     stack_ids: dict[tuple[int, ...], int] = {}
@@ -361,13 +364,15 @@ def load_divergence(path: Path) -> dict[str, Any]:
     return doc
 
 
-def render_log(meta: dict[str, Any], findings: list[Finding]) -> str:
+def render_log(
+    meta: dict[str, Any], findings: list[Finding], groups: list[dict[str, Any]] | None = None
+) -> str:
     """The log for a person: a header, then each group of findings (kind and
     deviating ranks) once: its first finding's message, its largest findings (at
     most :data:`LOG_MEMBERS`, one line each) and one stack; a stack shown for an
-    earlier group is named, not repeated."""
+    earlier group is named, not repeated. ``groups``: as for :func:`encode_divergence`."""
     counts = tally(findings)
-    groups = group_findings(findings)
+    groups = group_findings(findings) if groups is None else groups
     lines = [
         f"divergence: {meta.get('source', '?')}, {len(meta.get('ranks', []))} ranks, "
         f"{counts['errors']} error(s), {counts['warnings']} warning(s) in {len(groups)} "

@@ -31,6 +31,7 @@ from opguard_core.formats.config import dump_config, entry_key, validate_config
 from opguard_core.formats.divergence import (
     check_findings,
     encode_divergence,
+    group_findings,
     render_log,
     sort_findings,
     tally,
@@ -199,8 +200,9 @@ def divergence(call: StepCall, entry: InputEntry, needs: Mapping[str, Any]) -> N
             for rank in seq.ranks
         ),
     }
-    call.write("findings", encode_divergence(meta, findings))
-    call.write("log", render_log(meta, findings))
+    groups = group_findings(findings, ordered=True)  # once, for both files
+    call.write("findings", encode_divergence(meta, findings, groups))
+    call.write("log", render_log(meta, findings, groups))
     call.record.counts = tally(findings)
     if findings:
         counts = call.record.counts

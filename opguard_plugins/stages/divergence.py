@@ -381,7 +381,7 @@ def _rank_specific(trace: CallsiteTrace, stacks: _Stacks) -> Iterator[Finding]:
         name = stacks.function_names[number]
         ran = ranks_of(function_mask[number])
         missing = ranks_of(all_mask & ~function_mask[number])
-        where = stacks.describe(frames, position)
+        where = stacks.describe(frames[: position + 1], position)  # down to it
         yield {
             "kind": "rank_specific",
             "severity": "warning",
@@ -394,7 +394,7 @@ def _rank_specific(trace: CallsiteTrace, stacks: _Stacks) -> Iterator[Finding]:
             "message": (
                 f"{name} ran only on rank(s) {_short(ran)} ({ops} ops), never on {_short(missing)}"
             ),
-            "stack": where["stack"][: position + 1],
+            "stack": where["stack"],
             "callsite": site_index,
         }
 
@@ -527,7 +527,11 @@ def _count_skew(trace: CallsiteTrace, stacks: _Stacks, skew: float) -> Iterator[
         site_index = indices[at] if at is not None else None
         frames = stacks.visible[site_index] if site_index is not None else []
         position = (stacks.callers[site_index] or 0) if site_index is not None else 0
-        where = stacks.describe(frames, position) if frames else stacks.describe([], None)
+        where = (
+            stacks.describe(frames[: position + 1], position)  # down to the function
+            if frames
+            else stacks.describe([], None)
+        )
         by_rank = dict(zip(ranks, per_rank, strict=True))
         counts = {str(r): _number(by_rank[r]) for r in deviating}
         yield {
@@ -544,7 +548,7 @@ def _count_skew(trace: CallsiteTrace, stacks: _Stacks, skew: float) -> Iterator[
                 f"{name}: ops on rank(s) {_short(deviating)} differ from the median "
                 f"{_number(middle)} by more than {skew:g}x"
             ),
-            "stack": where["stack"][: position + 1] if frames else [],
+            "stack": where["stack"],
             "callsite": site_index,
         }
 
