@@ -24,10 +24,12 @@ from opguard_core.formats.divergence import (
 )
 from opguard_core.formats.trace import Callsite, decode_trace
 from opguard_core.model import RunOptions
-from opguard_core.native import load_native
 from opguard_plugins.stages import divergence
 from opguard_plugins.view.report import read_divergence
 from tests.builders import trace_doc
+from tests.compiled import compiled, needs
+
+RUNS = compiled("opguard_plugins.stages._runs")
 
 MAIN = [("app", "main"), ("app", "step")]
 
@@ -224,12 +226,12 @@ def random_job(rnd: random.Random) -> list[dict[str, Any]]:
 OPS = ["aten::mm", "aten::add", "c10d::allreduce_"]
 
 
+@needs(RUNS)
 def test_the_compiled_skew_fold_is_the_python_one(monkeypatch: pytest.MonkeyPatch) -> None:
     """``skew_fold`` (C) gives what ``py_skew_fold`` gives, bit for bit, and so the
-    same count_skew findings, on random jobs."""
-    native = load_native("opguard_plugins.stages._runs")
-    if native is None or not hasattr(native, "skew_fold"):
-        pytest.skip("the C extension is not built")
+    same count_skew findings (C or Python in use), on random jobs."""
+    native = RUNS
+    assert native is not None
     rnd = random.Random(31)
     compared = 0
     for _ in range(150):
@@ -249,6 +251,7 @@ def test_the_compiled_skew_fold_is_the_python_one(monkeypatch: pytest.MonkeyPatc
         ]
         args = (sites, numbers, len(stacks.function_names), trace.ranks, 0.25)
         assert native.skew_fold(*args) == divergence.py_skew_fold(*args)
+        monkeypatch.setattr(divergence, "skew_fold", native.skew_fold)
         with_c = divergence.find_divergence(trace, RunOptions())
         monkeypatch.setattr(divergence, "skew_fold", divergence.py_skew_fold)
         assert divergence.find_divergence(trace, RunOptions()) == with_c

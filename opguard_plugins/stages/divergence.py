@@ -23,7 +23,7 @@ functions whose callsites disagree between ranks, one count per rank.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from itertools import compress
 from statistics import median_low
 from typing import Any
@@ -482,9 +482,16 @@ def py_skew_fold(
     return ops, full, example, partial, found
 
 
-def _skew_fold() -> Any:
-    native = load_native("opguard_plugins.stages._runs")
-    return getattr(native, "skew_fold", None) or py_skew_fold
+#: (sites, numbers, functions, ranks, skew) -> :data:`SkewFold`
+SkewFolder = Callable[[list[Callsite], list[int], int, list[int], float], SkewFold]
+
+
+def _skew_fold() -> SkewFolder:
+    if load_native("opguard_plugins.stages._runs") is None:
+        return py_skew_fold
+    from opguard_plugins.stages._runs import skew_fold as compiled
+
+    return compiled
 
 
 #: the implementation in use: the C one where it was built
@@ -512,9 +519,9 @@ def _count_skew(trace: CallsiteTrace, stacks: _Stacks, skew: float) -> Iterator[
     ops, full, example, partial, found = skew_fold(sites, numbers, functions, ranks, float(skew))
     masks = stacks.masks
     function_mask: dict[int, int] = {}
-    for at in partial:
-        number = numbers[at]
-        function_mask[number] = function_mask.get(number, 0) | masks[indices[at]]
+    for partial_at in partial:
+        number = numbers[partial_at]
+        function_mask[number] = function_mask.get(number, 0) | masks[indices[partial_at]]
     names = stacks.function_names
     for number, middle, per_rank in found:
         slot = number if number >= 0 else functions
