@@ -267,12 +267,14 @@ def rebuilt_distribution(counts: dict[str, Any], expected: Any, nranks: int) -> 
     return sorted(([v, n] for v, n in held.items()), key=lambda d: (-d[1], d[0]))
 
 
-def flatten_groups(doc: dict[str, Any], where: str) -> list[Finding]:
+def flatten_groups(doc: dict[str, Any], where: str, distributions: bool = True) -> list[Finding]:
     """A version-4 document's findings as one flat list, each as the stage found it
     (its stacks as frame lists, its ``counts`` by rank, its ``distribution``) but for
     ``message`` (the group's first finding has its own, the others the group's) and
     the stacks and context of findings past a group's first
-    :data:`STACKS_PER_GROUP` (empty: their ``callsite`` says where they are)."""
+    :data:`STACKS_PER_GROUP` (empty: their ``callsite`` says where they are). With
+    ``distributions=False`` a distribution the document left out stays None (the
+    report, which does not show it, saves rebuilding it)."""
     frames = doc.get("frames")
     stacks = doc.get("stacks")
     groups = doc.get("groups")
@@ -320,7 +322,7 @@ def flatten_groups(doc: dict[str, Any], where: str) -> list[Finding]:
                         where, f"groups[{number}].findings[{index}].counts must match the ranks"
                     )
                 f["counts"] = {str(r): c for r, c in zip(ranks, counts, strict=True)}
-            if "distribution" in f and f["distribution"] is None:
+            if distributions and "distribution" in f and f["distribution"] is None:
                 f["distribution"] = rebuilt_distribution(
                     f.get("counts") or {}, f.get("expected"), nranks
                 )

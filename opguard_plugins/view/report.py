@@ -495,7 +495,7 @@ def read_divergence(path: Path) -> dict[str, Any] | None:
     meta = meta if isinstance(meta, dict) else {}
     if isinstance(doc, dict) and isinstance(doc.get("groups"), list):
         try:
-            flat = flatten_groups(doc, path.name)
+            flat = flatten_groups(doc, path.name, distributions=False)
         except InputError:
             return {**divergence_view({}, [], 0), "note": f"{path.name} has malformed groups"}
         return divergence_view(meta, _file_groups(flat), len(flat))
