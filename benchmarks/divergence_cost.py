@@ -8,7 +8,8 @@ with the garbage collector paused as ``opguard run`` pauses it: the
 log (what ``opguard_core.run.steps.divergence`` does but write the two files). Each
 side runs in its own process (its own checkout on ``sys.path``), the sides
 alternating, ``--rounds`` processes a side, ``--repeat`` timings a process (the
-least counts); the report gives the median over processes.
+least counts); the report gives the median over processes, wall and CPU seconds
+(the CPU time waits less for other work on a shared machine).
 
     python benchmarks/divergence_cost.py                       # this checkout only
     python benchmarks/divergence_cost.py --baseline-ref main   # and main, side by side
@@ -55,11 +56,11 @@ def child(checkout: Path, data: Path, repeat: int) -> dict[str, Any]:
     options = RunOptions()
     meta = {"source": data.name, "ranks": trace.ranks, "skew": options.skew,
             "per_rank_stats": trace.per_rank_stats, "sequence_ranks": []}  # fmt: skip
-    seconds = []
+    seconds, cpu = [], []
     gc.collect()
     gc.disable()
     for _ in range(repeat):
-        started = time.perf_counter()
+        started, cpu_started = time.perf_counter(), time.process_time()
         found = fmt.sort_findings(find_divergence(trace, options))
         if hasattr(fmt, "group_findings"):  # as the step does: grouped once
             groups = fmt.group_findings(found, ordered=True)
@@ -69,6 +70,7 @@ def child(checkout: Path, data: Path, repeat: int) -> dict[str, Any]:
             document = fmt.encode_divergence(meta, found)
             log = fmt.render_log(meta, found).encode()
         seconds.append(time.perf_counter() - started)
+        cpu.append(time.process_time() - cpu_started)
     gc.enable()
     kinds: dict[str, int] = {}
     for f in found:
@@ -80,6 +82,7 @@ def child(checkout: Path, data: Path, repeat: int) -> dict[str, Any]:
         "groups": len({(f["kind"], tuple(f["ranks"])) for f in found}),
         "kinds": kinds,
         "seconds": min(seconds),
+        "cpu_seconds": min(cpu),
         "json_bytes": len(document),
         "log_bytes": len(log),
         "log_lines": log.count(b"\n"),
@@ -144,11 +147,14 @@ def report(generator: str, shape: str, sides: dict[str, list[dict[str, Any]]]) -
     for name, runs in sides.items():
         first = runs[0]
         seconds = statistics.median(r["seconds"] for r in runs)
+        cpu = statistics.median(r["cpu_seconds"] for r in runs)
         rows.append((name, first, seconds))
         lines.append(
             f"{name:>9}: v{first['version']}  {first['findings']:>6} findings  "
-            f"{first['groups']:>5} groups  stage {seconds * 1e3:8.1f} ms  "
-            f"{seconds / max(1, first['findings']) * 1e6:7.1f} µs/finding  "
+            f"{first['groups']:>5} groups  stage {seconds * 1e3:8.1f} ms "
+            f"(CPU {cpu * 1e3:.1f} ms)  "
+            f"{seconds / max(1, first['findings']) * 1e6:7.1f} µs/finding "
+            f"(CPU {cpu / max(1, first['findings']) * 1e6:.1f})  "
             f"JSON {_kib(first['json_bytes']):>10}  log {_kib(first['log_bytes']):>10} "
             f"({first['log_lines']:,} lines)"
         )

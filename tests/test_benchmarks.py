@@ -172,6 +172,6 @@ def test_divergence_cost_benchmark_reports_both_generators(tmp_path: Path) -> No
     out = result.stdout
     assert "## team generator, 4 ranks × 800 callsites" in out
     assert "## other generator, 4 ranks × 800 callsites" in out
-    assert out.count("µs/finding") == 4 and out.count("ratio:") == 2
+    assert out.count("µs/finding") == 4 and out.count("(CPU ") == 8 and out.count("ratio:") == 2
     # the same checkout on both sides: the same findings and bytes
     assert "JSON 1.0× smaller, log 1.0× smaller" in out
