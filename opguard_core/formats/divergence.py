@@ -322,7 +322,9 @@ def flatten_groups(doc: dict[str, Any], where: str, distributions: bool = True) 
                         where, f"groups[{number}].findings[{index}].counts must match the ranks"
                     )
                 f["counts"] = {str(r): c for r, c in zip(ranks, counts, strict=True)}
-            if distributions and "distribution" in f and f["distribution"] is None:
+            if "distribution" in f and f["distribution"] is None and f.get("majority", True):
+                del f["distribution"]  # a column another finding of the group fills
+            elif distributions and "distribution" in f and f["distribution"] is None:
                 f["distribution"] = rebuilt_distribution(
                     f.get("counts") or {}, f.get("expected"), nranks
                 )
