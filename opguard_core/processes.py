@@ -17,8 +17,7 @@ Two small things every launcher and every traced process of OpGuard shares:
   signal's exception would leak (``multiprocessing.Queue.put`` takes a lock its
   feeder thread and its finalizer need: a KeyboardInterrupt between the acquire and
   the ``with`` block leaves it held, and the process hangs at exit); the signals
-  arrive when the block ends. A child forked inside the block inherits the mask and
-  calls :func:`signals_undeferred` first.
+  arrive when the block ends.
 * :func:`at_sigterm` runs callbacks when SIGTERM arrives (the tracer writes its trace,
   the guard its report), then does what would have happened without them: the
   handler that was installed before is called, or, where there was none, the process
@@ -84,28 +83,40 @@ def child_dies_with_parent(sig: int = signal.SIGTERM) -> Callable[[], None] | No
 
 
 #: the signals :func:`signals_deferred` holds back
-DEFERRED_SIGNALS = frozenset({signal.SIGINT, signal.SIGTERM})
+DEFERRED_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
 @contextlib.contextmanager
 def signals_deferred() -> Iterator[None]:
-    """Hold SIGINT and SIGTERM back for the block; their handlers run as it ends
-    (where the platform has no signal mask, nothing is held back)."""
-    if not hasattr(signal, "pthread_sigmask"):
+    """Hold SIGINT and SIGTERM back for the block: a handler that only notes them
+    replaces the installed ones, which come back as the block ends and then get each
+    noted signal (raised again, so a default action still ends the process).
+
+    Python runs signal handlers in the main thread whichever thread the kernel picks,
+    so this holds for a process with threads too (a signal mask would not: it blocks
+    one thread). Outside the main thread, or where a handler was installed from C (it
+    could not be put back), nothing is held back. A child forked inside the block
+    inherits the noting handler: it installs its own first thing, and a signal sent
+    to it before then is lost (so its parent follows SIGTERM with SIGKILL)."""
+    previous = {sig: signal.getsignal(sig) for sig in DEFERRED_SIGNALS}
+    if threading.current_thread() is not threading.main_thread() or None in previous.values():
         yield
         return
-    previous = signal.pthread_sigmask(signal.SIG_BLOCK, DEFERRED_SIGNALS)
+    noted: list[int] = []
+
+    def note(signum: int, frame: Any) -> None:
+        if signum not in noted:
+            noted.append(signum)
+
+    for sig in DEFERRED_SIGNALS:
+        signal.signal(sig, note)
     try:
         yield
     finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
-
-
-def signals_undeferred() -> None:
-    """Let SIGINT and SIGTERM in again: a child started inside
-    :func:`signals_deferred` calls this first."""
-    if hasattr(signal, "pthread_sigmask"):
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, DEFERRED_SIGNALS)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        for signum in noted:
+            signal.raise_signal(signum)
 
 
 _CALLBACKS: list[Callable[[bool], None]] = []
@@ -165,6 +176,5 @@ __all__ = [
     "child_dies_with_parent",
     "die_with_parent",
     "signals_deferred",
-    "signals_undeferred",
     "sigterm_ends_process",
 ]

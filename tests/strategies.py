@@ -13,10 +13,13 @@ from collections import Counter
 from typing import Any
 
 from hypothesis import strategies as st
-from ruamel.yaml.comments import CommentedMap
+from ruamel.yaml.comments import CommentedMap, CommentedSeq
 
-from opguard_core.formats.config import CONFIG_VERSION, flow_map, flow_seq
+from opguard_core.formats.collectives import CollectiveSequence, Group, Signature, StepRun
+from opguard_core.formats.config import CONFIG_VERSION
+from opguard_core.formats.config_collectives import sequence_item
 from opguard_core.formats.streams import is_comm_op, legacy_roles
+from opguard_core.formats.styles import flow_map, flow_seq
 from opguard_core.formats.trace import READ_VERSIONS, ROLE_VERSION, TRACE_FORMAT
 
 FrameValue = tuple[str, int, str, str, str | None]
@@ -256,7 +259,41 @@ def configs(draw: st.DrawFn, source: str | None = None) -> CommentedMap:
         [("ranks", flow_seq(meta_ranks)), ("total", sum(e["count"] for e in entries))]
     )
     config["entries"] = entries
+    if draw(st.booleans()):  # config version 4: the source's collective sequence
+        config["collectives"] = CommentedSeq(
+            [sequence_item(config["source"], draw(sequences(meta_ranks)), lambda stack: None)]
+        )
+        config["collectives"].fa.set_block_style()
     return config
+
+
+@st.composite
+def sequences(draw: st.DrawFn, ranks: list[int]) -> CollectiveSequence:
+    """One collective sequence of some of ``ranks`` on the world group."""
+    world = Group(name="0", size=len(ranks), ranks=tuple(ranks))
+    signatures = [
+        Signature(op=op, group=0, dtype=dtype, numel=numel, shapes=((numel,),))
+        for op, dtype, numel in draw(
+            st.lists(
+                st.tuples(
+                    st.sampled_from(["c10d::allreduce_", "c10d::broadcast_"]),
+                    st.sampled_from(["float32", "int64"]),
+                    st.integers(0, 9),
+                ),
+                min_size=1,
+                max_size=3,
+                unique=True,
+            )
+        )
+    ]
+    calls = tuple(draw(st.lists(st.integers(0, len(signatures) - 1), min_size=1, max_size=4)))
+    last = draw(st.integers(0, 5))
+    return CollectiveSequence(
+        ranks=sorted(draw(st.sets(st.sampled_from(ranks), min_size=1))),
+        groups=[world],
+        signatures=signatures,
+        steps=[StepRun(0, last, calls)],
+    )
 
 
 def plain(value: Any) -> Any:

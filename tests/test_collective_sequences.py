@@ -512,3 +512,87 @@ def test_the_sequence_does_not_grow_with_steps() -> None:
     assert few["collectives"] == 30 and many["collectives"] == 6000
     assert (few["signatures"], few["runs"]) == (many["signatures"], many["runs"]) == (3, 1)
     assert many["collectives_bytes"] - few["collectives_bytes"] <= 3
+
+
+@pytest.mark.torch
+def test_the_profiler_backend_records_the_sequence(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The profiler backend: c10d, functional and nested collectives in time order, by
+    step, with dtype and shapes (``record_shapes`` in a job of several ranks: here
+    ``WORLD_SIZE`` says so); the profiler records no group nor reduce op (unknown)."""
+    torch = pytest.importorskip("torch")
+    import torch.distributed as dist
+    import torch.distributed._functional_collectives as funcol
+
+    from opguard_plugins.record.profiler import ProfilerTracer
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    gather = custom_gather()
+    dist.init_process_group(
+        "gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1
+    )
+    try:
+        tracer = ProfilerTracer(label="seq", output_dir=tmp_path, fold_seconds=0.0)
+        model = torch.nn.Linear(2, 2)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        tracer.start()
+        try:
+            for _ in range(3):
+                dist.all_reduce(torch.ones(6), op=dist.ReduceOp.MAX)
+                funcol.all_reduce(torch.ones(2, 3, dtype=torch.int32), "sum", dist.group.WORLD)
+                gather(torch.ones(3))
+                model(torch.ones(1, 2)).sum().backward()
+                opt.step()  # folds a cycle (fold_seconds 0): steps span cycles
+            dist.broadcast(torch.ones(4), 0)
+        finally:
+            tracer.stop()
+        trace = load_trace(tracer.write())
+    finally:
+        dist.destroy_process_group()
+    assert trace.collectives is not None
+    (seq,) = trace.collectives.sequences
+    assert [(g.name, g.size) for g in seq.groups] == [("?", 1)]
+    described = [(s.op, s.dtype, s.numel, s.shapes, s.reduce_op) for s in seq.signatures]
+    assert described == [
+        ("c10d::allreduce_", "float32", 6, ((6,),), None),
+        ("_c10d_functional::all_reduce", "int32", 6, ((2, 3),), None),
+        ("c10d::_allgather_base_", "float32", 3, ((3,),), None),
+        ("c10d::broadcast_", "float32", 4, ((4,),), None),
+    ]
+    assert [(r.first, r.last, r.calls) for r in seq.steps] == [(0, 2, (0, 1, 2)), (3, 3, (3,))]
+    assert trace.meta.get("tracer_backend") == "profiler"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["dtype", "order", "lines"])
+def test_a_real_two_rank_gloo_job_under_the_profiler_backend(case: str, tmp_path: Path) -> None:
+    """The same job traced with ``--backend profiler``: the same finding on the same
+    rank, step and position (the group is unknown to the profiler: ``?``)."""
+    pytest.importorskip("torch")
+    out = tmp_path / "traces"
+    proc = subprocess.run(
+        [sys.executable, "-m", "opguard_core.cli.app", "trace", "--backend", "profiler",
+         "--label", "desync", "--output-dir", str(out), "--", sys.executable, "-m",
+         "torch.distributed.run", "--nproc-per-node", "2", str(DESYNC / "desync_job.py"),
+         "--case", case, "--timeout", "2"],
+        capture_output=True, text=True, timeout=300, cwd=REPO,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run = subprocess.run(
+        [sys.executable, "-m", "opguard_core.cli.app", "run", "-i",
+         str(out / "desync_callsite_rank*.json"), "--output-base", str(tmp_path / "runs"),
+         "--fail-on-divergence"],
+        capture_output=True, text=True, timeout=120, cwd=REPO,
+    )  # fmt: skip
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    doc = json.loads((run_dir / "desync_callsite_divergence.json").read_text())
+    found = collective_findings(doc)
+    if CASES[case] is None:
+        assert found == [] and run.returncode == 0, run.stderr
+        return
+    assert run.returncode == 4, run.stderr
+    assert [(f["kind"], f["ranks"], f["step"], f["position"]) for f in found] == [
+        (CASES[case], [1], 1, 2)
+    ]
+    assert found[0]["group"]["name"] == "?"

@@ -36,8 +36,11 @@ def commented(draw: st.DrawFn) -> tuple[str, list[list[str]], object]:
     lines = dump_config(config).splitlines(keepends=True)
     blocks: list[list[str]] = []
     out: list[str] = []
+    inside = False  # in the top-level entries (not another list, such as collectives)
     for line in lines:
-        if line.startswith("  - "):
+        if line[0] not in " #":
+            inside = line == "entries:\n"
+        if inside and line.startswith("  - "):
             block = draw(st.lists(TEXT, max_size=3, unique=True))
             blocks.append(block)
             summary = out.pop() if out and SUMMARY_RE.fullmatch(out[-1]) else None

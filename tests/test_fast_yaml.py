@@ -23,13 +23,11 @@ from opguard_core.formats.config import (
     _dump_fast,
     _dump_with_ruamel,
     annotate_entries,
-    block_map,
     dump_config,
     entry_key,
-    flow_map,
-    flow_seq,
     parse_config,
 )
+from opguard_core.formats.styles import block_map, flow_map, flow_seq
 from opguard_core.model import RunOptions
 from opguard_plugins.stages.basic_filter import opguard_filter
 from opguard_plugins.stages.combine import combine_files
@@ -250,7 +248,7 @@ def test_comments_fall_back_to_ruamel() -> None:
 
 def test_loaded_comments_survive() -> None:
     text = (
-        "# a person's note\nversion: 3  # the format\nsource: s\nmeta:\n  total: 10\n"
+        "# a person's note\nversion: 4  # the format\nsource: s\nmeta:\n  total: 10\n"
         "entries:\n  # 4 ops, 40.0% of total\n  - target: a:b  # mine\n    count: 4\n"
         "  # a note before the second entry\n  # 6 ops, 60.0% of total\n  - target: c:d\n"
         "    count: 6\n"

@@ -629,7 +629,7 @@ def test_a_glob_of_kineto_rank_files_is_one_entry(opguard: Opguard, tmp_path: Pa
             roles[(site["op"], site["role"])] += site["count"]
     assert roles == {("c10d::allreduce_", "comm"): 24, ("c10d::alltoall_base_", "comm"): 40}
     config = run.read("rank_instrumentation.yaml")
-    assert "version: 3" in config and "      comm: " in config and "      side1: " in config
+    assert "version: 4" in config and "      comm: " in config and "      side1: " in config
     # the window's cuts are reported, not silently dropped
     assert any("profiling window cut work" in w["message"] for w in summary["warnings"])
 

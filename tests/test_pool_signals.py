@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -152,22 +153,31 @@ def test_die_with_parent_when_the_parent_died_before_the_request(tmp_path: Path)
     assert not after.exists()
 
 
-@pytest.mark.skipif(not hasattr(signal, "pthread_sigmask"), reason="needs a signal mask")
 def test_signals_deferred_hold_sigint_until_the_block_ends() -> None:
     """The combine pool queues its tasks with signals deferred: a KeyboardInterrupt
     inside ``Queue.put`` would leak the queue's lock and hang the run at exit (the
-    flake this test and the one above caught)."""
+    flake this test and the one above caught). Held back in the main thread even
+    while another thread runs (the kernel may hand it the signal)."""
     from opguard_core.processes import signals_deferred
 
     seen: list[int] = []
     previous = signal.signal(signal.SIGINT, lambda signum, frame: seen.append(signum))
+    stop = threading.Event()
+    other = threading.Thread(target=stop.wait)
+    other.start()
     try:
         with signals_deferred():
             os.kill(os.getpid(), signal.SIGINT)
-            time.sleep(0.01)
+            os.kill(os.getpid(), signal.SIGINT)  # noted once
+            time.sleep(0.05)
             assert seen == []
         assert seen == [signal.SIGINT]
+        os.kill(os.getpid(), signal.SIGINT)  # the handler is back: it runs at once
+        time.sleep(0.05)
+        assert seen == [signal.SIGINT, signal.SIGINT]
     finally:
+        stop.set()
+        other.join()
         signal.signal(signal.SIGINT, previous)
 
 

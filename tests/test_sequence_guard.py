@@ -3,8 +3,9 @@
 Quick: :class:`SequenceChecker` against hand-built sequences, one kind of departure at
 a time, and the watchdog's timing. Slow: a real 2-rank gloo job
 (tests/data/guard_desync/guard_job.py) recorded with ``opguard trace`` and ``opguard
-run`` when good, then run under ``opguard guard --collectives`` with rank 1 departing
-in step 1: it raises on rank 1 before the collective is issued, or warns and goes on;
+run`` when good, then run under ``opguard guard`` (the config's sequences, or
+``--collectives`` the combined trace's) with rank 1 departing in step 1: it raises
+on rank 1 before the collective is issued, or warns and goes on;
 ``--collective-timeout`` reports the rank left waiting.
 """
 
@@ -18,6 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 
 from opguard_core.formats.check import Violation
@@ -221,10 +223,10 @@ def reports(directory: Path) -> dict[int, list[dict[str, Any]]]:
 def test_raise_stops_the_offending_rank_before_the_collective(
     good_run: tuple[Path, Path], tmp_path: Path, case: str, kind: str
 ) -> None:
-    config, combined = good_run
-    guarded = opguard("guard", "--config", config, "--collectives", combined,
-                      "--on-violation", "raise", "--report-dir", tmp_path, "--",
-                      *torchrun(case))  # fmt: skip
+    config, _ = good_run  # the config carries the good run's sequences (version 4)
+    assert "\ncollectives:\n" in config.read_text()
+    guarded = opguard("guard", "--config", config, "--on-violation", "raise",
+                      "--report-dir", tmp_path, "--", *torchrun(case))  # fmt: skip
     assert guarded.returncode != 0
     # rank 1 raised inside its call (the job prints it and exits 3)
     assert f"rank 1: OpGuardViolation: opguard guard: {kind}: rank 1:" in guarded.stderr
@@ -258,8 +260,8 @@ def test_warn_lets_the_job_run_on(good_run: tuple[Path, Path], tmp_path: Path) -
 
 @pytest.mark.slow
 def test_a_good_run_under_the_guard_is_clean(good_run: tuple[Path, Path], tmp_path: Path) -> None:
-    config, combined = good_run
-    guarded = opguard("guard", "--config", config, "--collectives", combined,
+    config, _ = good_run
+    guarded = opguard("guard", "--config", config,
                       "--on-violation", "raise", "--collective-timeout", "5",
                       "--report-dir", tmp_path, "--", *torchrun("none"))  # fmt: skip
     assert guarded.returncode == 0, guarded.stderr[-3000:]
@@ -310,3 +312,24 @@ def test_a_trace_without_sequences_is_refused_in_one_line(tmp_path: Path) -> Non
     assert result.exit_code == 5
     (line,) = result.stderr.strip().splitlines()
     assert line.startswith(f"opguard: error: {old}: has no collective sequences")
+
+
+def test_a_good_run_of_unknown_groups_is_checked_as_one_group() -> None:
+    """A profiler backend's recording knows no group (``?``): the calls are checked by
+    their position among all of the rank's collectives, whatever group they are on."""
+    unknown = Group(name="?", size=1)
+    plain = [msgspec.structs.replace(s, group=0, reduce_op=None) for s in (A, B, C)]
+    sequence = CollectiveSequence(
+        ranks=[1], groups=[unknown], signatures=plain, steps=[StepRun(0, 2, (0, 1, 2))]
+    )
+    recorded = Recorded()
+    checker = SequenceChecker(Collectives(sequences=[sequence]), recorded)
+    assert checker.bind(1)
+    for step in range(3):  # the real groups: A and B on "0", C on "1"
+        for op, described in GOOD_STEP:
+            checker.check(op, described, step, "job:step")
+    assert recorded.violations == []
+    swapped = [call(B), call(A), call(C)]
+    for op, described in swapped:
+        checker.check(op, described, 3, "job:step")
+    assert recorded.kinds() == ["collective_order", "collective_size"]

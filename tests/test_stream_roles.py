@@ -21,7 +21,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from opguard_core.combine.accumulator import TraceAccumulator
-from opguard_core.formats.config import load_config, parse_config
+from opguard_core.formats.config import CONFIG_VERSION, load_config, parse_config
 from opguard_core.formats.streams import (
     StreamRoles,
     is_role,
@@ -92,7 +92,7 @@ def test_a_version_2_config_reads_with_roles(tmp_path: Path) -> None:
         "    count: 2\n"
     )
     config = parse_config(text, "old.yaml")
-    assert config["version"] == 3
+    assert config["version"] == CONFIG_VERSION == 4
     assert dict(config["entries"][0]["stream_counts"]) == {"compute": 3, "comm": 2, "side2": 3}
     assert dict(config["entries"][1]["stream_counts"]) == {"side1": 2}
     with pytest.raises(Exception, match="stream roles"):
@@ -101,7 +101,7 @@ def test_a_version_2_config_reads_with_roles(tmp_path: Path) -> None:
 
 def test_the_bundled_version_1_config_reads_with_roles() -> None:
     config = load_config(Path(__file__).parent / "data" / "configs" / "gpt_callsite_v1.yaml")
-    assert config["version"] == 3
+    assert config["version"] == CONFIG_VERSION == 4
     for entry in config["entries"]:
         assert set(entry.get("stream_counts") or {}) <= {"compute", "comm"}
 

@@ -136,7 +136,7 @@ def test_format_contract_and_relative_paths(one_step_trace: DecodedTrace) -> Non
     meta = trace.meta
     assert meta["label"] == "unit" and meta["rank"] == 0 and meta["ranks"] == [0]
     assert meta["world_size"] == 1 and meta["device"] == "cpu"
-    assert meta["tracer"] == "opguard/1"
+    assert meta["tracer"] == "opguard/2" and meta["tracer_backend"] == "modes"
     assert meta["torch_version"] == str(torch.__version__)
     assert {"command", "python_version"} <= meta.keys()
     assert trace.ranks() == [0]

@@ -15,8 +15,10 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from opguard_core.formats.config import load_config  # noqa: E402
 from opguard_core.formats.trace import DecodedTrace, load_trace  # noqa: E402
 from opguard_plugins.record.profiler import COMPILED_REGION_OP  # noqa: E402
+from opguard_plugins.record.tracer import COMPILER_PARTS  # noqa: E402
 from opguard_plugins.stages import locations  # noqa: E402
 from opguard_plugins.stages.generate import tags_for  # noqa: E402
 from opguard_plugins.tracer import trace_callsites  # noqa: E402
@@ -183,6 +185,97 @@ def test_trace_command_profiler_backend(tmp_path: Path) -> None:
     assert bad.returncode == 2 and "nope" in bad.stderr
 
 
+_SCRIPT = """
+import torch
+
+
+class Block(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        return torch.relu(self.lin(x)) * torch.sigmoid(x)
+
+
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = torch.nn.Sequential(Block(), Block())
+
+    def forward(self, x):
+        return self.blocks(x).sum()
+
+    @torch.no_grad()
+    def score(self, x):
+        return self.forward(x).abs()
+
+
+def main():
+    torch.manual_seed(0)
+    net = Net()
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    x = torch.randn(4, 8)
+    for _ in range(3):
+        opt.zero_grad()
+        net(x).backward()
+        opt.step()
+    net.score(x)
+
+
+if __name__ == "__main__":
+    main()
+"""
+
+
+@pytest.mark.slow  # ~25 s: the script traced by each backend, then a run of each trace
+def test_both_backends_name_a_scripts_functions_alike(tmp_path: Path) -> None:
+    """A model written in the script run as ``python net.py`` (``__main__``): both
+    backends give its functions and methods, a decorated one too, the same frames
+    and so the same config targets; both record the optimizer steps and themselves."""
+    script = tmp_path / "net.py"
+    script.write_text(_SCRIPT)
+    names: dict[str, set[tuple[str | None, str]]] = {}
+    targets: dict[str, set[str]] = {}
+    for backend in ("modes", "profiler"):
+        out = tmp_path / backend
+        proc = subprocess.run(
+            [
+                *(*OPGUARD, "trace", "--backend", backend, "--label", "net"),
+                *("--output-dir", str(out), "--", str(script)),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            cwd=tmp_path,
+        )
+        assert proc.returncode == 0, proc.stderr
+        trace = load_trace(out / "net_callsite_rank0.json")
+        assert trace.meta["tracer_backend"] == backend
+        assert trace.meta["steps"] == 3
+        names[backend] = {(f.module, f.qualname) for f in trace.frames if f.file == "net.py"}
+        run = subprocess.run(
+            [
+                *(*OPGUARD, "run", "-i", str(out / "net_callsite_rank*.json")),
+                *("--output-base", str(tmp_path / f"run_{backend}")),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert run.returncode == 0, run.stderr
+        config = load_config(
+            Path(run.stdout.strip().splitlines()[-1]) / "net_callsite_instrumentation.yaml"
+        )
+        assert list(config["meta"]["recorded_by"]) == [backend]
+        targets[backend] = {e["target"] for e in config["entries"] if e["target"].startswith("net")}
+    own = {("net", q) for q in ("Block.forward", "Net.forward", "Net.score", "main")}
+    assert own <= names["modes"], names["modes"]
+    assert names["profiler"] == names["modes"]
+    assert {"net:Block.forward", "net:Net.forward", "net:main"} <= targets["modes"]
+    assert targets["profiler"] == targets["modes"]
+
+
 # ---------------------------------------------------------------------------
 # torch.compile
 # ---------------------------------------------------------------------------
@@ -206,6 +299,16 @@ def _compiled_run(backend: str, compile_backend: str, tmp_path: Path) -> tuple[D
     return trace, int(counters["stats"]["unique_graphs"])
 
 
+def assert_no_compile_time_work(trace: DecodedTrace) -> None:
+    """No frame of torch.compile compiling, none of code generated at run time."""
+    compiler = {"/".join(("torch", *parts)) for parts in COMPILER_PARTS}
+    files = {frame.file for frame in trace.frames}
+    assert not files & compiler, files & compiler
+    generated = {f for f in files if f.startswith("<eval_with_key>") or "torchinductor_" in f}
+    assert not generated, generated
+    assert not {f.qualname for f in trace.frames if "bw_compiler" in f.qualname}
+
+
 @pytest.mark.slow
 def test_torch_compile_compiles_under_the_profiler_backend(tmp_path: Path) -> None:
     trace, graphs = _compiled_run("profiler", "aot_eager", tmp_path)
@@ -214,10 +317,15 @@ def test_torch_compile_compiles_under_the_profiler_backend(tmp_path: Path) -> No
     assert counts[COMPILED_REGION_OP] == 2
     # the graphs' ops (aot_eager runs them as aten ops; its backward recomputes gelu)
     assert counts["aten::addmm"] == 4 and counts["aten::gelu"] >= 2
-    # the modes backend: Dynamo compiles no frame under a TorchDispatchMode
+    # compile-time work is left out, counted in meta (FX's <eval_with_key> frames of
+    # the graphs that run are dropped, their ops kept)
+    assert trace.meta["compile_ops"] > 0
+    assert_no_compile_time_work(trace)
+    # the modes backend: the compiled module runs eagerly under a TorchDispatchMode
     trace, graphs = _compiled_run("modes", "aot_eager", tmp_path)
-    assert graphs == 0
     assert COMPILED_REGION_OP not in op_counts(trace)
+    assert "compile_ops" not in trace.meta
+    assert_no_compile_time_work(trace)
 
 
 @pytest.mark.slow
@@ -228,6 +336,53 @@ def test_torch_compile_inductor_under_the_profiler_backend(tmp_path: Path) -> No
     assert counts[COMPILED_REGION_OP] == 2
     assert counts["aten::addmm"] >= 4  # extern kernels the generated code calls
     assert "aten::gelu" not in counts  # fused into Inductor's own C++ kernel
+    # compiling (the forward under Dynamo, the backward lazily at the first backward
+    # pass) is left out; the hash-named generated module is no frame, so no target
+    assert trace.meta["compile_ops"] > 0
+    assert_no_compile_time_work(trace)
+    # the backward's extern kernels, 3 a run (2 weight gradients, 1 input gradient);
+    # the one the backward's compilation ran is not among them
+    assert counts["aten::mm"] == 3 * 2
+
+
+_FAKE_COMPILER = """
+import torch
+
+
+def compile_me(x):
+    return torch.ones(3) * x.sum()
+"""
+
+
+@pytest.mark.parametrize("backend", ["modes", "profiler"])
+def test_the_compile_rule_is_the_same_in_both_backends(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, backend: str
+) -> None:
+    """Both backends leave out the ops below a compiler frame, by one list of files
+    (torch.compile itself compiles only under the profiler backend: a stand-in file
+    joins the list here), and count them in ``meta.compile_ops``."""
+    from opguard_plugins.record import profiler, tracer
+
+    source = tmp_path / "fake_compiler_h29.py"
+    source.write_text(_FAKE_COMPILER)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import fake_compiler_h29
+
+    monkeypatch.setattr(
+        tracer, "COMPILER_FILES", tracer.COMPILER_FILES | {os.path.normcase(str(source))}
+    )
+    monkeypatch.setattr(profiler, "_COMPILER_FILES", (*profiler._COMPILER_FILES, source.name))
+    x = torch.ones(2)
+
+    def run() -> None:
+        fake_compiler_h29.compile_me(x)
+        torch.relu(x)
+
+    trace = traced(tmp_path, backend, run)
+    counts = op_counts(trace)
+    assert trace.meta["compile_ops"] == 3  # ones, sum, mul
+    assert counts == {"aten::relu": 1}
+    assert "compile_me" not in {f.qualname for f in trace.frames}
 
 
 # ---------------------------------------------------------------------------

@@ -13,7 +13,8 @@ from typing import Any
 from ruamel.yaml.comments import CommentedMap
 
 from opguard_core.errors import OpGuardError
-from opguard_core.formats.config import block_map, entry_key, flow_seq, validate_config
+from opguard_core.formats.config import entry_key, validate_config
+from opguard_core.formats.styles import block_map, flow_seq
 from opguard_core.logs import get_logger
 from opguard_core.model import RunOptions
 from opguard_core.plugin.manager import OpGuardPluginManager, call_impl

@@ -48,7 +48,7 @@ Collective ops are those of :data:`COLLECTIVE_NAMESPACES` except the waits
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -72,6 +72,10 @@ NOT_COLLECTIVES = frozenset(
         "_c10d_functional::_wrap_tensor_autograd",
     }
 )
+
+#: the name of the group of a collective whose process group the recorder could not
+#: tell (the profiler backend's): compared as one group, whatever the real ones were
+UNKNOWN_GROUP = "?"
 
 #: op name (namespace and trailing ``_`` taken off) -> what it does
 _KINDS = {
@@ -260,13 +264,18 @@ def decode_collectives(
 
 
 def check_collectives(
-    found: Collectives, path: Path | str, frames: int, ranks: Sequence[int]
+    found: Collectives,
+    path: Path | str,
+    frames: int,
+    ranks: Sequence[int],
+    label: Callable[[int], str] = "collectives.sequences[{}]".format,
 ) -> None:
     """Refuse a ``collectives`` whose ids point outside their tables, whose runs are
-    out of order, or whose ranks are not the trace's or appear twice."""
+    out of order, or whose ranks are not the trace's or appear twice (``label(s)``
+    names sequence ``s`` in the message)."""
     allowed, seen = set(ranks), set[int]()
     for s, seq in enumerate(found.sequences):
-        where = f"collectives.sequences[{s}]"
+        where = label(s)
         if not seq.ranks:
             raise InputError(path, f"{where}.ranks is empty")
         for rank in seq.ranks:

@@ -19,7 +19,6 @@ import io
 import os
 import re
 import stat
-from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -42,14 +41,21 @@ from ruamel.yaml.scalarint import ScalarInt
 from ruamel.yaml.tag import Tag
 
 from opguard_core.errors import InputError
+from opguard_core.formats.config_collectives import (
+    CONFIG_COLLECTIVES_VERSION,
+    read_config_collectives,
+)
 from opguard_core.formats.config_reader import read_fast
 from opguard_core.formats.streams import is_role, legacy_side_roles, legacy_stream_counts
+from opguard_core.formats.styles import block_map, elements_of, items_of, put_new
 
-#: the layout written: version 3 keys ``stream_counts`` by stream role (formats.md,
-#: "Streams and roles"); version 2 (raw stream ids) and version 1 (also flow maps of
-#: ops, no summary comments) are still read, and upgraded (:func:`upgrade_config`)
-CONFIG_VERSION = 3
-READ_VERSIONS = (1, 2, 3)
+#: the layout written: version 4 may carry ``collectives`` (the good run's collective
+#: sequences: :mod:`opguard_core.formats.config_collectives`); since version 3
+#: ``stream_counts`` are keyed by stream role (formats.md, "Streams and roles");
+#: version 2 (raw stream ids) and version 1 (also flow maps of ops, no summary
+#: comments) are still read, and upgraded (:func:`upgrade_config`)
+CONFIG_VERSION = 4
+READ_VERSIONS = (1, 2, 3, 4)
 #: the first version whose ``stream_counts`` are by role
 ROLE_VERSION = 3
 EntryKey = tuple[str, tuple[str, ...]]
@@ -180,26 +186,6 @@ def _yaml() -> YAML:
     return yaml
 
 
-def flow_seq(items: Iterable[Any]) -> CommentedSeq:
-    seq = CommentedSeq(items)
-    seq.fa.set_flow_style()
-    return seq
-
-
-def flow_map(items: Iterable[tuple[Any, Any]]) -> CommentedMap:
-    mapping = CommentedMap(items)
-    mapping.fa.set_flow_style()
-    return mapping
-
-
-def block_map(items: Iterable[tuple[Any, Any]]) -> CommentedMap:
-    """A block mapping (one key per line), as v2 writes ``meta``, ``ops`` and
-    ``stream_counts``."""
-    mapping = CommentedMap(items)
-    mapping.fa.set_block_style()
-    return mapping
-
-
 def _copy_attributes(source: CommentedMap | CommentedSeq, target: Any) -> None:
     """The YAML attributes of ``source`` that a dump reads (comments, flow style,
     anchor, tag, merge keys) onto ``target``; not line and column, which only say
@@ -226,12 +212,12 @@ def copy_config(value: Any) -> Any:
     kind = type(value)
     if kind is CommentedMap:
         mapping = CommentedMap()
-        for key, item in value.items():
-            mapping[key] = copy_config(item)
+        for key, item in items_of(value):
+            put_new(mapping, key, copy_config(item))
         _copy_attributes(value, mapping)
         return mapping
     if kind is CommentedSeq:
-        seq = CommentedSeq([copy_config(item) for item in value])
+        seq = CommentedSeq([copy_config(item) for item in elements_of(value)])
         _copy_attributes(value, seq)
         return seq
     if kind is dict:
@@ -533,7 +519,7 @@ class _FastWriter:
             raise _Unusual
         seen.add(id(seq))
         scalar = self.scalar
-        return "[" + ", ".join([scalar(item, True) for item in seq]) + "]"
+        return "[" + ", ".join([scalar(item, True) for item in elements_of(seq)]) + "]"
 
     def flow_map(self, mapping: CommentedMap, seen: set[int]) -> str:
         """A flow mapping of scalar keys to scalars or flow sequences of scalars."""
@@ -542,7 +528,7 @@ class _FastWriter:
         seen.add(id(mapping))
         parts = []
         key, scalar = self.key, self.scalar
-        for name, value in mapping.items():
+        for name, value in items_of(mapping):
             kind = type(value)
             if kind is int:
                 text = int.__repr__(value)
@@ -578,7 +564,7 @@ class _FastWriter:
         seen.add(id(mapping))
         pad = " " * indent
         key, field = self.key, self.block_field
-        return "".join([field(pad + key(k, False), v, indent, seen) for k, v in mapping.items()])
+        return "".join([field(pad + key(k, False), v, indent, seen) for k, v in items_of(mapping)])
 
     def document(self, config: CommentedMap) -> str:
         """The whole document; raises :class:`_Unusual` for anything off its shape."""
@@ -587,7 +573,7 @@ class _FastWriter:
             raise _Unusual
         out: list[str] = []
         key, field = self.key, self.block_field
-        for name, value in config.items():
+        for name, value in items_of(config):
             head = key(name, False)
             if type(value) is list or (
                 type(value) is CommentedSeq and _check_plain(value) is not True
@@ -599,7 +585,7 @@ class _FastWriter:
                     out.append(f"{head}: []\n")
                     continue
                 out.append(f"{head}:\n")
-                for item in value:
+                for item in elements_of(value):
                     if (
                         type(item) is not CommentedMap
                         or not item
@@ -609,7 +595,7 @@ class _FastWriter:
                         raise _Unusual
                     seen.add(id(item))
                     lead = "  - "
-                    for item_key, item_value in item.items():
+                    for item_key, item_value in items_of(item):
                         out.append(field(lead + key(item_key, False), item_value, 4, seen))
                         lead = "    "
             else:
@@ -789,6 +775,9 @@ def validate_config(config: object, path: Path | str) -> None:
         isinstance(k, str) and _is_int(v) and v >= 0 for k, v in steps.items()
     ):
         raise InputError(path, "meta.steps must map sources to step counts")
+    recorded = meta.get("recorded_by", [])
+    if not isinstance(recorded, list) or not all(isinstance(r, str) for r in recorded):
+        raise InputError(path, "meta.recorded_by must be a list of names")
     validate_settings(meta.get("settings"), path)
     entries = config.get("entries")
     if not isinstance(entries, list):
@@ -802,7 +791,9 @@ def validate_config(config: object, path: Path | str) -> None:
             raise InputError(path, f"{where}.target must be a string")
         for field in ("context", "tags"):
             value = entry.get(field, [])
-            if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            if not isinstance(value, list) or not all(
+                isinstance(v, str) for v in elements_of(value)
+            ):
                 raise InputError(path, f"{where}.{field} must be a list of strings")
         key = entry_key(entry)
         first = seen.setdefault(key, index)
@@ -813,21 +804,21 @@ def validate_config(config: object, path: Path | str) -> None:
                 " each (target, context) may appear once",
             )
         lines = entry.get("lines", [])
-        if not isinstance(lines, list) or not all(_is_int(v) for v in lines):
+        if not isinstance(lines, list) or not all(_is_int(v) for v in elements_of(lines)):
             raise InputError(path, f"{where}.lines must be a list of integers")
         ranks = entry.get("ranks", [])
-        if not isinstance(ranks, list) or not all(_is_count(v) for v in ranks):
+        if not isinstance(ranks, list) or not all(_is_count(v) for v in elements_of(ranks)):
             raise InputError(path, f"{where}.ranks must be a list of integers (0 or more)")
         ops = entry.get("ops", {})
         if not isinstance(ops, dict) or not all(
-            isinstance(k, str) and _is_int(v) and v >= 0 for k, v in ops.items()
+            isinstance(k, str) and _is_int(v) and v >= 0 for k, v in items_of(ops)
         ):
             raise InputError(path, f"{where}.ops must map op names to counts")
         streams = entry.get("stream_counts", {})
         by_role = config["version"] >= ROLE_VERSION
         if not isinstance(streams, dict) or not all(
             (is_role(k) if by_role else _is_int(k)) and _is_int(v) and v >= 0
-            for k, v in streams.items()
+            for k, v in items_of(streams)
         ):
             raise InputError(
                 path,
@@ -841,6 +832,12 @@ def validate_config(config: object, path: Path | str) -> None:
             raise InputError(path, f"{where}.kind must be a string")
         if entry.get("file") is not None and not isinstance(entry["file"], str):
             raise InputError(path, f"{where}.file must be a string or null")
+    if "collectives" in config:
+        if config["version"] < CONFIG_COLLECTIVES_VERSION:
+            raise InputError(
+                path, f"collectives needs config version {CONFIG_COLLECTIVES_VERSION} or later"
+            )
+        read_config_collectives(config["collectives"], path)
 
 
 # ------------------------------------------------------------------ meta.settings

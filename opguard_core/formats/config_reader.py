@@ -20,6 +20,8 @@ from typing import Any
 
 from ruamel.yaml.comments import CommentedMap, CommentedSeq
 
+from opguard_core.formats.styles import put_new
+
 #: a plain integer as the writer writes one (no sign, no leading zeros, no "_")
 _INT = re.compile(r"-?(?:0|[1-9][0-9]*)")
 #: a plain token that may be a float (the writer's round trip decides)
@@ -122,9 +124,11 @@ class _Flow:
         if self.text.startswith("]", self.at):
             self.at += 1
             return seq
+        items = []
         while True:
-            seq.append(self.item(",]"))
+            items.append(self.item(",]"))
             if self._next("]"):
+                list.extend(seq, items)  # CommentedSeq.append runs in Python, per item
                 return seq
 
     def map(self) -> CommentedMap:
@@ -146,7 +150,7 @@ class _Flow:
             if not text.startswith(": ", at):
                 raise Unusual
             self.at = at + 2
-            mapping[key] = self.item(",}")
+            put_new(mapping, key, self.item(",}"))
             if self._next("}"):
                 return mapping
 
@@ -203,7 +207,7 @@ class _Reader:
             if key in mapping:
                 raise Unusual  # a duplicate key: ruamel decides
             self.at += 1
-            mapping[key] = self._after_key(rest, indent)
+            put_new(mapping, key, self._after_key(rest, indent))
         if not mapping:
             raise Unusual
         return mapping
@@ -227,8 +231,10 @@ class _Reader:
         """The top-level sequence of block mappings (``entries``), items at ``  - ``."""
         seq = CommentedSeq()
         seq.fa.set_block_style()
+        items = []
         while self.at < len(self.lines) and self.lines[self.at].startswith("  - "):
-            seq.append(self.block_map(4, "    " + self.lines[self.at][4:]))
+            items.append(self.block_map(4, "    " + self.lines[self.at][4:]))
+        list.extend(seq, items)
         return seq
 
     def document(self) -> CommentedMap:

@@ -201,6 +201,27 @@ def trace_ranks(meta: dict[str, Any], path: str) -> list[int]:
     return [0]
 
 
+#: ``meta.tracer`` of the tracer's first version, whose ``modes`` backend wrote no
+#: ``meta.tracer_backend`` (its ``profiler`` backend did)
+_FIRST_TRACER = "opguard/1"
+
+
+def recorded_by(meta: dict[str, Any]) -> str | None:
+    """What recorded a trace, from its ``meta``: the tracer's backend (``modes``,
+    ``profiler``) or the reader's source format (``kineto``, ``flight_recorder``);
+    None where the meta does not say (a combine of traces that disagree drops the
+    keys it is told by). Configs record it as ``meta.recorded_by`` (formats.md §3)."""
+    source = meta.get("source_format")
+    if isinstance(source, str) and source:
+        return source
+    backend = meta.get("tracer_backend")
+    if isinstance(backend, str) and backend:
+        return backend
+    if meta.get("tracer") == _FIRST_TRACER:
+        return "modes"
+    return None
+
+
 def _is_rank(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 

@@ -28,6 +28,7 @@ from opguard_core.configs.chain import active_filters, apply_filters
 from opguard_core.configs.selection import Selection, select_trace, unmatched_hide
 from opguard_core.files.atomic import atomic_write_bytes, atomic_write_parts, safe_child
 from opguard_core.formats.config import dump_config, entry_key, validate_config
+from opguard_core.formats.config_collectives import config_collectives, issued_at
 from opguard_core.formats.divergence import (
     check_findings,
     encode_divergence,
@@ -246,6 +247,11 @@ def generate(call: StepCall, entry: InputEntry, needs: Mapping[str, Any]) -> Com
     config: CommentedMap = call.call(
         "opguard_generate", tree=needs["compress"], source=entry.name, options=call.options
     )
+    trace = needs["combine"]
+    if trace.collectives is not None and trace.collectives.sequences:
+        config["collectives"] = config_collectives(
+            entry.name, trace.collectives, issued_at(trace.frames)
+        )
     name = call.name("config")
     validate_config(config, f"{name} (from {call.record.plugin})")
     call.write("config", dump_config(config), config=config)
@@ -386,7 +392,7 @@ STEPS: tuple[Step, ...] = (
          applies=lambda needs: len(needs["combine"].ranks) >= 2),
     Step("compress", "entry", compress, needs=("combine",),
          artifacts={"tree": "{entry}_compressed.json"}),
-    Step("generate", "entry", generate, needs=("compress",),
+    Step("generate", "entry", generate, needs=("compress", "combine"),
          artifacts={"config": "{entry}_instrumentation.yaml"}),
     Step("compare", "run", compare, needs=("generate",),
          artifacts={"log": "comparison_{base}_vs_{index}.log"}),

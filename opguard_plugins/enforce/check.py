@@ -47,6 +47,7 @@ from opguard_core.formats.check import (
     write_json,
 )
 from opguard_core.formats.config import entry_key, load_config
+from opguard_core.formats.tree import TORCH_API
 from opguard_core.logs import configure_logging
 from opguard_core.model import InputEntry, RunOptions
 from opguard_core.plugin.manager import OpGuardPluginManager, call_impl
@@ -262,6 +263,50 @@ def check_configs(
     return join_ranks(found)
 
 
+#: The kinds compared when the config and the traces come from different tracers:
+#: which functions ran, where, on which ranks. Ops, streams and counts differ between
+#: backends and readers by design (docs/tracing.md, "Backends").
+ACROSS_TRACERS = frozenset({"unknown_target", "unknown_context", "missing", "rank_mismatch"})
+
+
+def across_tracers(
+    config: dict[str, Any], observed: Observed, violations: list[Violation]
+) -> list[Violation]:
+    """``violations``, unless the config and the traces were recorded by different
+    tracers (``meta.recorded_by`` of both: ``modes``, ``profiler``, ``kineto``, …);
+    then a one-line warning on stderr says so, and only the :data:`ACROSS_TRACERS`
+    kinds are kept. Where either side does not say (a config made before configs
+    recorded it), everything is compared."""
+    made = (config.get("meta") or {}).get("recorded_by")
+    seen: set[str] = set()
+    views: list[dict[str, Any]] = [*observed.configs.values()]
+    if observed.combined is not None:
+        views.append(observed.combined)
+    for view in views:
+        recorded = (view.get("meta") or {}).get("recorded_by")
+        if not recorded:
+            return violations
+        seen.update(recorded)
+    if not made or not seen or set(made) == seen:
+        return violations
+    message = (
+        f"opguard check: warning: the config was recorded by {', '.join(sorted(made))}, "
+        f"the traces by {', '.join(sorted(seen))}: ops, streams and counts differ "
+        f"between them, so only {', '.join(sorted(ACROSS_TRACERS))} are checked "
+        '(docs/tracing.md, "Backends")'
+    )
+    click.echo(one_line(message), err=True)  # names from the files: no forged lines
+    # only the modes backend records the torch api called (formats.md §1): an api
+    # entry on one side only is no function that ran or did not
+    apis = {
+        e["target"]
+        for view in [config, *views]
+        for e in view["entries"]
+        if e.get("kind") == TORCH_API
+    }
+    return [v for v in violations if v.kind in ACROSS_TRACERS and v.target not in apis]
+
+
 def format_text(config: str, violations: Sequence[Violation]) -> str:
     """The text report: a summary line, then one line per violation."""
     errors = sum(v.severity == ERROR for v in violations)
@@ -331,6 +376,7 @@ def make_command(manager: OpGuardPluginManager) -> click.Command:
         violations = check_configs(
             manager, config, observed.configs, tolerance, strict, observed.combined
         )
+        violations = across_tracers(config, observed, violations)
         if fmt == "json":
             document = check_report(str(config_path), violations)
             if output is not None:
@@ -356,6 +402,8 @@ def opguard_register_commands(cli: click.Group, manager: OpGuardPluginManager) -
 
 
 __all__ = [
+    "ACROSS_TRACERS",
+    "across_tracers",
     "check_configs",
     "check_setting_patterns",
     "observe",

@@ -28,7 +28,7 @@ from opguard_core.files.output_dirs import prepare_output_dir
 from opguard_core.formats.check import ERROR, load_report, sample_every
 from opguard_core.formats.config import load_config
 from opguard_core.run.summary import config_source
-from opguard_plugins.enforce.sequence_guard import load_collectives
+from opguard_plugins.enforce.sequence_guard import config_sequences, load_collectives
 from opguard_plugins.enforce.status import STATUS_ENV, read_statuses
 from opguard_plugins.enforce.status import problems as guard_problems
 from opguard_plugins.record.trace import LAUNCH_CODES, bootstrap_env, run_bootstrapped
@@ -43,6 +43,7 @@ def guard_env(
     status_dir: Path | None = None,
     collectives: Path | None = None,
     collective_timeout: float | None = None,
+    source: str | None = None,
 ) -> dict[str, str]:
     """The environment that starts the guard in COMMAND's Python processes (with
     ``status_dir``: where each process says whether its guard did its work,
@@ -57,6 +58,8 @@ def guard_env(
         variables[STATUS_ENV] = str(status_dir)
     if collectives is not None:
         variables["OPGUARD_GUARD_COLLECTIVES"] = str(collectives.resolve())
+    if source is not None:
+        variables["OPGUARD_GUARD_SOURCE"] = source
     if collective_timeout is not None:
         variables["OPGUARD_GUARD_COLLECTIVE_TIMEOUT"] = repr(collective_timeout)
     return bootstrap_env(variables, command)
@@ -121,7 +124,7 @@ CODES: exits.Codes = {
     ExitCode.OK: "the command succeeded, every guard checked it and no report has an error",
     ExitCode.STAGE_FAILED: "a report has an error, or a report could not be read",
     ExitCode.USAGE_ERROR: "bad command line or option value (--sample nan, an unusable "
-    "--report-dir)",
+    "--report-dir, a --source the config lacks)",
     ExitCode.INPUT_UNREADABLE: "the config (or the --collectives trace) could not be read, "
     "or a setting in it is invalid",
     ExitCode.GUARD_FAILED: "the program was not checked: no config entries, no guard "
@@ -157,8 +160,15 @@ CODES: exits.Codes = {
     "collectives_path",
     type=click.Path(dir_okay=False, path_type=Path),
     default=None,
-    help="A good run's callsite trace with collective sequences ({entry}_combined.json): "
-    "each collective is checked against it before it is issued.",
+    help="A good run's callsite trace with collective sequences ({entry}_combined.json) "
+    "to check each collective against before it is issued (default: the config's own).",
+)
+@click.option(
+    "--source",
+    default=None,
+    metavar="NAME",
+    help="Which of a merged config's sources the program must follow collective by "
+    "collective (needed when the config has the sequences of several).",
 )
 @click.option(
     "--collective-timeout",
@@ -174,6 +184,7 @@ def guard(
     on_violation: str,
     sample: float,
     collectives_path: Path | None,
+    source: str | None,
     collective_timeout: float | None,
     command: tuple[str, ...],
 ) -> int:
@@ -189,6 +200,8 @@ def guard(
         )
     if collectives_path is not None:
         load_collectives(collectives_path)
+    else:
+        config_sequences(config, config_path, source)
     prepare_output_dir(report_dir, "--report-dir")
     started = time.time() - 1.0  # file systems with coarse timestamps
     with _status_dir(report_dir) as status_dir:
@@ -201,6 +214,7 @@ def guard(
             Path(status_dir),
             collectives_path,
             collective_timeout,
+            source,
         )
         log_format = (click.get_current_context().obj or {}).get("log_format")
         if log_format:  # `opguard --log-format X guard ...`: the guarded processes log as X

@@ -88,6 +88,7 @@ from opguard_plugins.enforce.sequence_guard import (
     SequenceChecker,
     Watchdog,
     call_text,
+    config_sequences,
     load_collectives,
     work_of,
 )
@@ -1015,6 +1016,7 @@ def guarded(
     rank: int | None = None,
     collectives: str | os.PathLike[str] | Collectives | None = None,
     collective_timeout: float | None = None,
+    source: str | None = None,
 ) -> Iterator[Guard]:
     """Enforce ``config`` on the ``with`` block; write the report when it ends.
 
@@ -1025,11 +1027,15 @@ def guarded(
     :param sample: check every ``round(1/sample)``-th optimizer step (1.0: all).
     :param rank: the rank to report; by default torch.distributed's, else ``$RANK``.
     :param collectives: the good run's collective sequences (a callsite trace's path,
-        or loaded): each collective is checked before it is issued (sequence_guard.py).
+        or loaded): each collective is checked before it is issued (sequence_guard.py);
+        by default the config's own (config version 4), if it recorded any.
+    :param source: which source's sequences, when the config has several.
     :param collective_timeout: report a collective call that waits longer (seconds).
     """
     loaded, path = _load(config)
-    if collectives is not None and not isinstance(collectives, Collectives):
+    if collectives is None:
+        collectives = config_sequences(loaded, path, source)
+    elif not isinstance(collectives, Collectives):
         collectives = load_collectives(Path(collectives))
     guard = Guard(
         loaded, path, report_dir, on_violation, sample, rank, collectives, collective_timeout
@@ -1060,13 +1066,16 @@ def start_process_guard() -> Guard | None:
     config_path = os.environ["OPGUARD_GUARD_CONFIG"]
     sequences = os.environ.get("OPGUARD_GUARD_COLLECTIVES")
     timeout = os.environ.get("OPGUARD_GUARD_COLLECTIVE_TIMEOUT")
+    config = load_config(Path(config_path))
     guard = Guard(
-        load_config(Path(config_path)),
+        config,
         config_path,
         os.environ.get("OPGUARD_GUARD_DIR", "."),
         os.environ.get("OPGUARD_GUARD_ON_VIOLATION", "warn"),
         float(os.environ.get("OPGUARD_GUARD_SAMPLE", "1")),
-        collectives=load_collectives(Path(sequences)) if sequences else None,
+        collectives=load_collectives(Path(sequences))
+        if sequences
+        else config_sequences(config, config_path, os.environ.get("OPGUARD_GUARD_SOURCE")),
         collective_timeout=float(timeout) if timeout else None,
     )
     guard.start()

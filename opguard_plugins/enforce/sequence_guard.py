@@ -1,11 +1,12 @@
 """The guard's collective check: catch a desync on the rank that causes it, before the hang.
 
-``opguard guard --collectives TRACE`` (docs/guard.md, "Collective sequences") gives
-every guarded process the collective sequences a good run recorded (a callsite trace
-with ``collectives``: the good run's ``{entry}_combined.json``; formats.md,
-"Collective sequences"). Each rank then checks every collective it is about to issue
-against the one its own rank issued at that place in the good run, **before** it is
-issued (:class:`SequenceChecker`):
+A config generated from a trace with collective sequences (config version 4: formats.md,
+"Collective sequences") carries them (:func:`config_sequences`); ``opguard guard``
+gives them to every guarded process (docs/guard.md, "Collective sequences"), as does
+``--collectives TRACE`` for a callsite trace with ``collectives`` (the good run's
+``{entry}_combined.json``), which takes precedence. Each rank then checks every
+collective it is about to issue against the one its own rank issued at that place in
+the good run, **before** it is issued (:class:`SequenceChecker`):
 
 * the place is (step, process group, position): the n-th collective the rank issues
   on a group within an optimizer step (steps counted as the tracer counts them). A
@@ -40,19 +41,21 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from opguard_core.errors import InputError
+from opguard_core.errors import InputError, UsageProblem
 from opguard_core.formats.check import ERROR, Violation
 from opguard_core.formats.collectives import (
     NOT_COLLECTIVES,
+    UNKNOWN_GROUP,
     Collectives,
     CollectiveSequence,
     Signature,
     collective_kind,
 )
+from opguard_core.formats.config_collectives import read_config_collectives
 from opguard_core.formats.trace import decode_trace, read_bytes
 
 #: op namespaces whose ops the checker looks at (``func.namespace``)
@@ -90,6 +93,30 @@ def load_collectives(path: Path) -> Collectives:
             "then give its {entry}_combined.json from opguard run)",
         )
     return trace.collectives
+
+
+def config_sequences(
+    config: Mapping[str, Any], path: Path | str, source: str | None = None
+) -> Collectives | None:
+    """The collective sequences a config (version 4) recorded for ``source``; None
+    when it recorded none. With several sources and no ``source``, or a ``source``
+    it lacks, a one-line :class:`~opguard_core.errors.UsageProblem` names them."""
+    if "collectives" not in config:
+        if source is not None:
+            raise UsageProblem(f"{path}: --source {source}: the config has no collective sequences")
+        return None
+    found = read_config_collectives(config["collectives"], path)
+    if source is None and len(found) == 1:
+        return next(iter(found.values()))
+    names = ", ".join(sorted(found))
+    if source is None:
+        raise UsageProblem(
+            f"{path}: the config has the collective sequences of several sources ({names}): "
+            "name the one the program must follow with --source"
+        )
+    if source not in found:
+        raise UsageProblem(f"{path}: --source {source}: the config's sources are {names}")
+    return found[source]
 
 
 def describe_signature(sig: Signature, groups: list[str]) -> str:
@@ -178,6 +205,7 @@ class SequenceChecker:
         self.rank: int | None = None
         self.step: int | None = None
         self.positions: dict[str, int] = {}
+        self.one_group = False
         self._lock = threading.Lock()
 
     def bind(self, rank: int) -> bool:
@@ -185,6 +213,9 @@ class SequenceChecker:
         self.rank = rank
         sequence = self.collectives.by_rank().get(rank)
         self.expected = ExpectedSteps(sequence) if sequence is not None else None
+        #: the good run's groups are unknown (a profiler backend's trace): every call
+        #: is checked as on that one group, by position among all of the rank's calls
+        self.one_group = self.expected is not None and self.expected.groups == [UNKNOWN_GROUP]
         return self.expected is not None
 
     def check(self, op: str, call: Call, step: int, target: str) -> None:
@@ -197,7 +228,7 @@ class SequenceChecker:
                 self.step, self.positions = step, {}
             else:
                 missing = []
-            group = call[0]
+            group = UNKNOWN_GROUP if self.one_group else call[0]
             position = self.positions.get(group, 0)
             self.positions[group] = position + 1
         for violation in missing:

@@ -35,6 +35,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from opguard_core.formats.collectives import (
+    UNKNOWN_GROUP,
     CollectiveSequence,
     Group,
     Signature,
@@ -226,6 +227,24 @@ def describe(
     return group, dtype, numel, shapes, reduce_op
 
 
+def describe_profiled(inputs: Any) -> Description:
+    """What the profiler (``record_shapes=True``) shows of one collective call: the
+    dtype and shapes of its first tensor argument. The profiler records neither the
+    process group nor the reduce op (a ``ScriptObject``, a string: None there), so
+    both are unknown (None); never raises."""
+    try:
+        for value in inputs or ():
+            items = value if isinstance(value, list) else [value]
+            metas = [t for t in items if hasattr(t, "dtype") and hasattr(t, "sizes")]
+            if metas:
+                shapes = tuple(tuple(int(d) for d in t.sizes) for t in metas)
+                dtype = str(metas[0].dtype).removeprefix("torch.")
+                return None, dtype, sum(math.prod(shape) for shape in shapes), shapes, None
+    except Exception:
+        pass
+    return None, None, None, None, None
+
+
 # ---------------------------------------------------------------------------
 # The sequence
 # ---------------------------------------------------------------------------
@@ -280,7 +299,7 @@ class SequenceRecorder:
         remap: list[int] = []
         for (stack, op, group, dtype, numel, shapes, reduce_op), _ in raw:
             if group is None:
-                group = ("?", None, 1, ())
+                group = (UNKNOWN_GROUP, None, 1, ())
             if group not in groups:
                 groups[group] = len(groups)
             signature = Signature(

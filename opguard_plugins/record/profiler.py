@@ -22,11 +22,17 @@ What is counted, per thread's event tree:
   counted as the op ``dynamo::compiled_region``, and the operators its graph calls
   (extern kernels such as ``aten::mm``; not Inductor's fused C++/Triton kernels) are
   counted beneath it;
-* nothing below Dynamo compiling a frame (``torch/_dynamo/convert_frame.py``): the
-  ops of tracing the frame with fake tensors are not the program's;
+* nothing below ``torch.compile`` compiling (a frame of
+  :data:`~opguard_plugins.record.tracer.COMPILER_FILES`: Dynamo converting a frame,
+  AOTAutograd compiling a backward lazily): those ops are not the program's and are
+  only counted, in ``meta.compile_ops``, as the modes backend does;
 * record-function annotations (``autograd::engine::evaluate_function: ...``,
   ``Optimizer.step#AdamW.step``, ``## Call CompiledFxGraph ... ##``) are not counted,
   the operators inside them are.
+
+Frames are named as the modes backend names them (``_Qualnames``: the code object
+found by file, name and line; ``__main__``'s module by the script's stem), so both
+backends give a function the same target (docs/tracing.md, "What both backends share").
 
 The stack is the chain of Python calls the profiler saw above the op, outermost first;
 frame lines are the lines of the calls between them; the innermost frame's line is
@@ -41,7 +47,9 @@ The trace is built and written by the same code as the modes backend's
 
 from __future__ import annotations
 
+import bisect
 import contextlib
+import linecache
 import os
 import re
 import sys
@@ -55,17 +63,27 @@ import torch
 from torch._C._profiler import RecordScope, _EventType
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from opguard_plugins.record.tracer import CallsiteRecorder, CallsiteTracer, LineTable, RawStack
+from opguard_core.formats.collectives import is_collective
+from opguard_plugins.record.collectives import describe_profiled, may_nest
+from opguard_plugins.record.tracer import (
+    COMPILER_PARTS,
+    CallsiteRecorder,
+    CallsiteTracer,
+    LineTable,
+    RawStack,
+)
 
 BACKEND_NAME = "profiler"
 #: The pseudo-operator counted once per run of a ``torch.compile``d frame.
 COMPILED_REGION_OP = "dynamo::compiled_region"
 #: A cycle ends at the first optimizer step this many seconds after it began.
 FOLD_SECONDS = 2.0
-#: Dynamo's frame conversion: the callback runs only to compile (or skip) a frame, and
-#: the ops it issues (tracing with fake tensors) are not the program's.
-_COMPILER_FILE = os.path.join("torch", "_dynamo", "convert_frame.py")
+#: Where torch.compile compiles (:data:`~opguard_plugins.record.tracer.COMPILER_FILES`)
+#: as the profiler names the files: the ops below are not the program's.
+_COMPILER_FILES = tuple(os.path.join("torch", *parts) for parts in COMPILER_PARTS)
 _COMPILED_REGION_PREFIX = "Torch-Compiled Region"
+#: the record-function label torch's optimizers wrap ``step`` in (one per step)
+_OPTIMIZER_STEP_PREFIX = "Optimizer.step#"
 _OP_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*::[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z0-9_]+)?$")
 
 
@@ -90,23 +108,53 @@ class ProfiledCode:
 
 
 class _Qualnames:
-    """``co_qualname`` for a (file, function name, first line) the profiler reported.
+    """``co_qualname`` for a (file, function name, line) the profiler reported.
 
-    Looked up among the code objects of the module that owns the file (its functions,
-    its classes' methods, and the functions nested in those), found through
-    ``sys.modules``; a function that is not found keeps its bare name.
+    The profiler names a frame by file, function name and line only. The frame is the
+    innermost function of that name whose lines hold the line, looked up first among
+    the code objects of the module that owns the file (its functions, its classes'
+    methods and the functions nested in those, found through ``sys.modules``; cheap),
+    then, where that finds none (a decorated method, whose wrapper the module holds, a
+    closure, a module no longer in ``sys.modules``), among the code objects of the
+    file's source compiled (never run): every function, method, nested function and
+    closure, with the qualname Python gives it. A function still not found (no source:
+    a zip import, a file gone) keeps its bare name.
     """
 
-    def __init__(self, modules: dict[str, str]) -> None:
-        self._modules = modules
-        self._files: dict[str, dict[str, list[tuple[int, int, str]]]] = {}
+    Index = dict[str, list[tuple[int, int, str]]]
 
-    def _index(self, filename: str) -> dict[str, list[tuple[int, int, str]]]:
-        found = self._files.get(filename)
-        if found is not None:
-            return found
-        found = {}
-        module = sys.modules.get(self._modules.get(filename, ""))
+    def __init__(self, modules: dict[str, str]) -> None:
+        self.modules = modules
+        self._walked: dict[str, _Qualnames.Index] = {}
+        self._compiled: dict[str, _Qualnames.Index] = {}
+
+    @staticmethod
+    def _index(codes: list[types.CodeType]) -> _Qualnames.Index:
+        found: _Qualnames.Index = {}
+        while codes:
+            code = codes.pop()
+            lines = [line for _, _, line in code.co_lines() if line is not None]
+            last = max(lines, default=code.co_firstlineno)
+            found.setdefault(code.co_name, []).append((code.co_firstlineno, last, code.co_qualname))
+            codes.extend(c for c in code.co_consts if isinstance(c, types.CodeType))
+        return found
+
+    def _walk(self, filename: str) -> _Qualnames.Index:
+        found = self._walked.get(filename)
+        if found is None:
+            found = self._walked[filename] = self._index(self._module_codes(filename))
+        return found
+
+    def _compile(self, filename: str) -> _Qualnames.Index:
+        found = self._compiled.get(filename)
+        if found is None:
+            top = _compiled_source(filename)
+            found = self._compiled[filename] = self._index([top] if top is not None else [])
+        return found
+
+    def _module_codes(self, filename: str) -> list[types.CodeType]:
+        """The code objects of the functions the module owning ``filename`` holds."""
+        module = sys.modules.get(self.modules.get(filename, ""))
         pending: list[Any] = list(vars(module).values()) if module is not None else []
         seen: set[int] = set()
         codes: list[types.CodeType] = []
@@ -130,14 +178,7 @@ class _Qualnames:
                     for m in members
                 ) or any(issubclass(type(m), type) for m in members):
                     pending.extend(members)
-        while codes:
-            code = codes.pop()
-            lines = [line for _, _, line in code.co_lines() if line is not None]
-            last = max(lines, default=code.co_firstlineno)
-            found.setdefault(code.co_name, []).append((code.co_firstlineno, last, code.co_qualname))
-            codes.extend(c for c in code.co_consts if isinstance(c, types.CodeType))
-        self._files[filename] = found
-        return found
+        return codes
 
     def resolve(self, code: ProfiledCode) -> str:
         if code.co_name.startswith("<") and code.co_name != "<lambda>":
@@ -145,20 +186,63 @@ class _Qualnames:
         # the profiler reports the line a frame was at when it was first seen (its first
         # line, or its current line for frames already running when a cycle starts)
         line = code.co_firstlineno
-        best: tuple[int, int, str] | None = None
-        for first, last, qualname in self._index(code.co_filename).get(code.co_name, ()):
-            if first <= line <= last and (best is None or first > best[0]):
-                best = (first, last, qualname)
-        return best[2] if best is not None else code.co_name
+        if line <= 0 or not (code.co_name.isidentifier() or code.co_name == "<lambda>"):
+            return code.co_name  # the profiler garbled it: nothing to look up
+        for index in (self._walk, self._compile):
+            best: tuple[int, int, str] | None = None
+            for first, last, qualname in index(code.co_filename).get(code.co_name, ()):
+                if first <= line <= last and (best is None or first > best[0]):
+                    best = (first, last, qualname)
+            if best is not None:
+                return best[2]
+        return code.co_name
 
 
-def _module_names() -> dict[str, str]:
-    """File → module name for every imported module with a file."""
+def _compiled_source(filename: str) -> types.CodeType | None:
+    """``filename``'s source compiled (not run), or None where it cannot be read or
+    compiled (no file, a zip import, a syntax this Python refuses)."""
+    if filename.startswith("<"):
+        return None
+    try:
+        source = "".join(linecache.getlines(filename))
+        if not source:
+            return None
+        return compile(source, filename, "exec", dont_inherit=True)
+    except (SyntaxError, ValueError, OverflowError, MemoryError, RecursionError):
+        return None
+
+
+def _distributed_job() -> bool:
+    """Whether this process belongs to a job of several ranks (torchrun's
+    ``WORLD_SIZE``, or an initialized default group larger than one)."""
+    if os.environ.get("WORLD_SIZE", "1").strip() not in ("", "0", "1"):
+        return True
+    try:
+        dist = torch.distributed
+        return bool(dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1)
+    except Exception:
+        return False
+
+
+def _main_file() -> str | None:
+    """The absolute path of the script ``__main__`` runs, while it has one: Python
+    deletes ``__main__.__file__`` once a script ends, before the exit handlers (which
+    write the trace) run."""
+    filename = getattr(sys.modules.get("__main__"), "__file__", None)
+    return os.path.abspath(filename) if isinstance(filename, str) else None
+
+
+def _module_names(main_file: str | None = None) -> dict[str, str]:
+    """File → module name for every imported module with a file; ``main_file`` (see
+    :func:`_main_file`) is ``__main__``'s, which the frame maker names as the modes
+    backend does (the script's stem, or the ``-m`` name)."""
     names: dict[str, str] = {}
     for name, module in list(sys.modules.items()):
         filename = getattr(module, "__file__", None)
         if isinstance(filename, str):
             names.setdefault(os.path.abspath(filename), name)
+    if main_file is not None:
+        names.setdefault(main_file, "__main__")
     return names
 
 
@@ -189,6 +273,8 @@ class ProfilerRecorder(CallsiteRecorder):
     def __init__(self) -> None:
         super().__init__(accelerated=False)
         self._codes: dict[tuple[str, str, int], ProfiledCode] = {}
+        #: op calls issued while torch.compile compiled, left out (``meta.compile_ops``)
+        self.compile_ops = 0
 
     def line(self, code: Any, position: int, tables: dict[Any, LineTable]) -> int:
         """The profiler reports lines: a raw stack's position is already one."""
@@ -202,9 +288,15 @@ class ProfilerRecorder(CallsiteRecorder):
             self.codes[id(code)] = code  # type: ignore[assignment]
         return code
 
-    def fold(self, roots: list[Any]) -> None:
-        """Count the operators of one cycle's event trees (one root per thread's top)."""
+    def fold(self, roots: list[Any], first_step: int = 0) -> None:
+        """Count the operators of one cycle's event trees (one root per thread's top);
+        the cycle's collectives join the sequence, in time order, each in its step:
+        ``first_step`` (the steps finished when the cycle began) plus the optimizer
+        steps (``Optimizer.step#…`` events) that ended before it."""
         counts: dict[tuple[RawStack, str], int] = {}
+        collectives: list[tuple[int, RawStack, str, Any]] = []
+        step_ends: list[int] = []
+        compile_ops = 0
         op_tag, py_tag, c_tag = _EventType.TorchOp, _EventType.PyCall, _EventType.PyCCall
         function_scope = RecordScope.FUNCTION
         code_of = self.code
@@ -224,8 +316,9 @@ class ProfilerRecorder(CallsiteRecorder):
                     file_name, function_name = site.file_name, site.function_name
                 except UnicodeDecodeError:  # seen on torch 2.13: a garbled name
                     file_name = function_name = "<unknown>"
-                if file_name.endswith(_COMPILER_FILE):
-                    continue  # Dynamo compiling a frame: its tracing ops never run
+                if file_name.endswith(_COMPILER_FILES):
+                    compile_ops += _count_ops(event)  # compiling: its ops are not the program's
+                    continue
                 if cell is not None:
                     cell[1] = fields.caller.line_number
                     outer = (*outer, id(cell[0]), cell[1])
@@ -247,16 +340,71 @@ class ProfilerRecorder(CallsiteRecorder):
                         stack = outer if cell is None else (*outer, id(cell[0]), cell[1])
                         key = (stack, op)
                         counts[key] = counts.get(key, 0) + 1
+                        if is_collective(op):
+                            collectives.append((event.start_time_ns, stack, op, event))
+                        elif may_nest(op):  # a custom op: the collectives it issues
+                            collectives += [
+                                (inner.start_time_ns, stack, inner_op, inner)
+                                for inner, inner_op in _collectives_below(event)
+                            ]
                         if op != COMPILED_REGION_OP:
                             continue  # its sub-ops are not what the program issued
+                elif name.startswith(_OPTIMIZER_STEP_PREFIX):
+                    step_ends.append(event.end_time_ns)
             else:
                 continue
             for child in reversed(event.children):
                 work.append((child, outer, cell))
         with self._lock:
+            self.compile_ops += compile_ops
             for (stack, op), count in counts.items():
                 site = (stack, None, op, 0)
                 self.counts[site] = self.counts.get(site, 0) + count
+        step_ends.sort()
+        collectives.sort(key=lambda item: item[0])
+        for start, stack, op, event in collectives:
+            step = first_step + bisect.bisect_right(step_ends, start)
+            self.sequence.add(stack, op, describe_profiled(event.extra_fields.inputs), step)
+
+
+def _collectives_below(root: Any) -> list[tuple[Any, str]]:
+    """The outermost collective op events below ``root`` (a custom op's), with their ops."""
+    found = []
+    work = list(root.children)
+    while work:
+        event = work.pop()
+        op = _op_of(event)
+        if op is not None and is_collective(op):
+            found.append((event, op))
+            continue
+        work.extend(event.children)
+    return found
+
+
+def _op_of(event: Any) -> str | None:
+    """The op an event counts as (:meth:`ProfilerRecorder.fold`), or None."""
+    if event.tag != _EventType.TorchOp or event.extra_fields.scope != RecordScope.FUNCTION:
+        return None
+    name = event.name
+    if name.startswith(_COMPILED_REGION_PREFIX):
+        return COMPILED_REGION_OP
+    return name.split(".", 1)[0] if _OP_NAME.match(name) else None
+
+
+def _count_ops(root: Any) -> int:
+    """The ops below ``root`` counted as :meth:`ProfilerRecorder.fold` counts them
+    (an op's own sub-ops are not)."""
+    count = 0
+    work = list(root.children)
+    while work:
+        event = work.pop()
+        op = _op_of(event)
+        if op is not None:
+            count += 1
+            if op != COMPILED_REGION_OP:
+                continue
+        work.extend(event.children)
+    return count
 
 
 class ProfilerTracer(CallsiteTracer):
@@ -269,21 +417,28 @@ class ProfilerTracer(CallsiteTracer):
         self.recorder: ProfilerRecorder = ProfilerRecorder()
         self.fold_seconds = fold_seconds
         self._cycle_started = 0.0
+        #: the optimizer steps finished when the current cycle began
+        self._cycle_steps = 0
         self._profile: Any = None
         self._hook: Any = None
-        self._steps = 0
         self._thread = threading.get_ident()
+        #: ``__main__``'s script, seen while it ran (:func:`_main_file`)
+        self._main_file: str | None = None
+        self._qualnames = _Qualnames({})
         # re-entrant: a SIGTERM handler may stop the tracer while this thread folds
         self._folding = threading.RLock()
 
     def _begin(self) -> None:
+        # input shapes only in a distributed job: what the collective sequence
+        # records of each collective (dtype, shapes); they cost every op a little
         profile = torch.autograd.profiler.profile(
-            use_cpu=True, use_kineto=True, with_stack=True, record_shapes=False
+            use_cpu=True, use_kineto=True, with_stack=True, record_shapes=_distributed_job()
         )
         # torch's profile.__enter__ has no annotations (unused where torch is absent)
         profile.__enter__()  # type: ignore[no-untyped-call, unused-ignore]
         self._profile = profile
         self._cycle_started = time.monotonic()
+        self._cycle_steps = self.steps
 
     def _end(self) -> None:
         profile, self._profile = self._profile, None
@@ -293,30 +448,26 @@ class ProfilerTracer(CallsiteTracer):
         results = profile.kineto_results
         profile.kineto_results = None
         if results is not None:
-            self.recorder.fold(results.experimental_event_tree())
+            self.recorder.fold(results.experimental_event_tree(), self._cycle_steps)
 
     def start(self) -> None:
         """Start the profiler and the fold-every-N-optimizer-steps hook."""
         if self._profile is not None:
             return
         self._thread = threading.get_ident()
+        self._main_file = _main_file() or self._main_file
         self._begin()
         self.recorder.active = True
         self._hook = register_optimizer_step_post_hook(self._on_step)
 
     def _on_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        self._steps += 1
+        self.steps += 1  # meta.steps, as the modes backend counts them
         if threading.get_ident() != self._thread:
             return
         if time.monotonic() - self._cycle_started >= self.fold_seconds:
             self.fold()
         if self.on_step is not None:
-            self.on_step(self._steps)
-
-    @property
-    def steps_done(self) -> int:
-        """Optimizer steps seen (``meta.partial.step``)."""
-        return self._steps
+            self.on_step(self.steps)
 
     def fold(self) -> None:
         """End the profiler's current cycle, fold its events into counts, start the next."""
@@ -355,8 +506,10 @@ class ProfilerTracer(CallsiteTracer):
         self, program_roots: list[str] | None = None
     ) -> tuple[dict[str, Any], list[Any], list[dict[str, Any]]]:
         """Resolve qualnames and module names of the recorded frames, then build."""
-        modules = _module_names()
-        qualnames = _Qualnames(modules)
+        self._main_file = _main_file() or self._main_file
+        modules = _module_names(self._main_file)
+        qualnames = self._qualnames  # files indexed once per tracer (flushes rebuild)
+        qualnames.modules = modules
         recorder = self.recorder
         assert isinstance(recorder, ProfilerRecorder)
         search = _search_dirs()
@@ -366,5 +519,5 @@ class ProfilerTracer(CallsiteTracer):
             name = modules.get(code.co_filename)
             if name is not None:
                 recorder.modules[code] = name  # type: ignore[index]
-        self.extra_meta.setdefault("tracer_backend", BACKEND_NAME)
+        self.compile_ops = recorder.compile_ops
         return super().build(program_roots)

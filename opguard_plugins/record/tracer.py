@@ -59,6 +59,7 @@ import shlex
 import site
 import sys
 import sysconfig
+import tempfile
 import threading
 import types
 from collections.abc import Callable
@@ -79,7 +80,13 @@ from opguard_plugins.record.collectives import SequenceRecorder, describe, diver
 if TYPE_CHECKING:
     from opguard_plugins.record._recorder import Counter
 
-TRACER_NAME = "opguard/1"
+#: ``meta.tracer``. Version 2 (issue 29): both backends name ``__main__``'s functions
+#: alike, write ``meta.tracer_backend`` and ``meta.steps``, and keep compile-time work
+#: out (:data:`COMPILER_FILES`); a trace of version 1 without ``tracer_backend`` is
+#: the ``modes`` backend's (:func:`opguard_core.formats.trace.recorded_by`).
+TRACER_NAME = "opguard/2"
+#: ``meta.tracer_backend`` of this backend (the ``profiler`` backend overrides it).
+BACKEND_NAME = "modes"
 
 #: torch callables whose call starts an autograd backward pass.
 BACKWARD_APIS = frozenset({"Tensor.backward", "torch.autograd.backward", "torch.autograd.grad"})
@@ -102,6 +109,39 @@ _WRAPPER_FILES = frozenset(
 #: How far back a re-entered function is looked for after a run of plumbing frames.
 _REENTRY_DEPTH = 3
 _OPS_FILE = os.path.normcase(os.path.join(_TORCH_DIR, "_ops.py"))
+#: Where ``torch.compile`` compiles, relative to torch's directory: Dynamo converting
+#: a frame (tracing it with fake tensors, then calling the backend compiler for the
+#: forward) and AOTAutograd's compiler wrappers (the backward, compiled lazily at the
+#: first backward pass: ``AotAutograd.__call__.<locals>.wrap_bw_compiler``). An op
+#: with a frame of these files on its stack is compile-time work, not the program's:
+#: both backends leave it out and count it in ``meta.compile_ops`` (tracing.md,
+#: "torch.compile").
+COMPILER_PARTS = (("_dynamo", "convert_frame.py"), ("_dynamo", "backends", "common.py"))
+COMPILER_FILES = frozenset(
+    os.path.normcase(os.path.join(_TORCH_DIR, *parts)) for parts in COMPILER_PARTS
+)
+#: Inductor's default cache directory prefix (``$TORCHINDUCTOR_CACHE_DIR`` overrides it)
+_INDUCTOR_CACHE_PREFIX = os.path.join(tempfile.gettempdir(), "torchinductor_")
+
+
+def is_generated_file(filename: str) -> bool:
+    """Is ``filename`` code that ``torch.compile`` or FX generated at run time?
+
+    FX's ``GraphModule`` code (``<eval_with_key>.N``) and Inductor's generated modules
+    (hash-named files in its cache directory): their frames never show in a stack, as
+    their names change from run to run; their ops stay, attributed to the program's
+    frames above them.
+    """
+    if filename.startswith("<eval_with_key>"):
+        return True
+    if filename.startswith("<"):
+        return False
+    path = os.path.abspath(filename)
+    cache = os.environ.get("TORCHINDUCTOR_CACHE_DIR")  # set by Inductor once it ran
+    if cache and path.startswith(os.path.join(os.path.abspath(cache), "")):
+        return True
+    return path.startswith(_INDUCTOR_CACHE_PREFIX)
+
 
 #: A raw stack: ``id(code), position`` flattened, outermost first; a position is the
 #: frame's ``f_lasti`` (the modes backend; turned into a line when the trace is built)
@@ -591,6 +631,8 @@ class _FrameMaker:
         self.roots = roots
         self._files: dict[str, str] = {}
         self._hidden: dict[types.CodeType, bool] = {}
+        self._generated: dict[types.CodeType, bool] = {}
+        self._compiling: dict[types.CodeType, bool] = {}
         self._module_names: dict[types.CodeType, str | None] = {}
 
     def relative(self, filename: str) -> str:
@@ -621,6 +663,24 @@ class _FrameMaker:
         self._hidden[code] = hidden
         return hidden
 
+    def generated(self, code: types.CodeType) -> bool:
+        """Is this frame code generated at run time (:func:`is_generated_file`)?"""
+        cached = self._generated.get(code)
+        if cached is None:
+            cached = self._generated[code] = is_generated_file(code.co_filename)
+        return cached
+
+    def compiling(self, code: types.CodeType) -> bool:
+        """Is this a frame of ``torch.compile`` compiling (:data:`COMPILER_FILES`)?"""
+        cached = self._compiling.get(code)
+        if cached is None:
+            filename = code.co_filename
+            cached = not filename.startswith("<") and (
+                os.path.normcase(os.path.abspath(filename)) in COMPILER_FILES
+            )
+            self._compiling[code] = cached
+        return cached
+
     def module_name(self, code: types.CodeType) -> str | None:
         if code in self._module_names:
             return self._module_names[code]
@@ -641,6 +701,8 @@ class _FrameMaker:
         kept: list[tuple[types.CodeType, int]] = []
         after_hidden = False
         for code, line in stack:
+            if self.generated(code):
+                continue  # not plumbing: what follows re-enters nothing
             if self.hidden(code):
                 after_hidden = True
                 continue
@@ -673,6 +735,9 @@ class _FrameMaker:
 class CallsiteTracer:
     """Records callsites while started; :meth:`write` saves them as a trace file."""
 
+    #: ``meta.tracer_backend``
+    backend = BACKEND_NAME
+
     def __init__(
         self,
         label: str = "trace",
@@ -695,6 +760,10 @@ class CallsiteTracer:
         self._step_hook: Any = None
         #: optimizer steps finished while started (torch's global step hook); ``meta.steps``
         self.steps = 0
+        #: op calls issued while ``torch.compile`` compiled that a backend dropped
+        #: before :meth:`build` (the profiler's fold); ``meta.compile_ops`` adds those
+        #: the build leaves out
+        self.compile_ops = 0
         #: the collective sequence :meth:`build` made (None: no collective recorded)
         self.collectives: Collectives | None = None
         self.written: Path | None = None
@@ -807,7 +876,13 @@ class CallsiteTracer:
                 frames.append(value)
             return tuple(frames)
 
+        compile_ops = self.compile_ops
+        # ids of the compiler's frames (:data:`COMPILER_FILES`); usually none
+        compiler = {key for key, code in list(codes.items()) if maker.compiling(code)}
         for (stack, api, op, stream), count in raw:
+            if compiler and not compiler.isdisjoint(stack[0::2]):
+                compile_ops += count  # torch.compile compiling: not the program's op
+                continue
             frames = frames_of(stack)
             site_role = role(stream, op)
             if not is_comm_op(op):
@@ -857,10 +932,13 @@ class CallsiteTracer:
             or shlex.join(sys.argv),
             "python_version": platform.python_version(),
             "tracer": TRACER_NAME,
+            "tracer_backend": self.backend,
             "streams": {str(s): streams[s] for s in sorted(streams)},
         }
         if self.steps:
             meta["steps"] = self.steps
+        if compile_ops:
+            meta["compile_ops"] = compile_ops
         meta.update(self.extra_meta)
         return meta, unique, callsites
 

@@ -31,7 +31,7 @@ from opguard_core.errors import InputError, OpGuardError
 from opguard_core.formats.readers import Readers
 from opguard_core.logs import progress
 from opguard_core.model import InputEntry, RunOptions
-from opguard_core.processes import die_with_parent, signals_deferred, signals_undeferred
+from opguard_core.processes import die_with_parent, signals_deferred
 
 #: Below this many input bytes a pool costs more (process start-up) than it saves.
 AUTO_POOL_MIN_BYTES = 24 * 1024 * 1024
@@ -139,12 +139,10 @@ def _helper(tasks: Any, results: Any, readers: Readers | None, parent: int) -> N
     Signals: a forked helper inherits the runner's SIGTERM handler, so both are reset.
     SIGTERM kills a helper quietly; SIGINT (Ctrl-C reaches the whole process group) is
     left to the main process, which records the interruption and terminates helpers.
-    The helper was started with both held back (:func:`signals_deferred`) and dies
-    with ``parent`` (the runner), even if that one is killed with SIGKILL.
+    The helper dies with ``parent`` (the runner), even if that one is SIGKILLed.
     """
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signals_undeferred()
     die_with_parent(signal.SIGKILL, parent)
     accumulator = TraceAccumulator()
     try:
@@ -199,8 +197,9 @@ def combine_parallel(
 
     total = TraceAccumulator()
     try:
-        # a signal inside Queue.put would leak the queue's lock, and closing the queue
-        # would then hang: the signals wait until the tasks are queued
+        # Signals wait until the helpers run and the tasks are queued: a helper that got
+        # SIGINT before it ignores it would print a KeyboardInterrupt's traceback, and
+        # a signal inside Queue.put would leak the queue's lock (closing it would hang)
         with signals_deferred():
             for process in processes:  # before the feeder threads start (start_method)
                 process.start()
@@ -233,6 +232,11 @@ def combine_parallel(
                 process.join(timeout=5 if len(partials) == helpers else 0)
             if process.is_alive():
                 process.terminate()
+                # a SIGTERM that comes before the helper set its handlers is lost (the
+                # noting handler it inherited from signals_deferred is replaced)
+                process.join(timeout=2)
+            if process.is_alive():
+                process.kill()
                 process.join()
         tasks.close()
         results.close()

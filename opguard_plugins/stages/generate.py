@@ -14,8 +14,10 @@ from typing import Any
 from ruamel.yaml.comments import CommentedMap
 
 from opguard_core import hookimpl
-from opguard_core.formats.config import CONFIG_VERSION, EntryKey, block_map, flow_map, flow_seq
+from opguard_core.formats.config import CONFIG_VERSION, EntryKey
 from opguard_core.formats.streams import sorted_roles
+from opguard_core.formats.styles import block_map, flow_map, flow_seq
+from opguard_core.formats.trace import recorded_by
 from opguard_core.formats.tree import TORCH_API, node_target
 from opguard_core.model import RunOptions
 from opguard_plugins.stages import locations
@@ -182,12 +184,14 @@ def generate_config(tree: dict[str, Any], source: str, depth: int) -> CommentedM
     config["source"] = source
     steps = tree.get("meta", {}).get("steps")
     known_steps = isinstance(steps, int) and not isinstance(steps, bool)
+    origin = recorded_by(tree.get("meta", {}))
     config["meta"] = block_map(
         [
             ("ranks", flow_seq(meta_ranks)),
             ("total", tree["root"]["count"]),
             ("sources", flow_seq([source])),
             *([("steps", flow_map([(source, steps)]))] if known_steps else []),
+            *([("recorded_by", flow_seq([origin]))] if origin else []),
             ("settings", run_settings(tree, depth)),
         ]
     )

@@ -6,7 +6,8 @@ Unmatched entries are kept. The left config's mappings are reused, so comments a
 person wrote there survive; so do the right's, where the left has none on a key,
 and the comment lines above an entry in either (the left's first). ``meta.ranks`` is
 the union, ``meta.total`` the sum, and ``source`` lists every merged source, sorted,
-joined by ``+``.
+joined by ``+``. ``collectives`` (config version 4) keeps every source's sequences
+(:func:`~opguard_core.formats.config_collectives.merge_config_collectives`).
 """
 
 from __future__ import annotations
@@ -17,16 +18,10 @@ from typing import Any
 from ruamel.yaml.comments import CommentedMap, CommentedSeq
 
 from opguard_core import hookimpl
-from opguard_core.formats.config import (
-    block_map,
-    copy_config,
-    entry_comments,
-    entry_key,
-    flow_map,
-    flow_seq,
-    set_entry_comments,
-)
+from opguard_core.formats.config import copy_config, entry_comments, entry_key, set_entry_comments
+from opguard_core.formats.config_collectives import merge_config_collectives
 from opguard_core.formats.streams import sorted_roles
+from opguard_core.formats.styles import block_map, elements_of, flow_map, flow_seq, items_of
 from opguard_core.formats.tree import TORCH_API
 from opguard_core.formats.values import same_json, value_order
 
@@ -49,7 +44,7 @@ def _carry_extras(into: dict[str, Any], other: dict[str, Any], known: frozenset[
 
 
 def _sorted_union(a: Any, b: Any) -> CommentedSeq:
-    return flow_seq(sorted(set(a or ()) | set(b or ())))
+    return flow_seq(sorted(set(elements_of(a or ())) | set(elements_of(b or ()))))
 
 
 def _keep_comments(into: CommentedMap, *sources: Any) -> None:
@@ -64,8 +59,8 @@ def _keep_comments(into: CommentedMap, *sources: Any) -> None:
 
 def _add_counts(a: Any, b: Any, roles: bool = False) -> CommentedMap:
     """The sum of two count mappings, sorted by key (stream ``roles`` in role order)."""
-    total: dict[Any, int] = dict(a or {})
-    for key, value in (b or {}).items():
+    total: dict[Any, int] = dict(items_of(a or {}))
+    for key, value in items_of(b or {}):
         total[key] = total.get(key, 0) + value
     summed = block_map(sorted_roles(total) if roles else sorted(total.items()))
     _keep_comments(summed, a, b)
@@ -152,20 +147,30 @@ def merge_configs(left: CommentedMap, right: CommentedMap) -> CommentedMap:
             del entry["ranks"]
         entries.append(entry)
     meta = CommentedMap(left_meta)
-    _carry_extras(meta, right_meta, frozenset({"ranks", "total", "sources", "steps"}))
+    _carry_extras(
+        meta, right_meta, frozenset({"ranks", "total", "sources", "steps", "recorded_by"})
+    )
     meta["ranks"] = flow_seq(all_ranks)
     meta["total"] = int(left_meta.get("total", 0)) + int(right_meta.get("total", 0))
     if "sources" in left_meta or "sources" in right_meta:
         meta["sources"] = _sorted_union(left_meta.get("sources"), right_meta.get("sources"))
     if "steps" in left_meta or "steps" in right_meta:
         meta["steps"] = _merge_steps(left_meta.get("steps"), right_meta.get("steps"))
+    if "recorded_by" in left_meta and "recorded_by" in right_meta:  # unknown on one: unknown
+        meta["recorded_by"] = _sorted_union(left_meta["recorded_by"], right_meta["recorded_by"])
+    else:
+        meta.pop("recorded_by", None)
     meta.fa.set_block_style()
     _keep_comments(meta, left_meta, right_meta)
     result["meta"] = meta
     result["source"] = "+".join(sorted(_sources(left) | _sources(right)))
-    _carry_extras(result, right, frozenset({"version", "source", "meta", "entries"}))
+    _carry_extras(result, right, frozenset({"version", "source", "meta", "entries", "collectives"}))
     seq = CommentedSeq(entries)
     result["entries"] = seq
+    if "collectives" in left or "collectives" in right:
+        result["collectives"] = merge_config_collectives(
+            left.get("collectives"), right.get("collectives")
+        )
     return result
 
 

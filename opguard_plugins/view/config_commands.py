@@ -31,6 +31,7 @@ from opguard_core.cli.options import (
     selection_options,
     verbose_option,
 )
+from opguard_core.combine.accumulator import gc_paused
 from opguard_core.configs.chain import (
     active_filters,
     apply_filters,
@@ -41,7 +42,8 @@ from opguard_core.configs.selection import PatternError, Selection, select_entri
 from opguard_core.errors import ExitCode, one_line
 from opguard_core.files.atomic import atomic_write_text
 from opguard_core.files.output_dirs import check_output_file
-from opguard_core.formats.config import dump_config, entry_key, flow_seq, load_config
+from opguard_core.formats.config import dump_config, entry_key, load_config
+from opguard_core.formats.styles import flow_seq
 from opguard_core.logs import get_logger
 from opguard_core.model import RunOptions
 from opguard_core.plugin.manager import OpGuardPluginManager
@@ -143,10 +145,11 @@ def make_merge(manager: OpGuardPluginManager) -> click.Command:
         """Merge configs (or run directories) as the run does: ((A+B)+C)+…"""
         if len(configs) < 2:
             raise click.UsageError("give at least two configs to merge")
-        inputs = [read_input(path) for path in configs]
-        check_output_file(output, [source for source, _ in inputs])
-        merged = fold(manager, [config for _, config in inputs])
-        atomic_write_text(output, dump_config(merged))
+        with gc_paused():  # as in the run: a config is acyclic, and GC passes cost half
+            inputs = [read_input(path) for path in configs]
+            check_output_file(output, [source for source, _ in inputs])
+            merged = fold(manager, [config for _, config in inputs])
+            atomic_write_text(output, dump_config(merged))
         click.echo(one_line(str(output)))
 
     return exits.command("merge", WRITES)(merge)
@@ -182,16 +185,17 @@ def make_filter(manager: OpGuardPluginManager) -> click.Command:
         selection = _selection(focus, ignore)
         check_basic(manager.disabled, basic)
         options = RunOptions(basic=basic, basic_list=basic_list, verbose=bool(verbose))
-        source, loaded = read_input(config, filtered=False)
-        check_output_file(output, [source])
-        if selection:
-            kept = select_entries(loaded, selection)
-            _warn_unmatched(selection)
-            selection.refuse_empty(str(config), "entry", len(loaded["entries"]), len(kept))
-            loaded["entries"][:] = kept
-            _record_selection(loaded, focus, ignore)
-        filtered, _ = apply_filters(active_filters(manager, options), loaded, options)
-        atomic_write_text(output, dump_config(filtered))
+        with gc_paused():
+            source, loaded = read_input(config, filtered=False)
+            check_output_file(output, [source])
+            if selection:
+                kept = select_entries(loaded, selection)
+                _warn_unmatched(selection)
+                selection.refuse_empty(str(config), "entry", len(loaded["entries"]), len(kept))
+                loaded["entries"][:] = kept
+                _record_selection(loaded, focus, ignore)
+            filtered, _ = apply_filters(active_filters(manager, options), loaded, options)
+            atomic_write_text(output, dump_config(filtered))
         click.echo(one_line(str(output)))
 
     return exits.command("filter", WRITES)(filter_)
