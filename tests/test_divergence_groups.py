@@ -61,6 +61,9 @@ def run_job(
     run = opguard("run", "-i", write_job(folder, per_rank), "--fail-on-divergence", expect=4)
     path = run.run_dir / "job_callsite_divergence.json"
     raw = msgspec.json.decode(path.read_bytes())
+    summary = json.loads(run.read("pipeline_summary.json"))
+    (stage,) = [s for s in summary["stages"] if s["stage"] == "divergence"]
+    assert stage["counts"] == raw["meta"]["counts"]  # findings, errors, …, groups
     return load_divergence(path), run.read("job_callsite_divergence.log"), raw
 
 

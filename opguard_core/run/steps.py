@@ -204,12 +204,16 @@ def divergence(call: StepCall, entry: InputEntry, needs: Mapping[str, Any]) -> N
     groups = group_findings(findings, ordered=True)  # once, for both files
     call.write("findings", encode_divergence(meta, findings, groups))
     call.write("log", render_log(meta, findings, groups))
-    call.record.counts = tally(findings)
+    call.record.counts = {**tally(findings), "groups": len(groups)}
     if findings:
         counts = call.record.counts
         log = call.record.outputs[-1]
         call.context.recorder.log.warning(
-            "ranks diverge", errors=counts["errors"], warnings=counts["warnings"], log=log
+            "ranks diverge",
+            errors=counts["errors"],
+            warnings=counts["warnings"],
+            groups=counts["groups"],
+            log=log,
         )
 
 
