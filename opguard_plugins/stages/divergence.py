@@ -17,8 +17,14 @@ Both ways, two more kinds of finding:
 * ``count_skew`` (warning): a function whose ops on some rank differ from the
   median over ranks by more than ``--skew`` times the median.
 
-Memory is that of the trace plus one rank mask per function and, for the few
-functions whose callsites disagree between ranks, one count per rank.
+A ``collective_mismatch`` names a strict majority (more than half the ranks) or
+says there is none, with the distribution (count → number of ranks), as sequence
+findings do. The runner writes the findings grouped by kind and deviating ranks
+(divergence format version 4, :mod:`opguard_core.formats.divergence`).
+
+Memory is that of the trace plus, per function, its ops and a few numbers and, for
+functions whose callsites disagree between ranks, one count per rank
+(:func:`py_skew_fold`, in C where built: ``_runs.skew_fold``).
 """
 
 from __future__ import annotations
@@ -66,34 +72,6 @@ def site_histogram(site: Callsite, all_mask: int, exact: bool) -> dict[int, int]
     if missing:
         hist[0] = missing
     return hist
-
-
-def add_per_rank_counts(into: dict[int, float], site: Callsite, ranks: list[int]) -> None:
-    """Add each rank's count of ``site`` to ``into`` (nothing for ranks that never ran
-    it); where the histogram overflowed, ranks other than the min and max ones get
-    the mean of the rest. Added in place: a function's totals gather many callsites."""
-    get = into.get
-    stats = site.per_rank
-    if stats is None:
-        present = ranks if site.ranks is None else site.ranks
-        value = site.count // len(present)
-        for rank in present:
-            into[rank] = get(rank, 0) + value
-        return
-    if stats.counts is not None:
-        for value, holders in stats.counts:
-            for rank in holders:
-                into[rank] = get(rank, 0) + value
-        return
-    counts: dict[int, float] = dict.fromkeys(stats.min_ranks, stats.min)
-    counts.update(dict.fromkeys(stats.max_ranks, stats.max))
-    present = ranks if site.ranks is None else site.ranks
-    rest = [r for r in present if r not in counts]
-    if rest:
-        left = site.count - stats.min * len(stats.min_ranks) - stats.max * len(stats.max_ranks)
-        counts.update(dict.fromkeys(rest, left / len(rest)))
-    for rank, share in counts.items():
-        into[rank] = get(rank, 0) + share
 
 
 def majority(hist: dict[int, int]) -> tuple[int, bool]:
