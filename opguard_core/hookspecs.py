@@ -119,8 +119,11 @@ def opguard_divergence(trace: CallsiteTrace, options: RunOptions) -> list[dict[s
     :param options: run settings (``skew``, the hide settings).
     :returns: the findings, each a dict with ``kind``, ``severity`` (``error`` or
         ``warning``), ``ranks`` (the deviating ranks), ``target`` and ``message``
-        (plus what the kind carries); the runner writes ``{name}_divergence.json``
-        and ``{name}_divergence.log``. An empty list means no divergence.
+        (plus what the kind carries; ``callsite``, an index into ``trace.callsites``,
+        lets the JSON name a finding's stack instead of writing it); the runner
+        groups them by kind and deviating ranks into ``{name}_divergence.json``
+        (format version 4) and ``{name}_divergence.log``. An empty list means no
+        divergence.
     """
 
 

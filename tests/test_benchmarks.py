@@ -162,3 +162,16 @@ def test_flush_cost_benchmark_reports_both_traces() -> None:
     assert [line.split(":")[0] for line in lines] == ["tiny GPT", "50 functions"], lines
     assert "150 callsites" in lines[1]  # three ops in each generated function
     assert all("% of the run at 30 s" in line for line in lines)
+
+
+@pytest.mark.slow  # runs the benchmark script (generators, two processes)
+def test_divergence_cost_benchmark_reports_both_generators(tmp_path: Path) -> None:
+    result = script("divergence_cost.py", "--ranks", "4", "--callsites", "800", "--rounds", "1",
+                    "--repeat", "1", "--baseline", str(REPO), "--data", str(tmp_path))  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert "## team generator, 4 ranks × 800 callsites" in out
+    assert "## other generator, 4 ranks × 800 callsites" in out
+    assert out.count("µs/finding") == 4 and out.count("(CPU ") == 8 and out.count("ratio:") == 2
+    # the same checkout on both sides: the same findings and bytes
+    assert "JSON 1.0× smaller, log 1.0× smaller" in out

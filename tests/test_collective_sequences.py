@@ -28,6 +28,7 @@ from opguard_core.formats.collectives import (
     StepRun,
     collective_kind,
 )
+from opguard_core.formats.divergence import load_divergence
 from opguard_core.formats.trace import decode_trace, encode_trace, load_trace
 from tests.builders import write
 
@@ -112,7 +113,7 @@ def run_docs(
         write(tmp_path / f"job_rank{doc['meta']['rank']}.json", doc)
     run = opguard("run", "-i", str(tmp_path / "job_rank*.json"), "--fail-on-divergence",
                   expect=expect)  # fmt: skip
-    result: dict[str, Any] = json.loads(run.read("job_divergence.json"))
+    result: dict[str, Any] = load_divergence(run.run_dir / "job_divergence.json")
     result["log"] = run.read("job_divergence.log")
     return result
 
@@ -475,7 +476,7 @@ def test_a_real_two_rank_gloo_job(case: str, tmp_path: Path) -> None:
         capture_output=True, text=True, timeout=120, cwd=REPO,
     )  # fmt: skip
     (run_dir,) = (tmp_path / "runs").iterdir()
-    doc = json.loads((run_dir / "desync_callsite_divergence.json").read_text())
+    doc = load_divergence(run_dir / "desync_callsite_divergence.json")
     found = collective_findings(doc)
     kind = CASES[case]
     if kind is None:

@@ -11,6 +11,7 @@ import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from statistics import median_low
 from typing import Any
 
 import pytest
@@ -406,20 +407,38 @@ def test_add_rank_count_is_merge_slot_of_one_rank(counts: list[int], collective:
 def test_per_rank_counts_add_up_for_every_shape_of_statistics() -> None:
     """A function's per-rank totals gather its callsites: uniform ones share their
     count out, a histogram gives each rank its value, and an overflowed one gives the
-    ranks between min and max the mean of what is left."""
+    ranks between min and max the mean of what is left (the fold of count_skew, in
+    Python and, where built, in C)."""
     from opguard_core.formats.trace import Callsite, PerRank
-    from opguard_plugins.stages.divergence import add_per_rank_counts
+    from opguard_plugins.stages import divergence
+    from tests.compiled import compiled
 
     ranks = [0, 1, 2, 3]
-    totals: dict[int, float] = {}
-    add_per_rank_counts(totals, Callsite(stack=(), op="aten::mm", count=8), ranks)
-    assert totals == {0: 2, 1: 2, 2: 2, 3: 2}
-    add_per_rank_counts(totals, Callsite(stack=(), op="aten::mm", count=6, ranks=[1, 3]), ranks)
-    assert totals == {0: 2, 1: 5, 2: 2, 3: 5}
     counts = [(1, [0]), (2, [1, 3]), (4, [2])]
     histogram = PerRank(min=1, min_ranks=[0], max=4, max_ranks=[2], counts=counts)
-    add_per_rank_counts(totals, Callsite(stack=(), op="x", count=9, per_rank=histogram), ranks)
-    assert totals == {0: 3, 1: 7, 2: 6, 3: 7}
     overflowed = PerRank(min=1, min_ranks=[0], max=10, max_ranks=[3], counts=None)
-    add_per_rank_counts(totals, Callsite(stack=(), op="x", count=22, per_rank=overflowed), ranks)
-    assert totals == {0: 4, 1: 12.5, 2: 11.5, 3: 17}
+    sites = [
+        Callsite(stack=(), op="aten::mm", count=8),
+        Callsite(stack=(), op="aten::mm", count=6, ranks=[1, 3]),
+        Callsite(stack=(), op="x", count=9, per_rank=histogram),
+        Callsite(stack=(), op="x", count=22, per_rank=overflowed),
+    ]
+    totals = {2: [2, 5, 2, 5], 3: [3, 7, 6, 7], 4: [4, 12.5, 11.5, 17]}
+    largest = {2: 0, 3: 2, 4: 3}  # the index of the function's largest callsite
+    native = compiled("opguard_plugins.stages._runs")
+    folds = [divergence.py_skew_fold] + ([native.skew_fold] if native is not None else [])
+    for fold in folds:
+        # a callsite every rank ran as often: a share of 2 each, no per-rank row
+        assert fold(sites[:1], [0], 1, ranks, -1.0) == (
+            [8, 0],
+            bytearray([1, 0]),
+            [0, None],
+            [],
+            [],
+        )
+        for upto, per_rank in totals.items():
+            # skew -1: every function strays, so the fold gives every one's totals
+            ops, full, example, partial, found = fold(sites[:upto], [0] * upto, 1, ranks, -1.0)
+            assert found == [(0, median_low(per_rank), per_rank)]
+            assert ops[0] == sum(site.count for site in sites[:upto])
+            assert (full[0], example[0], partial) == (1, largest[upto], [1])

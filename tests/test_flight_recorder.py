@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 
+from opguard_core.formats.divergence import load_divergence
 from opguard_core.formats.trace import decode_trace, read_bytes
 from opguard_plugins.readers.flight_recorder import (
     FlightRecorderError,
@@ -415,7 +416,9 @@ OPGUARD_FINDS = {
 def opguard_findings(opguard: Opguard, scenario: str) -> list[dict[str, Any]]:
     run = opguard("run", "-i", DATA / scenario / "rank_*", "--fail-on-divergence")
     assert run.exit_code == (4 if OPGUARD_FINDS[scenario] else 0), run.stderr
-    findings: list[dict[str, Any]] = json.loads(run.read("rank_divergence.json"))["findings"]
+    findings: list[dict[str, Any]] = load_divergence(run.run_dir / "rank_divergence.json")[
+        "findings"
+    ]
     return [f for f in findings if f["severity"] == "error"]
 
 
@@ -534,7 +537,7 @@ def test_ring_buffers_that_wrapped_at_different_points_line_up(
     folder = wrapped_dumps(tmp_path / "wrapped")
     run = opguard("run", "-i", folder / "rank_*", "--fail-on-divergence")
     assert run.exit_code == 4, run.stderr
-    findings = json.loads(run.read("rank_divergence.json"))["findings"]
+    findings = load_divergence(run.run_dir / "rank_divergence.json")["findings"]
     errors = [f for f in findings if f["severity"] == "error"]
     assert [(f["kind"], f["ranks"], f["position"]) for f in errors] == [
         ("collective_dtype", [1], 2)

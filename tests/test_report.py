@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 from opguard_core import hookimpl
 from opguard_core.cli import create_cli
 from opguard_core.formats.config import load_config
+from opguard_core.formats.divergence import load_divergence
 from opguard_core.formats.tree import load_tree
 from opguard_core.plugin.manager import create_plugin_manager
 from opguard_plugins.view.report import (
@@ -77,7 +78,7 @@ def test_every_run_writes_a_self_contained_report(
         assert entry["config"] == f"{entry['name']}_instrumentation.yaml"
         (record,) = [r for r in data["summary"]["stages"]
                      if r["stage"] == "divergence" and r["entry"] == entry["name"]]  # fmt: skip
-        found = json.loads(run.read(record["outputs"][0]))["findings"]
+        found = load_divergence(run.run_dir / record["outputs"][0])["findings"]
         assert entry["divergence"]["findings"] == len(found)
         assert sum(g["count"] for g in entry["divergence"]["groups"]) == len(found)
     assert [c["name"] for c in data["comparisons"]] == ["comparison_1_vs_2.log"]

@@ -32,6 +32,7 @@ from opguard_core.formats.config_collectives import config_collectives, issued_a
 from opguard_core.formats.divergence import (
     check_findings,
     encode_divergence,
+    group_findings,
     render_log,
     sort_findings,
     tally,
@@ -200,14 +201,19 @@ def divergence(call: StepCall, entry: InputEntry, needs: Mapping[str, Any]) -> N
             for rank in seq.ranks
         ),
     }
-    call.write("findings", encode_divergence(meta, findings))
-    call.write("log", render_log(meta, findings))
-    call.record.counts = tally(findings)
+    groups = group_findings(findings, ordered=True)  # once, for both files
+    call.write("findings", encode_divergence(meta, findings, groups))
+    call.write("log", render_log(meta, findings, groups))
+    call.record.counts = {**tally(findings), "groups": len(groups)}
     if findings:
         counts = call.record.counts
         log = call.record.outputs[-1]
         call.context.recorder.log.warning(
-            "ranks diverge", errors=counts["errors"], warnings=counts["warnings"], log=log
+            "ranks diverge",
+            errors=counts["errors"],
+            warnings=counts["warnings"],
+            groups=counts["groups"],
+            log=log,
         )
 
 

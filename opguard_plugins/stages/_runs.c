@@ -12,7 +12,9 @@
  * visible frames and calling function. Each does what the pure-Python ``PyRuns``,
  * ``py_callsite_paths``, ``py_frames_at`` and ``py_visible_frames``
  * (opguard_plugins/stages/sorted_runs.py) do, which stay the reference:
- * tests/test_compress_runs.py holds the two to the same answers.
+ * tests/test_compress_runs.py holds the two to the same answers. ``skew_fold``
+ * is divergence's count_skew fold (``py_skew_fold`` in
+ * opguard_plugins/stages/divergence.py; tests/test_divergence_groups.py).
  *
  * Positions are checked against the number of paths (ValueError), and a sum of
  * counts past 2**63-1 is an OverflowError. CPython >= 3.11; the package works
@@ -21,6 +23,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <limits.h>
+#include <math.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -925,6 +928,340 @@ done:
     return result;
 }
 
+/* skew_fold(sites, numbers, functions, ranks, skew) -> (ops, full, example, partial,
+ * found): divergence's count_skew fold over the non-collective callsites,
+ * the same numbers as the Python reference ``py_skew_fold``
+ * (opguard_plugins/stages/divergence.py), bit for bit: the same additions in the
+ * same order. ``numbers[i]`` is the calling function of ``sites[i]`` (-1: none, the
+ * last slot); a site is read through its attributes (count, ranks, per_rank and
+ * per_rank's counts, min, max, min_ranks, max_ranks). A rank outside ``ranks`` is a
+ * ValueError, a sum of ops past 2**63-1 an OverflowError. */
+
+static int
+compare_doubles(const void *a, const void *b)
+{
+    double x = *(const double *)a, y = *(const double *)b;
+    return (x > y) - (x < y);
+}
+
+typedef struct {
+    PyObject *count, *ranks, *per_rank, *counts, *min, *max, *min_ranks, *max_ranks;
+} SkewNames;
+
+static SkewNames skew_names;
+
+static int
+skew_names_ready(void)
+{
+    if (skew_names.count != NULL)
+        return 0;
+    const char *text[] = {"count", "ranks", "per_rank", "counts", "min", "max",
+                          "min_ranks", "max_ranks"};
+    PyObject **slot[] = {&skew_names.count, &skew_names.ranks, &skew_names.per_rank,
+                         &skew_names.counts, &skew_names.min, &skew_names.max,
+                         &skew_names.min_ranks, &skew_names.max_ranks};
+    for (size_t i = 0; i < sizeof(text) / sizeof(text[0]); i++) {
+        *slot[i] = PyUnicode_InternFromString(text[i]);
+        if (*slot[i] == NULL)
+            return -1;
+    }
+    return 0;
+}
+
+/* the position of ``rank`` in the trace's ranks, or -1 with ValueError set */
+static inline Py_ssize_t
+rank_position(PyObject *rank, const Py_ssize_t *position, Py_ssize_t limit)
+{
+    Py_ssize_t value = PyLong_AsSsize_t(rank);
+    if (value == -1 && PyErr_Occurred())
+        return -1;
+    if (value < 0 || value >= limit || position[value] < 0) {
+        PyErr_Format(PyExc_ValueError, "skew_fold: rank %zd is not one of the trace's", value);
+        return -1;
+    }
+    return position[value];
+}
+
+/* row[position of each rank in ``holders``] += value */
+static int
+add_to_ranks(double *row, PyObject *holders, double value, const Py_ssize_t *position,
+             Py_ssize_t limit)
+{
+    PyObject *fast = PySequence_Fast(holders, "skew_fold: ranks must be a list");
+    if (fast == NULL)
+        return -1;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
+    PyObject **items = PySequence_Fast_ITEMS(fast);
+    for (Py_ssize_t j = 0; j < n; j++) {
+        Py_ssize_t at = rank_position(items[j], position, limit);
+        if (at < 0) {
+            Py_DECREF(fast);
+            return -1;
+        }
+        row[at] += value;
+    }
+    Py_DECREF(fast);
+    return 0;
+}
+
+static PyObject *
+skew_fold(PyObject *Py_UNUSED(module), PyObject *args)
+{
+    PyObject *sites, *numbers, *ranks;
+    Py_ssize_t functions;
+    double skew;
+    if (!PyArg_ParseTuple(args, "O!O!nO!d:skew_fold", &PyList_Type, &sites, &PyList_Type,
+                          &numbers, &functions, &PyList_Type, &ranks, &skew))
+        return NULL;
+    if (skew_names_ready() < 0)
+        return NULL;
+    Py_ssize_t n = PyList_GET_SIZE(sites), nranks = PyList_GET_SIZE(ranks), size = functions + 1;
+    if (PyList_GET_SIZE(numbers) != n || functions < 0 || nranks == 0) {
+        PyErr_SetString(PyExc_ValueError, "skew_fold: sites and numbers differ in length, "
+                                          "or no function or rank");
+        return NULL;
+    }
+    PyObject *result = NULL, *found = NULL, *partial = NULL, *ops_list = NULL;
+    PyObject *full = NULL, *example_list = NULL;
+    double *totals = NULL, *sorted_totals = NULL;
+    long long *ops = PyMem_Calloc(size, sizeof(long long));
+    double *uniform = PyMem_Calloc(size, sizeof(double));
+    long long *best = PyMem_Malloc(size * sizeof(long long));
+    Py_ssize_t *example = PyMem_Malloc(size * sizeof(Py_ssize_t));
+    double **rows = PyMem_Calloc(size, sizeof(double *));
+    Py_ssize_t *order = PyMem_Malloc(size * sizeof(Py_ssize_t)); /* slots as first varied */
+    Py_ssize_t varied_count = 0, limit = 0, *position = NULL;
+    char *is_full = PyMem_Calloc(size, 1);
+    if (!ops || !uniform || !best || !example || !rows || !order || !is_full) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < size; i++) {
+        best[i] = -1;
+        example[i] = -1;
+    }
+    for (Py_ssize_t i = 0; i < nranks; i++) {
+        Py_ssize_t rank = PyLong_AsSsize_t(PyList_GET_ITEM(ranks, i));
+        if (rank == -1 && PyErr_Occurred())
+            goto done;
+        if (rank < 0) {
+            PyErr_SetString(PyExc_ValueError, "skew_fold: a rank is negative");
+            goto done;
+        }
+        if (rank + 1 > limit)
+            limit = rank + 1;
+    }
+    position = PyMem_Malloc(limit * sizeof(Py_ssize_t));
+    if (position == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < limit; i++)
+        position[i] = -1;
+    for (Py_ssize_t i = 0; i < nranks; i++)
+        position[PyLong_AsSsize_t(PyList_GET_ITEM(ranks, i))] = i;
+    partial = PyList_New(0);
+    if (partial == NULL)
+        goto done;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *site = PyList_GET_ITEM(sites, i);
+        Py_ssize_t number = PyLong_AsSsize_t(PyList_GET_ITEM(numbers, i));
+        if (number == -1 && PyErr_Occurred())
+            goto done;
+        if (number < -1 || number >= functions) {
+            PyErr_SetString(PyExc_IndexError, "skew_fold: function number out of range");
+            goto done;
+        }
+        Py_ssize_t slot = number >= 0 ? number : functions;
+        PyObject *count_obj = PyObject_GetAttr(site, skew_names.count);
+        if (count_obj == NULL)
+            goto done;
+        long long count = PyLong_AsLongLong(count_obj);
+        Py_DECREF(count_obj);
+        if (count == -1 && PyErr_Occurred())
+            goto done;
+        if (number >= 0 && count > best[slot]) {
+            best[slot] = count;
+            example[slot] = i;
+        }
+        if (__builtin_add_overflow(ops[slot], count, &ops[slot])) {
+            PyErr_SetString(PyExc_OverflowError, "skew_fold: ops past 2**63-1");
+            goto done;
+        }
+        PyObject *present = PyObject_GetAttr(site, skew_names.ranks);
+        if (present == NULL)
+            goto done;
+        PyObject *stats = PyObject_GetAttr(site, skew_names.per_rank);
+        if (stats == NULL) {
+            Py_DECREF(present);
+            goto done;
+        }
+        int failed = 0;
+        if (present == Py_None) {
+            is_full[slot] = 1;
+        } else {
+            PyObject *index = PyLong_FromSsize_t(i);
+            failed = index == NULL || PyList_Append(partial, index) < 0;
+            Py_XDECREF(index);
+        }
+        if (failed) {
+        } else if (stats == Py_None && present == Py_None) {
+            uniform[slot] += (double)(count / nranks);
+        } else {
+            double *row = rows[slot];
+            if (row == NULL) {
+                row = rows[slot] = PyMem_Calloc(nranks, sizeof(double));
+                if (row == NULL) {
+                    PyErr_NoMemory();
+                    failed = 1;
+                } else {
+                    order[varied_count++] = slot;
+                }
+            }
+            if (failed) {
+            } else if (stats == Py_None) {
+                Py_ssize_t len = PyObject_Length(present);
+                failed = len <= 0
+                    || add_to_ranks(row, present, (double)(count / len), position, limit) < 0;
+                if (len == 0)
+                    PyErr_SetString(PyExc_ValueError, "skew_fold: a callsite with no rank");
+            } else {
+                PyObject *counts = PyObject_GetAttr(stats, skew_names.counts);
+                if (counts == NULL) {
+                    failed = 1;
+                } else if (counts != Py_None) {
+                    PyObject *fast = PySequence_Fast(counts, "skew_fold: counts must be a list");
+                    failed = fast == NULL;
+                    for (Py_ssize_t j = 0; !failed && j < PySequence_Fast_GET_SIZE(fast); j++) {
+                        PyObject *pair = PySequence_Fast_GET_ITEM(fast, j);
+                        PyObject *value_obj = NULL, *holders = NULL;
+                        if (!PyTuple_Check(pair) || PyTuple_GET_SIZE(pair) != 2) {
+                            PyErr_SetString(PyExc_TypeError, "skew_fold: a count is not a pair");
+                            failed = 1;
+                            break;
+                        }
+                        value_obj = PyTuple_GET_ITEM(pair, 0);
+                        holders = PyTuple_GET_ITEM(pair, 1);
+                        long long value = PyLong_AsLongLong(value_obj);
+                        failed = (value == -1 && PyErr_Occurred())
+                            || add_to_ranks(row, holders, (double)value, position, limit) < 0;
+                    }
+                    Py_XDECREF(fast);
+                } else {
+                    PyObject *low = PyObject_GetAttr(stats, skew_names.min_ranks);
+                    PyObject *high = PyObject_GetAttr(stats, skew_names.max_ranks);
+                    PyObject *low_value = PyObject_GetAttr(stats, skew_names.min);
+                    PyObject *high_value = PyObject_GetAttr(stats, skew_names.max);
+                    failed = !low || !high || !low_value || !high_value;
+                    long long lo = failed ? 0 : PyLong_AsLongLong(low_value);
+                    long long hi = failed ? 0 : PyLong_AsLongLong(high_value);
+                    Py_ssize_t nlow = failed ? 0 : PyObject_Length(low);
+                    Py_ssize_t nhigh = failed ? 0 : PyObject_Length(high);
+                    Py_ssize_t npresent = present == Py_None ? nranks : PyObject_Length(present);
+                    failed = failed || PyErr_Occurred() != NULL || nlow < 0 || nhigh < 0
+                        || npresent < 0;
+                    if (!failed) {
+                        Py_ssize_t rest = npresent - nlow - nhigh;
+                        /* Python: (count - min * len(low) - max * len(high)) / rest */
+                        double share = rest
+                            ? (double)(count - lo * nlow - hi * nhigh) / (double)rest
+                            : 0.0;
+                        if (present == Py_None)
+                            uniform[slot] += share;
+                        else
+                            failed = add_to_ranks(row, present, share, position, limit) < 0;
+                        failed = failed
+                            || add_to_ranks(row, low, (double)lo - share, position, limit) < 0
+                            || add_to_ranks(row, high, (double)hi - share, position, limit) < 0;
+                    }
+                    Py_XDECREF(low);
+                    Py_XDECREF(high);
+                    Py_XDECREF(low_value);
+                    Py_XDECREF(high_value);
+                }
+                Py_XDECREF(counts);
+            }
+        }
+        Py_DECREF(present);
+        Py_DECREF(stats);
+        if (failed)
+            goto done;
+    }
+    ops_list = PyList_New(size);
+    example_list = PyList_New(size);
+    full = PyByteArray_FromStringAndSize(is_full, size);
+    found = PyList_New(0);
+    totals = PyMem_Malloc(nranks * sizeof(double));
+    sorted_totals = PyMem_Malloc(nranks * sizeof(double));
+    if (!ops_list || !example_list || !full || !found || !totals || !sorted_totals) {
+        if (!PyErr_Occurred())
+            PyErr_NoMemory();
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < size; i++) {
+        PyObject *op = PyLong_FromLongLong(ops[i]);
+        PyObject *at = example[i] >= 0 ? PyLong_FromSsize_t(example[i]) : Py_NewRef(Py_None);
+        if (!op || !at) {
+            Py_XDECREF(op);
+            Py_XDECREF(at);
+            goto done;
+        }
+        PyList_SET_ITEM(ops_list, i, op);
+        PyList_SET_ITEM(example_list, i, at);
+    }
+    for (Py_ssize_t k = 0; k < varied_count; k++) {
+        Py_ssize_t slot = order[k];
+        for (Py_ssize_t r = 0; r < nranks; r++)
+            totals[r] = sorted_totals[r] = uniform[slot] + rows[slot][r];
+        qsort(sorted_totals, nranks, sizeof(double), compare_doubles);
+        double middle = sorted_totals[(nranks - 1) / 2], limit = skew * middle;
+        int strays = 0;
+        for (Py_ssize_t r = 0; r < nranks && !strays; r++)
+            strays = fabs(totals[r] - middle) > limit;
+        if (!strays)
+            continue;
+        PyObject *row = PyList_New(nranks);
+        if (row == NULL)
+            goto done;
+        for (Py_ssize_t r = 0; r < nranks; r++) {
+            PyObject *value = PyFloat_FromDouble(totals[r]);
+            if (value == NULL) {
+                Py_DECREF(row);
+                goto done;
+            }
+            PyList_SET_ITEM(row, r, value);
+        }
+        PyObject *item = Py_BuildValue("(ndN)", slot == functions ? (Py_ssize_t)-1 : slot,
+                                       middle, row);
+        if (item == NULL || PyList_Append(found, item) < 0) {
+            Py_XDECREF(item);
+            goto done;
+        }
+        Py_DECREF(item);
+    }
+    result = PyTuple_Pack(5, ops_list, full, example_list, partial, found);
+done:
+    if (rows != NULL)
+        for (Py_ssize_t i = 0; i < size; i++)
+            PyMem_Free(rows[i]);
+    PyMem_Free(rows);
+    PyMem_Free(ops);
+    PyMem_Free(uniform);
+    PyMem_Free(best);
+    PyMem_Free(example);
+    PyMem_Free(order);
+    PyMem_Free(is_full);
+    PyMem_Free(position);
+    PyMem_Free(totals);
+    PyMem_Free(sorted_totals);
+    Py_XDECREF(ops_list);
+    Py_XDECREF(example_list);
+    Py_XDECREF(full);
+    Py_XDECREF(found);
+    Py_XDECREF(partial);
+    return result;
+}
+
 static PyMethodDef module_methods[] = {
     {"callsite_paths", callsite_paths, METH_VARARGS,
      "callsite_paths(stacks, apis, api_index, tables, width) -> (paths, frame_paths)."},
@@ -932,6 +1269,9 @@ static PyMethodDef module_methods[] = {
      "frames_at(frame_paths, origins, own, start, end) -> (first, distinct) frame ids."},
     {"visible_frames", visible_frames, METH_VARARGS,
      "visible_frames(stacks, hidden, user) -> (visible, callers): per stack."},
+    {"skew_fold", skew_fold, METH_VARARGS,
+     "skew_fold(sites, numbers, functions, ranks, skew) -> (ops, full, example, partial, "
+     "found): divergence's count_skew fold."},
     {NULL, NULL, 0, NULL},
 };
 

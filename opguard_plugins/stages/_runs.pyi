@@ -10,6 +10,7 @@ from typing import final
 
 from _typeshed import ReadableBuffer
 
+from opguard_core.formats.trace import Callsite
 from opguard_plugins.stages.sorted_runs import PathTables
 
 @final
@@ -55,3 +56,8 @@ def frames_at(
 def visible_frames(
     stacks: list[tuple[int, ...]], hidden: ReadableBuffer, user: ReadableBuffer, /
 ) -> tuple[list[list[int]], list[int | None]]: ...
+def skew_fold(
+    sites: list[Callsite], numbers: list[int], functions: int, ranks: list[int], skew: float, /
+) -> tuple[
+    list[int], bytearray, list[int | None], list[int], list[tuple[int, float, list[float]]]
+]: ...

@@ -17,13 +17,20 @@ Both ways, two more kinds of finding:
 * ``count_skew`` (warning): a function whose ops on some rank differ from the
   median over ranks by more than ``--skew`` times the median.
 
-Memory is that of the trace plus one rank mask per function and, for the few
-functions whose callsites disagree between ranks, one count per rank.
+A ``collective_mismatch`` names a strict majority (more than half the ranks) or
+says there is none, with the distribution (count → number of ranks), as sequence
+findings do. The runner writes the findings grouped by kind and deviating ranks
+(divergence format version 4, :mod:`opguard_core.formats.divergence`).
+
+Memory is that of the trace plus, per function, its ops and a few numbers and, for
+functions whose callsites disagree between ranks, one count per rank
+(:func:`py_skew_fold`, in C where built: ``_runs.skew_fold``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from itertools import compress
 from statistics import median_low
 from typing import Any
 
@@ -39,6 +46,7 @@ from opguard_core.formats.divergence import Finding
 from opguard_core.formats.trace import Callsite
 from opguard_core.formats.tree import target_name
 from opguard_core.model import RunOptions
+from opguard_core.native import load_native
 from opguard_plugins.stages.compress import DEFAULT_HIDE, hidden_frames
 from opguard_plugins.stages.sequences import sequence_findings
 from opguard_plugins.stages.sorted_runs import visible_frames
@@ -66,37 +74,27 @@ def site_histogram(site: Callsite, all_mask: int, exact: bool) -> dict[int, int]
     return hist
 
 
-def add_per_rank_counts(into: dict[int, float], site: Callsite, ranks: list[int]) -> None:
-    """Add each rank's count of ``site`` to ``into`` (nothing for ranks that never ran
-    it); where the histogram overflowed, ranks other than the min and max ones get
-    the mean of the rest. Added in place: a function's totals gather many callsites."""
-    get = into.get
-    stats = site.per_rank
-    if stats is None:
-        present = ranks if site.ranks is None else site.ranks
-        value = site.count // len(present)
-        for rank in present:
-            into[rank] = get(rank, 0) + value
-        return
-    if stats.counts is not None:
-        for value, holders in stats.counts:
-            for rank in holders:
-                into[rank] = get(rank, 0) + value
-        return
-    counts: dict[int, float] = dict.fromkeys(stats.min_ranks, stats.min)
-    counts.update(dict.fromkeys(stats.max_ranks, stats.max))
-    present = ranks if site.ranks is None else site.ranks
-    rest = [r for r in present if r not in counts]
-    if rest:
-        left = site.count - stats.min * len(stats.min_ranks) - stats.max * len(stats.max_ranks)
-        counts.update(dict.fromkeys(rest, left / len(rest)))
-    for rank, share in counts.items():
-        into[rank] = get(rank, 0) + share
+def majority(hist: dict[int, int]) -> tuple[int, bool]:
+    """The count a strict majority (more than half) of the ranks has, and True; without
+    one, the count of the lowest rank (the reference, as for collective sequences) and
+    False. ``hist`` is {count: rank mask} over every rank compared."""
+    total = 0
+    best = best_ranks = -1
+    for value, mask in hist.items():
+        ranks = mask.bit_count()
+        total += ranks
+        if ranks > best_ranks:
+            best, best_ranks = value, ranks
+    if 2 * best_ranks > total:
+        return best, True
+    return min(hist, key=lambda value: _lowest(hist[value])), False
 
 
-def majority(hist: dict[int, int]) -> int:
-    """The count most ranks have; a tie goes to the count of the lowest rank."""
-    return max(hist, key=lambda value: (hist[value].bit_count(), -_lowest(hist[value])))
+def distribution(hist: dict[int, int]) -> list[list[int]]:
+    """``[[count, number of ranks], …]``, the most held first, then by count."""
+    return sorted(
+        ([value, mask.bit_count()] for value, mask in hist.items()), key=lambda d: (-d[1], d[0])
+    )
 
 
 def _lowest(mask: int) -> int:
@@ -111,6 +109,11 @@ class _Stacks:
         hide = [*(DEFAULT_HIDE if options.default_hide else ()), *options.hide]
         self.frames = trace.frames
         self.names = [target_name(f.module, f.file, f.qualname) for f in trace.frames]
+        #: per frame id: its function's number (frames of one function, at other lines,
+        #: share it), and per number the function's name
+        ids: dict[str, int] = {}
+        self.function = [ids.setdefault(name, len(ids)) for name in self.names]
+        self.function_names = list(ids)
         self.user = bytes(not (f.module or "").startswith("torch") for f in trace.frames)
         self.hidden = bytes(hidden_frames(trace, hide))
         #: per callsite: its frame ids without hidden ones, and the position in them of
@@ -174,11 +177,14 @@ def find_divergence(trace: CallsiteTrace, options: RunOptions) -> list[Finding]:
 
 def _collectives(trace: CallsiteTrace, stacks: _Stacks, exact: bool) -> Iterator[Finding]:
     all_mask = ranks_to_mask(trace.ranks)
-    for site, frames, caller, collective in zip(
-        trace.callsites, stacks.visible, stacks.callers, stacks.collective, strict=True
-    ):
+    nranks = len(trace.ranks)
+    ranks_of = _RankSets()
+    for index, collective in enumerate(stacks.collective):
         if not collective:
             continue
+        site = trace.callsites[index]
+        if site.per_rank is None and site.ranks is None:
+            continue  # every rank issued it equally often
         hist = site_histogram(site, all_mask, exact)
         if hist is None:  # counts unknown: only ranks that never issued it can be told
             if site.ranks is None:
@@ -186,24 +192,19 @@ def _collectives(trace: CallsiteTrace, stacks: _Stacks, exact: bool) -> Iterator
             hist = {-1: ranks_to_mask(site.ranks), 0: all_mask & ~ranks_to_mask(site.ranks)}
         if len(hist) < 2:
             continue
-        expected = majority(hist)
-        counts = {
+        expected, most = majority(hist)
+        deviating = ranks_of(all_mask & ~hist[expected])
+        by_rank = {
             rank: value
             for value, mask in hist.items()
             if value != expected
-            for rank in mask_to_ranks(mask)
+            for rank in ranks_of(mask)
         }
-        deviating = sorted(counts)
-        where = stacks.describe(frames, caller)
+        counts = {str(rank): by_rank[rank] for rank in deviating}
+        where = stacks.describe(stacks.visible[index], stacks.callers[index])
         known = -1 not in hist
-        shown = {str(r): counts[r] for r in deviating} if known else {}
-        issued = (
-            ", ".join(f"rank {r}: {counts[r]}" for r in deviating[:8])
-            + (" …" if len(deviating) > 8 else "")
-            if known
-            else "counts unknown"
-        )
-        yield {
+        holders = hist[expected].bit_count()
+        finding: Finding = {
             "kind": "collective_mismatch",
             "severity": "error",
             "ranks": deviating,
@@ -213,16 +214,85 @@ def _collectives(trace: CallsiteTrace, stacks: _Stacks, exact: bool) -> Iterator
             "target": where["target"],
             "context": where["context"],
             "expected": expected if known else None,
-            "counts": shown,
-            "size": sum(abs(counts[r] - expected) for r in deviating) if known else len(deviating),
-            "message": (
-                f"{site.op} in {where['target']} is issued "
-                f"{expected if known else 'never'} time(s) on most ranks but differently on "
-                f"rank(s) {_short(deviating)} ({issued}); every rank must issue a "
-                f"collective equally often"
+            "majority": most,
+            "counts": counts if known else {},
+            "size": (
+                sum(abs(value - expected) * mask.bit_count() for value, mask in hist.items())
+                if known
+                else len(deviating)
+            ),
+            "message": _mismatch_message(
+                site.op,
+                where["target"],
+                hist,
+                expected,
+                most,
+                (holders, nranks),
+                deviating,
+                counts if known else None,
             ),
             "stack": where["stack"],
+            "callsite": index,
         }
+        if not most:
+            finding["distribution"] = distribution(hist) if known else []
+        yield finding
+
+
+def _times(value: int) -> str:
+    return "never" if value == 0 else "an unknown number of times" if value < 0 else f"{value}x"
+
+
+def _mismatch_message(
+    op: str,
+    target: str,
+    hist: dict[int, int],
+    expected: int,
+    most: bool,
+    share: tuple[int, int],
+    deviating: list[int],
+    counts: dict[str, int] | None,
+) -> str:
+    """A ``collective_mismatch``'s message: who holds what, honestly (a strict
+    majority, else no majority with the distribution, count → number of ranks)."""
+    issued = (
+        ", ".join(f"rank {r}: {counts[str(r)]}" for r in deviating[:8])
+        + (" …" if len(deviating) > 8 else "")
+        if counts is not None
+        else "counts unknown"
+    )
+    holders, nranks = share
+    tail = "every rank must issue a collective equally often"
+    if most:
+        return (
+            f"{op} in {target} is issued {_times(expected)} on {holders} of {nranks} ranks "
+            f"(a majority) but differently on rank(s) {_short(deviating)} ({issued}); {tail}"
+        )
+    if counts is None:
+        spread = f"issued on {nranks - hist[0].bit_count()}, never on {hist[0].bit_count()}"
+    else:
+        shown = distribution(hist)
+        spread = ", ".join(f"{_times(v)}: {n} rank(s)" for v, n in shown[:8])
+        spread += f", … ({len(shown)} values)" if len(shown) > 8 else ""
+    return (
+        f"{op} in {target} is issued unequally with no majority ({spread}); against rank "
+        f"{_lowest(hist[expected])}, the lowest ({_times(expected)}), rank(s) "
+        f"{_short(deviating)} differ ({issued}); {tail}"
+    )
+
+
+class _RankSets:
+    """:func:`mask_to_ranks` remembering the masks it saw (they repeat); the lists
+    are shared: read them only."""
+
+    def __init__(self) -> None:
+        self.known: dict[int, list[int]] = {}
+
+    def __call__(self, mask: int) -> list[int]:
+        ranks = self.known.get(mask)
+        if ranks is None:
+            ranks = self.known[mask] = mask_to_ranks(mask)
+        return ranks
 
 
 def _rank_specific(trace: CallsiteTrace, stacks: _Stacks) -> Iterator[Finding]:
@@ -230,49 +300,66 @@ def _rank_specific(trace: CallsiteTrace, stacks: _Stacks) -> Iterator[Finding]:
     all_mask = ranks_to_mask(trace.ranks)
     visible = stacks.visible
     masks = stacks.masks
+    function = stacks.function
     # a function in any callsite that every rank ran is run by every rank: one C-level
-    # set update per such callsite; only the (few) other callsites are walked
-    everywhere: set[int] = set()
-    # callsites share one list per stack: each distinct list is read once
-    full = {
-        id(frames): frames for frames, mask in zip(visible, masks, strict=True) if mask == all_mask
-    }
-    for frames in full.values():
-        everywhere.update(frames)
-    function_mask: dict[str, int] = dict.fromkeys({stacks.names[f] for f in everywhere}, all_mask)
+    # set update per such callsite; callsites share one list per stack, each read once
+    # (frame ids first: a function at another line of one shares its number)
+    seen_frames: set[int] = set()
+    seen: set[int] = set()  # callsites share one list per stack: each read once
     for frames, mask in zip(visible, masks, strict=True):
-        if mask != all_mask:
-            for fid in frames:
-                name = stacks.names[fid]
-                function_mask[name] = function_mask.get(name, 0) | mask
-    roots: dict[str, dict[str, Any]] = {}
-    for site, frames, mask in zip(trace.callsites, visible, masks, strict=True):
-        if mask != all_mask:
-            for position, name in enumerate(map(stacks.names.__getitem__, frames)):
-                if function_mask[name] != all_mask:
-                    root = roots.setdefault(name, {"ops": 0, "best": (-1, frames, position)})
-                    if site.count > root["best"][0]:
-                        root["best"] = (site.count, frames, position)
-                    break
+        if mask == all_mask and id(frames) not in seen:
+            seen.add(id(frames))
+            seen_frames.update(frames)
+    everywhere = set(map(function.__getitem__, seen_frames))
+    # only the callsites with a function outside ``everywhere`` are walked
+    partial = [
+        (index, frames, mask)
+        for index, (frames, mask) in enumerate(zip(visible, masks, strict=True))
+        if mask != all_mask
+        and not seen_frames.issuperset(frames)
+        and not everywhere.issuperset(map(function.__getitem__, frames))
+    ]
+    if not partial:
+        return
+    function_mask: dict[int, int] = {}
+    for _, frames, mask in partial:
+        for fid in frames:
+            number = function[fid]
+            if number not in everywhere:
+                function_mask[number] = function_mask.get(number, 0) | mask
+    # function → [ops, best count, its frames, position, callsite]
+    roots: dict[int, list[Any]] = {}
+    for index, frames, _ in partial:
+        count = trace.callsites[index].count
+        for position, fid in enumerate(frames):
+            number = function[fid]
+            if number in function_mask and function_mask[number] != all_mask:
+                root = roots.get(number)
+                if root is None:
+                    roots[number] = [0, count, frames, position, index]
+                elif count > root[1]:
+                    root[1:] = [count, frames, position, index]
+                break
     if not roots:
         return
-    root_frames = {fid for fid, name in enumerate(stacks.names) if name in roots}
-    within: dict[int, list[str]] = {}  # by stack (its frames' list): the roots in it
+    root_frames = {fid for fid, number in enumerate(function) if number in roots}
+    within: dict[int, list[int]] = {}  # by stack (its frames' list): the roots in it
     for site, frames in zip(trace.callsites, visible, strict=True):
-        names = within.get(id(frames))
-        if names is None:
-            names = within[id(frames)] = (
+        numbers = within.get(id(frames))
+        if numbers is None:
+            numbers = within[id(frames)] = (
                 []
                 if root_frames.isdisjoint(frames)
-                else [name for name in {stacks.names[fid] for fid in frames} if name in roots]
+                else [n for n in set(map(function.__getitem__, frames)) if n in roots]
             )
-        for name in names:
-            roots[name]["ops"] += site.count
-    for name, root in roots.items():
-        ran = mask_to_ranks(function_mask[name])
-        missing = mask_to_ranks(all_mask & ~function_mask[name])
-        _, frames, position = root["best"]
-        where = stacks.describe(frames, position)
+        for number in numbers:
+            roots[number][0] += site.count
+    ranks_of = _RankSets()
+    for number, (ops, _, frames, position, site_index) in roots.items():
+        name = stacks.function_names[number]
+        ran = ranks_of(function_mask[number])
+        missing = ranks_of(all_mask & ~function_mask[number])
+        where = stacks.describe(frames[: position + 1], position)  # down to it
         yield {
             "kind": "rank_specific",
             "severity": "warning",
@@ -280,56 +367,158 @@ def _rank_specific(trace: CallsiteTrace, stacks: _Stacks) -> Iterator[Finding]:
             "missing": missing,
             "target": name,
             "context": where["context"],
-            "ops": root["ops"],
-            "size": root["ops"],
+            "ops": ops,
+            "size": ops,
             "message": (
-                f"{name} ran only on rank(s) {_short(ran)} ({root['ops']} ops), "
-                f"never on {_short(missing)}"
+                f"{name} ran only on rank(s) {_short(ran)} ({ops} ops), never on {_short(missing)}"
             ),
-            "stack": where["stack"][: position + 1],
+            "stack": where["stack"],
+            "callsite": site_index,
         }
+
+
+#: what :func:`py_skew_fold` gives: per calling function (its number; the last slot:
+#: no frame) the ops, whether a callsite of it ran on every rank and the index of its
+#: largest callsite; the callsites with ``ranks``; and per function whose per-rank
+#: ops stray from their median by more than ``skew`` times it, (number, median,
+#: per-rank ops in ``ranks`` order)
+SkewFold = tuple[
+    list[int], bytearray, list[int | None], list[int], list[tuple[int, float, list[float]]]
+]
+
+
+def py_skew_fold(
+    sites: list[Callsite], numbers: list[int], functions: int, ranks: list[int], skew: float
+) -> SkewFold:
+    """Fold ``sites`` (with ``numbers[i]``, the calling function of ``sites[i]``, -1
+    for none) into per-function totals (:data:`SkewFold`); the reference of the C
+    ``skew_fold`` (``_runs.c``), which gives the same numbers, bit for bit.
+
+    A function's per-rank total is a share every rank has plus what differs per
+    rank: a callsite whose histogram overflowed adds the mean of its middle ranks to
+    every rank and the difference to its min and max ranks only, so a callsite costs
+    a few additions, not one per rank. The median is the lower one."""
+    nranks = len(ranks)
+    at = {rank: position for position, rank in enumerate(ranks)}
+    size = functions + 1
+    ops = [0] * size
+    uniform = [0.0] * size
+    full = bytearray(size)
+    best = [-1] * size
+    example: list[int | None] = [None] * size
+    varied: dict[int, list[float]] = {}
+    partial: list[int] = []
+    for index, (site, number) in enumerate(zip(sites, numbers, strict=True)):
+        slot = number if number >= 0 else functions
+        count = site.count
+        if number >= 0 and count > best[slot]:
+            best[slot] = count
+            example[slot] = index
+        ops[slot] += count
+        present = site.ranks
+        if present is None:
+            full[slot] = 1
+        else:
+            partial.append(index)
+        stats = site.per_rank
+        if stats is None and present is None:
+            uniform[slot] += count // nranks
+            continue
+        row = varied.get(slot)
+        if row is None:
+            row = varied[slot] = [0.0] * nranks
+        if stats is None:
+            assert present is not None
+            value = count // len(present)
+            for rank in present:
+                row[at[rank]] += value
+        elif stats.counts is not None:
+            for value, holders in stats.counts:
+                for rank in holders:
+                    row[at[rank]] += value
+        else:  # overflowed: min and max ranks exact, the rest their mean
+            low, high = stats.min_ranks, stats.max_ranks
+            rest = (nranks if present is None else len(present)) - len(low) - len(high)
+            share = (count - stats.min * len(low) - stats.max * len(high)) / rest if rest else 0
+            if present is None:
+                uniform[slot] += share
+            else:
+                for rank in present:
+                    row[at[rank]] += share
+            for rank in low:
+                row[at[rank]] += stats.min - share
+            for rank in high:
+                row[at[rank]] += stats.max - share
+    found = []
+    for slot, row in varied.items():
+        base = uniform[slot]
+        per_rank = [base + value for value in row]
+        middle = median_low(per_rank)
+        limit = skew * middle
+        if any(abs(v - middle) > limit for v in per_rank):
+            found.append((slot if slot < functions else -1, middle, per_rank))
+    return ops, full, example, partial, found
+
+
+#: (sites, numbers, functions, ranks, skew) -> :data:`SkewFold`
+SkewFolder = Callable[[list[Callsite], list[int], int, list[int], float], SkewFold]
+
+
+def _skew_fold() -> SkewFolder:
+    if load_native("opguard_plugins.stages._runs") is None:
+        return py_skew_fold
+    from opguard_plugins.stages._runs import skew_fold as compiled
+
+    return compiled
+
+
+#: the implementation in use: the C one where it was built
+skew_fold = _skew_fold()
 
 
 def _count_skew(trace: CallsiteTrace, stacks: _Stacks, skew: float) -> Iterator[Finding]:
     """Functions (the calling function of their callsites) whose per-rank op count
-    strays from the median over ranks by more than ``skew`` times the median."""
+    strays from the median over ranks by more than ``skew`` times the median: per
+    function, the share every rank has plus what differs per rank
+    (:func:`py_skew_fold`)."""
     ranks = trace.ranks
     all_mask = ranks_to_mask(ranks)
-    # per calling function: ops summed over callsites, and per-rank totals, the latter
-    # only for functions with a callsite whose ranks disagree
-    ops: dict[str, int] = {}
-    uniform: dict[str, float] = {}
-    varied: dict[str, dict[int, float]] = {}
-    example: dict[str, tuple[int, list[int], int]] = {}
-    function_mask: dict[str, int] = {}
-    names = stacks.names
-    for site, frames, position, collective, mask in zip(
-        trace.callsites, stacks.visible, stacks.callers, stacks.collective, stacks.masks,
-        strict=True,
-    ):  # fmt: skip
-        if collective:
-            continue
-        name = "<root>" if position is None else names[frames[position]]
-        function_mask[name] = function_mask.get(name, 0) | mask
-        ops[name] = ops.get(name, 0) + site.count
-        if position is not None and site.count > example.get(name, (-1, [], 0))[0]:
-            example[name] = (site.count, frames, position)
-        if site.per_rank is None and mask == all_mask:
-            uniform[name] = uniform.get(name, 0) + site.count // len(ranks)
-            continue
-        add_per_rank_counts(varied.setdefault(name, {}), site, ranks)
-    for name, totals in varied.items():
-        if function_mask[name] != all_mask:
+    function = stacks.function
+    keep = [not collective for collective in stacks.collective]
+    indices = list(compress(range(len(keep)), keep))
+    sites = list(compress(trace.callsites, keep))
+    numbers = [
+        -1 if position is None else function[frames[position]]
+        for frames, position in zip(
+            compress(stacks.visible, keep), compress(stacks.callers, keep), strict=True
+        )
+    ]
+    functions = len(stacks.function_names)
+    ops, full, example, partial, found = skew_fold(sites, numbers, functions, ranks, float(skew))
+    masks = stacks.masks
+    function_mask: dict[int, int] = {}
+    for partial_at in partial:
+        number = numbers[partial_at]
+        function_mask[number] = function_mask.get(number, 0) | masks[indices[partial_at]]
+    names = stacks.function_names
+    for number, middle, per_rank in found:
+        slot = number if number >= 0 else functions
+        if not full[slot] and function_mask.get(number) != all_mask:
             continue  # some ranks never ran it: a rank_specific finding says so
-        base = uniform.get(name, 0)
-        per_rank = {rank: base + totals.get(rank, 0) for rank in ranks}
-        middle = median_low(per_rank.values())
-        deviating = sorted(r for r, v in per_rank.items() if abs(v - middle) > skew * middle)
-        if not deviating:
-            continue
-        _, frames, position = example.get(name, (0, [], 0))
-        where = stacks.describe(frames, position) if frames else stacks.describe([], None)
-        counts = {str(r): _number(per_rank[r]) for r in deviating}
+        limit = skew * middle
+        deviating = [r for r, v in zip(ranks, per_rank, strict=True) if abs(v - middle) > limit]
+        name = "<root>" if number < 0 else names[number]
+        at = example[slot]
+        site_index = indices[at] if at is not None else None
+        frames = stacks.visible[site_index] if site_index is not None else []
+        position = (stacks.callers[site_index] or 0) if site_index is not None else 0
+        where = (
+            stacks.describe(frames[: position + 1], position)  # down to the function
+            if frames
+            else stacks.describe([], None)
+        )
+        by_rank = dict(zip(ranks, per_rank, strict=True))
+        counts = {str(r): _number(by_rank[r]) for r in deviating}
         yield {
             "kind": "count_skew",
             "severity": "warning",
@@ -338,18 +527,20 @@ def _count_skew(trace: CallsiteTrace, stacks: _Stacks, skew: float) -> Iterator[
             "context": where["context"],
             "expected": _number(middle),
             "counts": counts,
-            "ops": ops[name],
-            "size": int(sum(abs(per_rank[r] - middle) for r in deviating)),
+            "ops": ops[slot],
+            "size": int(round(sum(abs(by_rank[r] - middle) for r in deviating), 6)),
             "message": (
                 f"{name}: ops on rank(s) {_short(deviating)} differ from the median "
                 f"{_number(middle)} by more than {skew:g}x"
             ),
-            "stack": where["stack"][: position + 1] if frames else [],
+            "stack": where["stack"],
+            "callsite": site_index,
         }
 
 
 def _number(value: float) -> int | float:
-    return int(value) if float(value).is_integer() else round(value, 3)
+    rounded = round(value, 3)
+    return int(rounded) if float(rounded).is_integer() else rounded
 
 
 def _short(ranks: list[int]) -> str:

@@ -31,10 +31,10 @@ import msgspec
 from opguard_core import hookimpl
 from opguard_core.cli import exits
 from opguard_core.cli.options import verbose_option
-from opguard_core.errors import ExitCode
+from opguard_core.errors import ExitCode, InputError
 from opguard_core.files.atomic import atomic_write_text, safe_child
 from opguard_core.formats.config import load_config
-from opguard_core.formats.divergence import SEVERITIES
+from opguard_core.formats.divergence import SEVERITIES, flatten_groups
 from opguard_core.formats.trace import read_bytes
 from opguard_core.formats.tree import load_tree, node_target
 from opguard_core.run.summary import (
@@ -481,9 +481,10 @@ def divergence_view(
 
 
 def read_divergence(path: Path) -> dict[str, Any] | None:
-    """The divergence view of ``{name}_divergence.json`` (a document with ``meta`` and
-    ``findings``, or a bare list); None when there is no such file, and an empty view
-    with a note when it cannot be read."""
+    """The divergence view of ``{name}_divergence.json``: a version-4 document's
+    groups (kind and deviating-rank set) as they are, or an older document's flat
+    ``findings`` (or a bare list) grouped here; None when there is no such file, and
+    an empty view with a note when it cannot be read."""
     try:
         doc = msgspec.json.decode(path.read_bytes())
     except FileNotFoundError:
@@ -491,13 +492,49 @@ def read_divergence(path: Path) -> dict[str, Any] | None:
     except (OSError, msgspec.DecodeError):
         return {**divergence_view({}, [], 0), "note": f"{path.name} could not be read"}
     meta = doc.get("meta") if isinstance(doc, dict) else None
+    meta = meta if isinstance(meta, dict) else {}
+    if isinstance(doc, dict) and isinstance(doc.get("groups"), list):
+        try:
+            flat = flatten_groups(doc, path.name, distributions=False)
+        except InputError:
+            return {**divergence_view({}, [], 0), "note": f"{path.name} has malformed groups"}
+        return divergence_view(meta, _file_groups(flat), len(flat))
     found = doc.get("findings") if isinstance(doc, dict) else doc
     if not isinstance(found, list):
         return {**divergence_view({}, [], 0), "note": f"{path.name} has no findings list"}
     groups = group_findings(found)
-    return divergence_view(
-        meta if isinstance(meta, dict) else {}, groups, sum(len(g["findings"]) for g in groups)
-    )
+    return divergence_view(meta, groups, sum(len(g["findings"]) for g in groups))
+
+
+def _file_groups(found: list[Finding]) -> list[dict[str, Any]]:
+    """A version-4 document's findings (flattened, in file order) in the groups the
+    stage made (kind and deviating-rank set, consecutive in the file), in the shape
+    :func:`group_findings` gives; a group's ``target`` is its first finding's, with
+    how many other targets it has."""
+    groups: list[dict[str, Any]] = []
+    for f in found:
+        key = (f.get("kind"), f.get("ranks"))
+        if not groups or (groups[-1]["kind"], groups[-1]["ranks"]) != key:
+            groups.append(
+                {
+                    "kind": str(f.get("kind", "")),
+                    "severity": "warning",
+                    "target": str(f.get("target", "")),
+                    "ranks": f.get("ranks") or [],
+                    "size": 0,
+                    "findings": [],
+                }
+            )
+        group = groups[-1]
+        if f.get("severity") == "error":
+            group["severity"] = "error"
+        group["size"] += _int(f.get("size"))
+        group["findings"].append(f)
+    for group in groups:
+        targets = {str(f.get("target", "")) for f in group["findings"]}
+        if len(targets) > 1:
+            group["target"] += f" (and {len(targets) - 1} more)"
+    return groups
 
 
 # ----------------------------------------------------------------- the page

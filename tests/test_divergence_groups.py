@@ -1,0 +1,268 @@
+"""Divergence files a person can read (format version 4): findings grouped by kind and
+deviating-rank set, each frame and stack written once, and a majority that is one
+(a strict majority of the ranks, else "no majority" with the distribution); through
+``opguard run`` and the public readers."""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Callable
+from itertools import compress
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+
+from opguard_core.combine.accumulator import TraceAccumulator
+from opguard_core.formats.divergence import (
+    DIVERGENCE_VERSION,
+    encode_divergence,
+    load_divergence,
+    render_log,
+)
+from opguard_core.formats.trace import Callsite, decode_trace
+from opguard_core.model import RunOptions
+from opguard_plugins.stages import divergence
+from opguard_plugins.view.report import read_divergence
+from tests.builders import trace_doc
+from tests.compiled import compiled, needs
+
+RUNS = compiled("opguard_plugins.stages._runs")
+
+MAIN = [("app", "main"), ("app", "step")]
+
+
+def write_job(folder: Path, per_rank: list[list[tuple[str, int]]]) -> str:
+    """One rank file per entry of ``per_rank``: (function under app:step, count of
+    its all_reduce) pairs; version-1 traces (no collective sequence), so collectives
+    are compared by count per callsite. Returns the input pattern."""
+    folder.mkdir(exist_ok=True)
+    for rank, sites in enumerate(per_rank):
+        doc = trace_doc(
+            [
+                ([*MAIN, ("app", name)], "torch.distributed.all_reduce", "c10d::allreduce_", n)
+                for name, n in sites
+                if n > 0
+            ]
+            + [(MAIN, None, "aten::mm", 10)],
+            rank=rank,
+        )
+        (folder / f"job_callsite_rank{rank}.json").write_text(json.dumps(doc))
+    return str(folder / "job_callsite_rank*.json")
+
+
+def run_job(
+    opguard: Callable[..., Any], folder: Path, per_rank: list[list[tuple[str, int]]]
+) -> tuple[dict[str, Any], str, dict[str, Any]]:
+    """Run the job with --fail-on-divergence (exit 4: every job here has an error);
+    the divergence document as read back, its log and the raw document."""
+    run = opguard("run", "-i", write_job(folder, per_rank), "--fail-on-divergence", expect=4)
+    path = run.run_dir / "job_callsite_divergence.json"
+    raw = msgspec.json.decode(path.read_bytes())
+    summary = json.loads(run.read("pipeline_summary.json"))
+    (stage,) = [s for s in summary["stages"] if s["stage"] == "divergence"]
+    assert stage["counts"] == raw["meta"]["counts"]  # findings, errors, …, groups
+    return load_divergence(path), run.read("job_callsite_divergence.log"), raw
+
+
+def mismatches(doc: dict[str, Any]) -> list[dict[str, Any]]:
+    return [f for f in doc["findings"] if f["kind"] == "collective_mismatch"]
+
+
+def test_two_ranks_that_disagree_have_no_majority(
+    opguard: Callable[..., Any], tmp_path: Path
+) -> None:
+    doc, log, _ = run_job(opguard, tmp_path / "job", [[("sync", 2)], [("sync", 3)]])
+    (f,) = mismatches(doc)
+    assert f["majority"] is False
+    assert (f["ranks"], f["expected"], f["counts"]) == ([1], 2, {"1": 3})  # rank 0: reference
+    assert f["distribution"] == [[2, 1], [3, 1]]
+    assert "most ranks" not in f["message"] and "no majority (2x: 1 rank(s), 3x: 1" in f["message"]
+    assert "against rank 0, the lowest (2x), rank(s) 1 differ (rank 1: 3)" in f["message"]
+    assert "most ranks" not in log and "no majority" in log
+
+
+def test_four_ranks_split_two_and_two_have_no_majority(
+    opguard: Callable[..., Any], tmp_path: Path
+) -> None:
+    doc, log, _ = run_job(
+        opguard, tmp_path / "job", [[("sync", 5)], [("sync", 7)], [("sync", 5)], [("sync", 7)]]
+    )
+    (f,) = mismatches(doc)
+    assert f["majority"] is False
+    assert (f["ranks"], f["expected"], f["counts"]) == ([1, 3], 5, {"1": 7, "3": 7})
+    assert f["distribution"] == [[5, 2], [7, 2]]
+    assert "no majority (5x: 2 rank(s), 7x: 2 rank(s))" in f["message"]
+    assert "most ranks" not in log
+
+
+@pytest.mark.parametrize(
+    ("counts", "distribution"),
+    [([1, 2, 3], [[1, 1], [2, 1], [3, 1]]), ([4, 4, 6, 6, 9], [[4, 2], [6, 2], [9, 1]])],
+)
+def test_three_ways_have_no_majority(
+    opguard: Callable[..., Any], tmp_path: Path, counts: list[int], distribution: list[list[int]]
+) -> None:
+    doc, _, _ = run_job(opguard, tmp_path / "job", [[("sync", n)] for n in counts])
+    (f,) = mismatches(doc)
+    assert f["majority"] is False and f["distribution"] == distribution
+    assert f["expected"] == counts[0]  # the lowest rank is the reference
+    assert f["ranks"] == [r for r, n in enumerate(counts) if n != counts[0]]
+    assert f"no majority ({distribution[0][0]}x: {distribution[0][1]} rank(s)" in f["message"]
+
+
+def test_a_strict_majority_is_named_as_one(opguard: Callable[..., Any], tmp_path: Path) -> None:
+    """3 of 5 ranks hold 4: the majority, even though rank 0 does not."""
+    doc, log, _ = run_job(opguard, tmp_path / "job", [[("sync", n)] for n in [6, 4, 4, 9, 4]])
+    (f,) = mismatches(doc)
+    assert f["majority"] is True and "distribution" not in f
+    assert (f["ranks"], f["expected"], f["counts"]) == ([0, 3], 4, {"0": 6, "3": 9})
+    assert "issued 4x on 3 of 5 ranks (a majority)" in f["message"]
+    assert "counts: rank 0: 6, rank 3: 9 (expected 4)" in log
+
+
+def test_findings_are_grouped_and_each_stack_written_once(
+    opguard: Callable[..., Any], tmp_path: Path
+) -> None:
+    """Rank 3 issues one all_reduce more in each of 12 functions: one group of 12
+    findings (collective_mismatch, rank 3), written once, its first stack once; the
+    reader gives back every finding with its counts."""
+    names = [f"sync{i:02d}" for i in range(12)]
+    per_rank = [[(name, 2 + (rank == 3) * (i + 1)) for i, name in enumerate(names)]
+                for rank in range(4)]  # fmt: skip
+    doc, log, raw = run_job(opguard, tmp_path / "job", per_rank)
+    assert raw["version"] == DIVERGENCE_VERSION == 4 and "findings" not in raw
+    (group,) = [g for g in raw["groups"] if g["kind"] == "collective_mismatch"]
+    assert (group["ranks"], group["count"], group["severity"]) == ([3], 12, "error")
+    assert group["common"]["expected"] == 2 and group["common"]["majority"] is True
+    assert len(raw["frames"]) == len(set(raw["frames"]))
+    stacks = [tuple(s) for s in raw["stacks"]]
+    assert len(stacks) == len(set(stacks))
+    assert raw["meta"]["counts"]["groups"] == len(raw["groups"])
+    assert raw["meta"]["counts"]["collective_mismatch"] == 12
+    found = mismatches(doc)
+    assert [f["target"] for f in found] == [f"app:{n}" for n in reversed(names)]  # largest first
+    assert [f["counts"] for f in found] == [{"3": 2 + i + 1} for i in reversed(range(12))]
+    assert found[0]["stack"] == ["app:main", "app:step", "app:sync11"]
+    assert all(f["stack"] == [] for f in found[1:])  # their callsite names it
+    assert all(isinstance(f["callsite"], int) for f in found)
+    # the log: the group once, its largest findings listed, one stack
+    assert log.count("ERROR collective_mismatch") == 1
+    assert "12 findings" in log and "… 2 more" in log
+    assert log.count("stack (outermost first):") == len(raw["groups"])
+
+
+def test_round_trip_and_older_versions(tmp_path: Path) -> None:
+    """What encode_divergence writes, load_divergence reads back (the first finding of
+    a group whole, the others with their callsite for a stack); version 3 still
+    reads, and the report groups both."""
+    base = {"severity": "error", "kind": "collective_mismatch", "op": "c10d::allreduce_",
+            "api": None, "stream": "comm", "expected": 1, "majority": True}  # fmt: skip
+    findings = [
+        {**base, "ranks": [2], "target": f"app:f{i}", "counts": {"2": 1 + i}, "size": i,
+         "callsite": i, "context": ["app:main"], "stack": ["app:main", f"app:f{i}"],
+         "message": f"m{i}"}
+        for i in range(1, 4)
+    ] + [{"kind": "rank_specific", "severity": "warning", "ranks": [0], "missing": [1, 2],
+          "target": "app:log", "ops": 5, "size": 5, "context": [], "stack": ["app:log"],
+          "callsite": 9, "message": "only rank 0"}]  # fmt: skip
+    meta = {"source": "x", "ranks": [0, 1, 2], "skew": 0.25}
+    path = tmp_path / "x_divergence.json"
+    path.write_bytes(encode_divergence(meta, findings))
+    back = load_divergence(path)["findings"]
+    assert [f["target"] for f in back] == ["app:f3", "app:f2", "app:f1", "app:log"]
+    assert back[0] == {**findings[2]}  # the group's first: whole
+    assert back[1]["stack"] == [] and back[1]["callsite"] == 2 and back[1]["counts"] == {"2": 3}
+    assert back[1]["message"] == "m3"  # the group's message
+    assert back[3] == findings[3]
+    view = read_divergence(path)
+    assert view is not None and (view["findings"], view["ngroups"], view["errors"]) == (4, 2, 3)
+    assert view["groups"][0]["target"] == "app:f3 (and 2 more)"
+    old = tmp_path / "old_divergence.json"
+    old.write_text(
+        json.dumps(
+            {"format": "opguard-divergence", "version": 3, "meta": meta, "findings": findings}
+        )
+    )
+    assert load_divergence(old)["findings"] == findings
+    view = read_divergence(old)
+    assert view is not None and view["findings"] == 4
+    # the log of the same findings: two groups, errors first
+    log = render_log(meta, findings)
+    assert log.index("ERROR collective_mismatch [group 1]") < log.index("WARNING rank_specific")
+
+
+def test_a_malformed_version_4_document_is_one_line(tmp_path: Path) -> None:
+    path = tmp_path / "bad_divergence.json"
+    doc = {"format": "opguard-divergence", "version": 4, "meta": {}, "frames": [],
+           "stacks": [], "groups": [{"kind": "x", "severity": "error", "ranks": [1],
+           "fields": ["stack"], "findings": [[7]], "message": "m"}]}  # fmt: skip
+    path.write_text(json.dumps(doc))
+    with pytest.raises(Exception, match="stack 7 is not in stacks"):
+        load_divergence(path)
+    view = read_divergence(path)
+    assert view is not None and "malformed" in view["note"]
+
+
+def random_job(rnd: random.Random) -> list[dict[str, Any]]:
+    """Rank files (version 1) of a job whose counts differ: up to 12 ranks (more
+    than MAX_DISTINCT distinct counts: overflowed histograms), not numbered 0..N-1,
+    callsites some ranks never ran, collectives among them."""
+    ranks = sorted(rnd.sample(range(20), rnd.randint(2, 12)))
+    functions = [("app", f"f{i}") for i in range(rnd.randint(1, 6))]
+    sites = [
+        (rnd.sample(functions, rnd.randint(1, len(functions))), rnd.choice(OPS),
+         [rnd.choice([0, rnd.randint(1, 30)]) if rnd.random() < 0.3 else rnd.randint(1, 30)
+          for _ in ranks])
+        for _ in range(rnd.randint(1, 12))
+    ]  # fmt: skip
+    docs = []
+    for at, rank in enumerate(ranks):
+        own = [([("app", "main"), *stack], None, op, counts[at])
+               for stack, op, counts in sites if counts[at] > 0]  # fmt: skip
+        docs.append(trace_doc(own or [([("app", "main")], None, "aten::mm", 1)], rank=rank))
+    return docs
+
+
+OPS = ["aten::mm", "aten::add", "c10d::allreduce_"]
+
+
+@needs(RUNS)
+def test_the_compiled_skew_fold_is_the_python_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``skew_fold`` (C) gives what ``py_skew_fold`` gives, bit for bit, and so the
+    same count_skew findings (C or Python in use), on random jobs."""
+    native = RUNS
+    assert native is not None
+    rnd = random.Random(31)
+    compared = 0
+    for _ in range(150):
+        accumulator = TraceAccumulator()
+        for doc in random_job(rnd):
+            rank = doc["meta"]["rank"]
+            accumulator.add(decode_trace(json.dumps(doc).encode(), f"x_rank{rank}.json"))
+        trace = accumulator.result()
+        stacks = divergence._Stacks(trace, RunOptions())
+        keep = [not c for c in stacks.collective]
+        sites = list(compress(trace.callsites, keep))
+        numbers = [
+            -1 if p is None else stacks.function[f[p]]
+            for f, p in zip(
+                compress(stacks.visible, keep), compress(stacks.callers, keep), strict=True
+            )
+        ]
+        args = (sites, numbers, len(stacks.function_names), trace.ranks, 0.25)
+        assert native.skew_fold(*args) == divergence.py_skew_fold(*args)
+        monkeypatch.setattr(divergence, "skew_fold", native.skew_fold)
+        with_c = divergence.find_divergence(trace, RunOptions())
+        monkeypatch.setattr(divergence, "skew_fold", divergence.py_skew_fold)
+        assert divergence.find_divergence(trace, RunOptions()) == with_c
+        monkeypatch.undo()
+        compared += bool(with_c)
+    assert compared > 50  # most jobs diverge
+    # a callsite of ranks the trace does not have: one line, no crash
+    site = trace_doc([(MAIN, None, "aten::mm", 3)], rank=7)["callsites"][0]
+    lone = msgspec.convert({**site, "stack": [0], "ranks": [7], "role": "compute"}, Callsite)
+    with pytest.raises(ValueError, match="rank 7 is not one of the trace's"):
+        native.skew_fold([lone], [0], 1, [0, 1], 0.25)
