@@ -1053,11 +1053,23 @@ class _Importer:
         if not raw:
             return None
         fid_index, frames_of = self.fid_index, self.stacks.frames
-        group_ids: dict[GroupKey, int] = {}
+        # a name is one group in a process: what one event left unknown, another may say
+        merged: dict[str, GroupKey] = {}
+        for _, _, (name, desc, size, members), *_ in raw:
+            known = merged.get(name)
+            if known is None:
+                merged[name] = (name, desc, size, members)
+            else:
+                size = known[2] or size
+                members = known[3] or members
+                if size is not None and members and len(members) != size:
+                    members = ()
+                merged[name] = (name, known[1] or desc, size, members)
+        group_ids = {name: n for n, name in enumerate(merged)}
         signatures: dict[Signature, int] = {}
         remap: list[int] = []
         for sid, op, group, dtype, numel, shapes, reduce_op in raw:  # in id order
-            gid = group_ids.setdefault(group, len(group_ids))
+            gid = group_ids[group[0]]
             signature = Signature(
                 op=op,
                 group=gid,
@@ -1077,7 +1089,7 @@ class _Importer:
                 runs.append(StepRun(run.first, run.last, calls))
         return CollectiveSequence(
             ranks=trace_ranks(meta, self.name),
-            groups=[Group(name=n, desc=d, size=z, ranks=r) for n, d, z, r in group_ids],
+            groups=[Group(name=n, desc=d, size=z, ranks=r) for n, d, z, r in merged.values()],
             signatures=list(signatures),
             steps=runs,
         )
@@ -1420,8 +1432,8 @@ class _GroupTable:
             text = "0"
             if group_size is None:
                 group_size = self.world_size
-            if members is None and group_size is not None and group_size == self.world_size:
-                members = tuple(range(group_size))
+        if text == "0" and members is None and group_size and group_size == self.world_size:
+            members = tuple(range(group_size))  # the default group: every rank
         known = self.config.get(text)
         if known is not None:
             group_desc = group_desc or known[0]
