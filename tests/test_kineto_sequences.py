@@ -181,6 +181,23 @@ def test_no_group_info_is_the_default_group() -> None:
     assert seq["steps"] == [[0, 0, [0, 0]]]
 
 
+def test_collectives_without_distributed_info_are_described() -> None:
+    """A trace without ``distributedInfo`` in its head is decoded without the args
+    that describe collectives (faster); when it has collectives, they are decoded
+    after all: the description is the same."""
+    events = [
+        op("c10d::allreduce_", 0, 10),
+        comms(1, 5, dtype="Half", name="3", desc="dp", size=2, ranks="[1, 3]", nelems=5),
+    ]
+    plain_doc = read({"traceEvents": events}, "job_rank1.json")
+    seq = sequence(plain_doc)
+    assert seq["ranks"] == [1]
+    assert seq["groups"] == [{"name": "3", "desc": "dp", "size": 2, "ranks": [1, 3]}]
+    assert (seq["signatures"][0]["dtype"], seq["signatures"][0]["numel"]) == ("float16", 5)
+    with_info = read({"distributedInfo": {"rank": 1}, "traceEvents": events}, "job_rank1.json")
+    assert sequence(with_info) == seq
+
+
 def test_odd_args_are_unknown_not_errors() -> None:
     """Truncated rank lists, sizes that are strings, shapes that are not shapes: the
     field is null, the trace is read."""

@@ -76,8 +76,15 @@ NO_STREAM = -1
 _NO_RAW = msgspec.Raw()
 
 
-class _Args(
-    msgspec.Struct,
+class _Args(msgspec.Struct, gc=False, rename={"call_stack": "Call stack"}):
+    correlation: int | None = None
+    stream: int | None = None
+    device: int | None = None
+    call_stack: str | None = None
+
+
+class _CommArgs(
+    _Args,
     gc=False,
     rename={
         "call_stack": "Call stack",
@@ -91,15 +98,16 @@ class _Args(
         "in_nelems": "In msg nelems",
     },
 ):
-    correlation: int | None = None
-    stream: int | None = None
-    device: int | None = None
-    call_stack: str | None = None
+    """An event's args with what describes a collective (the sequence, docs/kineto.md
+    "Collective sequences"): decoded only for a distributed job's trace, since every
+    field more slows the decoding of every event's args."""
+
     # a collective's description (the sequence, docs/kineto.md "Collective
     # sequences"): kept raw (shapes are on every op: decoded only for collectives)
-    input_dims: msgspec.Raw = _NO_RAW
-    input_type: msgspec.Raw = _NO_RAW
+    # (in the order torch writes them: msgspec looks the next field up first)
     concrete: msgspec.Raw = _NO_RAW
+    input_type: msgspec.Raw = _NO_RAW
+    input_dims: msgspec.Raw = _NO_RAW
     # only on record_param_comms: any JSON value, checked where read
     dtype: Any = None
     pg_name: Any = None
@@ -118,6 +126,10 @@ class _Event(msgspec.Struct, gc=False):
     ts: float = 0.0
     dur: float = 0.0
     args: _Args | None = None
+
+
+class _CommEvent(_Event, gc=False):
+    args: _CommArgs | None = None
 
 
 class _Distributed(msgspec.Struct, gc=False):
@@ -144,7 +156,24 @@ class _Document(
     hip_runtime_version: Any = None
 
 
+_DOCUMENT_KEYS = {
+    "trace_events": "traceEvents",
+    "distributed_info": "distributedInfo",
+    "schema_version": "schemaVersion",
+}
+
+
+class _CommDocument(_Document, gc=False, rename=_DOCUMENT_KEYS):
+    """A distributed job's trace: its events' args with collectives' descriptions."""
+
+    trace_events: list[_CommEvent] = []  # type: ignore[assignment]
+
+
 _DECODER = msgspec.json.Decoder(_Document)
+_COMM_DECODER = msgspec.json.Decoder(_CommDocument)
+#: what marks a distributed job's trace in its first :data:`HEAD` bytes (torch writes
+#: ``distributedInfo`` before the events)
+_DISTRIBUTED_KEY = b'"distributedInfo"'
 
 
 class KinetoError(ValueError):
@@ -437,13 +466,16 @@ def read_kineto(data: bytes, name: str) -> dict[str, Any]:
     ``name`` is the file's name, for ``meta.source``. Raises :class:`KinetoError` with
     a one-line reason for anything unreadable.
     """
+    distributed = data.find(_DISTRIBUTED_KEY, 0, HEAD) >= 0
     with gc_paused():  # millions of acyclic tuples: no collection can free anything
-        return _Importer(_decode(data), name).run()
+        document = _decode(data, _COMM_DECODER if distributed else _DECODER)
+        return _Importer(document, name, data).run()
 
 
-def _decode(data: bytes) -> _Document:
+def _decode(data: bytes, decoder: msgspec.json.Decoder[Any] = _DECODER) -> _Document:
     try:
-        return _DECODER.decode(data)
+        document: _Document = decoder.decode(data)
+        return document
     except (msgspec.DecodeError, msgspec.ValidationError) as error:
         raise KinetoError(f"not a readable Kineto trace: {' '.join(str(error).split())}") from None
 
@@ -474,9 +506,10 @@ def _has_call_stack(
 
 
 class _Importer:
-    def __init__(self, document: _Document, name: str) -> None:
+    def __init__(self, document: _Document, name: str, data: bytes) -> None:
         self.document = document
         self.name = name
+        self.data = data
         self.frames = _Frames()
         self.stacks = _Stacks()
         self.window: dict[str, int] = {}
@@ -682,13 +715,19 @@ class _Importer:
                 op = number
                 continue
             # a record-function label
-            if name[:1] == "P" and _PROFILER_STEP.match(name):
+            first = name[:1]
+            if first == "P" and _PROFILER_STEP.match(name):
                 self.step(name, thread, ts)
                 continue
-            if name[:5] == "nccl:":
-                if op != -1 and op_kind[op] == _COLLECTIVE and op not in comm_labels:
+            if first == "n":
+                if (
+                    op != -1
+                    and op_kind[op] == _COLLECTIVE
+                    and name.startswith("nccl:")
+                    and op not in comm_labels
+                ):
                     comm_labels[op] = index
-            elif name[:15] == "Optimizer.step#":
+            elif first == "O" and name.startswith("Optimizer.step#"):
                 self.optimizer_ends.append(ts - negdur)
             if not use_labels:
                 continue
@@ -1027,6 +1066,10 @@ class _Importer:
         every collective op in time order, described from its ``record_param_comms``,
         its ``nccl:*`` label and its own args; None when it issued none."""
         events = self.document.trace_events
+        if not isinstance(self.document, _CommDocument):
+            # collectives in a trace without distributedInfo in its head: decode the
+            # args that describe them now (rare: a second decoding)
+            events = _decode(self.data, _COMM_DECODER).trace_events
         groups = _GroupTable(self.document.distributed_info)
         step_of = self.step_numbering()
         op_ts, op_thread, op_name, op_sid = self.op_ts, self.op_thread, self.op_name, self.op_sid
@@ -1040,9 +1083,9 @@ class _Importer:
             label = self.comm_labels.get(number)
             group, dtype, numel, shapes, reduce_op = _describe(
                 op,
-                events[self.comm_ops[number]].args,
-                events[params].args if params is not None else None,
-                events[label].args if label is not None else None,
+                _comm_args(events[self.comm_ops[number]]),
+                _comm_args(events[params]) if params is not None else None,
+                _comm_args(events[label]) if label is not None else None,
                 groups,
             )
             key = (op_sid[number], op, group, dtype, numel, shapes, reduce_op)
@@ -1447,11 +1490,16 @@ class _GroupTable:
         return found
 
 
+def _comm_args(event: _Event) -> _CommArgs | None:
+    args = event.args
+    return args if isinstance(args, _CommArgs) else None
+
+
 def _describe(
     op: str,
-    own: _Args | None,
-    params: _Args | None,
-    label: _Args | None,
+    own: _CommArgs | None,
+    params: _CommArgs | None,
+    label: _CommArgs | None,
     groups: _GroupTable,
 ) -> tuple[GroupKey, str | None, int | None, tuple[tuple[int, ...], ...] | None, str | None]:
     """(group, dtype, numel, shapes, reduce op) of one collective op from its own args,
