@@ -37,8 +37,10 @@ decompressed. One file is one rank. In brief:
 
 from __future__ import annotations
 
+import math
 import re
-from collections.abc import Iterable
+from bisect import bisect_right
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -47,8 +49,17 @@ import msgspec
 from opguard_core import hookimpl
 from opguard_core.combine.accumulator import gc_paused
 from opguard_core.errors import InputError
+from opguard_core.formats.collectives import (
+    Collectives,
+    CollectiveSequence,
+    Group,
+    Signature,
+    StepRecorder,
+    StepRun,
+    is_collective,
+)
 from opguard_core.formats.streams import COMM_NAMESPACES, role_order
-from opguard_core.formats.trace import TRACE_FORMAT, TRACE_VERSION
+from opguard_core.formats.trace import TRACE_FORMAT, TRACE_VERSION, trace_ranks
 from opguard_core.run.warnings import warn
 
 #: ``meta.importer``: this reader and the version of its rules
@@ -61,11 +72,49 @@ NO_STREAM = -1
 # ---------------------------------------------------------------------------
 
 
+#: an absent raw field (empty: ``not raw``)
+_NO_RAW = msgspec.Raw()
+
+
 class _Args(msgspec.Struct, gc=False, rename={"call_stack": "Call stack"}):
     correlation: int | None = None
     stream: int | None = None
     device: int | None = None
     call_stack: str | None = None
+
+
+class _CommArgs(
+    _Args,
+    gc=False,
+    rename={
+        "call_stack": "Call stack",
+        "input_dims": "Input Dims",
+        "input_type": "Input type",
+        "concrete": "Concrete Inputs",
+        "pg_name": "Process Group Name",
+        "pg_desc": "Process Group Description",
+        "group_size": "Group size",
+        "pg_ranks": "Process Group Ranks",
+        "in_nelems": "In msg nelems",
+    },
+):
+    """An event's args with what describes a collective (the sequence, docs/kineto.md
+    "Collective sequences"): decoded only for a distributed job's trace, since every
+    field more slows the decoding of every event's args."""
+
+    # a collective's description (the sequence, docs/kineto.md "Collective
+    # sequences"): kept raw (shapes are on every op: decoded only for collectives)
+    # (in the order torch writes them: msgspec looks the next field up first)
+    concrete: msgspec.Raw = _NO_RAW
+    input_type: msgspec.Raw = _NO_RAW
+    input_dims: msgspec.Raw = _NO_RAW
+    # only on record_param_comms: any JSON value, checked where read
+    dtype: Any = None
+    pg_name: Any = None
+    pg_desc: Any = None
+    group_size: Any = None
+    pg_ranks: Any = None
+    in_nelems: Any = None
 
 
 class _Event(msgspec.Struct, gc=False):
@@ -79,10 +128,16 @@ class _Event(msgspec.Struct, gc=False):
     args: _Args | None = None
 
 
+class _CommEvent(_Event, gc=False):
+    args: _CommArgs | None = None
+
+
 class _Distributed(msgspec.Struct, gc=False):
     rank: int | None = None
     world_size: int | None = None
     backend: str | None = None
+    #: torch >= 2.3: [{"pg_name", "pg_desc", "pg_size", "ranks"}, ...]; checked where read
+    pg_config: Any = None
 
 
 class _Document(
@@ -101,7 +156,24 @@ class _Document(
     hip_runtime_version: Any = None
 
 
+_DOCUMENT_KEYS = {
+    "trace_events": "traceEvents",
+    "distributed_info": "distributedInfo",
+    "schema_version": "schemaVersion",
+}
+
+
+class _CommDocument(_Document, gc=False, rename=_DOCUMENT_KEYS):
+    """A distributed job's trace: its events' args with collectives' descriptions."""
+
+    trace_events: list[_CommEvent] = []  # type: ignore[assignment]
+
+
 _DECODER = msgspec.json.Decoder(_Document)
+_COMM_DECODER = msgspec.json.Decoder(_CommDocument)
+#: what marks a distributed job's trace in its first :data:`HEAD` bytes (torch writes
+#: ``distributedInfo`` before the events)
+_DISTRIBUTED_KEY = b'"distributedInfo"'
 
 
 class KinetoError(ValueError):
@@ -394,13 +466,16 @@ def read_kineto(data: bytes, name: str) -> dict[str, Any]:
     ``name`` is the file's name, for ``meta.source``. Raises :class:`KinetoError` with
     a one-line reason for anything unreadable.
     """
+    distributed = data.find(_DISTRIBUTED_KEY, 0, HEAD) >= 0
     with gc_paused():  # millions of acyclic tuples: no collection can free anything
-        return _Importer(_decode(data), name).run()
+        document = _decode(data, _COMM_DECODER if distributed else _DECODER)
+        return _Importer(document, name, data).run()
 
 
-def _decode(data: bytes) -> _Document:
+def _decode(data: bytes, decoder: msgspec.json.Decoder[Any] = _DECODER) -> _Document:
     try:
-        return _DECODER.decode(data)
+        document: _Document = decoder.decode(data)
+        return document
     except (msgspec.DecodeError, msgspec.ValidationError) as error:
         raise KinetoError(f"not a readable Kineto trace: {' '.join(str(error).split())}") from None
 
@@ -431,9 +506,10 @@ def _has_call_stack(
 
 
 class _Importer:
-    def __init__(self, document: _Document, name: str) -> None:
+    def __init__(self, document: _Document, name: str, data: bytes) -> None:
         self.document = document
         self.name = name
+        self.data = data
         self.frames = _Frames()
         self.stacks = _Stacks()
         self.window: dict[str, int] = {}
@@ -454,6 +530,13 @@ class _Importer:
         self.py_cache: dict[str, tuple[int, int, str]] = {}
         self.call_stacks: dict[str, tuple[int, str | None]] = {}
         self.window_bounds: tuple[float | None, float | None] = (None, None)
+        #: collective op number → its event; → its record_param_comms; → its nccl:* label
+        self.comm_ops: dict[int, int] = {}
+        self.comm_params: dict[int, int] = {}
+        self.comm_labels: dict[int, int] = {}
+        #: (ts, N) of each ``ProfilerStep#N``; ends of ``Optimizer.step#`` labels
+        self.step_starts: list[tuple[float, int]] = []
+        self.optimizer_ends: list[float] = []
 
     def count(self, key: str, n: int = 1) -> None:
         self.window[key] = self.window.get(key, 0) + n
@@ -539,6 +622,7 @@ class _Importer:
         op_ts, op_end, op_kind = self.op_ts, self.op_end, self.op_kind
         call_stacks = self.call_stacks
         anchors = self.anchors
+        comm_ops, comm_params, comm_labels = self.comm_ops, self.comm_params, self.comm_labels
         classes = self.frames.classes
         # the open events: (end, state to restore when it closes)
         ends: list[float] = []
@@ -592,7 +676,14 @@ class _Importer:
                 okind, base = known
                 if okind == _NOT_OP:
                     if name[:1] == "P" and _PROFILER_STEP.match(name):
-                        self.step(name, thread)
+                        self.step(name, thread, ts)
+                    elif (
+                        name == "record_param_comms"
+                        and op != -1
+                        and op_kind[op] == _COLLECTIVE
+                        and op not in comm_params
+                    ):
+                        comm_params[op] = index
                     continue
                 if op != -1 and (okind != _COLLECTIVE or op_kind[op] == _COLLECTIVE):
                     continue  # inside a counted op: not issued by the program
@@ -611,6 +702,8 @@ class _Importer:
                         if cached[1] is not None:
                             anchors.append(_Anchor(ts, end, cached[0], thread, cached[1]))
                 number = len(op_name)
+                if okind == _COLLECTIVE:
+                    comm_ops[number] = index
                 op_name.append(base)
                 op_sid.append(new_sid)
                 op_thread.append(thread)
@@ -622,9 +715,20 @@ class _Importer:
                 op = number
                 continue
             # a record-function label
-            if name[:1] == "P" and _PROFILER_STEP.match(name):
-                self.step(name, thread)
+            first = name[:1]
+            if first == "P" and _PROFILER_STEP.match(name):
+                self.step(name, thread, ts)
                 continue
+            if first == "n":
+                if (
+                    op != -1
+                    and op_kind[op] == _COLLECTIVE
+                    and name.startswith("nccl:")
+                    and op not in comm_labels
+                ):
+                    comm_labels[op] = index
+            elif first == "O" and name.startswith("Optimizer.step#"):
+                self.optimizer_ends.append(ts - negdur)
             if not use_labels:
                 continue
             end = ts - negdur
@@ -635,9 +739,11 @@ class _Importer:
         if misnested:
             self.count("misnested_ops", misnested)
 
-    def step(self, name: str, thread: int) -> None:
+    def step(self, name: str, thread: int, ts: float) -> None:
         """Note a ``ProfilerStep#N`` event."""
-        self.steps.add(int(name[len("ProfilerStep#") :]))
+        number = int(name[len("ProfilerStep#") :])
+        self.steps.add(number)
+        self.step_starts.append((ts, number))
         self.step_threads.add(thread)
 
     def backward_api(self, sid: int) -> str:
@@ -899,6 +1005,7 @@ class _Importer:
             sid = self.op_sid[number]
             if self.op_kind[number] == _PROFILER_OP or self._from_profiler(sid, profiler_frames):
                 profiler_ops += 1
+                self.comm_ops.pop(number, None)  # the profiler's, not the program's
                 continue
             if sid == 0:
                 without_stack += 1
@@ -911,13 +1018,18 @@ class _Importer:
             self.count("profiler_ops", profiler_ops)
         self.count("ops_without_stack", without_stack)
         frames, callsites = self.canonical(counts)
-        return {
+        document: dict[str, Any] = {
             "format": TRACE_FORMAT,
             "version": TRACE_VERSION,
             "meta": self.meta(streams, sum(counts.values())),
             "frames": frames,
             "callsites": callsites,
         }
+        if self.comm_ops:
+            sequence = self.sequence(document["meta"])
+            if sequence is not None:
+                document["collectives"] = Collectives(sequences=[sequence])
+        return document
 
     def canonical(
         self, counts: dict[tuple[int, str | None, str, int, str], int]
@@ -932,6 +1044,7 @@ class _Importer:
         order = sorted({frame_key(v) for v in values.values()})
         index_of = {key: i for i, key in enumerate(order)}
         fid_index = {fid: index_of[frame_key(v)] for fid, v in values.items()}
+        self.fid_index = fid_index
         merged: dict[tuple[tuple[int, ...], str, str, str], tuple[int, int]] = {}
         for (sid, api, op, stream, role), n in counts.items():
             key = (tuple(fid_index[f] for f in expanded[sid]), api or "", op, role)
@@ -945,6 +1058,106 @@ class _Importer:
             site.update({"op": op, "stream": stream, "role": role, "count": n})
             callsites.append(site)
         return [_frame_from_key(key) for key in order], callsites
+
+    # -- collective sequence ------------------------------------------------
+
+    def sequence(self, meta: dict[str, Any]) -> CollectiveSequence | None:
+        """The rank's collective sequence (docs/kineto.md, "Collective sequences"):
+        every collective op in time order, described from its ``record_param_comms``,
+        its ``nccl:*`` label and its own args; None when it issued none."""
+        events = self.document.trace_events
+        if not isinstance(self.document, _CommDocument):
+            # collectives in a trace without distributedInfo in its head: decode the
+            # args that describe them now (rare: a second decoding)
+            events = _decode(self.data, _COMM_DECODER).trace_events
+        groups = _GroupTable(self.document.distributed_info)
+        step_of = self.step_numbering()
+        op_ts, op_thread, op_name, op_sid = self.op_ts, self.op_thread, self.op_name, self.op_sid
+        raw: dict[tuple[Any, ...], int] = {}
+        recorder = StepRecorder()
+        for number in sorted(self.comm_ops, key=lambda n: (op_ts[n], op_thread[n])):
+            op = op_name[number]
+            if not is_collective(op):
+                continue  # a wait
+            params = self.comm_params.get(number)
+            label = self.comm_labels.get(number)
+            group, dtype, numel, shapes, reduce_op = _describe(
+                op,
+                _comm_args(events[self.comm_ops[number]]),
+                _comm_args(events[params]) if params is not None else None,
+                _comm_args(events[label]) if label is not None else None,
+                groups,
+            )
+            key = (op_sid[number], op, group, dtype, numel, shapes, reduce_op)
+            index = raw.get(key)
+            if index is None:
+                index = raw[key] = len(raw)
+            recorder.add(step_of(op_ts[number]), index)
+        if not raw:
+            return None
+        fid_index, frames_of = self.fid_index, self.stacks.frames
+        # a name is one group in a process: what one event left unknown, another may say
+        merged: dict[str, GroupKey] = {}
+        for _, _, (name, desc, size, members), *_ in raw:
+            known = merged.get(name)
+            if known is None:
+                merged[name] = (name, desc, size, members)
+            else:
+                size = known[2] or size
+                members = known[3] or members
+                if size is not None and members and len(members) != size:
+                    members = ()
+                merged[name] = (name, known[1] or desc, size, members)
+        group_ids = {name: n for n, name in enumerate(merged)}
+        signatures: dict[Signature, int] = {}
+        remap: list[int] = []
+        for sid, op, group, dtype, numel, shapes, reduce_op in raw:  # in id order
+            gid = group_ids[group[0]]
+            signature = Signature(
+                op=op,
+                group=gid,
+                dtype=dtype,
+                numel=numel,
+                shapes=shapes,
+                reduce_op=reduce_op,
+                stack=tuple(fid_index[f] for f in frames_of(sid)),
+            )
+            remap.append(signatures.setdefault(signature, len(signatures)))
+        runs: list[StepRun] = []
+        for run in recorder.finish():
+            calls = tuple(remap[c] for c in run.calls)
+            if runs and runs[-1].last + 1 == run.first and runs[-1].calls == calls:
+                runs[-1] = StepRun(runs[-1].first, run.last, calls)
+            else:
+                runs.append(StepRun(run.first, run.last, calls))
+        return CollectiveSequence(
+            ranks=trace_ranks(meta, self.name),
+            groups=[Group(name=n, desc=d, size=z, ranks=r) for n, d, z, r in merged.values()],
+            signatures=list(signatures),
+            steps=runs,
+        )
+
+    def step_numbering(self) -> Callable[[float], int]:
+        """A collective's step from its start time: ``N0 + k``, where ``ProfilerStep#N0``
+        is the trace's first profiler step (0 without any) and ``k`` the
+        ``Optimizer.step#`` labels that ended before it (the tracer's optimizer steps
+        finished, counted from the window's start); in a trace without optimizer
+        labels, the number ``N`` of the last ``ProfilerStep#N`` started before it."""
+        starts = sorted(self.step_starts)
+        first = min(n for _, n in starts) if starts else 0
+        if self.optimizer_ends:
+            ends = sorted(self.optimizer_ends)
+            return lambda ts: first + bisect_right(ends, ts)
+        if not starts:
+            return lambda ts: 0
+        times = [ts for ts, _ in starts]
+        numbers = [n for _, n in starts]
+
+        def step(ts: float) -> int:
+            at = bisect_right(times, ts) - 1
+            return numbers[at] if at >= 0 else first
+
+        return step
 
     def stack_api(self, sid: int, cache: dict[int, str | None]) -> str | None:
         """The backward api of the outermost backward entry on a stack, else None
@@ -1035,3 +1248,302 @@ def _frame_from_key(key: tuple[str, int, str, str, str]) -> dict[str, Any]:
     if module:
         frame["module"] = module
     return frame
+
+
+# ---------------------------------------------------------------------------
+# collective sequences: what one collective op's events say about it
+# ---------------------------------------------------------------------------
+
+#: (name, desc, size, ranks) of a process group
+GroupKey = tuple[str, str | None, int | None, tuple[int, ...]]
+
+#: dtype names → torch's (without ``torch.``): c10's ScalarType names, which
+#: ``record_param_comms`` writes as ``dtype``, and the C++ type names of ``Input type``
+_DTYPES: dict[str, str] = {
+    "Float": "float32",
+    "Double": "float64",
+    "Half": "float16",
+    "BFloat16": "bfloat16",
+    "Long": "int64",
+    "Int": "int32",
+    "Short": "int16",
+    "Char": "int8",
+    "Byte": "uint8",
+    "Bool": "bool",
+    "UInt16": "uint16",
+    "UInt32": "uint32",
+    "UInt64": "uint64",
+    "ComplexHalf": "complex32",
+    "ComplexFloat": "complex64",
+    "ComplexDouble": "complex128",
+    "Float8_e4m3fn": "float8_e4m3fn",
+    "Float8_e5m2": "float8_e5m2",
+    "Float8_e4m3fnuz": "float8_e4m3fnuz",
+    "Float8_e5m2fnuz": "float8_e5m2fnuz",
+    "float": "float32",
+    "double": "float64",
+    "c10::Half": "float16",
+    "c10::BFloat16": "bfloat16",
+    "long int": "int64",
+    "long": "int64",
+    "long long": "int64",
+    "int": "int32",
+    "short int": "int16",
+    "short": "int16",
+    "signed char": "int8",
+    "unsigned char": "uint8",
+    "bool": "bool",
+    "unsigned short": "uint16",
+    "unsigned int": "uint32",
+    "unsigned long": "uint64",
+    "c10::complex<c10::Half>": "complex32",
+    "c10::complex<float>": "complex64",
+    "c10::complex<double>": "complex128",
+    "c10::Float8_e4m3fn": "float8_e4m3fn",
+    "c10::Float8_e5m2": "float8_e5m2",
+    "c10::Float8_e4m3fnuz": "float8_e4m3fnuz",
+    "c10::Float8_e5m2fnuz": "float8_e5m2fnuz",
+}
+#: ``Input type`` of a list of tensors (its ``Input Dims`` entry: one shape per tensor)
+_TENSOR_LISTS = frozenset({"TensorList", "GenericList"})
+
+#: the position of a collective's input tensor(s) among its args, where it is not the
+#: first: the argument OpGuard's tracer describes (``input``/``inputs``/``tensors``…
+#: by schema name, else the first tensor argument; torch 2.13's schemas)
+_INPUT_ARG: dict[str, int] = {
+    "c10d::reduce_scatter_": 1,
+    "c10d::reduce_scatter_tensor_coalesced_": 1,
+    "c10d::alltoall_": 1,
+    "c10d::alltoall_base_": 1,
+    "c10d::gather_": 1,
+    "c10d::scatter_": 1,
+    "c10d::allgather_": 1,
+    "c10d::allgather_into_tensor_coalesced_": 1,
+    "c10d::_reduce_scatter_base_": 1,
+    "c10d::_allgather_base_": 1,
+    "_c10d_functional::batch_p2p_ops": 3,
+    "c10d_functional::batch_p2p_ops": 3,
+}
+#: the position of the reduce op (a string) in ``Concrete Inputs``
+_REDUCE_ARG: dict[str, int] = {
+    f"{ns}::{name}": 1
+    for ns in ("_c10d_functional", "c10d_functional")
+    for name in (
+        "all_reduce",
+        "all_reduce_",
+        "all_reduce_coalesced",
+        "all_reduce_coalesced_",
+        "reduce_scatter_tensor",
+        "reduce_scatter_tensor_out",
+        "reduce_scatter_tensor_coalesced",
+    )
+}
+#: the position of the group name in ``Concrete Inputs`` (functional collectives)
+_GROUP_ARG: dict[str, int] = {
+    "_c10d_functional::all_reduce": 2,
+    "_c10d_functional::all_reduce_": 2,
+    "_c10d_functional::all_reduce_coalesced": 2,
+    "_c10d_functional::all_reduce_coalesced_": 2,
+    "_c10d_functional::all_gather_into_tensor": 2,
+    "_c10d_functional::all_gather_into_tensor_out": 2,
+    "_c10d_functional::all_gather_into_tensor_coalesced": 2,
+    "_c10d_functional::broadcast": 2,
+    "_c10d_functional::broadcast_": 2,
+    "_c10d_functional::reduce_scatter_tensor": 3,
+    "_c10d_functional::reduce_scatter_tensor_out": 3,
+    "_c10d_functional::reduce_scatter_tensor_coalesced": 3,
+    "_c10d_functional::all_to_all_single": 3,
+    "_c10d_functional::isend": 3,
+    "_c10d_functional::irecv": 3,
+    "_c10d_functional::batch_p2p_ops": 4,
+}
+
+_LISTS = msgspec.json.Decoder(list[Any])
+
+
+def _decoded(raw: msgspec.Raw) -> list[Any] | None:
+    """A raw ``Input Dims``/``Input type``/``Concrete Inputs`` as a list; None if absent
+    or not a list."""
+    if not raw:
+        return None
+    try:
+        return _LISTS.decode(raw)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return None
+
+
+def _shape(value: Any) -> tuple[int, ...] | None:
+    if isinstance(value, list) and all(_count(d) for d in value):
+        return tuple(value)
+    return None
+
+
+def _shapes_at(
+    dims: list[Any] | None, types: list[Any] | None, at: int
+) -> tuple[tuple[int, ...], ...] | None:
+    """The shapes of the tensor(s) of argument ``at``: one for a tensor, one per tensor
+    for a list; None where unknown (an older profiler records a list's dims as ``[]``)."""
+    if dims is None or types is None or at >= len(dims) or at >= len(types):
+        return None
+    kind, value = types[at], dims[at]
+    if kind in _DTYPES:
+        shape = _shape(value)
+        return None if shape is None else (shape,)
+    if kind in _TENSOR_LISTS and isinstance(value, list) and value:
+        shapes = [_shape(v) for v in value]
+        if all(s is not None for s in shapes):
+            return tuple(s for s in shapes if s is not None)
+    return None
+
+
+def _tensor_shapes(
+    dims: list[Any] | None, types: list[Any] | None
+) -> tuple[tuple[int, ...], ...] | None:
+    """The shapes of every tensor argument (an ``nccl:*`` label's args are the inputs)."""
+    if dims is None or types is None:
+        return None
+    shapes: list[tuple[int, ...]] = []
+    for at in range(min(len(dims), len(types))):
+        found = _shapes_at(dims, types, at)
+        if found is not None:
+            shapes.extend(found)
+    return tuple(shapes) or None
+
+
+def _first_dtype(types: list[Any] | None) -> str | None:
+    for kind in types or ():
+        if isinstance(kind, str) and kind in _DTYPES:
+            return _DTYPES[kind]
+    return None
+
+
+def _count(value: Any) -> bool:
+    """Whether a JSON value is a non-negative integer."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _positive(value: Any) -> int | None:
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
+        return value
+    return None
+
+
+def _rank_list(value: Any) -> tuple[int, ...] | None:
+    """``Process Group Ranks`` (a string ``"[0, 1]"``, or a list); None if unreadable
+    (torch shortens long lists)."""
+    if isinstance(value, str):
+        try:
+            value = _LISTS.decode(value)
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            return None
+    if isinstance(value, list) and value and all(_count(r) for r in value):
+        return tuple(value)
+    return None
+
+
+class _GroupTable:
+    """Process groups as ``record_param_comms`` and ``distributedInfo.pg_config``
+    describe them; the default group ``"0"`` where a trace names none."""
+
+    def __init__(self, info: _Distributed | None) -> None:
+        self.world_size = _positive(info.world_size) if info is not None else None
+        self.config: dict[str, tuple[str | None, int | None, tuple[int, ...] | None]] = {}
+        config = info.pg_config if info is not None else None
+        for entry in config if isinstance(config, list) else ():
+            if not isinstance(entry, dict) or entry.get("pg_name") is None:
+                continue
+            desc = entry.get("pg_desc")
+            self.config[str(entry["pg_name"])] = (
+                desc if isinstance(desc, str) and desc else None,
+                _positive(entry.get("pg_size")),
+                _rank_list(entry.get("ranks")),
+            )
+        self.cache: dict[tuple[Any, ...], GroupKey] = {}
+
+    def key(self, name: Any, desc: Any, size: Any, ranks: Any) -> GroupKey:
+        """A group from what the events say (any of it may be missing), completed from
+        ``pg_config``; no name: the default group ``"0"``, of the world's size."""
+        lookup = (name, desc, size, ranks)
+        found = self.cache.get(lookup)
+        if found is not None:
+            return found
+        text = str(name) if isinstance(name, str | int) and str(name) else None
+        group_desc = desc if isinstance(desc, str) and desc else None
+        group_size = _positive(size)
+        members = _rank_list(ranks)
+        if text is None:
+            text = "0"
+            if group_size is None:
+                group_size = self.world_size
+        if text == "0" and members is None and group_size and group_size == self.world_size:
+            members = tuple(range(group_size))  # the default group: every rank
+        known = self.config.get(text)
+        if known is not None:
+            group_desc = group_desc or known[0]
+            group_size = group_size or known[1]
+            members = members or known[2]
+        if members is not None and group_size is not None and len(members) != group_size:
+            members = None
+        if group_size is None and members is not None:
+            group_size = len(members)
+        found = self.cache[lookup] = (text, group_desc, group_size, members or ())
+        return found
+
+
+def _comm_args(event: _Event) -> _CommArgs | None:
+    args = event.args
+    return args if isinstance(args, _CommArgs) else None
+
+
+def _describe(
+    op: str,
+    own: _CommArgs | None,
+    params: _CommArgs | None,
+    label: _CommArgs | None,
+    groups: _GroupTable,
+) -> tuple[GroupKey, str | None, int | None, tuple[tuple[int, ...], ...] | None, str | None]:
+    """(group, dtype, numel, shapes, reduce op) of one collective op from its own args,
+    its ``record_param_comms`` (``params``) and its ``nccl:*`` label; unknowns None."""
+    dims = _decoded(own.input_dims) if own is not None else None
+    types = _decoded(own.input_type) if own is not None else None
+    concrete = _decoded(own.concrete) if own is not None else None
+    at = _INPUT_ARG.get(op, 0)
+    shapes = _shapes_at(dims, types, at)
+    label_types = _decoded(label.input_type) if label is not None else None
+    if shapes is None and label is not None:
+        shapes = _tensor_shapes(_decoded(label.input_dims), label_types)
+    if shapes is None and params is not None:
+        shapes = _shapes_at(_decoded(params.input_dims), _decoded(params.input_type), 0)
+    numel: int | None = None
+    if shapes is not None:
+        numel = sum(math.prod(shape) for shape in shapes)
+    elif params is not None and _count(params.in_nelems):
+        numel = params.in_nelems
+    dtype: str | None = None
+    if params is not None and isinstance(params.dtype, str):
+        dtype = _DTYPES.get(params.dtype)
+    if dtype is None:
+        dtype = _first_dtype(label_types)
+    if dtype is None and types is not None and at < len(types):
+        kind = types[at]
+        dtype = _DTYPES.get(kind) if isinstance(kind, str) else None
+    reduce_op: str | None = None
+    where = _REDUCE_ARG.get(op)
+    if where is not None and concrete is not None and where < len(concrete):
+        value = concrete[where]
+        reduce_op = value.lower() if isinstance(value, str) and value else None
+    name = params.pg_name if params is not None else None
+    if name is None or name == "":
+        name = _concrete_group(op, concrete)
+    if params is not None:
+        group = groups.key(name, params.pg_desc, params.group_size, params.pg_ranks)
+    else:
+        group = groups.key(name, None, None, None)
+    return group, dtype, numel, shapes, reduce_op
+
+
+def _concrete_group(op: str, concrete: list[Any] | None) -> Any:
+    where = _GROUP_ARG.get(op)
+    if where is not None and concrete is not None and where < len(concrete):
+        return concrete[where]
+    return None

@@ -15,7 +15,12 @@ or ``--start-ms``/``--ms`` after the first CPU event):
 * flow events whose id is a kept correlation (``ac2g``, ``async``), ``fwdbwd`` flows in
   the window, process/thread metadata (``ph: M``), the ``Trace`` span set to the window;
 * args reduced to the keys a reader needs (:data:`KEEP_ARGS`): shapes, strides,
-  concrete inputs and occupancy figures go (most of a trace's bytes).
+  concrete inputs and occupancy figures go (most of a trace's bytes); with
+  ``--comm-args``, the events that describe a collective (``c10d::*`` and
+  ``_c10d_functional::*`` ops, ``record_param_comms``, ``nccl:*`` annotations) keep
+  all their args (their input shapes and types give the collective sequence);
+* with ``--comm-only``, only those events, ``ProfilerStep#N`` and ``Optimizer.step#``
+  labels and the metadata (a small excerpt of a long trace's collectives).
 
 Written compact and gzip'd with mtime 0, so the same input gives the same bytes.
 """
@@ -71,6 +76,21 @@ KEEP_ARGS = {
     "Op count",
 }
 STEP = re.compile(r"^ProfilerStep#(\d+)$")
+COMM_OPS = ("c10d::", "_c10d_functional::", "c10d_functional::")
+
+
+def is_comm(event: dict[str, Any]) -> bool:
+    """Whether an event describes a collective (its args give the sequence)."""
+    name = str(event.get("name", ""))
+    cat = event.get("cat")
+    if cat in ("cpu_op", "Operator"):
+        return name.startswith(COMM_OPS) or name == "record_param_comms"
+    return cat == "user_annotation" and name.startswith("nccl:")
+
+
+def keeps_comm_only(event: dict[str, Any]) -> bool:
+    name = str(event.get("name", ""))
+    return is_comm(event) or bool(STEP.match(name)) or name.startswith("Optimizer.step#")
 
 
 def load(path: Path) -> dict[str, Any]:
@@ -95,15 +115,19 @@ def window(
     return t0, t0 + span_ms * 1000
 
 
-def slim(event: dict[str, Any]) -> dict[str, Any]:
+def slim(event: dict[str, Any], comm_args: bool = False) -> dict[str, Any]:
     args = event.get("args")
+    if comm_args and is_comm(event):
+        return event
     if isinstance(args, dict):
         event = dict(event)
         event["args"] = {k: v for k, v in args.items() if k in KEEP_ARGS}
     return event
 
 
-def trim(data: dict[str, Any], t0: float, t1: float) -> dict[str, Any]:
+def trim(
+    data: dict[str, Any], t0: float, t1: float, comm_args: bool = False, comm_only: bool = False
+) -> dict[str, Any]:
     events: list[dict[str, Any]] = data["traceEvents"]
     all_correlations = {
         e["args"]["correlation"]
@@ -115,12 +139,16 @@ def trim(data: dict[str, Any], t0: float, t1: float) -> dict[str, Any]:
     for event in events:
         if event.get("ph") == "X" and event.get("cat") in CPU_CATS:
             ts, end = float(event["ts"]), float(event["ts"]) + float(event.get("dur", 0))
+            if comm_only and not keeps_comm_only(event):
+                continue
             if ts < t1 and end > t0:
-                out.append(slim(event))
+                out.append(slim(event, comm_args or comm_only))
                 if event["cat"] in RUNTIME_CATS:
                     kept_correlations.add(event.get("args", {}).get("correlation"))
     for event in events:
         ph, cat = event.get("ph"), event.get("cat")
+        if comm_only and ph != "M":
+            continue
         if ph == "X" and cat in DEVICE_CATS:
             correlation = event.get("args", {}).get("correlation")
             if correlation in kept_correlations or (
@@ -151,10 +179,12 @@ def main() -> None:
     parser.add_argument("--step", type=int)
     parser.add_argument("--start-ms", type=float, default=0.0)
     parser.add_argument("--ms", type=float, default=5.0)
+    parser.add_argument("--comm-args", action="store_true", help="keep collectives' args")
+    parser.add_argument("--comm-only", action="store_true", help="only collectives and steps")
     options = parser.parse_args()
     data = load(options.source)
     t0, t1 = window(data["traceEvents"], options.step, options.start_ms, options.ms)
-    trimmed = trim(data, t0, t1)
+    trimmed = trim(data, t0, t1, options.comm_args, options.comm_only)
     text = json.dumps(trimmed, separators=(",", ":")).encode()
     options.out.parent.mkdir(parents=True, exist_ok=True)
     with (
