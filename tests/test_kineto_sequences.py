@@ -15,6 +15,7 @@ from typing import Any
 import msgspec
 import pytest
 
+from opguard_core.formats.divergence import load_divergence
 from opguard_core.formats.trace import read_bytes
 from opguard_plugins.readers.kineto import read_kineto
 from tests.conftest import RunResult
@@ -307,7 +308,10 @@ def run_divergence(opguard: Opguard, pattern: Path, expect: int) -> list[dict[st
     run = opguard("run", "-i", pattern, "--fail-on-divergence", expect=expect)
     combined = json.loads(run.read("dlrm_combined.json"))
     assert combined["version"] == 6 and combined["meta"]["ranks"] == list(range(8))
-    findings: list[dict[str, Any]] = json.loads(run.read("dlrm_divergence.json"))["findings"]
+    assert run.run_dir is not None
+    findings: list[dict[str, Any]] = load_divergence(run.run_dir / "dlrm_divergence.json")[
+        "findings"
+    ]
     return findings
 
 
@@ -320,7 +324,8 @@ def test_dlrm_8_ranks_agree(opguard: Opguard, tmp_path: Path) -> None:
     sequences = combined["collectives"]["sequences"]
     assert [s["ranks"] for s in sequences] == [list(range(8))]
     assert sum(len(ids) for _, _, ids in sequences[0]["steps"]) == 8
-    assert json.loads(run.read("dlrm_divergence.json"))["findings"] == []
+    assert run.run_dir is not None
+    assert load_divergence(run.run_dir / "dlrm_divergence.json")["findings"] == []
     config = run.read("dlrm_instrumentation.yaml")
     assert "collectives:" in config  # generate writes the sequence for guard
 
