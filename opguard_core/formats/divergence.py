@@ -413,7 +413,7 @@ def render_log(
         lines.append("")
         what = _what(first) if len(members) == 1 else f"{len(members)} findings (size {g['size']})"
         lines.append(
-            f"{g['severity'].upper()} {g['kind']} [group {number}] on rank(s) "
+            f"{g['severity'].upper()} {g['kind']} [finding group {number}] on rank(s) "
             f"{_ranks(g['ranks'])}: {what}"
         )
         lines.append(f"  {first['message']}")
