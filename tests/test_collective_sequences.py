@@ -586,8 +586,7 @@ def test_a_real_two_rank_gloo_job_under_the_profiler_backend(case: str, tmp_path
         capture_output=True, text=True, timeout=120, cwd=REPO,
     )  # fmt: skip
     (run_dir,) = (tmp_path / "runs").iterdir()
-    doc = json.loads((run_dir / "desync_callsite_divergence.json").read_text())
-    found = collective_findings(doc)
+    found = collective_findings(load_divergence(run_dir / "desync_callsite_divergence.json"))
     if CASES[case] is None:
         assert found == [] and run.returncode == 0, run.stderr
         return
