@@ -191,7 +191,9 @@ def test_round_trip_and_older_versions(tmp_path: Path) -> None:
     assert view is not None and view["findings"] == 4
     # the log of the same findings: two groups, errors first
     log = render_log(meta, findings)
-    assert log.index("ERROR collective_mismatch [finding group 1]") < log.index("WARNING rank_specific")
+    assert log.index("ERROR collective_mismatch [finding group 1]") < log.index(
+        "WARNING rank_specific"
+    )
 
 
 def test_a_malformed_version_4_document_is_one_line(tmp_path: Path) -> None:
