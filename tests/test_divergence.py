@@ -4,6 +4,7 @@ algebra)."""
 
 from __future__ import annotations
 
+import array
 import json
 import random
 import shutil
@@ -439,6 +440,6 @@ def test_per_rank_counts_add_up_for_every_shape_of_statistics() -> None:
         for upto, per_rank in totals.items():
             # skew -1: every function strays, so the fold gives every one's totals
             ops, full, example, partial, found = fold(sites[:upto], [0] * upto, 1, ranks, -1.0)
-            assert found == [(0, median_low(per_rank), per_rank)]
+            assert found == [(0, median_low(per_rank), array.array("d", per_rank).tobytes())]
             assert ops[0] == sum(site.count for site in sites[:upto])
             assert (full[0], example[0], partial) == (1, largest[upto], [1])

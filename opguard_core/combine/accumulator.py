@@ -1091,8 +1091,10 @@ def _copy_slot(slot: list[Any]) -> list[Any]:
 
 class _RankLists:
     """:func:`mask_to_ranks` with the lists of masks seen before kept (a combined
-    trace's masks repeat: the same rank sets over and over); each call returns a
-    list of its own."""
+    trace's masks repeat: the same rank sets over and over); callsites with one rank
+    set share its list (a copy each cost 10 MiB at 128 ranks × 20k callsites of
+    generate_traces_other.py: docs/performance.md), so a combined trace's ``ranks``,
+    ``min_ranks``, ``max_ranks`` and ``counts`` lists are read-only."""
 
     def __init__(self) -> None:
         self.known: dict[int, list[int]] = {}
@@ -1101,7 +1103,7 @@ class _RankLists:
         ranks = self.known.get(mask)
         if ranks is None:
             ranks = self.known[mask] = mask_to_ranks(mask)
-        return ranks.copy()
+        return ranks
 
 
 def _per_rank(slot: list[Any], ranks_of: Callable[[int], list[int]] = mask_to_ranks) -> PerRank:

@@ -1220,17 +1220,12 @@ skew_fold(PyObject *Py_UNUSED(module), PyObject *args)
             strays = fabs(totals[r] - middle) > limit;
         if (!strays)
             continue;
-        PyObject *row = PyList_New(nranks);
+        /* the per-rank totals as native doubles (8 bytes each, not a list of floats:
+         * at 128 ranks a list is 4 KiB per function, and thousands stray) */
+        PyObject *row = PyBytes_FromStringAndSize((const char *)totals,
+                                                  nranks * (Py_ssize_t)sizeof(double));
         if (row == NULL)
             goto done;
-        for (Py_ssize_t r = 0; r < nranks; r++) {
-            PyObject *value = PyFloat_FromDouble(totals[r]);
-            if (value == NULL) {
-                Py_DECREF(row);
-                goto done;
-            }
-            PyList_SET_ITEM(row, r, value);
-        }
         PyObject *item = Py_BuildValue("(ndN)", slot == functions ? (Py_ssize_t)-1 : slot,
                                        middle, row);
         if (item == NULL || PyList_Append(found, item) < 0) {
