@@ -454,19 +454,19 @@ CASES = {
 }
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("case", sorted(CASES))
-def test_a_real_two_rank_gloo_job(case: str, tmp_path: Path) -> None:
-    """``opguard trace`` a 2-rank gloo job under torchrun whose rank 1 departs in step
-    1 (tests/data/desync/desync_job.py), then ``opguard run --fail-on-divergence``."""
+def trace_and_run(
+    case: str, tmp_path: Path, *trace_options: str
+) -> tuple[subprocess.CompletedProcess[str], list[dict[str, Any]]]:
+    """``opguard trace`` (with ``trace_options``) the 2-rank gloo job of ``case``, then
+    ``opguard run --fail-on-divergence``: the run and its collective findings."""
     pytest.importorskip("torch")
     out = tmp_path / "traces"
     proc = subprocess.run(
-        [sys.executable, "-m", "opguard_core.cli.app", "trace", "--label", "desync",
-         "--output-dir", str(out), "--", sys.executable, "-m", "torch.distributed.run",
-         "--nproc-per-node", "2", str(DESYNC / "desync_job.py"), "--case", case,
-         "--timeout", "2"],
-        capture_output=True, text=True, timeout=120, cwd=REPO,
+        [sys.executable, "-m", "opguard_core.cli.app", "trace", *trace_options,
+         "--label", "desync", "--output-dir", str(out), "--", sys.executable, "-m",
+         "torch.distributed.run", "--nproc-per-node", "2", str(DESYNC / "desync_job.py"),
+         "--case", case, "--timeout", "2"],
+        capture_output=True, text=True, timeout=300, cwd=REPO,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     run = subprocess.run(
@@ -476,8 +476,15 @@ def test_a_real_two_rank_gloo_job(case: str, tmp_path: Path) -> None:
         capture_output=True, text=True, timeout=120, cwd=REPO,
     )  # fmt: skip
     (run_dir,) = (tmp_path / "runs").iterdir()
-    doc = load_divergence(run_dir / "desync_callsite_divergence.json")
-    found = collective_findings(doc)
+    return run, collective_findings(load_divergence(run_dir / "desync_callsite_divergence.json"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_a_real_two_rank_gloo_job(case: str, tmp_path: Path) -> None:
+    """``opguard trace`` a 2-rank gloo job under torchrun whose rank 1 departs in step
+    1 (tests/data/desync/desync_job.py), then ``opguard run --fail-on-divergence``."""
+    run, found = trace_and_run(case, tmp_path)
     kind = CASES[case]
     if kind is None:
         assert found == [] and run.returncode == 0, run.stderr
@@ -569,24 +576,7 @@ def test_the_profiler_backend_records_the_sequence(
 def test_a_real_two_rank_gloo_job_under_the_profiler_backend(case: str, tmp_path: Path) -> None:
     """The same job traced with ``--backend profiler``: the same finding on the same
     rank, step and position (the group is unknown to the profiler: ``?``)."""
-    pytest.importorskip("torch")
-    out = tmp_path / "traces"
-    proc = subprocess.run(
-        [sys.executable, "-m", "opguard_core.cli.app", "trace", "--backend", "profiler",
-         "--label", "desync", "--output-dir", str(out), "--", sys.executable, "-m",
-         "torch.distributed.run", "--nproc-per-node", "2", str(DESYNC / "desync_job.py"),
-         "--case", case, "--timeout", "2"],
-        capture_output=True, text=True, timeout=300, cwd=REPO,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    run = subprocess.run(
-        [sys.executable, "-m", "opguard_core.cli.app", "run", "-i",
-         str(out / "desync_callsite_rank*.json"), "--output-base", str(tmp_path / "runs"),
-         "--fail-on-divergence"],
-        capture_output=True, text=True, timeout=120, cwd=REPO,
-    )  # fmt: skip
-    (run_dir,) = (tmp_path / "runs").iterdir()
-    found = collective_findings(load_divergence(run_dir / "desync_callsite_divergence.json"))
+    run, found = trace_and_run(case, tmp_path, "--backend", "profiler")
     if CASES[case] is None:
         assert found == [] and run.returncode == 0, run.stderr
         return

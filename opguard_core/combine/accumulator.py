@@ -953,7 +953,7 @@ class TraceAccumulator:
         stats_valid = self.stats_valid
         callsites = []
         callsite_extras = {}
-        ranks_of = _RankLists()
+        ranks_of = RankLists()
         for position, index in enumerate(order):
             key, slot = sites[index]
             mask = slot[_MASK]
@@ -1089,7 +1089,7 @@ def _copy_slot(slot: list[Any]) -> list[Any]:
     return copied
 
 
-class _RankLists:
+class RankLists:
     """:func:`mask_to_ranks` with the lists of masks seen before kept (a combined
     trace's masks repeat: the same rank sets over and over); callsites with one rank
     set share its list (a copy each cost 10 MiB at 128 ranks × 20k callsites of

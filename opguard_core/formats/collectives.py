@@ -334,6 +334,19 @@ def encode_collectives(found: Collectives) -> bytes:
     return b"".join(parts)
 
 
+def remap_runs(runs: Sequence[StepRun], remap: Sequence[int]) -> list[StepRun]:
+    """``runs`` with their signature ids mapped through ``remap``; neighbouring runs
+    that end up with the same calls (two raw signatures that became one) merged."""
+    merged: list[StepRun] = []
+    for run in runs:
+        calls = tuple(remap[c] for c in run.calls)
+        if merged and merged[-1].last + 1 == run.first and merged[-1].calls == calls:
+            merged[-1] = StepRun(merged[-1].first, run.last, calls)
+        else:
+            merged.append(StepRun(run.first, run.last, calls))
+    return merged
+
+
 def remap_stacks(seq: CollectiveSequence, remap: dict[int, int]) -> CollectiveSequence:
     """``seq`` with its signatures' frame ids mapped through ``remap`` (to another
     document's frame table, as a combine does)."""

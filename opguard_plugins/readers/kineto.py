@@ -55,8 +55,8 @@ from opguard_core.formats.collectives import (
     Group,
     Signature,
     StepRecorder,
-    StepRun,
     is_collective,
+    remap_runs,
 )
 from opguard_core.formats.streams import COMM_NAMESPACES, role_order
 from opguard_core.formats.trace import TRACE_FORMAT, TRACE_VERSION, trace_ranks
@@ -1123,13 +1123,7 @@ class _Importer:
                 stack=tuple(fid_index[f] for f in frames_of(sid)),
             )
             remap.append(signatures.setdefault(signature, len(signatures)))
-        runs: list[StepRun] = []
-        for run in recorder.finish():
-            calls = tuple(remap[c] for c in run.calls)
-            if runs and runs[-1].last + 1 == run.first and runs[-1].calls == calls:
-                runs[-1] = StepRun(runs[-1].first, run.last, calls)
-            else:
-                runs.append(StepRun(run.first, run.last, calls))
+        runs = remap_runs(recorder.finish(), remap)
         return CollectiveSequence(
             ranks=trace_ranks(meta, self.name),
             groups=[Group(name=n, desc=d, size=z, ranks=r) for n, d, z, r in merged.values()],

@@ -40,8 +40,8 @@ from opguard_core.formats.collectives import (
     Group,
     Signature,
     StepRecorder,
-    StepRun,
     is_collective,
+    remap_runs,
 )
 
 #: op namespaces whose ops never issue a collective inside (torch's own)
@@ -314,13 +314,7 @@ class SequenceRecorder:
             if signature not in signatures:
                 signatures[signature] = len(signatures)
             remap.append(signatures[signature])
-        merged: list[StepRun] = []
-        for run in runs:
-            calls = tuple(remap[c] for c in run.calls)
-            if merged and merged[-1].last + 1 == run.first and merged[-1].calls == calls:
-                merged[-1] = StepRun(merged[-1].first, run.last, calls)
-            else:
-                merged.append(StepRun(run.first, run.last, calls))
+        merged = remap_runs(runs, remap)
         return CollectiveSequence(
             ranks=[rank],
             groups=[

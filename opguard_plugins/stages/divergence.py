@@ -39,8 +39,8 @@ from opguard_core import hookimpl
 from opguard_core.combine.accumulator import (
     COLLECTIVE_APIS,
     CallsiteTrace,
+    RankLists,
     is_collective,
-    mask_to_ranks,
     ranks_to_mask,
 )
 from opguard_core.formats.divergence import Finding
@@ -179,7 +179,7 @@ def find_divergence(trace: CallsiteTrace, options: RunOptions) -> list[Finding]:
 def _collectives(trace: CallsiteTrace, stacks: _Stacks, exact: bool) -> Iterator[Finding]:
     all_mask = ranks_to_mask(trace.ranks)
     nranks = len(trace.ranks)
-    ranks_of = _RankSets()
+    ranks_of = RankLists()
     for index, collective in enumerate(stacks.collective):
         if not collective:
             continue
@@ -282,20 +282,6 @@ def _mismatch_message(
     )
 
 
-class _RankSets:
-    """:func:`mask_to_ranks` remembering the masks it saw (they repeat); the lists
-    are shared: read them only."""
-
-    def __init__(self) -> None:
-        self.known: dict[int, list[int]] = {}
-
-    def __call__(self, mask: int) -> list[int]:
-        ranks = self.known.get(mask)
-        if ranks is None:
-            ranks = self.known[mask] = mask_to_ranks(mask)
-        return ranks
-
-
 def _rank_specific(trace: CallsiteTrace, stacks: _Stacks) -> Iterator[Finding]:
     """The outermost function of each path some ranks never took."""
     all_mask = ranks_to_mask(trace.ranks)
@@ -355,7 +341,7 @@ def _rank_specific(trace: CallsiteTrace, stacks: _Stacks) -> Iterator[Finding]:
             )
         for number in numbers:
             roots[number][0] += site.count
-    ranks_of = _RankSets()
+    ranks_of = RankLists()
     for number, (ops, _, frames, position, site_index) in roots.items():
         name = stacks.function_names[number]
         ran = ranks_of(function_mask[number])
