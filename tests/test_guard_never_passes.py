@@ -262,7 +262,7 @@ from pathlib import Path
 from opguard_core.formats.config import load_config
 from opguard_plugins.enforce.runtime import Guard
 
-GUARD = Guard(load_config(Path({config!r})), report_dir={report!r}, rank=0)
+GUARD = Guard(load_config(Path({config!r})), report_dir={report!r}, rank=0, whole_run=True)
 GUARD.start()
 assert "latemod_never_imported_xyz" not in __import__("sys").modules
 
@@ -297,9 +297,11 @@ entries:
 """
 
 
-def test_a_half_loaded_module_is_wrapped_when_its_import_finishes(
+def test_a_half_loaded_module_is_guarded_moot_by_the_stack(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """A guard started while a module is half-loaded (its functions not defined yet)
+    still sees them: targets are found on the stack, so no import needs watching."""
     torch = pytest.importorskip("torch")
     config = tmp_path / "late.yaml"
     config.write_text(LATE_CONFIG)
@@ -310,10 +312,6 @@ def test_a_half_loaded_module_is_wrapped_when_its_import_finishes(
     module = importlib.import_module("latemod_h30b")
     guard = module.GUARD
     try:
-        assert guard.loading == set()
-        assert getattr(module.f, "__opguard_guard__", False)
-        assert getattr(module.Model.forward, "__opguard_guard__", False)
-        assert type(module.__spec__) is importlib.machinery.ModuleSpec  # put back
         module.f(torch.ones(2))
         module.Model().forward(torch.ones(2))
     finally:
@@ -321,10 +319,10 @@ def test_a_half_loaded_module_is_wrapped_when_its_import_finishes(
         sys.modules.pop("latemod_h30b", None)
     assert path is not None and guard.checked_ops > 0
     report = load_report(path)
-    found = {(v["target"], v["op"]) for v in report["violations"]}
+    found = {(v["target"], v["op"]) for v in report["violations"] if v["severity"] == "error"}
     assert found == {("latemod_h30b:f", "aten::sin"), ("latemod_h30b:Model.forward", "aten::cos")}
-    unwrapped = {u["target"]: u["reason"] for u in report["unwrapped"]}
-    assert list(unwrapped) == ["latemod_never_imported_xyz:g"]  # never imported by us
+    missing = [v["target"] for v in report["violations"] if v["kind"] == "missing"]
+    assert missing == ["latemod_never_imported_xyz:g"]  # never ran, and never imported by us
     assert "latemod_never_imported_xyz" not in sys.modules
 
 
@@ -447,8 +445,7 @@ def test_a_program_whose_first_import_imports_torch_is_fully_guarded(tmp_path: P
     proc = run("guard", "--config", config, "--report-dir", report_dir, "--", main_py, "--extra")
     assert proc.returncode == ExitCode.STAGE_FAILED, proc.stderr
     report = json.loads((report_dir / "guard_report_rank0.json").read_text())
-    unwrapped = {u["target"] for u in report["unwrapped"]}
-    assert not {t for t in unwrapped if t.startswith("models:")}, report["unwrapped"]
+    assert report["targets_seen"] > 0
     found = {(v["target"], v["op"]) for v in report["violations"] if v["severity"] == "error"}
     for target, op in [
         ("models:Net.forward", "aten::sigmoid"),

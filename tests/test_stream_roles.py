@@ -264,4 +264,7 @@ def test_tracer_and_guard_use_roles(program: Any, tmp_path: Path) -> None:
     with guarded(config, report_dir=tmp_path / "caught", rank=0) as guard:
         program.run(program.streams, moved=True)
     errors = {(v["kind"], v["target"], v.get("stream")) for v in errors_of(report_of(guard))}
-    assert errors == {("unexpected_stream", "smod:prep", "side1")}
+    # one view: the guard finds at run time what check finds in the trace (the
+    # function and the public call, torch:Tensor.add, that ran on the side stream)
+    assert ("unexpected_stream", "smod:prep", "side1") in errors
+    assert errors == {f for f in found if f[0] == "unexpected_stream"}

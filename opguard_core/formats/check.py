@@ -23,6 +23,11 @@ GUARD_FORMAT = "opguard-guard-report"
 #: version 1 reports are still read
 REPORT_VERSION = 2
 READ_REPORT_VERSIONS = (1, 2)
+#: the guard report's version 3 (issue 29): the guard finds targets on the stack, so
+#: ``wrapped``/``unwrapped`` gave way to ``targets_seen``, and the report holds the
+#: whole-run kinds ``missing`` and ``count_drift``; versions 1 and 2 are still read
+GUARD_REPORT_VERSION = 3
+READ_GUARD_VERSIONS = (1, 2, 3)
 
 ERROR = "error"
 WARNING = "warning"
@@ -163,18 +168,17 @@ def guard_report(
     config: str,
     rank: int,
     violations: list[dict[str, Any]],
-    unwrapped: list[dict[str, str]],
     on_violation: str,
     sample: float,
     steps: int,
     checked_steps: int,
-    wrapped: int,
+    targets_seen: int,
 ) -> dict[str, Any]:
     """The ``opguard-guard-report`` document of one rank (``violations`` already carry
     ``rank``, ``count`` and ``stack``)."""
     return {
         "format": GUARD_FORMAT,
-        "version": REPORT_VERSION,
+        "version": GUARD_REPORT_VERSION,
         "config": config,
         "rank": rank,
         "on_violation": on_violation,
@@ -184,8 +188,7 @@ def guard_report(
         "errors": sum(v["severity"] == ERROR for v in violations),
         "warnings": sum(v["severity"] == WARNING for v in violations),
         "violations": violations,
-        "wrapped": wrapped,
-        "unwrapped": unwrapped,
+        "targets_seen": targets_seen,
     }
 
 
@@ -242,7 +245,8 @@ def load_report(path: Path) -> dict[str, Any]:
         GUARD_FORMAT,
     ):
         raise InputError(path, "not an opguard check or guard report")
-    if document.get("version") not in READ_REPORT_VERSIONS:
+    versions = READ_GUARD_VERSIONS if document["format"] == GUARD_FORMAT else READ_REPORT_VERSIONS
+    if document.get("version") not in versions:
         raise InputError(path, f"unsupported report version {document.get('version')!r}")
     violations = document.get("violations")
     if not isinstance(violations, list):
@@ -256,7 +260,7 @@ def load_report(path: Path) -> dict[str, Any]:
 
 def _validate_guard(document: dict[str, Any], path: Path) -> None:
     """The guard report's own fields: ``rank``, each violation's ``rank``, ``count``
-    and ``stack``, and ``unwrapped``."""
+    and ``stack``, and ``unwrapped`` (versions 1 and 2) or ``targets_seen`` (3)."""
     if not isinstance(document.get("rank"), int):
         raise InputError(path, "'rank' is not an integer")
     for index, item in enumerate(document["violations"]):
@@ -265,6 +269,11 @@ def _validate_guard(document: dict[str, Any], path: Path) -> None:
             raise InputError(path, f"{where}: 'count' is not an integer >= 1")
         if not isinstance(item.get("rank"), int) or not isinstance(item.get("stack"), list):
             raise InputError(path, f"{where}: 'rank' or 'stack' is missing")
+    if document.get("version") == GUARD_REPORT_VERSION:
+        seen = document.get("targets_seen")
+        if not isinstance(seen, int) or isinstance(seen, bool) or seen < 0:
+            raise InputError(path, "'targets_seen' is not an integer >= 0")
+        return
     unwrapped = document.get("unwrapped")
     if not isinstance(unwrapped, list) or not all(
         isinstance(u, dict)
@@ -279,6 +288,7 @@ __all__ = [
     "CHECK_FORMAT",
     "ERROR",
     "GUARD_FORMAT",
+    "GUARD_REPORT_VERSION",
     "KINDS",
     "REPORT_VERSION",
     "WARNING",

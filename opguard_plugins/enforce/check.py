@@ -47,6 +47,7 @@ from opguard_core.formats.check import (
     write_json,
 )
 from opguard_core.formats.config import entry_key, load_config
+from opguard_core.formats.sources import project, recorded_sources
 from opguard_core.formats.tree import TORCH_API
 from opguard_core.logs import configure_logging, get_logger
 from opguard_core.model import InputEntry, RunOptions
@@ -329,52 +330,6 @@ def across_tracers(
 
 
 # ------------------------------------------------------------- merged configs
-
-
-def recorded_sources(config: dict[str, Any]) -> list[str]:
-    """The sources whose contributions a merged config records (``meta.source_ranks``
-    and each entry's ``sources``: formats.md §3, version 4); empty when it records
-    none (one source, or a merge made before configs recorded them) or a record that
-    does not add up (an entry whose shares do not sum to its count, a share of a
-    source without ranks: a merge by a tool that carried the fields unread)."""
-    meta = config.get("meta") or {}
-    source_ranks = meta.get("source_ranks")
-    if not isinstance(source_ranks, dict) or len(source_ranks) < 2:
-        return []
-    for entry in config["entries"]:
-        shares = entry.get("sources")
-        if not isinstance(shares, dict) or sum(shares.values()) != entry.get("count", 0):
-            return []
-        if not set(shares) <= set(source_ranks):
-            return []
-    return sorted(str(s) for s in source_ranks)
-
-
-def project(config: dict[str, Any], sources: Sequence[str]) -> dict[str, Any]:
-    """``config`` as the config of ``sources`` alone: the entries they contributed to,
-    each with their count; their ranks and steps. ``ops`` and ``stream_counts`` stay
-    the merged ones (a merge does not record them per source), so an op another source
-    ran in the same entry is accepted. An entry's ``ranks`` (where it lacks some) are
-    cut to the sources' ranks."""
-    meta = dict(config.get("meta") or {})
-    source_ranks = meta.pop("source_ranks")
-    ranks = sorted({int(r) for s in sources for r in source_ranks[s]})
-    entries = []
-    for entry in config["entries"]:
-        by_source = entry["sources"]
-        if not any(s in by_source for s in sources):
-            continue
-        mine = {k: v for k, v in entry.items() if k != "sources"}
-        mine["count"] = sum(int(by_source.get(s, 0)) for s in sources)
-        if "ranks" in entry:
-            mine["ranks"] = sorted(set(int(r) for r in entry["ranks"]) & set(ranks)) or ranks
-        entries.append(mine)
-    meta["ranks"] = ranks
-    meta["sources"] = sorted(sources)
-    steps = meta.pop("steps", None)
-    if isinstance(steps, dict) and all(s in steps for s in sources):
-        meta["steps"] = {s: steps[s] for s in sorted(sources)}
-    return {**config, "source": "+".join(sorted(sources)), "meta": meta, "entries": entries}
 
 
 def _counts(violations: Sequence[Violation]) -> tuple[int, int]:

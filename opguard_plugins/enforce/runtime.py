@@ -11,22 +11,21 @@ hand with :func:`guarded`::
 
 How it works (docs/guard.md):
 
-* **Targets are wrapped.** Every config target of kind ``function``/``method`` and
-  every target named in a context is replaced, where it is defined (module attribute
-  or class ``__dict__``), by a thin wrapper that pushes an *active-target state*
-  while it runs; module-level functions are also replaced in every module that
-  imported them by name. Modules not imported yet are wrapped right after they are
-  (an import hook); a module still being imported when the guard starts (the
-  program's first import imports torch, a circular import) is wrapped when its
-  import finishes (:class:`_LoadingSpec`). A target that cannot be imported or
-  wrapped is listed in the report's ``unwrapped`` with the reason, never an error.
-  ``torch_api`` entries are not wrapped: their ops count for the enclosing function
-  entries (inclusive).
+* **Targets are found on the stack.** Nothing is wrapped or replaced: at each op
+  the Python frames are walked and each code object is named once, as the tracer
+  names it (:func:`~opguard_plugins.record.tracer.program_module_name`), so
+  ``__main__``'s functions, nested functions and closures and modules imported at
+  any time are guarded alike, and a config never causes an import. A
+  ``TorchFunctionMode`` notes the public torch call running (the config's
+  ``torch_api`` entries). The tuple of config targets found is resolved once into
+  the config's keys (:meth:`Guard._resolve`, the config's parents skipping what
+  chain pruning folded away).
 * **A state** is the (target, context) key of the innermost active target plus the
   set of every active config entry (the key and all its active ancestors), with the
   intersection of their op lists: an op is accepted when it is in that
   intersection, which is exactly "every active entry lists it" (inclusive counting,
-  as the config counts). States are interned, so the per-op check is one dict lookup.
+  as the config counts). States are interned by the tuple of targets on the stack,
+  so after the walk the per-op check is one dict lookup.
 * **One TorchDispatchMode** sees every operator and checks it against the current
   thread's state. Streams are checked by role (formats.md, "Streams and roles"):
   on CUDA every op's current stream is noted (:class:`StreamRoles`, so side streams
@@ -39,8 +38,10 @@ How it works (docs/guard.md):
 * **Sampling**: with ``sample=P`` only every ``round(1/P)``-th optimizer step is
   checked (steps counted with torch's global optimizer step hook, from 0, so step 0,
   which includes everything before the first ``optimizer.step()``, is checked); in
-  the other steps the mode is popped and ops cost nothing. Targets stay wrapped so
-  the active-target stack stays right.
+  the other steps the modes are popped and ops cost nothing.
+* **The whole run** (``whole_run``: ``opguard guard``): at exit ``missing``,
+  ``count_drift`` and ``unknown_target`` by check's rules on the ops counted per
+  entry, so a guard report and a check report of the same run agree.
 * **The report** ``guard_report_rank{R}.json`` (formats.md §5) is written atomically
   at exit: by ``atexit`` (also after an uncaught exception), on SIGTERM (torchrun
   stopping the other workers) and when :func:`guarded` exits, however it exits.
@@ -49,12 +50,9 @@ How it works (docs/guard.md):
 from __future__ import annotations
 
 import atexit
-import contextlib
-import functools
-import importlib.abc
-import importlib.machinery
 import os
 import sys
+import sysconfig
 import threading
 import types
 from collections import deque
@@ -65,12 +63,15 @@ from typing import Any
 
 import structlog
 import torch
+from torch.overrides import TorchFunctionMode
+from torch.overrides import _get_current_function_mode_stack as _function_modes
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode
 
 from opguard_core.errors import one_line
 from opguard_core.formats.check import (
     ERROR,
     WARNING,
+    CheckInput,
     EntryKey,
     Violation,
     guard_report,
@@ -79,11 +80,13 @@ from opguard_core.formats.check import (
 )
 from opguard_core.formats.collectives import Collectives, is_collective
 from opguard_core.formats.config import entry_key, load_config
+from opguard_core.formats.sources import project, recorded_sources
 from opguard_core.formats.streams import StreamRoles
-from opguard_core.formats.tree import TORCH_API
+from opguard_core.formats.tree import TORCH_API, split_api, target_name
 from opguard_core.logs import escape_controls, resolve_format
 from opguard_core.processes import at_sigterm
 from opguard_plugins.enforce import sequence_guard
+from opguard_plugins.enforce.rules import DEFAULT_TOLERANCE, count_drift, missing
 from opguard_plugins.enforce.sequence_guard import (
     LAST,
     NAMESPACES,
@@ -96,7 +99,13 @@ from opguard_plugins.enforce.sequence_guard import (
 )
 from opguard_plugins.enforce.status import clear_status, write_status
 from opguard_plugins.record.collectives import describe
-from opguard_plugins.record.tracer import _is_launcher, count_optimizer_steps, op_name
+from opguard_plugins.record.tracer import (
+    _is_launcher,
+    api_name,
+    count_optimizer_steps,
+    op_name,
+    program_module_name,
+)
 
 ON_VIOLATION = ("warn", "raise")
 _THIS_FILE = os.path.abspath(__file__)
@@ -114,10 +123,9 @@ _PLUMBING = frozenset(
 _STACK_LIMIT = 40
 _OWN_FILES = frozenset({_THIS_FILE, os.path.abspath(sequence_guard.__file__)})
 _TORCH_PREFIX = _TORCH_DIR + os.sep
-MAIN_REASON = (
-    "defined in the program's __main__ script, which is running before its functions "
-    "exist; its entries are checked through the targets it calls"
-)
+_UNSEEN: Any = object()
+#: kinds logged when the guard finishes (they need the whole run's counts)
+_AT_EXIT = frozenset({"unknown_context", "missing", "count_drift", "unknown_target"})
 
 
 class OpGuardViolation(RuntimeError):
@@ -132,16 +140,6 @@ class OpGuardViolation(RuntimeError):
         self.violation = violation
 
 
-def main_module_alias() -> str | None:
-    """The name the tracer records for ``__main__``: its spec's name, else the file stem."""
-    main = sys.modules.get("__main__")
-    spec = getattr(main, "__spec__", None)
-    if spec is not None and getattr(spec, "name", None):
-        return str(spec.name)
-    path = getattr(main, "__file__", None)
-    return Path(path).stem if isinstance(path, str) else None
-
-
 class _State:
     """What is active on a thread: the innermost target's key and the active entries."""
 
@@ -149,9 +147,11 @@ class _State:
         "allowed",
         "chain",
         "children",
+        "extra",
         "key",
         "known",
         "ok",
+        "ops",
         "path",
         "streams",
         "unknown",
@@ -177,6 +177,9 @@ class _State:
         #: the unknown_context identities active here (own and ancestors'): their op counts
         self.chain: tuple[tuple[Any, ...], ...] = ()
         self.watch = bool(known)  # anything to do per op: known entries or a chain
+        self.ops = 0  # ops checked in this state (the at-exit counts: count_drift, missing)
+        #: targets the config lacks that run here (unknown_target candidates at exit)
+        self.extra: tuple[EntryKey, ...] = ()
 
 
 class _Record:
@@ -191,13 +194,37 @@ class _Record:
 
 # TorchDispatchMode's __init_subclass__ and __init__ have no annotations; without torch
 # the class is Any (misc); the ignores are unused there
+class _ApiMode(TorchFunctionMode):  # type: ignore[misc, unused-ignore]
+    """Notes, per thread, the config's ``torch_api`` target of the public torch call
+    running (the outermost: torch disables the mode inside it), as the tracer's
+    ``api``; its ops are then checked against that entry too."""
+
+    def __init__(self, guard: Guard) -> None:
+        super().__init__()
+        self.local = guard.api_local
+        self.api_target = guard.api_target
+
+    def __torch_function__(
+        self,
+        func: Any,
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        local = self.local
+        local.api = self.api_target(func)
+        try:
+            return func(*args, **(kwargs or {}))
+        finally:
+            local.api = None
+
+
 class _Mode(TorchDispatchMode):  # type: ignore[no-untyped-call, misc, unused-ignore]
     """Checks every operator against the current thread's state."""
 
     def __init__(self, guard: Guard) -> None:
         super().__init__()  # type: ignore[no-untyped-call, unused-ignore]
         self.guard = guard
-        self.local = guard.local
         self.cuda = guard.cuda
 
     def __torch_dispatch__(
@@ -211,9 +238,16 @@ class _Mode(TorchDispatchMode):  # type: ignore[no-untyped-call, misc, unused-ig
         # torch.cuda.is_initialized has no annotations (unused without torch)
         if self.cuda and torch.cuda.is_initialized():  # type: ignore[no-untyped-call, unused-ignore]
             stream = self.guard.streams.see(int(torch.cuda.current_stream().stream_id))
-        state = getattr(self.local, "state", None)
-        if state is not None and state.watch and self.guard.checking:
-            guard = self.guard
+        guard = self.guard
+        state = (
+            guard.state_at(sys._getframe(1), getattr(guard.api_local, "api", None))
+            if guard.checking
+            else None
+        )
+        if state is not None and state.watch:
+            state.ops += 1
+            if state.extra:
+                guard.count_extra(state.extra)
             if state.chain:
                 guard.count_ops(state.chain)
             if state.known:
@@ -226,40 +260,6 @@ class _Mode(TorchDispatchMode):  # type: ignore[no-untyped-call, misc, unused-ig
         if self.guard.collective_checks and getattr(func, "namespace", None) in NAMESPACES:
             return self.guard.run_collective(func, args, kwargs)
         return func(*args, **(kwargs or {}))
-
-
-class _ImportWatcher(importlib.abc.MetaPathFinder):
-    """Wraps a target module's targets right after the module has been executed."""
-
-    def __init__(self, guard: Guard) -> None:
-        self.guard = guard
-        self._busy = threading.local()
-
-    def find_spec(self, name: str, path: Any = None, target: Any = None) -> Any:
-        if name not in self.guard.pending or getattr(self._busy, "on", False):
-            return None
-        self._busy.on = True
-        try:
-            spec = None
-            for finder in sys.meta_path:  # the finders after us, in their order
-                if finder is self or not hasattr(finder, "find_spec"):
-                    continue
-                spec = finder.find_spec(name, path, target)
-                if spec is not None:
-                    break
-        finally:
-            self._busy.on = False
-        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
-            return spec
-        exec_module = spec.loader.exec_module
-        guard = self.guard
-
-        def exec_then_wrap(module: types.ModuleType) -> None:
-            exec_module(module)
-            guard.wrap_module(name, module)
-
-        spec.loader.exec_module = exec_then_wrap  # type: ignore[method-assign]
-        return spec
 
 
 class Guard:
@@ -275,9 +275,20 @@ class Guard:
         rank: int | None = None,
         collectives: Collectives | None = None,
         collective_timeout: float | None = None,
+        source: str | None = None,
+        whole_run: bool = False,
     ) -> None:
         if on_violation not in ON_VIOLATION:
             raise ValueError(f"on_violation must be warn or raise, not {on_violation!r}")
+        self.config = config
+        #: the source the program is (``--source``): a merged config's share to compare
+        self.source = source
+        #: compare the whole run at exit (``missing``, ``count_drift``): the guard
+        #: saw the whole program (``opguard guard``), and it ended normally
+        self.whole_run_rules = whole_run
+        #: the program ended early (an uncaught exception, SIGTERM, a raised
+        #: violation): its counts cover part of a run, so no whole-run rules
+        self.ended_early = False
         self.config_path = config_path
         self.report_dir = Path(report_dir)
         self.on_violation = on_violation
@@ -320,36 +331,50 @@ class Guard:
         context_targets = {t for _, context in self.entries for t in context}
         watched = {t for t, k in kinds.items() if k != {TORCH_API}}
         watched |= {t for t in context_targets if kinds.get(t) != {TORCH_API}}
-        self.watched = frozenset(watched)
-        self.names = self.watched | frozenset(context_targets)
-        #: module -> qualnames still to wrap
-        self.pending: dict[str, set[str]] = {}
-        for target in sorted(self.watched):
-            module, _, qualname = target.partition(":")
-            self.pending.setdefault(module, set()).add(qualname)
-        self.unwrapped: dict[str, str] = {}
-        self.wrapped: set[str] = set()
-        self._restore: list[tuple[Any, str, Any, Any]] = []
+        #: the config's targets that a Python frame can run (``torch_api`` entries are
+        #: not frames: their ops count for the enclosing functions' entries)
+        self.names = frozenset(watched)
+        #: the config's ``torch_api`` targets (``torch:Tensor.view``), by callable
+        self.api_names = frozenset(t for t, k in kinds.items() if TORCH_API in k)
+        self._api_targets: dict[Any, str | None] = {}
+        self.api_local = threading.local()
+        #: target -> the targets the config has directly above it (None: top level)
+        parents: dict[str, set[str | None]] = {}
+        for target, context in self.entries:
+            parents.setdefault(target, set()).add(context[-1] if context else None)
+        self.parents = {t: frozenset(p) for t, p in parents.items()}
+        #: id(code) -> the config target that code runs, or None; ``_codes`` keeps
+        #: the code objects alive so that their ids stay theirs
+        self._code_targets: dict[int, str | None] = {}
+        self._codes: list[types.CodeType] = []
+        #: the config targets on a stack (innermost first) -> their state
+        self._nothing = _State((), None, frozenset(), None, None)
+        self._by_active: dict[tuple[Any, ...], _State] = {}
+        #: states with ``extra`` (copies of interned ones): counted at exit too
+        self._copies: list[_State] = []
+        #: ops of targets the config lacks, by (target, context): ``unknown_target``
+        self.extra_ops: dict[EntryKey, int] = {}
+        #: report those: only where the config was made without filters, focus or
+        #: ignore patterns (which the guard does not run), and lists public calls
+        self.report_unknown = not any(
+            settings.get(k) for k in ("filters", "focus", "ignore", "basic_list")
+        ) and bool(self.api_names)
         self._states: dict[tuple[Any, ...], _State] = {}
-        self._tops: dict[tuple[tuple[str, ...], str], _State] = {}
         self.records: dict[tuple[Any, ...], _Record] = {}
         #: (state, op key) -> the identities of the violations it makes
         self._bad: dict[tuple[int, Any], list[tuple[Any, ...]]] = {}
         self._lock = threading.RLock()
-        self.local = threading.local()
         self.cuda = torch.cuda.is_available()
         self.step = 0
         self.checked_steps = 0
         #: ops checked against the config (first sights per state): 0 means the guard
         #: checked nothing (no config target ran)
         self.checked_ops = 0
-        #: modules that were still being imported when the guard started: wrapped
-        #: when their import finishes (:func:`_when_loaded`)
-        self.loading: set[str] = set()
         self.checking = True
         self._mode = _Mode(self)
+        self._api_mode = _ApiMode(self) if self.api_names else None
         self._pushed = False
-        self._watcher: _ImportWatcher | None = None
+        self._started = False
         self._step_hook: Any = None
         self._finished = False
         self.written: Path | None = None
@@ -384,25 +409,8 @@ class Guard:
     # -- lifecycle ------------------------------------------------------------
 
     def start(self) -> None:
-        """Wrap the targets (now and on import), push the mode, count optimizer steps."""
-        alias = main_module_alias()
-        replaced: dict[Any, Any] = {}
-        for module_name in list(self.pending):
-            module = sys.modules.get(module_name)
-            if module is None and module_name == alias:
-                module = sys.modules.get("__main__")
-            # half-loaded (the program's first import imports torch, or a circular
-            # import): its functions may not exist yet; wrap when it is done
-            later = functools.partial(self._loaded, module_name)
-            if module is not None and _initializing(module) and _when_loaded(module, later):
-                self.loading.add(module_name)
-                continue
-            if module is not None:
-                self.wrap_module(module_name, module, replaced)
-        if replaced:
-            self._replace_references(replaced)
-        self._watcher = _ImportWatcher(self)
-        sys.meta_path.insert(0, self._watcher)
+        """Push the mode and count optimizer steps (and start the watchdog, if asked)."""
+        self._started = True
         self._step_hook = count_optimizer_steps(self._after_step)
         self.checked_steps = 1
         if self.collective_timeout is not None and self.watchdog is None:
@@ -412,45 +420,28 @@ class Guard:
             )
         self._push()
 
-    def _loaded(self, module_name: str) -> None:
-        """A module that was half-loaded when the guard started has finished importing:
-        wrap its targets now (if the guard still runs and the import succeeded)."""
-        self.loading.discard(module_name)
-        module = sys.modules.get(module_name)
-        if self._watcher is None or module is None or module_name not in self.pending:
-            return
-        self.wrap_module(module_name, module)
-
-    def stop(self, unwrap: bool = True) -> None:
-        """Pop the mode, remove the hooks and (by default) restore every original."""
+    def stop(self) -> None:
+        """Pop the mode and remove the hooks; nothing else in the program was changed."""
         self._pop()
         if self.watchdog is not None:
             self.watchdog.stop()
         if self._step_hook is not None:
             self._step_hook.remove()
             self._step_hook = None
-        if self._watcher is not None:
-            with contextlib.suppress(ValueError):
-                sys.meta_path.remove(self._watcher)
-            self._watcher = None
-        if unwrap:
-            for owner, name, original, wrapper in reversed(self._restore):
-                with contextlib.suppress(Exception):
-                    if isinstance(owner, dict):
-                        if owner.get(name) is wrapper:
-                            owner[name] = original
-                    else:
-                        setattr(owner, name, original)
-            self._restore.clear()
 
     def _push(self) -> None:
         if not self._pushed:
-            # the mode's __enter__ and __exit__ have no annotations (unused without torch)
+            # the modes' __enter__ and __exit__ have no annotations (unused without torch)
             self._mode.__enter__()  # type: ignore[no-untyped-call, unused-ignore]
+            if self._api_mode is not None:
+                self._api_mode.__enter__()  # type: ignore[no-untyped-call, unused-ignore]
             self._pushed = True
 
     def _pop(self) -> None:
         if self._pushed and _get_current_dispatch_mode() is self._mode:
+            modes = _function_modes()  # type: ignore[no-untyped-call, unused-ignore]
+            if self._api_mode is not None and modes[-1:] == [self._api_mode]:
+                self._api_mode.__exit__(None, None, None)  # type: ignore[no-untyped-call, unused-ignore]
             self._mode.__exit__(None, None, None)  # type: ignore[no-untyped-call, unused-ignore]
             self._pushed = False
 
@@ -465,148 +456,6 @@ class Guard:
                 self._push()
             else:
                 self._pop()  # when another mode sits above ours, `checking` alone skips
-
-    # -- wrapping -------------------------------------------------------------
-
-    def wrap_module(
-        self,
-        module_name: str,
-        module: types.ModuleType,
-        replaced: dict[Any, Any] | None = None,
-    ) -> None:
-        """Wrap every pending target of ``module_name`` found in ``module``; module-level
-        functions are replaced in other modules too (now, or by the caller that passes
-        ``replaced`` to collect them)."""
-        scan = replaced is None
-        replaced = {} if replaced is None else replaced
-        with self._lock:
-            qualnames = self.pending.pop(module_name, set())
-            for qualname in sorted(qualnames):
-                target = f"{module_name}:{qualname}"
-                try:
-                    reason = self._wrap(module, target, qualname, replaced)
-                except Exception as exc:  # never break the program
-                    reason = f"cannot wrap: {exc!r}"
-                if reason is None:
-                    self.wrapped.add(target)
-                    self.unwrapped.pop(target, None)
-                else:
-                    self.unwrapped[target] = reason
-            if scan and replaced:
-                self._replace_references(replaced)
-
-    def _wrap(
-        self,
-        module: types.ModuleType,
-        target: str,
-        qualname: str,
-        replaced: dict[Any, Any],
-    ) -> str | None:
-        if "<locals>" in qualname or "<" in qualname:
-            return "a nested or generated function (its qualname has <...>) cannot be reached"
-        parts = qualname.split(".")
-        owner: Any = module
-        for part in parts[:-1]:
-            owner = getattr(owner, part, None)
-            if owner is None:
-                return f"{'.'.join(parts[:-1])} not found in module {module.__name__}"
-        name = parts[-1]
-        is_class = isinstance(owner, type)
-        value = owner.__dict__.get(name) if is_class else getattr(owner, name, None)
-        if value is None and module.__name__ == "__main__":
-            return MAIN_REASON
-        if value is None:
-            return f"{name} not found in {getattr(owner, '__name__', owner)}"
-        descriptor: type[Any] | None = None
-        function = value
-        if isinstance(value, staticmethod | classmethod):
-            descriptor, function = type(value), value.__func__
-        if getattr(function, "__opguard_guard__", False):
-            return None
-        if not isinstance(function, types.FunctionType):
-            return f"not a Python function (a {type(function).__name__}); it cannot be wrapped"
-        wrapper = self._make_wrapper(function, target)
-        new_value = descriptor(wrapper) if descriptor is not None else wrapper
-        setattr(owner, name, new_value)
-        self._restore.append((owner, name, value, new_value))
-        if is_class:
-            self._wrap_subclass_copies(owner, name, function, target)
-        else:
-            replaced[function] = wrapper
-        return None
-
-    def _wrap_subclass_copies(
-        self, owner: type, name: str, function: types.FunctionType, target: str
-    ) -> None:
-        """Subclasses that already hold a decorated copy of the method (torch's
-        optimizers patch ``step`` per class) get that copy wrapped too."""
-        seen: set[type] = set()
-        todo: list[type] = list(owner.__subclasses__())
-        while todo:
-            sub = todo.pop()
-            if sub in seen:
-                continue
-            seen.add(sub)
-            todo.extend(sub.__subclasses__())
-            link, hops = sub.__dict__.get(name), 0
-            while link is not None and hops < 8:
-                inner = getattr(link, "__wrapped__", None)
-                if inner is function:
-                    self._wrap_closure(link, function, target)
-                    break
-                link, hops = inner, hops + 1
-
-    def _wrap_closure(self, link: Any, function: types.FunctionType, target: str) -> None:
-        """Wrap ``function`` inside the decorator ``link`` that closes over it, so the
-        decorator's own work stays outside the target (as in the trace)."""
-        for cell in getattr(link, "__closure__", None) or ():
-            if cell.cell_contents is function:
-                wrapper = self._make_wrapper(function, target)
-                cell.cell_contents = wrapper
-                self._restore.append((cell, "cell_contents", function, wrapper))
-                return
-
-    def _replace_references(self, replaced: dict[Any, Any]) -> None:
-        """Replace ``from m import f`` copies of wrapped functions in every module."""
-        function = types.FunctionType
-        for module in list(sys.modules.values()):
-            namespace = getattr(module, "__dict__", None)
-            if not isinstance(namespace, dict):
-                continue
-            hits = [
-                (name, value)
-                for name, value in namespace.items()
-                if type(value) is function and value in replaced
-            ]
-            for name, value in hits:
-                namespace[name] = replaced[value]
-                self._restore.append((namespace, name, value, replaced[value]))
-
-    def _make_wrapper(self, original: types.FunctionType, target: str) -> Any:
-        local = self.local
-        guard = self
-
-        @functools.wraps(original)
-        def opguard_guarded(*args: Any, **kwargs: Any) -> Any:
-            if not guard.checking:  # an unsampled step: ops inside go to the last state
-                return original(*args, **kwargs)
-            parent = getattr(local, "state", None)
-            if parent is None:
-                child = guard.top_state(target)
-            else:
-                child = parent.children.get(target)
-                if child is None:
-                    child = guard.child_state(parent, target)
-            if child.unknown is not None:
-                guard.hit(child.unknown)
-            local.state = child
-            try:
-                return original(*args, **kwargs)
-            finally:
-                local.state = parent
-
-        opguard_guarded.__opguard_guard__ = True  # type: ignore[attr-defined]
-        return opguard_guarded
 
     # -- states ---------------------------------------------------------------
 
@@ -650,38 +499,153 @@ class Guard:
         self._states[(child_path, known, chain)] = state
         return state
 
-    def child_state(self, parent: _State, target: str) -> _State:
-        with self._lock:
-            state = self._state(parent.path, target, parent.known, parent.chain)
-            parent.children[target] = state
-            return state
+    def state_at(self, frame: types.FrameType | None, api: str | None = None) -> _State:
+        """The state of the stack at ``frame``: its config targets, found by code object
+        (:meth:`active_targets`), below them the ``torch_api`` target of the public
+        call running (``api``), then resolved once per distinct tuple of them."""
+        active = (api, *self.active_targets(frame))
+        state = self._by_active.get(active)
+        return state if state is not None else self._resolve_with_leaves(active)
 
-    def top_state(self, target: str) -> _State:
-        """A target entered with no active target on this thread: its context comes
-        from the Python stack (targets that are not wrapped, e.g. in ``__main__``)."""
-        path = self._frame_context(sys._getframe(2))
-        cached = self._tops.get((path, target))
-        if cached is not None:
-            return cached
-        with self._lock:
-            state = self._state(path, target, frozenset())
-            self._tops[(path, target)] = state
-            return state
-
-    def _frame_context(self, frame: types.FrameType | None) -> tuple[str, ...]:
-        if self.depth <= 0:
-            return ()
-        alias = main_module_alias()
-        found: list[str] = []
-        while frame is not None and len(found) < self.depth:
-            module = frame.f_globals.get("__name__")
-            if module == "__main__":
-                module = alias
-            name = f"{module}:{frame.f_code.co_qualname}"
-            if name in self.names:
-                found.append(name)
+    def active_targets(self, frame: types.FrameType | None) -> tuple[str | None, ...]:
+        """The program's innermost function when the config lacks it and no config
+        target runs inside it (else None), then the config targets running on the
+        stack from ``frame`` outwards, innermost first. Each code object is named once
+        (:meth:`_name_code`), as the tracer names it, so ``__main__``'s functions,
+        nested functions and closures are found like any other; nothing is imported
+        or replaced."""
+        names = self._code_targets
+        found: list[str | None] = [None]
+        leaf = True  # still looking for the program's innermost function
+        crossed = False  # passed the guard's or torch's dispatch frames since the last
+        while frame is not None:
+            code = frame.f_code
+            name = names.get(id(code), _UNSEEN)
+            if name is _UNSEEN:
+                name = self._name_code(code, frame.f_globals)
+            if name is not None:
+                mark = name[0]
+                if mark == "\1":  # the guard's or torch's plumbing
+                    crossed = True
+                elif mark == "\0":  # a program function the config lacks
+                    if leaf and len(found) == 1:
+                        found[0] = name[1:]
+                    leaf = crossed = False
+                else:
+                    # a call that re-entered the function which handed it to the api
+                    # mode (handle_torch_function): the outer copy is not a caller
+                    if not (crossed and found[-1] == name):
+                        found.append(name)
+                    leaf = crossed = False
             frame = frame.f_back
-        return tuple(reversed(found))
+        return tuple(found)
+
+    def api_target(self, func: Any) -> str | None:
+        """The ``torch_api`` target of the torch callable ``func``, named as the tracer
+        and compress name it (``torch:Tensor.mul``); None for one without a name."""
+        try:
+            return self._api_targets[func]
+        except KeyError:
+            pass
+        except TypeError:  # unhashable
+            return None
+        name = api_name(func)
+        target = target_name(*_api_parts(name)) if name else None
+        if len(self._api_targets) < 100_000:
+            self._api_targets[func] = target
+        return target
+
+    def _name_code(self, code: types.CodeType, namespace: dict[str, Any]) -> str | None:
+        """The config target ``code`` runs (``module:qualname``, the tracer's naming,
+        ``__main__`` as the script's module), or None; remembered by ``id(code)``."""
+        module = program_module_name(namespace.get("__name__"), code.co_filename)
+        name = target_name(module, code.co_filename, code.co_qualname)
+        found: str | None = name if name in self.names else None
+        if found is None and _dispatch_code(code):
+            found = "\1"  # marked: the guard's or torch's dispatch plumbing
+        elif found is None and self.report_unknown and _program_code(code):
+            found = "\0" + name  # marked: not a target, a program function it lacks
+        with self._lock:
+            self._codes.append(code)
+            self._code_targets[id(code)] = found
+        return found
+
+    def _placed(self, active: tuple[str, ...], index: int) -> bool:
+        """Whether ``active[index]`` sits where the config has it: one of its parents
+        runs above it, or it is a top-level entry."""
+        parents = self.parents.get(active[index], frozenset())
+        return None in parents or any(a in parents for a in active[index + 1 :])
+
+    def _resolve_with_leaves(self, active: tuple[str | None, ...]) -> _State:
+        """The state of ``(api, leaf, *targets)``: that of the targets, with the api
+        below them when the config lists it; an api or a program function the
+        config lacks is noted on a copy of it (``extra``) for the whole-run
+        ``unknown_target``, under the context the check's tree gives it."""
+        api, leaf = active[0], active[1]
+        targets = tuple(t for t in active[2:] if t is not None)
+        known_api = api is not None and api in self.api_names
+        base = self._resolve((api, *targets) if api is not None and known_api else targets)
+        extra: list[EntryKey] = []
+        if self.report_unknown and base.known:
+            context = base.path[-self.depth :] if self.depth > 0 else ()
+            if leaf is not None:
+                extra.append((leaf, context))
+                context = (leaf,)[-self.depth :] if self.depth > 0 else ()
+            if api is not None and not known_api:
+                extra.append((api, context))
+        state = base
+        if extra:
+            state = _State(base.path, base.key, base.known, base.allowed, base.streams)
+            state.unknown, state.chain, state.extra = base.unknown, base.chain, tuple(extra)
+            state.watch = True
+            with self._lock:
+                self._copies.append(state)
+        self._by_active[active] = state
+        return state
+
+    def count_extra(self, keys: tuple[EntryKey, ...]) -> None:
+        """One op of each target the config lacks in ``keys``."""
+        counts = self.extra_ops
+        for key in keys:
+            counts[key] = counts.get(key, 0) + 1
+
+    def _resolve(self, active: tuple[str, ...]) -> _State:
+        """The state of the config targets ``active`` (innermost first).
+
+        Each target's parent is the nearest target above it that the config has
+        directly above it, skipping targets that cannot be where they are (none of
+        their own parents above them, not top level: folded away on this path when
+        the config was made, chain pruning, docs/compression.md); a target that can
+        be where it is stops the search, and the target is under it (an
+        ``unknown_context``, as ``opguard check`` finds it). A target the config has
+        at top level ends the chain when no parent of its runs above it. Every chosen
+        target's entry is active, as the config counts (inclusive)."""
+        chosen: list[str] = []
+        index = 0
+        while index < len(active):
+            target = active[index]
+            chosen.append(target)
+            parents = self.parents.get(target, frozenset())
+            above = index + 1
+            while above < len(active) and active[above] not in parents:
+                if self._placed(active, above):
+                    break  # a real node here: ``target`` ran under it (unknown_context)
+                above += 1  # folded away on this path when the config was made
+            if above == len(active) and None in parents:
+                break  # a top-level entry with no parent of its above it
+            if above == len(active):
+                above = index + 1
+            index = above
+        with self._lock:
+            state = self._nothing
+            path: tuple[str, ...] = ()
+            known: frozenset[EntryKey] = frozenset()
+            chain: tuple[tuple[Any, ...], ...] = ()
+            for target in reversed(chosen):
+                state = self._state(path, target, known, chain)
+                path, known, chain = state.path, state.known, state.chain
+            self._by_active[active] = state
+        return state
 
     # -- violations -----------------------------------------------------------
 
@@ -736,6 +700,7 @@ class Guard:
         for identity in identities:
             self.hit(identity)
         if identities and self.on_violation == "raise":
+            self.ended_early = True
             raise OpGuardViolation(self.records[identities[0]].violation)
 
     def remember(self, violation: Violation) -> tuple[Any, ...]:
@@ -747,7 +712,10 @@ class Guard:
         return identity
 
     def count_ops(self, chain: tuple[tuple[Any, ...], ...]) -> None:
+        """One op under each ``unknown_context`` of ``chain``: its ``count`` and the
+        ops its threshold test needs (:meth:`counts`)."""
         for identity in chain:
+            self.hit(identity)
             self.records[identity].ops += 1
 
     def hit(self, identity: tuple[Any, ...]) -> None:
@@ -758,7 +726,7 @@ class Guard:
         record.count += 1
         if record.count == 1:
             record.stack = python_stack(sys._getframe(1))
-            if record.violation.kind != "unknown_context":
+            if record.violation.kind not in _AT_EXIT:
                 self._log(record)
 
     def unknown_threshold(self) -> float:
@@ -836,6 +804,7 @@ class Guard:
         identity = self.remember(violation)
         self.hit(identity)
         if may_raise and self.on_violation == "raise":
+            self.ended_early = True
             raise OpGuardViolation(violation)  # this call's (the record keeps the first)
 
     def _waited_too_long(
@@ -905,29 +874,83 @@ class Guard:
             out.append(data)
         return out
 
+    def seen_targets(self) -> frozenset[str]:
+        """The config targets that ran (in a checked step) on this process's stacks."""
+        return frozenset(target for target, _ in self.observed_entries())
+
+    def observed_entries(self) -> dict[EntryKey, dict[str, Any]]:
+        """Each config entry that was active while ops were checked, with their
+        number (inclusive, as the config counts: an op counts for every active entry)."""
+        counts: dict[EntryKey, int] = {}
+        for state in [*self._states.values(), *self._copies]:
+            if state.ops:
+                for key in state.known:
+                    counts[key] = counts.get(key, 0) + state.ops
+        return {key: {"count": count} for key, count in counts.items()}
+
+    def whole_run_config(self) -> Mapping[str, Any] | None:
+        """The config the whole-run rules compare with: this config, or the share of
+        ``source`` in a merged config that records its sources; None (no whole-run
+        rules) for a merged config without a source named (docs/guard.md)."""
+        names = recorded_sources(dict(self.config))
+        if not names:
+            return self.config
+        if self.source in names:
+            return project(dict(self.config), [self.source])
+        return None
+
+    def whole_run(self) -> list[Violation]:
+        """What needs the whole run, by check's own rules: ``missing`` (a config
+        entry of a Python function that never ran on this rank, where the config has
+        it) and ``count_drift`` (its op count per step beyond check's default
+        tolerance; only when every step was checked, ``sample`` 1)."""
+        if not self.whole_run_rules or self.ended_early or self.checked_ops == 0:
+            return []
+        config = self.whole_run_config()
+        if config is None:
+            return []
+        rank = self.resolve_rank()
+        tracked = self.names | self.api_names
+        expected = {entry_key(e): e for e in config["entries"] if entry_key(e)[0] in tracked}
+        observed = self.observed_entries()
+        ranks = [int(r) for r in (config.get("meta") or {}).get("ranks") or [rank]]
+        found: list[Violation] = []
+        for key in sorted(expected):
+            check = CheckInput(
+                rank=rank,
+                key=key,
+                config=dict(config),
+                expected=expected,
+                observed={rank: observed},
+                ranks=ranks,
+                tolerance=DEFAULT_TOLERANCE,
+                expected_steps=self.config_steps,
+                observed_steps={rank: self.step or None},
+            )
+            found.extend(missing(observed.get(key), expected[key], check))
+            if self.every == 1:
+                found.extend(count_drift(observed.get(key), expected[key], check))
+        threshold = self.unknown_threshold()
+        for (target, context), ops in sorted(self.extra_ops.items()):
+            if ops >= threshold and (target, context) not in self.entries:
+                where = f"{target} [{' > '.join(context)}]" if context else target
+                message = f"{where} ran ({ops} ops) and is not in the config"
+                found.append(
+                    Violation("unknown_target", WARNING, target, list(context), [rank], message)
+                )
+        return found
+
     def report(self) -> dict[str, Any]:
         """The ``opguard-guard-report`` document."""
-        unwrapped = dict(self.unwrapped)
-        alias = main_module_alias()
-        for module, qualnames in self.pending.items():
-            reason = MAIN_REASON if module == alias else f"module {module} was never imported"
-            if module in self.loading:
-                reason = (
-                    f"module {module} was being imported when the guard started, "
-                    "and that import never finished"
-                )
-            for qualname in qualnames:
-                unwrapped[f"{module}:{qualname}"] = reason
         return guard_report(
             config=self.config_path,
             rank=self.resolve_rank(),
             violations=self.violations(),
-            unwrapped=[{"target": t, "reason": r} for t, r in sorted(unwrapped.items())],
             on_violation=self.on_violation,
             sample=self.sample,
             steps=self.step,
             checked_steps=min(self.checked_steps, self.step + 1),
-            wrapped=len(self.wrapped),
+            targets_seen=len(self.seen_targets()),
         )
 
     def write(self) -> Path:
@@ -939,20 +962,26 @@ class Guard:
         self.written = path
         return path
 
-    def finish(self, unwrap: bool = True) -> Path | None:
-        """Stop and write the report, once; never raises."""
+    def finish(self) -> Path | None:
+        """Stop, add the whole-run violations, and write the report, once; never raises."""
         if self._finished:
             return self.written
         self._finished = True
         try:
-            self.stop(unwrap=unwrap)
+            self.stop()
         except Exception as exc:
             print(f"opguard guard: could not stop cleanly: {exc!r}", file=sys.stderr)
-        try:  # the unknown_context warnings that count, now that the run's ops are known
+        try:
+            for violation in self.whole_run():
+                identity = self.remember(violation)
+                self.records[identity].count += 1
+        except Exception as exc:
+            print(f"opguard guard: could not check the whole run: {exc!r}", file=sys.stderr)
+        try:  # what needs the run's counts is logged now: unknown_context, missing, drift
             from opguard_core.formats.check import sort_key
 
             for record in sorted(self.records.values(), key=lambda r: sort_key(r.violation)):
-                if record.violation.kind == "unknown_context" and self.counts(record):
+                if record.violation.kind in _AT_EXIT and self.counts(record):
                     self._log(record)
         except Exception as exc:
             print(f"opguard guard: could not log: {exc!r}", file=sys.stderr)
@@ -964,53 +993,39 @@ class Guard:
             return None
 
 
-def _initializing(module: types.ModuleType) -> bool:
-    """Whether ``module`` is still being imported (its code has not finished running)."""
-    spec = getattr(module, "__spec__", None)
-    return bool(getattr(spec, "_initializing", False))
+_STDLIB = tuple(
+    os.path.abspath(p) + os.sep
+    for p in {sysconfig.get_paths()["stdlib"], sysconfig.get_paths()["platstdlib"]}
+)
+_OPGUARD_PREFIXES = tuple(
+    os.path.dirname(os.path.abspath(m.__file__)) + os.sep
+    for m in (sys.modules["opguard_core"], sys.modules["opguard_plugins"])
+    if m.__file__
+)
 
 
-class _LoadingSpec(importlib.machinery.ModuleSpec):
-    """A half-loaded module's spec while the guard waits for its import to finish:
-    importlib sets ``spec._initializing = False`` right after the module's code ran
-    (``importlib._bootstrap._load_unlocked``, in a ``finally``), which calls the
-    callbacks :func:`_when_loaded` registered and turns the spec back into a plain
-    ``ModuleSpec``."""
-
-    @property
-    def _initializing(self) -> bool:
-        return bool(self.__dict__.get("_initializing", False))
-
-    @_initializing.setter
-    def _initializing(self, value: bool) -> None:
-        self.__dict__["_initializing"] = value
-        if value:
-            return
-        callbacks = self.__dict__.pop("_opguard_when_loaded", [])
-        self.__class__ = importlib.machinery.ModuleSpec  # type: ignore[assignment]
-        for callback in callbacks:
-            try:
-                callback()
-            except Exception as exc:  # never break the program's import
-                print(f"opguard guard: cannot wrap a late module: {exc!r}", file=sys.stderr)
+def _dispatch_code(code: types.CodeType) -> bool:
+    """Whether ``code`` is the guard's own or torch's dispatch plumbing."""
+    filename = os.path.abspath(code.co_filename)
+    return filename in _OWN_FILES or filename in _PLUMBING
 
 
-def _when_loaded(module: types.ModuleType, callback: Any) -> bool:
-    """Call ``callback()`` once ``module``'s import finishes; False when that cannot be
-    watched (a spec that is not a plain ``ModuleSpec``)."""
-    spec = getattr(module, "__spec__", None)
-    if type(spec) is _LoadingSpec:
-        spec.__dict__.setdefault("_opguard_when_loaded", []).append(callback)
-        return True
-    if type(spec) is not importlib.machinery.ModuleSpec:
+def _program_code(code: types.CodeType) -> bool:
+    """Whether ``code`` is the program's own (or a library's it uses): not torch's,
+    opguard's, the standard library's, or generated (``<string>``)."""
+    filename = code.co_filename
+    if filename.startswith("<"):
         return False
-    try:
-        spec.__dict__["_opguard_when_loaded"] = [callback]
-        spec.__class__ = _LoadingSpec
-    except TypeError:
-        spec.__dict__.pop("_opguard_when_loaded", None)
+    path = os.path.abspath(filename)
+    if path.startswith(_TORCH_PREFIX) or path.startswith(_OPGUARD_PREFIXES):
         return False
-    return True
+    return not (path.startswith(_STDLIB) and os.sep + "site-packages" + os.sep not in path)
+
+
+def _api_parts(api: str) -> tuple[str, None, str]:
+    """``target_name``'s arguments for an api, as compress makes its ``torch_api`` node."""
+    module, qualname = split_api(api)
+    return module, None, qualname
 
 
 def caller_target(frame: types.FrameType | None) -> str:
@@ -1019,9 +1034,7 @@ def caller_target(frame: types.FrameType | None) -> str:
     while frame is not None:
         filename = os.path.abspath(frame.f_code.co_filename)
         if filename not in _OWN_FILES and not filename.startswith(_TORCH_PREFIX):
-            module = frame.f_globals.get("__name__")
-            if module == "__main__":
-                module = main_module_alias() or module
+            module = program_module_name(frame.f_globals.get("__name__"), filename)
             return f"{module}:{frame.f_code.co_qualname}"
         frame = frame.f_back
     return "?"
@@ -1030,16 +1043,27 @@ def caller_target(frame: types.FrameType | None) -> str:
 def python_stack(frame: types.FrameType | None) -> list[dict[str, Any]]:
     """The Python stack at ``frame``, outermost first, without the guard's and torch's
     dispatch frames; at most the innermost 40."""
-    out: list[dict[str, Any]] = []
+    frames: list[tuple[types.CodeType, int]] = []
     while frame is not None:
-        code = frame.f_code
-        filename = os.path.abspath(code.co_filename)
-        if filename not in _OWN_FILES and filename not in _PLUMBING:
-            out.append(
-                {"file": code.co_filename, "line": frame.f_lineno, "function": code.co_qualname}
-            )
+        frames.append((frame.f_code, frame.f_lineno or 0))
         frame = frame.f_back
-    out.reverse()
+    kept: list[tuple[types.CodeType, int]] = []
+    crossed = False
+    for code, line in reversed(frames):  # outermost first
+        if _dispatch_code(code):
+            crossed = True
+            continue
+        if crossed:  # a call that re-entered its caller through a mode: the inner copy
+            for back in range(1, min(4, len(kept)) + 1):
+                if kept[-back][0] is code:
+                    del kept[-back:]
+                    break
+        crossed = False
+        kept.append((code, line))
+    out = [
+        {"file": code.co_filename, "line": line, "function": code.co_qualname}
+        for code, line in kept
+    ]
     return out[-_STACK_LIMIT:]
 
 
@@ -1064,6 +1088,7 @@ def guarded(
     collectives: str | os.PathLike[str] | Collectives | None = None,
     collective_timeout: float | None = None,
     source: str | None = None,
+    whole_run: bool = False,
 ) -> Iterator[Guard]:
     """Enforce ``config`` on the ``with`` block; write the report when it ends.
 
@@ -1079,6 +1104,9 @@ def guarded(
         by default the config's own (config version 4), if it recorded any.
     :param source: which source's sequences, when the config has several.
     :param collective_timeout: report a collective call that waits longer (seconds).
+    :param whole_run: the block is the whole program run: at its end, also report
+        ``missing`` and ``count_drift`` (docs/guard.md, "What needs the whole run");
+        skipped when the block ends by an exception.
     """
     loaded, path = _load(config)
     if collectives is None:
@@ -1086,11 +1114,23 @@ def guarded(
     elif not isinstance(collectives, Collectives):
         collectives = load_collectives(Path(collectives))
     guard = Guard(
-        loaded, path, report_dir, on_violation, sample, rank, collectives, collective_timeout
+        loaded,
+        path,
+        report_dir,
+        on_violation,
+        sample,
+        rank,
+        collectives,
+        collective_timeout,
+        source,
+        whole_run,
     )
     guard.start()
     try:
         yield guard
+    except BaseException:
+        guard.ended_early = True
+        raise
     finally:
         guard.finish()
 
@@ -1115,6 +1155,7 @@ def start_process_guard() -> Guard | None:
     sequences = os.environ.get("OPGUARD_GUARD_COLLECTIVES")
     timeout = os.environ.get("OPGUARD_GUARD_COLLECTIVE_TIMEOUT")
     config = load_config(Path(config_path))
+    source = os.environ.get("OPGUARD_GUARD_SOURCE")
     guard = Guard(
         config,
         config_path,
@@ -1123,10 +1164,13 @@ def start_process_guard() -> Guard | None:
         float(os.environ.get("OPGUARD_GUARD_SAMPLE", "1")),
         collectives=load_collectives(Path(sequences))
         if sequences
-        else config_sequences(config, config_path, os.environ.get("OPGUARD_GUARD_SOURCE")),
+        else config_sequences(config, config_path, source),
         collective_timeout=float(timeout) if timeout else None,
+        source=source,
+        whole_run=True,
     )
     guard.start()
+    _note_uncaught_exceptions(guard)
     _PROCESS_GUARD = guard
     write_status("started")
     atexit.register(_finish_process_guard)
@@ -1139,12 +1183,12 @@ def _finish_process_guard() -> None:
     if _PROCESS_GUARD is None:
         return
     if _is_launcher():
-        _PROCESS_GUARD.stop(unwrap=False)
+        _PROCESS_GUARD.stop()
         clear_status()
         return
     if _PROCESS_GUARD._finished:
         return
-    written = _PROCESS_GUARD.finish(unwrap=False)
+    written = _PROCESS_GUARD.finish()
     write_status(
         "finished",
         report=None if written is None else str(written),
@@ -1153,9 +1197,31 @@ def _finish_process_guard() -> None:
     )
 
 
+def _note_uncaught_exceptions(guard: Guard) -> None:
+    """Mark the guard's run as ended early when an exception goes uncaught (the
+    program's own ``sys.excepthook`` still runs) or the program calls ``sys.exit``
+    with a failure status."""
+    previous = sys.excepthook
+    program_exit = sys.exit
+
+    def hook(kind: Any, value: Any, traceback: Any) -> None:
+        guard.ended_early = True
+        previous(kind, value, traceback)
+
+    def exit_noting_failure(status: Any = None) -> Any:
+        if status not in (None, 0):
+            guard.ended_early = True
+        return program_exit(status)
+
+    sys.excepthook = hook
+    sys.exit = exit_noting_failure
+
+
 def _on_sigterm(ends: bool) -> None:
     """SIGTERM: write the report now when the process ends with it; else the program's
     own handler runs and the report is written at exit."""
+    if _PROCESS_GUARD is not None:
+        _PROCESS_GUARD.ended_early = True
     if ends:
         _finish_process_guard()
 

@@ -92,7 +92,7 @@ def problems(statuses: list[dict[str, Any]]) -> list[str]:
     if not lines and checked == 0:
         lines.append(
             "the guard checked no op: no config target ran (is the config made from this "
-            "program? see each report's 'unwrapped')"
+            "program? each report's 'missing' warnings name the targets that never ran)"
         )
     return lines
 

@@ -623,6 +623,23 @@ def default_program_roots() -> list[str]:
     return roots
 
 
+def program_module_name(name: str | None, filename: str) -> str | None:
+    """The module name a trace records for code whose globals' ``__name__`` is
+    ``name``: ``__main__`` becomes the script's module (``python -m pkg.train``: its
+    spec's name) or its file's stem (``python train.py``: ``train``), so a script's
+    functions are named alike however it is run. The runtime guard names frames the
+    same way (docs/guard.md)."""
+    if name != "__main__":
+        return name
+    main = sys.modules.get("__main__")
+    spec = getattr(main, "__spec__", None)
+    if spec is not None and getattr(main, "__file__", None) == filename:
+        return str(spec.name)
+    if not filename.startswith("<"):
+        return Path(filename).stem
+    return name
+
+
 class _FrameMaker:
     """Turns raw (code, line) pairs into interned :class:`Frame` values."""
 
@@ -684,14 +701,7 @@ class _FrameMaker:
     def module_name(self, code: types.CodeType) -> str | None:
         if code in self._module_names:
             return self._module_names[code]
-        name = self.modules.get(code)
-        if name == "__main__":
-            main = sys.modules.get("__main__")
-            spec = getattr(main, "__spec__", None)
-            if spec is not None and getattr(main, "__file__", None) == code.co_filename:
-                name = spec.name
-            elif not code.co_filename.startswith("<"):
-                name = Path(code.co_filename).stem
+        name = program_module_name(self.modules.get(code), code.co_filename)
         self._module_names[code] = name
         return name
 

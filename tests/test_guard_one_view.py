@@ -1,0 +1,143 @@
+"""One view (issue 29, points 1 and 2): ``opguard guard`` at run time and ``opguard
+check`` on a trace of the same program attribute its ops to the same (target,
+context) keys, and report the same violations for the same edit.
+
+The programs are a conv net written as one script (``tests/data/one_view/net.py``:
+Block, Net and main defined in ``__main__``, run as ``python net.py``) and the bundled
+single-process example. Each is traced once unchanged to make a config; every edited
+copy is then traced and checked, and run under the guard. Subprocesses: slow.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.builders import run_opguard as run
+
+pytestmark = [pytest.mark.slow, pytest.mark.torch]
+
+REPO = Path(__file__).resolve().parent.parent
+NET = REPO / "tests" / "data" / "one_view" / "net.py"
+EXAMPLES = REPO / "examples"
+
+Key = tuple[str, str, tuple[str, ...], str | None, str | None]
+
+
+def _edit(old: str, new: str) -> Callable[[str], str]:
+    def edit(source: str) -> str:
+        assert old in source, old
+        return source.replace(old, new)
+
+    return edit
+
+
+#: edits of net.py: each adds, moves or removes work somewhere check and guard must
+#: both name the same way
+NET_EDITS: dict[str, Callable[[str], str]] = {
+    # the issue's case: an extra gating op inside a method of a class in __main__
+    "gate_in_block": _edit(
+        "        y = torch.relu(self.norm(self.conv(x)))\n",
+        "        y = torch.relu(self.norm(self.conv(x)))\n        y = y * torch.sigmoid(y)\n",
+    ),
+    # a new function of the script between Net.forward and its work
+    "new_helper": _edit(
+        "        return self.head(x.mean(dim=(2, 3)))\n",
+        "        return self.head(pool(x))\n\n\ndef pool(x: torch.Tensor) -> torch.Tensor:\n"
+        "    return x.amax(dim=(2, 3))\n",
+    ),
+    # an op issued by the training loop itself (main, in __main__)
+    "op_in_main": _edit(
+        "        loss = loss_fn(model(x), y)\n",
+        "        loss = loss_fn(model(x), y) + 0.0 * x.abs().sum()\n",
+    ),
+    # a removed block: its entries never run
+    "one_block": _edit(
+        "nn.Sequential(Block(8), Block(8))",
+        "nn.Sequential(Block(8))",
+    ),
+}
+
+
+def _keys(violations: list[dict[str, Any]], kinds: set[str] | None = None) -> set[Key]:
+    return {
+        (v["kind"], v["target"], tuple(v["context"]), v.get("op"), v.get("stream"))
+        for v in violations
+        if kinds is None or v["kind"] in kinds
+    }
+
+
+def _config(tmp_path: Path, command: list[str]) -> Path:
+    proc = run("trace", "--label", "good", "--output-dir", tmp_path / "good", "--", *command)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = run(
+        "run", "-i", tmp_path / "good" / "good_callsite_rank0.json",
+        "--output-base", tmp_path / "run",
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    [config] = (tmp_path / "run").glob("*/good_callsite_instrumentation.yaml")
+    return config
+
+
+def _both(tmp_path: Path, config: Path, name: str, command: list[str]) -> tuple[Any, Any]:
+    """check's violations on a trace of ``command``, and guard's on a run of it."""
+    traces = tmp_path / f"t_{name}"
+    proc = run("trace", "--label", name, "--output-dir", traces, "--", *command)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = run("check", "--config", config, "--format", "json",
+               "-i", traces / f"{name}_callsite_rank0.json")  # fmt: skip
+    assert proc.returncode in (0, 1), proc.stderr[-3000:]
+    checked = json.loads(proc.stdout)["violations"]
+    reports = tmp_path / f"g_{name}"
+    proc = run("guard", "--config", config, "--report-dir", reports, "--", *command)
+    assert proc.returncode in (0, 1), proc.stderr[-3000:]
+    guarded = json.loads((reports / "guard_report_rank0.json").read_text())
+    assert proc.returncode == (1 if guarded["errors"] else 0)
+    return checked, guarded["violations"]
+
+
+def test_guard_and_check_agree_on_a_script_and_its_edits(tmp_path: Path) -> None:
+    config = _config(tmp_path, ["python", str(NET), "--steps", "3"])
+    checked, guarded = _both(tmp_path, config, "same", ["python", str(NET), "--steps", "3"])
+    assert checked == [] and guarded == []  # unchanged: nothing at all, from either
+    found: dict[str, set[Key]] = {}
+    for name, edit in NET_EDITS.items():
+        script = tmp_path / name / "net.py"
+        script.parent.mkdir()
+        script.write_text(edit(NET.read_text()))
+        checked, guarded = _both(tmp_path, config, name, ["python", str(script), "--steps", "3"])
+        # the same violations, every kind, the same keys
+        assert _keys(checked), name
+        assert _keys(guarded) == _keys(checked), (name, _keys(guarded) ^ _keys(checked))
+        found[name] = _keys(guarded)
+    # the edit the issue named is found in the method of the script's class
+    gate = ("unexpected_op", "net:Block.forward", ("net:Net.forward",), "aten::sigmoid", None)
+    assert gate in found["gate_in_block"]
+    assert any(k[0] == "unknown_target" and k[1] == "net:pool" for k in found["new_helper"])
+    assert any(k[0] == "missing" for k in found["one_block"]) or any(
+        k[0] == "count_drift" for k in found["one_block"]
+    )
+
+
+def test_guard_and_check_agree_on_the_bundled_example(tmp_path: Path) -> None:
+    folder = tmp_path / "examples"
+    shutil.copytree(EXAMPLES, folder, ignore=shutil.ignore_patterns("traces", "opguard-*"))
+    command = ["python", str(folder / "train_single.py"), "--steps", "2"]
+    config = _config(tmp_path, command)
+    model = folder / "tiny_gpt.py"
+    source = model.read_text()
+    model.write_text(
+        source.replace(
+            "        return self.proj(F.gelu(self.fc(x)))",
+            "        x = F.gelu(self.fc(x))\n        return self.proj(x * torch.sigmoid(x))",
+        )
+    )
+    checked, guarded = _both(tmp_path, config, "gated", command)
+    errors = {"unexpected_op", "unexpected_stream"}
+    assert _keys(checked, errors) and _keys(guarded, errors) == _keys(checked, errors)
+    assert _keys(guarded) == _keys(checked), _keys(guarded) ^ _keys(checked)
