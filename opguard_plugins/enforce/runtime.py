@@ -50,6 +50,7 @@ How it works (docs/guard.md):
 from __future__ import annotations
 
 import atexit
+import math
 import os
 import sys
 import sysconfig
@@ -82,7 +83,7 @@ from opguard_core.formats.collectives import Collectives, is_collective
 from opguard_core.formats.config import entry_key, load_config
 from opguard_core.formats.sources import project, recorded_sources
 from opguard_core.formats.streams import StreamRoles
-from opguard_core.formats.tree import TORCH_API, split_api, target_name
+from opguard_core.formats.tree import TORCH_API, split_api, target_name, threshold
 from opguard_core.logs import escape_controls, resolve_format
 from opguard_core.processes import at_sigterm
 from opguard_plugins.enforce import sequence_guard
@@ -149,6 +150,7 @@ class _State:
         "children",
         "extra",
         "key",
+        "keys",
         "known",
         "ok",
         "ops",
@@ -180,6 +182,9 @@ class _State:
         self.ops = 0  # ops checked in this state (the at-exit counts: count_drift, missing)
         #: targets the config lacks that run here (unknown_target candidates at exit)
         self.extra: tuple[EntryKey, ...] = ()
+        #: the keys of the chain of targets this state was resolved from, outermost
+        #: first (the branch of the run's tree its ops count for)
+        self.keys: tuple[EntryKey, ...] = ()
 
 
 class _Record:
@@ -244,8 +249,9 @@ class _Mode(TorchDispatchMode):  # type: ignore[no-untyped-call, misc, unused-ig
             if guard.checking
             else None
         )
-        if state is not None and state.watch:
+        if state is not None:
             state.ops += 1
+        if state is not None and state.watch:
             if state.extra:
                 guard.count_extra(state.extra)
             if state.chain:
@@ -300,6 +306,8 @@ class Guard:
         settings = meta.get("settings") or {}
         ranks = len(meta.get("ranks") or [0]) or 1
         #: an unknown_context with fewer ops (per rank) is below what the config keeps
+        self.min_count = int(settings.get("min_count", 1) or 0)
+        self.min_fraction = float(settings.get("min_fraction", 0) or 0)
         self.threshold = max(
             float(settings.get("min_count", 1) or 0),
             float(settings.get("min_fraction", 0) or 0) * float(meta.get("total", 0) or 0) / ranks,
@@ -597,6 +605,7 @@ class Guard:
         if extra:
             state = _State(base.path, base.key, base.known, base.allowed, base.streams)
             state.unknown, state.chain, state.extra = base.unknown, base.chain, tuple(extra)
+            state.keys = base.keys
             state.watch = True
             with self._lock:
                 self._copies.append(state)
@@ -641,9 +650,13 @@ class Guard:
             path: tuple[str, ...] = ()
             known: frozenset[EntryKey] = frozenset()
             chain: tuple[tuple[Any, ...], ...] = ()
+            keys: list[EntryKey] = []
             for target in reversed(chosen):
                 state = self._state(path, target, known, chain)
                 path, known, chain = state.path, state.known, state.chain
+                keys.append(state.key)  # type: ignore[arg-type]
+            if keys and not state.keys:
+                state.keys = tuple(keys)
             self._by_active[active] = state
         return state
 
@@ -876,17 +889,35 @@ class Guard:
 
     def seen_targets(self) -> frozenset[str]:
         """The config targets that ran (in a checked step) on this process's stacks."""
-        return frozenset(target for target, _ in self.observed_entries())
+        states = list(self._by_active.values())
+        return frozenset(key[0] for state in states if state.ops for key in state.known)
 
     def observed_entries(self) -> dict[EntryKey, dict[str, Any]]:
         """Each config entry that was active while ops were checked, with their
-        number (inclusive, as the config counts: an op counts for every active entry)."""
+        number, as ``opguard check`` would find it in a trace of this run: the
+        states' branches make a tree of entries (counts inclusive), pruned as the
+        config's settings prune (a subtree below ``max(min_count, min_fraction ×
+        this run's ops)`` is folded into its parent and counts for no entry of its
+        own: compression.md), then merged by key."""
+        root: _Branch = [0, {}]
+        total = 0
+        for state in {id(s): s for s in list(self._by_active.values())}.values():
+            total += state.ops
+            if state.ops and state.keys:
+                node = root
+                for key in state.keys:
+                    node = node[1].setdefault(key, [0, {}])
+                node[0] += state.ops
+        floor = math.ceil(threshold(total, self.min_count, self.min_fraction))
         counts: dict[EntryKey, int] = {}
-        for state in [*self._states.values(), *self._copies]:
-            if state.ops:
-                for key in state.known:
-                    counts[key] = counts.get(key, 0) + state.ops
-        return {key: {"count": count} for key, count in counts.items()}
+        todo = [root]
+        while todo:
+            for key, child in todo.pop()[1].items():
+                count = _branch_total(child)
+                if count >= floor:
+                    counts[key] = counts.get(key, 0) + count
+                    todo.append(child)
+        return {key: {"count": count} for key, count in counts.items() if key in self.entries}
 
     def whole_run_config(self) -> Mapping[str, Any] | None:
         """The config the whole-run rules compare with: this config, or the share of
@@ -1002,6 +1033,20 @@ _OPGUARD_PREFIXES = tuple(
     for m in (sys.modules["opguard_core"], sys.modules["opguard_plugins"])
     if m.__file__
 )
+
+
+#: a node of the tree of entries at exit: [own ops, children by key]
+_Branch = list[Any]
+
+
+def _branch_total(node: _Branch) -> int:
+    """The ops of a branch of entries and everything below it."""
+    total, todo = 0, [node]
+    while todo:
+        item = todo.pop()
+        total += item[0]
+        todo.extend(item[1].values())
+    return int(total)
 
 
 def _dispatch_code(code: types.CodeType) -> bool:

@@ -22,17 +22,16 @@ import torch.distributed as dist
 
 
 def step(case: str, rank: int, departs: bool) -> None:
-    a = torch.ones(6)
-    b = torch.ones(8)
     odd = rank == 1 and departs
+    # the dtype case: the same op, another dtype
+    a = torch.ones(6, dtype=torch.int32 if odd and case == "dtype" else torch.float32)
+    b = torch.ones(8)
     if odd and case == "wait":
         time.sleep(2.5)
     if odd and case == "order":
         dist.all_reduce(b)
         dist.all_reduce(a)
         return
-    if odd and case == "dtype":
-        a = torch.ones(6, dtype=torch.int32)  # the same op, another dtype
     if not (odd and case == "skip"):
         dist.all_reduce(a)
     dist.all_reduce(b)
