@@ -45,7 +45,7 @@ from opguard_core.formats.config_collectives import (
     CONFIG_COLLECTIVES_VERSION,
     read_config_collectives,
 )
-from opguard_core.formats.config_reader import read_fast
+from opguard_core.formats.config_reader import Found, NoStrictReader, read_fast, read_strict
 from opguard_core.formats.streams import is_role, legacy_side_roles, legacy_stream_counts
 from opguard_core.formats.styles import block_map, elements_of, items_of, put_new
 
@@ -629,9 +629,40 @@ def _load_fast(text: str) -> CommentedMap | None:
     """``text`` read by the fast reader (:mod:`opguard_core.formats.config_reader`)
     when the fast writer writes the result back to exactly ``text``; else None (then
     ruamel reads it: anything unusual, comments inside entries, aliases, duplicate
-    keys, other styles)."""
-    config = read_fast(text)
-    if config is None or _dump_fast(config) != text:
+    keys, other styles).
+
+    With the C reader the write-back is checked as it reads
+    (:func:`~opguard_core.formats.config_reader.read_strict`: the layout the writer
+    writes, nothing else) and here for each distinct string and float, against the
+    writer's own spelling of it; without it, the whole config is written back and
+    compared (the reference: both accept the same texts as the same configs)."""
+    try:
+        found = read_strict(text)
+    except NoStrictReader:
+        config = read_fast(text)
+        if config is None or _dump_fast(config) != text:
+            return None
+        return config
+    return None if found is None else _spelled_as_written(found)
+
+
+def _spelled_as_written(found: Found) -> CommentedMap | None:
+    """The config of ``found`` when each string and float in it was read from the
+    spelling the fast writer gives it in its context; else None."""
+    global _writer
+    config, block, flow, floats = found
+    try:
+        if _writer is None:
+            _writer = _FastWriter()
+        string = _writer.string
+        for strings, in_flow in ((block, False), (flow, True)):
+            for value, token in strings.items():
+                if string(value, in_flow) != token:
+                    return None
+        for number, token, in_flow in floats:
+            if _writer.scalar(number, in_flow) != token:
+                return None
+    except _Unusual:
         return None
     return config
 
