@@ -26,6 +26,9 @@ typedef struct {
     int strict;              /* refuse what the fast writer cannot write back (below) */
     PyObject *strings[2];    /* strict: each string read -> its token, in block, flow */
     PyObject *floats;        /* strict: (value, token, flow) of each float read */
+    PyObject *shared;        /* each distinct string read, once: equal strings are one
+                                object, so their hash is computed once and compared by
+                                identity (the merge and the writer look them up) */
 } Reader;
 
 typedef struct {
@@ -65,8 +68,23 @@ decode(const char *p, Py_ssize_t n)
     return PyUnicode_DecodeUTF8(p, n, "strict");
 }
 
+/* a string read: the one object already read equal to p[:n], or a new one */
+static PyObject *
+decode_shared(Reader *r, const char *p, Py_ssize_t n)
+{
+    PyObject *text = decode(p, n);
+    if (text == NULL) {
+        return NULL;
+    }
+    PyObject *known = PyDict_SetDefault(r->shared, text, text);
+    Py_XINCREF(known);
+    Py_DECREF(text);
+    return known;
+}
+
 /* ------------------------------------------------------------------ containers */
 
+/* a new container marked flow (1) or block (0), or unmarked (-1) */
 static PyObject *
 new_container(Reader *r, PyObject *type, int flow, long level)
 {
@@ -76,6 +94,9 @@ new_container(Reader *r, PyObject *type, int flow, long level)
     PyObject *obj = PyObject_CallNoArgs(type);
     if (obj == NULL) {
         return NULL;
+    }
+    if (flow < 0) {
+        return obj;
     }
     PyObject *fmt = PyObject_CallNoArgs(r->format_type);
     if (fmt == NULL || PyObject_SetAttr(fmt, r->flow_name, flow ? Py_True : Py_False) < 0 ||
@@ -243,11 +264,12 @@ plain(Reader *r, Span s, int flow, int key)
         buffer[s.n] = '\0';
         return PyLong_FromString(buffer, NULL, 10);
     }
-    PyObject *text = decode(s.p, s.n);
+    int number = match_float(s);
+    PyObject *text = number ? decode(s.p, s.n) : decode_shared(r, s.p, s.n);
     if (text == NULL) {
         return NULL;
     }
-    if (!match_float(s)) {
+    if (!number) {
         if (r->strict && ((key && PyUnicode_GET_LENGTH(text) >= 100) ||
                           record(r, text, text, flow) < 0)) {
             Py_DECREF(text);
@@ -283,7 +305,7 @@ quoted(Reader *r, Span s, Py_ssize_t at, Py_ssize_t *end)
             }
             if (s.p[i] == '"') {
                 *end = i + 1;
-                return decode(s.p + at + 1, i - at - 1);
+                return decode_shared(r, s.p + at + 1, i - at - 1);
             }
         }
         return unusual(r);
@@ -306,7 +328,7 @@ quoted(Reader *r, Span s, Py_ssize_t at, Py_ssize_t *end)
     }
     *end = close + 1;
     if (doubled == 0) {
-        return decode(s.p + at + 1, close - at - 1);
+        return decode_shared(r, s.p + at + 1, close - at - 1);
     }
     char *buffer = PyMem_Malloc((size_t)(close - at));
     if (buffer == NULL) {
@@ -319,7 +341,7 @@ quoted(Reader *r, Span s, Py_ssize_t at, Py_ssize_t *end)
             i++;
         }
     }
-    PyObject *value = decode(buffer, n);
+    PyObject *value = decode_shared(r, buffer, n);
     PyMem_Free(buffer);
     return value;
 }
@@ -653,7 +675,8 @@ after_key(Reader *r, Span rest, Py_ssize_t indent, long level)
 static PyObject *
 block_map(Reader *r, Py_ssize_t indent, long level, int first)
 {
-    PyObject *mapping = new_container(r, r->map_type, 0, level);
+    /* an item of entries stays unmarked (the reference's comment says why) */
+    PyObject *mapping = new_container(r, r->map_type, first ? -1 : 0, level);
     if (mapping == NULL) {
         return NULL;
     }
@@ -771,6 +794,10 @@ read_config(PyObject *const *args, Py_ssize_t nargs, int strict)
     if (r.format_attrib == NULL || r.ok_name == NULL || r.flow_name == NULL) {
         goto out;
     }
+    r.shared = PyDict_New();
+    if (r.shared == NULL) {
+        goto out;
+    }
     if (r.strict) {
         r.strings[0] = PyDict_New();
         r.strings[1] = PyDict_New();
@@ -791,6 +818,7 @@ read_config(PyObject *const *args, Py_ssize_t nargs, int strict)
         Py_SETREF(config, PyTuple_Pack(4, config, r.strings[0], r.strings[1], r.floats));
     }
 out:
+    Py_XDECREF(r.shared);
     Py_XDECREF(r.strings[0]);
     Py_XDECREF(r.strings[1]);
     Py_XDECREF(r.floats);

@@ -314,25 +314,27 @@ def split_entry_comments(text: str) -> tuple[str, list[list[str]]]:
     an entry's dash stay where they are: they belong to the lines around them.
     """
     lines = text.splitlines(keepends=True)
-    starts = _entry_starts(lines)
-    drop: set[int] = set()
+    kept: list[str] = []  # the lines between the blocks, a slice at a time
+    after = 0  # the first line after the last block cut
     blocks: list[list[str]] = []
-    for start in starts:
+    for start in _entry_starts(lines):
         first = start
         while first > 0 and _is_block_line(lines[first - 1]):
             first -= 1
-        block = range(first, start)
-        drop.update(block)
+        # blocks never overlap: the line before an entry's block is not a block line
+        kept.extend(lines[after:first])
+        after = start
         blocks.append(
             [
                 lines[i].strip()
-                for i in block
+                for i in range(first, start)
                 if lines[i].strip() and not SUMMARY_RE.fullmatch(lines[i])
             ]
         )
-    if not drop:
+    if len(kept) + len(lines) - after == len(lines):
         return text, blocks
-    return "".join(line for i, line in enumerate(lines) if i not in drop), blocks
+    kept.extend(lines[after:])
+    return "".join(kept), blocks
 
 
 def entry_comments(entry: object) -> list[str]:

@@ -5,12 +5,19 @@ configs take 15 s to load, against about 1 s to merge them. This reader handles 
 the fixed layout :func:`opguard_core.formats.config._dump_fast` writes (block
 mappings, one block sequence of block mappings, flow sequences and flow mappings of
 scalars, plain and quoted scalars without escapes), builds the same ruamel types with
-the same flow and block styles, and raises :class:`Unusual` for anything else. The
-caller (:func:`opguard_core.formats.config.parse_config`) accepts its result only when
-the fast writer writes it back to exactly the text read, and otherwise loads with
-ruamel: a text that round-trips through the writer is one ruamel reads to the same
-document (the writer quotes every string that would read back as anything else), so
-the fast path never changes what a config means, only how long reading it takes.
+the same flow and block styles (an item of ``entries`` unmarked, as generate builds
+it: both writers write it in block style), and raises :class:`Unusual` for anything
+else. The caller (:func:`opguard_core.formats.config.parse_config`) accepts its result
+only when the fast writer writes it back to exactly the text read, and otherwise loads
+with ruamel: a text that round-trips through the writer is one ruamel reads to the
+same document (the writer quotes every string that would read back as anything else),
+so the fast path never changes what a config means, only how long reading it takes.
+What ruamel's loader refuses by its limits (``config.MAX_DEPTH``,
+``config.MAX_INT_DIGITS``) is left to it here too.
+
+:func:`py_read_fast` is the reference; ``_config_reader.c`` is its C twin
+(:func:`read_fast`, about 5x sooner), and :func:`read_strict` the C reader that also
+checks the write-back as it reads (docs/performance.md, "Scale of the small things").
 """
 
 from __future__ import annotations
@@ -223,7 +230,8 @@ class _Reader:
     def block_map(self, indent: int, level: int, first: str | None = None) -> CommentedMap:
         _level(level)
         mapping = CommentedMap()
-        mapping.fa.set_block_style()
+        if first is None:  # an item of ``entries`` stays unmarked, as generate builds
+            mapping.fa.set_block_style()  # it: both writers write it in block style
         pad = " " * indent
         while self.at < len(self.lines):
             line = first if first is not None else self.lines[self.at]
