@@ -11,11 +11,12 @@ extension was not built (an error under ``OPGUARD_REQUIRE_NATIVE``).
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import pytest
 from compiled import compiled, needs
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from ruamel.yaml.comments import CommentedMap, CommentedSeq, Format
 from test_fast_yaml import configs, sample_config, strings
@@ -236,3 +237,31 @@ def test_without_the_extension_the_reference_and_its_check_run(
     without = config._load_fast(text)
     assert with_c is not None and without is not None
     assert shape(with_c) == shape(without)
+
+
+# ----------------------------------------------------------------- the writer's shortcut
+
+
+@SETTINGS
+@example("a:", False)
+@example("mod:fn:", True)
+@example("aten::add", True)
+@example("torch.nn:Linear.forward", False)
+@example("yes:no", False)
+@given(
+    st.from_regex(config._SAFE_PLAIN, fullmatch=True).filter(lambda s: "\n" not in s),
+    st.booleans(),
+)
+def test_names_the_writer_writes_plain_unanalysed_are_what_the_emitter_decides(
+    name: str, flow: bool
+) -> None:
+    """``_SAFE_PLAIN`` (``mod:fn``, ``aten::add``, ``a/b.py``) skips ruamel's
+    per-character analysis; the analysis decides the same for every such name."""
+    writer = config._FastWriter()
+    shortcut = writer.quote(name, flow)
+    original = config._SAFE_PLAIN
+    try:
+        config._SAFE_PLAIN = re.compile(r"(?!)")  # matches nothing: always analysed
+        assert config._FastWriter().quote(name, flow) == shortcut
+    finally:
+        config._SAFE_PLAIN = original

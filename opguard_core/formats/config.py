@@ -65,11 +65,13 @@ _STR_TAG = "tag:yaml.org,2002:str"
 #: strings ruamel's emitter would write plain (or with a raw line break) in a form
 #: its own parser refuses or reads differently: both writers quote them
 _LEADS_NEEDING_QUOTES = ("?", ":")
-#: a letter, then letters, digits and ``_ . + / -``: no indicator, space or break, so
-#: ruamel writes it plain in block and flow context unless it resolves to another type
+#: a letter, then letters, digits and ``_ . + / : -``, not ending in ``:`` (a ``:`` is an
+#: indicator only before a space or the end): no indicator, space or break, so ruamel
+#: writes it plain in block and flow context unless it resolves to another type
 #: (``true``, ``null``: :meth:`_FastWriter._plain_str`). Names such as a merged config's
-#: ``source`` (``job0+job1+…``) skip the emitter's per-character analysis.
-_SAFE_PLAIN = re.compile(r"[A-Za-z][A-Za-z0-9_.+/-]*")
+#: ``source`` (``job0+job1+…``) and targets (``mod:fn``, ``aten::add``) skip the
+#: emitter's per-character analysis.
+_SAFE_PLAIN = re.compile(r"[A-Za-z][A-Za-z0-9_.+/:-]*(?<!:)")
 _BREAKS_NEEDING_ESCAPES = ("\x85", "\u2028", "\u2029")
 
 
