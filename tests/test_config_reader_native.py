@@ -5,30 +5,33 @@ write-back checked as it reads) against the reference's whole write-back check.
 Both are held on the bundled sample configs, on drawn configs with adversarial
 strings (``test_fast_yaml``'s strategy) and on texts broken from those a line or a
 token at a time; and whatever the strict read accepts, the fast writer writes back
-byte for byte (the guarantee that ruamel reads it the same). Skipped where the C
-extension was not built (an error under ``OPGUARD_REQUIRE_NATIVE``).
+byte for byte (the guarantee that ruamel reads it the same). Those tests skip where
+the C extension was not built (an error under ``OPGUARD_REQUIRE_NATIVE``).
 """
 
 from __future__ import annotations
 
 import re
+from pathlib import Path
 from typing import Any
 
 import pytest
+from click.testing import CliRunner
 from compiled import compiled, needs
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from ruamel.yaml.comments import CommentedMap, CommentedSeq, Format
 from test_fast_yaml import configs, sample_config, strings
 
-from opguard_core.errors import InputError
+from opguard_core.cli.app import cli_for
+from opguard_core.errors import ExitCode, InputError
 from opguard_core.formats import config, config_reader
 from opguard_core.formats.config import dump_config, parse_config, split_entry_comments
 from opguard_core.formats.config_reader import MAX_INT_CHARS, MAX_LEVEL, py_read_fast
 from opguard_core.formats.styles import block_map, flow_seq
 
 native = compiled("opguard_core.formats._config_reader")
-pytestmark = needs(native)
+needs_c = needs(native)
 SETTINGS = settings(
     max_examples=150,
     deadline=None,
@@ -117,6 +120,7 @@ def broken(text: str, data: st.DataObject) -> str:
 # ----------------------------------------------------------------- bundled configs
 
 
+@needs_c
 @pytest.mark.parametrize("label", ["fsdp", "gpt"])
 @pytest.mark.parametrize("depth", [0, 1, 3])
 def test_sample_configs_read_the_same(label: str, depth: int) -> None:
@@ -129,6 +133,7 @@ def test_sample_configs_read_the_same(label: str, depth: int) -> None:
 # ----------------------------------------------------------------- drawn configs
 
 
+@needs_c
 @SETTINGS
 @given(configs(strings))
 def test_drawn_configs_read_the_same(drawn: CommentedMap) -> None:
@@ -136,6 +141,7 @@ def test_drawn_configs_read_the_same(drawn: CommentedMap) -> None:
     assert_twins(text)
 
 
+@needs_c
 @SETTINGS
 @given(configs(strings), st.data())
 def test_broken_texts_read_the_same(drawn: CommentedMap, data: st.DataObject) -> None:
@@ -150,6 +156,7 @@ def test_broken_texts_read_the_same(drawn: CommentedMap, data: st.DataObject) ->
 BASE = "version: 4\nsource: s\nmeta:\n  total: 1\nentries:\n  - target: a:b\n    count: 1\n"
 
 
+@needs_c
 @pytest.mark.parametrize(
     "text",
     [
@@ -172,6 +179,7 @@ def test_what_the_writer_would_not_write_back_falls_back(text: str) -> None:
     assert_twins(text)
 
 
+@needs_c
 def test_the_writers_own_spellings_are_accepted() -> None:
     text = (
         "version: 4\nsource: 'null'\nmeta:\n  total: 0\n  f: 1.5\n  r: {a: [1, 2], b: x y}\n"
@@ -195,6 +203,7 @@ def nested(levels: int) -> str:
     return "\n".join(lines) + "\nentries:\n  - target: a:b\n    count: 1\n"
 
 
+@needs_c
 def test_deep_configs_are_left_to_ruamel_and_refused_as_it_refuses_them() -> None:
     shallow = nested(MAX_LEVEL - 2)
     assert c_read(shallow) is not None
@@ -205,6 +214,7 @@ def test_deep_configs_are_left_to_ruamel_and_refused_as_it_refuses_them() -> Non
         parse_config(deep, "deep.yaml")
 
 
+@needs_c
 def test_long_integers_are_left_to_ruamel_and_refused_as_it_refuses_them() -> None:
     text = BASE.replace("total: 1", "total: " + "9" * (MAX_INT_CHARS + 1))
     assert c_read(text) is None and py_read_fast(text) is None
@@ -215,6 +225,7 @@ def test_long_integers_are_left_to_ruamel_and_refused_as_it_refuses_them() -> No
     assert parse_config(fits, "fits.yaml")["meta"]["total"] == int("9" * MAX_INT_CHARS)
 
 
+@needs_c
 def test_lone_surrogates_are_read_by_the_reference() -> None:
     text = BASE.replace("a:b", "a\udc80b")
     with pytest.raises(UnicodeEncodeError):
@@ -224,6 +235,7 @@ def test_lone_surrogates_are_read_by_the_reference() -> None:
         config_reader.read_strict(text)
 
 
+@needs_c
 def test_without_the_extension_the_reference_and_its_check_run(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -265,3 +277,27 @@ def test_names_the_writer_writes_plain_unanalysed_are_what_the_emitter_decides(
         assert config._FastWriter().quote(name, flow) == shortcut
     finally:
         config._SAFE_PLAIN = original
+
+
+@pytest.mark.parametrize(
+    ("text", "problem"),
+    [
+        (nested(40), "nested deeper than 32 levels"),
+        (BASE.replace("total: 1", "total: " + "9" * 150), "an integer of 150 characters"),
+    ],
+)
+def test_merge_refuses_what_ruamel_refuses_in_one_line(
+    tmp_path: Path, text: str, problem: str
+) -> None:
+    """A config of the fast writer's layout past ruamel's limits: ``opguard merge``
+    refuses it as it refuses any other, one line naming the file, exit 5."""
+    bad, good = tmp_path / "bad.yaml", tmp_path / "good.yaml"
+    bad.write_text(text)
+    good.write_text(BASE)
+    argv = ["merge", str(good), str(bad), "-o", str(tmp_path / "out.yaml")]
+    result = CliRunner().invoke(cli_for(argv), argv, catch_exceptions=False)
+    assert result.exit_code == ExitCode.INPUT_UNREADABLE
+    assert "bad.yaml" in result.stderr and problem in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+    assert "Traceback" not in result.stderr
+    assert not (tmp_path / "out.yaml").exists()
