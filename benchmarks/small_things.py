@@ -8,7 +8,8 @@ reads wall seconds (and, for the run's own merge, the merge stage's seconds from
 1. ``opguard run`` on N one-rank inputs (N = 250, 500, 1000, 2000 by default):
    seconds and seconds per input (linear: the last column stays flat);
 2. ``opguard merge`` of two configs of E entries each (E = 4000) against the merge
-   stage of ``opguard run`` over two inputs that generate the same two configs;
+   stage of ``opguard run`` over two inputs that generate the same two configs
+   (``--merge-repeat`` pairs, and their medians);
 3. ``opguard run`` on one trace whose ``meta.ranks`` lists 100,000 ranks against the
    same trace on one rank: seconds and ``_compressed.json`` bytes;
 4. the same trace as rank 1048575 against rank 0.
@@ -25,6 +26,7 @@ import argparse
 import json
 import os
 import resource
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -122,33 +124,44 @@ def many_inputs(work: Path, counts: list[int]) -> list[str]:
     return rows
 
 
-def merge_figures(work: Path, entries: int) -> list[str]:
+def merge_figures(work: Path, entries: int, repeat: int = 1) -> list[str]:
+    """The run's merge stage against the ``opguard merge`` command on the run's two
+    configs, ``repeat`` times in turn (run, command, run, command, ...): each pair's
+    figures, then the medians."""
     folder = work / "merge"
     folder.mkdir()
     write(folder / "left.json", trace(entries, offset=0, rank=0))
     write(folder / "right.json", trace(entries, offset=entries // 2, rank=1))
-    out = folder / "out"
-    _, code = opguard("run", "-i", str(folder / "left.json"), "-i",
-                                str(folder / "right.json"), "--min-fraction", "0",
-                                "--output-base", str(out), cwd=work)  # fmt: skip
-    run = run_dir(out)
-    merge_stage = stage_seconds(run, "merge")
-    left, right = (run / f"{n}_instrumentation.yaml" for n in ("left", "right"))
-    seconds, code2 = opguard("merge", str(left), str(right), "-o", str(folder / "m.yaml"),
-                             cwd=work)  # fmt: skip
-    same = (folder / "m.yaml").read_bytes() == (
-        run / "final_combined_instrumentation.yaml"
-    ).read_bytes()
-    return [
-        f"| what ({entries} + {entries} entries) | seconds |",
-        "|---|---:|",
-        f"| `opguard run` merge stage (from its summary) | {merge_stage:.2f} |",
-        f"| `opguard merge` command, wall (start, load two configs, merge, write) "
-        f"| {seconds:.2f} |",
-        f"| ratio command / run merge stage | {seconds / max(merge_stage, 1e-9):.1f} |",
-        f"| same bytes as the run's final config | {same} |",
-        f"| exit codes (run, merge) | {code}, {code2} |",
+    rows = [
+        f"| pair ({entries} + {entries} entries) | run's merge stage s | `opguard merge` "
+        "wall s | CPU s | ratio | same bytes | exits |",
+        "|---:|---:|---:|---:|---:|---|---|",
     ]
+    stages, commands, cpus = [], [], []
+    for index in range(repeat):
+        out = folder / f"out{index}"
+        _, code = opguard("run", "-i", str(folder / "left.json"), "-i",
+                          str(folder / "right.json"), "--min-fraction", "0",
+                          "--output-base", str(out), cwd=work)  # fmt: skip
+        run = run_dir(out)
+        stage = stage_seconds(run, "merge")
+        left, right = (run / f"{n}_instrumentation.yaml" for n in ("left", "right"))
+        merged = folder / f"m{index}.yaml"
+        seconds, code2 = opguard("merge", str(left), str(right), "-o", str(merged), cwd=work)
+        same = merged.read_bytes() == (run / "final_combined_instrumentation.yaml").read_bytes()
+        stages.append(stage)
+        commands.append(seconds)
+        cpus.append(LAST_CPU[0])
+        rows.append(
+            f"| {index + 1} | {stage:.2f} | {seconds:.2f} | {LAST_CPU[0]:.2f} "
+            f"| {seconds / max(stage, 1e-9):.2f} | {same} | {code}, {code2} |"
+        )
+    stage, command = statistics.median(stages), statistics.median(commands)
+    rows.append(
+        f"| median | {stage:.2f} | {command:.2f} | {statistics.median(cpus):.2f} "
+        f"| {command / max(stage, 1e-9):.2f} | | |"
+    )
+    return rows
 
 
 def rank_figures(work: Path, ranks: int, big_rank: int) -> list[str]:
@@ -174,18 +187,31 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--inputs", default="250,500,1000,2000", help="N for the run figures")
     parser.add_argument("--entries", type=int, default=4000, help="entries per merged config")
+    parser.add_argument("--merge-repeat", type=int, default=3, help="pairs of merge figures")
     parser.add_argument("--ranks", type=int, default=100_000, help="ranks of the wide trace")
     parser.add_argument("--big-rank", type=int, default=1_048_575)
     parser.add_argument("--output", type=Path, default=None, help="also write the report here")
+    parser.add_argument(
+        "--no-bytecode",
+        action="store_true",
+        help="no bytecode cache: every command compiles its modules (PYTHONDONTWRITEBYTECODE)",
+    )
     args = parser.parse_args(argv)
     counts = [int(n) for n in args.inputs.split(",") if n]
-    os.environ.setdefault("PYTHONDONTWRITEBYTECODE", "1")
     with tempfile.TemporaryDirectory(prefix="opguard-small-") as tmp:
         work = Path(tmp)
+        if not args.no_bytecode:
+            # bytecode cached outside the tree, as an installed package has it: without
+            # it each command compiles its modules again (about 0.13 s a start here)
+            os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+            os.environ["PYTHONPYCACHEPREFIX"] = str(work / "pycache")
+        else:
+            os.environ["PYTHONDONTWRITEBYTECODE"] = "1"
         lines = [
             "# Scale of the small things",
             "",
-            f"Python {sys.version.split()[0]}, {os.cpu_count()} CPUs.",
+            f"Python {sys.version.split()[0]}, {os.cpu_count()} CPUs, "
+            + ("no bytecode cache." if args.no_bytecode else "bytecode cached (as installed)."),
             "",
             "## `opguard run` on N one-rank inputs",
             "",
@@ -193,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
             "",
             "## Merging two configs",
             "",
-            *merge_figures(work, args.entries),
+            *merge_figures(work, args.entries, args.merge_repeat),
             "",
             "## Many ranks, large rank numbers",
             "",

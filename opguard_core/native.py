@@ -1,6 +1,6 @@
 """The optional C extensions: one loader, one switch to force the Python references.
 
-Three hot paths have a C twin, built by ``setup.py`` where a compiler and Python's
+Four hot paths have a C twin, built by ``setup.py`` where a compiler and Python's
 headers exist (docs/architecture.md, "C extensions"); each is held to a Python
 reference that stays the definition of what it does:
 
@@ -11,6 +11,7 @@ compiled module (stub beside it)          its Python reference
                                           accumulator's loops
 ``opguard_plugins.stages._runs``          ``opguard_plugins.stages.sorted_runs``
 ``opguard_plugins.record._recorder``      ``opguard_plugins.record.tracer``
+``opguard_core.formats._config_reader``   ``opguard_core.formats.config_reader``
 ========================================  ==========================================
 
 The module that owns a reference asks :func:`load_native` once, at import, and uses

@@ -22,6 +22,7 @@ EXTENSIONS = {
     "opguard_core.combine._scan": "opguard_core.combine.stack_table",
     "opguard_plugins.stages._runs": "opguard_plugins.stages.sorted_runs",
     "opguard_plugins.record._recorder": "opguard_plugins.record.tracer",
+    "opguard_core.formats._config_reader": "opguard_core.formats.config_reader",
 }
 
 

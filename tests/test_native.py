@@ -72,6 +72,7 @@ def test_each_extension_is_built_and_in_use_where_required(name: str) -> None:
         "opguard_core.combine._scan": lambda: owner.StackTable is module.StackTable,
         "opguard_plugins.stages._runs": lambda: owner.Runs is module.Runs,
         "opguard_plugins.record._recorder": lambda: owner._Counter is module.Counter,
+        "opguard_core.formats._config_reader": lambda: owner._native is module,
     }[name]
     assert in_use(), f"{name} is built but {EXTENSIONS[name]} does not use it"
 
@@ -100,10 +101,12 @@ def _references_in_use(env: dict[str, str]) -> dict[str, bool]:
         "import importlib.util\n"
         "from opguard_core.combine import stack_table\n"
         "from opguard_plugins.stages import sorted_runs\n"
+        "from opguard_core.formats import config_reader\n"
         "print('opguard_core.combine._scan', stack_table.StackTable is stack_table.PyStackTable"
         " and stack_table.scan_callsites is None and stack_table.fold_rank is None)\n"
         "print('opguard_plugins.stages._runs', sorted_runs.Runs is sorted_runs.PyRuns"
         " and sorted_runs.visible_frames is sorted_runs.py_visible_frames)\n"
+        "print('opguard_core.formats._config_reader', config_reader._native is None)\n"
         "if importlib.util.find_spec('torch') is not None:\n"
         "    from opguard_plugins.record.tracer import CallsiteRecorder\n"
         "    print('opguard_plugins.record._recorder', CallsiteRecorder().counter is None)\n"
@@ -117,7 +120,11 @@ def _references_in_use(env: dict[str, str]) -> dict[str, bool]:
 
 def test_pure_python_picks_every_reference() -> None:
     answers = _references_in_use({**os.environ, PURE_PYTHON_ENV: "1"})
-    assert set(answers) >= {"opguard_core.combine._scan", "opguard_plugins.stages._runs"}
+    assert set(answers) >= {
+        "opguard_core.combine._scan",
+        "opguard_plugins.stages._runs",
+        "opguard_core.formats._config_reader",
+    }
     assert all(answers.values()), answers
 
 
@@ -131,6 +138,10 @@ def test_without_the_switch_every_built_extension_is_in_use() -> None:
     assert (stack_table.StackTable is stack_table.PyStackTable) == (scan is None)
     assert (stack_table.scan_callsites is None) == (scan is None)
     assert (sorted_runs.Runs is sorted_runs.PyRuns) == (runs is None)
+    from opguard_core.formats import config_reader
+
+    reader = compiled("opguard_core.formats._config_reader")
+    assert config_reader._native is reader
     if importlib.util.find_spec("torch") is not None:
         from opguard_plugins.record import tracer
 

@@ -45,7 +45,7 @@ from opguard_core.formats.config_collectives import (
     CONFIG_COLLECTIVES_VERSION,
     read_config_collectives,
 )
-from opguard_core.formats.config_reader import read_fast
+from opguard_core.formats.config_reader import Found, NoStrictReader, read_fast, read_strict
 from opguard_core.formats.streams import is_role, legacy_side_roles, legacy_stream_counts
 from opguard_core.formats.styles import block_map, elements_of, items_of, put_new
 
@@ -65,11 +65,13 @@ _STR_TAG = "tag:yaml.org,2002:str"
 #: strings ruamel's emitter would write plain (or with a raw line break) in a form
 #: its own parser refuses or reads differently: both writers quote them
 _LEADS_NEEDING_QUOTES = ("?", ":")
-#: a letter, then letters, digits and ``_ . + / -``: no indicator, space or break, so
-#: ruamel writes it plain in block and flow context unless it resolves to another type
+#: a letter, then letters, digits and ``_ . + / : -``, not ending in ``:`` (a ``:`` is an
+#: indicator only before a space or the end): no indicator, space or break, so ruamel
+#: writes it plain in block and flow context unless it resolves to another type
 #: (``true``, ``null``: :meth:`_FastWriter._plain_str`). Names such as a merged config's
-#: ``source`` (``job0+job1+…``) skip the emitter's per-character analysis.
-_SAFE_PLAIN = re.compile(r"[A-Za-z][A-Za-z0-9_.+/-]*")
+#: ``source`` (``job0+job1+…``) and targets (``mod:fn``, ``aten::add``) skip the
+#: emitter's per-character analysis.
+_SAFE_PLAIN = re.compile(r"[A-Za-z][A-Za-z0-9_.+/:-]*(?<!:)")
 _BREAKS_NEEDING_ESCAPES = ("\x85", "\u2028", "\u2029")
 
 
@@ -314,25 +316,27 @@ def split_entry_comments(text: str) -> tuple[str, list[list[str]]]:
     an entry's dash stay where they are: they belong to the lines around them.
     """
     lines = text.splitlines(keepends=True)
-    starts = _entry_starts(lines)
-    drop: set[int] = set()
+    kept: list[str] = []  # the lines between the blocks, a slice at a time
+    after = 0  # the first line after the last block cut
     blocks: list[list[str]] = []
-    for start in starts:
+    for start in _entry_starts(lines):
         first = start
         while first > 0 and _is_block_line(lines[first - 1]):
             first -= 1
-        block = range(first, start)
-        drop.update(block)
+        # blocks never overlap: the line before an entry's block is not a block line
+        kept.extend(lines[after:first])
+        after = start
         blocks.append(
             [
                 lines[i].strip()
-                for i in block
+                for i in range(first, start)
                 if lines[i].strip() and not SUMMARY_RE.fullmatch(lines[i])
             ]
         )
-    if not drop:
+    if len(kept) + len(lines) - after == len(lines):
         return text, blocks
-    return "".join(line for i, line in enumerate(lines) if i not in drop), blocks
+    kept.extend(lines[after:])
+    return "".join(kept), blocks
 
 
 def entry_comments(entry: object) -> list[str]:
@@ -629,9 +633,40 @@ def _load_fast(text: str) -> CommentedMap | None:
     """``text`` read by the fast reader (:mod:`opguard_core.formats.config_reader`)
     when the fast writer writes the result back to exactly ``text``; else None (then
     ruamel reads it: anything unusual, comments inside entries, aliases, duplicate
-    keys, other styles)."""
-    config = read_fast(text)
-    if config is None or _dump_fast(config) != text:
+    keys, other styles).
+
+    With the C reader the write-back is checked as it reads
+    (:func:`~opguard_core.formats.config_reader.read_strict`: the layout the writer
+    writes, nothing else) and here for each distinct string and float, against the
+    writer's own spelling of it; without it, the whole config is written back and
+    compared (the reference: both accept the same texts as the same configs)."""
+    try:
+        found = read_strict(text)
+    except NoStrictReader:
+        config = read_fast(text)
+        if config is None or _dump_fast(config) != text:
+            return None
+        return config
+    return None if found is None else _spelled_as_written(found)
+
+
+def _spelled_as_written(found: Found) -> CommentedMap | None:
+    """The config of ``found`` when each string and float in it was read from the
+    spelling the fast writer gives it in its context; else None."""
+    global _writer
+    config, block, flow, floats = found
+    try:
+        if _writer is None:
+            _writer = _FastWriter()
+        string = _writer.string
+        for strings, in_flow in ((block, False), (flow, True)):
+            for value, token in strings.items():
+                if string(value, in_flow) != token:
+                    return None
+        for number, token, in_flow in floats:
+            if _writer.scalar(number, in_flow) != token:
+                return None
+    except _Unusual:
         return None
     return config
 

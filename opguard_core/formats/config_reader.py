@@ -5,12 +5,19 @@ configs take 15 s to load, against about 1 s to merge them. This reader handles 
 the fixed layout :func:`opguard_core.formats.config._dump_fast` writes (block
 mappings, one block sequence of block mappings, flow sequences and flow mappings of
 scalars, plain and quoted scalars without escapes), builds the same ruamel types with
-the same flow and block styles, and raises :class:`Unusual` for anything else. The
-caller (:func:`opguard_core.formats.config.parse_config`) accepts its result only when
-the fast writer writes it back to exactly the text read, and otherwise loads with
-ruamel: a text that round-trips through the writer is one ruamel reads to the same
-document (the writer quotes every string that would read back as anything else), so
-the fast path never changes what a config means, only how long reading it takes.
+the same flow and block styles (an item of ``entries`` unmarked, as generate builds
+it: both writers write it in block style), and raises :class:`Unusual` for anything
+else. The caller (:func:`opguard_core.formats.config.parse_config`) accepts its result
+only when the fast writer writes it back to exactly the text read, and otherwise loads
+with ruamel: a text that round-trips through the writer is one ruamel reads to the
+same document (the writer quotes every string that would read back as anything else),
+so the fast path never changes what a config means, only how long reading it takes.
+What ruamel's loader refuses by its limits (``config.MAX_DEPTH``,
+``config.MAX_INT_DIGITS``) is left to it here too.
+
+:func:`py_read_fast` is the reference; ``_config_reader.c`` is its C twin
+(:func:`read_fast`, about 5x sooner), and :func:`read_strict` the C reader that also
+checks the write-back as it reads (docs/performance.md, "Scale of the small things").
 """
 
 from __future__ import annotations
@@ -18,14 +25,24 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from ruamel.yaml.comments import CommentedMap, CommentedSeq
+from ruamel.yaml.comments import CommentedMap, CommentedSeq, Format
 
 from opguard_core.formats.styles import put_new
+from opguard_core.native import load_native
 
 #: a plain integer as the writer writes one (no sign, no leading zeros, no "_")
 _INT = re.compile(r"-?(?:0|[1-9][0-9]*)")
 #: a plain token that may be a float (the writer's round trip decides)
 _FLOAT = re.compile(r"-?(?:[0-9]+\.[0-9]*|\.[0-9]+)(?:[eE][-+]?[0-9]+)?|-?[0-9]+[eE][-+]?[0-9]+")
+
+
+#: the deepest collection read, the top mapping being level 1: ruamel's loader
+#: (``config.MAX_DEPTH``, 32) refuses a node nested deeper than 32 levels, so a
+#: collection deeper than 31 (whose items would be deeper than 32) is left to it
+MAX_LEVEL = 31
+#: the longest integer read, in characters: ruamel's loader (``config.MAX_INT_DIGITS``)
+#: refuses longer ones, so they are left to it
+MAX_INT_CHARS = 100
 
 
 class Unusual(Exception):
@@ -38,6 +55,8 @@ def _plain(token: str) -> Any:
     if token in ("true", "false"):
         return token == "true"
     if _INT.fullmatch(token):
+        if len(token) > MAX_INT_CHARS:
+            raise Unusual
         return int(token)
     if _FLOAT.fullmatch(token):
         return float(token)
@@ -82,12 +101,21 @@ def _block_scalar(text: str) -> Any:
     return _plain(text)
 
 
-class _Flow:
-    """A flow collection on one line: ``[a, 'b', 3]``, ``{k: v, k2: [1, 2]}``."""
+def _level(level: int) -> int:
+    """``level`` for a new collection, unless it is too deep (:data:`MAX_LEVEL`)."""
+    if level > MAX_LEVEL:
+        raise Unusual
+    return level
 
-    def __init__(self, text: str) -> None:
+
+class _Flow:
+    """A flow collection on one line: ``[a, 'b', 3]``, ``{k: v, k2: [1, 2]}``, at
+    ``level`` (its items one deeper)."""
+
+    def __init__(self, text: str, level: int) -> None:
         self.text = text
         self.at = 0
+        self.level = level
 
     def item(self, closers: str) -> Any:
         text, at = self.text, self.at
@@ -97,7 +125,10 @@ class _Flow:
             value, self.at = _quoted(text, at)
             return value
         if text[at] == "[":
-            return self.seq()
+            self.level += 1
+            seq = self.seq()
+            self.level -= 1
+            return seq
         if text[at] in "{&*!|>%@`#":
             raise Unusual
         end = at
@@ -118,6 +149,7 @@ class _Flow:
         raise Unusual
 
     def seq(self) -> CommentedSeq:
+        _level(self.level)
         self.at += 1  # [
         seq = CommentedSeq()
         seq.fa.set_flow_style()
@@ -132,6 +164,7 @@ class _Flow:
                 return seq
 
     def map(self) -> CommentedMap:
+        _level(self.level)
         self.at += 1  # {
         mapping = CommentedMap()
         mapping.fa.set_flow_style()
@@ -155,10 +188,10 @@ class _Flow:
                 return mapping
 
 
-def _value(rest: str) -> Any:
-    """A value written on its key's line."""
+def _value(rest: str, level: int) -> Any:
+    """A value written on its key's line, at ``level``."""
     if rest[0] in "[{":
-        flow = _Flow(rest)
+        flow = _Flow(rest, level)
         value = flow.seq() if rest[0] == "[" else flow.map()
         if flow.at != len(rest):
             raise Unusual
@@ -194,9 +227,11 @@ class _Reader:
         line = self.lines[index]
         return len(line) - len(line.lstrip(" "))
 
-    def block_map(self, indent: int, first: str | None = None) -> CommentedMap:
+    def block_map(self, indent: int, level: int, first: str | None = None) -> CommentedMap:
+        _level(level)
         mapping = CommentedMap()
-        mapping.fa.set_block_style()
+        if first is None:  # an item of ``entries`` stays unmarked, as generate builds
+            mapping.fa.set_block_style()  # it: both writers write it in block style
         pad = " " * indent
         while self.at < len(self.lines):
             line = first if first is not None else self.lines[self.at]
@@ -207,47 +242,103 @@ class _Reader:
             if key in mapping:
                 raise Unusual  # a duplicate key: ruamel decides
             self.at += 1
-            put_new(mapping, key, self._after_key(rest, indent))
+            put_new(mapping, key, self._after_key(rest, indent, level + 1))
         if not mapping:
             raise Unusual
         return mapping
 
-    def _after_key(self, rest: str, indent: int) -> Any:
+    def _after_key(self, rest: str, indent: int, level: int) -> Any:
+        """The value after a key at ``indent``; the value is at ``level``."""
         if rest:
-            return _value(rest)
+            return _value(rest, level)
         if self.at >= len(self.lines):
             return None
         below = self._indent_of(self.at)
         line = self.lines[self.at]
         if indent == 0 and line.startswith("  - "):
-            return self.block_seq()
+            return self.block_seq(level)
         if below > indent:
             if below != indent + 2:
                 raise Unusual
-            return self.block_map(indent + 2)
+            return self.block_map(indent + 2, level)
         return None
 
-    def block_seq(self) -> CommentedSeq:
+    def block_seq(self, level: int) -> CommentedSeq:
         """The top-level sequence of block mappings (``entries``), items at ``  - ``."""
+        _level(level)
         seq = CommentedSeq()
         seq.fa.set_block_style()
         items = []
         while self.at < len(self.lines) and self.lines[self.at].startswith("  - "):
-            items.append(self.block_map(4, "    " + self.lines[self.at][4:]))
+            items.append(self.block_map(4, level + 1, "    " + self.lines[self.at][4:]))
         list.extend(seq, items)
         return seq
 
     def document(self) -> CommentedMap:
-        config = self.block_map(0)
+        config = self.block_map(0, 1)
         if self.at != len(self.lines):
             raise Unusual
         return config
 
 
-def read_fast(text: str) -> CommentedMap | None:
+def py_read_fast(text: str) -> CommentedMap | None:
     """``text`` read as a config of the fast writer's shape, or None (see the module
-    docstring: the caller still checks the result writes back to ``text``)."""
+    docstring: the caller still checks the result writes back to ``text``). The
+    reference for :func:`read_fast`'s C twin."""
     try:
         return _Reader(text).document()
     except (Unusual, IndexError, ValueError, RecursionError):
         return None
+
+
+_native = load_native("opguard_core.formats._config_reader")
+if _native is not None:
+    from opguard_core.formats._config_reader import read_fast as _c_read_fast
+    from opguard_core.formats._config_reader import read_strict as _c_read_strict
+
+#: what :func:`read_strict` finds: the config, each string read mapped to its token
+#: (as written, quotes included) in block and in flow context, and each float read
+#: with its token and whether it sits in a flow collection
+Found = tuple[CommentedMap, dict[str, str], dict[str, str], list[tuple[float, str, bool]]]
+
+
+class NoStrictReader(Exception):
+    """:func:`read_strict` cannot read this text (the C extension is not loaded, or
+    the text holds lone surrogates): read it with :func:`py_read_fast` and check it."""
+
+
+def read_fast(text: str) -> CommentedMap | None:
+    """:func:`py_read_fast`, in C where ``opguard_core.formats._config_reader`` was built
+    (and ``OPGUARD_PURE_PYTHON`` is not set): the same result, about 5x sooner."""
+    if _native is not None:
+        try:
+            return _c_read_fast(text, CommentedMap, CommentedSeq, Format, MAX_LEVEL, MAX_INT_CHARS)
+        except UnicodeEncodeError:  # lone surrogates: not UTF-8, so the C cannot see it
+            pass
+    return py_read_fast(text)
+
+
+def read_strict(text: str) -> Found | None:
+    """:func:`read_fast` that also refuses (None) whatever the fast writer would write
+    back otherwise, except each string's and float's spelling, which it returns for
+    the caller to check against the writer (:func:`opguard_core.formats.config._load_fast`):
+
+    - keys that are not strings or integers (``true``, ``1.5``), strings of 100
+      characters or more and integers of 100 digits or more as keys;
+    - ``-0`` (the writer writes ``0``);
+    - a flow sequence inside a flow sequence; a key twice in one flow mapping;
+    - one string written two ways in the same context (one of them is not the writer's).
+
+    The rest of the layout the reader already accepts only as the writer writes it
+    (one space after ``:`` and ``,``, two per indent, ``  - `` items, ``key:`` for
+    null, ``[]`` and ``{}`` for empty collections), so a text read here whose tokens
+    are the writer's is one the writer writes back byte for byte.
+
+    :raises NoStrictReader: the C reader is not loaded or cannot read ``text``.
+    """
+    if _native is None:
+        raise NoStrictReader
+    try:
+        return _c_read_strict(text, CommentedMap, CommentedSeq, Format, MAX_LEVEL, MAX_INT_CHARS)
+    except UnicodeEncodeError:
+        raise NoStrictReader from None
