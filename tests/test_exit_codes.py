@@ -77,7 +77,7 @@ def _writes_error_report(tmp: Path) -> list[str]:
     """A 'program' that leaves a guard report with an error in the report directory."""
     violation = Violation("unexpected_op", ERROR, "m:f", [], [0], "aten::mul ran", op="aten::mul")
     item = {**violation.to_dict(), "rank": 0, "count": 1, "stack": []}
-    report = guard_report("c", 0, [item], [], "warn", 1.0, 1, 1, 1)
+    report = guard_report("c", 0, [item], "warn", 1.0, 1, 1, 1)
     target = tmp / "reports" / "guard_report_rank0.json"
     code = f"import pathlib; pathlib.Path({str(target)!r}).write_text({json.dumps(report)!r})"
     return ["--config", _config(tmp), "--report-dir", str(tmp / "reports"), *_python(code)]
