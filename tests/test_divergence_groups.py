@@ -24,7 +24,7 @@ from opguard_core.formats.divergence import (
 )
 from opguard_core.formats.trace import Callsite, decode_trace
 from opguard_core.model import RunOptions
-from opguard_plugins.stages import divergence
+from opguard_plugins.stages import divergence, sorted_runs
 from opguard_plugins.view.report import read_divergence
 from tests.builders import trace_doc
 from tests.compiled import compiled, needs
@@ -234,11 +234,13 @@ OPS = ["aten::mm", "aten::add", "c10d::allreduce_"]
 @needs(RUNS)
 def test_the_compiled_skew_fold_is_the_python_one(monkeypatch: pytest.MonkeyPatch) -> None:
     """``skew_fold`` (C) gives what ``py_skew_fold`` gives, bit for bit, and so the
-    same count_skew findings (C or Python in use), on random jobs."""
+    same count_skew findings (C or Python in use), on random jobs; so do the pass over
+    the stacks (``stack_summary``, ``touching``, ``visible_frames``) for every kind."""
     native = RUNS
     assert native is not None
     rnd = random.Random(31)
     compared = 0
+    kinds: set[str] = set()
     for _ in range(150):
         accumulator = TraceAccumulator()
         for doc in random_job(rnd):
@@ -248,21 +250,21 @@ def test_the_compiled_skew_fold_is_the_python_one(monkeypatch: pytest.MonkeyPatc
         stacks = divergence._Stacks(trace, RunOptions())
         keep = [not c for c in stacks.collective]
         sites = list(compress(trace.callsites, keep))
-        numbers = [
-            -1 if p is None else stacks.function[f[p]]
-            for f, p in zip(
-                compress(stacks.visible, keep), compress(stacks.callers, keep), strict=True
-            )
-        ]
+        numbers = [-1 if f < 0 else stacks.function[f] for f in compress(stacks.caller, keep)]
         args = (sites, numbers, len(stacks.function_names), trace.ranks, 0.25)
         assert native.skew_fold(*args) == divergence.py_skew_fold(*args)
         monkeypatch.setattr(divergence, "skew_fold", native.skew_fold)
         with_c = divergence.find_divergence(trace, RunOptions())
         monkeypatch.setattr(divergence, "skew_fold", divergence.py_skew_fold)
+        monkeypatch.setattr(divergence, "stack_summary", sorted_runs.py_stack_summary)
+        monkeypatch.setattr(divergence, "touching", sorted_runs.py_touching)
+        monkeypatch.setattr(divergence, "visible_frames", sorted_runs.py_visible_frames)
         assert divergence.find_divergence(trace, RunOptions()) == with_c
         monkeypatch.undo()
         compared += bool(with_c)
+        kinds.update(f["kind"] for f in with_c)
     assert compared > 50  # most jobs diverge
+    assert {"rank_specific", "count_skew", "collective_mismatch"} <= kinds
     # a callsite of ranks the trace does not have: one line, no crash
     site = trace_doc([(MAIN, None, "aten::mm", 3)], rank=7)["callsites"][0]
     lone = msgspec.convert({**site, "stack": [0], "ranks": [7], "role": "compute"}, Callsite)

@@ -9,8 +9,11 @@
  * whole ``divergent`` search. ``callsite_paths(stacks, apis, api_index, tables, width)``
  * builds the paths (4-byte ids only) and ``frames_at`` reads a node's frames from
  * them; ``visible_frames(stacks, hidden, user)`` gives divergence every stack's
- * visible frames and calling function. Each does what the pure-Python ``PyRuns``,
- * ``py_callsite_paths``, ``py_frames_at`` and ``py_visible_frames``
+ * visible frames and calling function, ``stack_summary`` its callers and the union of
+ * the frames every rank ran without a list per stack, ``touching`` the stacks with a
+ * marked frame. Each does what the pure-Python ``PyRuns``,
+ * ``py_callsite_paths``, ``py_frames_at``, ``py_visible_frames``, ``py_stack_summary``
+ * and ``py_touching``
  * (opguard_plugins/stages/sorted_runs.py) do, which stay the reference:
  * tests/test_compress_runs.py holds the two to the same answers. ``skew_fold``
  * is divergence's count_skew fold (``py_skew_fold`` in
@@ -859,6 +862,146 @@ done:
     return result;
 }
 
+/* One frame id of a stack tuple, checked against the number of frames (IndexError). */
+static int
+stack_frame(PyObject *stack, Py_ssize_t j, Py_ssize_t frames, const char *who, Py_ssize_t *out)
+{
+    Py_ssize_t frame = PyLong_AsSsize_t(PyTuple_GET_ITEM(stack, j));
+    if (frame == -1 && PyErr_Occurred())
+        return -1;
+    if (frame < 0 || frame >= frames) {
+        PyErr_Format(PyExc_IndexError, "%s: frame id out of range", who);
+        return -1;
+    }
+    *out = frame;
+    return 0;
+}
+
+/* stack_summary(stacks, hidden, user, full) -> (callers, union, outside): per stack its
+ * caller's frame id (the innermost visible user frame, else the innermost visible
+ * frame, else -1) as native 4-byte ints; per frame id whether it is a visible frame
+ * of a stack with full[i]; the stacks without full[i] with a visible frame outside
+ * that union. ``py_stack_summary`` in sorted_runs.py is the reference. */
+static PyObject *
+stack_summary(PyObject *Py_UNUSED(module), PyObject *args)
+{
+    PyObject *stacks;
+    Py_buffer hidden, user, full;
+    if (!PyArg_ParseTuple(args, "O!y*y*y*:stack_summary", &PyList_Type, &stacks, &hidden, &user,
+                          &full))
+        return NULL;
+    PyObject *callers = NULL, *union_ = NULL, *outside = NULL, *result = NULL;
+    const unsigned char *is_hidden = hidden.buf, *is_user = user.buf, *is_full = full.buf;
+    Py_ssize_t n = PyList_GET_SIZE(stacks), frames = hidden.len;
+    if (user.len != frames || full.len != n) {
+        PyErr_SetString(PyExc_ValueError, "stack_summary: lengths differ");
+        goto done;
+    }
+    if (frames > INT32_MAX) { /* callers are 4-byte frame ids */
+        PyErr_SetString(PyExc_OverflowError, "stack_summary: too many frames");
+        goto done;
+    }
+    callers = PyBytes_FromStringAndSize(NULL, n * (Py_ssize_t)sizeof(int32_t));
+    union_ = PyByteArray_FromStringAndSize(NULL, frames);
+    outside = PyList_New(0);
+    if (callers == NULL || union_ == NULL || outside == NULL)
+        goto done;
+    int32_t *caller_of = (int32_t *)PyBytes_AS_STRING(callers);
+    unsigned char *in_union = (unsigned char *)PyByteArray_AS_STRING(union_);
+    memset(in_union, 0, (size_t)frames);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *stack = PyList_GET_ITEM(stacks, i);
+        if (!PyTuple_Check(stack)) {
+            PyErr_SetString(PyExc_TypeError, "stack_summary: a stack is not a tuple");
+            goto done;
+        }
+        Py_ssize_t depth = PyTuple_GET_SIZE(stack), last = -1, innermost_user = -1, frame;
+        for (Py_ssize_t j = 0; j < depth; j++) {
+            if (stack_frame(stack, j, frames, "stack_summary", &frame) < 0)
+                goto done;
+            if (is_hidden[frame])
+                continue;
+            last = frame;
+            if (is_user[frame])
+                innermost_user = frame;
+            if (is_full[i])
+                in_union[frame] = 1;
+        }
+        caller_of[i] = (int32_t)(innermost_user >= 0 ? innermost_user : last);
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (is_full[i])
+            continue;
+        PyObject *stack = PyList_GET_ITEM(stacks, i); /* checked above */
+        Py_ssize_t depth = PyTuple_GET_SIZE(stack), frame;
+        for (Py_ssize_t j = 0; j < depth; j++) {
+            frame = PyLong_AsSsize_t(PyTuple_GET_ITEM(stack, j)); /* checked above */
+            if (!is_hidden[frame] && !in_union[frame]) {
+                PyObject *index = PyLong_FromSsize_t(i);
+                if (index == NULL || PyList_Append(outside, index) < 0) {
+                    Py_XDECREF(index);
+                    goto done;
+                }
+                Py_DECREF(index);
+                break;
+            }
+        }
+    }
+    result = PyTuple_Pack(3, callers, union_, outside);
+done:
+    PyBuffer_Release(&hidden);
+    PyBuffer_Release(&user);
+    PyBuffer_Release(&full);
+    Py_XDECREF(callers);
+    Py_XDECREF(union_);
+    Py_XDECREF(outside);
+    return result;
+}
+
+/* touching(stacks, marked) -> positions: the stacks with a frame id marked (non-zero
+ * in ``marked``, bytes by frame id). ``py_touching`` in sorted_runs.py is the
+ * reference. */
+static PyObject *
+touching(PyObject *Py_UNUSED(module), PyObject *args)
+{
+    PyObject *stacks;
+    Py_buffer marked;
+    if (!PyArg_ParseTuple(args, "O!y*:touching", &PyList_Type, &stacks, &marked))
+        return NULL;
+    const unsigned char *is_marked = marked.buf;
+    Py_ssize_t n = PyList_GET_SIZE(stacks), frames = marked.len, frame;
+    PyObject *found = PyList_New(0);
+    if (found == NULL)
+        goto fail;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *stack = PyList_GET_ITEM(stacks, i);
+        if (!PyTuple_Check(stack)) {
+            PyErr_SetString(PyExc_TypeError, "touching: a stack is not a tuple");
+            goto fail;
+        }
+        Py_ssize_t depth = PyTuple_GET_SIZE(stack);
+        for (Py_ssize_t j = 0; j < depth; j++) {
+            if (stack_frame(stack, j, frames, "touching", &frame) < 0)
+                goto fail;
+            if (is_marked[frame]) {
+                PyObject *index = PyLong_FromSsize_t(i);
+                if (index == NULL || PyList_Append(found, index) < 0) {
+                    Py_XDECREF(index);
+                    goto fail;
+                }
+                Py_DECREF(index);
+                break;
+            }
+        }
+    }
+    PyBuffer_Release(&marked);
+    return found;
+fail:
+    PyBuffer_Release(&marked);
+    Py_XDECREF(found);
+    return NULL;
+}
+
 static int
 compare_ids(const void *a, const void *b)
 {
@@ -1264,6 +1407,11 @@ static PyMethodDef module_methods[] = {
      "frames_at(frame_paths, origins, own, start, end) -> (first, distinct) frame ids."},
     {"visible_frames", visible_frames, METH_VARARGS,
      "visible_frames(stacks, hidden, user) -> (visible, callers): per stack."},
+    {"stack_summary", stack_summary, METH_VARARGS,
+     "stack_summary(stacks, hidden, user, full) -> (callers, union, outside): divergence's "
+     "pass over every stack."},
+    {"touching", touching, METH_VARARGS,
+     "touching(stacks, marked) -> positions: the stacks with a marked frame id."},
     {"skew_fold", skew_fold, METH_VARARGS,
      "skew_fold(sites, numbers, functions, ranks, skew) -> (ops, full, example, partial, "
      "found): divergence's count_skew fold."},

@@ -56,6 +56,14 @@ def frames_at(
 def visible_frames(
     stacks: list[tuple[int, ...]], hidden: ReadableBuffer, user: ReadableBuffer, /
 ) -> tuple[list[list[int]], list[int | None]]: ...
+def stack_summary(
+    stacks: list[tuple[int, ...]],
+    hidden: ReadableBuffer,
+    user: ReadableBuffer,
+    full: ReadableBuffer,
+    /,
+) -> tuple[bytes, bytearray, list[int]]: ...
+def touching(stacks: list[tuple[int, ...]], marked: ReadableBuffer, /) -> list[int]: ...
 def skew_fold(
     sites: list[Callsite], numbers: list[int], functions: int, ranks: list[int], skew: float, /
 ) -> tuple[list[int], bytearray, list[int | None], list[int], list[tuple[int, float, bytes]]]: ...

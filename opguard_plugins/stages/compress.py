@@ -116,8 +116,11 @@ class Node:
         return target_name(self.module, self.file, self.qualname)
 
 
-def hidden_frames(trace: CallsiteTrace, patterns: list[str]) -> list[bool]:
-    """For every frame id, whether one of ``patterns`` matches it whole.
+def hidden_frames(
+    trace: CallsiteTrace, patterns: list[str], names: list[str] | None = None
+) -> list[bool]:
+    """For every frame id, whether one of ``patterns`` matches it whole (``names``: the
+    frames' :func:`target_name`, where the caller has them).
 
     Each pattern is compiled and matched on its own (never joined into one
     alternation, where inline flags, group names and backreferences would change
@@ -132,13 +135,12 @@ def hidden_frames(trace: CallsiteTrace, patterns: list[str]) -> list[bool]:
     regexes = compile_patterns(own, "--hide")
     if defaults:
         regexes.insert(0, re.compile("|".join(f"(?:{p})" for p in defaults)))
-    return [
-        any(
-            regex.fullmatch(target_name(frame.module, frame.file, frame.qualname)) is not None
-            for regex in regexes
-        )
-        for frame in trace.frames
-    ]
+    if names is None:
+        names = [target_name(f.module, f.file, f.qualname) for f in trace.frames]
+    if len(regexes) == 1:  # the defaults alone: one C-level match per frame
+        match = regexes[0].fullmatch
+        return [match(name) is not None for name in names]
+    return [any(regex.fullmatch(name) is not None for regex in regexes) for name in names]
 
 
 def path_tables(

@@ -32,6 +32,7 @@ from __future__ import annotations
 import array
 from collections.abc import Callable, Iterator
 from itertools import compress
+from itertools import count as counter
 from statistics import median_low
 from typing import Any
 
@@ -50,16 +51,22 @@ from opguard_core.model import RunOptions
 from opguard_core.native import load_native
 from opguard_plugins.stages.compress import DEFAULT_HIDE, hidden_frames
 from opguard_plugins.stages.sequences import sequence_findings
-from opguard_plugins.stages.sorted_runs import visible_frames
+from opguard_plugins.stages.sorted_runs import stack_summary, touching, visible_frames
 
 #: how many enclosing functions a finding's ``context`` lists (as config entries do)
 CONTEXT_DEPTH = 3
 
 
-def site_histogram(site: Callsite, all_mask: int, exact: bool) -> dict[int, int] | None:
+def site_histogram(
+    site: Callsite,
+    all_mask: int,
+    exact: bool,
+    mask_of: Callable[[list[int]], int] = ranks_to_mask,
+) -> dict[int, int] | None:
     """{per-rank count: rank mask} over *all* ranks (0 for ranks that never ran the
-    callsite); None when the counts are not known exactly."""
-    mask = all_mask if site.ranks is None else ranks_to_mask(site.ranks)
+    callsite); None when the counts are not known exactly (``mask_of``: a rank list's
+    mask, :func:`ranks_to_mask` or :class:`_MaskOf`)."""
+    mask = all_mask if site.ranks is None else mask_of(site.ranks)
     stats = site.per_rank
     if stats is None:
         if not exact:
@@ -68,7 +75,7 @@ def site_histogram(site: Callsite, all_mask: int, exact: bool) -> dict[int, int]
     elif stats.counts is None:
         return None
     else:
-        hist = {value: ranks_to_mask(ranks) for value, ranks in stats.counts}
+        hist = {value: mask_of(ranks) for value, ranks in stats.counts}
     missing = all_mask & ~mask
     if missing:
         hist[0] = missing
@@ -93,18 +100,34 @@ def majority(hist: dict[int, int]) -> tuple[int, bool]:
 
 def distribution(hist: dict[int, int]) -> list[list[int]]:
     """``[[count, number of ranks], …]``, the most held first, then by count."""
-    return sorted(
-        ([value, mask.bit_count()] for value, mask in hist.items()), key=lambda d: (-d[1], d[0])
-    )
+    # counts are distinct keys: (-holders, count) orders as the key (-d[1], d[0]) would
+    order = sorted([(-mask.bit_count(), value) for value, mask in hist.items()])
+    return [[value, -held] for held, value in order]
 
 
 def _lowest(mask: int) -> int:
     return (mask & -mask).bit_length() - 1
 
 
+class _MaskOf:
+    """:func:`ranks_to_mask` once per list object: a combined trace shares one list
+    per rank set (:class:`RankLists`), held by the trace while this is used."""
+
+    def __init__(self) -> None:
+        self.known: dict[int, int] = {}
+
+    def __call__(self, ranks: list[int]) -> int:
+        mask = self.known.get(id(ranks))
+        if mask is None:
+            mask = self.known[id(ranks)] = ranks_to_mask(ranks)
+        return mask
+
+
 class _Stacks:
-    """Every callsite's visible frames (hidden plumbing removed), calling function,
-    rank mask and whether it is a collective, in trace order, and the frames' names."""
+    """Every callsite's calling function (its frame id), rank mask and whether it is a
+    collective, in trace order, the frames' names, and which frames a callsite of
+    every rank shows; a callsite's visible frames (hidden plumbing removed) are read
+    for the few that need them (:meth:`visible_of`), not kept for all."""
 
     def __init__(self, trace: CallsiteTrace, options: RunOptions) -> None:
         hide = [*(DEFAULT_HIDE if options.default_hide else ()), *options.hide]
@@ -116,23 +139,37 @@ class _Stacks:
         self.function = [ids.setdefault(name, len(ids)) for name in self.names]
         self.function_names = list(ids)
         self.user = bytes(not (f.module or "").startswith("torch") for f in trace.frames)
-        self.hidden = bytes(hidden_frames(trace, hide))
-        #: per callsite: its frame ids without hidden ones, and the position in them of
-        #: the calling function (the innermost frame outside torch, else the innermost
-        #: frame; None for no frame)
-        self.visible, self.callers = visible_frames(
-            [site.stack for site in trace.callsites], self.hidden, self.user
+        self.hidden = bytes(hidden_frames(trace, hide, self.names))
+        #: per callsite: its ranks as a mask (all of them where ``ranks`` is None; a
+        #: combined trace shares one ``ranks`` list per rank set: one mask each)
+        self.all_mask = all_mask = ranks_to_mask(trace.ranks)
+        self.mask_of = mask_of = _MaskOf()
+        self.masks = [
+            all_mask if site.ranks is None else mask_of(site.ranks) for site in trace.callsites
+        ]
+        self.stacks = [site.stack for site in trace.callsites]
+        #: per callsite: the frame id of its calling function (the innermost visible
+        #: frame outside torch, else the innermost visible frame; -1 for none); per
+        #: frame id: whether a callsite every rank ran shows it; the callsites some
+        #: ranks never ran with a visible frame outside those (one pass, in C where built)
+        callers, self.everywhere, self.outside = stack_summary(
+            self.stacks, self.hidden, self.user, bytes(mask == all_mask for mask in self.masks)
         )
+        self.caller = memoryview(callers).cast("i")
         #: per callsite: whether it is a collective (:func:`is_collective`, once per op)
         ops = {site.op for site in trace.callsites}
         c10d = {op: is_collective(op, None) for op in ops}
         self.collective = [c10d[site.op] or site.api in COLLECTIVE_APIS for site in trace.callsites]
-        #: per callsite: its ranks as a mask (all of them where ``ranks`` is None)
-        all_mask = ranks_to_mask(trace.ranks)
-        self.masks = [
-            all_mask if site.ranks is None else ranks_to_mask(site.ranks)
-            for site in trace.callsites
-        ]
+
+    def visible_of(self, indices: list[int]) -> tuple[list[list[int]], list[int | None]]:
+        """Per callsite of ``indices``: its visible frames and the position in them of
+        its calling function (None for no frame)."""
+        return visible_frames([self.stacks[i] for i in indices], self.hidden, self.user)
+
+    def where(self, index: int) -> dict[str, Any]:
+        """:meth:`describe` for callsite ``index``: its target, context and stack."""
+        visible, callers = self.visible_of([index])
+        return self.describe(visible[0], callers[0])
 
     def describe_stack(self, stack: tuple[int, ...]) -> dict[str, Any]:
         """:meth:`describe` for a stack of frame ids (a collective signature's), its
@@ -186,11 +223,12 @@ def _collectives(trace: CallsiteTrace, stacks: _Stacks, exact: bool) -> Iterator
         site = trace.callsites[index]
         if site.per_rank is None and site.ranks is None:
             continue  # every rank issued it equally often
-        hist = site_histogram(site, all_mask, exact)
+        hist = site_histogram(site, all_mask, exact, stacks.mask_of)
         if hist is None:  # counts unknown: only ranks that never issued it can be told
             if site.ranks is None:
                 continue
-            hist = {-1: ranks_to_mask(site.ranks), 0: all_mask & ~ranks_to_mask(site.ranks)}
+            mask = stacks.masks[index]
+            hist = {-1: mask, 0: all_mask & ~mask}
         if len(hist) < 2:
             continue
         expected, most = majority(hist)
@@ -202,8 +240,9 @@ def _collectives(trace: CallsiteTrace, stacks: _Stacks, exact: bool) -> Iterator
             for rank in ranks_of(mask)
         }
         counts = {str(rank): by_rank[rank] for rank in deviating}
-        where = stacks.describe(stacks.visible[index], stacks.callers[index])
+        where = stacks.where(index)
         known = -1 not in hist
+        shown = distribution(hist) if known and not most else None  # once for both
         holders = hist[expected].bit_count()
         finding: Finding = {
             "kind": "collective_mismatch",
@@ -231,12 +270,13 @@ def _collectives(trace: CallsiteTrace, stacks: _Stacks, exact: bool) -> Iterator
                 (holders, nranks),
                 deviating,
                 counts if known else None,
+                shown,
             ),
             "stack": where["stack"],
             "callsite": index,
         }
         if not most:
-            finding["distribution"] = distribution(hist) if known else []
+            finding["distribution"] = shown if shown is not None else []
         yield finding
 
 
@@ -253,9 +293,11 @@ def _mismatch_message(
     share: tuple[int, int],
     deviating: list[int],
     counts: dict[str, int] | None,
+    shown: list[list[int]] | None = None,
 ) -> str:
     """A ``collective_mismatch``'s message: who holds what, honestly (a strict
-    majority, else no majority with the distribution, count → number of ranks)."""
+    majority, else no majority with the distribution, count → number of ranks;
+    ``shown``: :func:`distribution` of ``hist``, where the caller has it)."""
     issued = (
         ", ".join(f"rank {r}: {counts[str(r)]}" for r in deviating[:8])
         + (" …" if len(deviating) > 8 else "")
@@ -272,7 +314,8 @@ def _mismatch_message(
     if counts is None:
         spread = f"issued on {nranks - hist[0].bit_count()}, never on {hist[0].bit_count()}"
     else:
-        shown = distribution(hist)
+        if shown is None:
+            shown = distribution(hist)
         spread = ", ".join(f"{_times(v)}: {n} rank(s)" for v, n in shown[:8])
         spread += f", … ({len(shown)} values)" if len(shown) > 8 else ""
     return (
@@ -284,27 +327,20 @@ def _mismatch_message(
 
 def _rank_specific(trace: CallsiteTrace, stacks: _Stacks) -> Iterator[Finding]:
     """The outermost function of each path some ranks never took."""
-    all_mask = ranks_to_mask(trace.ranks)
-    visible = stacks.visible
+    all_mask = stacks.all_mask
     masks = stacks.masks
     function = stacks.function
-    # a function in any callsite that every rank ran is run by every rank: one C-level
-    # set update per such callsite; callsites share one list per stack, each read once
-    # (frame ids first: a function at another line of one shares its number)
-    seen_frames: set[int] = set()
-    seen: set[int] = set()  # callsites share one list per stack: each read once
-    for frames, mask in zip(visible, masks, strict=True):
-        if mask == all_mask and id(frames) not in seen:
-            seen.add(id(frames))
-            seen_frames.update(frames)
-    everywhere = set(map(function.__getitem__, seen_frames))
-    # only the callsites with a function outside ``everywhere`` are walked
+    # a function in any callsite that every rank ran is run by every rank: the frames
+    # those callsites show come from the one pass over the stacks (``everywhere``, by
+    # frame id: a function at another line of one shares its number), and so do the
+    # callsites some ranks never ran with a frame outside them, the only ones walked
+    everywhere = set(map(function.__getitem__, compress(counter(), stacks.everywhere)))
+    outside = stacks.outside
+    visible, _ = stacks.visible_of(outside)
     partial = [
-        (index, frames, mask)
-        for index, (frames, mask) in enumerate(zip(visible, masks, strict=True))
-        if mask != all_mask
-        and not seen_frames.issuperset(frames)
-        and not everywhere.issuperset(map(function.__getitem__, frames))
+        (index, frames, masks[index])
+        for index, frames in zip(outside, visible, strict=True)
+        if not everywhere.issuperset(map(function.__getitem__, frames))
     ]
     if not partial:
         return
@@ -329,16 +365,16 @@ def _rank_specific(trace: CallsiteTrace, stacks: _Stacks) -> Iterator[Finding]:
                 break
     if not roots:
         return
-    root_frames = {fid for fid, number in enumerate(function) if number in roots}
-    within: dict[int, list[int]] = {}  # by stack (its frames' list): the roots in it
-    for site, frames in zip(trace.callsites, visible, strict=True):
-        numbers = within.get(id(frames))
+    # the visible frames of the roots' functions: a stack shows a root where it has one
+    hidden = stacks.hidden
+    marked = bytes(number in roots and not hidden[fid] for fid, number in enumerate(function))
+    within: dict[int, set[int]] = {}  # by stack (a tuple shared by callsites): its roots
+    callsites = trace.callsites
+    for index in touching(stacks.stacks, marked):
+        site = callsites[index]
+        numbers = within.get(id(site.stack))
         if numbers is None:
-            numbers = within[id(frames)] = (
-                []
-                if root_frames.isdisjoint(frames)
-                else [n for n in set(map(function.__getitem__, frames)) if n in roots]
-            )
+            numbers = within[id(site.stack)] = {function[fid] for fid in site.stack if marked[fid]}
         for number in numbers:
             roots[number][0] += site.count
     ranks_of = RankLists()
@@ -474,12 +510,7 @@ def _count_skew(trace: CallsiteTrace, stacks: _Stacks, skew: float) -> Iterator[
     keep = [not collective for collective in stacks.collective]
     indices = list(compress(range(len(keep)), keep))
     sites = list(compress(trace.callsites, keep))
-    numbers = [
-        -1 if position is None else function[frames[position]]
-        for frames, position in zip(
-            compress(stacks.visible, keep), compress(stacks.callers, keep), strict=True
-        )
-    ]
+    numbers = [-1 if fid < 0 else function[fid] for fid in compress(stacks.caller, keep)]
     functions = len(stacks.function_names)
     ops, full, example, partial, found = skew_fold(sites, numbers, functions, ranks, float(skew))
     masks = stacks.masks
@@ -494,19 +525,23 @@ def _count_skew(trace: CallsiteTrace, stacks: _Stacks, skew: float) -> Iterator[
         if not full[slot] and function_mask.get(number) != all_mask:
             continue  # some ranks never ran it: a rank_specific finding says so
         limit = skew * middle
-        deviating = [r for r, v in zip(ranks, per_rank, strict=True) if abs(v - middle) > limit]
+        # the straying ranks and their ops, in rank order (no dict of every rank's)
+        stray = [(r, v) for r, v in zip(ranks, per_rank, strict=True) if abs(v - middle) > limit]
+        deviating = [r for r, _ in stray]
         name = "<root>" if number < 0 else names[number]
         at = example[slot]
         site_index = indices[at] if at is not None else None
-        frames = stacks.visible[site_index] if site_index is not None else []
-        position = (stacks.callers[site_index] or 0) if site_index is not None else 0
-        where = (
-            stacks.describe(frames[: position + 1], position)  # down to the function
-            if frames
-            else stacks.describe([], None)
-        )
-        by_rank = dict(zip(ranks, per_rank, strict=True))
-        counts = {str(r): _number(by_rank[r]) for r in deviating}
+        if site_index is None:
+            where = stacks.describe([], None)
+        else:
+            visible, callers = stacks.visible_of([site_index])
+            frames, position = visible[0], callers[0] or 0
+            where = (
+                stacks.describe(frames[: position + 1], position)  # down to the function
+                if frames
+                else stacks.describe([], None)
+            )
+        counts = {str(r): _number(v) for r, v in stray}
         yield {
             "kind": "count_skew",
             "severity": "warning",
@@ -516,7 +551,7 @@ def _count_skew(trace: CallsiteTrace, stacks: _Stacks, skew: float) -> Iterator[
             "expected": _number(middle),
             "counts": counts,
             "ops": ops[slot],
-            "size": int(round(sum(abs(by_rank[r] - middle) for r in deviating), 6)),
+            "size": int(round(sum(abs(v - middle) for _, v in stray), 6)),
             "message": (
                 f"{name}: ops on rank(s) {_short(deviating)} differ from the median "
                 f"{_number(middle)} by more than {skew:g}x"

@@ -276,6 +276,42 @@ def py_visible_frames(
     return visible, callers
 
 
+def py_stack_summary(
+    stacks: list[tuple[int, ...]], hidden: bytes, user: bytes, full: bytes
+) -> tuple[bytes, bytearray, list[int]]:
+    """Divergence's one pass over every stack, in place of a visible-frames list per
+    stack: per stack its caller (the frame id :func:`py_visible_frames` gives the
+    position of, -1 for none) as native 4-byte ints; per frame id whether it is a
+    visible frame of a stack with ``full[i]`` (a callsite every rank ran); and the
+    stacks without ``full[i]`` with a visible frame outside that union, ascending
+    (``hidden``, ``user``: bytes by frame id; ``full``: bytes by stack)."""
+    if len(user) != len(hidden) or len(full) != len(stacks):
+        raise ValueError("stack_summary: lengths differ")
+    callers = array("i")
+    union = bytearray(len(hidden))
+    for stack, everywhere in zip(stacks, full, strict=True):
+        last = innermost_user = -1
+        for fid in stack:
+            if not hidden[fid]:
+                last = fid
+                if user[fid]:
+                    innermost_user = fid
+                if everywhere:
+                    union[fid] = 1
+        callers.append(innermost_user if innermost_user >= 0 else last)
+    outside = [
+        index
+        for index, (stack, everywhere) in enumerate(zip(stacks, full, strict=True))
+        if not everywhere and any(not hidden[fid] and not union[fid] for fid in stack)
+    ]
+    return callers.tobytes(), union, outside
+
+
+def py_touching(stacks: list[tuple[int, ...]], marked: bytes) -> list[int]:
+    """The positions of the stacks with a frame id marked (non-zero in ``marked``)."""
+    return [index for index, stack in enumerate(stacks) if any(marked[fid] for fid in stack)]
+
+
 if TYPE_CHECKING:
     from opguard_plugins.stages import _runs
 
@@ -290,6 +326,12 @@ if TYPE_CHECKING:
     VisibleFrames = Callable[
         [list[tuple[int, ...]], bytes, bytes], tuple[list[list[int]], list[int | None]]
     ]
+    #: (stacks, hidden, user, full) -> (callers, union, outside)
+    StackSummary = Callable[
+        [list[tuple[int, ...]], bytes, bytes, bytes], tuple[bytes, bytearray, list[int]]
+    ]
+    #: (stacks, marked) -> positions
+    Touching = Callable[[list[tuple[int, ...]], bytes], list[int]]
 
 
 def _implementation() -> tuple[
@@ -305,3 +347,15 @@ def _implementation() -> tuple[
 #: the implementations in use: the runs type, the paths builder and a node's frames
 #: (compress), and the visible frames (divergence)
 Runs, callsite_paths, frames_at, visible_frames = _implementation()
+
+
+def _divergence_implementation() -> tuple[StackSummary, Touching]:
+    if load_native("opguard_plugins.stages._runs") is None:
+        return py_stack_summary, py_touching
+    from opguard_plugins.stages._runs import stack_summary, touching
+
+    return stack_summary, touching
+
+
+#: divergence's pass over every stack and its search for stacks with marked frames
+stack_summary, touching = _divergence_implementation()
