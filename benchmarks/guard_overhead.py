@@ -11,14 +11,17 @@ every mode alike, median of ``--repeat`` rounds:
   starts in each process), enforcing a config made from a trace of this very loop,
   report written at the end included;
 * the guard with ``sample=0.1`` (every 10th optimizer step checked);
+* the empty mode pushed in one optimizer step in ten only: what ``--sample 0.1``
+  cannot go below with any Python-level per-op check;
 * the tracer (``trace_callsites``, what ``opguard trace`` starts), trace written.
 
 The table's ratios are of the timed loop; entering and leaving each mode (the guard
-wraps its targets and scans ``sys.modules`` once, then writes its report; the tracer
-writes its trace) is a per-process cost, printed in its own column.
+pushes its modes, then writes its report; the tracer writes its trace) is a
+per-process cost, printed in its own column.
 
 Run: ``python benchmarks/guard_overhead.py [--steps 200] [--repeat 3]``. Goals
-(docs/performance.md): guard ≤ 1.3× the empty mode; ``--sample 0.1`` ≤ 1.3× untraced.
+(docs/performance.md): guard ≤ 1.3× the empty mode (issue 12); ``--sample 0.1`` ≤ 1.1×
+untraced at 200 steps (issue 29).
 """
 
 from __future__ import annotations
@@ -48,12 +51,37 @@ from opguard_core.cli.app import create_cli  # noqa: E402
 from opguard_core.formats.config import load_config  # noqa: E402
 from opguard_core.plugin.manager import create_plugin_manager  # noqa: E402
 from opguard_plugins.enforce.runtime import guarded  # noqa: E402
+from opguard_plugins.record.tracer import count_optimizer_steps  # noqa: E402
 from opguard_plugins.tracer import trace_callsites  # noqa: E402
 
 
 class EmptyMode(TorchDispatchMode):  # type: ignore[no-untyped-call]
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         return func(*args, **(kwargs or {}))
+
+
+@contextmanager
+def sampled_empty_mode(every: int = 10) -> Iterator[None]:
+    """The empty mode pushed in every ``every``-th optimizer step only (steps 0, 10,
+    ...), as the guard samples: the floor of ``--sample 0.1``."""
+    mode = EmptyMode()
+    steps = [0]
+
+    def after_step() -> None:
+        steps[0] += 1
+        if steps[0] % every == 0:
+            mode.__enter__()
+        elif steps[0] % every == 1:
+            mode.__exit__(None, None, None)
+
+    mode.__enter__()
+    handle = count_optimizer_steps(after_step)
+    try:
+        yield
+    finally:
+        handle.remove()
+        if steps[0] % every == 0:
+            mode.__exit__(None, None, None)
 
 
 def run_steps(
@@ -115,6 +143,7 @@ def main() -> None:
         modes: list[tuple[str, Callable[[], AbstractContextManager[object]]]] = [
             ("untraced", nullcontext),
             ("empty TorchDispatchMode", EmptyMode),
+            ("empty mode, 1 step in 10", sampled_empty_mode),
             ("opguard guard", lambda: guard(1.0)),
             ("opguard guard --sample 0.1", lambda: guard(0.1)),
             ("opguard trace", tracing),
@@ -147,11 +176,13 @@ def main() -> None:
         )
     guard_ratio = median["opguard guard"] / floor
     sample_ratio = median["opguard guard --sample 0.1"] / base
+    sample_floor = median["empty mode, 1 step in 10"] / base
     verdict = "met" if guard_ratio <= 1.3 else "NOT met"
     print(f"goal guard <= 1.3x empty mode: {guard_ratio:.2f}x {verdict}")
     print(
-        f"goal --sample 0.1 <= 1.3x untraced: {sample_ratio:.2f}x "
-        f"{'met' if sample_ratio <= 1.3 else 'NOT met'}"
+        f"goal --sample 0.1 <= 1.1x untraced: {sample_ratio:.2f}x "
+        f"{'met' if sample_ratio <= 1.1 else 'NOT met'} "
+        f"(its floor, the empty mode in 1 step in 10: {sample_floor:.2f}x)"
     )
 
 

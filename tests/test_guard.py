@@ -29,10 +29,14 @@ from opguard_core.cli.app import create_cli  # noqa: E402
 from opguard_core.errors import ExitCode, InputError  # noqa: E402
 from opguard_core.formats.check import GUARD_FORMAT, load_report  # noqa: E402
 from opguard_core.formats.trace import load_trace  # noqa: E402
+from opguard_core.native import pure_python  # noqa: E402
 from opguard_core.plugin.manager import create_plugin_manager  # noqa: E402
 from opguard_plugins.enforce.runtime import OpGuardViolation, guarded, sample_every  # noqa: E402
 from opguard_plugins.tracer import trace_callsites  # noqa: E402
 from tests.builders import run_opguard as run  # noqa: E402
+from tests.compiled import compiled, needs  # noqa: E402
+
+_recorder = compiled("opguard_plugins.record._recorder")
 
 pytestmark = pytest.mark.torch
 
@@ -238,6 +242,61 @@ def test_nested_functions_and_late_modules_are_guarded(tmp_path: Path) -> None:
     finally:
         sys.path.remove(str(folder))
         sys.modules.pop("nestmod", None)
+
+
+@needs(_recorder)
+@pytest.mark.skipif(pure_python(), reason="OPGUARD_PURE_PYTHON: the guard has no C path")
+@pytest.mark.parametrize("extra", [(), ("op",), ("helper",)], ids=["same", "op", "helper"])
+def test_the_c_path_does_what_the_python_path_does(
+    tmp_path: Path, gmodel: Any, config: Path, extra: tuple[str, ...]
+) -> None:
+    """``_recorder.TargetWalker`` against its Python reference on one program: with
+    the C modes' methods removed, at every op ``active_targets`` (C) names what
+    ``Guard.active_targets`` names (targets, the program's leaf the config lacks,
+    re-entries through the api mode); a run on the C path (``dispatch``, ``function``)
+    and one on the Python path give the same report and the same per-entry counts."""
+    assert _recorder is not None
+    runs = []
+    for native in (True, False):
+        with guarded(config, report_dir=tmp_path / str(native), rank=0) as guard:
+            assert guard.walker is not None
+            seen: list[tuple[Any, ...]] = []
+            if not native:  # every op through the Python modes and walk, each compared
+                del guard._mode.__torch_dispatch__
+                if guard._api_mode is not None:
+                    del guard._api_mode.__torch_function__
+                walker = _recorder.TargetWalker(guard._name_code)
+
+                def both(
+                    frame: Any,
+                    api: Any,
+                    walker: Any = walker,
+                    guard: Any = guard,
+                    seen: list[tuple[Any, ...]] = seen,
+                ) -> Any:
+                    fast = walker.active_targets(frame, api)
+                    reference = guard.active_targets(frame, api)
+                    assert fast == reference
+                    seen.append(fast)
+                    return reference
+
+                guard.walk = both  # type: ignore[assignment]
+            gmodel.train(extra=extra)
+        if not native:
+            assert len(seen) > 50 and any(len(s) > 2 for s in seen)
+            assert any(s[1] == "gmodel:gate" for s in seen) == (extra == ("helper",))
+        runs.append((report_of(guard)["violations"], guard.observed_entries()))
+    assert runs[0] == runs[1]
+    assert bool(runs[0][0]) == bool(extra) and runs[0][1]
+    with pytest.raises(TypeError):
+        _recorder.TargetWalker(guard._name_code).active_targets("not a frame")
+    with pytest.raises(TypeError, match="non-empty str or None"):
+        _recorder.TargetWalker(lambda code, namespace: 1).active_targets(sys._getframe())
+    walker = _recorder.TargetWalker(guard._name_code)
+    assert walker.active_targets(None) == (None, None)
+    assert walker.active_targets(None, "torch:Tensor.mul") == ("torch:Tensor.mul", None)
+    with pytest.raises(TypeError, match="needs guard"):
+        walker.dispatch(None, torch.ops.aten.add.Tensor, (), (torch.ones(1), torch.ones(1)))
 
 
 def test_sampling_checks_every_nth_step(tmp_path: Path, gmodel: Any, config: Path) -> None:

@@ -60,7 +60,7 @@ from collections import deque
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import structlog
 import torch
@@ -85,6 +85,7 @@ from opguard_core.formats.sources import project, recorded_sources
 from opguard_core.formats.streams import StreamRoles
 from opguard_core.formats.tree import TORCH_API, split_api, target_name, threshold
 from opguard_core.logs import escape_controls, resolve_format
+from opguard_core.native import load_native
 from opguard_core.processes import at_sigterm
 from opguard_plugins.enforce import sequence_guard
 from opguard_plugins.enforce.rules import DEFAULT_TOLERANCE, count_drift, missing
@@ -109,6 +110,9 @@ from opguard_plugins.record.tracer import (
 )
 
 ON_VIOLATION = ("warn", "raise")
+if TYPE_CHECKING:
+    from opguard_plugins.record._recorder import TargetWalker
+
 _THIS_FILE = os.path.abspath(__file__)
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
 _PLUMBING = frozenset(
@@ -125,6 +129,19 @@ _STACK_LIMIT = 40
 _OWN_FILES = frozenset({_THIS_FILE, os.path.abspath(sequence_guard.__file__)})
 _TORCH_PREFIX = _TORCH_DIR + os.sep
 _UNSEEN: Any = object()
+
+
+def _native_walker() -> type[TargetWalker] | None:
+    """The C twin of :meth:`Guard.active_targets`, or None (not built, or
+    ``OPGUARD_PURE_PYTHON=1``)."""
+    if load_native("opguard_plugins.record._recorder") is None:
+        return None
+    from opguard_plugins.record._recorder import TargetWalker
+
+    return TargetWalker
+
+
+_TargetWalker = _native_walker()
 #: kinds logged when the guard finishes (they need the whole run's counts)
 _AT_EXIT = frozenset({"unknown_context", "missing", "count_drift", "unknown_target"})
 
@@ -208,6 +225,8 @@ class _ApiMode(TorchFunctionMode):  # type: ignore[misc, unused-ignore]
         super().__init__()
         self.local = guard.api_local
         self.api_target = guard.api_target
+        if guard.walker is not None:  # the C path, bound as a method (torch wants one)
+            self.__torch_function__ = types.MethodType(guard.walker.function, self)  # type: ignore[method-assign]
 
     def __torch_function__(
         self,
@@ -231,6 +250,8 @@ class _Mode(TorchDispatchMode):  # type: ignore[no-untyped-call, misc, unused-ig
         super().__init__()  # type: ignore[no-untyped-call, unused-ignore]
         self.guard = guard
         self.cuda = guard.cuda
+        if guard.walker is not None:  # the C path, bound as a method (torch wants one)
+            self.__torch_dispatch__ = types.MethodType(guard.walker.dispatch, self)  # type: ignore[method-assign]
 
     def __torch_dispatch__(
         self,
@@ -239,32 +260,29 @@ class _Mode(TorchDispatchMode):  # type: ignore[no-untyped-call, misc, unused-ig
         args: tuple[Any, ...] = (),
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
-        stream: int | None = None
-        # torch.cuda.is_initialized has no annotations (unused without torch)
-        if self.cuda and torch.cuda.is_initialized():  # type: ignore[no-untyped-call, unused-ignore]
-            stream = self.guard.streams.see(int(torch.cuda.current_stream().stream_id))
         guard = self.guard
-        state = (
-            guard.state_at(sys._getframe(1), getattr(guard.api_local, "api", None))
-            if guard.checking
-            else None
-        )
-        if state is not None:
+        stream = guard.current_stream() if self.cuda else None
+        if guard.checking:
+            # the state of the stack: its config targets, found by code object
+            # (Guard.active_targets or its C twin), with the torch_api target of the
+            # public call running first, resolved once per distinct tuple of them
+            active = guard.walk(sys._getframe(1), getattr(guard.api_local, "api", None))
+            state = guard._by_active.get(active) or guard._resolve_with_leaves(active)
             state.ops += 1
-        if state is not None and state.watch:
-            if state.extra:
-                guard.count_extra(state.extra)
-            if state.chain:
-                guard.count_ops(state.chain)
-            if state.known:
-                key: Any = func if stream is None else (func, stream)
-                ok = state.ok.get(key)
-                if ok is None:
-                    guard.check_op(state, key)
-                elif not ok:
-                    guard.repeat_op(state, key)
-        if self.guard.collective_checks and getattr(func, "namespace", None) in NAMESPACES:
-            return self.guard.run_collective(func, args, kwargs)
+            if state.watch:
+                if state.extra:
+                    guard.count_extra(state.extra)
+                if state.chain:
+                    guard.count_ops(state.chain)
+                if state.known:
+                    key: Any = func if stream is None else (func, stream)
+                    ok = state.ok.get(key)
+                    if ok is None:
+                        guard.check_op(state, key)
+                    elif not ok:
+                        guard.repeat_op(state, key)
+        if guard.collective_checks and getattr(func, "namespace", None) in NAMESPACES:
+            return guard.run_collective(func, args, kwargs)
         return func(*args, **(kwargs or {}))
 
 
@@ -379,6 +397,24 @@ class Guard:
         #: checked nothing (no config target ran)
         self.checked_ops = 0
         self.checking = True
+        #: the C twin (``_recorder.TargetWalker``) of the per-op path where it was built:
+        #: the walk (:meth:`active_targets`), the api mode's ``__torch_function__`` and the
+        #: dispatch mode's for an op already accepted in its state
+        self.walker = (
+            None
+            if _TargetWalker is None
+            else _TargetWalker(
+                self._name_code,
+                self.api_local,
+                self._api_targets,
+                self.api_target,
+                self,
+                _Mode.__torch_dispatch__,
+                self.current_stream if self.cuda else None,
+                NAMESPACES,
+            )
+        )
+        self.walk = self.active_targets if self.walker is None else self.walker.active_targets
         self._mode = _Mode(self)
         self._api_mode = _ApiMode(self) if self.api_names else None
         self._pushed = False
@@ -507,23 +543,17 @@ class Guard:
         self._states[(child_path, known, chain)] = state
         return state
 
-    def state_at(self, frame: types.FrameType | None, api: str | None = None) -> _State:
-        """The state of the stack at ``frame``: its config targets, found by code object
-        (:meth:`active_targets`), below them the ``torch_api`` target of the public
-        call running (``api``), then resolved once per distinct tuple of them."""
-        active = (api, *self.active_targets(frame))
-        state = self._by_active.get(active)
-        return state if state is not None else self._resolve_with_leaves(active)
-
-    def active_targets(self, frame: types.FrameType | None) -> tuple[str | None, ...]:
-        """The program's innermost function when the config lacks it and no config
-        target runs inside it (else None), then the config targets running on the
-        stack from ``frame`` outwards, innermost first. Each code object is named once
-        (:meth:`_name_code`), as the tracer names it, so ``__main__``'s functions,
+    def active_targets(
+        self, frame: types.FrameType | None, api: str | None = None
+    ) -> tuple[str | None, ...]:
+        """``api``; the program's innermost function when the config lacks it and no
+        config target runs inside it (else None); then the config targets running on
+        the stack from ``frame`` outwards, innermost first. Each code object is named
+        once (:meth:`_name_code`), as the tracer names it, so ``__main__``'s functions,
         nested functions and closures are found like any other; nothing is imported
-        or replaced."""
+        or replaced. ``_recorder.TargetWalker`` is its C twin."""
         names = self._code_targets
-        found: list[str | None] = [None]
+        found: list[str | None] = [api, None]
         leaf = True  # still looking for the program's innermost function
         crossed = False  # passed the guard's or torch's dispatch frames since the last
         while frame is not None:
@@ -536,17 +566,25 @@ class Guard:
                 if mark == "\1":  # the guard's or torch's plumbing
                     crossed = True
                 elif mark == "\0":  # a program function the config lacks
-                    if leaf and len(found) == 1:
-                        found[0] = name[1:]
+                    if leaf and len(found) == 2:
+                        found[1] = name[1:]
                     leaf = crossed = False
                 else:
                     # a call that re-entered the function which handed it to the api
                     # mode (handle_torch_function): the outer copy is not a caller
-                    if not (crossed and found[-1] == name):
+                    if not (crossed and len(found) > 2 and found[-1] == name):
                         found.append(name)
                     leaf = crossed = False
             frame = frame.f_back
         return tuple(found)
+
+    def current_stream(self) -> int | None:
+        """This guard's number of the current CUDA stream (noted as used: the first
+        sight fixes it), or None before CUDA is initialized."""
+        # torch.cuda.is_initialized has no annotations (unused without torch)
+        if torch.cuda.is_initialized():  # type: ignore[no-untyped-call, unused-ignore]
+            return self.streams.see(int(torch.cuda.current_stream().stream_id))
+        return None
 
     def api_target(self, func: Any) -> str | None:
         """The ``torch_api`` target of the torch callable ``func``, named as the tracer

@@ -21,6 +21,9 @@
  * Runs under the GIL and calls no Python code on the fast path, so it needs no lock.
  * Every code object seen is kept alive in ``codes`` (id -> code), so an address stays
  * one code's. CPython >= 3.11 only; the package works without this module.
+ *
+ * ``TargetWalker`` is the guard's per-operator stack walk (``Guard.active_targets`` in
+ * enforce/runtime.py is its reference): the same frames, named once per code object.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -940,6 +943,473 @@ static PyTypeObject CounterType = {
     .tp_members = Counter_members,
 };
 
+/* ----------------------------------------------------------- TargetWalker */
+
+/* The guard's per-operator stack walk (enforce/runtime.py, ``Guard.active_targets``, the
+ * reference): from a frame outwards, each code object named once by the Python callable
+ * ``name_code(code, globals)`` (a config target, None, or one marked "\0" or "\1") and
+ * remembered by address; the code is kept alive by the table. */
+typedef struct {
+    PyObject_HEAD
+    PyObject *name_code;   /* callable(code, globals) -> str | None */
+    IdTable names;         /* code address -> its name (strong references to both) */
+    PyObject *local;       /* threading.local whose .api is the running torch_api target */
+    PyObject *api_targets; /* dict: torch callable -> its torch_api target or None */
+    PyObject *api_target;  /* callable(func) -> that target, filling api_targets */
+    PyObject *guard;       /* the Guard: .checking, .collective_checks, ._by_active */
+    PyObject *slow;        /* _Mode.__torch_dispatch__, the Python path (the reference) */
+    PyObject *stream_of;   /* callable() -> the guard's number of the stream, or None */
+    PyObject *by_active;   /* the guard's dict: active targets -> state */
+    PyObject *namespaces;  /* frozenset of the collectives' op namespaces */
+} TargetWalker;
+
+static PyObject *checking_str, *collective_checks_str, *namespace_str, *one;
+static PyObject *watch_str, *extra_str, *chain_str, *known_str, *ok_str, *ops_str;
+
+#define FOUND_CACHED 64
+
+/* The name of ``code`` (borrowed), asking ``name_code`` for one not seen before. */
+static PyObject *
+walker_name(TargetWalker *self, PyCodeObject *code, PyFrameObject *frame)
+{
+    if (self->names.size) {
+        Py_ssize_t slot = id_slot(&self->names, code);
+        if (self->names.ids[slot] != NULL) {
+            return self->names.ids[slot];
+        }
+    }
+    PyObject *globals = PyFrame_GetGlobals(frame);
+    if (globals == NULL) {
+        return NULL;
+    }
+    PyObject *name = PyObject_CallFunctionObjArgs(self->name_code, (PyObject *)code, globals, NULL);
+    Py_DECREF(globals);
+    if (name == NULL) {
+        return NULL;
+    }
+    if (name != Py_None && (!PyUnicode_Check(name) || PyUnicode_GET_LENGTH(name) == 0)) {
+        Py_DECREF(name);
+        PyErr_SetString(PyExc_TypeError, "name_code must return a non-empty str or None");
+        return NULL;
+    }
+    /* the callable ran Python code: the table may have grown, or gained this code */
+    if (2 * (self->names.used + 1) > self->names.size && id_table_grow(&self->names) < 0) {
+        Py_DECREF(name);
+        return NULL;
+    }
+    Py_ssize_t slot = id_slot(&self->names, code);
+    if (self->names.ids[slot] != NULL) {
+        Py_DECREF(name);
+        return self->names.ids[slot];
+    }
+    self->names.addresses[slot] = Py_NewRef(code);
+    self->names.ids[slot] = name;
+    self->names.used++;
+    return name;
+}
+
+/* TargetWalker.active_targets(frame, api=None): as ``Guard.active_targets``. */
+static PyObject *
+TargetWalker_active_targets(TargetWalker *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs < 1 || nargs > 2) {
+        PyErr_SetString(PyExc_TypeError, "active_targets(frame, api=None)");
+        return NULL;
+    }
+    PyObject *frame_arg = args[0];
+    PyObject *api = nargs == 2 ? args[1] : Py_None;
+    if (frame_arg != Py_None && !PyFrame_Check(frame_arg)) {
+        PyErr_SetString(PyExc_TypeError, "active_targets() takes a frame or None");
+        return NULL;
+    }
+    PyObject *cached[FOUND_CACHED];
+    PyObject **found = cached; /* borrowed from the table, except found[0] */
+    Py_ssize_t n = 1, cap = FOUND_CACHED;
+    PyObject *result = NULL;
+    found[0] = NULL; /* the program's innermost function the config lacks: owned */
+    int leaf = 1, crossed = 0;
+    PyFrameObject *frame = frame_arg == Py_None ? NULL : (PyFrameObject *)Py_NewRef(frame_arg);
+    while (frame != NULL) {
+        PyCodeObject *code = PyFrame_GetCode(frame);
+        PyObject *name = walker_name(self, code, frame);
+        Py_DECREF(code); /* kept alive by the table */
+        if (name == NULL) {
+            goto done;
+        }
+        if (name != Py_None) {
+            Py_UCS4 mark = PyUnicode_READ_CHAR(name, 0);
+            if (mark == 1) { /* the guard's or torch's plumbing */
+                crossed = 1;
+            }
+            else if (mark == 0) { /* a program function the config lacks */
+                if (leaf && n == 1) {
+                    Py_XSETREF(found[0], PyUnicode_Substring(name, 1, PyUnicode_GET_LENGTH(name)));
+                    if (found[0] == NULL) {
+                        goto done;
+                    }
+                }
+                leaf = crossed = 0;
+            }
+            else {
+                /* a call that re-entered the function which handed it to the api mode */
+                int repeat = 0;
+                if (crossed && n > 1) {
+                    repeat = PyObject_RichCompareBool(found[n - 1], name, Py_EQ);
+                    if (repeat < 0) {
+                        goto done;
+                    }
+                }
+                if (!repeat) {
+                    if (n == cap) {
+                        PyObject **bigger = PyMem_Malloc(sizeof(PyObject *) * (size_t)(cap * 2));
+                        if (bigger == NULL) {
+                            PyErr_NoMemory();
+                            goto done;
+                        }
+                        memcpy(bigger, found, sizeof(PyObject *) * (size_t)n);
+                        if (found != cached) {
+                            PyMem_Free(found);
+                        }
+                        found = bigger;
+                        cap *= 2;
+                    }
+                    found[n++] = name;
+                }
+                leaf = crossed = 0;
+            }
+        }
+        PyFrameObject *back = PyFrame_GetBack(frame);
+        Py_DECREF(frame);
+        frame = back;
+    }
+    result = PyTuple_New(n + 1);
+    if (result != NULL) {
+        PyTuple_SET_ITEM(result, 0, Py_NewRef(api));
+        PyTuple_SET_ITEM(result, 1, found[0] != NULL ? Py_NewRef(found[0]) : Py_NewRef(Py_None));
+        for (Py_ssize_t i = 1; i < n; i++) {
+            PyTuple_SET_ITEM(result, i + 1, Py_NewRef(found[i]));
+        }
+    }
+done:
+    Py_XDECREF(frame);
+    Py_XDECREF(found[0]);
+    if (found != cached) {
+        PyMem_Free(found);
+    }
+    return result;
+}
+
+/* TargetWalker.function(mode, func, types, args, kwargs): the guard's api mode's
+ * ``__torch_function__`` (bound to the mode as a method; ``_ApiMode`` in runtime.py is
+ * the reference): run ``func`` with its torch_api target as this thread's ``api``. */
+static PyObject *
+TargetWalker_function(TargetWalker *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    PyObject *func, *call_args, *kwargs;
+    if (mode_arguments(args, nargs, "function", &func, &call_args, &kwargs) < 0) {
+        return NULL;
+    }
+    if (self->local == NULL) {
+        PyErr_SetString(PyExc_TypeError, "function() needs local, api_targets and api_target");
+        return NULL;
+    }
+    PyObject *target = PyDict_GetItemWithError(self->api_targets, func); /* borrowed */
+    if (target != NULL) {
+        Py_INCREF(target);
+    }
+    else {
+        PyErr_Clear(); /* not seen yet, or unhashable: the Python callable decides */
+        target = PyObject_CallOneArg(self->api_target, func);
+        if (target == NULL) {
+            return NULL;
+        }
+    }
+    int set = PyObject_SetAttr(self->local, api_str, target);
+    Py_DECREF(target);
+    if (set < 0) {
+        return NULL;
+    }
+    PyObject *result = call_with(func, call_args, kwargs);
+    PyObject *type, *value, *traceback;
+    PyErr_Fetch(&type, &value, &traceback);
+    if (PyObject_SetAttr(self->local, api_str, Py_None) < 0) {
+        PyErr_Clear();
+    }
+    PyErr_Restore(type, value, traceback);
+    return result;
+}
+
+/* A state attribute's truth, or -1 with an exception. */
+static int
+attribute_true(PyObject *object, PyObject *name)
+{
+    PyObject *value = PyObject_GetAttr(object, name);
+    if (value == NULL) {
+        return -1;
+    }
+    int truth = PyObject_IsTrue(value);
+    Py_DECREF(value);
+    return truth;
+}
+
+/* 1 when the guard's Python path must see this op (a collective, a state not resolved
+ * yet, or anything but an op already accepted there), 0 when it was counted here
+ * (``state.ops``), -1 with an exception. */
+static int
+walker_count(TargetWalker *self, PyObject *func, PyObject *stream)
+{
+    int collective_checks = attribute_true(self->guard, collective_checks_str);
+    if (collective_checks < 0) {
+        return -1;
+    }
+    if (collective_checks) {
+        PyObject *space = PyObject_GetAttr(func, namespace_str);
+        if (space == NULL) {
+            PyErr_Clear(); /* no namespace: not a collective */
+        }
+        else {
+            int found = PySet_Contains(self->namespaces, space);
+            Py_DECREF(space);
+            if (found != 0) {
+                return found < 0 ? -1 : 1;
+            }
+        }
+    }
+    int checking = attribute_true(self->guard, checking_str);
+    if (checking <= 0) {
+        return checking;
+    }
+    PyObject *api = PyObject_GetAttr(self->local, api_str);
+    if (api == NULL) {
+        if (!PyErr_ExceptionMatches(PyExc_AttributeError)) {
+            return -1;
+        }
+        PyErr_Clear();
+        api = Py_NewRef(Py_None);
+    }
+    PyFrameObject *frame = running_frame();
+    PyObject *walk_args[2] = {frame != NULL ? (PyObject *)frame : Py_None, api};
+    PyObject *active = TargetWalker_active_targets(self, walk_args, 2);
+    Py_XDECREF(frame);
+    Py_DECREF(api);
+    if (active == NULL) {
+        return -1;
+    }
+    PyObject *state = PyDict_GetItemWithError(self->by_active, active); /* borrowed */
+    Py_DECREF(active);
+    if (state == NULL) {
+        return PyErr_Occurred() ? -1 : 1;
+    }
+    Py_INCREF(state);
+    int result = -1;
+    int watch = attribute_true(state, watch_str);
+    if (watch < 0) {
+        goto done;
+    }
+    if (watch) {
+        int extra = attribute_true(state, extra_str);
+        int chain = extra != 0 ? extra : attribute_true(state, chain_str);
+        if (extra != 0 || chain != 0) {
+            result = extra < 0 || chain < 0 ? -1 : 1;
+            goto done;
+        }
+        int known = attribute_true(state, known_str);
+        if (known < 0) {
+            goto done;
+        }
+        if (known) {
+            PyObject *ok = PyObject_GetAttr(state, ok_str);
+            if (ok == NULL) {
+                goto done;
+            }
+            PyObject *key = stream == Py_None ? Py_NewRef(func) : PyTuple_Pack(2, func, stream);
+            PyObject *seen = key == NULL ? NULL : PyDict_GetItemWithError(ok, key);
+            Py_XDECREF(key);
+            Py_DECREF(ok);
+            if (seen != Py_True) {
+                result = PyErr_Occurred() ? -1 : 1; /* first sight, or a violation */
+                goto done;
+            }
+        }
+    }
+    PyObject *ops = PyObject_GetAttr(state, ops_str);
+    if (ops == NULL) {
+        goto done;
+    }
+    PyObject *more = PyNumber_Add(ops, one);
+    Py_DECREF(ops);
+    if (more == NULL) {
+        goto done;
+    }
+    result = PyObject_SetAttr(state, ops_str, more);
+    Py_DECREF(more);
+done:
+    Py_DECREF(state);
+    return result;
+}
+
+/* TargetWalker.dispatch(mode, func, types, args, kwargs): the guard's dispatch mode's
+ * ``__torch_dispatch__`` (bound to the mode as a method; ``_Mode.__torch_dispatch__`` is
+ * the reference and the path of everything but an op already accepted in its state). */
+static PyObject *
+TargetWalker_dispatch(TargetWalker *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    PyObject *func, *call_args, *kwargs;
+    if (mode_arguments(args, nargs, "dispatch", &func, &call_args, &kwargs) < 0) {
+        return NULL;
+    }
+    if (self->guard == NULL) {
+        PyErr_SetString(PyExc_TypeError, "dispatch() needs guard, slow and stream_of");
+        return NULL;
+    }
+    PyObject *stream = Py_None;
+    if (self->stream_of != Py_None) {
+        stream = PyObject_CallNoArgs(self->stream_of);
+        if (stream == NULL) {
+            return NULL;
+        }
+    }
+    else {
+        Py_INCREF(stream);
+    }
+    int slow = walker_count(self, func, stream);
+    Py_DECREF(stream);
+    if (slow < 0) {
+        return NULL;
+    }
+    if (slow) {
+        return PyObject_Vectorcall(self->slow, args, (size_t)nargs, NULL);
+    }
+    return call_with(func, call_args, kwargs);
+}
+
+static void
+walker_free_names(TargetWalker *self)
+{
+    for (Py_ssize_t i = 0; i < self->names.size; i++) {
+        Py_XDECREF((PyObject *)self->names.addresses[i]);
+    }
+    id_table_free(&self->names);
+}
+
+static int
+TargetWalker_init(TargetWalker *self, PyObject *args, PyObject *kwargs)
+{
+    static char *names[] = {"name_code", "local",     "api_targets", "api_target", "guard",
+                            "slow",      "stream_of", "namespaces",  NULL};
+    PyObject *name_code, *local = NULL, *api_targets = NULL, *api_target = NULL;
+    PyObject *guard = NULL, *slow = NULL, *stream_of = NULL, *namespaces = NULL;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O|OO!OOOOO", names, &name_code, &local,
+                                     &PyDict_Type, &api_targets, &api_target, &guard, &slow,
+                                     &stream_of, &namespaces)) {
+        return -1;
+    }
+    PyObject *by_active = NULL;
+    if (guard != NULL) {
+        if (local == NULL || slow == NULL || stream_of == NULL || namespaces == NULL ||
+            !PyCallable_Check(slow) || (stream_of != Py_None && !PyCallable_Check(stream_of)) ||
+            !PyAnySet_Check(namespaces)) {
+            PyErr_SetString(PyExc_TypeError, "guard needs local, a callable slow, stream_of "
+                                             "(or None) and a set of namespaces");
+            return -1;
+        }
+        by_active = PyObject_GetAttrString(guard, "_by_active");
+        if (by_active == NULL) {
+            return -1;
+        }
+        if (!PyDict_Check(by_active)) {
+            Py_DECREF(by_active);
+            PyErr_SetString(PyExc_TypeError, "guard._by_active must be a dict");
+            return -1;
+        }
+    }
+    Py_XSETREF(self->guard, Py_XNewRef(guard));
+    Py_XSETREF(self->slow, Py_XNewRef(slow));
+    Py_XSETREF(self->stream_of, Py_XNewRef(stream_of));
+    Py_XSETREF(self->by_active, by_active);
+    Py_XSETREF(self->namespaces, Py_XNewRef(namespaces));
+    if (!PyCallable_Check(name_code) ||
+        (api_target != NULL && !PyCallable_Check(api_target))) {
+        PyErr_SetString(PyExc_TypeError, "name_code and api_target must be callable");
+        return -1;
+    }
+    if ((local == NULL) != (api_target == NULL) || (local == NULL) != (api_targets == NULL)) {
+        PyErr_SetString(PyExc_TypeError, "local, api_targets and api_target go together");
+        return -1;
+    }
+    Py_XSETREF(self->name_code, Py_NewRef(name_code));
+    Py_XSETREF(self->local, Py_XNewRef(local));
+    Py_XSETREF(self->api_targets, Py_XNewRef(api_targets));
+    Py_XSETREF(self->api_target, Py_XNewRef(api_target));
+    walker_free_names(self);
+    return 0;
+}
+
+static int
+TargetWalker_traverse(TargetWalker *self, visitproc visit, void *arg)
+{
+    Py_VISIT(self->name_code);
+    Py_VISIT(self->local);
+    Py_VISIT(self->api_targets);
+    Py_VISIT(self->api_target);
+    Py_VISIT(self->guard);
+    Py_VISIT(self->slow);
+    Py_VISIT(self->stream_of);
+    Py_VISIT(self->by_active);
+    Py_VISIT(self->namespaces);
+    return 0;
+}
+
+static int
+TargetWalker_clear(TargetWalker *self)
+{
+    Py_CLEAR(self->name_code);
+    Py_CLEAR(self->local);
+    Py_CLEAR(self->api_targets);
+    Py_CLEAR(self->api_target);
+    Py_CLEAR(self->guard);
+    Py_CLEAR(self->slow);
+    Py_CLEAR(self->stream_of);
+    Py_CLEAR(self->by_active);
+    Py_CLEAR(self->namespaces);
+    return 0;
+}
+
+static void
+TargetWalker_dealloc(TargetWalker *self)
+{
+    PyObject_GC_UnTrack(self);
+    TargetWalker_clear(self);
+    walker_free_names(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyMethodDef TargetWalker_methods[] = {
+    {"active_targets", (PyCFunction)(void (*)(void))TargetWalker_active_targets, METH_FASTCALL,
+     "active_targets(frame, api=None, /): api, the program's innermost function the config "
+     "lacks (or None), then the config targets on the stack from frame outwards, innermost "
+     "first"},
+    {"function", (PyCFunction)(void (*)(void))TargetWalker_function, METH_FASTCALL,
+     "function(mode, func, types, args=(), kwargs=None): run func as this thread's api"},
+    {"dispatch", (PyCFunction)(void (*)(void))TargetWalker_dispatch, METH_FASTCALL,
+     "dispatch(mode, func, types, args=(), kwargs=None): count an op already accepted in "
+     "its state and run it; anything else goes to slow"},
+    {NULL},
+};
+
+static PyTypeObject TargetWalkerType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "opguard_plugins.record._recorder.TargetWalker",
+    .tp_basicsize = sizeof(TargetWalker),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_doc = "The guard's stack walk; see enforce/runtime.py (Guard.active_targets).",
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)TargetWalker_init,
+    .tp_dealloc = (destructor)TargetWalker_dealloc,
+    .tp_traverse = (traverseproc)TargetWalker_traverse,
+    .tp_clear = (inquiry)TargetWalker_clear,
+    .tp_methods = TargetWalker_methods,
+};
+
 static struct PyModuleDef recorder_module = {
     PyModuleDef_HEAD_INIT, "opguard_plugins.record._recorder",
     "The modes backend's per-operator hot path in C (optional; see tracer.py).", -1, NULL,
@@ -955,14 +1425,30 @@ PyInit__recorder(void)
     if (api_str == NULL || name_str == NULL || collective == NULL || op_attr_str == NULL) {
         return NULL;
     }
-    if (PyType_Ready(&CounterType) < 0) {
+    checking_str = PyUnicode_InternFromString("checking");
+    collective_checks_str = PyUnicode_InternFromString("collective_checks");
+    namespace_str = PyUnicode_InternFromString("namespace");
+    watch_str = PyUnicode_InternFromString("watch");
+    extra_str = PyUnicode_InternFromString("extra");
+    chain_str = PyUnicode_InternFromString("chain");
+    known_str = PyUnicode_InternFromString("known");
+    ok_str = PyUnicode_InternFromString("ok");
+    ops_str = PyUnicode_InternFromString("ops");
+    one = PyLong_FromLong(1);
+    if (checking_str == NULL || collective_checks_str == NULL || namespace_str == NULL ||
+        watch_str == NULL || extra_str == NULL || chain_str == NULL || known_str == NULL ||
+        ok_str == NULL || ops_str == NULL || one == NULL) {
+        return NULL;
+    }
+    if (PyType_Ready(&CounterType) < 0 || PyType_Ready(&TargetWalkerType) < 0) {
         return NULL;
     }
     PyObject *module = PyModule_Create(&recorder_module);
     if (module == NULL) {
         return NULL;
     }
-    if (PyModule_AddObjectRef(module, "Counter", (PyObject *)&CounterType) < 0) {
+    if (PyModule_AddObjectRef(module, "Counter", (PyObject *)&CounterType) < 0 ||
+        PyModule_AddObjectRef(module, "TargetWalker", (PyObject *)&TargetWalkerType) < 0) {
         Py_DECREF(module);
         return NULL;
     }

@@ -61,3 +61,40 @@ class Counter:
     def flush(self) -> None: ...
     def discard(self) -> None: ...
     def walk(self, frame: FrameType | None, /) -> tuple[int, ...]: ...
+
+@final
+class TargetWalker:
+    """The guard's stack walk; see enforce/runtime.py (Guard.active_targets)."""
+
+    def __init__(
+        self,
+        name_code: Callable[[CodeType, dict[str, Any]], str | None],
+        local: threading.local | None = None,
+        api_targets: dict[Any, str | None] | None = None,
+        api_target: Callable[[Any], str | None] | None = None,
+        guard: Any = None,
+        slow: Callable[..., Any] | None = None,
+        stream_of: Callable[[], int | None] | None = None,
+        namespaces: Set[str] | None = None,
+    ) -> None: ...
+    def dispatch(
+        self,
+        mode: Any,
+        func: Any,
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+        /,
+    ) -> Any: ...
+    def function(
+        self,
+        mode: Any,
+        func: Any,
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+        /,
+    ) -> Any: ...
+    def active_targets(
+        self, frame: FrameType | None, api: str | None = None, /
+    ) -> tuple[str | None, ...]: ...
