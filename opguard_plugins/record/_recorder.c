@@ -581,6 +581,25 @@ call_with(PyObject *func, PyObject *call_args, PyObject *kwargs)
     return PyObject_Call(func, call_args, kwargs);
 }
 
+/* Run ``func`` with ``api`` as ``local.api``, then set it back to None (keeping the
+ * call's exception, if any). */
+static PyObject *
+call_as_api(PyObject *local, PyObject *api, PyObject *func, PyObject *call_args,
+            PyObject *kwargs)
+{
+    if (PyObject_SetAttr(local, api_str, api) < 0) {
+        return NULL;
+    }
+    PyObject *result = call_with(func, call_args, kwargs);
+    PyObject *type, *value, *traceback;
+    PyErr_Fetch(&type, &value, &traceback);
+    if (PyObject_SetAttr(local, api_str, Py_None) < 0) {
+        PyErr_Clear();
+    }
+    PyErr_Restore(type, value, traceback);
+    return result;
+}
+
 /* Counter.dispatch(mode, func, types, args, kwargs): the dispatch mode's
  * ``__torch_dispatch__`` (bound to the mode as a method): count the operator, run it. */
 static PyObject *
@@ -689,18 +708,8 @@ Counter_function(Counter *self, PyObject *const *args, Py_ssize_t nargs)
         return result;
     }
     Py_INCREF(name);
-    int set = PyObject_SetAttr(self->local, api_str, name);
+    PyObject *result = call_as_api(self->local, name, func, call_args, kwargs);
     Py_DECREF(name);
-    if (set < 0) {
-        return NULL;
-    }
-    PyObject *result = call_with(func, call_args, kwargs);
-    PyObject *type, *value, *traceback;
-    PyErr_Fetch(&type, &value, &traceback);
-    if (PyObject_SetAttr(self->local, api_str, Py_None) < 0) {
-        PyErr_Clear();
-    }
-    PyErr_Restore(type, value, traceback);
     return result;
 }
 
@@ -1124,18 +1133,8 @@ TargetWalker_function(TargetWalker *self, PyObject *const *args, Py_ssize_t narg
             return NULL;
         }
     }
-    int set = PyObject_SetAttr(self->local, api_str, target);
+    PyObject *result = call_as_api(self->local, target, func, call_args, kwargs);
     Py_DECREF(target);
-    if (set < 0) {
-        return NULL;
-    }
-    PyObject *result = call_with(func, call_args, kwargs);
-    PyObject *type, *value, *traceback;
-    PyErr_Fetch(&type, &value, &traceback);
-    if (PyObject_SetAttr(self->local, api_str, Py_None) < 0) {
-        PyErr_Clear();
-    }
-    PyErr_Restore(type, value, traceback);
     return result;
 }
 
