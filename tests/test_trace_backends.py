@@ -470,3 +470,101 @@ def test_library_or_user_by_location(tmp_path: Path, monkeypatch: pytest.MonkeyP
     assert "user" in tags_for("pluggy._hooks:HookCaller.__call__", "method", {})
     monkeypatch.setenv("OPGUARD_LIBRARY_PACKAGES", "myproject_mod15")
     assert "library" in tags_for("myproject_mod15.model:Net.forward", "method", {})
+
+
+# ---------------------------------------------------------------------------
+# the profiler backend started for a whole process
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_a_whole_process_profiler_starts_at_the_first_torch_call(tmp_path: Path) -> None:
+    """Started at ``import torch`` (``start_at_first_call``), the profiler waits for the
+    program's first torch call, so the imports and Python work before it are not in
+    its first cycle; the first-call mode is gone after the first optimizer step; and
+    the trace counts what a profiler started at once counts."""
+    from torch.autograd import _profiler_enabled
+    from torch.overrides import _get_current_function_mode_stack as function_modes
+
+    from opguard_plugins.record.profiler import ProfilerTracer
+
+    def program() -> None:
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 4)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        for _ in range(3):
+            model(torch.ones(2, 4)).relu().sum().backward()
+            optimizer.step()
+
+    traces = []
+    for first_call in (True, False):
+        tracer = ProfilerTracer("p", tmp_path / str(first_call), rank=0)
+        tracer.start_at_first_call = first_call
+        tracer.start()
+        try:
+            assert _profiler_enabled() != first_call
+            sorted(str(i) for i in range(1000))  # Python work before any torch call
+            assert _profiler_enabled() != first_call
+            program()
+            assert _profiler_enabled() and not function_modes()
+        finally:
+            tracer.stop()
+        assert not _profiler_enabled()
+        tracer.write()
+        assert tracer.written is not None
+        traces.append(load_trace(tracer.written))
+    assert op_counts(traces[0]) == op_counts(traces[1])
+    assert op_counts(traces[0])["aten::relu"] == 3
+    assert traces[0].meta["steps"] == 3
+
+
+def test_a_whole_process_profiler_that_never_sees_a_torch_call_stops_cleanly(
+    tmp_path: Path,
+) -> None:
+    from torch.autograd import _profiler_enabled
+    from torch.overrides import _get_current_function_mode_stack as function_modes
+
+    from opguard_plugins.record.profiler import ProfilerTracer
+
+    tracer = ProfilerTracer("q", tmp_path, rank=0)
+    tracer.start_at_first_call = True
+    tracer.start()
+    tracer.fold()  # a flush before the first call folds nothing
+    tracer.stop()
+    assert not _profiler_enabled() and not function_modes()
+    assert not tracer.recorder.counts
+
+
+COMPILED_PROGRAM = """
+import torch
+
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 4))
+compiled = torch.compile(model, backend="aot_eager")
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+for _ in range(2):
+    compiled(torch.randn(4, 8)).sum().backward()
+    optimizer.step()
+"""
+
+
+@pytest.mark.slow
+def test_opguard_trace_with_the_profiler_compiles_from_the_first_call(tmp_path: Path) -> None:
+    """``opguard trace --backend profiler`` (the profiler waits for the first torch
+    call): a module compiled before the first step still compiles, its regions and
+    its model building are in the trace."""
+    program = tmp_path / "compiled.py"
+    program.write_text(COMPILED_PROGRAM)
+    out = tmp_path / "traces"
+    result = subprocess.run(
+        [*OPGUARD, "trace", "--backend", "profiler", "--label", "c", "--output-dir", str(out),
+         "--", sys.executable, str(program)],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    trace = load_trace(out / "c_callsite_rank0.json")
+    counts = op_counts(trace)
+    assert counts[COMPILED_REGION_OP] == 2, counts
+    assert trace.meta["steps"] == 2
+    # model building ran before any step, after the first torch call: recorded
+    assert counts["aten::uniform_"] >= 4 or counts["aten::kaiming_uniform_"] >= 2, counts

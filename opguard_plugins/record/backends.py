@@ -289,6 +289,9 @@ def start_process_tracer(label: str, output_dir: str) -> CallsiteTracer | None:
         return _PROCESS_TRACER
     global _FORK_HOOK_INSTALLED
     tracer = make_tracer(os.environ.get("OPGUARD_TRACE_BACKEND") or BACKENDS[0], label, output_dir)
+    # the imports after torch's are not the program's ops: the profiler's first cycle
+    # starts at the first torch call (profiler.py)
+    tracer.start_at_first_call = True
     seconds, steps = flush_settings()
     state = _ProcessState(seconds, steps)
     tracer.on_step = _on_step

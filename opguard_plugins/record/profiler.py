@@ -7,6 +7,14 @@ sits between the program and the dispatcher, so the program runs the ops it runs
 untraced: ``add_`` stays ``add_``, no ``aten::detach`` is added, fused fast paths stay
 fused, and ``torch.compile`` compiles.
 
+Started for a whole process (``opguard trace``: at ``import torch``), the profiler is
+started at the program's first torch call on that thread instead (a one-shot
+``TorchFunctionMode``, popped before the first module call or optimizer step, so
+``torch.compile`` never sees it): the imports that follow
+``import torch`` and the Python work before the model exists (transformers' imports,
+data set-up) are not in its first cycle, so the first step's fold costs what later
+steps' do. Nothing is lost: no operator runs before the first torch call.
+
 Memory stays bounded: at the first optimizer step (a global
 ``register_optimizer_step_post_hook``) at least ``FOLD_SECONDS`` after a cycle began,
 and when tracing stops, the profiler is stopped, the cycle's event tree is folded into
@@ -61,7 +69,10 @@ from typing import Any
 
 import torch
 from torch._C._profiler import RecordScope, _EventType
+from torch.nn.modules.module import register_module_forward_pre_hook
 from torch.optim.optimizer import register_optimizer_step_post_hook
+from torch.overrides import TorchFunctionMode
+from torch.overrides import _get_current_function_mode_stack as _function_modes
 
 from opguard_core.formats.collectives import is_collective
 from opguard_plugins.record.collectives import describe_profiled, may_nest
@@ -407,6 +418,26 @@ def _count_ops(root: Any) -> int:
     return count
 
 
+# TorchFunctionMode's __init__ has no annotations; without torch the class is Any (misc)
+class _StartOnFirstCall(TorchFunctionMode):  # type: ignore[misc, unused-ignore]
+    """Starts the tracer's profiler at the first torch call it sees, then only passes
+    calls through until it is popped (the first optimizer step, or stop)."""
+
+    def __init__(self, tracer: ProfilerTracer) -> None:
+        super().__init__()
+        self.tracer = tracer
+
+    def __torch_function__(
+        self,
+        func: Any,
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        self.tracer.begin_on_first_call()
+        return func(*args, **(kwargs or {}))
+
+
 class ProfilerTracer(CallsiteTracer):
     """:class:`~opguard_plugins.record.tracer.CallsiteTracer` recording with torch's profiler."""
 
@@ -427,6 +458,12 @@ class ProfilerTracer(CallsiteTracer):
         self._qualnames = _Qualnames({})
         # re-entrant: a SIGTERM handler may stop the tracer while this thread folds
         self._folding = threading.RLock()
+        #: the mode that starts the profiler at the first torch call
+        #: (``start_at_first_call``), until it is popped
+        self._trigger: _StartOnFirstCall | None = None
+        #: the profiler waits for the first torch call (never started yet)
+        self._waiting = False
+        self._trigger_hook: Any = None
 
     def _begin(self) -> None:
         # input shapes only in a distributed job: what the collective sequence
@@ -451,19 +488,57 @@ class ProfilerTracer(CallsiteTracer):
             self.recorder.fold(results.experimental_event_tree(), self._cycle_steps)
 
     def start(self) -> None:
-        """Start the profiler and the fold-every-N-optimizer-steps hook."""
-        if self._profile is not None:
+        """Start the profiler (or, with ``start_at_first_call``, the mode that starts
+        it at the first torch call) and the fold-every-N-optimizer-steps hook."""
+        if self._profile is not None or self._trigger is not None:
             return
         self._thread = threading.get_ident()
         self._main_file = _main_file() or self._main_file
-        self._begin()
+        if self.start_at_first_call:
+            self._waiting = True
+            self._trigger = _StartOnFirstCall(self)
+            # torch's mode __enter__ has no annotations (unused where torch is absent)
+            self._trigger.__enter__()  # type: ignore[no-untyped-call, unused-ignore]
+            # gone before a module first runs: torch.compile never sees the mode
+            self._trigger_hook = register_module_forward_pre_hook(self._before_forward)
+        else:
+            self._begin()
         self.recorder.active = True
         self._hook = register_optimizer_step_post_hook(self._on_step)
+
+    def begin_on_first_call(self) -> None:
+        """Start the profiler if it waits for the first torch call (on the thread that
+        started the tracer)."""
+        if self._waiting and threading.get_ident() == self._thread:
+            with self._folding:
+                if self._waiting and self.recorder.active:
+                    self._waiting = False
+                    self._begin()
+
+    def _before_forward(self, module: Any, args: Any) -> None:
+        if threading.get_ident() == self._thread:
+            self.begin_on_first_call()
+            self._drop_trigger()
+
+    def _drop_trigger(self) -> None:
+        """Pop the first-call mode where it is the innermost (never inside a torch
+        call, where torch has popped it for the while): at the first module call, the
+        first optimizer step or stop, whichever comes first."""
+        trigger = self._trigger
+        if trigger is not None and _function_modes()[-1:] == [trigger]:  # type: ignore[no-untyped-call, unused-ignore]
+            trigger.__exit__(None, None, None)  # type: ignore[no-untyped-call, unused-ignore]
+            self._trigger = None
+            if self._trigger_hook is not None:
+                self._trigger_hook.remove()
+                self._trigger_hook = None
 
     def _on_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         self.steps += 1  # meta.steps, as the modes backend counts them
         if threading.get_ident() != self._thread:
             return
+        if self._trigger is not None:
+            self.begin_on_first_call()  # the first call was on another thread
+            self._drop_trigger()
         if time.monotonic() - self._cycle_started >= self.fold_seconds:
             self.fold()
         if self.on_step is not None:
@@ -497,6 +572,11 @@ class ProfilerTracer(CallsiteTracer):
         if self._hook is not None:
             self._hook.remove()
             self._hook = None
+        if threading.get_ident() == self._thread:
+            self._drop_trigger()
+        if self._trigger_hook is not None:
+            self._trigger_hook.remove()
+            self._trigger_hook = None
         with self._folding:
             self._end()
         self.recorder.active = False

@@ -747,6 +747,10 @@ class CallsiteTracer:
 
     #: ``meta.tracer_backend``
     backend = BACKEND_NAME
+    #: start recording at the program's first torch call rather than at :meth:`start`
+    #: (set for a whole process, started at ``import torch``); the ``modes`` backend
+    #: records from :meth:`start` either way (its modes cost nothing before a call)
+    start_at_first_call = False
 
     def __init__(
         self,
