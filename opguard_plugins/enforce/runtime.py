@@ -109,10 +109,10 @@ from opguard_plugins.record.tracer import (
     program_module_name,
 )
 
-ON_VIOLATION = ("warn", "raise")
 if TYPE_CHECKING:
     from opguard_plugins.record._recorder import TargetWalker
 
+ON_VIOLATION = ("warn", "raise")
 _THIS_FILE = os.path.abspath(__file__)
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
 _PLUMBING = frozenset(
@@ -129,19 +129,10 @@ _STACK_LIMIT = 40
 _OWN_FILES = frozenset({_THIS_FILE, os.path.abspath(sequence_guard.__file__)})
 _TORCH_PREFIX = _TORCH_DIR + os.sep
 _UNSEEN: Any = object()
-
-
-def _native_walker() -> type[TargetWalker] | None:
-    """The C twin of :meth:`Guard.active_targets`, or None (not built, or
-    ``OPGUARD_PURE_PYTHON=1``)."""
-    if load_native("opguard_plugins.record._recorder") is None:
-        return None
-    from opguard_plugins.record._recorder import TargetWalker
-
-    return TargetWalker
-
-
-_TargetWalker = _native_walker()
+_native = load_native("opguard_plugins.record._recorder")
+#: the C twin of the guard's per-op path, or None: the Python path runs (not built,
+#: or ``OPGUARD_PURE_PYTHON=1``)
+_TargetWalker: type[TargetWalker] | None = None if _native is None else _native.TargetWalker
 #: kinds logged when the guard finishes (they need the whole run's counts)
 _AT_EXIT = frozenset({"unknown_context", "missing", "count_drift", "unknown_target"})
 

@@ -421,7 +421,8 @@ def _count_ops(root: Any) -> int:
 # TorchFunctionMode's __init__ has no annotations; without torch the class is Any (misc)
 class _StartOnFirstCall(TorchFunctionMode):  # type: ignore[misc, unused-ignore]
     """Starts the tracer's profiler at the first torch call it sees, then only passes
-    calls through until it is popped (the first optimizer step, or stop)."""
+    calls through until it is popped (the first module call or optimizer step, or
+    stop)."""
 
     def __init__(self, tracer: ProfilerTracer) -> None:
         super().__init__()
@@ -537,7 +538,7 @@ class ProfilerTracer(CallsiteTracer):
         if threading.get_ident() != self._thread:
             return
         if self._trigger is not None:
-            self.begin_on_first_call()  # the first call was on another thread
+            self.begin_on_first_call()  # no torch call on this thread yet
             self._drop_trigger()
         if time.monotonic() - self._cycle_started >= self.fold_seconds:
             self.fold()
