@@ -58,6 +58,7 @@ def test_profiler_backend_and_kineto_import_agree(tmp_path: Path) -> None:
         [
             *OPGUARD,
             *("trace", "--backend", "profiler", "--label", "mlp", "--output-dir", str(tmp_path)),
+            "--no-split",  # the whole program, as the profile holds it
             *("--", sys.executable, str(PROGRAM)),
         ],
         capture_output=True,

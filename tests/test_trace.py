@@ -70,7 +70,8 @@ def one_step_trace(tmp_path: Path, tiny_gpt: Any) -> DecodedTrace:
     model = tiny_gpt.TinyGPT(config)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     idx, targets = tiny_gpt.make_batch(0, config)
-    with trace_callsites(label="unit", output_dir=tmp_path, rank=0) as tracer:
+    # one file: a one-step trace is all set-up (docs/tracing.md, "Set-up and loop")
+    with trace_callsites(label="unit", output_dir=tmp_path, rank=0, split=False) as tracer:
         optimizer.zero_grad()
         _, loss = model(idx, targets)
         _run_backward(loss)
@@ -136,7 +137,7 @@ def test_format_contract_and_relative_paths(one_step_trace: DecodedTrace) -> Non
     meta = trace.meta
     assert meta["label"] == "unit" and meta["rank"] == 0 and meta["ranks"] == [0]
     assert meta["world_size"] == 1 and meta["device"] == "cpu"
-    assert meta["tracer"] == "opguard/2" and meta["tracer_backend"] == "modes"
+    assert meta["tracer"] == "opguard/3" and meta["tracer_backend"] == "modes"
     assert meta["torch_version"] == str(torch.__version__)
     assert {"command", "python_version"} <= meta.keys()
     assert trace.ranks() == [0]
@@ -284,13 +285,21 @@ def test_trace_ddp_two_ranks_with_collectives(tmp_path: Path) -> None:
     assert sorted(p.name for p in out.iterdir()) == [
         "ddp_callsite_rank0.json",
         "ddp_callsite_rank1.json",
+        "ddp_setup_rank0.json",
+        "ddp_setup_rank1.json",
     ]
     for rank in (0, 1):
         trace = load_trace(out / f"ddp_callsite_rank{rank}.json")
+        setup = load_trace(out / f"ddp_setup_rank{rank}.json")
         assert trace.meta["rank"] == rank and trace.meta["world_size"] == 2
+        assert (trace.meta["phase"], setup.meta["phase"]) == ("loop", "setup")
+        # DDP broadcasts the model's state when it wraps it: set-up; its gradient
+        # all-reduce runs in every step, the first one's in the set-up too
+        assert {s.op for s in setup.callsites} >= {"c10d::broadcast_", "c10d::allreduce_"}
+        assert trace.collectives is not None and setup.collectives is None
         collectives = [s for s in trace.callsites if s.op.startswith("c10d::")]
         ops = {s.op for s in collectives}
-        assert {"c10d::allreduce_", "c10d::broadcast_"} <= ops
+        assert "c10d::allreduce_" in ops
         # DDP's gradient all-reduce runs inside backward: attributed to .backward()'s caller
         reducer = [
             s for s in collectives if s.op == "c10d::allreduce_" and s.api == "Tensor.backward"

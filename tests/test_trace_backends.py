@@ -40,7 +40,8 @@ def loops(monkeypatch: pytest.MonkeyPatch) -> Any:
 
 def traced(tmp_path: Path, backend: str, body: Callable[[], object]) -> DecodedTrace:
     torch.manual_seed(0)
-    with trace_callsites("t", tmp_path / backend, rank=0, backend=backend) as tracer:
+    # the whole block in one file (these tests look at what each backend sees)
+    with trace_callsites("t", tmp_path / backend, rank=0, backend=backend, split=False) as tracer:
         body()
     assert tracer.written is not None
     return load_trace(tracer.written)
@@ -252,7 +253,10 @@ def test_both_backends_name_a_scripts_functions_alike(tmp_path: Path) -> None:
         assert proc.returncode == 0, proc.stderr
         trace = load_trace(out / "net_callsite_rank0.json")
         assert trace.meta["tracer_backend"] == backend
-        assert trace.meta["steps"] == 3
+        # both split the set-up (up to the end of the first step) from the loop
+        setup = load_trace(out / "net_setup_rank0.json")
+        assert (trace.meta["phase"], trace.meta["steps"]) == ("loop", 2)
+        assert (setup.meta["phase"], setup.meta["steps"]) == ("setup", 1)
         names[backend] = {(f.module, f.qualname) for f in trace.frames if f.file == "net.py"}
         run = subprocess.run(
             [
@@ -500,6 +504,7 @@ def test_a_whole_process_profiler_starts_at_the_first_torch_call(tmp_path: Path)
     for first_call in (True, False):
         tracer = ProfilerTracer("p", tmp_path / str(first_call), rank=0)
         tracer.start_at_first_call = first_call
+        tracer.split_setup = False  # the whole block in one file
         tracer.start()
         try:
             assert _profiler_enabled() != first_call
@@ -558,7 +563,7 @@ def test_opguard_trace_with_the_profiler_compiles_from_the_first_call(tmp_path: 
     out = tmp_path / "traces"
     result = subprocess.run(
         [*OPGUARD, "trace", "--backend", "profiler", "--label", "c", "--output-dir", str(out),
-         "--", sys.executable, str(program)],
+         "--no-split", "--", sys.executable, str(program)],
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr

@@ -40,6 +40,7 @@ KINDS: dict[str, str] = {
     "unknown_context": WARNING,
     "unknown_target": WARNING,
     "missing": WARNING,
+    "missing_op": ERROR,
     "count_drift": WARNING,
     "rank_mismatch": WARNING,
 }
@@ -50,8 +51,8 @@ class Violation:
     """One way an observed run departs from a config.
 
     :ivar kind: ``unexpected_op``, ``unexpected_stream``, ``unknown_context``,
-        ``unknown_target``, ``missing``, ``count_drift``, ``rank_mismatch`` (or a
-        plugin's own kind).
+        ``unknown_target``, ``missing``, ``missing_op``, ``count_drift``,
+        ``rank_mismatch`` (or a plugin's own kind).
     :ivar severity: ``error`` or ``warning``.
     :ivar target: the entry's target (``module:qualname``).
     :ivar context: the entry's context, outermost first.
@@ -106,6 +107,9 @@ class CheckInput:
     :ivar tolerance: ``--tolerance``: the relative count change ``count_drift`` allows.
     :ivar expected_steps: the config's ``meta.steps`` (None when not recorded).
     :ivar observed_steps: per observed rank, its trace's ``meta.steps`` (None when not recorded).
+    :ivar loop: the config's counts and the observed ones are both of a training loop
+        (``meta.phases``: tracing.md, "Set-up and loop"), so what the config ran in
+        every step must run in every step (``missing`` and ``missing_op`` as errors).
     """
 
     rank: int
@@ -117,6 +121,7 @@ class CheckInput:
     tolerance: float
     expected_steps: int | None = None
     observed_steps: dict[int, int | None] = dataclasses.field(default_factory=dict)
+    loop: bool = False
 
     def entry_ranks(self, entry: dict[str, Any]) -> list[int]:
         """A config entry's ranks: its own ``ranks``, else the config's."""

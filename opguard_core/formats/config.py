@@ -48,6 +48,7 @@ from opguard_core.formats.config_collectives import (
 from opguard_core.formats.config_reader import Found, NoStrictReader, read_fast, read_strict
 from opguard_core.formats.streams import is_role, legacy_side_roles, legacy_stream_counts
 from opguard_core.formats.styles import block_map, elements_of, items_of, put_new
+from opguard_core.formats.trace import PHASES
 
 #: the layout written: version 4 may carry ``collectives`` (the good run's collective
 #: sequences: :mod:`opguard_core.formats.config_collectives`); since version 3
@@ -810,6 +811,11 @@ def validate_config(config: object, path: Path | str) -> None:
         isinstance(k, str) and _is_int(v) and v >= 0 for k, v in steps.items()
     ):
         raise InputError(path, "meta.steps must map sources to step counts")
+    phases = meta.get("phases", {})
+    if not isinstance(phases, dict) or not all(
+        isinstance(k, str) and v in PHASES for k, v in phases.items()
+    ):
+        raise InputError(path, "meta.phases must map sources to setup or loop")
     source_ranks = meta.get("source_ranks", {})
     if not isinstance(source_ranks, dict) or not all(
         isinstance(k, str) and isinstance(v, list) and all(_is_count(r) for r in v)

@@ -6,8 +6,10 @@ Used by ``opguard check --source`` and by the runtime guard's whole-run rules
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
+
+from opguard_core.formats.trace import LOOP_PHASE
 
 
 def recorded_sources(config: dict[str, Any]) -> list[str]:
@@ -29,12 +31,27 @@ def recorded_sources(config: dict[str, Any]) -> list[str]:
     return sorted(str(s) for s in source_ranks)
 
 
+#: set (in memory) on a projected entry that other sources ran too: its ``ops`` are not
+#: the sources' own, so no rule may read them as counts of theirs (``missing_op``)
+SHARED_OPS = "shared_ops"
+
+
+def loop_only(meta: Mapping[str, Any], sources: Sequence[str] | None = None) -> bool:
+    """Whether the counts of ``sources`` (default: every source in ``meta.sources``)
+    are all of a training loop, by ``meta.phases`` (tracing.md, "Set-up and loop")."""
+    phases = meta.get("phases")
+    names = list(sources) if sources is not None else meta.get("sources")
+    if not isinstance(phases, Mapping) or not isinstance(names, list) or not names:
+        return False
+    return all(phases.get(name) == LOOP_PHASE for name in names)
+
+
 def project(config: dict[str, Any], sources: Sequence[str]) -> dict[str, Any]:
     """``config`` as the config of ``sources`` alone: the entries they contributed to,
     each with their count; their ranks and steps. ``ops`` and ``stream_counts`` stay
     the merged ones (a merge does not record them per source), so an op another source
-    ran in the same entry is accepted. An entry's ``ranks`` (where it lacks some) are
-    cut to the sources' ranks."""
+    ran in the same entry is accepted; such an entry is marked :data:`SHARED_OPS`. An
+    entry's ``ranks`` (where it lacks some) are cut to the sources' ranks."""
     meta = dict(config.get("meta") or {})
     source_ranks = meta.pop("source_ranks")
     ranks = sorted({int(r) for s in sources for r in source_ranks[s]})
@@ -45,6 +62,8 @@ def project(config: dict[str, Any], sources: Sequence[str]) -> dict[str, Any]:
             continue
         mine = {k: v for k, v in entry.items() if k != "sources"}
         mine["count"] = sum(int(by_source.get(s, 0)) for s in sources)
+        if not set(by_source) <= set(sources):
+            mine[SHARED_OPS] = True
         if "ranks" in entry:
             mine["ranks"] = sorted(set(int(r) for r in entry["ranks"]) & set(ranks)) or ranks
         entries.append(mine)
@@ -53,7 +72,10 @@ def project(config: dict[str, Any], sources: Sequence[str]) -> dict[str, Any]:
     steps = meta.pop("steps", None)
     if isinstance(steps, dict) and all(s in steps for s in sources):
         meta["steps"] = {s: steps[s] for s in sorted(sources)}
+    phases = meta.pop("phases", None)
+    if isinstance(phases, dict) and any(s in phases for s in sources):
+        meta["phases"] = {s: phases[s] for s in sorted(sources) if s in phases}
     return {**config, "source": "+".join(sorted(sources)), "meta": meta, "entries": entries}
 
 
-__all__ = ["project", "recorded_sources"]
+__all__ = ["SHARED_OPS", "loop_only", "project", "recorded_sources"]

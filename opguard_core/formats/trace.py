@@ -37,6 +37,12 @@ COMBINED_VERSION = TRACE_VERSION
 #: the first version whose callsites carry a ``role``
 ROLE_VERSION = 4
 READ_VERSIONS = (1, 2, 4, 5, 6)
+#: ``meta.phase`` of the two files the tracer writes once a program's first optimizer
+#: step has ended: what ran up to the end of it (construction, initialisation, the first
+#: step) and what followed (tracing.md, "Set-up and loop")
+SETUP_PHASE = "setup"
+LOOP_PHASE = "loop"
+PHASES = (SETUP_PHASE, LOOP_PHASE)
 RANK_IN_NAME = re.compile(r"_rank(\d+)$")
 #: what a trace file's name ends with after its stem: ``.json``, Kineto's
 #: ``.pt.trace.json``, either gzip'd; else any one suffix (``.txt``)

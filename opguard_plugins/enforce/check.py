@@ -47,7 +47,7 @@ from opguard_core.formats.check import (
     write_json,
 )
 from opguard_core.formats.config import entry_key, load_config
-from opguard_core.formats.sources import project, recorded_sources
+from opguard_core.formats.sources import loop_only, project, recorded_sources
 from opguard_core.formats.tree import TORCH_API
 from opguard_core.logs import configure_logging, get_logger
 from opguard_core.model import InputEntry, RunOptions
@@ -216,13 +216,16 @@ def _run_rules(
     seen: dict[int, dict[EntryKey, dict[str, Any]]],
     steps: dict[int, int | None],
     tolerance: float,
+    loops: dict[int, bool],
 ) -> list[Violation]:
-    """Every ``opguard_check_entry`` result for every observed rank and key (unjoined)."""
+    """Every ``opguard_check_entry`` result for every observed rank and key (unjoined);
+    ``loops``: per observed rank, whether its trace is a loop (``meta.phases``)."""
     expected: dict[EntryKey, dict[str, Any]] = {entry_key(e): e for e in config["entries"]}
     ranks = [int(r) for r in (config.get("meta") or {}).get("ranks") or []]
     impls = manager.implementations("opguard_check_entry")
     found: list[Violation] = []
     expected_steps = _steps(config)
+    config_loop = loop_only(config.get("meta") or {})
     for rank, entries in seen.items():
         for key in sorted(set(entries) | set(expected)):
             check = CheckInput(
@@ -235,6 +238,7 @@ def _run_rules(
                 tolerance=tolerance,
                 expected_steps=expected_steps,
                 observed_steps=steps,
+                loop=config_loop and loops.get(rank, False),
             )
             kwargs = {"observed": entries.get(key), "expected": expected.get(key), "check": check}
             for impl in impls:
@@ -266,11 +270,19 @@ def check_configs(
         rank: {entry_key(e): e for e in observed[rank]["entries"]} for rank in sorted(observed)
     }
     steps = {rank: _steps(observed[rank]) for rank in seen}
-    found = _run_rules(manager, config, seen, steps, tolerance)
+    loops = {rank: loop_only(observed[rank].get("meta") or {}) for rank in seen}
+    found = _run_rules(manager, config, seen, steps, tolerance, loops)
     if combined is not None:
         whole_entries = {entry_key(e): e for e in combined["entries"]}
         # rank -1 stands for "all ranks together"
-        whole = _run_rules(manager, config, {-1: whole_entries}, {-1: _steps(combined)}, tolerance)
+        whole = _run_rules(
+            manager,
+            config,
+            {-1: whole_entries},
+            {-1: _steps(combined)},
+            tolerance,
+            {-1: loop_only(combined.get("meta") or {})},
+        )
         wanted = {v.identity(): v for v in whole if v.kind in STRUCTURAL_KINDS}
         found = [v for v in found if v.kind not in STRUCTURAL_KINDS or v.identity() in wanted]
         attributed = {v.identity() for v in found}
@@ -362,6 +374,19 @@ def _best_fit(
     return best[2], best[1]
 
 
+def _same_phase(config: dict[str, Any], alone: Observed, names: Sequence[str]) -> list[str]:
+    """The sources of ``names`` whose phase (``meta.phases``: a set-up or a loop) is the
+    observed entry's, where both are known and one is; else ``names``."""
+    phases = (config.get("meta") or {}).get("phases") or {}
+    seen = {
+        phase
+        for observed in alone.configs.values()
+        for phase in ((observed.get("meta") or {}).get("phases") or {}).values()
+    }
+    same = [n for n in names if len(seen) == 1 and phases.get(n) in seen]
+    return same or list(names)
+
+
 def check_merged(
     manager: OpGuardPluginManager,
     config: dict[str, Any],
@@ -393,7 +418,7 @@ def check_merged(
         if name in names:
             candidates, how = [[name]], "its name"
         else:
-            candidates, how = [[n] for n in names], "best fit"
+            candidates, how = [[n] for n in _same_phase(config, alone, names)], "best fit"
         violations, sources = _best_fit(manager, config, alone, candidates, tolerance, strict)
         found.extend(violations)
         made.append(f"{name} with {'+'.join(sources)} ({how})")

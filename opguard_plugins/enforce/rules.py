@@ -13,6 +13,7 @@ from typing import Any
 
 from opguard_core import hookimpl
 from opguard_core.formats.check import ERROR, WARNING, CheckInput, Violation
+from opguard_core.formats.sources import SHARED_OPS
 from opguard_core.formats.streams import sorted_roles
 
 Rule = Callable[[dict[str, Any] | None, dict[str, Any] | None, CheckInput], list[Violation]]
@@ -103,16 +104,54 @@ def unknown_keys(
     ]
 
 
+def every_step(count: int, expected: dict[str, Any], check: CheckInput) -> float:
+    """``count`` of the config's per rank and loop step where the config and this run
+    are both loops with steps (``CheckInput.loop``), else 0: at 1 or more, the config
+    ran it in every step (on average), so this run must run it."""
+    observed_steps = check.observed_steps.get(check.rank)
+    if not (check.loop and check.expected_steps and observed_steps):
+        return 0.0
+    return per_rank_step(count, len(check.entry_ranks(expected)), check.expected_steps)
+
+
 def missing(
     observed: dict[str, Any] | None, expected: dict[str, Any] | None, check: CheckInput
 ) -> list[Violation]:
-    """``missing``: a config entry that ran on no observed rank."""
+    """``missing``: a config entry that ran on no observed rank; an error when the
+    config's loop ran it in every step (:func:`every_step`)."""
     if observed is not None or expected is None or check.seen_on():
         return []
     ranks = check.entry_ranks(expected)
     if check.rank not in ranks:
         return []
+    rate = every_step(int(expected.get("count", 0)), expected, check)
+    if rate >= 1:
+        message = (
+            f"{_where(check)} never ran; the config's loop ran it in every step "
+            f"({rate:g} ops a step)"
+        )
+        return [_violation("missing", ERROR, check, message)]
     return [_violation("missing", WARNING, check, f"{_where(check)} never ran")]
+
+
+def missing_ops(
+    observed: dict[str, Any] | None, expected: dict[str, Any] | None, check: CheckInput
+) -> list[Violation]:
+    """``missing_op``: an op the config's loop issued inside the entry in every step
+    (:func:`every_step`) never ran inside it (the entry ran). Not for an entry of a
+    merged config that other sources ran too (its ``ops`` are theirs as well)."""
+    if observed is None or expected is None or expected.get(SHARED_OPS):
+        return []
+    seen = observed.get("ops") or {}
+    found = []
+    for op, count in sorted((expected.get("ops") or {}).items()):
+        rate = every_step(int(count), expected, check)
+        if rate >= 1 and op not in seen:
+            message = (
+                f"{op} never ran inside {_where(check)}; the config's loop ran it {rate:g}x a step"
+            )
+            found.append(_violation("missing_op", ERROR, check, message, op=op))
+    return found
 
 
 def rank_mismatch(
@@ -173,6 +212,7 @@ RULES: tuple[Rule, ...] = (
     unexpected_streams,
     unknown_keys,
     missing,
+    missing_ops,
     count_drift,
     rank_mismatch,
 )

@@ -81,14 +81,14 @@ from opguard_core.formats.check import (
 )
 from opguard_core.formats.collectives import Collectives, is_collective
 from opguard_core.formats.config import entry_key, load_config
-from opguard_core.formats.sources import project, recorded_sources
+from opguard_core.formats.sources import loop_only, project, recorded_sources
 from opguard_core.formats.streams import StreamRoles
 from opguard_core.formats.tree import TORCH_API, split_api, target_name, threshold
 from opguard_core.logs import escape_controls, resolve_format
 from opguard_core.native import load_native
 from opguard_core.processes import at_sigterm
 from opguard_plugins.enforce import sequence_guard
-from opguard_plugins.enforce.rules import DEFAULT_TOLERANCE, count_drift, missing
+from opguard_plugins.enforce.rules import DEFAULT_TOLERANCE, count_drift, missing, missing_ops
 from opguard_plugins.enforce.sequence_guard import (
     LAST,
     NAMESPACES,
@@ -134,6 +134,23 @@ _native = load_native("opguard_plugins.record._recorder")
 #: or ``OPGUARD_PURE_PYTHON=1``)
 _TargetWalker: type[TargetWalker] | None = None if _native is None else _native.TargetWalker
 #: kinds logged when the guard finishes (they need the whole run's counts)
+
+
+def _profiling_marks() -> frozenset[Any]:
+    """The overloads of torch's ``profiler::`` ops (``record_function``'s enter and
+    exit, issued by every optimizer step and ``zero_grad``): profiling marks, not the
+    program's work, which the tracer leaves out (``PROFILER_NAMESPACE``); the guard
+    neither checks nor counts them."""
+    marks: set[Any] = set()
+    space = torch.ops.profiler
+    for name in ("_record_function_enter", "_record_function_enter_new", "_record_function_exit"):
+        packet = getattr(space, name, None)
+        for overload in packet.overloads() if packet is not None else ():
+            marks.add(getattr(packet, overload))
+    return frozenset(marks)
+
+
+PROFILING_MARKS = _profiling_marks()
 _AT_EXIT = frozenset({"unknown_context", "missing", "count_drift", "unknown_target"})
 
 
@@ -252,6 +269,8 @@ class _Mode(TorchDispatchMode):  # type: ignore[no-untyped-call, misc, unused-ig
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
         guard = self.guard
+        if func in PROFILING_MARKS:
+            return func(*args, **(kwargs or {}))  # not the program's work: the tracer skips it
         stream = guard.current_stream() if self.cuda else None
         if guard.checking:
             # the state of the stack: its config targets, found by code object
@@ -330,6 +349,15 @@ class Guard:
         if isinstance(sources, list) and isinstance(steps, dict):
             known = known and all(s in steps for s in sources)  # every source's steps
         self.config_steps: int | None = sum(values) if values and known and sum(values) else None
+        # Set-up and loop (tracing.md): a source traced in two phases has each in
+        # ``meta.phases``. A config of the loop alone says nothing of the set-up (it is
+        # not checked: from the end of the first optimizer step on); when the sources
+        # compared at exit are the loop's, the counts start there.
+        names = [str(s) for s in sources] if isinstance(sources, list) else []
+        #: the whole-run counts are the loop's (forgotten at the end of the first step)
+        self.loop_counts = loop_only(meta, [source] if source in names else None)
+        #: the config has no set-up: nothing before the end of the first step is checked
+        self.skip_setup = loop_only(meta)
         self.depth = int(settings.get("context_depth", 1) or 0)
         self.entries: dict[EntryKey, Any] = {entry_key(e): e for e in config["entries"]}
         self.ops = {
@@ -403,6 +431,7 @@ class Guard:
                 _Mode.__torch_dispatch__,
                 self.current_stream if self.cuda else None,
                 NAMESPACES,
+                PROFILING_MARKS,
             )
         )
         self.walk = self.active_targets if self.walker is None else self.walker.active_targets
@@ -447,13 +476,15 @@ class Guard:
         """Push the mode and count optimizer steps (and start the watchdog, if asked)."""
         self._started = True
         self._step_hook = count_optimizer_steps(self._after_step)
-        self.checked_steps = 1
+        self.checking = self.checks(0)
+        self.checked_steps = int(self.checking)
         if self.collective_timeout is not None and self.watchdog is None:
             last = self.last_collectives
             self.watchdog = Watchdog(
                 self.collective_timeout, self._waited_too_long, lambda: list(last)
             )
-        self._push()
+        if self.checking:
+            self._push()
 
     def stop(self) -> None:
         """Pop the mode and remove the hooks; nothing else in the program was changed."""
@@ -480,9 +511,29 @@ class Guard:
             self._mode.__exit__(None, None, None)  # type: ignore[no-untyped-call, unused-ignore]
             self._pushed = False
 
+    def checks(self, step: int) -> bool:
+        """Whether the step after ``step`` finished steps is checked: every
+        ``round(1/sample)``-th, from the first (step 0: everything before the first
+        optimizer step ended), or from the first step of the loop (step 1) when the
+        config has no set-up (:attr:`skip_setup`)."""
+        if self.skip_setup:
+            return step >= 1 and (step - 1) % self.every == 0
+        return step % self.every == 0
+
+    def _forget_setup_counts(self) -> None:
+        """The end of the first optimizer step: the whole-run counts start again, as
+        the config's loop phase counts (:attr:`loop_counts`)."""
+        with self._lock:
+            for state in [*self._by_active.values(), *self._copies]:
+                state.ops = 0
+                state.ok.clear()  # each op seen again once: which ran in the loop
+            self.extra_ops.clear()
+
     def _after_step(self) -> None:
         self.step += 1
-        checking = self.step % self.every == 0
+        if self.step == 1 and self.loop_counts:
+            self._forget_setup_counts()
+        checking = self.checks(self.step)
         if checking:
             self.checked_steps += 1
         if checking != self.checking:
@@ -778,7 +829,7 @@ class Guard:
         longer than the traced one keeps what the config pruned."""
         if not self.config_steps:
             return self.threshold
-        checked = self.step / self.every
+        checked = self.loop_steps() / self.every
         return self.threshold * max(checked, self.config_steps) / self.config_steps
 
     def counts(self, record: _Record) -> bool:
@@ -946,7 +997,23 @@ class Guard:
                 if count >= floor:
                     counts[key] = counts.get(key, 0) + count
                     todo.append(child)
-        return {key: {"count": count} for key, count in counts.items() if key in self.entries}
+        # the ops each entry saw (first sights are noted per state: ``ok``)
+        ran: dict[EntryKey, set[str]] = {}
+        for state in {id(s): s for s in list(self._by_active.values())}.values():
+            if state.ops and state.known:
+                names = {op_name(k[0] if isinstance(k, tuple) else k) for k in list(state.ok)}
+                for key in state.known:
+                    ran.setdefault(key, set()).update(names)
+        return {
+            key: {"count": count, "ops": dict.fromkeys(sorted(ran.get(key, ())), 1)}
+            for key, count in counts.items()
+            if key in self.entries
+        }
+
+    def loop_steps(self) -> int:
+        """The optimizer steps the whole-run counts cover (the loop's: one fewer, where
+        they start at the end of the first)."""
+        return max(self.step - 1, 0) if self.loop_counts else self.step
 
     def whole_run_config(self) -> Mapping[str, Any] | None:
         """The config the whole-run rules compare with: this config, or the share of
@@ -985,9 +1052,11 @@ class Guard:
                 ranks=ranks,
                 tolerance=DEFAULT_TOLERANCE,
                 expected_steps=self.config_steps,
-                observed_steps={rank: self.step or None},
+                observed_steps={rank: self.loop_steps() or None},
+                loop=self.loop_counts,
             )
             found.extend(missing(observed.get(key), expected[key], check))
+            found.extend(missing_ops(observed.get(key), expected[key], check))
             if self.every == 1:
                 found.extend(count_drift(observed.get(key), expected[key], check))
         threshold = self.unknown_threshold()

@@ -970,6 +970,7 @@ typedef struct {
     PyObject *stream_of;   /* callable() -> the guard's number of the stream, or None */
     PyObject *by_active;   /* the guard's dict: active targets -> state */
     PyObject *namespaces;  /* frozenset of the collectives' op namespaces */
+    PyObject *skipped;     /* set of ops neither checked nor counted (profiling marks) */
 } TargetWalker;
 
 static PyObject *checking_str, *collective_checks_str, *namespace_str, *one;
@@ -1157,6 +1158,12 @@ attribute_true(PyObject *object, PyObject *name)
 static int
 walker_count(TargetWalker *self, PyObject *func, PyObject *stream)
 {
+    if (self->skipped != NULL) {
+        int skip = PySet_Contains(self->skipped, func);
+        if (skip != 0) {
+            return skip < 0 ? -1 : 0; /* a profiling mark: run, not counted */
+        }
+    }
     int collective_checks = attribute_true(self->guard, collective_checks_str);
     if (collective_checks < 0) {
         return -1;
@@ -1295,21 +1302,23 @@ static int
 TargetWalker_init(TargetWalker *self, PyObject *args, PyObject *kwargs)
 {
     static char *names[] = {"name_code", "local",     "api_targets", "api_target", "guard",
-                            "slow",      "stream_of", "namespaces",  NULL};
+                            "slow",      "stream_of", "namespaces",  "skipped",  NULL};
     PyObject *name_code, *local = NULL, *api_targets = NULL, *api_target = NULL;
     PyObject *guard = NULL, *slow = NULL, *stream_of = NULL, *namespaces = NULL;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O|OO!OOOOO", names, &name_code, &local,
+    PyObject *skipped = NULL;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O|OO!OOOOOO", names, &name_code, &local,
                                      &PyDict_Type, &api_targets, &api_target, &guard, &slow,
-                                     &stream_of, &namespaces)) {
+                                     &stream_of, &namespaces, &skipped)) {
         return -1;
     }
     PyObject *by_active = NULL;
     if (guard != NULL) {
         if (local == NULL || slow == NULL || stream_of == NULL || namespaces == NULL ||
             !PyCallable_Check(slow) || (stream_of != Py_None && !PyCallable_Check(stream_of)) ||
-            !PyAnySet_Check(namespaces)) {
+            !PyAnySet_Check(namespaces) || (skipped != NULL && !PyAnySet_Check(skipped))) {
             PyErr_SetString(PyExc_TypeError, "guard needs local, a callable slow, stream_of "
-                                             "(or None) and a set of namespaces");
+                                             "(or None), a set of namespaces (and a set "
+                                             "of skipped ops)");
             return -1;
         }
         by_active = PyObject_GetAttrString(guard, "_by_active");
@@ -1327,6 +1336,7 @@ TargetWalker_init(TargetWalker *self, PyObject *args, PyObject *kwargs)
     Py_XSETREF(self->stream_of, Py_XNewRef(stream_of));
     Py_XSETREF(self->by_active, by_active);
     Py_XSETREF(self->namespaces, Py_XNewRef(namespaces));
+    Py_XSETREF(self->skipped, Py_XNewRef(skipped));
     if (!PyCallable_Check(name_code) ||
         (api_target != NULL && !PyCallable_Check(api_target))) {
         PyErr_SetString(PyExc_TypeError, "name_code and api_target must be callable");
@@ -1356,6 +1366,7 @@ TargetWalker_traverse(TargetWalker *self, visitproc visit, void *arg)
     Py_VISIT(self->stream_of);
     Py_VISIT(self->by_active);
     Py_VISIT(self->namespaces);
+    Py_VISIT(self->skipped);
     return 0;
 }
 
@@ -1371,6 +1382,7 @@ TargetWalker_clear(TargetWalker *self)
     Py_CLEAR(self->stream_of);
     Py_CLEAR(self->by_active);
     Py_CLEAR(self->namespaces);
+    Py_CLEAR(self->skipped);
     return 0;
 }
 

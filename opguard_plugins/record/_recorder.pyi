@@ -76,6 +76,7 @@ class TargetWalker:
         slow: Callable[..., Any] | None = None,
         stream_of: Callable[[], int | None] | None = None,
         namespaces: Set[str] | None = None,
+        skipped: Set[Any] | None = None,
     ) -> None: ...
     def dispatch(
         self,

@@ -26,7 +26,7 @@ from typing import Any
 
 from opguard_core.processes import at_sigterm
 from opguard_plugins.record import tracer as tracer_module
-from opguard_plugins.record.flush import flush_settings, partial_marker
+from opguard_plugins.record.flush import SPLIT_ENV, flush_settings, partial_marker
 from opguard_plugins.record.tracer import CallsiteTracer, _gc_paused, _is_launcher
 
 
@@ -37,6 +37,7 @@ def trace_callsites(
     rank: int | None = None,
     *,
     backend: str = "modes",
+    split: bool = True,
     **extra_meta: Any,
 ) -> Iterator[CallsiteTracer]:
     """Trace the torch operators run inside the ``with`` block; write the trace on exit.
@@ -57,9 +58,14 @@ def trace_callsites(
         ``$RANK``, else 0.
     :param backend: ``modes`` (Python modes) or ``profiler`` (torch's profiler;
         :mod:`opguard_plugins.record.profiler`), see docs/tracing.md.
+    :param split: once the first optimizer step has ended, write what ran up to its end
+        (construction, initialisation, the first step) to ``{label}_setup_rank{R}.json``
+        and the loop to the trace file (docs/tracing.md, "Set-up and loop"); False:
+        one file for the whole block.
     :param extra_meta: more keys for the trace's ``meta``.
     """
     tracer = make_tracer(backend, label, output_dir, rank=rank, extra_meta=extra_meta)
+    tracer.split_setup = split
     tracer.start()
     try:
         yield tracer
@@ -292,6 +298,7 @@ def start_process_tracer(label: str, output_dir: str) -> CallsiteTracer | None:
     # the imports after torch's are not the program's ops: the profiler's first cycle
     # starts at the first torch call (profiler.py)
     tracer.start_at_first_call = True
+    tracer.split_setup = os.environ.get(SPLIT_ENV, "1") != "0"
     seconds, steps = flush_settings()
     state = _ProcessState(seconds, steps)
     tracer.on_step = _on_step

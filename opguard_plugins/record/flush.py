@@ -1,6 +1,6 @@
-"""When a traced process writes its trace before it ends: the periodic flush's settings
-and the ``meta.partial`` marker (formats.md §1, version 5). No torch here: ``opguard
-trace`` reads the defaults for its options."""
+"""When and how a traced process writes its trace: the periodic flush's settings, the
+``meta.partial`` marker (formats.md §1, version 5) and whether the set-up phase goes to
+a file of its own. No torch here: ``opguard trace`` reads the defaults for its options."""
 
 from __future__ import annotations
 
@@ -13,6 +13,9 @@ from typing import Any
 FLUSH_SECONDS_ENV = "OPGUARD_TRACE_FLUSH_SECONDS"
 #: optimizer steps between periodic flushes of a traced process's trace (0: none)
 FLUSH_STEPS_ENV = "OPGUARD_TRACE_FLUSH_STEPS"
+#: ``0``: one trace file for the whole process, not the set-up apart from the loop
+#: (``opguard trace --no-split``; tracing.md, "Set-up and loop")
+SPLIT_ENV = "OPGUARD_TRACE_SPLIT"
 DEFAULT_FLUSH_SECONDS = 30.0
 DEFAULT_FLUSH_STEPS = 0
 
@@ -54,6 +57,7 @@ __all__ = [
     "DEFAULT_FLUSH_STEPS",
     "FLUSH_SECONDS_ENV",
     "FLUSH_STEPS_ENV",
+    "SPLIT_ENV",
     "flush_settings",
     "partial_marker",
 ]

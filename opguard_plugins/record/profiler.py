@@ -540,7 +540,15 @@ class ProfilerTracer(CallsiteTracer):
         if self._trigger is not None:
             self.begin_on_first_call()  # no torch call on this thread yet
             self._drop_trigger()
-        if time.monotonic() - self._cycle_started >= self.fold_seconds:
+        if self.steps == 1 and self.split_setup:
+            # the set-up phase ends: its events folded now, so its counts are whole
+            with self._folding:
+                if self._profile is not None:
+                    self._end()
+                    self._begin()
+                self.compile_ops = self.recorder.compile_ops
+                self.end_setup()
+        elif time.monotonic() - self._cycle_started >= self.fold_seconds:
             self.fold()
         if self.on_step is not None:
             self.on_step(self.steps)
@@ -584,7 +592,7 @@ class ProfilerTracer(CallsiteTracer):
         self.recorder.snapshot_rank()
 
     def build(
-        self, program_roots: list[str] | None = None
+        self, program_roots: list[str] | None = None, phase: str | None = None
     ) -> tuple[dict[str, Any], list[Any], list[dict[str, Any]]]:
         """Resolve qualnames and module names of the recorded frames, then build."""
         self._main_file = _main_file() or self._main_file
@@ -601,4 +609,4 @@ class ProfilerTracer(CallsiteTracer):
             if name is not None:
                 recorder.modules[code] = name  # type: ignore[index]
         self.compile_ops = recorder.compile_ops
-        return super().build(program_roots)
+        return super().build(program_roots, phase)

@@ -43,6 +43,7 @@ from opguard_plugins.record.flush import (
     DEFAULT_FLUSH_STEPS,
     FLUSH_SECONDS_ENV,
     FLUSH_STEPS_ENV,
+    SPLIT_ENV,
 )
 
 BOOTSTRAP_DIR = Path(__file__).resolve().parent / "_trace_bootstrap"
@@ -93,6 +94,7 @@ def build_env(
     backend: str = "modes",
     flush_seconds: float | None = None,
     flush_steps: int | None = None,
+    split: bool = True,
 ) -> dict[str, str]:
     """The environment that turns tracing on in COMMAND's Python processes (the flush
     settings: ``$OPGUARD_TRACE_FLUSH_SECONDS``/``_STEPS``; None keeps what is set)."""
@@ -100,6 +102,7 @@ def build_env(
         "OPGUARD_TRACE_LABEL": label,
         "OPGUARD_TRACE_DIR": str(output_dir),
         "OPGUARD_TRACE_BACKEND": backend,
+        SPLIT_ENV: "1" if split else "0",
     }
     if flush_seconds is not None:
         variables[FLUSH_SECONDS_ENV] = repr(float(flush_seconds))
@@ -110,14 +113,15 @@ def build_env(
 
 def written_traces(output_dir: Path, label: str, since: float) -> list[Path]:
     """The trace files for ``label`` in ``output_dir`` modified at or after ``since``:
-    ``{label}_callsite_rank{R}.json`` and forked children's
-    ``{label}.fork{PID}_callsite_rank{R}.json``, by rank then name."""
-    pattern = re.compile(rf"^{re.escape(label)}(\.fork\d+)?_callsite_rank(\d+)\.json$")
+    ``{label}_callsite_rank{R}.json``, ``{label}_setup_rank{R}.json`` (the set-up
+    phase) and forked children's ``{label}.fork{PID}_callsite_rank{R}.json``, by rank
+    then name."""
+    pattern = re.compile(rf"^{re.escape(label)}(\.fork\d+)?_(callsite|setup)_rank(\d+)\.json$")
     found: list[tuple[int, str, Path]] = []
-    for path in output_dir.glob(f"{label}*_callsite_rank*.json"):
+    for path in output_dir.glob(f"{label}*_rank*.json"):
         match = pattern.match(path.name)
         if match and path.stat().st_mtime >= since:
-            found.append((int(match.group(2)), path.name, path))
+            found.append((int(match.group(3)), path.name, path))
     return [path for _, _, path in sorted(found)]
 
 
@@ -204,13 +208,14 @@ def launch(
     backend: str = "modes",
     flush_seconds: float | None = None,
     flush_steps: int | None = None,
+    split: bool = True,
 ) -> TraceOutcome:
     """Run COMMAND traced (tracer ``backend``), forwarding SIGINT and SIGTERM to it, and
     wait for it."""
     output_dir = output_dir.resolve()
     output_dir.mkdir(parents=True, exist_ok=True)
     started = time.time() - 1.0  # file systems with coarse timestamps
-    env = build_env(label, output_dir, command, backend, flush_seconds, flush_steps)
+    env = build_env(label, output_dir, command, backend, flush_seconds, flush_steps, split)
     returncode, received = run_forwarding(command, env)
     return TraceOutcome(
         returncode=returncode,
@@ -325,6 +330,15 @@ CODES: exits.Codes = {
     show_envvar=True,
     help="Also write each trace, marked partial, every N optimizer steps; 0: never.",
 )
+@click.option(
+    "--split/--no-split",
+    default=True,
+    show_default=True,
+    help="Once the first optimizer step has ended, write what ran up to its end "
+    "(construction, initialisation, the first step) to {label}_setup_rank{R}.json and "
+    'the loop to {label}_callsite_rank{R}.json (docs/tracing.md, "Set-up and loop"); '
+    "--no-split: one file for the whole process.",
+)
 @click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
 def trace(
     label: str,
@@ -332,6 +346,7 @@ def trace(
     backend: str,
     flush_seconds: float,
     flush_steps: int,
+    split: bool,
     command: tuple[str, ...],
 ) -> int:
     """Run COMMAND with callsite tracing on, writing one trace per rank.
@@ -355,7 +370,7 @@ def trace(
         output_dir = trace_output_base()
         what = f"${OUTPUT_BASE_ENV}" if os.environ.get(OUTPUT_BASE_ENV) else "output base"
     prepare_output_dir(output_dir, what)
-    outcome = launch(command, label, output_dir, backend, flush_seconds, flush_steps)
+    outcome = launch(command, label, output_dir, backend, flush_seconds, flush_steps, split)
     files = outcome.files
     status = outcome.status_line()
     if status:

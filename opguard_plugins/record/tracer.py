@@ -73,7 +73,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from opguard_core.files.atomic import atomic_write_bytes
 from opguard_core.formats.collectives import Collectives, CollectiveSequence, is_collective
 from opguard_core.formats.streams import StreamRoles, is_comm_op
-from opguard_core.formats.trace import Frame, encode_trace
+from opguard_core.formats.trace import LOOP_PHASE, SETUP_PHASE, Frame, encode_trace
 from opguard_core.native import load_native
 from opguard_plugins.record.collectives import SequenceRecorder, describe, diverts, run_nested
 
@@ -83,10 +83,15 @@ if TYPE_CHECKING:
 #: ``meta.tracer``. Version 2 (issue 29): both backends name ``__main__``'s functions
 #: alike, write ``meta.tracer_backend`` and ``meta.steps``, and keep compile-time work
 #: out (:data:`COMPILER_FILES`); a trace of version 1 without ``tracer_backend`` is
-#: the ``modes`` backend's (:func:`opguard_core.formats.trace.recorded_by`).
-TRACER_NAME = "opguard/2"
+#: the ``modes`` backend's (:func:`opguard_core.formats.trace.recorded_by`). Version 3:
+#: the set-up apart from the loop (:data:`SETUP_PHASE`), ``profiler::`` ops left out.
+TRACER_NAME = "opguard/3"
 #: ``meta.tracer_backend`` of this backend (the ``profiler`` backend overrides it).
 BACKEND_NAME = "modes"
+#: ops of this namespace (``record_function``'s enter and exit, which torch's optimizers
+#: and ``zero_grad`` issue) are profiling marks, not the program's work: left out, as
+#: the ``profiler`` backend and the Kineto reader leave them out
+PROFILER_NAMESPACE = "profiler::"
 
 #: torch callables whose call starts an autograd backward pass.
 BACKWARD_APIS = frozenset({"Tensor.backward", "torch.autograd.backward", "torch.autograd.grad"})
@@ -751,6 +756,9 @@ class CallsiteTracer:
     #: (set for a whole process, started at ``import torch``); the ``modes`` backend
     #: records from :meth:`start` either way (its modes cost nothing before a call)
     start_at_first_call = False
+    #: write the set-up phase (up to the end of the first optimizer step) apart from
+    #: the loop (tracing.md, "Set-up and loop"); False: one file for the whole process
+    split_setup = True
 
     def __init__(
         self,
@@ -786,6 +794,11 @@ class CallsiteTracer:
         self.writing = threading.RLock()
         #: called after every optimizer step counted (the periodic flush by steps)
         self.on_step: Callable[[int], None] | None = None
+        #: the counts at the end of the first optimizer step (the set-up phase:
+        #: tracing.md, "Set-up and loop"); None until then
+        self.setup_counts: dict[Key, int] | None = None
+        #: :attr:`compile_ops` at that moment
+        self._setup_compile_ops = 0
 
     # -- lifecycle ------------------------------------------------------------
 
@@ -815,6 +828,8 @@ class CallsiteTracer:
         if self.recorder.active:
             self.steps += 1
             self.recorder.step = self.steps
+            if self.steps == 1 and self.split_setup:
+                self.end_setup()
             if self.on_step is not None:
                 self.on_step(self.steps)
 
@@ -830,6 +845,25 @@ class CallsiteTracer:
             # fails when another mode was pushed above ours and left in place
             with contextlib.suppress(Exception):
                 mode.__exit__(None, None, None)
+
+    def end_setup(self) -> None:
+        """Keep the counts so far as the set-up phase's (called at the end of the first
+        optimizer step): what follows is the loop."""
+        with self.recorder._lock, _gc_paused():
+            self.setup_counts = dict(self.recorder.counts)
+        self._setup_compile_ops = self.compile_ops
+
+    def _phase_counts(self, phase: str | None) -> list[tuple[Key, int]]:
+        """The counts of ``phase``: the whole process (None), ``setup`` or ``loop``."""
+        with self.recorder._lock, _gc_paused():
+            counts = self.recorder.counts
+            setup = self.setup_counts
+            if phase is None or setup is None:
+                return list(counts.items())
+            if phase == SETUP_PHASE:
+                return list(setup.items())
+            before = setup.get
+            return [(key, n - before(key, 0)) for key, n in counts.items() if n > before(key, 0)]
 
     # -- output ---------------------------------------------------------------
 
@@ -854,14 +888,14 @@ class CallsiteTracer:
             return 1
 
     def build(
-        self, program_roots: list[str] | None = None
+        self, program_roots: list[str] | None = None, phase: str | None = None
     ) -> tuple[dict[str, Any], list[Frame], list[dict[str, Any]]]:
-        """The trace as (meta, frames, callsites) ready for :func:`encode_trace`."""
+        """The trace as (meta, frames, callsites) ready for :func:`encode_trace`: of the
+        whole process (``phase`` None), or of its ``setup`` or ``loop`` phase."""
         rank = self.resolve_rank()
         roots = _path_roots(program_roots if program_roots is not None else default_program_roots())
         maker = _FrameMaker(self.recorder.modules, roots)
-        with self.recorder._lock, _gc_paused():
-            raw = list(self.recorder.counts.items())
+        raw = self._phase_counts(phase)
         #: (frames, api, op, role) -> [count, raw stream]: a collective called from
         #: several streams is one callsite (its role is comm), on the smallest of them
         merged: dict[tuple[tuple[Frame, ...], str | None, str, str], list[int]] = {}
@@ -891,12 +925,18 @@ class CallsiteTracer:
             return tuple(frames)
 
         compile_ops = self.compile_ops
+        if phase == SETUP_PHASE:
+            compile_ops = self._setup_compile_ops
+        elif phase == LOOP_PHASE:
+            compile_ops -= self._setup_compile_ops
         # ids of the compiler's frames (:data:`COMPILER_FILES`); usually none
         compiler = {key for key, code in list(codes.items()) if maker.compiling(code)}
         for (stack, api, op, stream), count in raw:
             if compiler and not compiler.isdisjoint(stack[0::2]):
                 compile_ops += count  # torch.compile compiling: not the program's op
                 continue
+            if op.startswith(PROFILER_NAMESPACE):
+                continue  # a record_function's enter or exit: not the program's work
             frames = frames_of(stack)
             site_role = role(stream, op)
             if not is_comm_op(op):
@@ -908,16 +948,24 @@ class CallsiteTracer:
             else:
                 slot[0] += count
                 slot[1] = min(slot[1], stream)
-        stacks = {stack: frames_of(stack) for stack in self.recorder.sequence.stacks()}
+        # the collective sequence (every step, numbered from 0) goes with the loop
+        sequenced = phase != SETUP_PHASE
+        stacks = (
+            {stack: frames_of(stack) for stack in self.recorder.sequence.stacks()}
+            if sequenced
+            else {}
+        )
         unique = sorted(
             {f for key in merged for f in key[0]} | {f for fs in stacks.values() for f in fs},
             key=Frame.sort_key,
         )
         ids = {frame: index for index, frame in enumerate(unique)}
-        sequence = self.recorder.sequence.build(
-            rank, lambda stack: tuple(ids[f] for f in stacks[stack])
+        sequence = (
+            self.recorder.sequence.build(rank, lambda stack: tuple(ids[f] for f in stacks[stack]))
+            if sequenced
+            else None
         )
-        if sequence is None and self.world_size() > 1:
+        if sequence is None and sequenced and self.world_size() > 1:
             # a rank of a distributed job that issued no collective: an empty sequence,
             # which differs from "not recorded"
             sequence = CollectiveSequence(ranks=[rank])
@@ -949,8 +997,12 @@ class CallsiteTracer:
             "tracer_backend": self.backend,
             "streams": {str(s): streams[s] for s in sorted(streams)},
         }
-        if self.steps:
-            meta["steps"] = self.steps
+        steps = self.steps
+        if phase is not None and self.setup_counts is not None:
+            meta["phase"] = phase
+            steps = 1 if phase == SETUP_PHASE else steps - 1
+        if steps:
+            meta["steps"] = steps
         if compile_ops:
             meta["compile_ops"] = compile_ops
         meta.update(self.extra_meta)
@@ -962,16 +1014,30 @@ class CallsiteTracer:
 
     def write(self, partial: dict[str, Any] | None = None) -> Path:
         """Write the trace atomically and return its path; ``partial`` (``meta.partial``,
-        formats.md §1: why and up to when) marks a trace the process is not done with."""
+        formats.md §1: why and up to when) marks a trace the process is not done with.
+
+        After the first optimizer step the set-up phase goes to
+        ``{label}_setup_rank{R}.json`` and the path returned holds the loop; before
+        it (or in a program that never steps) the one file holds the whole process,
+        and a set-up file of an earlier run under this label and rank is removed, so
+        the directory describes one run (tracing.md, "Set-up and loop")."""
         with self.writing:
-            meta, frames, callsites = self.build()
-            if partial:
-                meta["partial"] = partial
-            path = self.output_dir / f"{self.label}_callsite_rank{meta['rank']}.json"
-            path.parent.mkdir(parents=True, exist_ok=True)
-            atomic_write_bytes(
-                path, encode_trace(meta, frames, callsites, collectives=self.collectives)
-            )
+            split = self.setup_counts is not None
+            path = self.output_dir
+            for phase in (SETUP_PHASE, LOOP_PHASE) if split else (None,):
+                meta, frames, callsites = self.build(phase=phase)
+                if partial:
+                    meta["partial"] = partial
+                kind = "setup" if phase == SETUP_PHASE else "callsite"
+                path = self.output_dir / f"{self.label}_{kind}_rank{meta['rank']}.json"
+                path.parent.mkdir(parents=True, exist_ok=True)
+                atomic_write_bytes(
+                    path, encode_trace(meta, frames, callsites, collectives=self.collectives)
+                )
+            if not split:
+                stale = self.output_dir / f"{self.label}_setup_rank{meta['rank']}.json"
+                with contextlib.suppress(FileNotFoundError):
+                    stale.unlink()
             self.written = path
             return path
 

@@ -17,7 +17,7 @@ from opguard_core import hookimpl
 from opguard_core.formats.config import CONFIG_VERSION, EntryKey
 from opguard_core.formats.streams import sorted_roles
 from opguard_core.formats.styles import block_map, flow_map, flow_seq
-from opguard_core.formats.trace import recorded_by
+from opguard_core.formats.trace import PHASES, recorded_by
 from opguard_core.formats.tree import TORCH_API, node_target
 from opguard_core.model import RunOptions
 from opguard_plugins.stages import locations
@@ -185,12 +185,14 @@ def generate_config(tree: dict[str, Any], source: str, depth: int) -> CommentedM
     steps = tree.get("meta", {}).get("steps")
     known_steps = isinstance(steps, int) and not isinstance(steps, bool)
     origin = recorded_by(tree.get("meta", {}))
+    phase = tree.get("meta", {}).get("phase")
     config["meta"] = block_map(
         [
             ("ranks", flow_seq(meta_ranks)),
             ("total", tree["root"]["count"]),
             ("sources", flow_seq([source])),
             *([("steps", flow_map([(source, steps)]))] if known_steps else []),
+            *([("phases", flow_map([(source, phase)]))] if phase in PHASES else []),
             *([("recorded_by", flow_seq([origin]))] if origin else []),
             ("settings", run_settings(tree, depth)),
         ]

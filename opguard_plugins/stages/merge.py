@@ -121,8 +121,9 @@ def merge_entries(
 
 
 def _merge_steps(a: Any, b: Any) -> CommentedMap:
-    """``meta.steps`` (source -> steps) of both: the union; where both name a source
-    with different values, the one whose repr sorts first (associative, commutative)."""
+    """``meta.steps`` (source -> steps) of both, or ``meta.phases`` (source -> phase):
+    the union; where both name a source with different values, the one whose repr
+    sorts first (associative, commutative)."""
     steps: dict[Any, Any] = dict(a or {})
     for source, value in (b or {}).items():
         if source not in steps or repr(value) < repr(steps[source]):
@@ -183,7 +184,7 @@ def _record_contributions(result: CommentedMap, both: Contributions | None) -> N
         return
     counts, ranks = both
     record = flow_map((s, flow_seq(ranks[s])) for s in sorted(ranks))
-    after = [k for k in ("ranks", "total", "sources", "steps") if k in meta]
+    after = [k for k in ("ranks", "total", "sources", "steps", "phases") if k in meta]
     meta.insert(list(meta).index(after[-1]) + 1 if after else len(meta), "source_ranks", record)
     for entry in result["entries"]:
         entry.pop("sources", None)  # written last: after count and ranks
@@ -229,7 +230,7 @@ def merge_configs(left: CommentedMap, right: CommentedMap) -> CommentedMap:
     _carry_extras(
         meta,
         right_meta,
-        frozenset({"ranks", "total", "sources", "steps", "recorded_by", "source_ranks"}),
+        frozenset({"ranks", "total", "sources", "steps", "phases", "recorded_by", "source_ranks"}),
     )
     meta["ranks"] = flow_seq(all_ranks)
     meta["total"] = int(left_meta.get("total", 0)) + int(right_meta.get("total", 0))
@@ -237,6 +238,8 @@ def merge_configs(left: CommentedMap, right: CommentedMap) -> CommentedMap:
         meta["sources"] = _sorted_union(left_meta.get("sources"), right_meta.get("sources"))
     if "steps" in left_meta or "steps" in right_meta:
         meta["steps"] = _merge_steps(left_meta.get("steps"), right_meta.get("steps"))
+    if "phases" in left_meta or "phases" in right_meta:
+        meta["phases"] = _merge_steps(left_meta.get("phases"), right_meta.get("phases"))
     if "recorded_by" in left_meta and "recorded_by" in right_meta:  # unknown on one: unknown
         meta["recorded_by"] = _sorted_union(left_meta["recorded_by"], right_meta["recorded_by"])
     else:

@@ -1,0 +1,300 @@
+"""Set-up and loop (docs/tracing.md): the tracer writes what ran up to the end of the
+first optimizer step apart from the loop, so a config is about the training loop and a
+run of another length is neither an error nor a warning, in check and in guard alike.
+
+In-process: a small model module written to a temporary directory, traced with
+``trace_callsites``, turned into configs by ``opguard run`` (CliRunner), then checked
+(``opguard check``) and guarded (:func:`guarded`) at other step counts.
+"""
+
+from __future__ import annotations
+
+import collections
+import importlib
+import json
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from click.testing import CliRunner  # noqa: E402
+
+from opguard_core.cli.app import create_cli  # noqa: E402
+from opguard_core.errors import InputError  # noqa: E402
+from opguard_core.formats.check import load_report  # noqa: E402
+from opguard_core.formats.config import load_config  # noqa: E402
+from opguard_core.formats.sources import project  # noqa: E402
+from opguard_core.formats.trace import DecodedTrace, load_trace  # noqa: E402
+from opguard_core.plugin.manager import create_plugin_manager  # noqa: E402
+from opguard_plugins.enforce.runtime import guarded  # noqa: E402
+from opguard_plugins.tracer import trace_callsites  # noqa: E402
+
+pytestmark = pytest.mark.torch
+
+MODEL = """
+import torch
+from torch import nn
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3)
+        self.bn = nn.BatchNorm2d(4)
+        self.fc = nn.Linear(4, 2)
+        self.extra = False
+        self.relu = True
+
+    def forward(self, x):
+        x = self.bn(self.conv(x))
+        if self.relu:
+            x = torch.relu(x)
+        if self.extra:
+            x = x * torch.sigmoid(x)
+        return self.fc(x.mean((2, 3)))
+
+
+def batch():
+    return torch.randn(2, 3, 6, 6)
+
+
+def step(model, optimizer, x):
+    optimizer.zero_grad(set_to_none=False)
+    loss = model(x).square().mean()
+    loss.backward()
+    optimizer.step()
+
+
+def train(steps=2, extra_from=None, optimizer="adamw", relu=True, eval_mode=False):
+    torch.manual_seed(0)
+    model = Net()
+    model.relu = relu
+    kind = torch.optim.AdamW if optimizer == "adamw" else torch.optim.SGD
+    opt = kind(model.parameters(), lr=1e-3)
+    if eval_mode:
+        model.eval()
+    for i in range(steps):
+        model.extra = extra_from is not None and i >= extra_from
+        step(model, opt, batch())
+
+
+def infer(calls=2):
+    model = Net().eval()
+    with torch.no_grad():
+        for _ in range(calls):
+            model(batch())
+"""
+
+
+@pytest.fixture
+def slmodel(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+    folder = tmp_path / "src"
+    folder.mkdir()
+    (folder / "slmodel.py").write_text(MODEL)
+    monkeypatch.syspath_prepend(str(folder))
+    sys.modules.pop("slmodel", None)
+    yield importlib.import_module("slmodel")
+    sys.modules.pop("slmodel", None)
+
+
+def invoke(*args: str | Path) -> Any:
+    cli = create_cli(create_plugin_manager())
+    return CliRunner().invoke(cli, [str(a) for a in args], catch_exceptions=False)
+
+
+def traced(folder: Path, label: str, body: Any, split: bool = True) -> Path:
+    with trace_callsites(label=label, output_dir=folder, rank=0, split=split) as tracer:
+        body()
+    assert tracer.written is not None
+    return tracer.written
+
+
+def counts_by_site(trace: DecodedTrace) -> collections.Counter[tuple[Any, ...]]:
+    """Count per (stack from the model's outermost frame, api, op): comparable between
+    traces made from different lines of a test."""
+    counts: collections.Counter[tuple[Any, ...]] = collections.Counter()
+    for site in trace.callsites:
+        frames = [trace.frames[i] for i in site.stack]
+        first = next(i for i, f in enumerate(frames) if f.module == "slmodel")
+        counts[(tuple(frames[first:]), site.api, site.op)] += site.count
+    return counts
+
+
+def run_dir(tmp_path: Path, *inputs: Path) -> Path:
+    out = tmp_path / f"run{len(list(tmp_path.glob('run*')))}"
+    result = invoke("run", *[a for i in inputs for a in ("-i", i)], "--output-base", out)
+    assert result.exit_code == 0, result.stderr
+    return Path(result.stdout.strip().splitlines()[-1])
+
+
+def check(config: Path, trace: Path) -> dict[str, Any]:
+    result = invoke("check", "--config", config, "-i", trace, "--format", "json")
+    assert result.exit_code in (0, 1), result.stderr
+    return json.loads(result.stdout)  # type: ignore[no-any-return]
+
+
+def kinds(report: dict[str, Any]) -> list[tuple[str, str, str]]:
+    return sorted((v["kind"], v["target"], v.get("op") or "") for v in report["violations"])
+
+
+# ---------------------------------------------------------------------------
+# the tracer
+# ---------------------------------------------------------------------------
+
+
+def test_the_trace_splits_at_the_end_of_the_first_step(tmp_path: Path, slmodel: Any) -> None:
+    loop_path = traced(tmp_path / "split", "s", lambda: slmodel.train(steps=4))
+    whole_path = traced(tmp_path / "whole", "s", lambda: slmodel.train(steps=4), split=False)
+    assert loop_path.name == "s_callsite_rank0.json"
+    loop, whole = load_trace(loop_path), load_trace(whole_path)
+    setup = load_trace(tmp_path / "split" / "s_setup_rank0.json")
+    assert (loop.meta["phase"], loop.meta["steps"]) == ("loop", 3)
+    assert (setup.meta["phase"], setup.meta["steps"]) == ("setup", 1)
+    assert "phase" not in whole.meta and whole.meta["steps"] == 4
+    assert not (tmp_path / "whole" / "s_setup_rank0.json").exists()
+    # the two phases add up to the whole process, callsite by callsite
+    assert counts_by_site(setup) + counts_by_site(loop) == counts_by_site(whole)
+    # construction and initialisation are set-up; the optimizer's lazy state (AdamW's
+    # first step) too, so each loop step issues the same ops
+    setup_names = {f.qualname for f in setup.frames}
+    loop_names = {f.qualname for f in loop.frames}
+    assert "Net.__init__" in setup_names and "Net.__init__" not in loop_names
+    assert any(name.endswith("._init_group") for name in setup_names)
+    assert all(site.count % 3 == 0 for site in loop.callsites), "3 equal loop steps"
+    # record_function's enter and exit (optimizer.step, zero_grad) are no program op
+    assert not {s.op for s in whole.callsites if s.op.startswith("profiler::")}
+
+
+def test_a_program_that_never_steps_is_one_file(tmp_path: Path, slmodel: Any) -> None:
+    folder = tmp_path / "t"
+    traced(folder, "i", lambda: slmodel.train(steps=2))
+    assert (folder / "i_setup_rank0.json").exists()
+    # the same label and rank again, no optimizer step: one file, the stale set-up gone
+    path = traced(folder, "i", lambda: slmodel.infer())
+    trace = load_trace(path)
+    assert "phase" not in trace.meta and "steps" not in trace.meta
+    assert not (folder / "i_setup_rank0.json").exists()
+
+
+# ---------------------------------------------------------------------------
+# check and guard at another step count
+# ---------------------------------------------------------------------------
+
+
+def test_another_step_count_is_clean_in_check_and_guard(tmp_path: Path, slmodel: Any) -> None:
+    """The issue's case: a 6-step run against a 2-step config gave count_drift warnings
+    (construction and init counted per step) and missing ones (pruned at a smaller
+    share); with the set-up apart, none, in check and in guard."""
+    two = tmp_path / "two"
+    traced(two, "m", lambda: slmodel.train(steps=2))
+    six = tmp_path / "six"
+    traced(six, "r", lambda: slmodel.train(steps=6))
+    directory = run_dir(tmp_path, two / "m_callsite_rank0.json", two / "m_setup_rank0.json")
+    final = directory / "final_combined_instrumentation.yaml"
+    meta = load_config(final)["meta"]
+    assert meta["phases"] == {"m_callsite": "loop", "m_setup": "setup"}
+    assert meta["steps"] == {"m_callsite": 1, "m_setup": 1}
+    for phase in ("callsite", "setup"):
+        report = check(final, six / f"r_{phase}_rank0.json")
+        assert report["violations"] == [], (phase, kinds(report))
+    loop_config = directory / "m_callsite_instrumentation.yaml"
+    with guarded(loop_config, report_dir=tmp_path / "g", rank=0, whole_run=True) as guard:
+        slmodel.train(steps=6)
+    document = load_report(guard.written or tmp_path)
+    assert document["violations"] == [] and document["steps"] == 6
+    # from the end of the first step: the five loop steps, and what follows the last
+    assert document["checked_steps"] == 6
+
+
+def test_the_whole_process_config_still_counts_every_step(tmp_path: Path, slmodel: Any) -> None:
+    """A config of a whole-process trace (--no-split, or from before) is checked from
+    the first op: the set-up's ops are counted per step, as they always were."""
+    whole = traced(tmp_path / "w", "w", lambda: slmodel.train(steps=2), split=False)
+    config = run_dir(tmp_path, whole) / "w_callsite_instrumentation.yaml"
+    assert "phases" not in load_config(config)["meta"]
+    with guarded(config, report_dir=tmp_path / "g", rank=0, whole_run=True) as guard:
+        slmodel.train(steps=2)
+    document = load_report(guard.written or tmp_path)
+    assert document["violations"] == [] and document["checked_steps"] == 3
+    with guarded(config, report_dir=tmp_path / "g6", rank=0, whole_run=True) as guard:
+        slmodel.train(steps=6)
+    drift = {v["target"] for v in load_report(guard.written or tmp_path)["violations"]}
+    assert "slmodel:Net.__init__" in drift  # built once, compared per step
+
+
+#: a bug injected into the loop -> (kind, target, op) that check and guard must report
+#: as an error
+BUGS: dict[str, tuple[dict[str, Any], tuple[str, str, str]]] = {
+    "added op": ({"extra_from": 1}, ("unexpected_op", "slmodel:Net.forward", "aten::sigmoid")),
+    "removed op": ({"relu": False}, ("missing_op", "slmodel:Net.forward", "aten::relu")),
+    "swapped optimizer": (
+        {"optimizer": "sgd"},
+        ("missing", "torch.optim.adam:_single_tensor_adam", ""),
+    ),
+    "eval mode left on": (
+        {"eval_mode": True},
+        ("missing_op", "torch.nn.modules.batchnorm:_BatchNorm.forward", "aten::add_"),
+    ),
+}
+
+
+@pytest.mark.parametrize("bug", sorted(BUGS))
+def test_bugs_in_the_loop_are_errors_in_check_and_guard(
+    tmp_path: Path, slmodel: Any, bug: str
+) -> None:
+    """What a config of the loop ran in every step must run: an op added, an op or a
+    function gone (a swapped optimizer, BatchNorm's running-stats update in eval
+    mode) is an error naming the function, in check and in guard alike; the same
+    program unchanged has none, at the config's step count and at another."""
+    kwargs, wanted = BUGS[bug]
+    folder = tmp_path / "t"
+    traced(folder, "m", lambda: slmodel.train(steps=3))
+    config = run_dir(tmp_path, folder / "m_callsite_rank0.json") / "m_callsite_instrumentation.yaml"
+    for steps in (3, 5):
+        traced(folder, f"same{steps}", lambda steps=steps: slmodel.train(steps=steps))
+        same = check(config, folder / f"same{steps}_callsite_rank0.json")
+        assert same["violations"] == [], kinds(same)
+    traced(folder, "x", lambda: slmodel.train(steps=4, **kwargs))
+    report = check(config, folder / "x_callsite_rank0.json")
+    errors = [(v["kind"], v["target"], v.get("op") or "") for v in report["violations"]
+              if v["severity"] == "error"]  # fmt: skip
+    assert wanted in errors, kinds(report)
+    with guarded(config, report_dir=tmp_path / "g", rank=0, whole_run=True) as guard:
+        slmodel.train(steps=4, **kwargs)
+    document = load_report(guard.written or tmp_path)
+    errors = [(v["kind"], v["target"], v.get("op") or "") for v in document["violations"]
+              if v["severity"] == "error"]  # fmt: skip
+    assert wanted in errors, document["violations"]
+
+
+def test_phases_survive_merge_and_projection(tmp_path: Path, slmodel: Any) -> None:
+    folder = tmp_path / "t"
+    traced(folder, "a", lambda: slmodel.train(steps=2))
+    traced(folder, "b", lambda: slmodel.train(steps=3))
+    inputs = [folder / f"{x}_{p}_rank0.json" for x in "ab" for p in ("callsite", "setup")]
+    final = run_dir(tmp_path, *inputs) / "final_combined_instrumentation.yaml"
+    config = load_config(final)
+    assert config["meta"]["phases"] == {
+        "a_callsite": "loop",
+        "a_setup": "setup",
+        "b_callsite": "loop",
+        "b_setup": "setup",
+    }
+    mine = project(dict(config), ["b_callsite"])
+    assert mine["meta"]["phases"] == {"b_callsite": "loop"}
+    assert mine["meta"]["steps"] == {"b_callsite": 2}
+
+
+def test_a_bad_phase_is_refused_in_one_line(tmp_path: Path, slmodel: Any) -> None:
+    folder = tmp_path / "t"
+    traced(folder, "a", lambda: slmodel.train(steps=2))
+    config = run_dir(tmp_path, folder / "a_callsite_rank0.json") / "a_callsite_instrumentation.yaml"
+    text = config.read_text()
+    assert "phases: {a_callsite: loop}" in text
+    config.write_text(text.replace("phases: {a_callsite: loop}", "phases: {a_callsite: warmup}"))
+    with pytest.raises(InputError, match=r"meta\.phases must map sources to setup or loop"):
+        load_config(config)
