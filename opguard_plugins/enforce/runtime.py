@@ -717,9 +717,12 @@ class Guard:
             parents = self.parents.get(target, frozenset())
             above = index + 1
             while above < len(active) and active[above] not in parents:
-                if self._placed(active, above):
+                if active[above] != target and self._placed(active, above):
                     break  # a real node here: ``target`` ran under it (unknown_context)
-                above += 1  # folded away on this path when the config was made
+                # folded away on this path when the config was made (the same target
+                # above itself, which the config never has there: a chain folded into
+                # its deepest frame, a decorator's wrapper calling another)
+                above += 1
             if above == len(active) and None in parents:
                 break  # a top-level entry with no parent of its above it
             if above == len(active):
