@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -46,7 +46,9 @@ from opguard_core.formats.check import (
     join_ranks,
     write_json,
 )
+from opguard_core.formats.collectives import NOT_COLLECTIVES, Collectives, CollectiveSequence
 from opguard_core.formats.config import entry_key, load_config
+from opguard_core.formats.config_collectives import read_config_collectives
 from opguard_core.formats.sources import loop_only, project, recorded_sources
 from opguard_core.formats.tree import TORCH_API
 from opguard_core.logs import configure_logging, get_logger
@@ -54,6 +56,7 @@ from opguard_core.model import InputEntry, RunOptions
 from opguard_core.plugin.manager import OpGuardPluginManager, call_impl
 from opguard_core.run.summary import config_source
 from opguard_plugins.enforce.rules import DEFAULT_TOLERANCE
+from opguard_plugins.enforce.sequence_guard import SequenceChecker
 
 #: ``meta.settings`` keys that are not RunOptions fields of the same name.
 _SPECIAL_SETTINGS = frozenset({"hide", "filters", "basic_list"})
@@ -425,6 +428,74 @@ def check_merged(
     return join_ranks(found), made
 
 
+# ---------------------------------------------------------- collective sequences
+
+
+def _expected_sequences(
+    found: Mapping[str, Collectives], name: str, chosen: Sequence[str]
+) -> Collectives | None:
+    """The config's sequences an observed entry is held to: the only source's, else
+    the ``--source``'s, else the source of the entry's own name; None when unclear."""
+    if len(found) == 1:
+        return next(iter(found.values()))
+    named = [s for s in chosen if s in found] or ([name] if name in found else [])
+    return found[named[0]] if len(named) == 1 else None
+
+
+def check_sequences(
+    config: Mapping[str, Any], observed: Observed, chosen: Sequence[str], path: Path
+) -> list[Violation]:
+    """Each observed rank's collective sequence (its traces' ``collectives``) replayed
+    through the guard's :class:`SequenceChecker` against its rank's sequence in the
+    config: the ``collective_*`` errors the guard would raise at run time (an extra,
+    missing, reordered collective, another dtype, size or group), found offline and
+    named by the function that issued the collective (docs/guard.md)."""
+    if "collectives" not in config:
+        return []
+    found = read_config_collectives(config["collectives"], path)
+    out: list[Violation] = []
+    for name, alone in sorted(observed.entries.items()):
+        expected = _expected_sequences(found, name, chosen)
+        if expected is None:
+            continue
+        for rank, mine in sorted(alone.configs.items()):
+            raw = mine.get("collectives") or []
+            items: dict[str, list[Mapping[str, Any]]] = {}
+            for item in raw:
+                items.setdefault(str(item.get("source")), []).append(item)
+            for source, collectives in read_config_collectives(raw, path).items():
+                for item, sequence in zip(items[source], collectives.sequences, strict=True):
+                    out.extend(_replay(expected, sequence, item, rank))
+    return out
+
+
+def _replay(
+    expected: Collectives, sequence: CollectiveSequence, item: Mapping[str, Any], rank: int
+) -> list[Violation]:
+    """``rank``'s calls in ``sequence`` (``item``: its config form, whose signatures
+    name the calling function) through a :class:`SequenceChecker`."""
+    found: list[Violation] = []
+
+    def report(violation: Violation, message: str, stop: bool) -> None:
+        found.append(dataclasses.replace(violation, ranks=[rank]))
+
+    checker = SequenceChecker(expected, report)
+    if rank not in sequence.ranks or not checker.bind(rank):
+        return found
+    signatures = item.get("signatures") or {}
+    groups = [g.name for g in sequence.groups]
+    for step, call in sequence.calls():
+        sig = sequence.signatures[call]
+        if sig.op in NOT_COLLECTIVES:
+            continue
+        at = str((signatures.get(call) or {}).get("at") or sig.op)
+        call_of = (groups[sig.group], sig.dtype, sig.numel, sig.shapes, sig.reduce_op)
+        checker.check(sig.op, call_of, step, at.split(" (", 1)[0])
+    for violation in checker.finish():
+        report(violation, "", False)
+    return found
+
+
 def format_text(config: str, violations: Sequence[Violation], compared: str | None = None) -> str:
     """The text report: a summary line, then one line per violation."""
     errors = sum(v.severity == ERROR for v in violations)
@@ -522,6 +593,9 @@ def make_command(manager: OpGuardPluginManager) -> click.Command:
                 "merge the sources' configs again",
             )
         violations = across_tracers(config, observed, violations)
+        violations = join_ranks(
+            [*violations, *check_sequences(config, observed, sources, config_path)]
+        )
         if fmt == "json":
             document = check_report(str(config_path), violations)
             if output is not None:

@@ -273,6 +273,11 @@ class SequenceChecker:
                 return signatures[position]
         return None
 
+    def finish(self) -> list[Violation]:
+        """The end of the run: ``collective_missing`` for the last step's shortfall."""
+        with self._lock:
+            return self._close_step()
+
     def _close_step(self) -> list[Violation]:
         """``collective_missing`` for each group the finished step issued too few on."""
         if self.expected is None or self.step is None:

@@ -1,0 +1,99 @@
+"""``opguard check`` replays each rank's collective sequence against the config's, as
+the guard does at run time (docs/guard.md, "Collective sequences"): an extra, a
+missing or a reordered collective, another dtype or size, is an error naming the
+function that issued it, offline. A one-rank gloo group, traced in-process."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+dist = pytest.importorskip("torch.distributed")
+
+from click.testing import CliRunner  # noqa: E402
+
+from opguard_core.cli.app import create_cli  # noqa: E402
+from opguard_core.plugin.manager import create_plugin_manager  # noqa: E402
+from opguard_plugins.tracer import trace_callsites  # noqa: E402
+
+pytestmark = pytest.mark.torch
+
+
+def sync(step: int, case: str) -> None:
+    """The program's collectives of one step; ``case`` departs from step 2 on."""
+    odd = step >= 2
+    dtype = torch.int32 if odd and case == "dtype" else torch.float32
+    dist.all_reduce(torch.ones(6, dtype=dtype))
+    if not (odd and case == "missing"):
+        dist.all_reduce(torch.ones(8 if odd and case == "size" else 4))
+    if odd and case == "extra":
+        dist.broadcast(torch.ones(3), 0)
+
+
+def train(steps: int, case: str = "none") -> None:
+    model = torch.nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(steps):
+        sync(step, case)
+        model(torch.ones(1, 2)).sum().backward()
+        opt.step()
+
+
+@pytest.fixture
+def group(tmp_path: Path) -> Iterator[None]:
+    dist.init_process_group(
+        "gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1
+    )
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def invoke(*args: str | Path) -> Any:
+    cli = create_cli(create_plugin_manager())
+    return CliRunner().invoke(cli, [str(a) for a in args], catch_exceptions=False)
+
+
+def traced(folder: Path, label: str, steps: int, case: str = "none") -> Path:
+    with trace_callsites(label, folder, rank=0) as tracer:
+        train(steps, case)
+    assert tracer.written is not None
+    return tracer.written
+
+
+@pytest.mark.usefixtures("group")
+def test_check_finds_what_the_guard_would_raise(tmp_path: Path) -> None:
+    base = traced(tmp_path / "t", "base", 3)
+    result = invoke("run", "-i", base, "--output-base", tmp_path / "run")
+    assert result.exit_code == 0, result.stderr
+    config = Path(result.stdout.strip().splitlines()[-1]) / "base_callsite_instrumentation.yaml"
+    assert "collectives:" in config.read_text()
+    # unchanged, at the config's length and longer: nothing
+    for steps in (3, 6):
+        again = traced(tmp_path / "t", f"same{steps}", steps)
+        report = json.loads(
+            invoke("check", "--config", config, "-i", again, "--format", "json").stdout
+        )
+        assert report["violations"] == [], report["violations"]
+    wanted = {
+        "dtype": "collective_dtype",
+        "size": "collective_size",
+        "missing": "collective_missing",
+        "extra": "collective_extra",
+    }
+    for case, kind in wanted.items():
+        changed = traced(tmp_path / "t", case, 4, case)
+        checked = invoke("check", "--config", config, "-i", changed, "--format", "json")
+        assert checked.exit_code == 1, (case, checked.stdout)
+        report = json.loads(checked.stdout)
+        found = [v for v in report["violations"] if v["kind"] == kind]
+        assert found and all(v["severity"] == "error" for v in found), (case, report)
+        # named by the function that issued it (or, missing, by the op it lacks)
+        assert found[0]["target"] in {"test_check_sequences:sync", "c10d::allreduce_"}, found
+        assert "step 2" in found[0]["message"], found[0]["message"]
