@@ -248,6 +248,10 @@ def test_flush_every_n_optimizer_steps(tmp_path: Path) -> None:
     _finish(proc)
     meta = load_trace(out / "p_callsite_rank0.json").meta
     assert meta["partial"] == {**meta["partial"], "reason": "flush", "step": 4}
+    # a flush writes the set-up apart from the loop as the exit would
+    setup = load_trace(out / "p_setup_rank0.json").meta
+    assert (meta["phase"], meta["steps"], setup["phase"], setup["steps"]) == ("loop", 3, "setup", 1)
+    assert setup["partial"]["reason"] == "flush"
 
 
 @pytest.mark.skipif(not LINUX, reason="PR_SET_PDEATHSIG is Linux only (documented)")
