@@ -325,11 +325,54 @@ def test_torch_compile_compiles_under_the_profiler_backend(tmp_path: Path) -> No
     # the graphs that run are dropped, their ops kept)
     assert trace.meta["compile_ops"] > 0
     assert_no_compile_time_work(trace)
-    # the modes backend: the compiled module runs eagerly under a TorchDispatchMode
+    # the modes backend compiles too (its dispatch mode ignores compile internals, its
+    # function mode is taken off while Dynamo traces): the graph's aten ops, no
+    # compile-time op at all, no region marker (that is the profiler's event)
     trace, graphs = _compiled_run("modes", "aot_eager", tmp_path)
-    assert COMPILED_REGION_OP not in op_counts(trace)
+    assert graphs == 1
+    counts = op_counts(trace)
+    assert COMPILED_REGION_OP not in counts
+    assert counts["aten::addmm"] == 4 and counts["aten::gelu"] == 2
     assert "compile_ops" not in trace.meta
     assert_no_compile_time_work(trace)
+
+
+@pytest.mark.slow
+def test_torch_compile_inductor_compiles_under_the_modes_backend_and_the_guard(
+    tmp_path: Path,
+) -> None:
+    """Inductor compiles under the modes tracer and under the guard, which check the
+    compiled code's ops (its extern kernels; fused ones are no ops) against a config
+    of the same compiled program: no violation."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    from opguard_core.formats.check import load_report
+    from opguard_plugins.enforce.runtime import guarded
+
+    trace, graphs = _compiled_run("modes", "inductor", tmp_path)
+    assert graphs == 1
+    counts = op_counts(trace)
+    assert counts["aten::addmm"] == 4 and "aten::gelu" not in counts  # fused
+    assert_no_compile_time_work(trace)
+    result = subprocess.run(
+        [*OPGUARD, "run", "-i", str(tmp_path / "modes" / "t_callsite_rank0.json"),
+         "--output-base", str(tmp_path / "run")],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    config = Path(result.stdout.strip().splitlines()[-1]) / "t_callsite_instrumentation.yaml"
+    torch._dynamo.reset()
+    counters.clear()
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 4))
+    compiled = torch.compile(model, backend="inductor")
+    with guarded(config, report_dir=tmp_path / "g", rank=0) as guard:
+        for _ in range(2):
+            compiled(torch.randn(4, 8)).sum().backward()
+    assert int(counters["stats"]["unique_graphs"]) == 1
+    assert guard.checked_ops > 0
+    document = load_report(guard.written or tmp_path)
+    assert document["errors"] == 0, document["violations"]
 
 
 @pytest.mark.slow

@@ -104,6 +104,7 @@ from opguard_plugins.record.collectives import describe
 from opguard_plugins.record.tracer import (
     _is_launcher,
     api_name,
+    bind_fast_function,
     count_optimizer_steps,
     op_name,
     program_module_name,
@@ -234,7 +235,7 @@ class _ApiMode(TorchFunctionMode):  # type: ignore[misc, unused-ignore]
         self.local = guard.api_local
         self.api_target = guard.api_target
         if guard.walker is not None:  # the C path, bound as a method (torch wants one)
-            self.__torch_function__ = types.MethodType(guard.walker.function, self)  # type: ignore[method-assign]
+            bind_fast_function(self, guard.walker.function)
 
     def __torch_function__(
         self,
@@ -243,6 +244,8 @@ class _ApiMode(TorchFunctionMode):  # type: ignore[misc, unused-ignore]
         args: tuple[Any, ...] = (),
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
+        if torch.compiler.is_compiling():  # Dynamo traces the call into its graph
+            return func(*args, **(kwargs or {}))
         local = self.local
         local.api = self.api_target(func)
         try:
@@ -253,6 +256,11 @@ class _ApiMode(TorchFunctionMode):  # type: ignore[misc, unused-ignore]
 
 class _Mode(TorchDispatchMode):  # type: ignore[no-untyped-call, misc, unused-ignore]
     """Checks every operator against the current thread's state."""
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        """``torch.compile`` compiles under the guard; compiled code's ops are checked."""
+        return True
 
     def __init__(self, guard: Guard) -> None:
         super().__init__()  # type: ignore[no-untyped-call, unused-ignore]

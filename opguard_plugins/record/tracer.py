@@ -62,6 +62,7 @@ import sysconfig
 import tempfile
 import threading
 import types
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -530,6 +531,42 @@ class CallsiteRecorder:
             pass
 
 
+#: function modes whose ``__torch_function__`` is a C method bound on the instance
+#: (:func:`bind_fast_function`), which Dynamo cannot trace
+_FAST_FUNCTION_MODES: weakref.WeakSet[Any] = weakref.WeakSet()
+#: what was unbound while ``torch.compile`` compiles: mode -> its C method
+_UNBOUND: dict[Any, Any] = {}
+
+
+def bind_fast_function(mode: Any, method: Callable[..., Any]) -> None:
+    """Make ``method`` (a C ``__torch_function__``) ``mode``'s, as an instance
+    attribute (torch calls it with no Python frame in between). While ``torch.compile``
+    compiles (Dynamo's compile callbacks) it is taken off, so Dynamo traces the class's
+    Python ``__torch_function__``, which passes every call through while compiling
+    (``torch.compiler.is_compiling()``): a program compiles under the tracer and the
+    guard as it does untraced (tracing.md, "Backends")."""
+    mode.__torch_function__ = types.MethodType(method, mode)
+    _FAST_FUNCTION_MODES.add(mode)
+    # registered again when gone: ``torch._dynamo.reset()`` clears the callbacks
+    handler = getattr(getattr(torch, "_dynamo", None), "callback_handler", None)
+    if handler is not None and _unbind_for_compile not in handler.start_callbacks:
+        handler.register_start_callback(_unbind_for_compile)
+        handler.register_end_callback(_rebind_after_compile)
+
+
+def _unbind_for_compile(_args: Any) -> None:
+    for mode in list(_FAST_FUNCTION_MODES):
+        method = mode.__dict__.pop("__torch_function__", None)
+        if method is not None:
+            _UNBOUND[mode] = method
+
+
+def _rebind_after_compile(_args: Any) -> None:
+    while _UNBOUND:
+        mode, method = _UNBOUND.popitem()
+        mode.__torch_function__ = method
+
+
 # Without torch, mypy sees its mode classes as Any: subclassing them is `misc`.
 class _FunctionMode(TorchFunctionMode):  # type: ignore[misc, unused-ignore]
     """Learns the public torch callable that Python code invoked."""
@@ -538,7 +575,7 @@ class _FunctionMode(TorchFunctionMode):  # type: ignore[misc, unused-ignore]
         super().__init__()
         self.recorder = recorder
         if recorder.counter is not None:  # the C path, bound as a method (torch wants one)
-            self.__torch_function__ = types.MethodType(recorder.counter.function, self)  # type: ignore[method-assign]
+            bind_fast_function(self, recorder.counter.function)
 
     def __torch_function__(
         self,
@@ -547,6 +584,8 @@ class _FunctionMode(TorchFunctionMode):  # type: ignore[misc, unused-ignore]
         args: tuple[Any, ...] = (),
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
+        if torch.compiler.is_compiling():  # Dynamo traces the call into its graph
+            return func(*args, **(kwargs or {}))
         return self.recorder.call(func, args, kwargs or {}, sys._getframe(1))
 
 
@@ -554,6 +593,12 @@ class _FunctionMode(TorchFunctionMode):  # type: ignore[misc, unused-ignore]
 # the class is Any (misc)
 class _DispatchMode(TorchDispatchMode):  # type: ignore[no-untyped-call, misc, unused-ignore]
     """Sees every operator that ran and records it with the Python stack."""
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        """``torch.compile`` compiles under this mode (torch would otherwise run a
+        compiled function eagerly); the compiled code's operators still come here."""
+        return True
 
     def __init__(self, recorder: CallsiteRecorder) -> None:
         super().__init__()  # type: ignore[no-untyped-call, unused-ignore]
