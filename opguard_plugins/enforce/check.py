@@ -46,7 +46,12 @@ from opguard_core.formats.check import (
     join_ranks,
     write_json,
 )
-from opguard_core.formats.collectives import NOT_COLLECTIVES, Collectives, CollectiveSequence
+from opguard_core.formats.collectives import (
+    NOT_COLLECTIVES,
+    Collectives,
+    CollectiveSequence,
+    Signature,
+)
 from opguard_core.formats.config import entry_key, load_config
 from opguard_core.formats.config_collectives import read_config_collectives
 from opguard_core.formats.sources import loop_only, project, recorded_sources
@@ -56,7 +61,7 @@ from opguard_core.model import InputEntry, RunOptions
 from opguard_core.plugin.manager import OpGuardPluginManager, call_impl
 from opguard_core.run.summary import config_source
 from opguard_plugins.enforce.rules import DEFAULT_TOLERANCE
-from opguard_plugins.enforce.sequence_guard import SequenceChecker
+from opguard_plugins.enforce.sequence_guard import ExpectedSteps, SequenceChecker
 
 #: ``meta.settings`` keys that are not RunOptions fields of the same name.
 _SPECIAL_SETTINGS = frozenset({"hide", "filters", "basic_list"})
@@ -469,6 +474,27 @@ def check_sequences(
     return out
 
 
+class _ComparableSteps(ExpectedSteps):
+    """A rank's expected steps, each step of a run whose last step is ``last`` held to
+    the good run's comparable one: the last to the last (what runs after the loop: a
+    final barrier, a loss all-reduce), a loop step past the good run's loop to the good
+    run's last loop step, any other to itself. Offline only: at run time the guard
+    cannot know which step is the last (docs/guard.md)."""
+
+    def __init__(self, expected: ExpectedSteps, last: int) -> None:
+        super().__init__(expected.sequence)
+        runs = expected.sequence.steps
+        self.good_last = runs[-1].last if runs else 0
+        self.last = last
+
+    def at(self, step: int) -> dict[str, list[Signature]]:
+        if step == self.last:
+            step = self.good_last
+        elif step >= self.good_last:
+            step = max(self.good_last - 1, 0)
+        return super().at(step)
+
+
 def _replay(
     expected: Collectives, sequence: CollectiveSequence, item: Mapping[str, Any], rank: int
 ) -> list[Violation]:
@@ -484,6 +510,9 @@ def _replay(
         return found
     signatures = item.get("signatures") or {}
     groups = [g.name for g in sequence.groups]
+    last = sequence.steps[-1].last if sequence.steps else 0
+    assert checker.expected is not None
+    checker.expected = _ComparableSteps(checker.expected, last)
     for step, call in sequence.calls():
         sig = sequence.signatures[call]
         if sig.op in NOT_COLLECTIVES:
