@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+import pytest
 
 from opguard_core.combine.accumulator import CallsiteTrace, TraceAccumulator
 from opguard_core.formats.trace import decode_trace
@@ -88,3 +92,17 @@ def run_opguard(*args: str | Path, cwd: Path | None = None) -> subprocess.Comple
         text=True,
         timeout=600,
     )
+
+
+def importable_module(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str, source: str
+) -> Iterator[Any]:
+    """A fixture's body: ``source`` written to ``tmp_path/src/{name}.py`` and imported
+    as ``name`` (the tracer and the guard name its functions ``{name}:...``)."""
+    folder = tmp_path / "src"
+    folder.mkdir()
+    (folder / f"{name}.py").write_text(source)
+    monkeypatch.syspath_prepend(str(folder))
+    sys.modules.pop(name, None)
+    yield importlib.import_module(name)
+    sys.modules.pop(name, None)

@@ -33,6 +33,7 @@ from opguard_core.native import pure_python  # noqa: E402
 from opguard_core.plugin.manager import create_plugin_manager  # noqa: E402
 from opguard_plugins.enforce.runtime import OpGuardViolation, guarded, sample_every  # noqa: E402
 from opguard_plugins.tracer import trace_callsites  # noqa: E402
+from tests.builders import importable_module  # noqa: E402
 from tests.builders import run_opguard as run  # noqa: E402
 from tests.compiled import compiled, needs  # noqa: E402
 
@@ -102,13 +103,7 @@ def make_config(tmp_path: Path, traces: str, *extra: str) -> Path:
 @pytest.fixture
 def gmodel(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
     """The small model module, importable as ``gmodel``."""
-    folder = tmp_path / "src"
-    folder.mkdir()
-    (folder / "gmodel.py").write_text(MODEL)
-    monkeypatch.syspath_prepend(str(folder))
-    sys.modules.pop("gmodel", None)
-    yield importlib.import_module("gmodel")
-    sys.modules.pop("gmodel", None)
+    yield from importable_module(tmp_path, monkeypatch, "gmodel", MODEL)
 
 
 @pytest.fixture

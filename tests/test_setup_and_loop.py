@@ -10,9 +10,7 @@ In-process: a small model module written to a temporary directory, traced with
 from __future__ import annotations
 
 import collections
-import importlib
 import json
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -32,6 +30,7 @@ from opguard_core.formats.trace import DecodedTrace, load_trace  # noqa: E402
 from opguard_core.plugin.manager import create_plugin_manager  # noqa: E402
 from opguard_plugins.enforce.runtime import guarded  # noqa: E402
 from opguard_plugins.tracer import trace_callsites  # noqa: E402
+from tests.builders import importable_module  # noqa: E402
 
 pytestmark = pytest.mark.torch
 
@@ -92,13 +91,7 @@ def infer(calls=2):
 
 @pytest.fixture
 def slmodel(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
-    folder = tmp_path / "src"
-    folder.mkdir()
-    (folder / "slmodel.py").write_text(MODEL)
-    monkeypatch.syspath_prepend(str(folder))
-    sys.modules.pop("slmodel", None)
-    yield importlib.import_module("slmodel")
-    sys.modules.pop("slmodel", None)
+    yield from importable_module(tmp_path, monkeypatch, "slmodel", MODEL)
 
 
 def invoke(*args: str | Path) -> Any:

@@ -134,7 +134,6 @@ _native = load_native("opguard_plugins.record._recorder")
 #: the C twin of the guard's per-op path, or None: the Python path runs (not built,
 #: or ``OPGUARD_PURE_PYTHON=1``)
 _TargetWalker: type[TargetWalker] | None = None if _native is None else _native.TargetWalker
-#: kinds logged when the guard finishes (they need the whole run's counts)
 
 
 def _profiling_marks() -> frozenset[Any]:
@@ -152,6 +151,7 @@ def _profiling_marks() -> frozenset[Any]:
 
 
 PROFILING_MARKS = _profiling_marks()
+#: kinds logged when the guard finishes (they need the whole run's counts)
 _AT_EXIT = frozenset({"unknown_context", "missing", "count_drift", "unknown_target"})
 
 

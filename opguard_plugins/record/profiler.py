@@ -541,21 +541,18 @@ class ProfilerTracer(CallsiteTracer):
             self.begin_on_first_call()  # no torch call on this thread yet
             self._drop_trigger()
         if self.steps == 1 and self.split_setup:
-            # the set-up phase ends: its events folded now, so its counts are whole
-            with self._folding:
-                if self._profile is not None:
-                    self._end()
-                    self._begin()
-                self.compile_ops = self.recorder.compile_ops
-                self.end_setup()
+            self.fold(wait=True)  # the set-up's events folded now: its counts are whole
+            self.compile_ops = self.recorder.compile_ops
+            self.end_setup()
         elif time.monotonic() - self._cycle_started >= self.fold_seconds:
             self.fold()
         if self.on_step is not None:
             self.on_step(self.steps)
 
-    def fold(self) -> None:
-        """End the profiler's current cycle, fold its events into counts, start the next."""
-        if not self._folding.acquire(blocking=False):
+    def fold(self, wait: bool = False) -> None:
+        """End the profiler's current cycle, fold its events into counts, start the next;
+        skipped while another fold runs, unless ``wait``."""
+        if not self._folding.acquire(blocking=wait):
             return
         try:
             if self._profile is None:
