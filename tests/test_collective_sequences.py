@@ -522,6 +522,11 @@ def test_the_sequence_does_not_grow_with_steps() -> None:
 
 
 @pytest.mark.torch
+# slow group (one process, -n 0): under a parallel quick run, torch's profiler stop
+# (`_disable_profiler`) now and then raises "Argument passed to at() was not in the map"
+# while gloo's threads record (a torch flake, seen before this change; noted in the
+# closing note of stop 37)
+@pytest.mark.slow
 def test_the_profiler_backend_records_the_sequence(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
