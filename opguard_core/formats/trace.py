@@ -20,6 +20,7 @@ import msgspec
 from opguard_core.errors import InputError
 from opguard_core.formats.collectives import Collectives, check_collectives, encode_collectives
 from opguard_core.formats.deep_json import nests_deeper_than
+from opguard_core.formats.dtypes import DTYPE_PATTERN
 from opguard_core.formats.streams import ROLE_PATTERN, legacy_roles
 
 TRACE_FORMAT = "opguard-callsites"
@@ -30,13 +31,17 @@ TRACE_FORMAT = "opguard-callsites"
 #: raw ``stream``; version 5 ``meta.partial`` on a rank file written before its process
 #: was done (a periodic flush, SIGTERM, an uncaught exception); version 6 the ranks'
 #: collective sequences (top-level ``collectives``,
-#: :mod:`opguard_core.formats.collectives`). Versions 1 and 2 are read, their roles
-#: derived (:func:`legacy_roles`); 4 and 5 have no sequences.
-TRACE_VERSION = 6
+#: :mod:`opguard_core.formats.collectives`); version 7 an op ``dtype`` on callsites
+#: (formats.md, "Dtypes"), part of a callsite's key like its role. Versions 1 and 2 are
+#: read, their roles derived (:func:`legacy_roles`); 4 and 5 have no sequences, 6 and
+#: older no dtypes.
+TRACE_VERSION = 7
 COMBINED_VERSION = TRACE_VERSION
 #: the first version whose callsites carry a ``role``
 ROLE_VERSION = 4
-READ_VERSIONS = (1, 2, 4, 5, 6)
+#: the first version whose callsites may carry a ``dtype``
+DTYPE_VERSION = 7
+READ_VERSIONS = (1, 2, 4, 5, 6, 7)
 #: ``meta.phase`` of the two files the tracer writes once a program's first optimizer
 #: step has ended: what ran up to the end of it (construction, initialisation, the first
 #: step) and what followed (tracing.md, "Set-up and loop")
@@ -54,6 +59,7 @@ MAX_RANK = 1 << 20
 PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
 NonNegativeInt = Annotated[int, msgspec.Meta(ge=0)]
 Role = Annotated[str, msgspec.Meta(pattern=ROLE_PATTERN)]
+Dtype = Annotated[str, msgspec.Meta(pattern=DTYPE_PATTERN)]
 
 
 def trace_stem(path: Path | str) -> str:
@@ -95,11 +101,12 @@ class PerRank(msgspec.Struct, kw_only=True, omit_defaults=True, forbid_unknown_f
 
 
 class Callsite(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, gc=False):
-    """One (stack, api, op, role) with its count; ``stack`` holds frame ids.
+    """One (stack, api, op, role, dtype) with its count; ``stack`` holds frame ids.
 
     ``stream`` is the raw stream id a rank file records (None in a combined trace,
     which keys on ``role``; version 1 and 2 files default it to 0); ``role`` is set
-    on every decoded callsite (:func:`assign_roles`). ``stack`` is a tuple: msgspec
+    on every decoded callsite (:func:`assign_roles`); ``dtype`` the op's dtype
+    (version 7; None: no tensor argument, or not recorded). ``stack`` is a tuple: msgspec
     decodes a JSON array into an exactly sized tuple faster than into a list, and a
     combine uses it as (part of) a dict key.
     """
@@ -109,6 +116,7 @@ class Callsite(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, gc=Fals
     api: str | None = None
     stream: int | None = None
     role: Role | None = None
+    dtype: Dtype | None = None
     count: PositiveInt
     ranks: list[NonNegativeInt] | None = None
     per_rank: PerRank | None = None
