@@ -145,6 +145,56 @@ def test_unknown_fields_are_not_compared() -> None:
     assert run_steps([GOOD_STEP, [call(A, reduce_op=None), call(B), call(C)]]).violations == []
 
 
+#: a barrier after the loop, on the world group (DDP jobs end with one, or a loss
+#: all-reduce): the good run's last recorded step holds it
+BARRIER = Signature(op="c10d::barrier", group=0, dtype="uint8", numel=1, shapes=((1,),))
+
+
+def ends_with_a_barrier(rank: int) -> Collectives:
+    """Steps 0..2 issue A, B, C; step 2, the last, the barrier after them."""
+    sequence = CollectiveSequence(
+        ranks=[rank], groups=[WORLD, OTHER], signatures=[A, B, C, BARRIER],
+        steps=[StepRun(0, 1, (0, 1, 2)), StepRun(2, 2, (0, 1, 2, 3))],
+    )  # fmt: skip
+    return Collectives(sequences=[sequence])
+
+
+@pytest.mark.parametrize("steps", [3, 4, 30])
+def test_a_longer_run_may_end_with_what_ran_after_the_good_runs_loop(steps: int) -> None:
+    """From the good run's last step on, a step may be a loop step or the last one (the
+    guard cannot know which): a run of any length is clean."""
+    recorded = Recorded()
+    checker = SequenceChecker(ends_with_a_barrier(1), recorded)
+    assert checker.bind(1)
+    for number in range(steps):
+        calls = GOOD_STEP + ([call(BARRIER)] if number == steps - 1 else [])
+        for op, described in calls:
+            checker.check(op, described, number, "job:step")
+    recorded.violations.extend((v, False) for v in checker.finish())
+    assert recorded.violations == []
+
+
+@pytest.mark.parametrize(
+    ("step5", "kind"),
+    [
+        ([call(A), call(B)], "collective_missing"),  # neither plan ends here
+        ([call(A), call(B), call(C), call(C)], "collective_extra"),
+        ([call(A), call(B), call(C), call(BARRIER), call(A)], "collective_extra"),
+        ([call(A, dtype="bfloat16"), call(B), call(C)], "collective_dtype"),
+    ],
+)
+def test_past_the_good_run_each_plan_must_fail_to_be_a_departure(
+    step5: list[Any], kind: str
+) -> None:
+    recorded = Recorded()
+    checker = SequenceChecker(ends_with_a_barrier(1), recorded)
+    checker.bind(1)
+    for number in range(8):
+        for op, described in step5 if number == 5 else GOOD_STEP:
+            checker.check(op, described, number, "job:step")
+    assert recorded.kinds() == [kind]
+
+
 def test_a_rank_the_good_run_lacked_is_not_checked() -> None:
     checker = SequenceChecker(good(0), Recorded())
     assert not checker.bind(5)

@@ -9,9 +9,13 @@ collective it is about to issue against the one its own rank issued at that plac
 the good run, **before** it is issued (:class:`SequenceChecker`):
 
 * the place is (step, process group, position): the n-th collective the rank issues
-  on a group within an optimizer step (steps counted as the tracer counts them). A
-  step the good run did not reach repeats the good run's last recorded step (a job
-  that repeats itself), so a 3-step recording guards a 1000-step run;
+  on a group within an optimizer step (steps counted as the tracer counts them). The
+  good run's last recorded step may hold what ran after its loop (a final barrier, a
+  loss all-reduce) and the guard cannot know which step of this run is the last, so
+  from that step on a step may follow either of two plans (:meth:`ExpectedSteps.plans`):
+  the good run's last step, or its last loop step (the one before); each call narrows
+  the plans the step still follows, and only a call no plan allows is a departure. So
+  a 3-step recording guards a 1000-step run;
 * it compares what the divergence stage compares
   (:meth:`~opguard_core.formats.collectives.Signature.key`: what the op does,
   dtype, element count, shapes, reduce op; a field either side does not know is not
@@ -153,6 +157,18 @@ class ExpectedSteps:
                 return index
         return len(runs) - 1 if step > runs[-1].last else None
 
+    def plans(self, step: int) -> list[dict[str, list[Signature]]]:
+        """What ``step`` may issue, one or two plans (see :meth:`at`): from the good
+        run's last recorded step on, the last step's (what it ran after the loop
+        included) or the last loop step's, where they differ; before it, its own."""
+        runs = self.sequence.steps
+        good_last = runs[-1].last if runs else 0
+        own = self.at(step)
+        if step < good_last or good_last < 1:
+            return [own]
+        loop = self.at(good_last - 1)
+        return [own] if loop == own else [own, loop]
+
     def at(self, step: int) -> dict[str, list[Signature]]:
         """Group name → the collectives the good run issued on it in ``step``, in order."""
         index = self.run_index(step)
@@ -205,6 +221,8 @@ class SequenceChecker:
         self.rank: int | None = None
         self.step: int | None = None
         self.positions: dict[str, int] = {}
+        #: the plans the current step's calls so far agree with (None: not begun)
+        self.alive: list[dict[str, list[Signature]]] | None = None
         self.one_group = False
         self._lock = threading.Lock()
 
@@ -225,22 +243,31 @@ class SequenceChecker:
         with self._lock:
             if step != self.step:
                 missing = self._close_step()
-                self.step, self.positions = step, {}
+                self.step, self.positions, self.alive = step, {}, None
             else:
                 missing = []
             group = UNKNOWN_GROUP if self.one_group else call[0]
             position = self.positions.get(group, 0)
             self.positions[group] = position + 1
+            plans = self.alive
+            if plans is None and expected is not None:
+                plans = self.alive = expected.plans(step)
+            agree = [
+                plan
+                for plan in plans or ()
+                if position < len(plan.get(group, ()))
+                and compare(plan[group][position], op, call) is None
+            ]
+            if agree:  # else every plan stays: later calls are held to them as before
+                self.alive = agree
         for violation in missing:
             self.report(violation, "", False)
-        if expected is None:
+        if expected is None or agree or not plans:
             return
-        plan = expected.at(step)
+        plan = plans[0]
         on_group = plan.get(group, [])
         got = _text(op, call[1], call[2], group)
         where = f"collective #{position} on group {group}, step {step}"
-        if position < len(on_group) and compare(on_group[position], op, call) is None:
-            return
         other = self._on_other_group(plan, group, op, call)
         later = next((s for s in on_group[position + 1 :] if compare(s, op, call) is None), None)
         if other is not None:
@@ -279,11 +306,16 @@ class SequenceChecker:
             return self._close_step()
 
     def _close_step(self) -> list[Violation]:
-        """``collective_missing`` for each group the finished step issued too few on."""
+        """``collective_missing`` for each group the finished step issued too few on,
+        by the plan it came closest to; none where some plan it followed is complete."""
         if self.expected is None or self.step is None:
             return []
+        return min((self._shortfall(plan) for plan in self.alive or [{}]), key=len)
+
+    def _shortfall(self, plan: dict[str, list[Signature]]) -> list[Violation]:
+        assert self.expected is not None
         out = []
-        for group, signatures in self.expected.at(self.step).items():
+        for group, signatures in plan.items():
             issued = self.positions.get(group, 0)
             if issued < len(signatures):
                 sig = signatures[issued]
