@@ -20,13 +20,14 @@ from opguard_core.formats.config import CONFIG_VERSION
 from opguard_core.formats.config_collectives import sequence_item
 from opguard_core.formats.streams import is_comm_op, legacy_roles
 from opguard_core.formats.styles import flow_map, flow_seq
-from opguard_core.formats.trace import READ_VERSIONS, ROLE_VERSION, TRACE_FORMAT
+from opguard_core.formats.trace import DTYPE_VERSION, READ_VERSIONS, ROLE_VERSION, TRACE_FORMAT
 
 FrameValue = tuple[str, int, str, str, str | None]
-#: a callsite drawn by frame *values*: (stack of frames, api, op, raw stream)
-SiteIdentity = tuple[tuple[FrameValue, ...], str | None, str, int]
-#: what a combine keys on: (stack of frames, api, op, stream role)
-RoleIdentity = tuple[tuple[FrameValue, ...], str | None, str, str]
+#: a callsite drawn by frame *values*: (stack of frames, api, op, raw stream, dtype);
+#: the dtype is written by version-7 documents only
+SiteIdentity = tuple[tuple[FrameValue, ...], str | None, str, int, str | None]
+#: what a combine keys on: (stack of frames, api, op, stream role, dtype)
+RoleIdentity = tuple[tuple[FrameValue, ...], str | None, str, str, str | None]
 #: the role a version-4 document gives a raw stream (a collective is on ``comm``)
 ROLE_OF_STREAM = {0: "compute", 1: "side1", 2: "side2"}
 
@@ -70,6 +71,8 @@ OPS: tuple[str, ...] = (
     "c10d::allreduce_",
     "aten::mm_backward",
 )
+#: callsites' op dtypes (formats.md, "Dtypes"); None: an op without one
+SITE_DTYPES: tuple[str | None, ...] = (None, "float32", "float64", "bfloat16", "int64")
 
 frame_values = st.builds(
     lambda spec, line: (spec[0], line, spec[1], spec[2], spec[3]),
@@ -82,6 +85,7 @@ site_shapes = st.tuples(
     st.sampled_from(APIS),
     st.sampled_from(OPS),
     st.integers(min_value=0, max_value=2),
+    st.sampled_from(SITE_DTYPES),
 )
 
 
@@ -109,7 +113,9 @@ def trace_documents(
     combined trace whose callsites may name a subset). ``shapes`` is a pool of callsite
     identities shared with other documents; the document also gets unique ones. Its
     version is any read: version 4 writes each callsite's role (:func:`site_role`),
-    older ones leave it to the reader's rule for them.
+    older ones leave it to the reader's rule for them; version 7 writes each callsite's
+    dtype where it has one (one stack and op may then be several callsites, one per
+    dtype), older ones none (two such identities are then one callsite twice).
     """
     version = draw(st.sampled_from(READ_VERSIONS))
     if ranks is None:
@@ -119,12 +125,12 @@ def trace_documents(
     own = draw(st.lists(site_shapes, max_size=6))
     identities = list(dict.fromkeys([*chosen, *own]))
     # intern the frames this document uses, plus a few unused ones, in random order
-    used = {frame for stack, _, _, _ in identities for frame in stack}
+    used = {frame for stack, *_ in identities for frame in stack}
     unused = draw(st.lists(frame_values, max_size=2))
     frames = draw(st.permutations(sorted(used | set(unused), key=repr)))
     ids = {frame: index for index, frame in enumerate(frames)}
     callsites = []
-    for stack, api, op, stream in identities:
+    for stack, api, op, stream, dtype in identities:
         site: dict[str, Any] = {"stack": [ids[f] for f in stack]}
         if api is not None:
             site["api"] = api
@@ -133,6 +139,8 @@ def trace_documents(
             site["stream"] = stream
         if version >= ROLE_VERSION:
             site["role"] = site_role(op, stream)
+        if version >= DTYPE_VERSION and dtype is not None:
+            site["dtype"] = dtype
         site["count"] = draw(st.integers(min_value=1, max_value=50))
         if len(ranks) > 1 and draw(st.booleans()):
             site["ranks"] = sorted(draw(st.sets(st.sampled_from(ranks), min_size=1)))
@@ -182,8 +190,8 @@ def encode_doc(doc: dict[str, Any]) -> bytes:
 
 
 def identity_counts(doc: dict[str, Any]) -> Counter[RoleIdentity]:
-    """Counts per callsite identity (stack as frame values, api, op, stream role); a
-    callsite without a role (versions 1 and 2) gets the reader's rule's."""
+    """Counts per callsite identity (stack as frame values, api, op, stream role,
+    dtype); a callsite without a role (versions 1 and 2) gets the reader's rule's."""
     frames = [
         (f["file"], f["line"], f["function"], f["qualname"], f.get("module")) for f in doc["frames"]
     ]
@@ -195,6 +203,7 @@ def identity_counts(doc: dict[str, Any]) -> Counter[RoleIdentity]:
             site.get("api"),
             site["op"],
             site.get("role") or legacy[(site["op"], site.get("stream", 0))],
+            site.get("dtype"),
         )
         counts[key] += site["count"]
     return counts
@@ -213,6 +222,7 @@ TARGETS = (
     "script.py:<module>",
 )
 KINDS = ("function", "method", "torch_api", "lambda", "module")
+DTYPES = ("bfloat16", "float32", "float64", "int64")
 
 
 @st.composite
@@ -229,6 +239,8 @@ def configs(draw: st.DrawFn, source: str | None = None) -> CommentedMap:
             unique=True,
         )
     )
+    # config version 5: entries record dtypes where the traces did (formats.md, "Dtypes")
+    with_dtypes = draw(st.booleans())
     entries = []
     for target, context in sorted(keys):
         ops = draw(st.dictionaries(st.sampled_from(OPS), st.integers(1, 40), min_size=1))
@@ -246,6 +258,16 @@ def configs(draw: st.DrawFn, source: str | None = None) -> CommentedMap:
         item["tags"] = flow_seq(sorted(draw(st.sets(st.sampled_from(["forward", "user"])))))
         item["ops"] = flow_map(sorted(ops.items()))
         item["stream_counts"] = flow_map(sorted(streams.items()))
+        if with_dtypes:
+            typed = draw(st.integers(0, total))  # ops with a tensor argument
+            dtypes = draw(st.lists(st.sampled_from(DTYPES), min_size=1, max_size=2, unique=True))
+            first = draw(st.integers(0, typed))
+            counts = (
+                {dtypes[0]: first, dtypes[-1]: typed - first}
+                if len(dtypes) == 2
+                else {dtypes[0]: typed}
+            )
+            item["dtype_counts"] = flow_map(sorted((d, c) for d, c in counts.items() if c))
         item["count"] = total
         if draw(st.booleans()):
             subset = sorted(draw(st.sets(st.sampled_from(meta_ranks), min_size=1)))

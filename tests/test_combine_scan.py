@@ -77,7 +77,8 @@ def test_stack_tables_intern_absorb_and_pickle(table_type: Any) -> None:
 @given(st.data())
 def test_c_site_order_is_the_reference(data: Any) -> None:
     """Stacks by their canonical bytes (a prefix first), then api ("" and None
-    together, None first), op, stream: the C order is the reference's."""
+    together, None first), op, stream, dtype (None first, then by name; "" and None
+    apart): the C order is the reference's."""
     site_order = _scan.site_order
     stacks = data.draw(st.lists(st.lists(st.integers(0, 3), max_size=4), min_size=1, max_size=12))
     canonical = [(b"".join(i.to_bytes(4, "big") for i in s), tuple(s)) for s in stacks]
@@ -89,6 +90,7 @@ def test_c_site_order_is_the_reference(data: Any) -> None:
                 st.none() | texts,
                 texts,
                 st.integers(-2, 2) | st.integers(-(2**40), 2**40),
+                st.none() | texts,
             ),
             unique=True,
             max_size=40,
@@ -96,7 +98,9 @@ def test_c_site_order_is_the_reference(data: Any) -> None:
     )
     assert site_order(keys, canonical) == stack_table.py_site_order(keys, canonical)
     with pytest.raises(IndexError):
-        site_order([(len(stacks), None, "x", 0)], canonical)
+        site_order([(len(stacks), None, "x", 0, None)], canonical)
+    with pytest.raises(TypeError):  # a key of the version before dtypes
+        site_order([(0, None, "x", 0)], canonical)
 
 
 @needs_c
@@ -175,6 +179,11 @@ FAULTS: dict[str, Any] = {
     "role not a string": _first('"op":', '"role": 5, "op":'),
     "unknown role": _first('"op":', '"role": "gpu", "op":'),
     "duplicate role": _first('"op":', '"role": "comm", "role": "comm", "op":'),
+    "dtype not a string": _first('"op":', '"dtype": 32, "op":'),
+    "bad dtype": _first('"op":', '"dtype": "Float 32", "op":'),
+    "empty dtype": _first('"op":', '"dtype": "", "op":'),
+    "null dtype": _first('"op":', '"dtype": null, "op":'),
+    "duplicate dtype": _first('"op":', '"dtype": "int64", "dtype": "int64", "op":'),
 }
 
 
@@ -297,25 +306,38 @@ def test_the_scanner_reads_the_plain_shape_itself() -> None:
     apis: dict[Any, Any] = {}
     ops: dict[Any, Any] = {}
     roles: dict[Any, Any] = {}
+    dtypes: dict[Any, Any] = {}
     table = CStackTable()
     remap = bytes(memoryview(b"\x07\0\0\0\x09\0\0\0"))
-    keys, counts, total = scan_callsites(raw, 0, False, remap, table, apis, ops, roles, False)
+    keys, counts, total = scan_callsites(
+        raw, 0, False, remap, table, apis, ops, roles, dtypes, False
+    )
     # no role (a version 1 or 2 file): the raw stream in its place, for legacy_roles
-    assert keys == [(0, "torch.mm", "aten::mm", 0), (1, None, "aten::view", -1)]
+    assert keys == [(0, "torch.mm", "aten::mm", 0, None), (1, None, "aten::view", -1, None)]
     assert counts == [3, 1] and total == 4
     assert table[0] == (9, 7) and table[1] == ()
     assert keys[0][2] is ops["aten::mm"]  # interned
-    assert scan_callsites(raw, 0, False, remap, table, apis, ops, roles, True) is None
+    assert scan_callsites(raw, 0, False, remap, table, apis, ops, roles, dtypes, True) is None
     with_roles = raw.replace(b'"count"', b'"role":"side1","count"')
-    keys, _, _ = scan_callsites(with_roles, 0, False, remap, table, apis, ops, roles, True)
+    keys, _, _ = scan_callsites(with_roles, 0, False, remap, table, apis, ops, roles, dtypes, True)
     assert [key[3] for key in keys] == ["side1", "side1"] and keys[0][3] is roles["side1"]
-    apis, ops, roles = {}, {}, {}
+    # a dtype (version 7) is the key's last item, interned like a role; null is None
+    with_dtypes = with_roles.replace(b'"count":3', b'"dtype":"float32","count":3').replace(
+        b'"count":1', b'"dtype":null,"count":1'
+    )
+    keys, _, _ = scan_callsites(with_dtypes, 0, False, remap, table, apis, ops, roles, dtypes, True)
+    assert [key[4] for key in keys] == ["float32", None] and keys[0][4] is dtypes["float32"]
+    # the scanner interns any string: the caller checks the names (is_dtype)
+    odd = with_dtypes.replace(b'"float32"', b'"Float 32"')
+    keys, _, _ = scan_callsites(odd, 0, False, remap, table, apis, ops, roles, dtypes, True)
+    assert keys[0][4] == "Float 32" and "Float 32" in dtypes
+    apis, ops, roles, dtypes = {}, {}, {}, {}
     # in a whole document: found past members whose strings hold brackets and quotes
     head = b'{"meta": {"n": "\\"callsites\\": [{"}, "frames": [[], {"x": "]"}], "callsites" : '
     offset = find_callsites(head + raw + b"\n}\n")
     assert offset == len(head)
     scan = lambda data, closes: scan_callsites(  # noqa: E731
-        data, offset, closes, remap, table, apis, ops, roles, False
+        data, offset, closes, remap, table, apis, ops, roles, dtypes, False
     )
     assert scan(head + raw + b"}", True) is not None
     assert scan(head + raw + b', "x": 1}', True) is None
@@ -352,7 +374,7 @@ def test_rank_files_written_by_the_tracer_never_reach_msgspecs_path(
 @given(
     prefix=st.sampled_from([b"", b'{"callsites":', b'{"frames": [], "callsites" :', b"[", b"[{"]),
     body=st.binary(max_size=80)
-    | st.text(alphabet='[]{}",:-0123456789 \\nule"stackopintr', max_size=80).map(str.encode),
+    | st.text(alphabet='[]{}",:-0123456789 \\nule"stackopintrdy', max_size=80).map(str.encode),
     closes=st.booleans(),
 )
 def test_the_scanner_survives_any_bytes(prefix: bytes, body: bytes, closes: bool) -> None:
@@ -367,9 +389,10 @@ def test_the_scanner_survives_any_bytes(prefix: bytes, body: bytes, closes: bool
     for start in {0, offset or 0, len(prefix)}:
         for require_role in (False, True):
             result = scan_callsites(
-                data, start, closes, remap, CStackTable(), {}, {}, {}, require_role
+                data, start, closes, remap, CStackTable(), {}, {}, {}, {}, require_role
             )
             assert result is None or len(result[0]) == len(result[1])
     assert (
-        scan_callsites(data, len(data) + 1, closes, remap, CStackTable(), {}, {}, {}, False) is None
+        scan_callsites(data, len(data) + 1, closes, remap, CStackTable(), {}, {}, {}, {}, False)
+        is None
     )

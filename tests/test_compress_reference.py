@@ -3,7 +3,7 @@
 ``build_tree`` never builds the whole call tree (see its docstring). The reference
 below does: it walks every callsite's stack from the root, creating nodes as it
 goes, then folds small subtrees with :func:`prune_subtrees`. Both must give the
-same nodes (identity, file, lines, counts, ranks, own ops and streams) and the same
+same nodes (identity, file, lines, counts, ranks, own ops, streams and dtypes) and the same
 count of nodes before pruning, for any traces and thresholds.
 """
 
@@ -77,6 +77,8 @@ def reference_tree(trace: CallsiteTrace, hide: list[str]) -> Node:
             node = child
         node.self_ops[site.op] += site.count
         node.self_streams[site.role] += site.count
+        if site.dtype is not None:
+            node.self_dtypes[site.dtype] += site.count
     return root
 
 
@@ -104,7 +106,7 @@ def prune_subtrees(
 
 def fold_small(root: Node, floor: float, keep: Callable[[Node], bool]) -> None:
     """Fold every node below ``floor`` that ``keep`` refuses, with its subtree, into
-    its parent's own ops and streams."""
+    its parent's own ops, streams and dtypes."""
     stack = [root]
     while stack:
         node = stack.pop()
@@ -116,6 +118,7 @@ def fold_small(root: Node, floor: float, keep: Callable[[Node], bool]) -> None:
                     below = folded.pop()
                     node.self_ops.update(below.self_ops)
                     node.self_streams.update(below.self_streams)
+                    node.self_dtypes.update(below.self_dtypes)
                     folded.extend(below.children.values())
             else:
                 stack.append(child)
@@ -168,6 +171,7 @@ def state(node: Node) -> dict[str, Any]:
         "ranks": node.ranks,
         "self_ops": dict(sorted(node.self_ops.items())),
         "self_streams": dict(sorted(node.self_streams.items())),
+        "self_dtypes": dict(sorted(node.self_dtypes.items())),
         "children": {key: state(child) for key, child in sorted(node.children.items())},
     }
 

@@ -44,7 +44,7 @@ WIDTH = 4
 @st.composite
 def run_inputs(draw: st.DrawFn) -> tuple[Any, ...]:
     """Sorted paths of small ids (so that runs share prefixes), and per position a
-    count, a mask within the ranks, an op and a stream role."""
+    count, a mask within the ranks, an op, a stream role and a dtype (or None)."""
     ranks = draw(st.integers(1, 70))  # past 64: masks of more than one machine word
     all_mask = (1 << ranks) - 1
     size = draw(st.integers(0, 40))
@@ -64,7 +64,9 @@ def run_inputs(draw: st.DrawFn) -> tuple[Any, ...]:
     ops = draw(st.lists(op_names, min_size=size, max_size=size))
     roles = st.sampled_from(["compute", "comm", "side1"])
     streams = draw(st.lists(roles, min_size=size, max_size=size))
-    return paths, counts, masks, all_mask, ops, streams, WIDTH
+    dtype_names = st.sampled_from([None, "float32", "float64", "int64"])
+    dtypes = draw(st.lists(dtype_names, min_size=size, max_size=size))
+    return paths, counts, masks, all_mask, ops, streams, dtypes, WIDTH
 
 
 def both(inputs: tuple[Any, ...]) -> tuple[Any, Any]:
@@ -92,13 +94,16 @@ def test_c_runs_answer_like_the_reference(inputs: tuple[Any, ...], data: st.Data
         assert c.id_at(own, start) == py.id_at(own, start)
         ranks = array("I", data.draw(st.permutations(range(4))))
         assert c.ranked_prefix(own, start, ranks) == py.ranked_prefix(own, start, ranks)
-        tallies: list[tuple[dict[Any, int], dict[Any, int]]] = []
+        tallies: list[tuple[dict[Any, int], dict[Any, int], dict[Any, int]]] = []
         for runs in (py, c):
             ops: dict[Any, int] = {"aten::mm": 1}
             streams: dict[Any, int] = {}
-            runs.tally(start, end, ops, streams)
-            tallies.append((ops, streams))
+            dtypes: dict[Any, int] = {"bool": 2}
+            runs.tally(start, end, ops, streams, dtypes)
+            tallies.append((ops, streams, dtypes))
         assert tallies[0] == tallies[1]
+        # only ops with a dtype are tallied by dtype: at most the ops' own sum
+        assert sum(tallies[0][2].values()) - 2 <= sum(tallies[0][0].values()) - 1
     floor = data.draw(st.integers(0, 2**42))
     rank_floor = data.draw(st.integers(0, 2**41))
     assert c.divergent(floor, rank_floor) == py.divergent(floor, rank_floor)
@@ -230,21 +235,25 @@ def test_c_paths_refuse_bad_arguments() -> None:
 
 @needs_c
 def test_c_runs_refuse_bad_arguments() -> None:
-    runs = CRuns([b"\0\0\0\1"], [5], [1], 1, ["aten::mm"], [0], WIDTH)
+    runs = CRuns([b"\0\0\0\1"], [5], [1], 1, ["aten::mm"], [0], ["float32"], WIDTH)
     with pytest.raises(ValueError, match="out of range"):
         runs.weight(0, 2)
     with pytest.raises(ValueError, match="out of range"):
         runs.mask(1, 1)
     with pytest.raises(ValueError, match="items"):
-        CRuns([b""], [], [1], 1, [""], [0], WIDTH)
+        CRuns([b""], [], [1], 1, [""], [0], [None], WIDTH)
+    with pytest.raises(ValueError, match="dtypes has 0 items"):
+        CRuns([b""], [1], [1], 1, [""], [0], [], WIDTH)
     with pytest.raises(TypeError, match="bytes"):
-        CRuns(["x"], [1], [1], 1, [""], [0], WIDTH)
+        CRuns(["x"], [1], [1], 1, [""], [0], [None], WIDTH)
     with pytest.raises(OverflowError):
-        CRuns([b"", b""], [2**62, 2**62], [1, 1], 1, ["", ""], [0, 0], WIDTH)
+        CRuns([b"", b""], [2**62, 2**62], [1, 1], 1, ["", ""], [0, 0], [None, None], WIDTH)
     with pytest.raises(ValueError, match="width"):
-        CRuns([], [], [], 1, [], [], 0)
+        CRuns([], [], [], 1, [], [], [], 0)
     with pytest.raises(TypeError, match="dicts"):
-        runs.tally(0, 1, [], {})
+        runs.tally(0, 1, [], {}, {})
+    with pytest.raises(TypeError, match="dicts"):
+        runs.tally(0, 1, {}, {})  # the call before dtypes
 
 
 @needs_c

@@ -98,10 +98,12 @@ def test_bad_ranges_are_refused(tmp_path: Path, bad: Any) -> None:
 
     tree = {"format": "opguard-calltree", "version": TREE_VERSION, "meta": {"ranks": [0]},
             "root": {"name": "<root>", "count": 1, "self_ops": {}, "self_streams": {},
+                     "self_dtypes": {},
                      "children": [{"module": "m", "qualname": "f", "file": "m.py",
                                    "lines": [1], "kind": "function", "count": 1,
                                    "self_ops": {"aten::add": 1},
-                                   "self_streams": {"compute": 1}, "ranks": bad,
+                                   "self_streams": {"compute": 1},
+                                   "self_dtypes": {"float32": 1}, "ranks": bad,
                                    "chain": [], "children": []}]}}  # fmt: skip
     path = write(tmp_path / "x_compressed.json", tree)
     with pytest.raises(InputError, match="ranks"):

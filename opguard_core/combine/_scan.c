@@ -8,21 +8,25 @@
  * ``callsites`` starts, skipping the members before it without decoding them, so the
  * header can be decoded by msgspec from the bytes before it alone.
  *
- * ``scan_callsites(data, offset, closes, remap, table, apis, ops, roles, require_role)``
- * reads the ``callsites`` array at ``offset`` straight from the JSON bytes (with
- * ``closes``, the document's closing brace must follow it): every stack's frame ids are
- * mapped through ``remap`` (the file's frame ids -> the accumulator's, uint32 bytes) and
- * interned in ``table``, api, op and role are interned in the dicts ``apis``/``ops``/
- * ``roles``, and it returns ``(keys, counts, total)``: one key ``(stack id, api, op,
- * role)`` and one count per callsite, in file order, and the sum of the counts; a
- * callsite without a role has its raw stream (an int, 0 when absent) in the role's
- * place, for the caller to map (a version 1 or 2 file), and with ``require_role`` the
- * scan gives up on it. It accepts only the plain shape a tracer writes (the keys
- * ``stack``, ``api``, ``op``, ``stream``, ``role``, ``count``, each at most once; strings
- * without escapes; ids within ``remap``; integers of at most 18 digits) and returns
- * None for anything else, without raising: the caller then decodes
+ * ``scan_callsites(data, offset, closes, remap, table, apis, ops, roles, dtypes,
+ * require_role)`` reads the ``callsites`` array at ``offset`` straight from the JSON
+ * bytes (with ``closes``, the document's closing brace must follow it): every stack's
+ * frame ids are mapped through ``remap`` (the file's frame ids -> the accumulator's,
+ * uint32 bytes) and interned in ``table``, api, op, role and dtype are interned in the
+ * dicts ``apis``/``ops``/``roles``/``dtypes``, and it returns ``(keys, counts, total)``:
+ * one key ``(stack id, api, op, role, dtype)`` and one count per callsite, in file
+ * order, and the sum of the counts; a callsite without a role has its raw stream (an
+ * int, 0 when absent) in the role's place, for the caller to map (a version 1 or 2
+ * file), and with ``require_role`` the scan gives up on it; one without a dtype has
+ * None there. Roles and dtypes are interned as they are written: the caller checks the
+ * (few) names its dicts then hold against their patterns and reads the file with
+ * msgspec where one is not a name. It accepts only the plain shape a tracer writes (the
+ * keys ``stack``, ``api``, ``op``, ``stream``, ``role``, ``dtype``, ``count``, each at
+ * most once; strings without escapes; ids within ``remap``; integers of at most 18
+ * digits) and returns None for anything else, without raising: the caller then decodes
  * the file with msgspec (the reference path), which explains any error. A None may
- * leave stacks interned that no key refers to; nothing else is touched.
+ * leave stacks, roles and dtypes interned that no key refers to; nothing else is
+ * touched.
  *
  * ``site_order(keys, canonical)`` sorts a combine's sites into canonical order and
  * ``merge_packed`` folds a helper's partial in.
@@ -605,7 +609,15 @@ intern_string(CacheEntry *cache, PyObject *table, const char *s, Py_ssize_t n)
     return interned;
 }
 
-enum { HAS_STACK = 1, HAS_API = 2, HAS_OP = 4, HAS_STREAM = 8, HAS_COUNT = 16, HAS_ROLE = 32 };
+enum {
+    HAS_STACK = 1,
+    HAS_API = 2,
+    HAS_OP = 4,
+    HAS_STREAM = 8,
+    HAS_COUNT = 16,
+    HAS_ROLE = 32,
+    HAS_DTYPE = 64,
+};
 
 /* Past one JSON value (not checked: the decoder checks the text around the callsites);
  * 0 if the text ends first. Strings skip their escapes; brackets count depth. */
@@ -674,16 +686,16 @@ scan_callsites(PyObject *Py_UNUSED(module), PyObject *args)
     Py_ssize_t offset;
     int closes;
     StackTable *table;
-    PyObject *apis, *ops, *roles;
+    PyObject *apis, *ops, *roles, *dtypes;
     int require_role;
-    if (!PyArg_ParseTuple(args, "y*npy*O!O!O!O!p", &data, &offset, &closes, &remap_buf,
+    if (!PyArg_ParseTuple(args, "y*npy*O!O!O!O!O!p", &data, &offset, &closes, &remap_buf,
                           &StackTableType, &table, &PyDict_Type, &apis, &PyDict_Type, &ops,
-                          &PyDict_Type, &roles, &require_role))
+                          &PyDict_Type, &roles, &PyDict_Type, &dtypes, &require_role))
         return NULL;
     const uint32_t *remap = remap_buf.buf;
     size_t n_frames = (size_t)remap_buf.len / sizeof(uint32_t);
     CacheEntry api_cache[CACHE_SIZE] = {{0}}, op_cache[CACHE_SIZE] = {{0}};
-    CacheEntry role_cache[CACHE_SIZE] = {{0}};
+    CacheEntry role_cache[CACHE_SIZE] = {{0}}, dtype_cache[CACHE_SIZE] = {{0}};
     uint32_t *ids = NULL;
     size_t ids_cap = 0;
     int64_t total = 0;
@@ -705,7 +717,7 @@ scan_callsites(PyObject *Py_UNUSED(module), PyObject *args)
             goto fallback;
         int seen = 0;
         size_t n_ids = 0;
-        PyObject *api = Py_None, *op = NULL, *role = NULL;
+        PyObject *api = Py_None, *op = NULL, *role = NULL, *dtype = Py_None;
         int64_t stream = 0, count = 0;
         skip_ws(&c);
         if (c.p < c.end && *c.p == '}') {
@@ -727,6 +739,8 @@ scan_callsites(PyObject *Py_UNUSED(module), PyObject *args)
                 field = HAS_STREAM;
             else if (key_len == 4 && memcmp(key, "role", 4) == 0)
                 field = HAS_ROLE;
+            else if (key_len == 5 && memcmp(key, "dtype", 5) == 0)
+                field = HAS_DTYPE;
             else if (key_len == 5 && memcmp(key, "count", 5) == 0)
                 field = HAS_COUNT;
             if (field == 0 || (seen & field))
@@ -755,22 +769,27 @@ scan_callsites(PyObject *Py_UNUSED(module), PyObject *args)
                     }
                 }
             }
-            else if (field == HAS_API || field == HAS_OP || field == HAS_ROLE) {
+            else if (field == HAS_API || field == HAS_OP || field == HAS_ROLE ||
+                     field == HAS_DTYPE) {
                 const char *s;
                 Py_ssize_t n;
                 skip_ws(&c);
-                if (field == HAS_API && c.end - c.p >= 4 && memcmp(c.p, "null", 4) == 0) {
-                    c.p += 4;
-                    api = Py_None;
+                if ((field == HAS_API || field == HAS_DTYPE) && c.end - c.p >= 4 &&
+                    memcmp(c.p, "null", 4) == 0) {
+                    c.p += 4; /* api and dtype may be null, as msgspec reads them */
                 }
                 else {
                     if (!read_string(&c, &s, &n))
                         goto fallback;
-                    CacheEntry *cache = field == HAS_API ? api_cache
-                                        : field == HAS_OP ? op_cache
-                                                          : role_cache;
-                    PyObject *text = intern_string(
-                        cache, field == HAS_API ? apis : field == HAS_OP ? ops : roles, s, n);
+                    CacheEntry *cache = field == HAS_API     ? api_cache
+                                        : field == HAS_OP    ? op_cache
+                                        : field == HAS_ROLE  ? role_cache
+                                                             : dtype_cache;
+                    PyObject *table_of = field == HAS_API     ? apis
+                                         : field == HAS_OP    ? ops
+                                         : field == HAS_ROLE  ? roles
+                                                              : dtypes;
+                    PyObject *text = intern_string(cache, table_of, s, n);
                     if (text == NULL) {
                         if (!PyErr_ExceptionMatches(PyExc_UnicodeDecodeError))
                             goto fail;
@@ -781,8 +800,10 @@ scan_callsites(PyObject *Py_UNUSED(module), PyObject *args)
                         api = text;
                     else if (field == HAS_OP)
                         op = text;
-                    else
+                    else if (field == HAS_ROLE)
                         role = text;
+                    else
+                        dtype = text;
                 }
             }
             else if (field == HAS_STREAM) {
@@ -809,7 +830,7 @@ scan_callsites(PyObject *Py_UNUSED(module), PyObject *args)
         Py_ssize_t id = table_intern(table, ids, n_ids);
         if (id < 0)
             goto fail;
-        PyObject *key = PyTuple_New(4);
+        PyObject *key = PyTuple_New(5);
         if (key == NULL)
             goto fail;
         PyObject *number = PyLong_FromSsize_t(id);
@@ -826,6 +847,7 @@ scan_callsites(PyObject *Py_UNUSED(module), PyObject *args)
             goto fail;
         }
         PyTuple_SET_ITEM(key, 3, number);
+        PyTuple_SET_ITEM(key, 4, Py_NewRef(dtype));
         int failed = PyList_Append(keys, key);
         Py_DECREF(key);
         number = failed ? NULL : PyLong_FromLongLong(count);
@@ -882,7 +904,7 @@ slot_set(PyObject *slot, Py_ssize_t index, PyObject *value)
     return PyList_SetItem(slot, index, value);
 }
 
-/* whether the key (stack id, api, op, role) is a collective: ``is_collective`` */
+/* whether the key (stack id, api, op, role, dtype) is a collective: ``is_collective`` */
 static int
 key_is_collective(PyObject *key, PyObject *collective_apis)
 {
@@ -1089,8 +1111,8 @@ fold_rank(PyObject *Py_UNUSED(module), PyObject *args)
                 return NULL;
             continue;
         }
-        if (!PyTuple_Check(key) || PyTuple_GET_SIZE(key) != 4) {
-            PyErr_SetString(PyExc_TypeError, "fold_rank: a key is not a 4-tuple");
+        if (!PyTuple_Check(key) || PyTuple_GET_SIZE(key) != 5) {
+            PyErr_SetString(PyExc_TypeError, "fold_rank: a key is not a 5-tuple");
             return NULL;
         }
         if (add_rank_count(slot, count, mask, key, collective_apis, max_distinct) < 0)
@@ -1228,38 +1250,40 @@ done:
     return status;
 }
 
-/* merge_packed(sites, stack_ids, apis, ops, roles, counts, masks, mins, stats,
+/* merge_packed(sites, stack_ids, apis, ops, roles, dtypes, counts, masks, mins, stats,
  * collective_apis, max_distinct): ``TraceAccumulator._merge_packed``'s fold in C. The
- * site at each position has key (stack_ids[i], apis[i], ops[i], roles[i]) and slot
- * [counts[i], masks[i], mins[i], *stats[i]] where ``stats`` (a dict by position) has
- * it, else [counts[i], masks[i], mins[i], None, mins[i], None, None]; a new key takes
- * the slot, a known one has it merged in (``merge_slot``). */
+ * site at each position has key (stack_ids[i], apis[i], ops[i], roles[i], dtypes[i])
+ * and slot [counts[i], masks[i], mins[i], *stats[i]] where ``stats`` (a dict by
+ * position) has it, else [counts[i], masks[i], mins[i], None, mins[i], None, None]; a
+ * new key takes the slot, a known one has it merged in (``merge_slot``). */
 static PyObject *
 merge_packed(PyObject *Py_UNUSED(module), PyObject *args)
 {
-    PyObject *sites, *columns[7], *stats, *collective_apis;
+    /* the key's five columns, then counts, masks and mins */
+    PyObject *sites, *columns[8], *stats, *collective_apis;
     Py_ssize_t max_distinct;
-    if (!PyArg_ParseTuple(args, "O!O!O!O!O!O!O!O!O!O!n", &PyDict_Type, &sites, &PyList_Type,
+    if (!PyArg_ParseTuple(args, "O!O!O!O!O!O!O!O!O!O!O!n", &PyDict_Type, &sites, &PyList_Type,
                           &columns[0], &PyList_Type, &columns[1], &PyList_Type, &columns[2],
                           &PyList_Type, &columns[3], &PyList_Type, &columns[4], &PyList_Type,
-                          &columns[5], &PyList_Type, &columns[6], &PyDict_Type, &stats,
-                          &PyFrozenSet_Type, &collective_apis, &max_distinct))
+                          &columns[5], &PyList_Type, &columns[6], &PyList_Type, &columns[7],
+                          &PyDict_Type, &stats, &PyFrozenSet_Type, &collective_apis,
+                          &max_distinct))
         return NULL;
     Py_ssize_t n = PyList_GET_SIZE(columns[0]);
-    for (int c = 1; c < 7; c++) {
+    for (int c = 1; c < 8; c++) {
         if (PyList_GET_SIZE(columns[c]) != n) {
             PyErr_SetString(PyExc_ValueError, "merge_packed: columns differ in length");
             return NULL;
         }
     }
     for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *key = PyTuple_Pack(4, PyList_GET_ITEM(columns[0], i),
-                                     PyList_GET_ITEM(columns[1], i),
-                                     PyList_GET_ITEM(columns[2], i), PyList_GET_ITEM(columns[3], i));
+        PyObject *key = PyTuple_Pack(5, PyList_GET_ITEM(columns[0], i),
+                                     PyList_GET_ITEM(columns[1], i), PyList_GET_ITEM(columns[2], i),
+                                     PyList_GET_ITEM(columns[3], i), PyList_GET_ITEM(columns[4], i));
         if (key == NULL)
             return NULL;
-        PyObject *low = PyList_GET_ITEM(columns[6], i);
-        PyObject *values[7] = {PyList_GET_ITEM(columns[4], i), PyList_GET_ITEM(columns[5], i), low,
+        PyObject *low = PyList_GET_ITEM(columns[7], i);
+        PyObject *values[7] = {PyList_GET_ITEM(columns[5], i), PyList_GET_ITEM(columns[6], i), low,
                                Py_None, low, Py_None, Py_None};
         PyObject *position = PyLong_FromSsize_t(i);
         PyObject *extra = position == NULL ? NULL : PyDict_GetItemWithError(stats, position);
@@ -1323,7 +1347,7 @@ compare_stack_keys(const void *a, const void *b)
 
 typedef struct {
     uint32_t stack, api, op, stream;
-    uint32_t has_api;
+    uint32_t has_dtype, dtype, has_api;
     Py_ssize_t index;
 } SiteKeyRank;
 
@@ -1338,6 +1362,8 @@ compare_site_ranks(const void *a, const void *b)
     ORDER_BY(api)
     ORDER_BY(op)
     ORDER_BY(stream)
+    ORDER_BY(has_dtype)
+    ORDER_BY(dtype)
     ORDER_BY(has_api)
 #undef ORDER_BY
     return (x->index > y->index) - (x->index < y->index);
@@ -1377,8 +1403,9 @@ rank_of(PyObject *ranks, PyObject *value, uint32_t *out)
 }
 
 /* site_order(keys, canonical) -> list: the positions of the keys (stack id, api, op,
- * role) sorted by (canonical[stack id][0], api or "", op, role, api is not None):
- * stacks by their canonical bytes, the rest by Python's order of their values */
+ * role, dtype) sorted by (canonical[stack id][0], api or "", op, role, dtype is not
+ * None, dtype or "", api is not None): stacks by their canonical bytes, the rest by
+ * Python's order of their values (``py_site_order``, the reference) */
 static PyObject *
 site_order(PyObject *Py_UNUSED(module), PyObject *args)
 {
@@ -1390,13 +1417,15 @@ site_order(PyObject *Py_UNUSED(module), PyObject *args)
     uint32_t *stack_rank = PyMem_Malloc((size_t)(stacks ? stacks : 1) * sizeof(uint32_t));
     SiteKeyRank *sites = PyMem_Malloc((size_t)(n ? n : 1) * sizeof(SiteKeyRank));
     PyObject *apis = PyDict_New(), *ops = PyDict_New(), *streams = PyDict_New();
-    PyObject *api_ranks = NULL, *op_ranks = NULL, *stream_ranks = NULL, *result = NULL;
+    PyObject *dtypes = PyDict_New();
+    PyObject *api_ranks = NULL, *op_ranks = NULL, *stream_ranks = NULL, *dtype_ranks = NULL;
+    PyObject *result = NULL;
     PyObject *empty = PyUnicode_FromString("");
     if (!stack_keys || !stack_rank || !sites) {
         PyErr_NoMemory();
         goto done;
     }
-    if (!apis || !ops || !streams || !empty)
+    if (!apis || !ops || !streams || !dtypes || !empty)
         goto done;
     for (Py_ssize_t i = 0; i < stacks; i++) {
         PyObject *pair = PyList_GET_ITEM(canonical, i);
@@ -1417,23 +1446,26 @@ site_order(PyObject *Py_UNUSED(module), PyObject *args)
     }
     for (Py_ssize_t i = 0; i < n; i++) { /* the distinct values */
         PyObject *key = PyList_GET_ITEM(keys, i);
-        if (!PyTuple_Check(key) || PyTuple_GET_SIZE(key) != 4) {
-            PyErr_SetString(PyExc_TypeError, "site_order: a key is not a 4-tuple");
+        if (!PyTuple_Check(key) || PyTuple_GET_SIZE(key) != 5) {
+            PyErr_SetString(PyExc_TypeError, "site_order: a key is not a 5-tuple");
             goto done;
         }
-        PyObject *api = PyTuple_GET_ITEM(key, 1);
+        PyObject *api = PyTuple_GET_ITEM(key, 1), *dtype = PyTuple_GET_ITEM(key, 4);
         if (PyDict_SetItem(apis, api == Py_None ? empty : api, Py_None) < 0 ||
             PyDict_SetItem(ops, PyTuple_GET_ITEM(key, 2), Py_None) < 0 ||
-            PyDict_SetItem(streams, PyTuple_GET_ITEM(key, 3), Py_None) < 0)
+            PyDict_SetItem(streams, PyTuple_GET_ITEM(key, 3), Py_None) < 0 ||
+            PyDict_SetItem(dtypes, dtype == Py_None ? empty : dtype, Py_None) < 0)
             goto done;
     }
     api_ranks = value_ranks(apis);
     op_ranks = api_ranks ? value_ranks(ops) : NULL;
     stream_ranks = op_ranks ? value_ranks(streams) : NULL;
-    if (stream_ranks == NULL)
+    dtype_ranks = stream_ranks ? value_ranks(dtypes) : NULL;
+    if (dtype_ranks == NULL)
         goto done;
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *key = PyList_GET_ITEM(keys, i), *api = PyTuple_GET_ITEM(key, 1);
+        PyObject *dtype = PyTuple_GET_ITEM(key, 4);
         Py_ssize_t stack = PyLong_AsSsize_t(PyTuple_GET_ITEM(key, 0));
         if (stack == -1 && PyErr_Occurred())
             goto done;
@@ -1444,10 +1476,12 @@ site_order(PyObject *Py_UNUSED(module), PyObject *args)
         SiteKeyRank *site = &sites[i];
         site->stack = stack_rank[stack];
         site->has_api = api != Py_None;
+        site->has_dtype = dtype != Py_None;
         site->index = i;
         if (rank_of(api_ranks, api == Py_None ? empty : api, &site->api) < 0 ||
             rank_of(op_ranks, PyTuple_GET_ITEM(key, 2), &site->op) < 0 ||
-            rank_of(stream_ranks, PyTuple_GET_ITEM(key, 3), &site->stream) < 0)
+            rank_of(stream_ranks, PyTuple_GET_ITEM(key, 3), &site->stream) < 0 ||
+            rank_of(dtype_ranks, dtype == Py_None ? empty : dtype, &site->dtype) < 0)
             goto done;
     }
     qsort(sites, (size_t)n, sizeof(SiteKeyRank), compare_site_ranks);
@@ -1466,9 +1500,11 @@ done:
     Py_XDECREF(apis);
     Py_XDECREF(ops);
     Py_XDECREF(streams);
+    Py_XDECREF(dtypes);
     Py_XDECREF(api_ranks);
     Py_XDECREF(op_ranks);
     Py_XDECREF(stream_ranks);
+    Py_XDECREF(dtype_ranks);
     Py_XDECREF(empty);
     return result;
 }
@@ -1477,15 +1513,15 @@ static PyMethodDef module_methods[] = {
     {"find_callsites", find_callsites, METH_O,
      "find_callsites(data) -> offset or None: where the top-level callsites value starts."},
     {"scan_callsites", scan_callsites, METH_VARARGS,
-     "scan_callsites(data, offset, closes, remap, table, apis, ops, roles, require_role) -> "
-     "(keys, counts, total) or None."},
+     "scan_callsites(data, offset, closes, remap, table, apis, ops, roles, dtypes, "
+     "require_role) -> (keys, counts, total) or None."},
     {"fold_rank", fold_rank, METH_VARARGS,
      "fold_rank(sites, keys, counts, mask, collective_apis, max_distinct) -> bool: fold "
      "one rank's callsites."},
     {"site_order", site_order, METH_VARARGS,
      "site_order(keys, canonical) -> list: the keys' positions in canonical order."},
     {"merge_packed", merge_packed, METH_VARARGS,
-     "merge_packed(sites, stack_ids, apis, ops, roles, counts, masks, mins, stats, "
+     "merge_packed(sites, stack_ids, apis, ops, roles, dtypes, counts, masks, mins, stats, "
      "collective_apis, max_distinct): fold a packed partial's sites in."},
     {NULL, NULL, 0, NULL},
 };

@@ -11,10 +11,10 @@ from typing import Any, final
 
 from _typeshed import ReadableBuffer
 
-#: (stack id, api or None, op, role)
-_SiteKey = tuple[int, str | None, str, str]
+#: (stack id, api or None, op, role, dtype or None)
+_SiteKey = tuple[int, str | None, str, str, str | None]
 #: a scanned key: the raw stream (an int) in the role's place where a callsite has none
-_ScanKey = tuple[int, str | None, str, str | int]
+_ScanKey = tuple[int, str | None, str, str | int, str | None]
 
 @final
 class StackTable:
@@ -41,6 +41,7 @@ def scan_callsites(
     apis: dict[str | None, str | None],
     ops: dict[str, str],
     roles: dict[str, str],
+    dtypes: dict[str, str],
     require_role: bool,
     /,
 ) -> tuple[list[_ScanKey], list[int], int] | None: ...
@@ -62,6 +63,7 @@ def merge_packed(
     apis: list[str | None],
     ops: list[str],
     roles: list[str],
+    dtypes: list[str | None],
     counts: list[int],
     masks: list[int],
     mins: list[int],

@@ -3,7 +3,10 @@
 :class:`TraceAccumulator` takes decoded traces one at a time (so a run never holds
 every rank file at once) and other accumulators (so partial results from worker
 processes or a Dask cluster fold together). Callsite identity is
-(stack as frame values, api, op, stream role); ranks are kept as an integer bit mask.
+(stack as frame values, api, op, stream role, dtype): one stack that ran ``aten::mm`` in
+float32 and in float64 is two callsites (formats.md, "Dtypes"), and a callsite without
+a dtype (none recorded, or no tensor argument) is a third; ranks are kept as an integer
+bit mask.
 Raw stream ids differ between machines and runtimes, so they are not part of it:
 a combined trace keeps roles only (formats.md, "Streams and roles").
 The result is canonical: frames sorted by value, callsites by stack, so the output
@@ -59,6 +62,7 @@ from opguard_core.formats.collectives import (
     check_collectives,
     decode_collectives,
 )
+from opguard_core.formats.dtypes import is_dtype
 from opguard_core.formats.readers import Readers, is_callsite_trace
 from opguard_core.formats.streams import is_role, legacy_roles
 from opguard_core.formats.trace import (
@@ -86,10 +90,10 @@ if TYPE_CHECKING:
     from opguard_core.combine._scan import StackTable
 
 #: key of a callsite in an accumulator: (stack id in its :attr:`TraceAccumulator.stacks`,
-#: api, op, role)
-SiteKey = tuple[int, str | None, str, str]
+#: api, op, role, dtype)
+SiteKey = tuple[int, str | None, str, str, str | None]
 #: a key as the scanner reads it: a callsite without a role has its raw stream there
-ScanKey = tuple[int, str | None, str, str | int]
+ScanKey = tuple[int, str | None, str, str | int, str | None]
 
 #: A non-collective callsite's histogram of per-rank counts is kept while it has at
 #: most this many distinct values; past it only min and max (with their ranks) are.
@@ -359,13 +363,15 @@ def mask_to_ranks(mask: int) -> list[int]:
 
 
 class _SiteOut(msgspec.Struct, kw_only=True, omit_defaults=True):
-    """A callsite as written: key order stack, api, op, role, count, ranks;
-    ``api`` and ``ranks`` left out when None (same bytes as the dict form)."""
+    """A callsite as written: key order stack, api, op, role, dtype, count, ranks,
+    per_rank; ``api``, ``dtype``, ``ranks`` and ``per_rank`` left out when None (same
+    bytes as the dict form, :meth:`CallsiteTrace._site_doc`)."""
 
     stack: tuple[int, ...]
     api: str | None = None
     op: str
     role: str | None
+    dtype: str | None = None
     count: int
     ranks: list[int] | None = None
     per_rank: PerRank | None = None
@@ -410,6 +416,7 @@ class CallsiteTrace:
                     api=site.api,
                     op=site.op,
                     role=site.role,
+                    dtype=site.dtype,
                     count=site.count,
                     ranks=site.ranks,
                     per_rank=site.per_rank,
@@ -443,6 +450,8 @@ class CallsiteTrace:
             doc["api"] = site.api
         doc["op"] = site.op
         doc["role"] = site.role
+        if site.dtype is not None:
+            doc["dtype"] = site.dtype
         doc["count"] = site.count
         if site.ranks is not None:
             doc["ranks"] = site.ranks
@@ -503,6 +512,7 @@ class _PackedSites(NamedTuple):
     apis: list[str | None]
     ops: list[str]
     roles: list[str]
+    dtypes: list[str | None]
     counts: list[int]
     masks: list[int]
     mins: list[int]
@@ -522,6 +532,8 @@ class TraceAccumulator:
         self.apis: dict[str | None, str | None] = {}
         self.ops: dict[str, str] = {}
         self.roles: dict[str, str] = {}
+        #: dtype names, interned as roles are (a key's None: no dtype)
+        self.dtypes: dict[str, str] = {}
         #: key -> [count, rank mask, min, min mask, max, max mask, histogram] (see _COUNT)
         self.sites: dict[SiteKey, list[Any]] = {}
         #: False once a rank came twice or an input had no per-rank statistics
@@ -557,13 +569,13 @@ class TraceAccumulator:
     def add(self, trace: DecodedTrace) -> None:
         """Add one decoded trace (one rank file, or an earlier combined trace).
 
-        Every callsite becomes a key (stack id, api, op, role): its stack is
+        Every callsite becomes a key (stack id, api, op, role, dtype): its stack is
         re-interned with one C-level gather over the file's frame table
         (``itemgetter(*stack)``, a third faster than ``map``), then interned in
-        :attr:`stacks`; its api and op strings are interned (so keys compare them by
-        identity). The gather also refuses frame ids out of range, so decoding may
-        skip that check (``check_frame_ids=False``); the error is the same, and comes
-        before any rank error, as if decoding had checked.
+        :attr:`stacks`; its api, op, role and dtype strings are interned (so keys
+        compare them by identity). The gather also refuses frame ids out of range, so
+        decoding may skip that check (``check_frame_ids=False``); the error is the same,
+        and comes before any rank error, as if decoding had checked.
         """
         self._unpack()
         callsites = trace.callsites
@@ -575,7 +587,7 @@ class TraceAccumulator:
         gather = itemgetter
         intern = self.stacks.intern
         intern_api, intern_op = self.apis.setdefault, self.ops.setdefault
-        intern_role = self.roles.setdefault
+        intern_role, intern_dtype = self.roles.setdefault, self.dtypes.setdefault
         try:
             keys = [
                 (
@@ -585,6 +597,7 @@ class TraceAccumulator:
                     intern_api(site.api, site.api),
                     intern_op(site.op, site.op),
                     intern_role(site.role or "", site.role or ""),  # set by decoding
+                    None if site.dtype is None else intern_dtype(site.dtype, site.dtype),
                 )
                 for site in callsites
             ]
@@ -763,11 +776,16 @@ class TraceAccumulator:
             self.apis,
             self.ops,
             self.roles,
+            self.dtypes,
             head.version >= ROLE_VERSION,
         )
-        if scanned is not None and not all(map(is_role, self.roles)):
-            # msgspec's path names the callsite and its role; the others stay interned
+        if scanned is not None and not (
+            all(map(is_role, self.roles)) and all(map(is_dtype, self.dtypes))
+        ):
+            # msgspec's path names the callsite and its role or dtype; the names that
+            # are valid stay interned (the dicts hold a few names, not one per callsite)
             self.roles = {role: role for role in self.roles if is_role(role)}
+            self.dtypes = {dtype: dtype for dtype in self.dtypes if is_dtype(dtype)}
             return False
         if scanned is None:
             return False
@@ -815,11 +833,11 @@ class TraceAccumulator:
         if other._packed is not None:
             self._merge_packed(other._packed, new_ids)
         self._fold(
-            ((new_ids[stack], api, op, role), slot)
-            for (stack, api, op, role), slot in other.sites.items()
+            ((new_ids[stack], api, op, role, dtype), slot)
+            for (stack, api, op, role, dtype), slot in other.sites.items()
         )
-        for (stack, api, op, role), extra in other.site_extras.items():
-            key = (new_ids[stack], api, op, role)
+        for (stack, api, op, role, dtype), extra in other.site_extras.items():
+            key = (new_ids[stack], api, op, role, dtype)
             self.site_extras.setdefault(key, _Agreement()).update(extra)
         for frame, agreement in other.frame_extras.items():
             self.frame_extras.setdefault(frame, _Agreement()).update(agreement)
@@ -845,7 +863,7 @@ class TraceAccumulator:
         every stack, and folds them in with C-level remapping."""
         self._unpack()
         state = dict(self.__dict__)
-        for cache in ("frame_ids", "apis", "ops", "roles"):
+        for cache in ("frame_ids", "apis", "ops", "roles", "dtypes"):
             del state[cache]
         sites = state.pop("sites")
         keys = list(sites)
@@ -855,6 +873,7 @@ class TraceAccumulator:
             [key[1] for key in keys],
             [key[2] for key in keys],
             [key[3] for key in keys],
+            [key[4] for key in keys],
             [value[_COUNT] for value in values],
             [value[_MASK] for value in values],
             [value[_MIN] for value in values],
@@ -870,7 +889,7 @@ class TraceAccumulator:
         self.__dict__.update(state)
         self.sites = {}
         self.frame_ids = {frame: index for index, frame in enumerate(self.frames)}
-        self.apis, self.ops, self.roles = {}, {}, {}
+        self.apis, self.ops, self.roles, self.dtypes = {}, {}, {}, {}
 
     def _unpack(self) -> None:
         """Unpack sites that arrived pickled into ``sites`` (once, on first use)."""
@@ -893,6 +912,7 @@ class TraceAccumulator:
                 packed.apis,
                 packed.ops,
                 packed.roles,
+                packed.dtypes,
                 packed.counts,
                 packed.masks,
                 packed.mins,
@@ -904,17 +924,18 @@ class TraceAccumulator:
         self._fold(  # the reference for merge_packed (opguard_core/combine/_scan.c)
             (
                 (
-                    (stack, api, op, role),
+                    (stack, api, op, role, dtype),
                     [count, mask, low, *stats[position]]
                     if position in stats
                     else [count, mask, low, None, low, None, None],
                 )
-                for position, (stack, api, op, role, count, mask, low) in enumerate(
+                for position, (stack, api, op, role, dtype, count, mask, low) in enumerate(
                     zip(
                         stack_ids,
                         packed.apis,
                         packed.ops,
                         packed.roles,
+                        packed.dtypes,
                         packed.counts,
                         packed.masks,
                         packed.mins,
@@ -963,6 +984,7 @@ class TraceAccumulator:
                     api=key[1],
                     op=key[2],
                     role=key[3],
+                    dtype=key[4],
                     count=slot[_COUNT],
                     ranks=None if mask == all_mask else ranks_of(mask),
                     per_rank=(
@@ -1060,11 +1082,11 @@ def _with_roles(keys: list[ScanKey], roles: dict[str, str]) -> list[SiteKey]:
     """A version 1 or 2 file's scanned keys with their roles: a callsite without one
     has its raw stream in the role's place, whose role :func:`legacy_roles` gives
     (interned in ``roles``)."""
-    legacy = {(op, stream) for _, _, op, stream in keys if isinstance(stream, int)}
+    legacy = {(op, stream) for _, _, op, stream, _ in keys if isinstance(stream, int)}
     found = {pair: roles.setdefault(role, role) for pair, role in legacy_roles(legacy).items()}
     return [
-        (stack, api, op, found[(op, role)] if isinstance(role, int) else role)
-        for stack, api, op, role in keys
+        (stack, api, op, found[(op, role)] if isinstance(role, int) else role, dtype)
+        for stack, api, op, role, dtype in keys
     ]
 
 

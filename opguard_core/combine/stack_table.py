@@ -1,6 +1,6 @@
 """Stacks interned as dense ids, and the scanner that reads callsites from bytes.
 
-A combine keys its callsites by (stack id, api, op, role) instead of by the stack's
+A combine keys its callsites by (stack id, api, op, role, dtype) instead of by the stack's
 tuple of frame ids: the tuple is hashed and compared once per distinct stack, not
 once per callsite per rank, and a partial result travels with each stack once.
 
@@ -117,15 +117,15 @@ if TYPE_CHECKING:
 
     from opguard_core.combine import _scan
 
-    #: (stack id, api, op, role)
-    _Key = tuple[int, str | None, str, str]
+    #: (stack id, api, op, role, dtype)
+    _Key = tuple[int, str | None, str, str, str | None]
     #: a scanned key: a callsite without a role has its raw stream in the role's place
-    _ScanKey = tuple[int, str | None, str, str | int]
+    _ScanKey = tuple[int, str | None, str, str | int, str | None]
     #: data -> offset of the top-level callsites value, or None
     Finder = Callable[[ReadableBuffer], int | None]
-    #: (data, offset, closes, remap, table, apis, ops, roles, require_role) -> (keys,
-    #: counts, total), or None where the bytes are not of the plain shape; the table is
-    #: the C one
+    #: (data, offset, closes, remap, table, apis, ops, roles, dtypes, require_role) ->
+    #: (keys, counts, total), or None where the bytes are not of the plain shape; the
+    #: table is the C one
     Scanner = Callable[
         [
             ReadableBuffer,
@@ -136,6 +136,7 @@ if TYPE_CHECKING:
             dict[str | None, str | None],
             dict[str, str],
             dict[str, str],
+            dict[str, str],
             bool,
         ],
         tuple[list[_ScanKey], list[int], int] | None,
@@ -144,7 +145,7 @@ if TYPE_CHECKING:
     Folder = Callable[
         [dict[_Key, list[Any]], list[_Key], list[int], int, frozenset[str], int], bool
     ]
-    #: (sites, stack_ids, apis, ops, roles, counts, masks, mins, stats,
+    #: (sites, stack_ids, apis, ops, roles, dtypes, counts, masks, mins, stats,
     #: collective_apis, max_distinct): a packed partial's sites folded in
     Merger = Callable[
         [
@@ -153,6 +154,7 @@ if TYPE_CHECKING:
             list[str | None],
             list[str],
             list[str],
+            list[str | None],
             list[int],
             list[int],
             list[int],
@@ -167,18 +169,30 @@ if TYPE_CHECKING:
 
 
 def py_site_order(
-    keys: list[tuple[int, str | None, str, str]], canonical: list[tuple[bytes, tuple[int, ...]]]
+    keys: list[tuple[int, str | None, str, str, str | None]],
+    canonical: list[tuple[bytes, tuple[int, ...]]],
 ) -> list[int]:
-    """The positions of ``keys`` (stack id, api, op, role) sorted by (the stack's
-    canonical bytes, api or "", op, role, api is not None): the canonical order of
-    a combined trace's callsites. The first five fields already differ between any
-    two keys, so a plain tuple sort orders by them alone."""
+    """The positions of ``keys`` (stack id, api, op, role, dtype) sorted by (the stack's
+    canonical bytes, api or "", op, role, dtype is not None, dtype or "", api is not
+    None): the canonical order of a combined trace's callsites, a callsite without a
+    dtype before those with one, then dtypes by name (formats.md, "Dtypes"). The first
+    seven fields already differ between any two keys, so a plain tuple sort orders by
+    them alone."""
     keyed = [
-        (canonical[key[0]][0], key[1] or "", key[2], key[3], key[1] is not None, position)
+        (
+            canonical[key[0]][0],
+            key[1] or "",
+            key[2],
+            key[3],
+            key[4] is not None,
+            key[4] or "",
+            key[1] is not None,
+            position,
+        )
         for position, key in enumerate(keys)
     ]
     keyed.sort()
-    return [item[5] for item in keyed]
+    return [item[-1] for item in keyed]
 
 
 def _implementation() -> tuple[

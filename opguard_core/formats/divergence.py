@@ -44,7 +44,7 @@ SEQUENCE_KINDS = (
     "collective_extra",
     "collective_group",
 )
-KINDS = ("collective_mismatch", *SEQUENCE_KINDS, "rank_specific", "count_skew")
+KINDS = ("collective_mismatch", *SEQUENCE_KINDS, "rank_specific", "count_skew", "dtype_mismatch")
 
 Finding = dict[str, Any]
 

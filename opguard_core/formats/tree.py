@@ -10,16 +10,22 @@ import msgspec
 
 from opguard_core.errors import InputError, InvariantError
 from opguard_core.formats import deep_json
+from opguard_core.formats.dtypes import is_dtype
 from opguard_core.formats.streams import is_role, legacy_side_roles, legacy_stream_counts
 
 TREE_FORMAT = "opguard-calltree"
-#: version 4 writes ``ranks`` (of every node, and ``meta.ranks``) as ranges
-#: (:func:`ranks_to_ranges`); version 3 keys ``self_streams`` by stream role
-#: (formats.md, "Streams and roles"); versions 1 (raw stream ids) and 3 are read and
-#: upgraded (:func:`upgrade_tree`). In memory ``ranks`` are always lists of ranks.
-TREE_VERSION = 4
+#: version 5 gives every node ``self_dtypes`` (its own ops by dtype) and the tree
+#: ``meta.dtypes`` (formats.md, "Dtypes"); version 4 writes ``ranks`` (of every node,
+#: and ``meta.ranks``) as ranges (:func:`ranks_to_ranges`); version 3 keys
+#: ``self_streams`` by stream role (formats.md, "Streams and roles"); versions 1 (raw
+#: stream ids), 3 and 4 are read and upgraded (:func:`upgrade_tree`). In memory
+#: ``ranks`` are always lists of ranks.
+TREE_VERSION = 5
+#: the first version whose ``ranks`` are ranges
 RANGES_VERSION = 4
-READ_VERSIONS = (1, 3, 4)
+#: the first version with ``self_dtypes`` and ``meta.dtypes``
+DTYPES_VERSION = 5
+READ_VERSIONS = (1, 3, 4, 5)
 #: a run of at least this many consecutive ranks is written as ``[first, last]``
 RANGE_MIN = 3
 TORCH_API = "torch_api"
@@ -107,6 +113,9 @@ def check_tree(tree: dict[str, Any], expected_total: int | None = None) -> None:
             f" expected {TREE_FORMAT!r} version {TREE_VERSION}"
         )
     root = tree["root"]
+    dtypes = tree.get("meta", {}).get("dtypes", False)
+    if type(dtypes) is not bool:
+        raise InvariantError(f"meta.dtypes {_short(dtypes)} is not true or false")
     settings = tree.get("meta", {}).get("compression", {})
     _check_count("root", "count", root["count"])
     if expected_total is not None and root["count"] != expected_total:
@@ -125,12 +134,15 @@ def check_tree(tree: dict[str, Any], expected_total: int | None = None) -> None:
         if "stack" in node:
             raise InvariantError(f"{where}: compressed tree nodes must not carry a stack")
         _check_count(where, "count", node["count"])
-        for field in ("self_ops", "self_streams"):
+        for field in ("self_ops", "self_streams", "self_dtypes"):
             for name, value in node[field].items():
                 _check_count(where, f"{field}[{name!r}]", value)
         for name in node["self_streams"]:
             if not is_role(name):
                 raise InvariantError(f"{where}: self_streams key {name!r} is not a stream role")
+        for name in node["self_dtypes"]:
+            if not is_dtype(name):
+                raise InvariantError(f"{where}: self_dtypes key {name!r} is not a dtype name")
         own = sum(node["self_ops"].values())
         below = sum(child["count"] for child in node["children"])
         if node["count"] != own + below:
@@ -139,6 +151,9 @@ def check_tree(tree: dict[str, Any], expected_total: int | None = None) -> None:
             )
         if own != sum(node["self_streams"].values()):
             raise InvariantError(f"{where}: self_ops and self_streams sums differ")
+        typed = sum(node["self_dtypes"].values())
+        if typed > own:
+            raise InvariantError(f"{where}: self_dtypes sum {typed} is above self_ops' {own}")
         if parent is None:
             continue
         if node["count"] < floor and not (
@@ -239,17 +254,25 @@ def _short(value: Any) -> str:
 
 
 def upgrade_tree(tree: dict[str, Any]) -> None:
-    """Bring a tree read from a file to the in-memory form of version 4, in place.
+    """Bring a tree read from a file to the in-memory form of version 5, in place.
 
-    Version 4: every ``ranks`` (nodes, ``meta.ranks``) from ranges to a list of ranks.
-    Version 3 is that form already. Version 1: ``self_streams`` by raw id become counts
-    by role (:func:`legacy_stream_counts`: 0 is ``compute``, other ids ``side1``, …
-    ascending over the whole tree, a node's collective ops ``comm``)."""
+    Versions 4 and 5: every ``ranks`` (nodes, ``meta.ranks``) from ranges to a list of
+    ranks. Version 3 is that form already. Versions before 5: every node gets an empty
+    ``self_dtypes`` and ``meta.dtypes`` is false (no dtype was recorded). Version 1:
+    ``self_streams`` by raw id become counts by role (:func:`legacy_stream_counts`: 0
+    is ``compute``, other ids ``side1``, … ascending over the whole tree, a node's
+    collective ops ``comm``)."""
     version = tree.get("version")
     if tree.get("format") != TREE_FORMAT or version not in READ_VERSIONS:
         return
     nodes = [node for node, _ in iter_nodes(tree["root"])]
-    if version == RANGES_VERSION:
+    if version < DTYPES_VERSION:  # where the compress stage writes them
+        meta = tree.get("meta")
+        if isinstance(meta, dict):
+            _insert(meta, "dtypes", False, before="compression")
+        for node in nodes:
+            _insert(node, "self_dtypes", {}, after="self_streams")
+    if version >= RANGES_VERSION:
         meta = tree.get("meta")
         if isinstance(meta, dict) and "ranks" in meta:
             meta["ranks"] = ranges_to_ranks(meta["ranks"], "meta.ranks")
@@ -262,6 +285,25 @@ def upgrade_tree(tree: dict[str, Any]) -> None:
         for node, streams in zip(nodes, raw, strict=True):
             node["self_streams"] = legacy_stream_counts(streams, node["self_ops"], sides)
     tree["version"] = TREE_VERSION
+
+
+def _insert(
+    mapping: dict[str, Any], key: str, value: Any, after: str = "", before: str = ""
+) -> None:
+    """Set ``mapping[key] = value`` in place, placed right after the key ``after`` or
+    before the key ``before`` (at the end where ``mapping`` has neither), so that an
+    upgraded tree's keys are in the order a written one's are."""
+    items = [(k, v) for k, v in mapping.items() if k != key]
+    mapping.clear()
+    placed = False
+    for name, held in items:
+        if name == before and not placed:
+            mapping[key], placed = value, True
+        mapping[name] = held
+        if name == after and not placed:
+            mapping[key], placed = value, True
+    if not placed:
+        mapping[key] = value
 
 
 def checked_tree(tree: Any, path: Path | str) -> dict[str, Any]:

@@ -1,7 +1,7 @@
 /* Compress's (and divergence's) per-callsite work in C (performance.md, "Compiled
  * per-site work").
  *
- * ``Runs(paths, counts, masks, all_mask, ops, streams, width)`` holds a trace's
+ * ``Runs(paths, counts, masks, all_mask, ops, streams, dtypes, width)`` holds a trace's
  * callsites in the sorted order of their paths (bytes, ``width`` bytes an id), with
  * the prefix sums of their counts, and answers what ``build_tree`` asks of the runs
  * of callsites below its nodes: ``weight``, ``mask``, ``uniform``, ``skip_ended``,
@@ -38,6 +38,7 @@ typedef struct {
     PyObject *all_mask;
     PyObject *ops;     /* tuple */
     PyObject *streams; /* tuple */
+    PyObject *dtypes;  /* tuple: a name, or None for an op without a dtype */
     const unsigned char **data;
     Py_ssize_t *lens;
     long long *below;  /* n + 1 prefix sums of the counts */
@@ -77,6 +78,7 @@ runs_dealloc(Runs *r)
     Py_XDECREF(r->all_mask);
     Py_XDECREF(r->ops);
     Py_XDECREF(r->streams);
+    Py_XDECREF(r->dtypes);
     PyMem_Free(r->data);
     PyMem_Free(r->lens);
     PyMem_Free(r->below);
@@ -100,12 +102,12 @@ as_tuple(PyObject *sequence, Py_ssize_t n, const char *what)
 static PyObject *
 runs_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
 {
-    static char *names[] = {"paths", "counts", "masks", "all_mask", "ops", "streams", "width",
-                            NULL};
-    PyObject *paths, *counts, *masks, *all_mask, *ops, *streams;
+    static char *names[] = {"paths", "counts", "masks",  "all_mask", "ops",
+                            "streams", "dtypes", "width", NULL};
+    PyObject *paths, *counts, *masks, *all_mask, *ops, *streams, *dtypes;
     Py_ssize_t width;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOOOOOn:Runs", names, &paths, &counts,
-                                     &masks, &all_mask, &ops, &streams, &width))
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOOOOOOn:Runs", names, &paths, &counts,
+                                     &masks, &all_mask, &ops, &streams, &dtypes, &width))
         return NULL;
     if (width <= 0) {
         PyErr_SetString(PyExc_ValueError, "Runs: width must be positive");
@@ -125,6 +127,7 @@ runs_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     r->masks = as_tuple(masks, n, "masks");
     r->ops = as_tuple(ops, n, "ops");
     r->streams = as_tuple(streams, n, "streams");
+    r->dtypes = as_tuple(dtypes, n, "dtypes");
     Py_INCREF(all_mask);
     r->all_mask = all_mask;
     r->data = PyMem_Calloc((size_t)n + 1, sizeof(*r->data));
@@ -132,7 +135,7 @@ runs_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     r->below = PyMem_Calloc((size_t)n + 1, sizeof(*r->below));
     r->full = PyMem_Calloc((size_t)n + 1, sizeof(*r->full));
     r->changes = PyMem_Calloc((size_t)n + 2, sizeof(*r->changes));
-    if (r->masks == NULL || r->ops == NULL || r->streams == NULL) {
+    if (r->masks == NULL || r->ops == NULL || r->streams == NULL || r->dtypes == NULL) {
         Py_DECREF(count_tuple);
         goto fail;
     }
@@ -426,12 +429,16 @@ add_count(PyObject *into, PyObject *key, PyObject *count)
     return status;
 }
 
+/* tally(start, end, ops, streams, dtypes): the run's counts added by op, by stream role
+ * and, for the positions with a dtype (not None), by dtype (``PyRuns.tally``) */
 static PyObject *
 runs_tally(Runs *r, PyObject *const *args, Py_ssize_t nargs)
 {
     Py_ssize_t at[2];
-    if (nargs != 4 || !PyDict_Check(args[2]) || !PyDict_Check(args[3])) {
-        PyErr_SetString(PyExc_TypeError, "Runs.tally(start, end, ops, streams): two dicts");
+    if (nargs != 5 || !PyDict_Check(args[2]) || !PyDict_Check(args[3]) ||
+        !PyDict_Check(args[4])) {
+        PyErr_SetString(PyExc_TypeError,
+                        "Runs.tally(start, end, ops, streams, dtypes): three dicts");
         return NULL;
     }
     if (parse_positions(args, 2, 2, at, "tally") < 0 || check_run(r, at[0], at[1], 0) < 0)
@@ -440,9 +447,12 @@ runs_tally(Runs *r, PyObject *const *args, Py_ssize_t nargs)
         PyObject *count = PyLong_FromLongLong(r->below[i + 1] - r->below[i]);
         if (count == NULL)
             return NULL;
+        PyObject *dtype = PyTuple_GET_ITEM(r->dtypes, i);
         int status = add_count(args[2], PyTuple_GET_ITEM(r->ops, i), count);
         if (status == 0)
             status = add_count(args[3], PyTuple_GET_ITEM(r->streams, i), count);
+        if (status == 0 && dtype != Py_None)
+            status = add_count(args[4], dtype, count);
         Py_DECREF(count);
         if (status < 0)
             return NULL;
@@ -1434,7 +1444,8 @@ static PyMethodDef runs_methods[] = {
     {"ranked_prefix", (PyCFunction)(void (*)(void))runs_ranked_prefix, METH_FASTCALL,
      "ranked_prefix(own, position, ranks) -> bytes: the prefix's ids through ranks."},
     {"tally", (PyCFunction)(void (*)(void))runs_tally, METH_FASTCALL,
-     "tally(start, end, ops, streams): add the run's counts by op and by stream."},
+     "tally(start, end, ops, streams, dtypes): add the run's counts by op, by stream and "
+     "by dtype (positions with one)."},
     {"distinct_prefixes", (PyCFunction)runs_distinct_prefixes, METH_NOARGS,
      "distinct_prefixes() -> int: the nodes of the unpruned tree below its root."},
     {"divergent", (PyCFunction)(void (*)(void))runs_divergent, METH_FASTCALL,

@@ -25,6 +25,7 @@ class Runs:
         all_mask: int,
         ops: Sequence[str],
         streams: Sequence[str],
+        dtypes: Sequence[str | None],
         width: int,
     ) -> Runs: ...
     def weight(self, start: int, end: int, /) -> int: ...
@@ -35,7 +36,13 @@ class Runs:
     def id_at(self, own: int, position: int, /) -> bytes: ...
     def ranked_prefix(self, own: int, position: int, ranks: ReadableBuffer, /) -> bytes: ...
     def tally(
-        self, start: int, end: int, ops: dict[str, int], streams: dict[str, int], /
+        self,
+        start: int,
+        end: int,
+        ops: dict[str, int],
+        streams: dict[str, int],
+        dtypes: dict[str, int],
+        /,
     ) -> None: ...
     def distinct_prefixes(self) -> int: ...
     def divergent(

@@ -22,6 +22,7 @@ from typing import Any, NamedTuple
 from opguard_core import hookimpl
 from opguard_core.combine.accumulator import CallsiteTrace, gc_paused, mask_to_ranks, ranks_to_mask
 from opguard_core.configs.selection import compile_patterns
+from opguard_core.formats.dtypes import sorted_dtypes
 from opguard_core.formats.streams import COMPUTE, sorted_roles
 from opguard_core.formats.trace import Frame
 from opguard_core.formats.tree import (
@@ -86,6 +87,7 @@ class Node:
         "module",
         "qualname",
         "ranks",
+        "self_dtypes",
         "self_ops",
         "self_streams",
     )
@@ -102,6 +104,8 @@ class Node:
         self.self_ops: Counter[str] = _new_counter(Counter)
         #: own ops by stream role
         self.self_streams: Counter[str] = _new_counter(Counter)
+        #: own ops by dtype (only ops with one: formats.md, "Dtypes")
+        self.self_dtypes: Counter[str] = _new_counter(Counter)
         self.ranks = 0
         #: targets folded into this node by chain pruning, outermost first
         self.chain: list[str] | deque[str] = []
@@ -281,6 +285,7 @@ def build_tree(
         all_mask,
         [site.op for site in sorted_sites],
         [site.role or COMPUTE for site in sorted_sites],
+        [site.dtype for site in sorted_sites],
         WIDTH,
     )
     del paths, sorted_sites
@@ -350,7 +355,7 @@ def build_tree(
         node, offset, start, high = todo.pop()  # offset: bytes of the node's own path
         # callsites whose path ends here come first in the run (a prefix sorts first)
         ended = runs.skip_ended(offset, start, high)
-        runs.tally(start, ended, node.self_ops, node.self_streams)
+        runs.tally(start, ended, node.self_ops, node.self_streams, node.self_dtypes)
         start = ended
         at = slice(offset, offset + WIDTH)
         while start < high:
@@ -361,7 +366,7 @@ def build_tree(
                 node.children[key] = child
                 todo.append((child, offset + WIDTH, start, end))
             else:  # pruned: the run's ops are the node's own
-                runs.tally(start, end, node.self_ops, node.self_streams)
+                runs.tally(start, end, node.self_ops, node.self_streams, node.self_dtypes)
             start = end
     return TreeBuild(root, nodes_before, len(rank_keep), rank_total - len(rank_keep))
 
@@ -386,6 +391,7 @@ def _merge_into(into: Node, other: Node) -> None:
         into.count += other.count
         into.self_ops.update(other.self_ops)
         into.self_streams.update(other.self_streams)
+        into.self_dtypes.update(other.self_dtypes)
         into.lines |= other.lines
         into.ranks |= other.ranks
         into.chain = sorted(set(into.chain) | set(other.chain))
@@ -453,6 +459,7 @@ def _node_fields(node: Node) -> dict[str, Any]:
         "count": node.count,
         "self_ops": dict(sorted(node.self_ops.items())),
         "self_streams": dict(sorted_roles(node.self_streams)),
+        "self_dtypes": dict(sorted_dtypes(node.self_dtypes)),
         "ranks": mask_to_ranks(node.ranks),
         "chain": list(node.chain),
         "children": [],
@@ -492,6 +499,9 @@ def _compress_trace(trace: CallsiteTrace, options: RunOptions) -> dict[str, Any]
         fold_chains(root, ranks_to_mask(trace.ranks))
     root_children = _sorted_children(root)
     meta = dict(trace.meta)
+    # whether the recorder recorded dtypes: a node's empty self_dtypes then means its
+    # own ops had no tensor argument, not that nobody looked (formats.md, "Dtypes")
+    meta["dtypes"] = any(site.dtype is not None for site in trace.callsites)
     meta["compression"] = {
         "chains": options.chains,
         "min_count": options.min_count,
@@ -515,6 +525,7 @@ def _compress_trace(trace: CallsiteTrace, options: RunOptions) -> dict[str, Any]
             "count": root.count,
             "self_ops": dict(sorted(root.self_ops.items())),
             "self_streams": dict(sorted_roles(root.self_streams)),
+            "self_dtypes": dict(sorted_dtypes(root.self_dtypes)),
             "children": [_node_doc(child) for child in root_children],
         },
     }

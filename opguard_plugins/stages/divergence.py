@@ -15,7 +15,10 @@ Both ways, two more kinds of finding:
 * ``rank_specific`` (warning): a function only some ranks ran (the outermost such
   function of each rank-specific path);
 * ``count_skew`` (warning): a function whose ops on some rank differ from the
-  median over ranks by more than ``--skew`` times the median.
+  median over ranks by more than ``--skew`` times the median;
+* ``dtype_mismatch`` (warning): a callsite whose op some ranks ran in other dtypes
+  than the rest (formats.md, "Dtypes"), found from the callsites that not every rank
+  ran (a difference makes one), so a trace without one costs a pass over its flags.
 
 A ``collective_mismatch`` names a strict majority (more than half the ranks) or
 says there is none, with the distribution (count → number of ranks), as sequence
@@ -208,6 +211,7 @@ def find_divergence(trace: CallsiteTrace, options: RunOptions) -> list[Finding]:
         # some rank recorded no sequence (an older trace): counts per callsite too
         findings.extend(_collectives(trace, stacks, exact))
     findings.extend(_rank_specific(trace, stacks))
+    findings.extend(_dtype_mismatch(trace, stacks))
     if exact:
         findings.extend(_count_skew(trace, stacks, options.skew))
     return findings
@@ -397,6 +401,75 @@ def _rank_specific(trace: CallsiteTrace, stacks: _Stacks) -> Iterator[Finding]:
             ),
             "stack": where["stack"],
             "callsite": site_index,
+        }
+
+
+def _dtype_mismatch(trace: CallsiteTrace, stacks: _Stacks) -> Iterator[Finding]:
+    """Each callsite (stack, api, op, stream role) whose ranks ran its op in different
+    sets of dtypes: the set a strict majority of the ranks that ran it ran, else the
+    lowest rank's, against every other. A difference needs a variant some rank did not
+    run, so only the keys of such variants are gathered."""
+    callsites = trace.callsites
+    partial = [
+        site
+        for site, mask in zip(callsites, stacks.masks, strict=True)
+        if site.dtype is not None and mask != stacks.all_mask
+    ]
+    if not partial:
+        return
+    near = {(site.stack[-1:], site.op) for site in partial}  # a cheap first test
+    variants: dict[tuple[Any, ...], list[int]] = {}
+    for index, site in enumerate(callsites):
+        if site.dtype is not None and (site.stack[-1:], site.op) in near:
+            key = (site.stack, site.api, site.op, site.role)
+            variants.setdefault(key, []).append(index)
+    ranks_of = RankLists()
+    for (_, api, op, role), members in variants.items():
+        if len(members) < 2:
+            continue
+        held: dict[int, list[str]] = {}  # rank -> the dtypes it ran here, sorted
+        for index in sorted(members, key=lambda i: str(callsites[i].dtype)):
+            for rank in ranks_of(stacks.masks[index]):
+                held.setdefault(rank, []).append(str(callsites[index].dtype))
+        sets: dict[tuple[str, ...], list[int]] = {}
+        for rank in sorted(held):
+            sets.setdefault(tuple(held[rank]), []).append(rank)
+        if len(sets) < 2:
+            continue
+        ran = len(held)
+        common, holders = max(sets.items(), key=lambda item: (len(item[1]), -item[1][0]))
+        most = 2 * len(holders) > ran
+        if not most:
+            common = next(s for s, r in sets.items() if min(held) in r)
+            holders = sets[common]
+        deviating = sorted(r for s, ranks in sets.items() if s != common for r in ranks)
+        others = {"+".join(s): ranks for s, ranks in sets.items() if s != common}
+        got = "; ".join(f"{name} on rank(s) {_short(r)}" for name, r in sorted(others.items()))
+        where = stacks.where(members[0])
+        reference = (
+            f"on {len(holders)} of {ran} ranks (a majority)"
+            if most
+            else f"on rank {holders[0]}, the lowest (no majority)"
+        )
+        yield {
+            "kind": "dtype_mismatch",
+            "severity": "warning",
+            "ranks": deviating,
+            "op": op,
+            "api": api,
+            "stream": role,
+            "target": where["target"],
+            "context": where["context"],
+            "expected": list(common),
+            "majority": most,
+            "dtypes": {name: ranks for name, ranks in sorted(others.items())},
+            "size": sum(callsites[i].count for i in members if callsites[i].dtype not in common),
+            "message": (
+                f"{op} in {where['target']} ran in {'+'.join(common)} {reference}, but in {got}: "
+                "the ranks compute in different dtypes"
+            ),
+            "stack": where["stack"],
+            "callsite": members[0],
         }
 
 

@@ -4,7 +4,7 @@
 fixed-width ids of its nodes' identities, as bytes), so the callsites below any node
 form one contiguous run. :class:`PyRuns` answers what the build asks of those runs:
 where a run of equal next id ends, its weight (a difference of prefix sums), its
-ranks, the ops and streams it folds into a node, how many nodes the unpruned tree
+ranks, the ops, streams and dtypes it folds into a node, how many nodes the unpruned tree
 has, and the search for rank-divergent nodes below the fraction threshold.
 
 :class:`PyRuns` is the reference implementation. The C extension
@@ -32,8 +32,9 @@ from opguard_core.native import load_native
 
 class PyRuns:
     """The sorted ``paths`` (bytes, ``width`` bytes an id) of a trace's callsites,
-    with each one's ``counts``, rank ``masks`` (``all_mask``: every rank), ``ops``
-    and ``streams`` (stream roles); positions are indices into the sorted order."""
+    with each one's ``counts``, rank ``masks`` (``all_mask``: every rank), ``ops``,
+    ``streams`` (stream roles) and ``dtypes`` (None: the op had none); positions are
+    indices into the sorted order."""
 
     def __init__(
         self,
@@ -43,6 +44,7 @@ class PyRuns:
         all_mask: int,
         ops: list[str],
         streams: list[str],
+        dtypes: list[str | None],
         width: int,
     ) -> None:
         self.paths = list(paths)
@@ -51,6 +53,7 @@ class PyRuns:
         self.all_mask = all_mask
         self.ops = list(ops)
         self.streams = list(streams)
+        self.dtypes = list(dtypes)
         self.width = width
         self.below = [0, *accumulate(self.counts)]
         # a run's ranks are all of them as soon as it has one callsite seen on every
@@ -100,15 +103,25 @@ class PyRuns:
         ids = [int.from_bytes(prefix[j : j + 4], "big") for j in range(0, len(prefix) - 3, 4)]
         return b"".join(ranks[i].to_bytes(4, "big") for i in ids)
 
-    def tally(self, start: int, end: int, ops: dict[str, int], streams: dict[str, int]) -> None:
-        """Add the counts of positions ``start`` to ``end`` to ``ops`` and ``streams``
-        (by each position's op and stream role)."""
-        counts, my_ops, my_streams = self.counts, self.ops, self.streams
+    def tally(
+        self,
+        start: int,
+        end: int,
+        ops: dict[str, int],
+        streams: dict[str, int],
+        dtypes: dict[str, int],
+    ) -> None:
+        """Add the counts of positions ``start`` to ``end`` to ``ops``, ``streams`` and
+        ``dtypes`` (by each position's op, stream role and dtype; a position without a
+        dtype adds to the first two only)."""
+        counts, my_ops, my_streams, my_dtypes = self.counts, self.ops, self.streams, self.dtypes
         for position in range(start, end):
             count = counts[position]
-            op, stream = my_ops[position], my_streams[position]
+            op, stream, dtype = my_ops[position], my_streams[position], my_dtypes[position]
             ops[op] = ops.get(op, 0) + count
             streams[stream] = streams.get(stream, 0) + count
+            if dtype is not None:
+                dtypes[dtype] = dtypes.get(dtype, 0) + count
 
     def distinct_prefixes(self) -> int:
         """The number of distinct non-empty path prefixes of whole ids: the nodes of

@@ -22,6 +22,7 @@ from typing import Any
 from opguard_core import hookimpl
 from opguard_core.combine.accumulator import CallsiteTrace
 from opguard_core.errors import OpGuardError
+from opguard_core.formats.dtypes import sorted_dtypes
 from opguard_core.formats.streams import sorted_roles
 from opguard_core.model import RunOptions
 from opguard_plugins.stages.compress import compress_trace
@@ -44,14 +45,17 @@ def _fold_subtrees(node: dict[str, Any]) -> None:
     """Move the own counts of every node below ``node`` into ``node``; drop its children."""
     ops: Counter[str] = Counter(node["self_ops"])
     streams: Counter[str] = Counter(node["self_streams"])
+    dtypes: Counter[str] = Counter(node["self_dtypes"])
     stack = list(node["children"])
     while stack:
         below = stack.pop()
         ops.update(below["self_ops"])
         streams.update(below["self_streams"])
+        dtypes.update(below["self_dtypes"])
         stack.extend(below["children"])
     node["self_ops"] = dict(sorted(ops.items()))
     node["self_streams"] = dict(sorted_roles(streams))  # stream roles, compute first
+    node["self_dtypes"] = dict(sorted_dtypes(dtypes))  # tree version 5: by dtype name
     node["children"] = []
 
 
