@@ -253,6 +253,13 @@ def test_nccl_dump(tmp_path: Path) -> None:
         ("c10d::allreduce_", "bfloat16", 8, [[3], [5]]),
         ("c10d::send", "bfloat16", 7, [[7]]),
     ]
+    # a callsite's dtype: only where the op's first argument is one tensor (formats.md,
+    # "Dtypes"), as the tracer reads it; lists of tensors have none
+    assert sorted((c["op"], c.get("dtype")) for c in document["callsites"]) == [
+        ("c10d::_allgather_base_", "bfloat16"),
+        ("c10d::allreduce_", None),
+        ("c10d::send", None),
+    ]
     meta = document["meta"]
     assert meta["backend"] == "nccl" and meta["world_size"] == 4
     assert meta["not_completed"] == 1  # the all_reduce a hang would sit in

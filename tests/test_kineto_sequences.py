@@ -307,7 +307,7 @@ def collective_events(data: dict[str, Any]) -> list[list[dict[str, Any]]]:
 def run_divergence(opguard: Opguard, pattern: Path, expect: int) -> list[dict[str, Any]]:
     run = opguard("run", "-i", pattern, "--fail-on-divergence", expect=expect)
     combined = json.loads(run.read("dlrm_combined.json"))
-    assert combined["version"] == 6 and combined["meta"]["ranks"] == list(range(8))
+    assert combined["version"] == 7 and combined["meta"]["ranks"] == list(range(8))
     assert run.run_dir is not None
     findings: list[dict[str, Any]] = load_divergence(run.run_dir / "dlrm_divergence.json")[
         "findings"
@@ -331,7 +331,8 @@ def test_dlrm_8_ranks_agree(opguard: Opguard, tmp_path: Path) -> None:
 
 
 def test_dlrm_rank_with_another_dtype_is_named(opguard: Opguard, tmp_path: Path) -> None:
-    """Rank 5 sends its third alltoall as int64 where the others send int32."""
+    """Rank 5 sends its third alltoall as int64 where the others send int32: a
+    collective_dtype in the sequence, and its callsite runs in another dtype."""
 
     def change(rank: int, data: dict[str, Any]) -> None:
         if rank == 5:
@@ -341,16 +342,19 @@ def test_dlrm_rank_with_another_dtype_is_named(opguard: Opguard, tmp_path: Path)
                     event["args"]["Input type"] = ["long int" if t == "int" else t for t in types]
 
     findings = run_divergence(opguard, write_ranks(tmp_path / "job", change), 4)
-    assert [(f["kind"], f["ranks"], f["position"]) for f in findings] == [
-        ("collective_dtype", [5], 2)
+    assert [(f["kind"], f["ranks"], f.get("position")) for f in findings] == [
+        ("collective_dtype", [5], 2),
+        ("dtype_mismatch", [5], None),  # the op's callsite (dtype from Input type, v7)
     ]
+    assert findings[1]["op"] == "c10d::alltoall_base_"
     assert findings[0]["expected"]["dtype"] == "int32" and findings[0]["got"]["dtype"] == "int64"
     assert findings[0]["step"] == 10 and findings[0]["majority"] is True
 
 
 def test_dlrm_rank_with_two_collectives_swapped_is_named(opguard: Opguard, tmp_path: Path) -> None:
     """Rank 2 issues its second and third alltoall (int64[24], int32[384]) in the
-    opposite order: same counts per callsite, a desync all the same."""
+    opposite order: same counts per callsite, a desync all the same (and, since the
+    callsites carry dtypes, each of the two runs in the other's)."""
 
     def change(rank: int, data: dict[str, Any]) -> None:
         if rank == 2:
@@ -359,8 +363,10 @@ def test_dlrm_rank_with_two_collectives_swapped_is_named(opguard: Opguard, tmp_p
                 a["args"], b["args"] = copy.deepcopy(b["args"]), copy.deepcopy(a["args"])
 
     findings = run_divergence(opguard, write_ranks(tmp_path / "job", change), 4)
-    assert [(f["kind"], f["ranks"], f["position"]) for f in findings] == [
-        ("collective_order", [2], 1)
+    assert [(f["kind"], f["ranks"], f.get("position")) for f in findings] == [
+        ("collective_order", [2], 1),
+        ("dtype_mismatch", [2], None),
+        ("dtype_mismatch", [2], None),
     ]
     assert (findings[0]["expected"]["dtype"], findings[0]["got"]["dtype"]) == ("int64", "int32")
 

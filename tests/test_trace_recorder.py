@@ -80,7 +80,7 @@ def test_both_paths_write_the_same_trace(tmp_path: Path, loops: Any, loop: str) 
 
 def _ops_with_api(recorder: CallsiteRecorder) -> dict[tuple[str | None, str], int]:
     totals: dict[tuple[str | None, str], int] = {}
-    for (_stack, api, op, _stream), count in recorder.counts.items():
+    for (_stack, api, op, _stream, _dtype), count in recorder.counts.items():
         totals[(api, op)] = totals.get((api, op), 0) + count
     return totals
 

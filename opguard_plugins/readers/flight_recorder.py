@@ -30,7 +30,9 @@ order; it becomes
   (torch's name: ``Float`` → ``float32``), ``shapes`` and ``numel`` from
   ``input_sizes``, no ``reduce_op`` (a dump does not record it), and the stack from
   ``frames`` (innermost first in the dump, outermost first here);
-* a **callsite** (stack, op, role ``comm``, no raw stream: ``-1``), counted.
+* a **callsite** (stack, op, role ``comm``, no raw stream: ``-1``), counted; its
+  ``dtype`` (formats.md, "Dtypes") is the entry's for the ops whose first argument is
+  one tensor (:data:`TENSOR_FIRST`), none for the others, whose tensors come in a list.
 
 A dump has no steps: every collective is in step 0. Its ring buffer keeps the last
 ``TORCH_FR_BUFFER_SIZE`` entries; when it has wrapped, the first collectives are
@@ -61,6 +63,7 @@ from opguard_core.formats.collectives import (
     Signature,
     StepRun,
 )
+from opguard_core.formats.dtypes import is_dtype
 from opguard_core.formats.trace import TRACE_FORMAT, TRACE_VERSION, trace_stem
 from opguard_core.run.warnings import warn
 from opguard_plugins.readers.kineto import frame_key, module_of, relative_file
@@ -112,6 +115,13 @@ OPS = {
     "send": "c10d::send",
     "recv": "c10d::recv_",
 }
+
+#: the ops of :data:`OPS` whose first argument is one tensor (torch 2.13's schemas; the
+#: others take lists, ``barrier`` a placeholder the dump does not describe): a callsite's
+#: dtype, which the tracer reads from that tensor (the output, of the input's dtype)
+TENSOR_FIRST = frozenset(
+    {"c10d::_allgather_base_", "c10d::_reduce_scatter_base_", "c10d::alltoall_base_"}
+)
 
 #: c10 ScalarType names (what a dump's ``input_dtypes`` hold) → torch's dtype names
 DTYPES = {
@@ -370,7 +380,7 @@ def read_dump(data: bytes, path: Path) -> tuple[dict[str, Any], list[str]]:
     group_list: list[Group] = []
     signatures: dict[Signature, int] = {}
     calls: list[int] = []
-    counts: dict[tuple[tuple[int, ...], str], int] = {}
+    counts: dict[tuple[tuple[int, ...], str, str | None], int] = {}
     backends: set[str] = set()
     first_seq: dict[str, int] = {}
     with_frames = 0
@@ -429,7 +439,8 @@ def read_dump(data: bytes, path: Path) -> tuple[dict[str, Any], list[str]]:
                 sid = signatures[signature] = len(signatures)
             raw_signatures[raw_signature] = sid
         calls.append(sid)
-        site = (tuple(stack), op)
+        site_dtype = DTYPES.get(dtype) if dtype is not None and op in TENSOR_FIRST else None
+        site = (tuple(stack), op, site_dtype if is_dtype(site_dtype) else None)
         counts[site] = counts.get(site, 0) + 1
 
     wrapped = sorted(name for name, seq in first_seq.items() if seq > 1)
@@ -456,8 +467,17 @@ def read_dump(data: bytes, path: Path) -> tuple[dict[str, Any], list[str]]:
         return tuple(new_id[f] for f in stack)
 
     callsites = [
-        {"stack": list(stack), "op": op, "stream": NO_STREAM, "role": "comm", "count": n}
-        for stack, op, n in sorted((remap(s), op, n) for (s, op), n in counts.items())
+        {
+            "stack": list(stack),
+            "op": op,
+            "stream": NO_STREAM,
+            "role": "comm",
+            **({"dtype": dtype} if dtype else {}),
+            "count": n,
+        }
+        for stack, op, dtype, n in sorted(
+            (remap(s), op, dtype or "", n) for (s, op, dtype), n in counts.items()
+        )
     ]
     sequence = CollectiveSequence(
         ranks=[rank],

@@ -30,6 +30,10 @@ decompressed. One file is one rank. In brief:
   non-comm id), ``comm`` (streams running NCCL/RCCL kernels or a collective op's
   kernels; ``comm2``… if several), ``side1``, ``side2``… in order of first launch.
   Every collective op is on a comm role.
+* **dtypes**: an op's ``dtype`` is its first tensor argument's, from its ``Input type``
+  (recorded with ``record_shapes``; C++ names such as ``c10::BFloat16`` through
+  :func:`~opguard_core.formats.dtypes.profiler_dtype`); none without it (formats.md,
+  "Dtypes").
 * **steps, ranks**: ``ProfilerStep#N`` into ``meta.steps``; ``distributedInfo`` into
   ``meta.rank``/``ranks``/``world_size``/``backend``.
 * **window**: what the profiling window cut is counted in ``meta.window``.
@@ -58,6 +62,7 @@ from opguard_core.formats.collectives import (
     is_collective,
     remap_runs,
 )
+from opguard_core.formats.dtypes import PROFILER_TYPES, profiler_dtype
 from opguard_core.formats.streams import COMM_NAMESPACES, role_order
 from opguard_core.formats.trace import TRACE_FORMAT, TRACE_VERSION, trace_ranks
 from opguard_core.run.warnings import warn
@@ -76,11 +81,18 @@ NO_STREAM = -1
 _NO_RAW = msgspec.Raw()
 
 
-class _Args(msgspec.Struct, gc=False, rename={"call_stack": "Call stack"}):
+class _Args(
+    msgspec.Struct,
+    gc=False,
+    rename={"call_stack": "Call stack", "input_type": "Input type"},
+):
     correlation: int | None = None
     stream: int | None = None
     device: int | None = None
     call_stack: str | None = None
+    #: an op's argument types (``record_shapes``): its dtype, and a collective's
+    #: description; kept raw, decoded once per distinct list (:meth:`_Importer.dtype`)
+    input_type: msgspec.Raw = _NO_RAW
 
 
 class _CommArgs(
@@ -106,7 +118,6 @@ class _CommArgs(
     # sequences"): kept raw (shapes are on every op: decoded only for collectives)
     # (in the order torch writes them: msgspec looks the next field up first)
     concrete: msgspec.Raw = _NO_RAW
-    input_type: msgspec.Raw = _NO_RAW
     input_dims: msgspec.Raw = _NO_RAW
     # only on record_param_comms: any JSON value, checked where read
     dtype: Any = None
@@ -521,6 +532,9 @@ class _Importer:
         self.op_end: list[float] = []
         self.op_kind: list[int] = []
         self.op_api: list[str | None] = []
+        self.op_dtype: list[str | None] = []
+        #: an ``Input type`` list's bytes → its dtype
+        self.dtypes: dict[bytes, str | None] = {}
         #: correlation → (op index or -1, launch ts, event index)
         self.launches: dict[int, tuple[int, float, int]] = {}
         self.anchors: list[_Anchor] = []
@@ -540,6 +554,17 @@ class _Importer:
 
     def count(self, key: str, n: int = 1) -> None:
         self.window[key] = self.window.get(key, 0) + n
+
+    def dtype(self, event: _Event) -> str | None:
+        """An op's dtype from its ``Input type`` (None without one)."""
+        args = event.args
+        if args is None or not args.input_type:
+            return None
+        key = bytes(args.input_type)
+        if key in self.dtypes:
+            return self.dtypes[key]
+        found = self.dtypes[key] = profiler_dtype(_decoded(args.input_type) or ())
+        return found
 
     # -- partition --------------------------------------------------------
 
@@ -620,6 +645,7 @@ class _Importer:
         launches = self.launches
         op_name, op_sid, op_thread = self.op_name, self.op_sid, self.op_thread
         op_ts, op_end, op_kind = self.op_ts, self.op_end, self.op_kind
+        op_dtype, dtype_of = self.op_dtype, self.dtype
         call_stacks = self.call_stacks
         anchors = self.anchors
         comm_ops, comm_params, comm_labels = self.comm_ops, self.comm_params, self.comm_labels
@@ -710,6 +736,7 @@ class _Importer:
                 op_ts.append(ts)
                 op_end.append(end)
                 op_kind.append(okind)
+                op_dtype.append(dtype_of(event))
                 ends.append(end)
                 saved.append((sid, op, module_class))
                 op = number
@@ -995,8 +1022,9 @@ class _Importer:
         return out
 
     def build(self, streams: dict[int, dict[str, Any]]) -> dict[str, Any]:
-        """Count ops per (stack, api, op, stream, role); intern frames in canonical order."""
-        counts: dict[tuple[int, str | None, str, int, str], int] = {}
+        """Count ops per (stack, api, op, stream, role, dtype); intern frames in canonical
+        order."""
+        counts: dict[tuple[int, str | None, str, int, str, str | None], int] = {}
         profiler_ops = without_stack = 0
         stack_apis: dict[int, str | None] = {}
         profiler_frames: dict[int, bool] = {}
@@ -1012,7 +1040,7 @@ class _Importer:
             api = self.op_api[number]
             if api is None and sid:
                 api = self.stack_api(sid, stack_apis)
-            key = (sid, api, op, *placed[number])
+            key = (sid, api, op, *placed[number], self.op_dtype[number])
             counts[key] = counts.get(key, 0) + 1
         if profiler_ops:
             self.count("profiler_ops", profiler_ops)
@@ -1032,12 +1060,13 @@ class _Importer:
         return document
 
     def canonical(
-        self, counts: dict[tuple[int, str | None, str, int, str], int]
+        self, counts: dict[tuple[int, str | None, str, int, str, str | None], int]
     ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-        """Frames sorted by value, callsites by (stack, api, op, role) (formats.md §1's
-        canonical output; two frame ids with equal values merge, and so do callsites
-        that differ only in their raw stream, which is then the smallest: a
-        collective on its comm stream and one whose kernels the window cut)."""
+        """Frames sorted by value, callsites by (stack, api, op, role, dtype), no dtype
+        first (formats.md §1's canonical output; two frame ids with equal values merge,
+        and so do callsites that differ only in their raw stream, which is then the
+        smallest: a collective on its comm stream and one whose kernels the window
+        cut)."""
         expanded = {sid: self.stacks.frames(sid) for sid, *_ in counts}
         used = {fid for fids in expanded.values() for fid in fids}
         values = {fid: self.frames.frame(fid) for fid in used}
@@ -1045,17 +1074,21 @@ class _Importer:
         index_of = {key: i for i, key in enumerate(order)}
         fid_index = {fid: index_of[frame_key(v)] for fid, v in values.items()}
         self.fid_index = fid_index
-        merged: dict[tuple[tuple[int, ...], str, str, str], tuple[int, int]] = {}
-        for (sid, api, op, stream, role), n in counts.items():
-            key = (tuple(fid_index[f] for f in expanded[sid]), api or "", op, role)
+        # a dtype name is never "": "" (no dtype) sorts first
+        merged: dict[tuple[tuple[int, ...], str, str, str, str], tuple[int, int]] = {}
+        for (sid, api, op, stream, role, dtype), n in counts.items():
+            key = (tuple(fid_index[f] for f in expanded[sid]), api or "", op, role, dtype or "")
             count, low = merged.get(key, (0, stream))
             merged[key] = (count + n, min(low, stream))
         callsites: list[dict[str, Any]] = []
-        for (stack, api, op, role), (n, stream) in sorted(merged.items()):
+        for (stack, api, op, role, dtype), (n, stream) in sorted(merged.items()):
             site: dict[str, Any] = {"stack": list(stack)}
             if api:
                 site["api"] = api
-            site.update({"op": op, "stream": stream, "role": role, "count": n})
+            site.update({"op": op, "stream": stream, "role": role})
+            if dtype:
+                site["dtype"] = dtype
+            site["count"] = n
             callsites.append(site)
         return [_frame_from_key(key) for key in order], callsites
 
@@ -1253,6 +1286,7 @@ GroupKey = tuple[str, str | None, int | None, tuple[int, ...]]
 
 #: dtype names → torch's (without ``torch.``): c10's ScalarType names, which
 #: ``record_param_comms`` writes as ``dtype``, and the C++ type names of ``Input type``
+#: (:data:`~opguard_core.formats.dtypes.PROFILER_TYPES`)
 _DTYPES: dict[str, str] = {
     "Float": "float32",
     "Double": "float64",
@@ -1274,29 +1308,7 @@ _DTYPES: dict[str, str] = {
     "Float8_e5m2": "float8_e5m2",
     "Float8_e4m3fnuz": "float8_e4m3fnuz",
     "Float8_e5m2fnuz": "float8_e5m2fnuz",
-    "float": "float32",
-    "double": "float64",
-    "c10::Half": "float16",
-    "c10::BFloat16": "bfloat16",
-    "long int": "int64",
-    "long": "int64",
-    "long long": "int64",
-    "int": "int32",
-    "short int": "int16",
-    "short": "int16",
-    "signed char": "int8",
-    "unsigned char": "uint8",
-    "bool": "bool",
-    "unsigned short": "uint16",
-    "unsigned int": "uint32",
-    "unsigned long": "uint64",
-    "c10::complex<c10::Half>": "complex32",
-    "c10::complex<float>": "complex64",
-    "c10::complex<double>": "complex128",
-    "c10::Float8_e4m3fn": "float8_e4m3fn",
-    "c10::Float8_e5m2": "float8_e5m2",
-    "c10::Float8_e4m3fnuz": "float8_e4m3fnuz",
-    "c10::Float8_e5m2fnuz": "float8_e5m2fnuz",
+    **PROFILER_TYPES,
 }
 #: ``Input type`` of a list of tensors (its ``Input Dims`` entry: one shape per tensor)
 _TENSOR_LISTS = frozenset({"TensorList", "GenericList"})

@@ -8,8 +8,10 @@
  * allocating: it walks the Python stack from the frame that issued the operator
  * outwards (skipping torch's wrapper frames at the top) into a buffer of (code, f_lasti)
  * positions, finds that stack in a table of the stacks seen so far, and adds one to the
- * count of (stack, api, op, stream) in a second table. ``flush()`` adds the pending counts into
- * the Python dict ``counts`` under the key ``(stack, api, op, stream)``, where ``stack`` is
+ * count of (stack, api, op, stream, dtype) in a second table (``dtype`` the name of the
+ * op's first tensor argument's dtype, or None: ``op_dtype``, whose reference is
+ * record/dtypes.py). ``flush()`` adds the pending counts into the Python dict ``counts``
+ * under the key ``(stack, api, op, stream, dtype)``, where ``stack`` is
  * the flat tuple ``(id(code), f_lasti, ...)`` outermost first: the value ``tracer._walk``
  * builds, so Python stays the reference implementation. Everything else (an operator
  * not yet named, a backward pass on another thread) is handed to the Python ``slow``
@@ -47,8 +49,17 @@ typedef struct {
     PyObject *api; /* strong references */
     PyObject *op;
     long long stream;
-    long count; /* pending, not yet in ``counts`` */
+    PyObject *dtype; /* the name from ``DtypeNaming.names`` (one str per dtype), or None */
+    long count;      /* pending, not yet in ``counts`` */
 } Site;
+
+/* What ``op_dtype`` names dtypes with (record/dtypes.py, ``native_naming``); strong
+ * references, NULL until set. */
+typedef struct {
+    PyObject *tensor_type; /* torch.Tensor */
+    PyObject *names;       /* dict: torch.dtype -> its name, shared with ``op_dtype`` */
+    PyObject *name_of;     /* callable(dtype) -> its name (``dtype_name``), once per dtype */
+} DtypeNaming;
 
 /* Open addressing over indices into a vector; -1 marks an empty slot. */
 typedef struct {
@@ -85,6 +96,7 @@ typedef struct {
     PyObject *stream_of;  /* callable() -> the current stream id, or None (no CUDA) */
     PyObject *divert;     /* set of op names Python records and runs itself, or None */
     PyObject *divert_call; /* callable(func, frame, args, kwargs) -> result, or None */
+    DtypeNaming naming;
     int active;
     IdTable ids;
     PyObject **positions; /* POSITIONS_CACHED ints, made on first use */
@@ -101,6 +113,7 @@ static PyObject *api_str;    /* "api" */
 static PyObject *name_str;   /* "__name__" */
 static PyObject *collective; /* "c10d::" */
 static PyObject *op_attr_str; /* "_op" */
+static PyObject *dtype_str;   /* "dtype" */
 
 static inline size_t
 mix(size_t h, size_t value)
@@ -243,6 +256,101 @@ position_int(Counter *self, Py_ssize_t position)
     return PyLong_FromSsize_t(position);
 }
 
+/* ----------------------------------------------------------------- dtypes */
+
+static int
+naming_set(DtypeNaming *naming, PyObject *tensor_type, PyObject *names, PyObject *name_of)
+{
+    if (!PyType_Check(tensor_type) || !PyDict_Check(names) || !PyCallable_Check(name_of)) {
+        PyErr_SetString(PyExc_TypeError,
+                        "dtype naming needs a tensor type, a dict of names and a callable");
+        return -1;
+    }
+    Py_XSETREF(naming->tensor_type, Py_NewRef(tensor_type));
+    Py_XSETREF(naming->names, Py_NewRef(names));
+    Py_XSETREF(naming->name_of, Py_NewRef(name_of));
+    return 0;
+}
+
+/* Set ``naming`` from ``opguard_plugins.record.dtypes.native_naming()``. */
+static int
+naming_load(DtypeNaming *naming)
+{
+    PyObject *module = PyImport_ImportModule("opguard_plugins.record.dtypes");
+    PyObject *found = module == NULL ? NULL : PyObject_CallMethod(module, "native_naming", NULL);
+    Py_XDECREF(module);
+    if (found == NULL) {
+        return -1;
+    }
+    int result = -1;
+    if (!PyTuple_Check(found) || PyTuple_GET_SIZE(found) != 3) {
+        PyErr_SetString(PyExc_TypeError, "native_naming() must return 3 values");
+    }
+    else {
+        result = naming_set(naming, PyTuple_GET_ITEM(found, 0), PyTuple_GET_ITEM(found, 1),
+                            PyTuple_GET_ITEM(found, 2));
+    }
+    Py_DECREF(found);
+    return result;
+}
+
+static void
+naming_clear(DtypeNaming *naming)
+{
+    Py_CLEAR(naming->tensor_type);
+    Py_CLEAR(naming->names);
+    Py_CLEAR(naming->name_of);
+}
+
+static int
+naming_traverse(DtypeNaming *naming, visitproc visit, void *arg)
+{
+    Py_VISIT(naming->tensor_type);
+    Py_VISIT(naming->names);
+    Py_VISIT(naming->name_of);
+    return 0;
+}
+
+/* The dtype name of the first tensor in ``args`` (a tuple; NULL: none), or None: a new
+ * reference, or NULL with an exception. As ``op_dtype`` in record/dtypes.py: a tensor
+ * is an instance of the tensor type, a list of tensors is not one; each ``torch.dtype``
+ * is named once, by ``name_of``, into ``names``, whose str is then that dtype's. */
+static PyObject *
+op_dtype(DtypeNaming *naming, PyObject *args)
+{
+    Py_ssize_t n = args != NULL ? PyTuple_GET_SIZE(args) : 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *arg = PyTuple_GET_ITEM(args, i);
+        if (!PyObject_TypeCheck(arg, (PyTypeObject *)naming->tensor_type)) {
+            continue;
+        }
+        PyObject *dtype = PyObject_GetAttr(arg, dtype_str);
+        if (dtype == NULL) {
+            return NULL;
+        }
+        PyObject *name = PyDict_GetItemWithError(naming->names, dtype); /* borrowed */
+        if (name != NULL) {
+            Py_INCREF(name);
+        }
+        else if (!PyErr_Occurred()) {
+            name = PyObject_CallOneArg(naming->name_of, dtype);
+            if (name != NULL && !PyUnicode_CheckExact(name)) {
+                Py_CLEAR(name);
+                PyErr_SetString(PyExc_TypeError, "a dtype's name must be a str");
+            }
+            if (name != NULL) {
+                PyUnicode_InternInPlace(&name);
+                if (PyDict_SetItem(naming->names, dtype, name) < 0) {
+                    Py_CLEAR(name);
+                }
+            }
+        }
+        Py_DECREF(dtype);
+        return name;
+    }
+    return Py_NewRef(Py_None);
+}
+
 /* ------------------------------------------------------------------- walk */
 
 /* The positions from ``frame`` outwards into ``*buf`` (innermost first); steals the
@@ -362,17 +470,18 @@ stack_hash_at(void *owner, Py_ssize_t i)
 }
 
 static Py_hash_t
-site_hash(Py_ssize_t stack, PyObject *api, PyObject *op, long long stream)
+site_hash(Py_ssize_t stack, PyObject *api, PyObject *op, long long stream, PyObject *dtype)
 {
-    return (Py_hash_t)mix(mix(mix(mix(0, (size_t)stack), (size_t)api), (size_t)op),
-                          (size_t)stream);
+    return (Py_hash_t)mix(
+        mix(mix(mix(mix(0, (size_t)stack), (size_t)api), (size_t)op), (size_t)stream),
+        (size_t)dtype);
 }
 
 static Py_hash_t
 site_hash_at(void *owner, Py_ssize_t i)
 {
     Site *site = &((Counter *)owner)->sites[i];
-    return site_hash(site->stack, site->api, site->op, site->stream);
+    return site_hash(site->stack, site->api, site->op, site->stream, site->dtype);
 }
 
 /* The index of this stack in ``stacks``, adding it when new; -1 with an exception. */
@@ -425,17 +534,19 @@ find_stack(Counter *self, const Position *innermost_first, Py_ssize_t n)
     return index;
 }
 
-/* Adds one to (stack, api, op, stream); 0, or -1 with an exception. */
+/* Adds one to (stack, api, op, stream, dtype); 0, or -1 with an exception. Strings are
+ * compared by identity: an api, an op and a dtype have one str each (their caches'). */
 static int
-count_site(Counter *self, Py_ssize_t stack, PyObject *api, PyObject *op, long long stream)
+count_site(Counter *self, Py_ssize_t stack, PyObject *api, PyObject *op, long long stream,
+           PyObject *dtype)
 {
     size_t mask = (size_t)self->site_index.size - 1;
-    size_t slot = (size_t)site_hash(stack, api, op, stream) & mask;
+    size_t slot = (size_t)site_hash(stack, api, op, stream, dtype) & mask;
     Py_ssize_t found;
     while ((found = self->site_index.slots[slot]) != -1) {
         Site *site = &self->sites[found];
         if (site->stack == stack && site->api == api && site->op == op &&
-            site->stream == stream) {
+            site->stream == stream && site->dtype == dtype) {
             if (site->count++ == 0) {
                 self->pending++;
             }
@@ -454,7 +565,8 @@ count_site(Counter *self, Py_ssize_t stack, PyObject *api, PyObject *op, long lo
         self->cap_sites = grown;
     }
     Py_ssize_t index = self->n_sites++;
-    self->sites[index] = (Site){stack, Py_NewRef(api), Py_NewRef(op), stream, 1};
+    self->sites[index] =
+        (Site){stack, Py_NewRef(api), Py_NewRef(op), stream, Py_NewRef(dtype), 1};
     self->pending++;
     if (2 * self->n_sites > self->site_index.size) {
         return reindex(&self->site_index, self->n_sites, site_hash_at, self);
@@ -465,11 +577,19 @@ count_site(Counter *self, Py_ssize_t stack, PyObject *api, PyObject *op, long lo
 
 /* ----------------------------------------------------------------- methods */
 
+/* slow(func, frame, args): the Python path, with the positional arguments (NULL: none),
+ * which it reads the dtype from. */
 static PyObject *
-call_slow(Counter *self, PyObject *func, PyFrameObject *frame)
+call_slow(Counter *self, PyObject *func, PyFrameObject *frame, PyObject *call_args)
 {
-    PyObject *result = PyObject_CallFunctionObjArgs(
-        self->slow, func, frame != NULL ? (PyObject *)frame : Py_None, NULL);
+    PyObject *empty = call_args == NULL ? PyTuple_New(0) : NULL;
+    PyObject *result =
+        (call_args == NULL && empty == NULL)
+            ? NULL
+            : PyObject_CallFunctionObjArgs(self->slow, func,
+                                           frame != NULL ? (PyObject *)frame : Py_None,
+                                           call_args != NULL ? call_args : empty, NULL);
+    Py_XDECREF(empty);
     Py_XDECREF(frame);
     return result;
 }
@@ -484,9 +604,10 @@ running_frame(void)
     return current;
 }
 
-/* Count one operator issued from ``frame`` (stolen). */
+/* Count one operator issued from ``frame`` (stolen) with positional arguments
+ * ``call_args`` (NULL: none). */
 static PyObject *
-record_from(Counter *self, PyObject *func, PyFrameObject *frame)
+record_from(Counter *self, PyObject *func, PyFrameObject *frame, PyObject *call_args)
 {
     if (!self->active) {
         Py_XDECREF(frame);
@@ -495,10 +616,10 @@ record_from(Counter *self, PyObject *func, PyFrameObject *frame)
     PyObject *op = PyDict_GetItemWithError(self->op_names, func); /* borrowed */
     if (op == NULL) {
         PyErr_Clear(); /* not named yet, or unhashable: the Python path names it */
-        return call_slow(self, func, frame);
+        return call_slow(self, func, frame, call_args);
     }
     if (PyUnicode_Tailmatch(op, collective, 0, PY_SSIZE_T_MAX, -1) == 1) {
-        return call_slow(self, func, frame); /* remembers the rank */
+        return call_slow(self, func, frame, call_args); /* remembers the rank */
     }
     PyObject *api = PyObject_GetAttr(self->local, api_str);
     if (api == NULL) {
@@ -511,7 +632,7 @@ record_from(Counter *self, PyObject *func, PyFrameObject *frame)
     }
     if (api == Py_None && PyList_GET_SIZE(self->backward) > 0) {
         Py_DECREF(api);
-        return call_slow(self, func, frame); /* maybe an autograd engine thread */
+        return call_slow(self, func, frame, call_args); /* maybe an autograd engine thread */
     }
     long long stream = 0;
     if (self->stream_of != Py_None) {
@@ -524,7 +645,14 @@ record_from(Counter *self, PyObject *func, PyFrameObject *frame)
             return NULL;
         }
     }
-    Py_INCREF(op);
+    Py_INCREF(op); /* op_dtype may run Python code (a tensor subclass's dtype) */
+    PyObject *dtype = op_dtype(&self->naming, call_args);
+    if (dtype == NULL) {
+        Py_DECREF(api);
+        Py_DECREF(op);
+        Py_XDECREF(frame);
+        return NULL;
+    }
     Position local_buf[BUFFER];
     Position *buf = local_buf;
     Py_ssize_t cap = BUFFER;
@@ -532,13 +660,14 @@ record_from(Counter *self, PyObject *func, PyFrameObject *frame)
     int failed = n < 0;
     if (!failed) {
         Py_ssize_t stack = find_stack(self, buf, n);
-        failed = stack < 0 || count_site(self, stack, api, op, stream) < 0;
+        failed = stack < 0 || count_site(self, stack, api, op, stream, dtype) < 0;
     }
     if (buf != local_buf) {
         PyMem_Free(buf);
     }
     Py_DECREF(api);
     Py_DECREF(op);
+    Py_DECREF(dtype);
     if (failed) {
         return NULL;
     }
@@ -636,7 +765,7 @@ Counter_dispatch(Counter *self, PyObject *const *args, Py_ssize_t nargs)
             return result;
         }
     }
-    PyObject *counted = record_from(self, func, running_frame());
+    PyObject *counted = record_from(self, func, running_frame(), call_args);
     if (counted == NULL) {
         return NULL;
     }
@@ -724,8 +853,8 @@ Counter_flush(Counter *self, PyObject *unused)
         }
         PyObject *stream = PyLong_FromLongLong(site->stream);
         PyObject *key = stream == NULL ? NULL
-                                       : PyTuple_Pack(4, self->stacks[site->stack].tuple,
-                                                      site->api, site->op, stream);
+                                       : PyTuple_Pack(5, self->stacks[site->stack].tuple,
+                                                      site->api, site->op, stream, site->dtype);
         Py_XDECREF(stream);
         if (key == NULL) {
             return NULL;
@@ -793,6 +922,7 @@ Counter_free_tables(Counter *self)
     for (Py_ssize_t i = 0; i < self->n_sites; i++) {
         Py_XDECREF(self->sites[i].api);
         Py_XDECREF(self->sites[i].op);
+        Py_XDECREF(self->sites[i].dtype);
     }
     PyMem_Free(self->sites);
     self->sites = NULL;
@@ -809,16 +939,28 @@ Counter_init(Counter *self, PyObject *args, PyObject *kwargs)
                             "local",     "backward",      "skip_files", "slow",
                             "api_names", "backward_apis", "enter_api", "exit_api",
                             "overload_type", "stream_of", "divert", "divert_call",
-                            NULL};
+                            "tensor_type", "dtype_names", "dtype_name", NULL};
     PyObject *counts, *codes, *modules, *op_names, *local, *backward, *skip_files, *slow;
     PyObject *api_names, *backward_apis, *enter_api, *exit_api, *overload_type;
     PyObject *stream_of = Py_None, *divert = Py_None, *divert_call = Py_None;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O!O!O!O!OO!OOO!OOOO!|OOO", names, &PyDict_Type,
-                                     &counts, &PyDict_Type, &codes, &PyDict_Type, &modules,
-                                     &PyDict_Type, &op_names, &local, &PyList_Type, &backward,
-                                     &skip_files, &slow, &PyDict_Type, &api_names,
+    PyObject *tensor_type = NULL, *dtype_names = NULL, *dtype_name = NULL;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O!O!O!O!OO!OOO!OOOO!|OOOOOO", names,
+                                     &PyDict_Type, &counts, &PyDict_Type, &codes, &PyDict_Type,
+                                     &modules, &PyDict_Type, &op_names, &local, &PyList_Type,
+                                     &backward, &skip_files, &slow, &PyDict_Type, &api_names,
                                      &backward_apis, &enter_api, &exit_api, &PyType_Type,
-                                     &overload_type, &stream_of, &divert, &divert_call)) {
+                                     &overload_type, &stream_of, &divert, &divert_call,
+                                     &tensor_type, &dtype_names, &dtype_name)) {
+        return -1;
+    }
+    if ((tensor_type == NULL) != (dtype_names == NULL) ||
+        (tensor_type == NULL) != (dtype_name == NULL)) {
+        PyErr_SetString(PyExc_TypeError, "tensor_type, dtype_names and dtype_name go together");
+        return -1;
+    }
+    /* without them, those of record/dtypes.py (native_naming) */
+    if (tensor_type == NULL ? naming_load(&self->naming) < 0
+                            : naming_set(&self->naming, tensor_type, dtype_names, dtype_name) < 0) {
         return -1;
     }
     if (divert != Py_None && !PyAnySet_Check(divert)) {
@@ -879,7 +1021,7 @@ Counter_traverse(Counter *self, visitproc visit, void *arg)
     Py_VISIT(self->stream_of);
     Py_VISIT(self->divert);
     Py_VISIT(self->divert_call);
-    return 0;
+    return naming_traverse(&self->naming, visit, arg);
 }
 
 static int
@@ -901,6 +1043,7 @@ Counter_clear(Counter *self)
     Py_CLEAR(self->stream_of);
     Py_CLEAR(self->divert);
     Py_CLEAR(self->divert_call);
+    naming_clear(&self->naming);
     return 0;
 }
 
@@ -942,7 +1085,7 @@ static PyTypeObject CounterType = {
     PyVarObject_HEAD_INIT(NULL, 0).tp_name = "opguard_plugins.record._recorder.Counter",
     .tp_basicsize = sizeof(Counter),
     .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
-    .tp_doc = "Counts (stack, api, op, 0) keys for the modes backend; see tracer.py.",
+    .tp_doc = "Counts (stack, api, op, stream, dtype) keys for the modes backend; see tracer.py.",
     .tp_new = PyType_GenericNew,
     .tp_init = (initproc)Counter_init,
     .tp_dealloc = (destructor)Counter_dealloc,
@@ -971,6 +1114,8 @@ typedef struct {
     PyObject *by_active;   /* the guard's dict: active targets -> state */
     PyObject *namespaces;  /* frozenset of the collectives' op namespaces */
     PyObject *skipped;     /* set of ops neither checked nor counted (profiling marks) */
+    int dtypes;            /* 1: ``state.ok`` is keyed by (func, stream, dtype) */
+    DtypeNaming naming;    /* record/dtypes.py's, loaded when ``dtypes`` is first set */
 } TargetWalker;
 
 static PyObject *checking_str, *collective_checks_str, *namespace_str, *one;
@@ -1152,11 +1297,30 @@ attribute_true(PyObject *object, PyObject *name)
     return truth;
 }
 
+/* The key of an op in ``state.ok``, as ``_Mode.__torch_dispatch__`` makes it: with
+ * ``dtypes``, (func, stream, dtype), the stream None where there is none and the dtype
+ * ``op_dtype``'s of the positional arguments ``call_args`` (NULL: none); else ``func``
+ * alone (no stream) or (func, stream). A new reference, or NULL with an exception. */
+static PyObject *
+walker_key(TargetWalker *self, PyObject *func, PyObject *stream, PyObject *call_args)
+{
+    if (self->dtypes) {
+        PyObject *dtype = op_dtype(&self->naming, call_args);
+        if (dtype == NULL) {
+            return NULL;
+        }
+        PyObject *key = PyTuple_Pack(3, func, stream, dtype);
+        Py_DECREF(dtype);
+        return key;
+    }
+    return stream == Py_None ? Py_NewRef(func) : PyTuple_Pack(2, func, stream);
+}
+
 /* 1 when the guard's Python path must see this op (a collective, a state not resolved
  * yet, or anything but an op already accepted there), 0 when it was counted here
  * (``state.ops``), -1 with an exception. */
 static int
-walker_count(TargetWalker *self, PyObject *func, PyObject *stream)
+walker_count(TargetWalker *self, PyObject *func, PyObject *stream, PyObject *call_args)
 {
     if (self->skipped != NULL) {
         int skip = PySet_Contains(self->skipped, func);
@@ -1228,7 +1392,7 @@ walker_count(TargetWalker *self, PyObject *func, PyObject *stream)
             if (ok == NULL) {
                 goto done;
             }
-            PyObject *key = stream == Py_None ? Py_NewRef(func) : PyTuple_Pack(2, func, stream);
+            PyObject *key = walker_key(self, func, stream, call_args);
             PyObject *seen = key == NULL ? NULL : PyDict_GetItemWithError(ok, key);
             Py_XDECREF(key);
             Py_DECREF(ok);
@@ -1278,7 +1442,7 @@ TargetWalker_dispatch(TargetWalker *self, PyObject *const *args, Py_ssize_t narg
     else {
         Py_INCREF(stream);
     }
-    int slow = walker_count(self, func, stream);
+    int slow = walker_count(self, func, stream, call_args);
     Py_DECREF(stream);
     if (slow < 0) {
         return NULL;
@@ -1367,7 +1531,7 @@ TargetWalker_traverse(TargetWalker *self, visitproc visit, void *arg)
     Py_VISIT(self->by_active);
     Py_VISIT(self->namespaces);
     Py_VISIT(self->skipped);
-    return 0;
+    return naming_traverse(&self->naming, visit, arg);
 }
 
 static int
@@ -1383,6 +1547,7 @@ TargetWalker_clear(TargetWalker *self)
     Py_CLEAR(self->by_active);
     Py_CLEAR(self->namespaces);
     Py_CLEAR(self->skipped);
+    naming_clear(&self->naming);
     return 0;
 }
 
@@ -1408,6 +1573,44 @@ static PyMethodDef TargetWalker_methods[] = {
     {NULL},
 };
 
+static PyObject *
+TargetWalker_get_dtypes(TargetWalker *self, void *closure)
+{
+    return PyLong_FromLong(self->dtypes);
+}
+
+/* ``dtypes = 1`` keys ``state.ok`` by (func, stream, dtype); the first time, it loads
+ * the naming of record/dtypes.py (so no op pays for an import). */
+static int
+TargetWalker_set_dtypes(TargetWalker *self, PyObject *value, void *closure)
+{
+    if (value == NULL) {
+        PyErr_SetString(PyExc_AttributeError, "dtypes cannot be deleted");
+        return -1;
+    }
+    long flag = PyLong_AsLong(value);
+    if (flag == -1 && PyErr_Occurred()) {
+        return -1;
+    }
+    if (flag != 0 && flag != 1) {
+        PyErr_SetString(PyExc_ValueError, "dtypes must be 0 or 1");
+        return -1;
+    }
+    if (flag && self->naming.tensor_type == NULL && naming_load(&self->naming) < 0) {
+        return -1;
+    }
+    self->dtypes = (int)flag;
+    return 0;
+}
+
+static PyGetSetDef TargetWalker_getset[] = {
+    {"dtypes", (getter)TargetWalker_get_dtypes, (setter)TargetWalker_set_dtypes,
+     "1: an op's key in state.ok is (func, stream, dtype); 0 (the default): func or "
+     "(func, stream)",
+     NULL},
+    {NULL},
+};
+
 static PyTypeObject TargetWalkerType = {
     PyVarObject_HEAD_INIT(NULL, 0).tp_name = "opguard_plugins.record._recorder.TargetWalker",
     .tp_basicsize = sizeof(TargetWalker),
@@ -1419,6 +1622,7 @@ static PyTypeObject TargetWalkerType = {
     .tp_traverse = (traverseproc)TargetWalker_traverse,
     .tp_clear = (inquiry)TargetWalker_clear,
     .tp_methods = TargetWalker_methods,
+    .tp_getset = TargetWalker_getset,
 };
 
 static struct PyModuleDef recorder_module = {
@@ -1433,7 +1637,9 @@ PyInit__recorder(void)
     name_str = PyUnicode_InternFromString("__name__");
     collective = PyUnicode_FromString("c10d::");
     op_attr_str = PyUnicode_InternFromString("_op");
-    if (api_str == NULL || name_str == NULL || collective == NULL || op_attr_str == NULL) {
+    dtype_str = PyUnicode_InternFromString("dtype");
+    if (api_str == NULL || name_str == NULL || collective == NULL || op_attr_str == NULL ||
+        dtype_str == NULL) {
         return NULL;
     }
     checking_str = PyUnicode_InternFromString("checking");

@@ -11,12 +11,14 @@ from collections.abc import Callable, Set
 from types import CodeType, FrameType
 from typing import Any, final
 
-#: (raw stack, api or None, op, stream): what the recorder counts
-_Key = tuple[tuple[int, ...], str | None, str, int]
+import torch
+
+#: (raw stack, api or None, op, stream, dtype or None): what the recorder counts
+_Key = tuple[tuple[int, ...], str | None, str, int, str | None]
 
 @final
 class Counter:
-    """Counts (stack, api, op, stream) keys for the modes backend; see tracer.py."""
+    """Counts (stack, api, op, stream, dtype) keys for the modes backend; see tracer.py."""
 
     #: count only while true
     active: bool
@@ -29,7 +31,7 @@ class Counter:
         local: threading.local,
         backward: list[Any],
         skip_files: Set[str],
-        slow: Callable[[Any, FrameType | None], None],
+        slow: Callable[[Any, FrameType | None, tuple[Any, ...]], None],
         api_names: dict[Any, str | None],
         backward_apis: Set[str],
         enter_api: Callable[[Callable[..., Any], FrameType | None], Any],
@@ -39,6 +41,9 @@ class Counter:
         divert: Set[str] | None = None,
         divert_call: Callable[[Any, FrameType | None, tuple[Any, ...], dict[str, Any] | None], Any]
         | None = None,
+        tensor_type: type[torch.Tensor] | None = None,
+        dtype_names: dict[torch.dtype, str] | None = None,
+        dtype_name: Callable[[object], str] | None = None,
     ) -> None: ...
     def dispatch(
         self,
@@ -65,6 +70,10 @@ class Counter:
 @final
 class TargetWalker:
     """The guard's stack walk; see enforce/runtime.py (Guard.active_targets)."""
+
+    #: 1: an op's key in ``state.ok`` is (func, stream or None, dtype or None), the dtype
+    #: ``op_dtype``'s (record/dtypes.py); 0 (the default): func, or (func, stream)
+    dtypes: int
 
     def __init__(
         self,

@@ -47,7 +47,9 @@ frame lines are the lines of the calls between them; the innermost frame's line 
 the line of the last Python-visible call before the op (exact when the op is reached
 through a function call, approximate for operator syntax such as ``a + b``).
 ``api`` is not recorded (the profiler does not see torch's Python function layer),
-``stream`` is 0 (role ``compute``; a collective is on ``comm``).
+``stream`` is 0 (role ``compute``; a collective is on ``comm``). The op's ``dtype``
+is its first tensor input's, from the shapes and types the profiler records
+(``record_shapes=True``: :func:`~opguard_plugins.record.dtypes.profiled_dtype`).
 
 The trace is built and written by the same code as the modes backend's
 (:class:`~opguard_plugins.record.tracer.CallsiteTracer`), so the format is identical.
@@ -76,6 +78,7 @@ from torch.overrides import _get_current_function_mode_stack as _function_modes
 
 from opguard_core.formats.collectives import is_collective
 from opguard_plugins.record.collectives import describe_profiled, may_nest
+from opguard_plugins.record.dtypes import profiled_dtype
 from opguard_plugins.record.tracer import (
     COMPILER_PARTS,
     CallsiteRecorder,
@@ -223,18 +226,6 @@ def _compiled_source(filename: str) -> types.CodeType | None:
         return None
 
 
-def _distributed_job() -> bool:
-    """Whether this process belongs to a job of several ranks (torchrun's
-    ``WORLD_SIZE``, or an initialized default group larger than one)."""
-    if os.environ.get("WORLD_SIZE", "1").strip() not in ("", "0", "1"):
-        return True
-    try:
-        dist = torch.distributed
-        return bool(dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1)
-    except Exception:
-        return False
-
-
 def _main_file() -> str | None:
     """The absolute path of the script ``__main__`` runs, while it has one: Python
     deletes ``__main__.__file__`` once a script ends, before the exit handlers (which
@@ -279,7 +270,7 @@ def _absolute(filename: str, search: list[str]) -> str:
 
 
 class ProfilerRecorder(CallsiteRecorder):
-    """Counts (stack, None, op, 0) tuples folded from the profiler's event trees."""
+    """Counts (stack, None, op, 0, dtype) tuples folded from the profiler's event trees."""
 
     def __init__(self) -> None:
         super().__init__(accelerated=False)
@@ -304,7 +295,7 @@ class ProfilerRecorder(CallsiteRecorder):
         the cycle's collectives join the sequence, in time order, each in its step:
         ``first_step`` (the steps finished when the cycle began) plus the optimizer
         steps (``Optimizer.step#…`` events) that ended before it."""
-        counts: dict[tuple[RawStack, str], int] = {}
+        counts: dict[tuple[RawStack, str, str | None], int] = {}
         collectives: list[tuple[int, RawStack, str, Any]] = []
         step_ends: list[int] = []
         compile_ops = 0
@@ -349,7 +340,10 @@ class ProfilerRecorder(CallsiteRecorder):
                         op = name.split(".", 1)[0]
                     if op is not None:
                         stack = outer if cell is None else (*outer, id(cell[0]), cell[1])
-                        key = (stack, op)
+                        dtype = None
+                        if op != COMPILED_REGION_OP:
+                            dtype = profiled_dtype(event.extra_fields.inputs)
+                        key = (stack, op, dtype)
                         counts[key] = counts.get(key, 0) + 1
                         if is_collective(op):
                             collectives.append((event.start_time_ns, stack, op, event))
@@ -368,8 +362,8 @@ class ProfilerRecorder(CallsiteRecorder):
                 work.append((child, outer, cell))
         with self._lock:
             self.compile_ops += compile_ops
-            for (stack, op), count in counts.items():
-                site = (stack, None, op, 0)
+            for (stack, op, dtype), count in counts.items():
+                site = (stack, None, op, 0, dtype)
                 self.counts[site] = self.counts.get(site, 0) + count
         step_ends.sort()
         collectives.sort(key=lambda item: item[0])
@@ -467,10 +461,10 @@ class ProfilerTracer(CallsiteTracer):
         self._trigger_hook: Any = None
 
     def _begin(self) -> None:
-        # input shapes only in a distributed job: what the collective sequence
-        # records of each collective (dtype, shapes); they cost every op a little
+        # input shapes and types: each op's dtype, and what the collective sequence
+        # records of each collective (dtype, shapes)
         profile = torch.autograd.profiler.profile(
-            use_cpu=True, use_kineto=True, with_stack=True, record_shapes=_distributed_job()
+            use_cpu=True, use_kineto=True, with_stack=True, record_shapes=True
         )
         # torch's profile.__enter__ has no annotations (unused where torch is absent)
         profile.__enter__()  # type: ignore[no-untyped-call, unused-ignore]

@@ -9,9 +9,10 @@ Two of torch's Python-level modes are pushed for the traced region:
 * a :class:`~torch.utils._python_dispatch.TorchDispatchMode` sees every operator that
   reaches the dispatcher (``aten::addmm``, ``c10d::allreduce_``, ``fsdp::chunk_cat``)
   and records it with the current Python stack (a ``sys._getframe`` walk), the current
-  ``api`` and the device stream.
+  ``api``, the device stream and the op's dtype (its first tensor argument's:
+  :func:`~opguard_plugins.record.dtypes.op_dtype`, formats.md "Dtypes").
 
-Identical (stack, api, op, stream) tuples are counted. Each callsite is written with
+Identical (stack, api, op, stream, dtype) tuples are counted. Each callsite is written with
 its raw stream id and its stream role (formats.md, "Streams and roles": a collective
 op is on ``comm``, whichever stream called it, as NCCL runs it on its own stream;
 the default stream, id 0, is ``compute``; other streams are ``side1``, ``side2``, … in
@@ -77,6 +78,7 @@ from opguard_core.formats.streams import StreamRoles, is_comm_op
 from opguard_core.formats.trace import LOOP_PHASE, SETUP_PHASE, Frame, encode_trace
 from opguard_core.native import load_native
 from opguard_plugins.record.collectives import SequenceRecorder, describe, diverts, run_nested
+from opguard_plugins.record.dtypes import native_naming, op_dtype
 
 if TYPE_CHECKING:
     from opguard_plugins.record._recorder import Counter
@@ -155,7 +157,8 @@ def is_generated_file(filename: str) -> bool:
 #: cached on Python 3.11); the recorder's ``codes`` table keeps every code object
 #: alive, so an id stays unique.
 RawStack = tuple[int, ...]
-Key = tuple[RawStack, "str | None", str, int]
+#: what the recorder counts: (raw stack, api, op, raw stream, dtype)
+Key = tuple[RawStack, "str | None", str, int, "str | None"]
 
 
 def _native_counter() -> type[Counter] | None:
@@ -341,7 +344,7 @@ class _ThreadApi(threading.local):
 
 
 class CallsiteRecorder:
-    """Counts (stack, api, op, stream) tuples; thread-safe."""
+    """Counts (stack, api, op, stream, dtype) tuples; thread-safe."""
 
     def __init__(self, *, accelerated: bool = True) -> None:
         self._counts: dict[Key, int] = {}
@@ -384,11 +387,12 @@ class CallsiteRecorder:
                 self.current_stream if self._cuda else None,
                 _DIVERT,
                 self.dispatch,
+                *native_naming(),
             )
 
     @property
     def counts(self) -> dict[Key, int]:
-        """Count per (stack, api, op, stream), the C path's pending counts included."""
+        """Count per (stack, api, op, stream, dtype), the C path's pending counts included."""
         if self.counter is not None:
             self.counter.flush()
         return self._counts
@@ -485,7 +489,8 @@ class CallsiteRecorder:
         kwargs: dict[str, Any] | None = None,
     ) -> None:
         """Count one operator call issued from ``frame`` (the C fast path hands over the
-        cases it leaves to Python: a new operator, a collective, a backward); a
+        cases it leaves to Python: a new operator, a collective, a backward, with the
+        positional arguments); its dtype is read from ``args`` (None without them); a
         collective whose arguments are given joins the collective sequence."""
         if not self._active:
             return
@@ -505,7 +510,7 @@ class CallsiteRecorder:
         stream = self.current_stream() if self._cuda else 0
         if is_comm_op(op) and self.rank is None:
             self.snapshot_rank()
-        key = (stack, api, op, stream)
+        key = (stack, api, op, stream, op_dtype(args) if args is not None else None)
         with self._lock:
             self._counts[key] = self._counts.get(key, 0) + 1
         if args is not None and is_collective(op):
@@ -941,9 +946,9 @@ class CallsiteTracer:
         roots = _path_roots(program_roots if program_roots is not None else default_program_roots())
         maker = _FrameMaker(self.recorder.modules, roots)
         raw = self._phase_counts(phase)
-        #: (frames, api, op, role) -> [count, raw stream]: a collective called from
-        #: several streams is one callsite (its role is comm), on the smallest of them
-        merged: dict[tuple[tuple[Frame, ...], str | None, str, str], list[int]] = {}
+        #: (frames, api, op, role, dtype) -> [count, raw stream]: a collective called
+        #: from several streams is one callsite (its role is comm), on the smallest
+        merged: dict[tuple[tuple[Frame, ...], str | None, str, str, str | None], list[int]] = {}
         role = self.recorder.streams.role
         streams: dict[int, str] = {}
         frame_cache: dict[tuple[types.CodeType, int], Frame] = {}
@@ -976,7 +981,7 @@ class CallsiteTracer:
             compile_ops -= self._setup_compile_ops
         # ids of the compiler's frames (:data:`COMPILER_FILES`); usually none
         compiler = {key for key, code in list(codes.items()) if maker.compiling(code)}
-        for (stack, api, op, stream), count in raw:
+        for (stack, api, op, stream, dtype), count in raw:
             if compiler and not compiler.isdisjoint(stack[0::2]):
                 compile_ops += count  # torch.compile compiling: not the program's op
                 continue
@@ -986,7 +991,7 @@ class CallsiteTracer:
             site_role = role(stream, op)
             if not is_comm_op(op):
                 streams[stream] = site_role
-            key = (frames, api, op, site_role)
+            key = (frames, api, op, site_role, dtype)
             slot = merged.get(key)
             if slot is None:
                 merged[key] = [count, stream]
@@ -1017,15 +1022,19 @@ class CallsiteTracer:
         self.collectives = Collectives(sequences=[sequence]) if sequence is not None else None
         callsites: list[dict[str, Any]] = []
         rows = sorted(
-            (([ids[f] for f in frames], api, op, site_role, count, stream)
-             for (frames, api, op, site_role), (count, stream) in merged.items()),
-            key=lambda row: (row[0], row[2], row[1] or "", row[3]),
+            (([ids[f] for f in frames], api, op, site_role, dtype, count, stream)
+             for (frames, api, op, site_role, dtype), (count, stream) in merged.items()),
+            key=lambda row: (row[0], row[2], row[1] or "", row[3], row[4] is not None,
+                             row[4] or ""),
         )  # fmt: skip
-        for stack_ids, api, op, site_role, count, stream in rows:
+        for stack_ids, api, op, site_role, dtype, count, stream in rows:
             site_dict: dict[str, Any] = {"stack": stack_ids}
             if api is not None:
                 site_dict["api"] = api
-            site_dict.update({"op": op, "stream": stream, "role": site_role, "count": count})
+            site_dict.update({"op": op, "stream": stream, "role": site_role})
+            if dtype is not None:
+                site_dict["dtype"] = dtype
+            site_dict["count"] = count
             callsites.append(site_dict)
         meta: dict[str, Any] = {
             "label": self.label,

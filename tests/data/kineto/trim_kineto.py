@@ -19,6 +19,8 @@ or ``--start-ms``/``--ms`` after the first CPU event):
   ``--comm-args``, the events that describe a collective (``c10d::*`` and
   ``_c10d_functional::*`` ops, ``record_param_comms``, ``nccl:*`` annotations) keep
   all their args (their input shapes and types give the collective sequence);
+  with ``--types``, every event keeps its ``Input type`` too (the ops' dtypes,
+  formats.md "Dtypes");
 * with ``--comm-only``, only those events, ``ProfilerStep#N`` and ``Optimizer.step#``
   labels and the metadata (a small excerpt of a long trace's collectives).
 
@@ -115,18 +117,25 @@ def window(
     return t0, t0 + span_ms * 1000
 
 
-def slim(event: dict[str, Any], comm_args: bool = False) -> dict[str, Any]:
+def slim(event: dict[str, Any], comm_args: bool = False, types: bool = False) -> dict[str, Any]:
     args = event.get("args")
     if comm_args and is_comm(event):
         return event
     if isinstance(args, dict):
         event = dict(event)
-        event["args"] = {k: v for k, v in args.items() if k in KEEP_ARGS}
+        event["args"] = {
+            k: v for k, v in args.items() if k in KEEP_ARGS or (types and k == "Input type")
+        }
     return event
 
 
 def trim(
-    data: dict[str, Any], t0: float, t1: float, comm_args: bool = False, comm_only: bool = False
+    data: dict[str, Any],
+    t0: float,
+    t1: float,
+    comm_args: bool = False,
+    comm_only: bool = False,
+    types: bool = False,
 ) -> dict[str, Any]:
     events: list[dict[str, Any]] = data["traceEvents"]
     all_correlations = {
@@ -142,7 +151,7 @@ def trim(
             if comm_only and not keeps_comm_only(event):
                 continue
             if ts < t1 and end > t0:
-                out.append(slim(event, comm_args or comm_only))
+                out.append(slim(event, comm_args or comm_only, types))
                 if event["cat"] in RUNTIME_CATS:
                     kept_correlations.add(event.get("args", {}).get("correlation"))
     for event in events:
@@ -181,10 +190,11 @@ def main() -> None:
     parser.add_argument("--ms", type=float, default=5.0)
     parser.add_argument("--comm-args", action="store_true", help="keep collectives' args")
     parser.add_argument("--comm-only", action="store_true", help="only collectives and steps")
+    parser.add_argument("--types", action="store_true", help="keep the ops' Input type")
     options = parser.parse_args()
     data = load(options.source)
     t0, t1 = window(data["traceEvents"], options.step, options.start_ms, options.ms)
-    trimmed = trim(data, t0, t1, options.comm_args, options.comm_only)
+    trimmed = trim(data, t0, t1, options.comm_args, options.comm_only, options.types)
     text = json.dumps(trimmed, separators=(",", ":")).encode()
     options.out.parent.mkdir(parents=True, exist_ok=True)
     with (
