@@ -327,8 +327,8 @@ def test_hook_check_entry(tmp_path: Path, app: Callable[..., Path]) -> None:
 
 def test_every_kind_has_a_default_severity() -> None:
     assert set(KINDS) == {
-        "unexpected_op", "unexpected_stream", "unknown_context", "unknown_target",
-        "missing", "missing_op", "count_drift", "rank_mismatch",
+        "unexpected_op", "unexpected_stream", "unexpected_dtype", "unknown_context",
+        "unknown_target", "missing", "missing_op", "count_drift", "rank_mismatch",
     }  # fmt: skip
 
 

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from opguard_core.errors import InputError, UsageProblem
-from opguard_core.formats.config import dump_config, load_config, parse_config
+from opguard_core.formats.config import CONFIG_VERSION, dump_config, load_config, parse_config
 from opguard_core.formats.config_collectives import read_config_collectives
 from opguard_core.formats.trace import load_trace
 from opguard_plugins.enforce.sequence_guard import SequenceChecker, config_sequences
@@ -56,7 +56,7 @@ def test_generate_writes_the_good_runs_sequences(tmp_path: Path) -> None:
     run_dir = pipeline(tmp_path, {"job": CALLS})
     path = run_dir / "job_instrumentation.yaml"
     text = path.read_text()
-    assert text.startswith("version: 4\n")
+    assert text.startswith(f"version: {CONFIG_VERSION}\n")
     section = text[text.index("collectives:\n") :]
     assert section == (
         "collectives:\n"
@@ -130,7 +130,7 @@ def test_merge_of_sequences_is_order_independent() -> None:
         (("group: 0}", "group: 2}"), "signatures[0].group is 2"),
         (("ranks: [0]\n    groups", "ranks: []\n    groups"), "collectives[0].ranks must be"),
         (("op: c10d::allreduce_", "op: 1"), "collectives[0].signatures.0 must be a mapping"),
-        (("version: 4", "version: 3"), "collectives needs config version 4"),
+        ((f"version: {CONFIG_VERSION}", "version: 3"), "collectives needs config version 4"),
     ],
 )
 def test_a_broken_section_is_refused_in_one_line(

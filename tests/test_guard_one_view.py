@@ -26,7 +26,7 @@ REPO = Path(__file__).resolve().parent.parent
 NET = REPO / "tests" / "data" / "one_view" / "net.py"
 EXAMPLES = REPO / "examples"
 
-Key = tuple[str, str, tuple[str, ...], str | None, str | None]
+Key = tuple[str, str, tuple[str, ...], str | None, str | None, str | None]
 
 
 def _edit(old: str, new: str) -> Callable[[str], str]:
@@ -61,12 +61,17 @@ NET_EDITS: dict[str, Callable[[str], str]] = {
         "nn.Sequential(Block(8), Block(8))",
         "nn.Sequential(Block(8))",
     ),
+    # the model and its inputs in float64: the same ops, another dtype (formats.md, "Dtypes")
+    "float64": _edit(
+        "    torch.manual_seed(0)\n",
+        "    torch.manual_seed(0)\n    torch.set_default_dtype(torch.float64)\n",
+    ),
 }
 
 
 def _keys(violations: list[dict[str, Any]], kinds: set[str] | None = None) -> set[Key]:
     return {
-        (v["kind"], v["target"], tuple(v["context"]), v.get("op"), v.get("stream"))
+        (v["kind"], v["target"], tuple(v["context"]), v.get("op"), v.get("stream"), v.get("dtype"))
         for v in violations
         if kinds is None or v["kind"] in kinds
     }
@@ -116,12 +121,17 @@ def test_guard_and_check_agree_on_a_script_and_its_edits(tmp_path: Path) -> None
         assert _keys(guarded) == _keys(checked), (name, _keys(guarded) ^ _keys(checked))
         found[name] = _keys(guarded)
     # the edit the issue named is found in the method of the script's class
-    gate = ("unexpected_op", "net:Block.forward", ("net:Net.forward",), "aten::sigmoid", None)
+    gate = (
+        "unexpected_op", "net:Block.forward", ("net:Net.forward",), "aten::sigmoid", None, None
+    )  # fmt: skip
     assert gate in found["gate_in_block"]
     assert any(k[0] == "unknown_target" and k[1] == "net:pool" for k in found["new_helper"])
     assert any(k[0] == "missing" for k in found["one_block"]) or any(
         k[0] == "count_drift" for k in found["one_block"]
     )
+    # float64: an error in each of the script's functions, naming the dtype
+    doubled = {(k[1], k[5]) for k in found["float64"] if k[0] == "unexpected_dtype"}
+    assert {("net:Block.forward", "float64"), ("net:Net.forward", "float64")} <= doubled
 
 
 def test_guard_and_check_agree_on_the_bundled_example(tmp_path: Path) -> None:

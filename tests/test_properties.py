@@ -241,6 +241,20 @@ def test_merge_conserves_counts_and_ops_and_leaves_inputs_alone(
     assert set(_entries_by_key(merged)) == set(_entries_by_key(a)) | set(_entries_by_key(b))
     for entry in merged["entries"]:
         assert entry["count"] == sum(entry["ops"].values()) == sum(entry["stream_counts"].values())
+    # dtypes (formats.md, "Dtypes"): added where both inputs' entries record them; an
+    # entry whose other side records none has none
+    dtyped = {entry_key(e): dict(e["dtype_counts"]) for c in (a, b) for e in c["entries"]
+              if "dtype_counts" in e}  # fmt: skip
+    for entry in merged["entries"]:
+        key = entry_key(entry)
+        sides = [e for c in (a, b) for e in c["entries"] if entry_key(e) == key]
+        if all("dtype_counts" in e for e in sides):
+            want: Counter[str] = Counter()
+            for side in sides:
+                want.update(dict(side["dtype_counts"]))
+            assert dict(entry["dtype_counts"]) == dict(want) and key in dtyped
+        else:
+            assert "dtype_counts" not in entry
 
 
 @SETTINGS

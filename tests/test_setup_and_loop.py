@@ -57,8 +57,8 @@ class Net(nn.Module):
         return self.fc(x.mean((2, 3)))
 
 
-def batch():
-    return torch.randn(2, 3, 6, 6)
+def batch(dtype=None):
+    return torch.randn(2, 3, 6, 6, dtype=dtype)
 
 
 def step(model, optimizer, x):
@@ -68,9 +68,9 @@ def step(model, optimizer, x):
     optimizer.step()
 
 
-def train(steps=2, extra_from=None, optimizer="adamw", relu=True, eval_mode=False):
+def train(steps=2, extra_from=None, optimizer="adamw", relu=True, eval_mode=False, dtype=None):
     torch.manual_seed(0)
-    model = Net()
+    model = Net() if dtype is None else Net().to(dtype)
     model.relu = relu
     kind = torch.optim.AdamW if optimizer == "adamw" else torch.optim.SGD
     opt = kind(model.parameters(), lr=1e-3)
@@ -78,7 +78,7 @@ def train(steps=2, extra_from=None, optimizer="adamw", relu=True, eval_mode=Fals
         model.eval()
     for i in range(steps):
         model.extra = extra_from is not None and i >= extra_from
-        step(model, opt, batch())
+        step(model, opt, batch(dtype))
 
 
 def infer(calls=2):
@@ -232,6 +232,10 @@ BUGS: dict[str, tuple[dict[str, Any], tuple[str, str, str]]] = {
         {"eval_mode": True},
         ("missing_op", "torch.nn.modules.batchnorm:_BatchNorm.forward", "aten::add_"),
     ),
+    "model in float64": (
+        {"dtype": "float64"},
+        ("unexpected_dtype", "slmodel:Net.forward", ""),
+    ),
 }
 
 
@@ -241,9 +245,12 @@ def test_bugs_in_the_loop_are_errors_in_check_and_guard(
 ) -> None:
     """What a config of the loop ran in every step must run: an op added, an op or a
     function gone (a swapped optimizer, BatchNorm's running-stats update in eval
-    mode) is an error naming the function, in check and in guard alike; the same
+    mode), the model in another dtype, is an error naming the function, in check and
+    in guard alike; the same
     program unchanged has none, at the config's step count and at another."""
     kwargs, wanted = BUGS[bug]
+    if "dtype" in kwargs:
+        kwargs = {**kwargs, "dtype": getattr(torch, kwargs["dtype"])}
     folder = tmp_path / "t"
     traced(folder, "m", lambda: slmodel.train(steps=3))
     config = run_dir(tmp_path, folder / "m_callsite_rank0.json") / "m_callsite_instrumentation.yaml"

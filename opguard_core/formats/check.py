@@ -37,6 +37,7 @@ SEVERITIES = (ERROR, WARNING)
 KINDS: dict[str, str] = {
     "unexpected_op": ERROR,
     "unexpected_stream": ERROR,
+    "unexpected_dtype": ERROR,
     "unknown_context": WARNING,
     "unknown_target": WARNING,
     "missing": WARNING,
@@ -50,7 +51,8 @@ KINDS: dict[str, str] = {
 class Violation:
     """One way an observed run departs from a config.
 
-    :ivar kind: ``unexpected_op``, ``unexpected_stream``, ``unknown_context``,
+    :ivar kind: ``unexpected_op``, ``unexpected_stream``, ``unexpected_dtype``,
+        ``unknown_context``,
         ``unknown_target``, ``missing``, ``missing_op``, ``count_drift``,
         ``rank_mismatch`` (or a plugin's own kind).
     :ivar severity: ``error`` or ``warning``.
@@ -60,6 +62,7 @@ class Violation:
     :ivar message: one line for a person.
     :ivar op: the operator, for op kinds (and op-level drift).
     :ivar stream: the stream role, for ``unexpected_stream``.
+    :ivar dtype: the dtype, for ``unexpected_dtype`` (formats.md, "Dtypes").
     """
 
     kind: str
@@ -70,10 +73,19 @@ class Violation:
     message: str
     op: str | None = None
     stream: str | None = None
+    dtype: str | None = None
 
     def identity(self) -> tuple[Any, ...]:
         """What makes two violations the same one (their ranks are then joined)."""
-        return (self.kind, self.severity, self.target, tuple(self.context), self.op, self.stream)
+        return (
+            self.kind,
+            self.severity,
+            self.target,
+            tuple(self.context),
+            self.op,
+            self.stream,
+            self.dtype,
+        )
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -88,6 +100,8 @@ class Violation:
             out["op"] = self.op
         if self.stream is not None:
             out["stream"] = self.stream
+        if self.dtype is not None:
+            out["dtype"] = self.dtype
         return out
 
 
@@ -146,7 +160,7 @@ def join_ranks(violations: Iterable[Violation]) -> list[Violation]:
 
 
 def sort_key(item: Violation) -> tuple[Any, ...]:
-    """Errors first, then by kind, target, context, op, stream."""
+    """Errors first, then by kind, target, context, op, stream, dtype."""
     return (
         item.severity != ERROR,
         item.kind,
@@ -154,6 +168,7 @@ def sort_key(item: Violation) -> tuple[Any, ...]:
         item.context,
         item.op or "",
         "" if item.stream is None else item.stream,
+        item.dtype or "",
     )
 
 

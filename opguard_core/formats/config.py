@@ -46,19 +46,23 @@ from opguard_core.formats.config_collectives import (
     read_config_collectives,
 )
 from opguard_core.formats.config_reader import Found, NoStrictReader, read_fast, read_strict
+from opguard_core.formats.dtypes import is_dtype
 from opguard_core.formats.streams import is_role, legacy_side_roles, legacy_stream_counts
 from opguard_core.formats.styles import block_map, elements_of, items_of, put_new
 from opguard_core.formats.trace import PHASES
 
-#: the layout written: version 4 may carry ``collectives`` (the good run's collective
+#: the layout written: version 5 may carry an entry's ``dtype_counts`` (formats.md,
+#: "Dtypes"); version 4 may carry ``collectives`` (the good run's collective
 #: sequences: :mod:`opguard_core.formats.config_collectives`); since version 3
 #: ``stream_counts`` are keyed by stream role (formats.md, "Streams and roles");
 #: version 2 (raw stream ids) and version 1 (also flow maps of ops, no summary
 #: comments) are still read, and upgraded (:func:`upgrade_config`)
-CONFIG_VERSION = 4
-READ_VERSIONS = (1, 2, 3, 4)
+CONFIG_VERSION = 5
+READ_VERSIONS = (1, 2, 3, 4, 5)
 #: the first version whose ``stream_counts`` are by role
 ROLE_VERSION = 3
+#: the first version whose entries may carry ``dtype_counts``
+DTYPE_VERSION = 5
 EntryKey = tuple[str, tuple[str, ...]]
 
 
@@ -873,6 +877,18 @@ def validate_config(config: object, path: Path | str) -> None:
                 + ("stream roles (compute, comm, side1, …)" if by_role else "stream ids")
                 + " to counts",
             )
+        if "dtype_counts" in entry:
+            dtypes = entry["dtype_counts"]
+            if config["version"] < DTYPE_VERSION:
+                raise InputError(
+                    path, f"{where}.dtype_counts needs config version {DTYPE_VERSION} or later"
+                )
+            if not isinstance(dtypes, dict) or not all(
+                is_dtype(k) and _is_count(v) for k, v in items_of(dtypes)
+            ):
+                raise InputError(
+                    path, f"{where}.dtype_counts must map dtype names (float32, int64, …) to counts"
+                )
         if not _is_count(entry.get("count", 0)):
             raise InputError(path, f"{where}.count must be an integer (0 or more)")
         by_source = entry.get("sources", {})

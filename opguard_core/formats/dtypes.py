@@ -22,7 +22,7 @@ import re
 from collections.abc import Iterable, Mapping
 
 #: a dtype name: ``float32``, ``bfloat16``, ``float8_e4m3fn``, ``int64``, ``bool``
-DTYPE_PATTERN = r"^[a-z][a-z0-9_]*$"
+DTYPE_PATTERN = r"^[a-z][a-z0-9_]*\Z"
 _DTYPE = re.compile(DTYPE_PATTERN)
 
 #: the profiler's (and Kineto's ``Input type``) names of tensor element types, as

@@ -31,6 +31,24 @@ def recorded_sources(config: dict[str, Any]) -> list[str]:
     return sorted(str(s) for s in source_ranks)
 
 
+def config_steps(meta: Mapping[str, Any]) -> int | None:
+    """The optimizer steps a config's (or an observed config's) counts cover:
+    ``meta.steps`` maps each source to its steps (formats.md §3), summed; None unless
+    every source in ``meta.sources`` recorded them and they add up to at least one."""
+    steps = meta.get("steps")
+    if isinstance(steps, int) and not isinstance(steps, bool):  # one number: before sources
+        return steps or None
+    if not isinstance(steps, Mapping) or not steps:
+        return None
+    values = list(steps.values())
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
+        return None
+    sources = meta.get("sources")
+    if isinstance(sources, list) and not all(s in steps for s in sources):
+        return None
+    return sum(values) or None
+
+
 #: set (in memory) on a projected entry that other sources ran too: its ``ops`` are not
 #: the sources' own, so no rule may read them as counts of theirs (``missing_op``)
 SHARED_OPS = "shared_ops"

@@ -24,7 +24,7 @@ from collections.abc import Iterable, Mapping
 COMPUTE = "compute"
 COMM = "comm"
 #: every valid role: ``compute``, ``comm``, ``commN`` (N >= 2), ``sideN`` (N >= 1)
-ROLE_PATTERN = r"^(compute|comm([2-9]|[1-9][0-9]+)?|side[1-9][0-9]*)$"
+ROLE_PATTERN = r"^(compute|comm([2-9]|[1-9][0-9]+)?|side[1-9][0-9]*)\Z"
 _ROLE = re.compile(ROLE_PATTERN)
 #: op namespaces of collectives (they run on a communication stream)
 COMM_NAMESPACES = ("c10d::", "_c10d_functional::", "c10d_functional::")

@@ -54,7 +54,7 @@ from opguard_core.formats.collectives import (
 )
 from opguard_core.formats.config import entry_key, load_config
 from opguard_core.formats.config_collectives import read_config_collectives
-from opguard_core.formats.sources import loop_only, project, recorded_sources
+from opguard_core.formats.sources import config_steps, loop_only, project, recorded_sources
 from opguard_core.formats.tree import TORCH_API
 from opguard_core.logs import configure_logging, get_logger
 from opguard_core.model import InputEntry, RunOptions
@@ -200,21 +200,14 @@ def observe(manager: OpGuardPluginManager, inputs: Sequence[str], options: RunOp
 
 
 def _steps(config: dict[str, Any]) -> int | None:
-    """The optimizer steps a config's counts cover: ``meta.steps`` maps each source to
-    its steps (formats.md §3), summed; None unless every source recorded them."""
-    steps = (config.get("meta") or {}).get("steps")
-    if isinstance(steps, dict):
-        values = list(steps.values())
-        known = values and all(isinstance(v, int) and not isinstance(v, bool) for v in values)
-        return sum(values) if known else None
-    return steps if isinstance(steps, int) and not isinstance(steps, bool) else None
+    return config_steps(config.get("meta") or {})
 
 
 #: Kinds that depend on the tree's shape (chain folding, pruning): a per-rank tree can
 #: fold differently from the combined one the config was made from, so these are
 #: kept only when the combined observed config shows them too.
 STRUCTURAL_KINDS = frozenset(
-    {"unexpected_op", "unexpected_stream", "unknown_context", "unknown_target"}
+    {"unexpected_op", "unexpected_stream", "unexpected_dtype", "unknown_context", "unknown_target"}
 )
 
 
@@ -493,6 +486,10 @@ class _ComparableSteps(ExpectedSteps):
         elif step >= self.good_last:
             step = max(self.good_last - 1, 0)
         return super().at(step)
+
+    def plans(self, step: int) -> list[dict[str, list[Signature]]]:
+        """One plan per step: offline, the last step is known."""
+        return [self.at(step)]
 
 
 def _replay(

@@ -13,6 +13,7 @@ from typing import Any
 
 from opguard_core import hookimpl
 from opguard_core.formats.check import ERROR, WARNING, CheckInput, Violation
+from opguard_core.formats.dtypes import sorted_dtypes
 from opguard_core.formats.sources import SHARED_OPS
 from opguard_core.formats.streams import sorted_roles
 
@@ -71,6 +72,29 @@ def unexpected_streams(
         )
         for role, count in sorted_roles(observed.get("stream_counts") or {})
         if role not in known
+    ]
+
+
+def unexpected_dtypes(
+    observed: dict[str, Any] | None, expected: dict[str, Any] | None, check: CheckInput
+) -> list[Violation]:
+    """``unexpected_dtype``: an op ran in a dtype the entry does not list (both the
+    config's entry and the observed one record dtypes: formats.md, "Dtypes")."""
+    if observed is None or expected is None:
+        return []
+    known, seen = expected.get("dtype_counts"), observed.get("dtype_counts")
+    if known is None or seen is None:
+        return []
+    return [
+        _violation(
+            "unexpected_dtype",
+            ERROR,
+            check,
+            f"{count} op(s) of {_where(check)} ran in {dtype}, which it does not list",
+            dtype=dtype,
+        )
+        for dtype, count in sorted_dtypes(seen)
+        if dtype not in known
     ]
 
 
@@ -212,6 +236,7 @@ def count_drift(
 RULES: tuple[Rule, ...] = (
     unexpected_ops,
     unexpected_streams,
+    unexpected_dtypes,
     unknown_keys,
     missing,
     missing_ops,

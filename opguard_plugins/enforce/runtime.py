@@ -81,7 +81,7 @@ from opguard_core.formats.check import (
 )
 from opguard_core.formats.collectives import Collectives, is_collective
 from opguard_core.formats.config import entry_key, load_config
-from opguard_core.formats.sources import loop_only, project, recorded_sources
+from opguard_core.formats.sources import config_steps, loop_only, project, recorded_sources
 from opguard_core.formats.streams import StreamRoles
 from opguard_core.formats.tree import TORCH_API, split_api, target_name, threshold
 from opguard_core.logs import escape_controls, resolve_format
@@ -101,6 +101,7 @@ from opguard_plugins.enforce.sequence_guard import (
 )
 from opguard_plugins.enforce.status import clear_status, write_status
 from opguard_plugins.record.collectives import describe
+from opguard_plugins.record.dtypes import op_dtype
 from opguard_plugins.record.tracer import (
     _is_launcher,
     api_name,
@@ -174,6 +175,7 @@ class _State:
         "allowed",
         "chain",
         "children",
+        "dtypes",
         "extra",
         "key",
         "keys",
@@ -193,12 +195,15 @@ class _State:
         known: frozenset[EntryKey],
         allowed: frozenset[str] | None,
         streams: frozenset[str] | None,
+        dtypes: frozenset[str] | None = None,
     ) -> None:
         self.path = path  # the last `depth` active targets, outermost first
         self.key = key
         self.known = known
         self.allowed = allowed
         self.streams = streams
+        #: the dtypes every known entry that records them lists (None: none records)
+        self.dtypes = dtypes
         self.ok: dict[Any, bool] = {}
         self.children: dict[str, _State] = {}
         self.unknown: tuple[Any, ...] | None = None  # an unknown_context identity
@@ -293,7 +298,13 @@ class _Mode(TorchDispatchMode):  # type: ignore[no-untyped-call, misc, unused-ig
                 if state.chain:
                     guard.count_ops(state.chain)
                 if state.known:
-                    key: Any = func if stream is None else (func, stream)
+                    key: Any = (
+                        (func, stream, op_dtype(args))
+                        if guard.check_dtypes
+                        else func
+                        if stream is None
+                        else (func, stream)
+                    )
                     ok = state.ok.get(key)
                     if ok is None:
                         guard.check_op(state, key)
@@ -350,13 +361,8 @@ class Guard:
         )
         #: the optimizer steps the config's counts cover (None: not recorded), so the
         #: threshold grows with a longer guarded run (:meth:`unknown_threshold`)
-        steps = meta.get("steps")
-        values = list(steps.values()) if isinstance(steps, dict) else []
-        known = all(isinstance(v, int) and not isinstance(v, bool) for v in values)
+        self.config_steps = config_steps(meta)
         sources = meta.get("sources")
-        if isinstance(sources, list) and isinstance(steps, dict):
-            known = known and all(s in steps for s in sources)  # every source's steps
-        self.config_steps: int | None = sum(values) if values and known and sum(values) else None
         # Set-up and loop (tracing.md): a source traced in two phases has each in
         # ``meta.phases``. A config of the loop alone says nothing of the set-up (it is
         # not checked: from the end of the first optimizer step on); when the sources
@@ -377,6 +383,14 @@ class Guard:
             for k, e in self.entries.items()
         }
         self.streams = StreamRoles()
+        #: the dtypes each entry lists; None for an entry without ``dtype_counts``,
+        #: which says nothing about them (formats.md, "Dtypes")
+        self.dtype_sets: dict[EntryKey, frozenset[str] | None] = {
+            k: None if e.get("dtype_counts") is None else frozenset(map(str, e["dtype_counts"]))
+            for k, e in self.entries.items()
+        }
+        #: whether an op's key holds its dtype (some entry records dtypes)
+        self.check_dtypes = any(v is not None for v in self.dtype_sets.values())
         kinds: dict[str, set[str]] = {}
         for (target, _), entry in self.entries.items():
             kinds.setdefault(target, set()).add(str(entry.get("kind") or ""))
@@ -442,6 +456,8 @@ class Guard:
                 PROFILING_MARKS,
             )
         )
+        if self.walker is not None and self.check_dtypes:
+            self.walker.dtypes = 1  # its op keys hold the dtype, as _Mode's do
         self.walk = self.active_targets if self.walker is None else self.walker.active_targets
         self._mode = _Mode(self)
         self._api_mode = _ApiMode(self) if self.api_names else None
@@ -570,11 +586,14 @@ class Guard:
             return interned
         allowed: frozenset[str] | None = None
         streams: frozenset[str] | None = None
+        dtypes: frozenset[str] | None = None
         for item in known:
-            ops, ss = self.ops[item], self.stream_sets[item]
+            ops, ss, ds = self.ops[item], self.stream_sets[item], self.dtype_sets[item]
             allowed = ops if allowed is None else allowed & ops
             streams = ss if streams is None else streams & ss
-        state = _State(child_path, key, known, allowed, streams)
+            if ds is not None:
+                dtypes = ds if dtypes is None else dtypes & ds
+        state = _State(child_path, key, known, allowed, streams, dtypes)
         if key not in self.entries and target in self.entry_targets:
             listed = "; ".join(
                 " > ".join(c) or "(top level)" for t, c in sorted(self.entries) if t == target
@@ -691,7 +710,7 @@ class Guard:
                 extra.append((api, context))
         state = base
         if extra:
-            state = _State(base.path, base.key, base.known, base.allowed, base.streams)
+            state = _State(base.path, base.key, base.known, base.allowed, base.streams, base.dtypes)
             state.unknown, state.chain, state.extra = base.unknown, base.chain, tuple(extra)
             state.keys = base.keys
             state.watch = True
@@ -754,17 +773,20 @@ class Guard:
     # -- violations -----------------------------------------------------------
 
     def check_op(self, state: _State, key: Any) -> None:
-        """First sight of an op (and raw stream) in ``state``: accept it or record why not."""
+        """First sight of an op (with its raw stream and dtype: the key is ``func``,
+        ``(func, stream)`` or, where the config records dtypes, ``(func, stream, dtype)``)
+        in ``state``: accept it or record why not."""
         self.checked_ops += 1
-        func, raw = key if isinstance(key, tuple) else (key, None)
+        func, raw, dtype = (*key, None)[:3] if isinstance(key, tuple) else (key, None, None)
         op = op_name(func)
         if op.startswith("c10d::") and self.rank is None:
             self._snapshot_rank()
         stream = None if raw is None else self.streams.role(raw, op)
         op_ok = state.allowed is None or op in state.allowed
         stream_ok = stream is None or state.streams is None or stream in state.streams
-        state.ok[key] = op_ok and stream_ok
-        if op_ok and stream_ok:
+        dtype_ok = dtype is None or state.dtypes is None or dtype in state.dtypes
+        state.ok[key] = op_ok and stream_ok and dtype_ok
+        if op_ok and stream_ok and dtype_ok:
             return
         identities: list[tuple[Any, ...]] = []
         with self._lock:
@@ -792,6 +814,22 @@ class Guard:
                                 [],
                                 message,
                                 stream=stream,
+                            )
+                        )
+                    )
+                dtypes = self.dtype_sets[item]
+                if not dtype_ok and dtypes is not None and dtype not in dtypes:
+                    message = f"{op} of {where} ran in {dtype}, which it does not list"
+                    identities.append(
+                        self.remember(
+                            Violation(
+                                "unexpected_dtype",
+                                ERROR,
+                                target,
+                                list(context),
+                                [],
+                                message,
+                                dtype=dtype,
                             )
                         )
                     )

@@ -1,6 +1,6 @@
 """Stage 4, generate: one instrumentation entry per (target, context) of the tree.
 
-``ops``, ``stream_counts`` and ``count`` are inclusive (everything that ran while
+``ops``, ``stream_counts``, ``dtype_counts`` and ``count`` are inclusive (everything that ran while
 the target was active in that context); an op is counted once per entry even where
 the entry's key recurs along its path. Tags follow the rules in docs/tags.md.
 """
@@ -15,6 +15,7 @@ from ruamel.yaml.comments import CommentedMap
 
 from opguard_core import hookimpl
 from opguard_core.formats.config import CONFIG_VERSION, EntryKey
+from opguard_core.formats.dtypes import sorted_dtypes
 from opguard_core.formats.streams import sorted_roles
 from opguard_core.formats.styles import block_map, flow_map, flow_seq
 from opguard_core.formats.trace import PHASES, recorded_by
@@ -72,7 +73,7 @@ def tags_for(target: str, kind: str, ops: dict[str, int]) -> list[str]:
 
 
 class _Entry:
-    __slots__ = ("file", "kind", "lines", "ops", "ranks", "streams")
+    __slots__ = ("dtypes", "file", "kind", "lines", "ops", "ranks", "streams")
 
     def __init__(self) -> None:
         self.kind: str | None = None
@@ -81,12 +82,18 @@ class _Entry:
         self.ops: Counter[str] = Counter()
         #: ops by stream role
         self.streams: Counter[str] = Counter()
+        #: ops by dtype (formats.md, "Dtypes")
+        self.dtypes: Counter[str] = Counter()
         self.ranks: set[int] = set()
 
 
-def _inclusive(root: dict[str, Any]) -> dict[int, tuple[Counter[str], Counter[str]]]:
-    """Inclusive ops and stream roles of every node, keyed by ``id(node)`` (post-order)."""
-    sums: dict[int, tuple[Counter[str], Counter[str]]] = {}
+_Sums = tuple[Counter[str], Counter[str], Counter[str]]
+
+
+def _inclusive(root: dict[str, Any]) -> dict[int, _Sums]:
+    """Inclusive ops, stream roles and dtypes of every node, keyed by ``id(node)``
+    (post-order)."""
+    sums: dict[int, _Sums] = {}
     order: list[dict[str, Any]] = []
     stack = [root]
     while stack:
@@ -96,11 +103,13 @@ def _inclusive(root: dict[str, Any]) -> dict[int, tuple[Counter[str], Counter[st
     for node in reversed(order):
         ops: Counter[str] = Counter(node["self_ops"])
         streams: Counter[str] = Counter(node["self_streams"])
+        dtypes: Counter[str] = Counter(node.get("self_dtypes") or {})
         for child in node["children"]:
-            child_ops, child_streams = sums[id(child)]
+            child_ops, child_streams, child_dtypes = sums[id(child)]
             ops.update(child_ops)
             streams.update(child_streams)
-        sums[id(node)] = (ops, streams)
+            dtypes.update(child_dtypes)
+        sums[id(node)] = (ops, streams, dtypes)
     return sums
 
 
@@ -132,9 +141,10 @@ def collect_entries(tree: dict[str, Any], depth: int) -> dict[EntryKey, _Entry]:
         entry.lines.update(node.get("lines", ()))
         entry.ranks.update(node.get("ranks", ()))
         if not active[key]:
-            ops, streams = sums[id(node)]
+            ops, streams, dtypes = sums[id(node)]
             entry.ops.update(ops)
             entry.streams.update(streams)
+            entry.dtypes.update(dtypes)
         active[key] += 1
         stack.append((node, path, key))
         # only the last ``depth`` targets are ever read: keep no more (a deep tree's
@@ -161,6 +171,8 @@ def run_settings(tree: dict[str, Any], depth: int) -> CommentedMap:
 def generate_config(tree: dict[str, Any], source: str, depth: int) -> CommentedMap:
     """The built-in generator: the config mapping for ``tree``."""
     meta_ranks = sorted(tree.get("meta", {}).get("ranks", []))
+    # every entry says which dtypes its ops ran in where the traces recorded them
+    with_dtypes = tree.get("meta", {}).get("dtypes") is True
     entries = collect_entries(tree, depth)
     out = []
     for (target, context), entry in sorted(entries.items()):
@@ -174,6 +186,8 @@ def generate_config(tree: dict[str, Any], source: str, depth: int) -> CommentedM
         item["tags"] = flow_seq(tags_for(target, kind, entry.ops))
         item["ops"] = block_map(sorted(entry.ops.items()))
         item["stream_counts"] = block_map(sorted_roles(entry.streams))
+        if with_dtypes:
+            item["dtype_counts"] = block_map(sorted_dtypes(entry.dtypes))
         item["count"] = sum(entry.ops.values())
         ranks = sorted(entry.ranks)
         if ranks != meta_ranks:

@@ -1,7 +1,8 @@
 """Stage 6, merge: combine two configs entry by entry (formats.md §3).
 
 Entries match on (``target``, ``context``): ``ops`` and ``stream_counts`` add per
-key, ``count`` adds, ``tags``, ``lines`` and ``ranks`` become sorted unions.
+key, ``dtype_counts`` too where both entries have them (else the merged entry has
+none: formats.md, "Dtypes"), ``count`` adds, ``tags``, ``lines`` and ``ranks`` become sorted unions.
 Unmatched entries are kept. The left config's mappings are reused, so comments a
 person wrote there survive; so do the right's, where the left has none on a key,
 and the comment lines above an entry in either (the left's first). ``meta.ranks`` is
@@ -39,6 +40,7 @@ _ENTRY_FIELDS = frozenset(
         "tags",
         "ops",
         "stream_counts",
+        "dtype_counts",
         "count",
         "ranks",
         "sources",
@@ -115,6 +117,10 @@ def merge_entries(
     left["stream_counts"] = _add_counts(
         left.get("stream_counts"), right.get("stream_counts"), roles=True
     )
+    if "dtype_counts" in left and "dtype_counts" in right:
+        left["dtype_counts"] = _add_counts(left["dtype_counts"], right["dtype_counts"])
+    else:  # what the side without them ran is unknown (formats.md, "Dtypes")
+        left.pop("dtype_counts", None)
     left["count"] = int(left.get("count", 0)) + int(right.get("count", 0))
     left["ranks"] = _sorted_union(_entry_ranks(left, left_ranks), _entry_ranks(right, right_ranks))
     return left
