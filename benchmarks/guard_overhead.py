@@ -19,7 +19,11 @@ The table's ratios are of the timed loop; entering and leaving each mode (the gu
 pushes its modes, then writes its report; the tracer writes its trace) is a
 per-process cost, printed in its own column.
 
-Run: ``python benchmarks/guard_overhead.py [--steps 200] [--repeat 3]``. Goals
+``--size small`` runs a larger model of the same code (128 wide, 64 tokens, batch 8:
+0.47M parameters, about 10x the tiny model's time per step): the per-op cost of a Python-level mode is fixed, so
+its share of a step falls as the ops grow, as it does on a GPU job.
+
+Run: ``python benchmarks/guard_overhead.py [--steps 200] [--repeat 3] [--size small]``. Goals
 (docs/performance.md): guard ≤ 1.3× the empty mode (issue 12); ``--sample 0.1`` ≤ 1.1×
 untraced at 200 steps (issue 29).
 """
@@ -84,21 +88,29 @@ def sampled_empty_mode(every: int = 10) -> Iterator[None]:
             mode.__exit__(None, None, None)
 
 
+#: the model sizes ``--size`` picks: (model config, batch size)
+SIZES: dict[str, tuple[GPTConfig, int]] = {
+    "tiny": (GPTConfig(), 4),
+    "small": (GPTConfig(vocab_size=256, block_size=64, n_layer=2, n_head=4, n_embd=128), 8),
+}
+SIZE = ["tiny"]
+
+
 def run_steps(
     steps: int, wrap: Callable[[], AbstractContextManager[object]]
 ) -> tuple[float, float]:
     """(seconds of ``steps`` training steps inside ``wrap()``, seconds of entering and
     leaving ``wrap()``), after one untimed warm-up step."""
     torch.manual_seed(0)
-    config = GPTConfig()
+    config, batch = SIZES[SIZE[0]]
     model = TinyGPT(config)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    train_step(model, optimizer, *make_batch(0, config))
+    train_step(model, optimizer, *make_batch(0, config, batch))
     start = time.perf_counter()
     with wrap():
         loop_start = time.perf_counter()
         for step in range(steps):
-            train_step(model, optimizer, *make_batch(step, config))
+            train_step(model, optimizer, *make_batch(step, config, batch))
         loop = time.perf_counter() - loop_start
     return loop, time.perf_counter() - start - loop
 
@@ -120,7 +132,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--size", choices=sorted(SIZES), default="tiny")
     args = parser.parse_args()
+    SIZE[0] = args.size
     torch.set_num_threads(1)
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -162,7 +176,8 @@ def main() -> None:
     fixed_cost = {name: statistics.median(values) for name, values in setup.items()}
     base, floor = median["untraced"], median["empty TorchDispatchMode"]
     print(
-        f"torch {torch.__version__}, {os.cpu_count()} CPUs, tiny_gpt {args.steps} steps, "
+        f"torch {torch.__version__}, {os.cpu_count()} CPUs, tiny_gpt ({args.size}) "
+        f"{args.steps} steps, "
         f"median of {args.repeat} interleaved rounds"
     )
     print(
