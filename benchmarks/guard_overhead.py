@@ -20,8 +20,9 @@ pushes its modes, then writes its report; the tracer writes its trace) is a
 per-process cost, printed in its own column.
 
 ``--size small`` runs a larger model of the same code (128 wide, 64 tokens, batch 8:
-0.47M parameters, about 10x the tiny model's time per step): the per-op cost of a Python-level mode is fixed, so
-its share of a step falls as the ops grow, as it does on a GPU job.
+0.47M parameters, about 10x the tiny model's time per step): the per-op cost of a
+Python-level mode is fixed, so its share of a step falls as the ops grow, as it does
+on a GPU job.
 
 Run: ``python benchmarks/guard_overhead.py [--steps 200] [--repeat 3] [--size small]``. Goals
 (docs/performance.md): guard ≤ 1.3× the empty mode (issue 12); ``--sample 0.1`` ≤ 1.1×

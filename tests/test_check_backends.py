@@ -139,6 +139,23 @@ def test_different_backends_one_warning_targets_still_compared(tmp_path: Path) -
     assert {"unexpected_op", "count_drift"} <= {v["kind"] for v in report["violations"]}
 
 
+def test_across_tracers_what_ran_every_step_missing_is_a_warning(tmp_path: Path) -> None:
+    """The loop rule (an entry run in every step must run: an error) compares one view
+    with itself; across tracers one tree can keep a link the other folds, so there a
+    function gone is a ``missing`` warning. In one view it stays an error."""
+    loop = {"phase": "loop"}  # two steps, as every program here
+    config = make_config(tmp_path, "base", program(helper=True, **{**loop, **MODES}))
+    run = write(tmp_path / "new_rank0.json", program(**{**loop, **PROFILER}))
+    result, report = check(config, run)
+    gone = [v for v in report["violations"] if v["target"] == "app:helper"]
+    assert [(v["kind"], v["severity"]) for v in gone] == [("missing", "warning")]
+    assert result.exit_code == 0
+    same = write(tmp_path / "same_rank0.json", program(**{**loop, **MODES}))
+    result, report = check(config, same)
+    gone = [v for v in report["violations"] if v["target"] == "app:helper"]
+    assert [(v["kind"], v["severity"]) for v in gone] == [("missing", "error")]
+
+
 def test_a_config_that_does_not_say_is_compared_in_full(tmp_path: Path) -> None:
     config = make_config(tmp_path, "base", program(**MODES))
     text = config.read_text()

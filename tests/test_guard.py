@@ -27,7 +27,7 @@ from ruamel.yaml import YAML  # noqa: E402
 
 from opguard_core.cli.app import create_cli  # noqa: E402
 from opguard_core.errors import ExitCode, InputError  # noqa: E402
-from opguard_core.formats.check import GUARD_FORMAT, load_report  # noqa: E402
+from opguard_core.formats.check import ACROSS_TRACERS, GUARD_FORMAT, load_report  # noqa: E402
 from opguard_core.formats.trace import load_trace  # noqa: E402
 from opguard_core.native import pure_python  # noqa: E402
 from opguard_core.plugin.manager import create_plugin_manager  # noqa: E402
@@ -173,6 +173,28 @@ def test_an_extra_op_in_forward_is_unexpected_op(
     logged = [json.loads(line) for line in capsys.readouterr().err.splitlines() if line[:1] == "{"]
     mine = [e for e in logged if e.get("op") == "aten::sigmoid" and e["target"] == hit["target"]]
     assert len(mine) == 1 and mine[0]["level"] == "error"
+
+
+def test_a_config_of_another_tracer_is_held_to_what_ran_where(
+    tmp_path: Path, gmodel: Any, config: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A config whose traces another tracer recorded (``meta.recorded_by``: the
+    profiler backend sees other ops, no api) is compared, as ``opguard check``
+    compares across tracers, on which functions ran where: one warning says so; an
+    extra op is not an error there, a function the config lacks still is reported."""
+    other = tmp_path / "profiler_config.yaml"
+    text = config.read_text()
+    assert "recorded_by: [modes]" in text
+    other.write_text(text.replace("recorded_by: [modes]", "recorded_by: [profiler]"))
+    with guarded(other, report_dir=tmp_path / "same", rank=0, whole_run=True) as guard:
+        gmodel.train(extra=("op",))
+    assert errors_of(report_of(guard)) == []
+    assert "the config was recorded by profiler" in capsys.readouterr().err
+    with guarded(other, report_dir=tmp_path / "helper", rank=0, whole_run=True) as guard:
+        gmodel.train(extra=("helper",))
+    kinds = {(v["kind"], v["target"]) for v in report_of(guard)["violations"]}
+    assert ("unknown_target", "gmodel:gate") in kinds
+    assert all(kind in ACROSS_TRACERS for kind, _ in kinds)
 
 
 def test_raise_stops_the_offending_call(tmp_path: Path, gmodel: Any, config: Path) -> None:

@@ -46,6 +46,15 @@ KINDS: dict[str, str] = {
     "rank_mismatch": WARNING,
 }
 
+#: The kinds compared when a config and what is held to it come from different
+#: tracers (``meta.recorded_by``: a ``profiler`` config, a ``modes`` trace or the guard,
+#: which sees ops as the ``modes`` tracer does): which functions ran, where, on which
+#: ranks. Ops, streams, dtypes and counts differ between backends and readers by design
+#: (docs/tracing.md, "Backends").
+ACROSS_TRACERS = frozenset({"unknown_target", "unknown_context", "missing", "rank_mismatch"})
+#: what the guard's view is recorded by: the ``modes`` tracer's
+GUARD_VIEW = "modes"
+
 
 @dataclasses.dataclass
 class Violation:
@@ -305,10 +314,12 @@ def _validate_guard(document: dict[str, Any], path: Path) -> None:
 
 
 __all__ = [
+    "ACROSS_TRACERS",
     "CHECK_FORMAT",
     "ERROR",
     "GUARD_FORMAT",
     "GUARD_REPORT_VERSION",
+    "GUARD_VIEW",
     "KINDS",
     "REPORT_VERSION",
     "WARNING",

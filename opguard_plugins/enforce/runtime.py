@@ -70,7 +70,9 @@ from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatc
 
 from opguard_core.errors import one_line
 from opguard_core.formats.check import (
+    ACROSS_TRACERS,
     ERROR,
+    GUARD_VIEW,
     WARNING,
     CheckInput,
     EntryKey,
@@ -373,6 +375,15 @@ class Guard:
         #: the config has no set-up: nothing before the end of the first step is checked
         self.skip_setup = loop_only(meta)
         self.depth = int(settings.get("context_depth", 1) or 0)
+        #: what recorded the config's traces, where that is not what the guard sees (the
+        #: ``modes`` tracer's view): then only which functions ran, where, is compared
+        #: (:data:`ACROSS_TRACERS`), as ``opguard check`` compares across tracers
+        recorded = meta.get("recorded_by")
+        self.other_view: list[str] = (
+            sorted(map(str, recorded))
+            if isinstance(recorded, list) and recorded and set(recorded) != {GUARD_VIEW}
+            else []
+        )
         self.entries: dict[EntryKey, Any] = {entry_key(e): e for e in config["entries"]}
         self.ops = {
             k: frozenset(str(o) for o in (e.get("ops") or {})) for k, e in self.entries.items()
@@ -499,6 +510,14 @@ class Guard:
     def start(self) -> None:
         """Push the mode and count optimizer steps (and start the watchdog, if asked)."""
         self._started = True
+        if self.other_view:
+            self.log.warning(
+                "opguard guard: the config was recorded by "
+                f"{', '.join(self.other_view)}, the guard sees ops as {GUARD_VIEW} does: "
+                "ops, streams, dtypes and counts differ between them, so only "
+                f"{', '.join(sorted(ACROSS_TRACERS))} are checked "
+                '(docs/tracing.md, "Backends")'
+            )
         self._step_hook = count_optimizer_steps(self._after_step)
         self.checking = self.checks(0)
         self.checked_steps = int(self.checking)
@@ -587,7 +606,7 @@ class Guard:
         allowed: frozenset[str] | None = None
         streams: frozenset[str] | None = None
         dtypes: frozenset[str] | None = None
-        for item in known:
+        for item in () if self.other_view else known:  # another view: ops not compared
             ops, ss, ds = self.ops[item], self.stream_sets[item], self.dtype_sets[item]
             allowed = ops if allowed is None else allowed & ops
             streams = ss if streams is None else streams & ss
@@ -902,6 +921,7 @@ class Guard:
                 context=v.context,
                 op=v.op,
                 stream=v.stream,
+                dtype=v.dtype,
                 message=v.message,
             )
 
@@ -1102,9 +1122,11 @@ class Guard:
                 tolerance=DEFAULT_TOLERANCE,
                 expected_steps=self.config_steps,
                 observed_steps={rank: self.loop_steps() or None},
-                loop=self.loop_counts,
+                loop=self.loop_counts and not self.other_view,  # a rule of one view
             )
             found.extend(missing(observed.get(key), expected[key], check))
+            if self.other_view:
+                continue  # what ran, not how much of which op (ACROSS_TRACERS)
             found.extend(missing_ops(observed.get(key), expected[key], check))
             if self.every == 1:
                 found.extend(count_drift(observed.get(key), expected[key], check))
