@@ -14,7 +14,10 @@ plain torch, a conv net, and a model under activation checkpointing with a custo
 * ``opguard-modes``: ``trace_callsites(backend="modes")``, its per-operator path in C
   (``opguard_plugins/record/_recorder.c``) when built;
 * ``opguard-modes-python``: the same on its Python path (as without the extension);
-* ``opguard-profiler``: ``trace_callsites(backend="profiler")``.
+* ``opguard-profiler``: ``trace_callsites(backend="profiler")``;
+* ``opguard-guard``: the runtime guard (``guarded()``, what ``opguard guard`` starts)
+  enforcing a config made from a 4-step ``modes`` trace of the same loop (issue 29's
+  goal: at most 1.3x the empty dispatch mode).
 
 Every traced mode includes writing (or, for torch's profiler, collecting) its result.
 
@@ -75,6 +78,7 @@ MODES = (
     "opguard-modes",
     "opguard-modes-python",
     "opguard-profiler",
+    "opguard-guard",
 )
 
 
@@ -114,7 +118,39 @@ class Traced:
         self.tracer.write()
 
 
-def wrapper(mode: str, directory: str) -> Callable[[], AbstractContextManager[Any]]:
+_CONFIGS: dict[str, Any] = {}
+
+
+def loop_config(loop: str, directory: str) -> Any:
+    """A config of ``loop``: traced 4 steps with the ``modes`` backend, then ``opguard
+    run`` (made once per loop, loaded once; not timed)."""
+    if loop not in _CONFIGS:
+        from click.testing import CliRunner
+
+        from opguard_core.cli.app import create_cli
+        from opguard_core.formats.config import load_config
+        from opguard_core.plugin.manager import create_plugin_manager
+
+        folder = Path(directory) / f"config_{loop}"
+        torch.manual_seed(0)
+        step = LOOPS[loop]()
+        step()
+        traced = Traced(str(folder), "modes")
+        with traced:
+            for _ in range(4):
+                step()
+        traced.finish()
+        cli = create_cli(create_plugin_manager())
+        trace = folder / "bench_callsite_rank0.json"
+        result = CliRunner().invoke(cli, ["run", "-i", str(trace), "--output-base", str(folder)])
+        if result.exit_code != 0:
+            raise SystemExit(f"opguard run failed on the {loop} loop: {result.output}")
+        run_dir = Path(result.stdout.strip().splitlines()[-1])
+        _CONFIGS[loop] = load_config(run_dir / "bench_callsite_instrumentation.yaml")
+    return _CONFIGS[loop]
+
+
+def wrapper(mode: str, directory: str, loop: str) -> Callable[[], AbstractContextManager[Any]]:
     if mode == "untraced":
         return nullcontext
     if mode == "profiler":
@@ -129,6 +165,12 @@ def wrapper(mode: str, directory: str) -> Callable[[], AbstractContextManager[An
         return lambda: Traced(directory, "modes", python_path=True)
     if mode == "opguard-profiler":
         return lambda: Traced(directory, "profiler")
+    if mode == "opguard-guard":
+        from opguard_plugins.enforce.runtime import guarded
+
+        config = loop_config(loop, directory)
+        reports = Path(directory) / "reports"
+        return lambda: guarded(config, report_dir=reports, rank=0)
     raise ValueError(mode)
 
 
@@ -215,11 +257,11 @@ def main() -> None:
     writes: dict[tuple[str, str], list[float]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for mode in modes:  # torch's one-time set-up of each mechanism, untimed
-            cold_round(loops[0], wrapper(mode, tmp))
+            cold_round(loops[0], wrapper(mode, tmp, loops[0]))
         for _ in range(args.repeat):
             for loop in loops:
                 for mode in modes:
-                    wrap = wrapper(mode, tmp)
+                    wrap = wrapper(mode, tmp, loop)
                     steady.setdefault((loop, mode), []).append(
                         steady_round(loop, wrap, args.warmup, args.steps)
                     )
