@@ -72,7 +72,7 @@ def sampled_empty_mode(every: int = 10) -> Iterator[None]:
     mode = EmptyMode()
     steps = [0]
 
-    def after_step() -> None:
+    def after_step(optimizer: Any) -> None:
         steps[0] += 1
         if steps[0] % every == 0:
             mode.__enter__()

@@ -81,6 +81,25 @@ def train(steps=2, extra_from=None, optimizer="adamw", relu=True, eval_mode=Fals
         step(model, opt, batch(dtype))
 
 
+def train_gan(steps=3, seed=0):
+    # two models, two optimizers: the discriminator's steps, then the generator's
+    torch.manual_seed(seed)
+    gen = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    disc = nn.Sequential(nn.Linear(4, 16), nn.LeakyReLU(0.2), nn.Linear(16, 1))
+    opt_g = torch.optim.Adam(gen.parameters(), lr=1e-3)
+    opt_d = torch.optim.Adam(disc.parameters(), lr=1e-3)
+    bce = nn.BCEWithLogitsLoss()
+    for _ in range(steps):
+        real, fake = torch.randn(8, 4), gen(torch.randn(8, 8))
+        opt_d.zero_grad()
+        loss = bce(disc(real), torch.ones(8, 1)) + bce(disc(fake.detach()), torch.zeros(8, 1))
+        loss.backward()
+        opt_d.step()
+        opt_g.zero_grad()
+        bce(disc(fake), torch.ones(8, 1)).backward()
+        opt_g.step()
+
+
 def infer(calls=2):
     model = Net().eval()
     with torch.no_grad():
@@ -269,6 +288,28 @@ def test_bugs_in_the_loop_are_errors_in_check_and_guard(
     errors = [(v["kind"], v["target"], v.get("op") or "") for v in document["violations"]
               if v["severity"] == "error"]  # fmt: skip
     assert wanted in errors, document["violations"]
+
+
+def test_with_two_optimizers_the_setup_ends_after_the_first_step_of_each(
+    tmp_path: Path, slmodel: Any
+) -> None:
+    """A GAN: the discriminator's optimizer steps first, the generator's second. The
+    set-up ends after the generator's first step (both optimizers' lazy state is the
+    set-up's), so every loop step is alike: a 3-iteration config holds a 10-iteration
+    run with nothing to say, in check and in the guard (before: a dozen count_drift
+    warnings, the generator's first step counted in the loop)."""
+    folder = tmp_path / "t"
+    loop = traced(folder, "g", lambda: slmodel.train_gan(steps=3))
+    setup = load_trace(folder / "g_setup_rank0.json").meta
+    assert (setup["steps"], load_trace(loop).meta["steps"]) == (2, 4)
+    config = run_dir(tmp_path, loop) / "g_callsite_instrumentation.yaml"
+    traced(folder, "long", lambda: slmodel.train_gan(steps=10, seed=1))
+    report = check(config, folder / "long_callsite_rank0.json")
+    assert report["violations"] == [], kinds(report)
+    with guarded(config, report_dir=tmp_path / "g", rank=0, whole_run=True) as guard:
+        slmodel.train_gan(steps=10, seed=1)
+    document = load_report(guard.written or tmp_path)
+    assert document["violations"] == [] and document["steps"] == 20
 
 
 def test_phases_survive_merge_and_projection(tmp_path: Path, slmodel: Any) -> None:

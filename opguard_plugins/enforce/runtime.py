@@ -64,6 +64,7 @@ from typing import TYPE_CHECKING, Any
 
 import structlog
 import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.overrides import TorchFunctionMode
 from torch.overrides import _get_current_function_mode_stack as _function_modes
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode
@@ -105,6 +106,7 @@ from opguard_plugins.enforce.status import clear_status, write_status
 from opguard_plugins.record.collectives import describe
 from opguard_plugins.record.dtypes import op_dtype
 from opguard_plugins.record.tracer import (
+    SetupEnd,
     _is_launcher,
     api_name,
     bind_fast_function,
@@ -475,6 +477,9 @@ class Guard:
         self._pushed = False
         self._started = False
         self._step_hook: Any = None
+        self._step_pre_hook: Any = None
+        #: where the set-up ends (the first step of each optimizer: SetupEnd)
+        self.setup_end = SetupEnd()
         self._finished = False
         self.written: Path | None = None
         #: why the report could not be written (None: written, or not yet)
@@ -519,6 +524,7 @@ class Guard:
                 '(docs/tracing.md, "Backends")'
             )
         self._step_hook = count_optimizer_steps(self._after_step)
+        self._step_pre_hook = register_optimizer_step_pre_hook(self._before_step)
         self.checking = self.checks(0)
         self.checked_steps = int(self.checking)
         if self.collective_timeout is not None and self.watchdog is None:
@@ -534,9 +540,10 @@ class Guard:
         self._pop()
         if self.watchdog is not None:
             self.watchdog.stop()
-        if self._step_hook is not None:
-            self._step_hook.remove()
-            self._step_hook = None
+        for hook in (self._step_hook, self._step_pre_hook):
+            if hook is not None:
+                hook.remove()
+        self._step_hook = self._step_pre_hook = None
 
     def _push(self) -> None:
         if not self._pushed:
@@ -564,17 +571,25 @@ class Guard:
         return step % self.every == 0
 
     def _forget_setup_counts(self) -> None:
-        """The end of the first optimizer step: the whole-run counts start again, as
-        the config's loop phase counts (:attr:`loop_counts`)."""
+        """The end of the set-up (the first optimizer step; of each optimizer, where
+        several step: :class:`SetupEnd`): the whole-run counts start again, as the
+        config's loop phase counts (:attr:`loop_counts`)."""
         with self._lock:
             for state in [*self._by_active.values(), *self._copies]:
                 state.ops = 0
                 state.ok.clear()  # each op seen again once: which ran in the loop
             self.extra_ops.clear()
 
-    def _after_step(self) -> None:
+    def _before_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        """A config of the loop does not hold an optimizer's first step (its lazy state:
+        the set-up's), though another optimizer stepped before it (a GAN's)."""
+        if self.skip_setup and self.checking and self.setup_end.first(optimizer):
+            self.checking = False
+            self._pop()
+
+    def _after_step(self, optimizer: Any) -> None:
         self.step += 1
-        if self.step == 1 and self.loop_counts:
+        if self.setup_end.ended(optimizer, self.step) and self.loop_counts:
             self._forget_setup_counts()
         checking = self.checks(self.step)
         if checking:
@@ -1080,9 +1095,9 @@ class Guard:
         }
 
     def loop_steps(self) -> int:
-        """The optimizer steps the whole-run counts cover (the loop's: one fewer, where
-        they start at the end of the first)."""
-        return max(self.step - 1, 0) if self.loop_counts else self.step
+        """The optimizer steps the whole-run counts cover (the loop's, where they start
+        at the end of the set-up)."""
+        return max(self.step - self.setup_end.steps, 0) if self.loop_counts else self.step
 
     def whole_run_config(self) -> Mapping[str, Any] | None:
         """The config the whole-run rules compare with: this config, or the share of

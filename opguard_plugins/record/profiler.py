@@ -534,7 +534,7 @@ class ProfilerTracer(CallsiteTracer):
         if self._trigger is not None:
             self.begin_on_first_call()  # no torch call on this thread yet
             self._drop_trigger()
-        if self.steps == 1 and self.split_setup:
+        if self.split_setup and self.setup_end.ended(optimizer, self.steps):
             self.fold(wait=True)  # the set-up's events folded now: its counts are whole
             self.compile_ops = self.recorder.compile_ops
             self.end_setup()

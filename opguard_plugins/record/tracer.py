@@ -621,15 +621,48 @@ class _DispatchMode(TorchDispatchMode):  # type: ignore[no-untyped-call, misc, u
         return self.recorder.dispatch(func, sys._getframe(1), args, kwargs)
 
 
-def count_optimizer_steps(callback: Callable[[], None]) -> Any:
-    """Call ``callback()`` after every optimizer step of the process (any optimizer).
+def count_optimizer_steps(callback: Callable[[Any], None]) -> Any:
+    """Call ``callback(optimizer)`` after every optimizer step of the process (any
+    optimizer).
 
     Uses torch's global ``register_optimizer_step_post_hook``; returns its removable
     handle. Shared by the tracer (``meta.steps``) and the guard (``--sample``).
     """
     from torch.optim.optimizer import register_optimizer_step_post_hook
 
-    return register_optimizer_step_post_hook(lambda optimizer, args, kwargs: callback())
+    return register_optimizer_step_post_hook(lambda optimizer, args, kwargs: callback(optimizer))
+
+
+class SetupEnd:
+    """Where the set-up ends (tracing.md, "Set-up and loop"): at the end of the first
+    step of each optimizer that steps before any optimizer steps a second time, the
+    last such end. A program of one optimizer: its first step. A GAN (the
+    discriminator's optimizer, then the generator's, each iteration): the generator's
+    first step, so both optimizers' lazy state is set-up and every loop iteration is
+    alike. Shared by the tracers and the guard."""
+
+    def __init__(self) -> None:
+        self._seen: weakref.WeakSet[Any] = weakref.WeakSet()
+        #: an optimizer stepped a second time: no later first step is the set-up's
+        self.closed = False
+        #: optimizer steps up to the set-up's end so far (``meta.steps`` of the set-up)
+        self.steps = 0
+
+    def first(self, optimizer: Any) -> bool:
+        """Whether a step of ``optimizer`` (about to run) is one the set-up holds."""
+        return not self.closed and optimizer not in self._seen
+
+    def ended(self, optimizer: Any, steps: int) -> bool:
+        """After a step of ``optimizer`` (``steps`` counted so far): whether the set-up
+        ends here (until a later first step moves its end)."""
+        if self.closed:
+            return False
+        if optimizer in self._seen:
+            self.closed = True
+            return False
+        self._seen.add(optimizer)
+        self.steps = steps
+        return True
 
 
 # ---------------------------------------------------------------------------
@@ -844,9 +877,10 @@ class CallsiteTracer:
         self.writing = threading.RLock()
         #: called after every optimizer step counted (the periodic flush by steps)
         self.on_step: Callable[[int], None] | None = None
-        #: the counts at the end of the first optimizer step (the set-up phase:
-        #: tracing.md, "Set-up and loop"); None until then
+        #: the counts at the end of the set-up (the first optimizer step; of each
+        #: optimizer, where several step: :class:`SetupEnd`); None until then
         self.setup_counts: dict[Key, int] | None = None
+        self.setup_end = SetupEnd()
         #: :attr:`compile_ops` at that moment
         self._setup_compile_ops = 0
 
@@ -874,11 +908,11 @@ class CallsiteTracer:
         """Optimizer steps finished while started (``meta.partial.step``)."""
         return self.steps
 
-    def _count_step(self) -> None:
+    def _count_step(self, optimizer: Any) -> None:
         if self.recorder.active:
             self.steps += 1
             self.recorder.step = self.steps
-            if self.steps == 1 and self.split_setup:
+            if self.split_setup and self.setup_end.ended(optimizer, self.steps):
                 self.end_setup()
             if self.on_step is not None:
                 self.on_step(self.steps)
@@ -898,7 +932,7 @@ class CallsiteTracer:
 
     def end_setup(self) -> None:
         """Keep the counts so far as the set-up phase's (called at the end of the first
-        optimizer step): what follows is the loop."""
+        step of each optimizer, :class:`SetupEnd`): what follows is the loop."""
         with self.recorder._lock, _gc_paused():
             self.setup_counts = dict(self.recorder.counts)
         self._setup_compile_ops = self.compile_ops
@@ -1054,7 +1088,8 @@ class CallsiteTracer:
         steps = self.steps
         if phase is not None and self.setup_counts is not None:
             meta["phase"] = phase
-            steps = 1 if phase == SETUP_PHASE else steps - 1
+            setup_steps = self.setup_end.steps
+            steps = setup_steps if phase == SETUP_PHASE else steps - setup_steps
         if steps:
             meta["steps"] = steps
         if compile_ops:
