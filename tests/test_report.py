@@ -21,13 +21,14 @@ from hypothesis import strategies as st
 
 from opguard_core import hookimpl
 from opguard_core.cli import create_cli
-from opguard_core.formats.config import load_config
+from opguard_core.formats.config import load_config, parse_config
 from opguard_core.formats.divergence import load_divergence
 from opguard_core.formats.tree import load_tree
 from opguard_core.plugin.manager import create_plugin_manager
 from opguard_plugins.view.report import (
     MAX_GROUPS,
     MAX_MEMBERS,
+    config_view,
     group_findings,
     rank_ranges,
     rank_row,
@@ -616,3 +617,17 @@ def test_the_load_benchmark_runs_end_to_end(tmp_path: Path) -> None:
     text = out.read_text()
     assert "| 4 × 300 |" in text
     assert "load under 2 s: **yes**" in text and "under 2 MB: **yes**" in text
+
+
+def test_an_entry_shows_its_dtypes_where_the_config_records_them() -> None:
+    """The config table's row ends with the entry's dtypes (largest first), None for an
+    entry that records none (a trace without dtypes: formats.md, "Dtypes")."""
+    text = (
+        "version: 5\nsource: s\nmeta:\n  ranks: [0]\n  total: 9\nentries:\n"
+        "  - target: m:f\n    ops:\n      aten::mm: 9\n    stream_counts:\n      compute: 9\n"
+        "    dtype_counts:\n      float32: 2\n      float64: 7\n    count: 9\n"
+        "  - target: m:g\n    ops:\n      aten::mm: 3\n    count: 3\n"
+    )
+    rows = {row[0]: row for row in config_view(parse_config(text, "c.yaml"))["rows"]}
+    assert rows["m:f"][10] == [["float64", 7], ["float32", 2]]
+    assert rows["m:g"][10] is None

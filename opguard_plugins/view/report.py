@@ -212,11 +212,17 @@ def _count_nodes(root: dict[str, Any]) -> int:
 # ----------------------------------------------------------------- configs
 
 
+def _count_pairs(counts: Iterable[tuple[Any, Any]]) -> list[list[Any]]:
+    """``[name, count]`` pairs, largest count first."""
+    return [[k, n] for k, n in sorted(((str(k), int(n)) for k, n in counts), key=_by_count)]
+
+
 def config_view(config: Mapping[str, Any], limit: int = MAX_ROWS) -> dict[str, Any]:
     """A config's entries as table rows, largest count first (then target, context):
-    ``[target, kind, context, tags, count, ops, streams, ranks, file, lines]`` with
-    ``ops`` as ``[op index, count]`` pairs into ``names`` and ``streams`` as
-    ``[stream, count]`` pairs (largest first), ``ranks`` as :func:`rank_text` (None:
+    ``[target, kind, context, tags, count, ops, streams, ranks, file, lines, dtypes]``
+    with ``ops`` as ``[op index, count]`` pairs into ``names``, ``streams`` and
+    ``dtypes`` as ``[name, count]`` pairs (largest first; ``dtypes`` None where the
+    entry records none: formats.md, "Dtypes"), ``ranks`` as :func:`rank_text` (None:
     all of the config's ranks) and ``lines`` as ranges; at most ``limit`` rows."""
     meta = config.get("meta") or {}
     names = _Strings()
@@ -224,6 +230,7 @@ def config_view(config: Mapping[str, Any], limit: int = MAX_ROWS) -> dict[str, A
     for e in config["entries"]:
         ops = sorted(((str(op), int(n)) for op, n in (e.get("ops") or {}).items()), key=_by_count)
         streams = (e.get("stream_counts") or {}).items()
+        dtypes = e.get("dtype_counts")
         ranks = e.get("ranks")
         rows.append(
             [
@@ -233,10 +240,11 @@ def config_view(config: Mapping[str, Any], limit: int = MAX_ROWS) -> dict[str, A
                 [str(t) for t in e.get("tags") or []],
                 int(e.get("count") or 0),
                 [[names(op), n] for op, n in ops],
-                [[s, n] for s, n in sorted(((str(s), int(n)) for s, n in streams), key=_by_count)],
+                _count_pairs(streams),
                 rank_text(ranks) if ranks is not None else None,
                 str(e["file"]) if e.get("file") else None,
                 rank_ranges(int(x) for x in e.get("lines") or []),
+                None if dtypes is None else _count_pairs(dtypes.items()),
             ]
         )
     rows.sort(key=lambda r: (-r[4], r[0], r[2]))

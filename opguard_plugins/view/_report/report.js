@@ -230,7 +230,7 @@
   }
 
   // ------------------------------------------------------------ config tables
-  // row: [target, kind, context, tags, count, ops, streams, ranks, file, lines]
+  // row: [target, kind, context, tags, count, ops, streams, ranks, file, lines, dtypes]
   // (ops: [index into cfg.names, count]; ranks: [count, ranges] or null for all)
   function rankSet(r) { return r[1] + " (" + num(r[0]) + ")"; }
   function configTable(container, name, cfg) {
@@ -268,6 +268,7 @@
           ["ranks", r[7] === null ? "all " + num(cfg.ranks) : r[7][1] + " (" + num(r[7][0]) + " of " + num(cfg.ranks) + ")"],
           ["ops (" + r[5].length + ")", pairList(r[5].map(function (p) { return [opName(p), p[1]]; }), r[4])],
           ["streams", pairList(r[6].map(function (p) { return ["stream " + p[0], p[1]]; }), r[4])],
+          ["dtypes", r[10] ? pairList(r[10], r[4]) : null],
         ]);
       },
     });
