@@ -208,3 +208,18 @@ def test_check_and_guard_catch_a_model_run_in_another_dtype(tmp_path: Path, dmod
             assert result.exit_code == 1
         if name != "same":  # named by function and dtype
             assert ("dmodel:Net.forward", name) in _dtypes(checked)
+
+
+def test_compare_shows_dtype_changes_where_both_entries_record_them() -> None:
+    from opguard_plugins.stages.compare import compare_configs, diff_configs, diff_to_json
+
+    first = parse_config(config_text(), "a.yaml")
+    other = parse_config(config_text("    dtype_counts:\n      float64: 6\n"), "b.yaml")
+    text = compare_configs(first, other, "a", "b")
+    assert "      dtype float32: 6 -> 0 (-6)\n" in text
+    assert "      dtype float64: 0 -> 6 (+6)\n" in text
+    [changed] = diff_to_json(diff_configs(first, other, "a", "b"))["changed"]["entries"]
+    assert {d["dtype"] for d in changed["dtypes"]} == {"float32", "float64"}
+    # an entry without dtypes says nothing of them: no change to report
+    unknown = parse_config(config_text(""), "u.yaml")
+    assert "dtype" not in compare_configs(first, unknown, "a", "u")

@@ -2,7 +2,7 @@
 ``opguard compare``.
 
 :func:`diff_configs` computes the difference once (totals, entries only in one,
-entries in both whose count, ops, streams or tags differ); :func:`render_diff`
+entries in both whose count, ops, streams, dtypes or tags differ); :func:`render_diff`
 writes it as text and :func:`diff_to_json` as data. The run's
 ``comparison_{base}_vs_{N}.log`` is ``render_diff`` sorted by key (target,
 context); ``opguard compare`` sorts by size of change unless ``--sort key``.
@@ -33,6 +33,8 @@ class EntryChange:
     streams: list[Change]
     tags_added: list[str]
     tags_removed: list[str]
+    #: where both entries record dtypes (formats.md, "Dtypes"); else none
+    dtypes: list[Change] = dataclasses.field(default_factory=list)
 
     @property
     def delta(self) -> int:
@@ -105,8 +107,18 @@ def _entry_change(key: EntryKey, a: dict[str, Any], b: dict[str, Any]) -> EntryC
         _count_changes(a.get("stream_counts") or {}, b.get("stream_counts") or {}),
         sorted(tb - ta),
         sorted(ta - tb),
+        _count_changes(a["dtype_counts"] or {}, b["dtype_counts"] or {})
+        if a.get("dtype_counts") is not None and b.get("dtype_counts") is not None
+        else [],
     )
-    if change.delta or change.ops or change.streams or change.tags_added or change.tags_removed:
+    if (
+        change.delta
+        or change.ops
+        or change.streams
+        or change.dtypes
+        or change.tags_added
+        or change.tags_removed
+    ):
         return change
     return None
 
@@ -137,7 +149,9 @@ def _ordered(diff: ConfigDiff, sort: Sort) -> ConfigDiff:
         return sorted(items, key=lambda c: (-abs(c[2] - c[1]), str(c[0])))
 
     changed = [
-        dataclasses.replace(c, ops=by_size(c.ops), streams=by_size(c.streams))
+        dataclasses.replace(
+            c, ops=by_size(c.ops), streams=by_size(c.streams), dtypes=by_size(c.dtypes)
+        )
         for c in sorted(diff.changed, key=lambda c: (tuple(-x for x in c.size()), c.key))
     ]
     return dataclasses.replace(
@@ -188,7 +202,11 @@ def render_diff(diff: ConfigDiff, sort: Sort = "key", top: int | None = None) ->
         out.append(f"  ~ {_label(change.key)}")
         if change.delta:
             out.append(f"      count: {change.before} -> {change.after} ({change.delta:+d})")
-        for name, changes in (("op", change.ops), ("stream", change.streams)):
+        for name, changes in (
+            ("op", change.ops),
+            ("stream", change.streams),
+            ("dtype", change.dtypes),
+        ):
             out += [
                 f"      {name} {one_line(str(k))}: {a} -> {b} ({b - a:+d})" for k, a, b in changes
             ]
@@ -231,6 +249,7 @@ def diff_to_json(diff: ConfigDiff, sort: Sort = "key", top: int | None = None) -
                 "delta": c.delta,
                 "ops": counts(c.ops, "op"),
                 "streams": counts(c.streams, "stream"),
+                "dtypes": counts(c.dtypes, "dtype"),
                 "tags_added": c.tags_added,
                 "tags_removed": c.tags_removed,
             },
