@@ -43,18 +43,16 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from click.testing import CliRunner
 from torch.utils._python_dispatch import TorchDispatchMode
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "examples"))
 sys.path.insert(0, str(REPO))
 
+from bench_config import config_of  # noqa: E402
 from tiny_gpt import GPTConfig, TinyGPT, make_batch, train_step  # noqa: E402
 
-from opguard_core.cli.app import create_cli  # noqa: E402
 from opguard_core.formats.config import load_config  # noqa: E402
-from opguard_core.plugin.manager import create_plugin_manager  # noqa: E402
 from opguard_plugins.enforce.runtime import guarded  # noqa: E402
 from opguard_plugins.record.tracer import count_optimizer_steps  # noqa: E402
 from opguard_plugins.tracer import trace_callsites  # noqa: E402
@@ -120,13 +118,7 @@ def make_config(steps: int, directory: Path) -> Path:
     """Trace the loop once and turn the trace into a config with ``opguard run``."""
     with trace_callsites(label="bench", output_dir=directory, rank=0):
         run_steps(steps, nullcontext)
-    cli = create_cli(create_plugin_manager())
-    trace = directory / "bench_callsite_rank0.json"
-    result = CliRunner().invoke(cli, ["run", "-i", str(trace), "--output-base", str(directory)])
-    if result.exit_code != 0:
-        raise SystemExit(f"opguard run failed: {result.output}")
-    run_dir = Path(result.stdout.strip().splitlines()[-1])
-    return run_dir / "bench_callsite_instrumentation.yaml"
+    return config_of(directory / "bench_callsite_rank0.json", directory)
 
 
 def main() -> None:

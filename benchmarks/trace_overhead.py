@@ -125,11 +125,9 @@ def loop_config(loop: str, directory: str) -> Any:
     """A config of ``loop``: traced 4 steps with the ``modes`` backend, then ``opguard
     run`` (made once per loop, loaded once; not timed)."""
     if loop not in _CONFIGS:
-        from click.testing import CliRunner
+        from bench_config import config_of
 
-        from opguard_core.cli.app import create_cli
         from opguard_core.formats.config import load_config
-        from opguard_core.plugin.manager import create_plugin_manager
 
         folder = Path(directory) / f"config_{loop}"
         torch.manual_seed(0)
@@ -140,13 +138,7 @@ def loop_config(loop: str, directory: str) -> Any:
             for _ in range(4):
                 step()
         traced.finish()
-        cli = create_cli(create_plugin_manager())
-        trace = folder / "bench_callsite_rank0.json"
-        result = CliRunner().invoke(cli, ["run", "-i", str(trace), "--output-base", str(folder)])
-        if result.exit_code != 0:
-            raise SystemExit(f"opguard run failed on the {loop} loop: {result.output}")
-        run_dir = Path(result.stdout.strip().splitlines()[-1])
-        _CONFIGS[loop] = load_config(run_dir / "bench_callsite_instrumentation.yaml")
+        _CONFIGS[loop] = load_config(config_of(folder / "bench_callsite_rank0.json", folder))
     return _CONFIGS[loop]
 
 
