@@ -177,3 +177,41 @@ def test_divergence_cost_benchmark_reports_both_generators(tmp_path: Path) -> No
     assert out.count("µs/finding") == 4 and out.count("(CPU ") == 8 and out.count("ratio:") == 2
     # the same checkout on both sides: the same findings and bytes
     assert "JSON 1.0× smaller, log 1.0× smaller" in out
+
+
+@pytest.mark.slow  # runs the curves script: four tiny shapes, each parsed and run
+def test_curves_prints_a_row_per_generator_and_shape(tmp_path: Path) -> None:
+    pytest.importorskip("psutil")
+    data, table = tmp_path / "data", tmp_path / "curves.md"
+    result = script(
+        "curves.py", "--ranks", "2", "--at-callsites", "200", "--callsites", "300",
+        "--at-ranks", "2", "--generators", "team,other", "--data", str(data),
+        "--cleanup-above-gb", "0", "--output", str(table),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    text = table.read_text()
+    assert "| generator | N | M | data MB | opguard run wall s |" in text
+    lines = [line for line in text.splitlines() if line.startswith(("| team |", "| other |"))]
+    rows = [line.split("|")[1:4] for line in lines]
+    assert sorted((g.strip(), int(n), int(m.replace(",", ""))) for g, n, m in rows) == [
+        ("other", 2, 200), ("other", 2, 300), ("team", 2, 200), ("team", 2, 300),
+    ]  # fmt: skip
+    for line in lines:
+        cells = [c.strip() for c in line.split("|")[1:-1]]
+        assert len(cells) == 13 and "—" not in cells, line
+        assert float(cells[6]) > 0 and float(cells[7]) > 0  # the ratios
+    assert not any(data.iterdir())  # everything above 0 GB was deleted
+
+
+@pytest.mark.slow  # traces a loop for its config, then times four modes on it
+def test_trace_overhead_times_the_guard_on_a_config_of_the_loop() -> None:
+    pytest.importorskip("torch")
+    result = script(
+        "trace_overhead.py", "--steps", "2", "--warmup", "1", "--repeat", "1",
+        "--loops", "conv", "--modes", "untraced,empty-mode,opguard-guard",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    rows = [line for line in result.stdout.splitlines() if line.startswith("| conv |")]
+    assert [row.split("|")[2].strip() for row in rows] == [
+        "untraced", "empty-mode", "opguard-guard",
+    ]  # fmt: skip
