@@ -63,7 +63,6 @@ from opguard_core.formats.collectives import (
     Signature,
     StepRun,
 )
-from opguard_core.formats.dtypes import is_dtype
 from opguard_core.formats.trace import TRACE_FORMAT, TRACE_VERSION, trace_stem
 from opguard_core.run.warnings import warn
 from opguard_plugins.readers.kineto import frame_key, module_of, relative_file
@@ -439,8 +438,7 @@ def read_dump(data: bytes, path: Path) -> tuple[dict[str, Any], list[str]]:
                 sid = signatures[signature] = len(signatures)
             raw_signatures[raw_signature] = sid
         calls.append(sid)
-        site_dtype = DTYPES.get(dtype) if dtype is not None and op in TENSOR_FIRST else None
-        site = (tuple(stack), op, site_dtype if is_dtype(site_dtype) else None)
+        site = (tuple(stack), op, DTYPES.get(dtype or "") if op in TENSOR_FIRST else None)
         counts[site] = counts.get(site, 0) + 1
 
     wrapped = sorted(name for name, seq in first_seq.items() if seq > 1)
