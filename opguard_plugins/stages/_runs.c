@@ -30,6 +30,22 @@
 #include <stdint.h>
 #include <string.h>
 
+/* An int as a Py_ssize_t: a small one (a frame id, a rank, a position) read straight
+ * from the object, any other through PyLong_AsSsize_t (-1 and an exception when it is
+ * not an int or does not fit). Frame ids are read this way millions of times a run. */
+static inline Py_ssize_t
+as_index(PyObject *obj)
+{
+#if PY_VERSION_HEX >= 0x030C0000
+    if (PyLong_CheckExact(obj) && PyUnstable_Long_IsCompact((PyLongObject *)obj))
+        return (Py_ssize_t)PyUnstable_Long_CompactValue((PyLongObject *)obj);
+#else
+    if (PyLong_CheckExact(obj) && (Py_SIZE(obj) == 0 || Py_SIZE(obj) == 1))
+        return Py_SIZE(obj) ? (Py_ssize_t)((PyLongObject *)obj)->ob_digit[0] : 0;
+#endif
+    return PyLong_AsSsize_t(obj);
+}
+
 typedef struct {
     PyObject_HEAD
     Py_ssize_t n, width;
@@ -277,7 +293,7 @@ parse_positions(PyObject *const *args, Py_ssize_t nargs, Py_ssize_t want, Py_ssi
         return -1;
     }
     for (Py_ssize_t i = 0; i < want; i++) {
-        out[i] = PyLong_AsSsize_t(args[i]);
+        out[i] = as_index(args[i]);
         if (out[i] == -1 && PyErr_Occurred())
             return -1;
     }
@@ -717,7 +733,7 @@ callsite_paths(PyObject *Py_UNUSED(module), PyObject *args)
         }
         Py_ssize_t used = 0;
         for (Py_ssize_t j = 0; j < depth; j++) {
-            Py_ssize_t frame = PyLong_AsSsize_t(PyTuple_GET_ITEM(stack, j));
+            Py_ssize_t frame = as_index(PyTuple_GET_ITEM(stack, j));
             if (frame == -1 && PyErr_Occurred())
                 goto done;
             if (frame < 0 || frame >= frames) {
@@ -739,7 +755,7 @@ callsite_paths(PyObject *Py_UNUSED(module), PyObject *args)
                     PyErr_SetObject(PyExc_KeyError, api);
                 goto done;
             }
-            Py_ssize_t index = PyLong_AsSsize_t(found);
+            Py_ssize_t index = as_index(found);
             if (index == -1 && PyErr_Occurred())
                 goto done;
             if (index < 0 || index >= n_apis) {
@@ -831,7 +847,7 @@ visible_frames(PyObject *Py_UNUSED(module), PyObject *args)
         }
         Py_ssize_t depth = PyTuple_GET_SIZE(stack), kept = 0, innermost_user = -1;
         for (Py_ssize_t j = 0; j < depth; j++) {
-            Py_ssize_t frame = PyLong_AsSsize_t(PyTuple_GET_ITEM(stack, j));
+            Py_ssize_t frame = as_index(PyTuple_GET_ITEM(stack, j));
             if (frame == -1 && PyErr_Occurred())
                 goto done;
             if (frame < 0 || frame >= frames) {
@@ -847,7 +863,7 @@ visible_frames(PyObject *Py_UNUSED(module), PyObject *args)
         kept = 0;
         for (Py_ssize_t j = 0; j < depth; j++) {
             PyObject *item = PyTuple_GET_ITEM(stack, j);
-            Py_ssize_t frame = PyLong_AsSsize_t(item);
+            Py_ssize_t frame = as_index(item);
             if (is_hidden[frame])
                 continue;
             PyList_SET_ITEM(frames_of, kept, Py_NewRef(item));
@@ -876,7 +892,7 @@ done:
 static int
 stack_frame(PyObject *stack, Py_ssize_t j, Py_ssize_t frames, const char *who, Py_ssize_t *out)
 {
-    Py_ssize_t frame = PyLong_AsSsize_t(PyTuple_GET_ITEM(stack, j));
+    Py_ssize_t frame = as_index(PyTuple_GET_ITEM(stack, j));
     if (frame == -1 && PyErr_Occurred())
         return -1;
     if (frame < 0 || frame >= frames) {
@@ -945,7 +961,7 @@ stack_summary(PyObject *Py_UNUSED(module), PyObject *args)
         PyObject *stack = PyList_GET_ITEM(stacks, i); /* checked above */
         Py_ssize_t depth = PyTuple_GET_SIZE(stack), frame;
         for (Py_ssize_t j = 0; j < depth; j++) {
-            frame = PyLong_AsSsize_t(PyTuple_GET_ITEM(stack, j)); /* checked above */
+            frame = as_index(PyTuple_GET_ITEM(stack, j)); /* checked above */
             if (!is_hidden[frame] && !in_union[frame]) {
                 PyObject *index = PyLong_FromSsize_t(i);
                 if (index == NULL || PyList_Append(outside, index) < 0) {
@@ -1050,7 +1066,7 @@ frames_at(PyObject *Py_UNUSED(module), PyObject *args)
         }
         const unsigned char *at = (const unsigned char *)PyBytes_AS_STRING(path) + own;
         uint32_t id = (uint32_t)at[0] << 24 | (uint32_t)at[1] << 16 | (uint32_t)at[2] << 8 | at[3];
-        Py_ssize_t origin = PyLong_AsSsize_t(PyList_GET_ITEM(origins, i));
+        Py_ssize_t origin = as_index(PyList_GET_ITEM(origins, i));
         if (origin == -1 && PyErr_Occurred())
             goto done;
         if (origin < least) {
@@ -1125,7 +1141,7 @@ skew_names_ready(void)
 static inline Py_ssize_t
 rank_position(PyObject *rank, const Py_ssize_t *position, Py_ssize_t limit)
 {
-    Py_ssize_t value = PyLong_AsSsize_t(rank);
+    Py_ssize_t value = as_index(rank);
     if (value == -1 && PyErr_Occurred())
         return -1;
     if (value < 0 || value >= limit || position[value] < 0) {
@@ -1194,7 +1210,7 @@ skew_fold(PyObject *Py_UNUSED(module), PyObject *args)
         example[i] = -1;
     }
     for (Py_ssize_t i = 0; i < nranks; i++) {
-        Py_ssize_t rank = PyLong_AsSsize_t(PyList_GET_ITEM(ranks, i));
+        Py_ssize_t rank = as_index(PyList_GET_ITEM(ranks, i));
         if (rank == -1 && PyErr_Occurred())
             goto done;
         if (rank < 0) {
@@ -1212,13 +1228,13 @@ skew_fold(PyObject *Py_UNUSED(module), PyObject *args)
     for (Py_ssize_t i = 0; i < limit; i++)
         position[i] = -1;
     for (Py_ssize_t i = 0; i < nranks; i++)
-        position[PyLong_AsSsize_t(PyList_GET_ITEM(ranks, i))] = i;
+        position[as_index(PyList_GET_ITEM(ranks, i))] = i;
     partial = PyList_New(0);
     if (partial == NULL)
         goto done;
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *site = PyList_GET_ITEM(sites, i);
-        Py_ssize_t number = PyLong_AsSsize_t(PyList_GET_ITEM(numbers, i));
+        Py_ssize_t number = as_index(PyList_GET_ITEM(numbers, i));
         if (number == -1 && PyErr_Occurred())
             goto done;
         if (number < -1 || number >= functions) {
