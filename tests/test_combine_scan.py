@@ -103,6 +103,61 @@ def test_c_site_order_is_the_reference(data: Any) -> None:
         site_order([(0, None, "x", 0)], canonical)
 
 
+@st.composite
+def _slots(draw: Any, nranks: int) -> list[Any]:
+    """A site's slot as the fold leaves it: [count, mask, min, min_mask, max, max_mask,
+    hist], hist None (two values at most), False (overflowed) or {count: mask}."""
+    mask = draw(st.integers(1, 2**nranks - 1))
+    ranks = combined.mask_to_ranks(mask)
+    values = draw(st.lists(st.integers(1, 10**12), min_size=len(ranks), max_size=len(ranks)))
+    hist: dict[int, int] = {}
+    for rank, value in zip(ranks, values, strict=True):
+        hist[value] = hist.get(value, 0) | 1 << rank
+    low, high = min(hist), max(hist)
+    if low == high:
+        return [sum(values), mask, low, None, high, None, None]
+    kept = None if len(hist) == 2 else False if draw(st.booleans()) else hist
+    return [sum(values), mask, low, hist[low], high, hist[high], kept]
+
+
+@needs_c
+@settings(max_examples=150, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data(), stats_valid=st.booleans(), nranks=st.integers(1, 70))
+def test_c_build_callsites_matches_the_reference(
+    data: st.DataObject, stats_valid: bool, nranks: int
+) -> None:
+    """The result's callsites, built in C, equal the Python reference's field for field
+    (ranks, per-rank statistics sorted by count, overflowed histograms as None), the
+    rank lists shared the same way."""
+    stacks = data.draw(st.lists(st.tuples(st.integers(0, 9)), min_size=1, max_size=5))
+    canonical = [(bytes(s), s) for s in stacks]
+    keys = st.tuples(st.integers(0, len(stacks) - 1), st.none() | st.just("api"),
+                     st.sampled_from(["aten::mm", "c10d::allreduce_"]), st.just("compute"),
+                     st.none() | st.just("float32"))  # fmt: skip
+    sites = data.draw(st.lists(st.tuples(keys, _slots(nranks)), max_size=12))
+    order = data.draw(st.permutations(range(len(sites))))
+    all_mask = 2**nranks - 1
+    from opguard_core.formats.trace import Callsite, PerRank
+
+    c_lists, py_lists = combined.RankLists(), combined.RankLists()
+    built = _scan.build_callsites(sites, order, canonical, all_mask, stats_valid, c_lists,
+                                  Callsite, PerRank)  # fmt: skip
+    reference = combined.py_build_callsites(
+        sites, order, canonical, all_mask, stats_valid, py_lists, Callsite, PerRank
+    )
+    assert built == reference
+    assert c_lists == py_lists
+    for site in built:  # one list object per rank set
+        if site.ranks is not None:
+            assert site.ranks is c_lists[combined.ranks_to_mask(site.ranks)]
+    with pytest.raises(IndexError):
+        _scan.build_callsites(sites, [len(sites)], canonical, all_mask, stats_valid, c_lists,
+                              Callsite, PerRank)  # fmt: skip
+    with pytest.raises(TypeError):
+        _scan.build_callsites([((0, None, "x", "compute"), [1] * 7)], [0], canonical, all_mask,
+                              stats_valid, c_lists, Callsite, PerRank)  # fmt: skip
+
+
 @needs_c
 def test_c_table_grows_past_its_first_sizes() -> None:
     c, py = CStackTable(), PyStackTable()

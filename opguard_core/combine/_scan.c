@@ -1509,6 +1509,166 @@ done:
     return result;
 }
 
+/* A tuple of interned names, made once (keyword names for a vectorcall). */
+static PyObject *
+names_tuple(PyObject **cache, const char *const *names, Py_ssize_t n)
+{
+    if (*cache != NULL)
+        return *cache;
+    PyObject *tuple = PyTuple_New(n);
+    for (Py_ssize_t i = 0; tuple != NULL && i < n; i++) {
+        PyObject *name = PyUnicode_InternFromString(names[i]);
+        if (name == NULL)
+            Py_CLEAR(tuple);
+        else
+            PyTuple_SET_ITEM(tuple, i, name);
+    }
+    return *cache = tuple;
+}
+
+/* ranks_of[mask] (a dict by mask whose __missing__ makes a new list): a new reference */
+static PyObject *
+rank_list(PyObject *ranks_of, PyObject *mask)
+{
+    PyObject *found = PyDict_GetItemWithError(ranks_of, mask);
+    if (found != NULL)
+        return Py_NewRef(found);
+    return PyErr_Occurred() ? NULL : PyObject_GetItem(ranks_of, mask);
+}
+
+/* A slot's PerRank (accumulator._per_rank): a new reference */
+static PyObject *
+slot_per_rank(PyObject *slot, PyObject *ranks_of, PyObject *per_rank_type)
+{
+    static PyObject *kwnames = NULL;
+    static const char *const names[] = {"min", "min_ranks", "max", "max_ranks", "counts"};
+    if (names_tuple(&kwnames, names, 5) == NULL)
+        return NULL;
+    PyObject *hist = PyList_GET_ITEM(slot, 6), *own = NULL, *keys = NULL, *counts = NULL;
+    PyObject *low = NULL, *high = NULL, *result = NULL;
+    if (hist == Py_None) { /* two values: min and max say it all */
+        hist = own = PyDict_New();
+        if (own == NULL || PyDict_SetItem(own, PyList_GET_ITEM(slot, 2), PyList_GET_ITEM(slot, 3)) < 0 ||
+            PyDict_SetItem(own, PyList_GET_ITEM(slot, 4), PyList_GET_ITEM(slot, 5)) < 0)
+            goto done;
+    }
+    if (hist == Py_False) { /* overflowed */
+        counts = Py_NewRef(Py_None);
+    } else {
+        if (!PyDict_Check(hist)) {
+            PyErr_SetString(PyExc_TypeError, "build_callsites: a histogram is not a dict");
+            goto done;
+        }
+        keys = PyDict_Keys(hist);
+        if (keys == NULL || PyList_Sort(keys) < 0)
+            goto done;
+        Py_ssize_t size = PyList_GET_SIZE(keys);
+        counts = PyList_New(size);
+        for (Py_ssize_t j = 0; counts != NULL && j < size; j++) {
+            PyObject *value = PyList_GET_ITEM(keys, j);
+            PyObject *mask = PyDict_GetItemWithError(hist, value);
+            PyObject *ranks = mask == NULL ? NULL : rank_list(ranks_of, mask);
+            PyObject *pair = ranks == NULL ? NULL : PyTuple_Pack(2, value, ranks);
+            Py_XDECREF(ranks);
+            if (pair == NULL) {
+                if (!PyErr_Occurred())
+                    PyErr_SetString(PyExc_KeyError, "build_callsites: a histogram changed");
+                goto done;
+            }
+            PyList_SET_ITEM(counts, j, pair);
+        }
+        if (counts == NULL)
+            goto done;
+    }
+    low = rank_list(ranks_of, PyList_GET_ITEM(slot, 3));
+    high = low == NULL ? NULL : rank_list(ranks_of, PyList_GET_ITEM(slot, 5));
+    if (high != NULL) {
+        PyObject *values[] = {PyList_GET_ITEM(slot, 2), low, PyList_GET_ITEM(slot, 4), high, counts};
+        result = PyObject_Vectorcall(per_rank_type, values, 0, kwnames);
+    }
+done:
+    Py_XDECREF(own);
+    Py_XDECREF(keys);
+    Py_XDECREF(counts);
+    Py_XDECREF(low);
+    Py_XDECREF(high);
+    return result;
+}
+
+/* build_callsites(sites, order, canonical, all_mask, stats_valid, ranks_of, callsite_type,
+ * per_rank_type) -> list: the combined trace's callsites, ``sites`` ((key, slot) pairs)
+ * in ``order``, as accumulator.py_build_callsites (the reference) makes them */
+static PyObject *
+build_callsites(PyObject *Py_UNUSED(module), PyObject *args)
+{
+    PyObject *sites, *order, *canonical, *all_mask, *ranks_of, *callsite_type, *per_rank_type;
+    int stats_valid;
+    if (!PyArg_ParseTuple(args, "O!O!O!OpO!OO:build_callsites", &PyList_Type, &sites,
+                          &PyList_Type, &order, &PyList_Type, &canonical, &all_mask, &stats_valid,
+                          &PyDict_Type, &ranks_of, &callsite_type, &per_rank_type))
+        return NULL;
+    static PyObject *kwnames = NULL;
+    static const char *const names[] = {"stack", "api", "op", "role", "dtype", "count", "ranks",
+                                        "per_rank"};
+    if (names_tuple(&kwnames, names, 8) == NULL)
+        return NULL;
+    Py_ssize_t n = PyList_GET_SIZE(order), nsites = PyList_GET_SIZE(sites);
+    Py_ssize_t stacks = PyList_GET_SIZE(canonical);
+    PyObject *result = PyList_New(n);
+    for (Py_ssize_t i = 0; result != NULL && i < n; i++) {
+        Py_ssize_t index = PyLong_AsSsize_t(PyList_GET_ITEM(order, i));
+        if (index == -1 && PyErr_Occurred())
+            goto fail;
+        if (index < 0 || index >= nsites) {
+            PyErr_SetString(PyExc_IndexError, "build_callsites: a position out of range");
+            goto fail;
+        }
+        PyObject *pair = PyList_GET_ITEM(sites, index), *key, *slot;
+        if (!PyTuple_Check(pair) || PyTuple_GET_SIZE(pair) != 2 ||
+            !PyTuple_Check(key = PyTuple_GET_ITEM(pair, 0)) || PyTuple_GET_SIZE(key) != 5 ||
+            !PyList_Check(slot = PyTuple_GET_ITEM(pair, 1)) || PyList_GET_SIZE(slot) != 7) {
+            PyErr_SetString(PyExc_TypeError, "build_callsites: a site is not (5-tuple, 7-list)");
+            goto fail;
+        }
+        Py_ssize_t stack_id = PyLong_AsSsize_t(PyTuple_GET_ITEM(key, 0));
+        if (stack_id == -1 && PyErr_Occurred())
+            goto fail;
+        PyObject *stack_pair = stack_id >= 0 && stack_id < stacks ? PyList_GET_ITEM(canonical, stack_id)
+                                                                  : NULL;
+        if (stack_pair == NULL || !PyTuple_Check(stack_pair) || PyTuple_GET_SIZE(stack_pair) != 2) {
+            PyErr_SetString(PyExc_IndexError, "build_callsites: a stack id out of range");
+            goto fail;
+        }
+        PyObject *mask = PyList_GET_ITEM(slot, 1);
+        int every = PyObject_RichCompareBool(mask, all_mask, Py_EQ);
+        if (every < 0)
+            goto fail;
+        PyObject *ranks = every ? Py_NewRef(Py_None) : rank_list(ranks_of, mask);
+        if (ranks == NULL)
+            goto fail;
+        PyObject *stats = stats_valid && PyList_GET_ITEM(slot, 3) != Py_None
+                              ? slot_per_rank(slot, ranks_of, per_rank_type)
+                              : Py_NewRef(Py_None);
+        if (stats == NULL) {
+            Py_DECREF(ranks);
+            goto fail;
+        }
+        PyObject *values[] = {PyTuple_GET_ITEM(stack_pair, 1), PyTuple_GET_ITEM(key, 1),
+                              PyTuple_GET_ITEM(key, 2), PyTuple_GET_ITEM(key, 3),
+                              PyTuple_GET_ITEM(key, 4), PyList_GET_ITEM(slot, 0), ranks, stats};
+        PyObject *site = PyObject_Vectorcall(callsite_type, values, 0, kwnames);
+        Py_DECREF(ranks);
+        Py_DECREF(stats);
+        if (site == NULL)
+            goto fail;
+        PyList_SET_ITEM(result, i, site);
+    }
+    return result;
+fail:
+    Py_XDECREF(result);
+    return NULL;
+}
+
 static PyMethodDef module_methods[] = {
     {"find_callsites", find_callsites, METH_O,
      "find_callsites(data) -> offset or None: where the top-level callsites value starts."},
@@ -1520,6 +1680,9 @@ static PyMethodDef module_methods[] = {
      "one rank's callsites."},
     {"site_order", site_order, METH_VARARGS,
      "site_order(keys, canonical) -> list: the keys' positions in canonical order."},
+    {"build_callsites", build_callsites, METH_VARARGS,
+     "build_callsites(sites, order, canonical, all_mask, stats_valid, ranks_of, callsite_type, "
+     "per_rank_type) -> list: the combined trace's callsites."},
     {"merge_packed", merge_packed, METH_VARARGS,
      "merge_packed(sites, stack_ids, apis, ops, roles, dtypes, counts, masks, mins, stats, "
      "collective_apis, max_distinct): fold a packed partial's sites in."},

@@ -54,6 +54,17 @@ def fold_rank(
     max_distinct: int,
     /,
 ) -> bool: ...
+def build_callsites(
+    sites: list[tuple[_SiteKey, list[Any]]],
+    order: list[int],
+    canonical: list[tuple[bytes, tuple[int, ...]]],
+    all_mask: int,
+    stats_valid: bool,
+    ranks_of: dict[int, list[int]],
+    callsite_type: type[Any],
+    per_rank_type: type[Any],
+    /,
+) -> list[Any]: ...
 def site_order(
     keys: list[_SiteKey], canonical: list[tuple[bytes, tuple[int, ...]]], /
 ) -> list[int]: ...

@@ -45,6 +45,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple, cast
 import msgspec
 
 from opguard_core.combine.stack_table import (
+    build_callsites,
     find_callsites,
     fold_rank,
     merge_packed,
@@ -972,32 +973,14 @@ class TraceAccumulator:
         all_mask = self.rank_mask
         site_extras = self.site_extras
         stats_valid = self.stats_valid
-        callsites = []
+        build = build_callsites or py_build_callsites
+        callsites = build(sites, order, canonical, all_mask, stats_valid, RankLists(),
+                          Callsite, PerRank)  # fmt: skip
         callsite_extras = {}
-        ranks_of = RankLists()
-        for position, index in enumerate(order):
-            key, slot = sites[index]
-            mask = slot[_MASK]
-            callsites.append(
-                Callsite(
-                    stack=canonical[key[0]][1],
-                    api=key[1],
-                    op=key[2],
-                    role=key[3],
-                    dtype=key[4],
-                    count=slot[_COUNT],
-                    ranks=None if mask == all_mask else ranks_of(mask),
-                    per_rank=(
-                        _per_rank(slot, ranks_of)
-                        if stats_valid and slot[_MIN_MASK] is not None
-                        else None
-                    ),
-                )
-            )
-            if site_extras:
-                agreement = site_extras.get(key)
-                if agreement is not None and agreement.result():
-                    callsite_extras[position] = agreement.result()
+        for position, index in enumerate(order) if site_extras else ():
+            agreement = site_extras.get(sites[index][0])
+            if agreement is not None and agreement.result():
+                callsite_extras[position] = agreement.result()
         frame_extras = {}
         for position, frame in enumerate(frames):
             agreement = self.frame_extras.get(frame)
@@ -1111,27 +1094,69 @@ def _copy_slot(slot: list[Any]) -> list[Any]:
     return copied
 
 
-class RankLists:
+class RankLists(dict[int, list[int]]):
     """:func:`mask_to_ranks` with the lists of masks seen before kept (a combined
     trace's masks repeat: the same rank sets over and over); callsites with one rank
     set share its list (a copy each cost 10 MiB at 128 ranks × 20k callsites of
     generate_traces_other.py: docs/performance.md), so a combined trace's ``ranks``,
-    ``min_ranks``, ``max_ranks`` and ``counts`` lists are read-only."""
+    ``min_ranks``, ``max_ranks`` and ``counts`` lists are read-only.
 
-    def __init__(self) -> None:
-        self.known: dict[int, list[int]] = {}
+    Call it with a mask. It is a dict by mask, so a known mask costs a C-level
+    lookup (``result()`` makes about a million at 160k callsites of differing
+    counts, where a Python ``__call__`` cost a quarter of a second); only a new one
+    runs Python (``__missing__``)."""
 
-    def __call__(self, mask: int) -> list[int]:
-        ranks = self.known.get(mask)
-        if ranks is None:
-            ranks = self.known[mask] = mask_to_ranks(mask)
+    def __missing__(self, mask: int) -> list[int]:
+        ranks = self[mask] = mask_to_ranks(mask)
         return ranks
 
+    __call__ = dict.__getitem__
 
-def _per_rank(slot: list[Any], ranks_of: Callable[[int], list[int]] = mask_to_ranks) -> PerRank:
+
+def py_build_callsites(
+    sites: list[tuple[SiteKey, list[Any]]],
+    order: list[int],
+    canonical: list[tuple[bytes, tuple[int, ...]]],
+    all_mask: int,
+    stats_valid: bool,
+    ranks_of: RankLists,
+    callsite: type[Callsite] = Callsite,
+    per_rank: type[PerRank] = PerRank,
+) -> list[Callsite]:
+    """The combined trace's callsites: ``sites`` (key, slot) in ``order``, each with its
+    stack (``canonical[stack id][1]``), its ranks (None for ``all_mask``) and, where
+    ``stats_valid`` and its ranks' counts differ, its :class:`PerRank`; every rank list
+    from ``ranks_of`` (shared). The reference of the C ``build_callsites``
+    (``_scan.c``), which builds the same objects (``callsite`` and ``per_rank`` are the
+    two types, passed so the C code imports nothing)."""
+    ranks = ranks_of.__getitem__
+    return [
+        callsite(
+            stack=canonical[key[0]][1],
+            api=key[1],
+            op=key[2],
+            role=key[3],
+            dtype=key[4],
+            count=slot[_COUNT],
+            ranks=None if slot[_MASK] == all_mask else ranks(slot[_MASK]),
+            per_rank=(
+                _per_rank(slot, ranks, per_rank)
+                if stats_valid and slot[_MIN_MASK] is not None
+                else None
+            ),
+        )
+        for key, slot in map(sites.__getitem__, order)
+    ]
+
+
+def _per_rank(
+    slot: list[Any],
+    ranks_of: Callable[[int], list[int]] = mask_to_ranks,
+    per_rank: type[PerRank] = PerRank,
+) -> PerRank:
     """The written statistics of a site whose ranks disagree (min < max)."""
     hist = _histogram(slot, copy=False)
-    return PerRank(
+    return per_rank(
         min=slot[_MIN],
         min_ranks=ranks_of(slot[_MIN_MASK]),
         max=slot[_MAX],

@@ -9,11 +9,13 @@ once per callsite per rank, and a partial result travels with each stack once.
 the same table; ``find_callsites`` and ``scan_callsites``, which read a rank file's
 ``callsites`` array straight from its JSON bytes into keys; ``fold_rank``, which
 folds one rank's keys in, per-rank statistics and all; ``merge_packed``, which folds
-in a helper's packed partial; and ``site_order``, which sorts the sites into
-canonical order (:func:`py_site_order` its reference). See performance.md, "Folding
-from the bytes" and "Compiled per-site work". :func:`opguard_core.native.load_native`
-picks the module (``OPGUARD_PURE_PYTHON=1`` forces the Python path, which decodes every
-file with msgspec); ``_scan.pyi`` is its stub.
+in a helper's packed partial; ``site_order``, which sorts the sites into
+canonical order (:func:`py_site_order` its reference); and ``build_callsites``, which
+makes the result's callsites (``accumulator.py_build_callsites`` its reference). See
+performance.md, "Folding from the bytes" and "Compiled per-site work".
+:func:`opguard_core.native.load_native` picks the module (``OPGUARD_PURE_PYTHON=1``
+forces the Python path, which decodes every file with msgspec); ``_scan.pyi`` is its
+stub.
 """
 
 from __future__ import annotations
@@ -166,6 +168,21 @@ if TYPE_CHECKING:
     ]
     #: (keys, canonical) -> the keys' positions in canonical order
     Orderer = Callable[[list[_Key], list[tuple[bytes, tuple[int, ...]]]], list[int]]
+    #: (sites, order, canonical, all_mask, stats_valid, ranks_of, Callsite, PerRank)
+    #: -> the combined trace's callsites
+    Builder = Callable[
+        [
+            list[tuple[_Key, list[Any]]],
+            list[int],
+            list[tuple[bytes, tuple[int, ...]]],
+            int,
+            bool,
+            dict[int, list[int]],
+            type[Any],
+            type[Any],
+        ],
+        list[Any],
+    ]
 
 
 def py_site_order(
@@ -196,12 +213,19 @@ def py_site_order(
 
 
 def _implementation() -> tuple[
-    type[StackTableLike], Finder | None, Scanner | None, Folder | None, Merger | None, Orderer
+    type[StackTableLike],
+    Finder | None,
+    Scanner | None,
+    Folder | None,
+    Merger | None,
+    Orderer,
+    Builder | None,
 ]:
     if load_native("opguard_core.combine._scan") is None:
-        return PyStackTable, None, None, None, None, py_site_order
+        return PyStackTable, None, None, None, None, py_site_order, None
     from opguard_core.combine._scan import (
         StackTable,
+        build_callsites,
         find_callsites,
         fold_rank,
         merge_packed,
@@ -209,14 +233,17 @@ def _implementation() -> tuple[
         site_order,
     )
 
-    return StackTable, find_callsites, scan_callsites, fold_rank, merge_packed, site_order
+    return (StackTable, find_callsites, scan_callsites, fold_rank, merge_packed, site_order,
+            build_callsites)  # fmt: skip
 
 
 #: the table the accumulator uses; the scanner and its finder (None: decode with
 #: msgspec); the one-rank fold (None: TraceAccumulator._fold_file's Python loop); the
 #: fold of a packed partial (None: TraceAccumulator._merge_packed's Python loop); the
-#: canonical order of the sites
-StackTable, find_callsites, scan_callsites, fold_rank, merge_packed, site_order = _implementation()
+#: canonical order of the sites; the callsites of the result (None:
+#: accumulator.py_build_callsites)
+(StackTable, find_callsites, scan_callsites, fold_rank, merge_packed, site_order,
+ build_callsites) = _implementation()  # fmt: skip
 
 
 def new_table() -> StackTableLike:
