@@ -19,7 +19,8 @@ Two small things every launcher and every traced process of OpGuard shares:
   the ``with`` block leaves it held, and the process hangs at exit); the signals
   arrive when the block ends.
 * :func:`at_sigterm` runs callbacks when SIGTERM arrives (the tracer writes its trace,
-  the guard its report), then does what would have happened without them: the
+  the guard its report; a SIGTERM that arrives while they run does not start them
+  again), then does what would have happened without them: the
   handler that was installed before is called, or, where there was none, the process
   dies of SIGTERM as it would have (status 128+15 to a shell).
 """
@@ -130,13 +131,26 @@ def sigterm_ends_process() -> bool:
     return not callable(_PREVIOUS) and _PREVIOUS != signal.SIG_IGN
 
 
+_RUNNING = False
+
+
 def _on_sigterm(signum: int, frame: Any) -> None:
+    global _RUNNING
+    if _RUNNING:
+        # a second SIGTERM (a launcher that sends two, a user who presses twice) while
+        # the callbacks write: the first call finishes them, then does what SIGTERM does;
+        # running them again here would end the process with a report half-written
+        return
+    _RUNNING = True
     ends = sigterm_ends_process()
-    for callback in list(_CALLBACKS):
-        try:
-            callback(ends)
-        except Exception as exc:  # one failing callback must not stop the others
-            print(f"opguard: at SIGTERM: {exc!r}", file=sys.stderr)
+    try:
+        for callback in list(_CALLBACKS):
+            try:
+                callback(ends)
+            except Exception as exc:  # one failing callback must not stop the others
+                print(f"opguard: at SIGTERM: {exc!r}", file=sys.stderr)
+    finally:
+        _RUNNING = False
     previous = _PREVIOUS
     if callable(previous):
         previous(signum, frame)
