@@ -343,6 +343,17 @@ def test_disabling_one_example_plugin_keeps_the_other(
     assert "filter" not in {s["stage"] for s in summary["stages"]}
 
 
+def test_a_disabled_optional_stage_is_skipped_not_failed(opguard, samples: Path) -> None:
+    """The divergence stage is a plugin's: disabled, the run skips it and says why."""
+    run = opguard("--disable-plugin", "divergence", "run", *gpt_inputs(samples), expect=0)
+    summary = json.loads(run.read("pipeline_summary.json"))
+    record = stage(summary, "divergence")
+    assert record["status"] == "skipped"
+    assert record["error"] == "no plugin implements opguard_divergence (disabled)"
+    assert summary["status"] == "ok"
+    assert not list(run.run_dir.glob("*_divergence.*"))
+
+
 # ---------------------------------------------------------------------------
 # Errors
 # ---------------------------------------------------------------------------

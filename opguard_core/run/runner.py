@@ -30,7 +30,7 @@ from opguard_core.run.helper import EntryHelper, SideWork, overlaps
 from opguard_core.run.interrupts import Interrupts
 from opguard_core.run.records import Recorder, failure_reason
 from opguard_core.run.stale import find_stale_runs, release_run_directory, start_run_directory
-from opguard_core.run.steps import STEPS, RunContext, Step, StepCall, skip_reasons
+from opguard_core.run.steps import STEPS, RunContext, Step, StepCall, skip_reasons, unanswered
 from opguard_core.run.summary import SUMMARY_FILE, SummaryPace, build_summary
 from opguard_core.run.warnings import collecting, warn
 
@@ -53,7 +53,7 @@ class Runner:
         self.inputs = list(inputs)
         self.options = options
         self.skip = [s.name for s in steps if s.name in set(skip)]
-        self.skip_reason = skip_reasons(self.skip, steps)
+        self.skip_reason = skip_reasons(self.skip, steps, unanswered(manager, steps))
         self.output_base = trace_output_base(output_base)
         self.interrupts = Interrupts()
         self.recorder = Recorder(options.verbose, self.write_summary, self.interrupts.from_user)

@@ -149,6 +149,8 @@ class Step:
     :ivar side: nothing later needs its result, so it may run in the entry's helper.
     :ivar weight: for a step whose writes may be deferred to the entry's helper, the
         size of its result that decides whether that pays.
+    :ivar hook: for a step that only a plugin can do, its hook: with no plugin
+        implementing it (``--disable-plugin``), the step is skipped with that reason.
     """
 
     name: str
@@ -159,6 +161,7 @@ class Step:
     applies: Callable[[Mapping[str, Any]], bool] | None = None
     side: bool = False
     weight: Callable[[Any], int] | None = None
+    hook: str | None = None
 
     def size(self, result: Any) -> int:
         """The weight of the step's result (0 for a step whose writes never defer)."""
@@ -393,7 +396,7 @@ STEPS: tuple[Step, ...] = (
          weight=lambda trace: len(trace.callsites)),
     Step("divergence", "entry", divergence, needs=("combine",), side=True,
          artifacts={"findings": "{entry}_divergence.json", "log": "{entry}_divergence.log"},
-         applies=lambda needs: len(needs["combine"].ranks) >= 2),
+         applies=lambda needs: len(needs["combine"].ranks) >= 2, hook="opguard_divergence"),
     Step("compress", "entry", compress, needs=("combine",),
          artifacts={"tree": "{entry}_compressed.json"}),
     Step("generate", "entry", generate, needs=("compress", "combine"),
@@ -409,16 +412,31 @@ STEPS: tuple[Step, ...] = (
 STEP: dict[str, Step] = {step.name: step for step in STEPS}
 
 
-def skip_reasons(skip: Iterable[str], steps: Iterable[Step] = STEPS) -> dict[str, str]:
-    """Why each step does not run at all: ``--skip`` it (``--skip NAME``), or a step it
-    needs does not run (that step's reason)."""
-    skip = set(skip)
+def unanswered(manager: OpGuardPluginManager, steps: Iterable[Step] = STEPS) -> list[str]:
+    """The ``hook`` of each step that no plugin implements (all disabled)."""
+    return [s.hook for s in steps if s.hook and not getattr(manager.hook, s.hook).get_hookimpls()]
+
+
+def skip_reasons(
+    skip: Iterable[str], steps: Iterable[Step] = STEPS, unanswered: Iterable[str] = ()
+) -> dict[str, str]:
+    """Why each step does not run at all: ``--skip`` it (``--skip NAME``), its ``hook``
+    is among ``unanswered`` (no plugin implements it), or a step it needs does not run
+    (that step's reason)."""
+    skip, unanswered = set(skip), set(unanswered)
     reasons: dict[str, str] = {}
     for step in steps:
         need = next((reasons[n] for n in step.needs if n in reasons), None)
-        if need is not None or step.name in skip:
-            reasons[step.name] = need or f"--skip {step.name}"
+        if need is not None:
+            reasons[step.name] = need
+        elif step.name in skip:
+            reasons[step.name] = f"--skip {step.name}"
+        elif step.hook in unanswered:
+            reasons[step.name] = f"no plugin implements {step.hook} (disabled)"
     return reasons
 
 
-__all__ = ["FINAL", "STEP", "STEPS", "RunContext", "Step", "StepCall", "Write", "skip_reasons"]
+__all__ = [
+    "FINAL", "STEP", "STEPS", "RunContext", "Step", "StepCall", "Write", "skip_reasons",
+    "unanswered",
+]  # fmt: skip
