@@ -158,6 +158,15 @@ def test_a_new_helper_is_unknown_target(tmp_path: Path, app: Callable[..., Path]
     assert helper["severity"] == "warning" and helper["context"] == ["app:Model.forward"]
 
 
+def test_a_new_helper_on_one_rank_is_reported_on_that_rank(
+    tmp_path: Path, app: Callable[..., Path]
+) -> None:
+    config = make_config(tmp_path, [str(app("base"))])
+    _, report = check_json(config, app("changed", helper=True, only_rank=1), expect=0)
+    found = [v for v in report["violations"] if v["kind"] in ("unknown_target", "unknown_context")]
+    assert found and all(v["ranks"] == [1] for v in found), found
+
+
 def test_strict_makes_warnings_errors(tmp_path: Path, app: Callable[..., Path]) -> None:
     config = make_config(tmp_path, [str(app("base"))])
     _, report = check_json(config, app("changed", helper=True), strict=True, expect=1)
@@ -250,6 +259,9 @@ def test_unreadable_inputs_have_their_own_exit_code(
     result = invoke("check", "--config", config, "-i", bad)
     assert result.exit_code == ExitCode.INPUT_UNREADABLE == 5
     assert "bad_rank0.json" in result.stderr and "Traceback" not in result.stderr
+    # one line, said once: no stage log of check's own pipeline, no second report of
+    # the same file for the whole entry it is part of
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
     result = invoke("check", "--config", config, "-i", tmp_path / "nothing*.json")
     assert result.exit_code == 5 and "nothing" in result.stderr
     broken = tmp_path / "broken.yaml"

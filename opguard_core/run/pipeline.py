@@ -3,7 +3,9 @@ inputs: ``opguard check`` makes observed configs from new traces exactly as the 
 made the config it enforces.
 
 :class:`Pipeline` works in a scratch run directory of its own (removed on exit) and
-keeps the run's records, so its failures read as the run's would.
+keeps the run's records, so its failures read as the run's would. Its stages log only
+with ``options.verbose``: the command that uses it reports :meth:`Pipeline.failures`
+itself, once each.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from ruamel.yaml.comments import CommentedMap
 from opguard_core.configs.chain import active_filters, apply_filters
 from opguard_core.model import InputEntry, RunOptions
 from opguard_core.plugin.manager import OpGuardPluginManager
+from opguard_core.run.records import EventRecorder
 from opguard_core.run.runner import Runner
 
 
@@ -34,6 +37,8 @@ class Pipeline:
         self._scratch = tempfile.TemporaryDirectory(prefix="opguard-pipeline-")
         self._runner = Runner(manager, inputs, options, output_base=Path(self._scratch.name))
         self._runner.start(Path(self._scratch.name))
+        if not options.verbose:  # the stages' records are kept, their log events dropped
+            self._runner.recorder.log = EventRecorder([])
         self._filters = active_filters(manager, options)
 
     def __enter__(self) -> Pipeline:
@@ -65,9 +70,14 @@ class Pipeline:
         return merged
 
     def failures(self) -> list[str]:
-        """One line per failed stage: ``{entry}: {error}``."""
+        """One line per problem: ``{entry}: {error}`` of the first failed stage with that
+        error (a file that cannot be read fails each entry it is in the same way)."""
         records: list[Any] = self._runner.recorder.records
-        return [f"{r.entry or r.stage}: {r.error}" for r in records if r.status == "failed"]
+        first: dict[str, str] = {}
+        for r in records:
+            if r.status == "failed":
+                first.setdefault(r.error, f"{r.entry or r.stage}: {r.error}")
+        return list(first.values())
 
 
 __all__ = ["Pipeline"]
