@@ -461,6 +461,9 @@ def test_the_report_fits_1400_px_final_config_first(
     # a row opens its ops, streams and ranks
     detail = detail_text(browser, "config")
     assert "ops (" in detail and "streams" in detail and "ranks" in detail
+    # counted words read as English: "12 entries", never "12 entrys"
+    page = str(browser.evaluate("document.body.innerText"))
+    assert re.search(r"\d entries\b", page) and "entrys" not in page, page[:400]
     shot = browser.screenshot(tmp_path / "report.png", full_page=True)
     assert png_size(shot)[0] == 1400
 

@@ -28,7 +28,12 @@
     if (a >= 1e4) return (n / 1e3).toFixed(a >= 1e5 ? 0 : 1) + "k";
     return String(n);
   }
-  function plural(n, word) { return num(n) + " " + word + (n === 1 ? "" : "s"); }
+  // "1 entry", "2 entries", "3 matches": English plurals of the words the report counts
+  function plural(n, word) {
+    if (n === 1) return num(n) + " " + word;
+    if (/[^aeiou]y$/.test(word)) return num(n) + " " + word.slice(0, -1) + "ies";
+    return num(n) + " " + word + (/(s|x|ch|sh)$/.test(word) ? "es" : "s");
+  }
   // "0-3,7" -> [0, 1, 2, 3, 7]
   function parseRanges(text) {
     const out = [];
