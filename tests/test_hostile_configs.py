@@ -249,6 +249,33 @@ def test_a_few_aliases_are_still_read(tmp_path: Path) -> None:
             id="duplicate_entry",
         ),
         pytest.param(
+            config_text(entry("a")).replace("source: hand", "source: ['touch PWNED']"),
+            "'source' must be a string",
+            id="source_list",
+        ),
+        pytest.param(
+            config_text(entry("a")).replace("source: hand", "source: {a: 1}"),
+            "'source' must be a string",
+            id="source_map",
+        ),
+        pytest.param(
+            config_text(entry("a")).replace('"context": []', '"context": !x ["m:f"]'),
+            "entries[0].context must be a list of strings",
+            id="tagged_context",
+        ),
+        pytest.param(
+            config_text(entry("a"), sources=["a"]).replace('sources: ["a"]', "sources: !x [a]"),
+            "meta.sources must be a list of names",
+            id="tagged_sources",
+        ),
+        pytest.param(
+            config_text(entry("a"), recorded_by=["modes"]).replace(
+                'recorded_by: ["modes"]', "recorded_by: !x [modes]"
+            ),
+            "meta.recorded_by must be a list of names",
+            id="tagged_recorded_by",
+        ),
+        pytest.param(
             "version: 3\nentries: []\nmeta: {total: " + "9" * 5000 + "}\n",
             "an integer of 5000 characters",
             id="huge_int",

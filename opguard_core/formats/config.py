@@ -380,6 +380,22 @@ class _Unusual(Exception):
     """Something the fast writer does not handle: the caller dumps with ruamel."""
 
 
+def is_tagged(value: object) -> bool:
+    """Whether a loaded YAML value carries an explicit tag (``!foo [a]``): inert data
+    to the round-trip loader, refused wherever a field has a type."""
+    tag = getattr(value, Tag.attrib, None)
+    return tag is not None and bool(tag.trval)
+
+
+def _is_names(value: object) -> bool:
+    """A list of strings, untagged (``context``, ``tags``, ``meta.recorded_by``)."""
+    return (
+        isinstance(value, list)
+        and not is_tagged(value)
+        and all(isinstance(v, str) for v in elements_of(value))
+    )
+
+
 def _check_plain(obj: CommentedMap | CommentedSeq) -> bool | None:
     """Raise :class:`_Unusual` if ``obj`` carries comments, an anchor, a tag or merge
     keys; else return its flow style (True flow, False block, None unset)."""
@@ -391,8 +407,7 @@ def _check_plain(obj: CommentedMap | CommentedSeq) -> bool | None:
     anchor = getattr(obj, Anchor.attrib, None)
     if anchor is not None and anchor.value is not None:
         raise _Unusual
-    tag = getattr(obj, Tag.attrib, None)
-    if tag is not None and tag.trval:
+    if is_tagged(obj):
         raise _Unusual
     if getattr(obj, merge_attrib, None):
         raise _Unusual
@@ -800,10 +815,12 @@ def validate_config(config: object, path: Path | str) -> None:
         raise InputError(
             path, f"unknown config version {config.get('version')!r} (expected {known})"
         )
+    if "source" in config and not isinstance(config["source"], str):
+        raise InputError(path, "'source' must be a string (the sources' names joined by +)")
     meta = config.get("meta", {})
     if meta is None:
         meta = {}
-    if not isinstance(meta, dict):
+    if not isinstance(meta, dict) or is_tagged(meta):
         raise InputError(path, "'meta' must be a mapping")
     ranks = meta.get("ranks", [])
     if not isinstance(ranks, list) or not all(_is_count(r) for r in ranks):
@@ -826,9 +843,10 @@ def validate_config(config: object, path: Path | str) -> None:
         for k, v in source_ranks.items()
     ):
         raise InputError(path, "meta.source_ranks must map sources to lists of ranks")
-    recorded = meta.get("recorded_by", [])
-    if not isinstance(recorded, list) or not all(isinstance(r, str) for r in recorded):
+    if not _is_names(meta.get("recorded_by", [])):
         raise InputError(path, "meta.recorded_by must be a list of names")
+    if not _is_names(meta.get("sources", [])):
+        raise InputError(path, "meta.sources must be a list of names")
     validate_settings(meta.get("settings"), path)
     entries = config.get("entries")
     if not isinstance(entries, list):
@@ -841,10 +859,7 @@ def validate_config(config: object, path: Path | str) -> None:
         if not isinstance(entry.get("target"), str):
             raise InputError(path, f"{where}.target must be a string")
         for field in ("context", "tags"):
-            value = entry.get(field, [])
-            if not isinstance(value, list) or not all(
-                isinstance(v, str) for v in elements_of(value)
-            ):
+            if not _is_names(entry.get(field, [])):
                 raise InputError(path, f"{where}.{field} must be a list of strings")
         key = entry_key(entry)
         first = seen.setdefault(key, index)
