@@ -103,7 +103,11 @@ TRACE_CASES: list[tuple[str, bytes, str]] = [
     ("role_unknown", site(role="gpu"), "$.callsites[0].role"),
     ("role_not_string", site(role=3), "$.callsites[0].role"),
     ("role_missing_v4", doc(version=4), "callsites[0] has no role (version 4 needs one)"),
-    ("version_3", doc(version=3), "expected format 'opguard-callsites' version 1, 2, 4, 5, 6 or 7"),
+    (
+        "version_3",
+        doc(version=3),
+        "expected format 'opguard-callsites' version 1, 2, 4, 5, 6, 7 or 8",
+    ),
     ("dtype_not_a_name", site(role="compute", dtype="Float 32"), "$.callsites[0].dtype"),
     ("dtype_not_string", site(role="compute", dtype=32), "$.callsites[0].dtype"),
     ("count_zero", site(count=0), "$.callsites[0].count"),

@@ -115,6 +115,7 @@ def run_docs(
                   expect=expect)  # fmt: skip
     result: dict[str, Any] = load_divergence(run.run_dir / "job_divergence.json")
     result["log"] = run.read("job_divergence.log")
+    result["run_dir"] = run.run_dir
     return result
 
 
@@ -270,6 +271,57 @@ def test_each_kind_of_disagreement_names_the_culprit(
         assert finding["got"]["numel"] == 7
     if kind == "collective_extra":
         assert finding["got"]["op"] == "c10d::broadcast_"
+
+
+def test_a_rank_whose_trace_ended_early_is_said_to_have(
+    opguard: Callable[..., Any], tmp_path: Path
+) -> None:
+    """Rank 2 died (SIGTERM) after step 0: its rank file is partial (meta.partial,
+    version 5). The combined trace lists it (meta.partial_ranks, version 8), the run
+    warns about the input, and the finding it makes by ending says why it may have."""
+    world = {**WORLD, "size": 3, "ranks": [0, 1, 2]}
+    docs = [rank_doc(r, good(), [world], 3) for r in (0, 1)]
+    cut = rank_doc(2, [c for c in good() if c[0] == 0], [world], 3)
+    marker = {"reason": "sigterm", "at": "2026-12-06T10:00:00.000Z", "step": 1}
+    cut["meta"]["partial"] = marker
+    doc = run_docs(opguard, tmp_path, *docs, cut)
+    (finding,) = collective_findings(doc)
+    assert finding["kind"] == "collective_missing" and finding["ranks"] == [2]
+    assert "written before the process was done: rank 2: sigterm at step 1" in finding["message"]
+    run_dir = doc["run_dir"]
+    combined = json.loads((run_dir / "job_combined.json").read_text())
+    assert combined["version"] == 8 and combined["meta"]["partial_ranks"] == {"2": marker}
+    summary = json.loads((run_dir / "pipeline_summary.json").read_text())
+    (warning,) = [w for w in summary["warnings"] if "before their process" in w["message"]]
+    assert warning["ranks"] == [2] and "rank 2: sigterm at step 1" in warning["message"]
+    # a complete rank that issued fewer collectives gets no such excuse
+    del cut["meta"]["partial"]
+    (tmp_path / "complete").mkdir()
+    doc = run_docs(opguard, tmp_path / "complete", *docs, cut)
+    (finding,) = collective_findings(doc)
+    assert "before the process was done" not in finding["message"]
+
+
+def test_combined_partial_ranks_read_back_and_bad_ones_are_refused(tmp_path: Path) -> None:
+    marker = {"reason": "exception", "exception": "RuntimeError", "at": "x", "step": 0}
+    docs = [rank_doc(r, good()) for r in (0, 1)]
+    docs[1]["meta"]["partial"] = marker
+    paths = [write(tmp_path / f"j_rank{r}.json", d) for r, d in enumerate(docs)]
+    orders = []
+    for order in (paths, paths[::-1]):
+        acc = TraceAccumulator()
+        for path in order:
+            acc.add_file(path)
+        orders.append(acc.result())
+    assert orders[0].meta["partial_ranks"] == orders[1].meta["partial_ranks"] == {"1": marker}
+    assert "partial" not in orders[0].meta  # rank 0 is complete: the ranks disagree
+    again = TraceAccumulator()  # a combined trace as an input keeps the list
+    again.add_file(write(tmp_path / "c.json", json.loads(b"".join(orders[0].json_parts()))))
+    assert again.result().meta["partial_ranks"] == {"1": marker}
+    bad = json.loads(b"".join(orders[0].json_parts()))
+    bad["meta"]["partial_ranks"] = {"7": marker}  # not a rank of the file
+    with pytest.raises(InputError, match="partial_ranks must map the file's ranks"):
+        TraceAccumulator().add_file(write(tmp_path / "bad.json", bad))
 
 
 def test_two_ranks_have_no_majority_and_say_so(opguard: Callable[..., Any], tmp_path: Path) -> None:

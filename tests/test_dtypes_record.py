@@ -15,7 +15,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from opguard_core.formats.trace import DecodedTrace, load_trace, read_bytes  # noqa: E402
+from opguard_core.formats.trace import TRACE_VERSION, DecodedTrace, load_trace, read_bytes  # noqa: E402
 from opguard_plugins.readers.kineto import read_kineto  # noqa: E402
 from opguard_plugins.record import dtypes as record_dtypes  # noqa: E402
 from opguard_plugins.record import tracer as tracer_module  # noqa: E402
@@ -196,7 +196,7 @@ def test_the_kineto_reader_reads_dtypes_from_input_types() -> None:
     the same callsites as without it, split by dtype."""
     typed = read_kineto(read_bytes(KINETO / "h100_bert_small_types.pt.trace.json.gz"), "b.json")
     plain = read_kineto(read_bytes(KINETO / "h100_bert_small.pt.trace.json.gz"), "b.json")
-    assert typed["version"] == 7
+    assert typed["version"] == TRACE_VERSION
     dtypes = Counter(site.get("dtype") for site in typed["callsites"])
     assert dtypes["bfloat16"] > 10 and {"int64", "bool"} <= set(dtypes)
     assert all("dtype" not in site for site in plain["callsites"])

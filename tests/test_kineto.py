@@ -27,7 +27,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from opguard_core.formats.readers import Readers
-from opguard_core.formats.trace import read_bytes
+from opguard_core.formats.trace import TRACE_VERSION, read_bytes
 from opguard_plugins.readers.kineto import KinetoError, looks_like_kineto, read_kineto
 from opguard_plugins.stages.combine import combine_parallel
 from opguard_plugins.stages.compress import DEFAULT_HIDE
@@ -77,7 +77,7 @@ def role_map(doc: dict[str, Any]) -> dict[str, str]:
 def check_document(doc: dict[str, Any]) -> None:
     """What the importer promises beyond the format (which the decoder checks): frames
     in canonical order, every callsite's (stream, role) as ``meta.streams`` says."""
-    assert doc["format"] == "opguard-callsites" and doc["version"] == 7
+    assert doc["format"] == "opguard-callsites" and doc["version"] == TRACE_VERSION
     frames = doc["frames"]
     keys = [
         (f["file"], f["line"], f["function"], f["qualname"], f.get("module") or "") for f in frames
@@ -617,7 +617,7 @@ def test_a_glob_of_kineto_rank_files_is_one_entry(opguard: Opguard, tmp_path: Pa
     assert [e["name"] for e in summary["entries"]] == ["rank"]
     combined = json.loads(run.read("rank_combined.json"))
     meta = combined["meta"]
-    assert combined["version"] == 7 and meta["ranks"] == list(range(8))
+    assert combined["version"] == TRACE_VERSION and meta["ranks"] == list(range(8))
     assert meta["source_format"] == "kineto" and meta["world_size"] == 8
     assert meta["streams"] == {"7": "compute", "84": "comm", "22": "side1", "24": "side2"}
     assert meta["window"]["device_events_without_launch"] == sum(

@@ -16,7 +16,7 @@ import msgspec
 import pytest
 
 from opguard_core.formats.divergence import load_divergence
-from opguard_core.formats.trace import read_bytes
+from opguard_core.formats.trace import TRACE_VERSION, read_bytes
 from opguard_plugins.readers.kineto import read_kineto
 from tests.conftest import RunResult
 
@@ -307,7 +307,7 @@ def collective_events(data: dict[str, Any]) -> list[list[dict[str, Any]]]:
 def run_divergence(opguard: Opguard, pattern: Path, expect: int) -> list[dict[str, Any]]:
     run = opguard("run", "-i", pattern, "--fail-on-divergence", expect=expect)
     combined = json.loads(run.read("dlrm_combined.json"))
-    assert combined["version"] == 7 and combined["meta"]["ranks"] == list(range(8))
+    assert combined["version"] == TRACE_VERSION and combined["meta"]["ranks"] == list(range(8))
     assert run.run_dir is not None
     findings: list[dict[str, Any]] = load_divergence(run.run_dir / "dlrm_divergence.json")[
         "findings"

@@ -30,7 +30,7 @@ from opguard_core.formats.streams import (
     legacy_stream_counts,
     role_order,
 )
-from opguard_core.formats.trace import load_trace
+from opguard_core.formats.trace import TRACE_VERSION, load_trace
 from opguard_core.formats.tree import load_tree
 from tests.builders import trace_doc, write
 
@@ -137,7 +137,7 @@ def test_a_version_1_trace_combines_by_role(tmp_path: Path, scanned: bool) -> No
         else:
             accumulator.add(load_trace(path))  # msgspec's path
     combined = json.loads(accumulator.result().to_json())
-    assert combined["version"] == 7 and combined["meta"]["per_rank_stats"] is True
+    assert combined["version"] == TRACE_VERSION and combined["meta"]["per_rank_stats"] is True
     assert [(s["op"], s["role"], s["count"], "stream" in s) for s in combined["callsites"]] == [
         ("aten::mm", "compute", 8, False),
         ("c10d::allreduce_", "comm", 6, False),

@@ -101,6 +101,9 @@ ScanKey = tuple[int, str | None, str, str | int, str | None]
 MAX_DISTINCT = 8
 #: ``meta`` key of a combined trace whose callsites carry exact per-rank statistics
 PER_RANK_KEY = "per_rank_stats"
+#: ``meta`` key of a combined trace (version 8): each rank whose rank file was written
+#: before its process was done, with that file's ``meta.partial`` (formats.md §1)
+PARTIAL_RANKS_KEY = "partial_ranks"
 #: a collective sequence in an accumulator: groups, signatures (stacks as the
 #: accumulator's frame ids), step runs
 SequenceKey = tuple[tuple[Group, ...], tuple[Signature, ...], tuple[StepRun, ...]]
@@ -558,6 +561,8 @@ class TraceAccumulator:
         self.sequences: dict[SequenceKey, int] = {}
         #: False once a rank's sequence came twice (the sequences are then dropped)
         self.sequences_valid = True
+        #: rank -> its rank file's ``meta.partial`` (PARTIAL_RANKS_KEY)
+        self.partial: dict[int, dict[str, Any]] = {}
 
     def _intern(self, frame: Frame) -> int:
         index = self.frame_ids.get(frame)
@@ -660,7 +665,12 @@ class TraceAccumulator:
         (the common case) an add and an or.
         """
         file_mask = ranks_to_mask(file_ranks)
-        meta = {k: v for k, v in file_meta.items() if k not in ("rank", "ranks", PER_RANK_KEY)}
+        partial = partial_ranks(file_meta, file_ranks, path)
+        meta = {
+            k: v
+            for k, v in file_meta.items()
+            if k not in ("rank", "ranks", PER_RANK_KEY, PARTIAL_RANKS_KEY)
+        }
         summed = {name: c for name in SUMMED_META if (c := _counts(meta.get(name))) is not None}
         for name in summed:
             del meta[name]
@@ -723,6 +733,7 @@ class TraceAccumulator:
         stated = "rank" in file_meta or "ranks" in file_meta
         self.claims.append((path, tuple(file_ranks), len(keys), stated))
         self.meta.add(meta)
+        _add_partial(self.partial, partial)
         self._add_summed(summed)
 
     def add_file(self, path: Path | str, readers: Readers | None = None) -> None:
@@ -853,6 +864,7 @@ class TraceAccumulator:
         self.total = total
         self.claims += other.claims
         self.meta.update(other.meta)
+        _add_partial(self.partial, other.partial)
         self._add_summed(other.summed)
         self.extras.update(other.extras)
 
@@ -991,6 +1003,8 @@ class TraceAccumulator:
         meta["ranks"] = mask_to_ranks(all_mask)
         if stats_valid and self.inputs:
             meta[PER_RANK_KEY] = True
+        if self.partial:
+            meta[PARTIAL_RANKS_KEY] = {str(r): self.partial[r] for r in sorted(self.partial)}
         collectives = None
         if self.sequences and self.sequences_valid:
             sequences = [
@@ -1092,6 +1106,42 @@ def _copy_slot(slot: list[Any]) -> list[Any]:
     if isinstance(copied[_HIST], dict):
         copied[_HIST] = dict(copied[_HIST])
     return copied
+
+
+def partial_ranks(
+    meta: dict[str, Any], file_ranks: list[int], path: str
+) -> dict[int, dict[str, Any]]:
+    """The ranks of one input whose records were written before their process was done:
+    a combined input's ``meta.partial_ranks``, else every rank of a file with
+    ``meta.partial`` (a mapping: what the tracer writes). Refuses a ``partial_ranks``
+    that does not map the file's ranks to mappings."""
+    listed = meta.get(PARTIAL_RANKS_KEY)
+    if listed is None:
+        marker = meta.get("partial")
+        return {rank: marker for rank in file_ranks} if isinstance(marker, dict) else {}
+    found: dict[int, dict[str, Any]] = {}
+    if isinstance(listed, dict):
+        for key, marker in listed.items():
+            rank = int(key) if isinstance(key, str) and key.isdigit() else -1
+            if rank not in file_ranks or not isinstance(marker, dict):
+                break
+            found[rank] = marker
+        else:
+            return found
+    raise InputError(path, f"meta.{PARTIAL_RANKS_KEY} must map the file's ranks to partial markers")
+
+
+def _add_partial(into: dict[int, dict[str, Any]], more: dict[int, dict[str, Any]]) -> None:
+    """Add ``more`` to ``into``; a rank in both (its file given twice) keeps the marker
+    whose JSON sorts first, so the result does not depend on the order of the inputs."""
+    for rank, marker in more.items():
+        held = into.get(rank)
+        if held is None or _json_key(marker) < _json_key(held):
+            into[rank] = marker
+
+
+def _json_key(value: Any) -> bytes:
+    return msgspec.json.encode(value, order="sorted")
 
 
 class RankLists(dict[int, list[int]]):

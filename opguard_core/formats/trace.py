@@ -32,16 +32,17 @@ TRACE_FORMAT = "opguard-callsites"
 #: was done (a periodic flush, SIGTERM, an uncaught exception); version 6 the ranks'
 #: collective sequences (top-level ``collectives``,
 #: :mod:`opguard_core.formats.collectives`); version 7 an op ``dtype`` on callsites
-#: (formats.md, "Dtypes"), part of a callsite's key like its role. Versions 1 and 2 are
-#: read, their roles derived (:func:`legacy_roles`); 4 and 5 have no sequences, 6 and
-#: older no dtypes.
-TRACE_VERSION = 7
+#: (formats.md, "Dtypes"), part of a callsite's key like its role; version 8
+#: ``meta.partial_ranks`` on a combined trace (the ranks whose rank files were partial).
+#: Versions 1 and 2 are read, their roles derived (:func:`legacy_roles`); 4 and 5 have
+#: no sequences, 6 and older no dtypes, 7 and older no ``partial_ranks``.
+TRACE_VERSION = 8
 COMBINED_VERSION = TRACE_VERSION
 #: the first version whose callsites carry a ``role``
 ROLE_VERSION = 4
 #: the first version whose callsites may carry a ``dtype``
 DTYPE_VERSION = 7
-READ_VERSIONS = (1, 2, 4, 5, 6, 7)
+READ_VERSIONS = (1, 2, 4, 5, 6, 7, 8)
 #: ``meta.phase`` of the two files the tracer writes once a program's first optimizer
 #: step has ended: what ran up to the end of it (construction, initialisation, the first
 #: step) and what followed (tracing.md, "Set-up and loop")
@@ -234,6 +235,29 @@ def recorded_by(meta: dict[str, Any]) -> str | None:
     if meta.get("tracer") == _FIRST_TRACER:
         return "modes"
     return None
+
+
+def describe_partial(partial: dict[str, Any]) -> str:
+    """A combined trace's ``meta.partial_ranks`` in words, ranks that ended alike
+    together: ``rank 1: sigterm at step 3; ranks 4, 5: exception RuntimeError``."""
+    alike: dict[str, list[int]] = {}
+    for key, marker in partial.items():
+        marker = marker if isinstance(marker, dict) else {}
+        why = " ".join(str(marker[k]) for k in ("reason", "exception") if marker.get(k))
+        if isinstance(marker.get("step"), int) and not isinstance(marker["step"], bool):
+            why += f" at step {marker['step']}"
+        alike.setdefault(why or "partial", []).append(int(key))
+    parts = []
+    for why, ranks in sorted(alike.items(), key=lambda item: min(item[1])):
+        ranks.sort()
+        parts.append(f"{'rank' if len(ranks) == 1 else 'ranks'} {list_ranks(ranks)}: {why}")
+    return "; ".join(parts)
+
+
+def list_ranks(ranks: list[int]) -> str:
+    """Ranks for a message: the first eight, then how many there are."""
+    text = ", ".join(map(str, ranks[:8]))
+    return text + (f" … ({len(ranks)} ranks)" if len(ranks) > 8 else "")
 
 
 def _is_rank(value: object) -> bool:

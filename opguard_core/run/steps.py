@@ -24,6 +24,7 @@ from typing import Any, Literal
 
 from ruamel.yaml.comments import CommentedMap
 
+from opguard_core.combine.accumulator import PARTIAL_RANKS_KEY
 from opguard_core.configs.chain import active_filters, apply_filters
 from opguard_core.configs.selection import Selection, select_trace, unmatched_hide
 from opguard_core.files.atomic import atomic_write_bytes, atomic_write_parts, safe_child
@@ -38,6 +39,7 @@ from opguard_core.formats.divergence import (
     tally,
 )
 from opguard_core.formats.readers import Readers
+from opguard_core.formats.trace import describe_partial
 from opguard_core.formats.tree import check_tree, encode_tree
 from opguard_core.model import InputEntry, RunOptions, StageFailed, StageRecord
 from opguard_core.plugin.manager import OpGuardPluginManager
@@ -177,6 +179,13 @@ def combine(call: StepCall, entry: InputEntry, needs: Mapping[str, Any]) -> Any:
         "opguard_combine", entry=entry, options=call.options, readers=call.context.readers
     )
     call.write("combined", trace.json_parts)
+    partial = trace.meta.get(PARTIAL_RANKS_KEY)
+    if partial:
+        warn(
+            f"{entry.name}: traces written before their process was done "
+            f"({describe_partial(partial)}): those ranks' records end there",
+            ranks=[int(rank) for rank in partial],
+        )
     call.record.counts = {
         "files": len(entry.files),
         "ranks": len(trace.ranks),

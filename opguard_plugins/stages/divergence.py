@@ -42,13 +42,14 @@ from typing import Any
 from opguard_core import hookimpl
 from opguard_core.combine.accumulator import (
     COLLECTIVE_APIS,
+    PARTIAL_RANKS_KEY,
     CallsiteTrace,
     RankLists,
     is_collective,
     ranks_to_mask,
 )
 from opguard_core.formats.divergence import Finding
-from opguard_core.formats.trace import Callsite
+from opguard_core.formats.trace import Callsite, describe_partial, list_ranks
 from opguard_core.formats.tree import target_name
 from opguard_core.model import RunOptions
 from opguard_core.native import load_native
@@ -214,7 +215,30 @@ def find_divergence(trace: CallsiteTrace, options: RunOptions) -> list[Finding]:
     findings.extend(_dtype_mismatch(trace, stacks))
     if exact:
         findings.extend(_count_skew(trace, stacks, options.skew))
+    partial = trace.meta.get(PARTIAL_RANKS_KEY)
+    if partial:
+        _note_partial(findings, partial)
     return findings
+
+
+#: the findings a rank whose record ended early makes by that alone: collectives it did
+#: not issue (sequences compared, or counts where there are none)
+ENDED_EARLY_KINDS = frozenset({"collective_missing", "collective_mismatch"})
+
+
+def _note_partial(findings: list[Finding], partial: dict[str, Any]) -> None:
+    """Say so in the message of a collective finding whose deviating ranks' traces were
+    all written before their process was done: a rank that died (or hung and was
+    killed) issues nothing after that point, and its record simply ends there."""
+    ended = {int(rank) for rank in partial}
+    for finding in findings:
+        ranks = finding.get("ranks") or []
+        if finding["kind"] in ENDED_EARLY_KINDS and ranks and ended.issuperset(ranks):
+            mine = {str(r): partial[str(r)] for r in ranks}
+            finding["message"] += (
+                f" (its trace was written before the process was done: {describe_partial(mine)};"
+                " the sequence may only have ended there)"
+            )
 
 
 def _collectives(trace: CallsiteTrace, stacks: _Stacks, exact: bool) -> Iterator[Finding]:
@@ -313,7 +337,7 @@ def _mismatch_message(
     if most:
         return (
             f"{op} in {target} is issued {_times(expected)} on {holders} of {nranks} ranks "
-            f"(a majority) but differently on rank(s) {_short(deviating)} ({issued}); {tail}"
+            f"(a majority) but differently on rank(s) {list_ranks(deviating)} ({issued}); {tail}"
         )
     if counts is None:
         spread = f"issued on {nranks - hist[0].bit_count()}, never on {hist[0].bit_count()}"
@@ -325,7 +349,7 @@ def _mismatch_message(
     return (
         f"{op} in {target} is issued unequally with no majority ({spread}); against rank "
         f"{_lowest(hist[expected])}, the lowest ({_times(expected)}), rank(s) "
-        f"{_short(deviating)} differ ({issued}); {tail}"
+        f"{list_ranks(deviating)} differ ({issued}); {tail}"
     )
 
 
@@ -397,7 +421,8 @@ def _rank_specific(trace: CallsiteTrace, stacks: _Stacks) -> Iterator[Finding]:
             "ops": ops,
             "size": ops,
             "message": (
-                f"{name} ran only on rank(s) {_short(ran)} ({ops} ops), never on {_short(missing)}"
+                f"{name} ran only on rank(s) {list_ranks(ran)} ({ops} ops), "
+                f"never on {list_ranks(missing)}"
             ),
             "stack": where["stack"],
             "callsite": site_index,
@@ -444,7 +469,7 @@ def _dtype_mismatch(trace: CallsiteTrace, stacks: _Stacks) -> Iterator[Finding]:
             holders = sets[common]
         deviating = sorted(r for s, ranks in sets.items() if s != common for r in ranks)
         others = {"+".join(s): ranks for s, ranks in sets.items() if s != common}
-        got = "; ".join(f"{name} on rank(s) {_short(r)}" for name, r in sorted(others.items()))
+        got = "; ".join(f"{name} on rank(s) {list_ranks(r)}" for name, r in sorted(others.items()))
         where = stacks.where(members[0])
         reference = (
             f"on {len(holders)} of {ran} ranks (a majority)"
@@ -626,7 +651,7 @@ def _count_skew(trace: CallsiteTrace, stacks: _Stacks, skew: float) -> Iterator[
             "ops": ops[slot],
             "size": int(round(sum(abs(v - middle) for _, v in stray), 6)),
             "message": (
-                f"{name}: ops on rank(s) {_short(deviating)} differ from the median "
+                f"{name}: ops on rank(s) {list_ranks(deviating)} differ from the median "
                 f"{_number(middle)} by more than {skew:g}x"
             ),
             "stack": where["stack"],
@@ -637,11 +662,6 @@ def _count_skew(trace: CallsiteTrace, stacks: _Stacks, skew: float) -> Iterator[
 def _number(value: float) -> int | float:
     rounded = round(value, 3)
     return int(rounded) if float(rounded).is_integer() else rounded
-
-
-def _short(ranks: list[int]) -> str:
-    text = ", ".join(map(str, ranks[:8]))
-    return text + (f" … ({len(ranks)} ranks)" if len(ranks) > 8 else "")
 
 
 @hookimpl(trylast=True)
