@@ -309,6 +309,21 @@ def test_warn_lets_the_job_run_on(good_run: tuple[Path, Path], tmp_path: Path) -
 
 
 @pytest.mark.slow
+def test_a_departure_is_in_the_report_though_the_rank_then_aborts(
+    good_run: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """warn: rank 1 all-reduces int32, then aborts (no atexit, no SIGTERM handler runs):
+    its report was written when the departure happened."""
+    config, combined = good_run
+    guarded = opguard("guard", "--config", config, "--collectives", combined,
+                      "--report-dir", tmp_path, "--", *torchrun("abort"))  # fmt: skip
+    assert guarded.returncode != 0
+    report = json.loads((tmp_path / "guard_report_rank1.json").read_text())
+    assert [(v["kind"], v["count"]) for v in report["violations"]] == [("collective_dtype", 1)]
+    assert not list(tmp_path.glob(".*.tmp"))
+
+
+@pytest.mark.slow
 def test_a_good_run_under_the_guard_is_clean(good_run: tuple[Path, Path], tmp_path: Path) -> None:
     config, _ = good_run
     guarded = opguard("guard", "--config", config,

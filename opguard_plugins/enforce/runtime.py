@@ -978,8 +978,13 @@ class Guard:
         return result
 
     def _collective_violation(self, violation: Violation, message: str, may_raise: bool) -> None:
+        """A departure from the good run's collective sequence: counted and logged; the
+        first of each is written to the report at once, since the job may hang on it
+        and be killed, or the backend abort this rank, before the guard's exit."""
         identity = self.remember(violation)
         self.hit(identity)
+        if self.records[identity].count == 1 and violation.severity == ERROR:
+            self._write_now()
         if may_raise and self.on_violation == "raise":
             self.ended_early = True
             raise OpGuardViolation(violation)  # this call's (the record keeps the first)
@@ -1006,6 +1011,10 @@ class Guard:
             message=violation.message,
             stack=[f"{f['file']}:{f['line']} {f['function']}" for f in stack[-8:]],
         )
+        self._write_now()
+
+    def _write_now(self) -> None:
+        """Write the report as it stands (the one at exit replaces it); never raises."""
         try:
             self.write()
         except Exception as exc:

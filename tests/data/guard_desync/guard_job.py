@@ -6,13 +6,16 @@
 Every step all-reduces ``a`` (float32, 6 elements) then ``b`` (float32, 8 elements);
 steps count optimizer steps. Rank 1 departs in step 1 only: ``none`` (no departure),
 ``dtype`` (``a`` as int32), ``order`` (``b`` before ``a``), ``skip`` (no ``a``),
-``wait`` (rank 1 sleeps 2.5 s first, so rank 0 waits in ``a``'s all-reduce). An
+``wait`` (rank 1 sleeps 2.5 s first, so rank 0 waits in ``a``'s all-reduce), ``abort``
+(``a`` as int32, then the process aborts, as a backend that aborts a rank does: no
+``atexit``, no SIGTERM handler). An
 exception ends the rank with exit 3 after printing ``rank R: TYPE: MESSAGE``.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from datetime import timedelta
@@ -24,7 +27,7 @@ import torch.distributed as dist
 def step(case: str, rank: int, departs: bool) -> None:
     odd = rank == 1 and departs
     # the dtype case: the same op, another dtype
-    a = torch.ones(6, dtype=torch.int32 if odd and case == "dtype" else torch.float32)
+    a = torch.ones(6, dtype=torch.int32 if odd and case in ("dtype", "abort") else torch.float32)
     b = torch.ones(8)
     if odd and case == "wait":
         time.sleep(2.5)
@@ -34,6 +37,8 @@ def step(case: str, rank: int, departs: bool) -> None:
         return
     if not (odd and case == "skip"):
         dist.all_reduce(a)
+    if odd and case == "abort":
+        os.abort()
     dist.all_reduce(b)
 
 
