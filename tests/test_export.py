@@ -23,7 +23,7 @@ from opguard_core.formats.stacks import Stack, split_streams, tree_stacks
 from opguard_core.formats.tree import load_tree
 from opguard_core.plugin.manager import create_plugin_manager
 from opguard_plugins.view.export import load_source, select_stacks
-from tests.builders import trace_doc, write
+from tests.builders import sample_inputs, trace_doc, write
 
 SCHEMA = Path(__file__).parent / "data" / "speedscope" / "file-format-schema.json"
 DIVERGENT = Path(__file__).parent / "data" / "divergent"
@@ -251,6 +251,19 @@ def test_a_selection_that_leaves_nothing_is_an_error(tmp_path: Path) -> None:
     assert folded(out) == {"app:main;app:step;aten::mm": 5}
     warned = [json.loads(x) for x in result.stderr.splitlines() if x.startswith("{")]
     assert [(w["option"], w["pattern"]) for w in warned] == [("--hide", "yyy"), ("--focus", "zzz")]
+
+
+def test_a_run_directory_exports_its_entry_s_tree(
+    opguard: Callable[..., Any], samples: Path, tree_file: Path, tmp_path: Path
+) -> None:
+    export(tree_file.parent, "--format", "collapsed", "-o", tmp_path / "run.folded")
+    export(tree_file, "--format", "collapsed", "-o", tmp_path / "tree.folded")
+    assert (tmp_path / "run.folded").read_bytes() == (tmp_path / "tree.folded").read_bytes()
+    two = opguard("run", *sample_inputs(samples, "fsdp", "gpt"), expect=0)
+    result = export(two.run_dir, "--format", "collapsed", expect=5)
+    assert "the run has 2 entries: name one of its trees (" in result.stderr
+    assert "fsdp_callsite_compressed.json" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
 
 
 def test_bad_source_is_one_line(tmp_path: Path) -> None:

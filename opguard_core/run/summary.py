@@ -160,6 +160,19 @@ def config_source(path: Path, filtered: bool = True) -> Path:
     return run_config(path, filtered) if path.is_dir() else path
 
 
+def run_tree(run_dir: Path) -> Path:
+    """The compressed tree a run directory stands for (``opguard export RUN``): its
+    entry's, when it has one entry; a run of several names their trees."""
+    trees = stage_outputs(read_summary(run_dir), "compress")
+    if len(trees) == 1:
+        return run_artifact(run_dir, trees[0])
+    if not trees:
+        raise InputError(run_dir, "the run made no compressed tree")
+    raise InputError(
+        run_dir, f"the run has {len(trees)} entries: name one of its trees ({', '.join(trees)})"
+    )
+
+
 def divergence_counts(summary: dict[str, Any]) -> dict[str, Any] | None:
     """The divergence stage's findings over the run (``findings``, ``errors``,
     ``warnings`` and the ``entries`` with findings), or None when no entry ran it."""

@@ -1,7 +1,8 @@
 """Built-in plugin: ``opguard export SRC --format NAME [-o OUT]``.
 
-SRC is a callsite trace (a rank file or ``{name}_combined.json``) or a compressed
-call tree (``{name}_compressed.json``). A trace is folded into a tree by the
+SRC is a callsite trace (a rank file or ``{name}_combined.json``), a compressed
+call tree (``{name}_compressed.json``) or a run directory of one entry (its tree;
+a run of several names them). A trace is folded into a tree by the
 built-in compressor with no thresholds and no chain folding (nothing is pruned) and
 the default hide patterns unless ``--no-default-hide``; then ``--hide``, ``--focus``
 and ``--ignore`` apply to the tree's stacks (a pattern that matched nothing is a
@@ -34,6 +35,7 @@ from opguard_core.formats.tree import TREE_FORMAT, check_tree, checked_tree, dec
 from opguard_core.logs import get_logger
 from opguard_core.model import RunOptions
 from opguard_core.plugin.manager import OpGuardPluginManager, call_impl
+from opguard_core.run.summary import run_tree
 from opguard_plugins.stages.compress import compress_trace
 
 Writer = Callable[[list[Stack]], bytes]
@@ -189,12 +191,15 @@ def make_command(manager: OpGuardPluginManager) -> click.Command:
         no_default_hide: bool,
         verbose: int,
     ) -> None:
-        """Write SRC (a callsite trace or a compressed tree) as a flame-graph file."""
+        """Write SRC (a callsite trace, a compressed tree, or a run directory of one
+        entry: its tree) as a flame-graph file."""
         writers = export_formats(manager)
         if fmt not in writers:
             raise click.BadParameter(
                 f"{fmt!r}: not one of {', '.join(sorted(writers))}", param_hint="--format"
             )
+        if src.is_dir():  # a run directory: its entry's compressed tree
+            src = run_tree(src)
         out = output or src.with_name(src.name.removesuffix(".json") + SUFFIX.get(fmt, f".{fmt}"))
         check_output_file(out, [src])
         tree = load_source(src, not no_default_hide, Readers(manager))
