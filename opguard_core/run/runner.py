@@ -190,10 +190,11 @@ class Runner:
         for entry in self.entries:
             try:
                 done = self.process_entry(entry)
+                for name in kept & done.keys():
+                    results[name][entry.index] = (entry, done[name])
+                del done  # the entry's trace and tree go now, before the collection below
             finally:
                 collect_kept()  # cycles an entry's plugins left (the run pauses the collector)
-            for name in kept & done.keys():
-                results[name][entry.index] = (entry, done[name])
         for step in self.per_run:
             reason = self.skip_reason.get(step.name)
             if reason is not None:
