@@ -384,3 +384,23 @@ def test_property_a_config_never_errors_on_its_own_traces(
     _, report = check_json(config, folder / "p_rank*.json", expect=0)
     assert not [v for v in report["violations"] if v["severity"] == "error"]
     shutil.rmtree(folder)
+
+
+def test_a_violation_only_the_whole_view_has_names_the_ranks_that_ran_it() -> None:
+    """A new function only the all-ranks config keeps (each rank's own config pruned
+    it): reported on the ranks its combined entry lists, not on every rank."""
+    from opguard_plugins.enforce.check import check_configs
+
+    def entry(target: str, context: list[str], count: int, **more: Any) -> dict[str, Any]:
+        return {"target": target, "kind": "function", "context": context,
+                "ops": {"aten::add": count}, "count": count, **more}  # fmt: skip
+
+    base = entry("app:main", [], 10)
+    config = {"version": 5, "meta": {"ranks": [0, 1], "total": 10}, "entries": [base]}
+    per_rank = {r: {"meta": {"ranks": [r], "total": 5}, "entries": [entry("app:main", [], 5)]}
+                for r in (0, 1)}  # fmt: skip
+    combined = {"meta": {"ranks": [0, 1], "total": 12},
+                "entries": [base, entry("app:new", ["app:main"], 2, ranks=[1])]}  # fmt: skip
+    found = check_configs(create_plugin_manager(), config, per_rank, combined=combined)
+    (new,) = [v for v in found if v.target == "app:new"]
+    assert new.kind == "unknown_target" and new.ranks == [1]

@@ -292,7 +292,10 @@ def check_configs(
             if identity in attributed:
                 continue
             key = (item.target, tuple(item.context))
-            ranks = [r for r, entries in seen.items() if key in entries] or sorted(seen)
+            ranks = [r for r, entries in seen.items() if key in entries]
+            if not ranks:  # no rank's own config has it (pruned there): the whole view's
+                listed = (whole_entries.get(key) or {}).get("ranks")
+                ranks = sorted(listed) if listed else sorted(seen)
             found.append(dataclasses.replace(item, ranks=ranks))
     if strict:
         found = [dataclasses.replace(v, severity=ERROR) for v in found]
