@@ -294,12 +294,35 @@ def test_a_rank_whose_trace_ended_early_is_said_to_have(
     summary = json.loads((run_dir / "pipeline_summary.json").read_text())
     (warning,) = [w for w in summary["warnings"] if "before their process" in w["message"]]
     assert warning["ranks"] == [2] and "rank 2: sigterm at step 1" in warning["message"]
+    assert "ended first" not in warning["message"]  # one rank: nothing to order
     # a complete rank that issued fewer collectives gets no such excuse
     del cut["meta"]["partial"]
     (tmp_path / "complete").mkdir()
     doc = run_docs(opguard, tmp_path / "complete", *docs, cut)
     (finding,) = collective_findings(doc)
     assert "before the process was done" not in finding["message"]
+
+
+def test_the_rank_that_ended_first_is_named() -> None:
+    """A job that fell apart: every rank's trace is partial; the one whose record ends
+    first is where to look."""
+    from opguard_core.formats.trace import describe_partial, first_to_end
+
+    raised = {"reason": "exception", "exception": "RuntimeError", "step": 3}
+    partial = {
+        "0": {**raised, "at": "2026-12-06T18:30:20.558Z"},
+        "1": {**raised, "at": "2026-12-06T18:30:20.216Z"},
+        "2": {"reason": "sigterm", "at": "2026-12-06T18:30:21.000Z", "step": 3},
+    }
+    assert describe_partial(partial) == (
+        "ranks 0, 1: exception RuntimeError at step 3; rank 2: sigterm at step 3"
+    )
+    assert first_to_end(partial) == (
+        "rank 1 ended first, at 2026-12-06T18:30:20.216Z, 0.342 s before the next (rank 0)"
+    )
+    partial["0"]["at"] = partial["1"]["at"]  # a tie names no one
+    assert first_to_end(partial) is None
+    assert first_to_end({"0": {"reason": "flush", "at": "not a time"}, "1": {}}) is None
 
 
 def test_combined_partial_ranks_read_back_and_bad_ones_are_refused(tmp_path: Path) -> None:

@@ -7,6 +7,7 @@ path that keeps those fields, so they can be carried through a combine.
 
 from __future__ import annotations
 
+import datetime
 import gzip
 import re
 import zlib
@@ -252,6 +253,29 @@ def describe_partial(partial: dict[str, Any]) -> str:
         ranks.sort()
         parts.append(f"{'rank' if len(ranks) == 1 else 'ranks'} {list_ranks(ranks)}: {why}")
     return "; ".join(parts)
+
+
+def first_to_end(partial: dict[str, Any]) -> str | None:
+    """Of a combined trace's ``meta.partial_ranks``, the rank whose record ends first,
+    when two or more say when (``at``) and one is earliest: in a job that fell apart,
+    the rank that went first is where to look (``rank 1 ended first, at …, 0.342 s
+    before the next``). None otherwise."""
+    ends: list[tuple[float, int, str]] = []
+    for key, marker in partial.items():
+        at = marker.get("at") if isinstance(marker, dict) else None
+        if isinstance(at, str):
+            try:
+                when = datetime.datetime.fromisoformat(at.replace("Z", "+00:00")).timestamp()
+            except ValueError:
+                continue
+            ends.append((when, int(key), at))
+    ends.sort()
+    if len(ends) < 2 or ends[0][0] == ends[1][0]:
+        return None
+    return (
+        f"rank {ends[0][1]} ended first, at {ends[0][2]}, "
+        f"{ends[1][0] - ends[0][0]:.3f} s before the next (rank {ends[1][1]})"
+    )
 
 
 def list_ranks(ranks: list[int]) -> str:

@@ -39,7 +39,7 @@ from opguard_core.formats.divergence import (
     tally,
 )
 from opguard_core.formats.readers import Readers
-from opguard_core.formats.trace import describe_partial
+from opguard_core.formats.trace import describe_partial, first_to_end
 from opguard_core.formats.tree import check_tree, encode_tree
 from opguard_core.model import InputEntry, RunOptions, StageFailed, StageRecord
 from opguard_core.plugin.manager import OpGuardPluginManager
@@ -181,9 +181,11 @@ def combine(call: StepCall, entry: InputEntry, needs: Mapping[str, Any]) -> Any:
     call.write("combined", trace.json_parts)
     partial = trace.meta.get(PARTIAL_RANKS_KEY)
     if partial:
+        first = first_to_end(partial)
         warn(
             f"{entry.name}: traces written before their process was done "
-            f"({describe_partial(partial)}): those ranks' records end there",
+            f"({describe_partial(partial)}): those ranks' records end there"
+            + (f"; {first}" if first else ""),
             ranks=[int(rank) for rank in partial],
         )
     call.record.counts = {
