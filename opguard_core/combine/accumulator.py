@@ -68,6 +68,7 @@ from opguard_core.formats.readers import Readers, is_callsite_trace
 from opguard_core.formats.streams import is_role, legacy_roles
 from opguard_core.formats.trace import (
     COMBINED_VERSION,
+    PARTIAL_RANKS_KEY,
     READ_VERSIONS,
     ROLE_VERSION,
     TRACE_FORMAT,
@@ -80,6 +81,7 @@ from opguard_core.formats.trace import (
     check_ranks,
     decode_trace,
     encode_trace_parts,
+    partial_ranks_of,
     read_bytes,
     trace_ranks,
     validate_frame_ids,
@@ -101,9 +103,6 @@ ScanKey = tuple[int, str | None, str, str | int, str | None]
 MAX_DISTINCT = 8
 #: ``meta`` key of a combined trace whose callsites carry exact per-rank statistics
 PER_RANK_KEY = "per_rank_stats"
-#: ``meta`` key of a combined trace (version 8): each rank whose rank file was written
-#: before its process was done, with that file's ``meta.partial`` (formats.md §1)
-PARTIAL_RANKS_KEY = "partial_ranks"
 #: a collective sequence in an accumulator: groups, signatures (stacks as the
 #: accumulator's frame ids), step runs
 SequenceKey = tuple[tuple[Group, ...], tuple[Signature, ...], tuple[StepRun, ...]]
@@ -1115,19 +1114,12 @@ def partial_ranks(
     a combined input's ``meta.partial_ranks``, else every rank of a file with
     ``meta.partial`` (a mapping: what the tracer writes). Refuses a ``partial_ranks``
     that does not map the file's ranks to mappings."""
-    listed = meta.get(PARTIAL_RANKS_KEY)
-    if listed is None:
+    if PARTIAL_RANKS_KEY not in meta:
         marker = meta.get("partial")
         return {rank: marker for rank in file_ranks} if isinstance(marker, dict) else {}
-    found: dict[int, dict[str, Any]] = {}
-    if isinstance(listed, dict):
-        for key, marker in listed.items():
-            rank = int(key) if isinstance(key, str) and key.isdigit() else -1
-            if rank not in file_ranks or not isinstance(marker, dict):
-                break
-            found[rank] = marker
-        else:
-            return found
+    listed, found = meta[PARTIAL_RANKS_KEY], partial_ranks_of(meta)
+    if isinstance(listed, dict) and len(found) == len(listed) and found.keys() <= set(file_ranks):
+        return found
     raise InputError(path, f"meta.{PARTIAL_RANKS_KEY} must map the file's ranks to partial markers")
 
 

@@ -238,16 +238,33 @@ def recorded_by(meta: dict[str, Any]) -> str | None:
     return None
 
 
-def describe_partial(partial: dict[str, Any]) -> str:
-    """A combined trace's ``meta.partial_ranks`` in words, ranks that ended alike
+#: ``meta`` key of a combined trace (version 8): each rank whose rank file was written
+#: before its process was done, with that file's ``meta.partial``
+PARTIAL_RANKS_KEY = "partial_ranks"
+
+
+def partial_ranks_of(meta: dict[str, Any]) -> dict[int, dict[str, Any]]:
+    """A trace's ``meta.partial_ranks`` by rank; empty where there is none, or where a
+    combine plugin of another make wrote something else there."""
+    listed = meta.get(PARTIAL_RANKS_KEY)
+    if not isinstance(listed, dict):
+        return {}
+    return {
+        int(key): marker
+        for key, marker in listed.items()
+        if isinstance(key, str) and key.isdigit() and isinstance(marker, dict)
+    }
+
+
+def describe_partial(partial: dict[int, dict[str, Any]]) -> str:
+    """Partial ranks (:func:`partial_ranks_of`) in words, ranks that ended alike
     together: ``rank 1: sigterm at step 3; ranks 4, 5: exception RuntimeError``."""
     alike: dict[str, list[int]] = {}
-    for key, marker in partial.items():
-        marker = marker if isinstance(marker, dict) else {}
+    for rank, marker in partial.items():
         why = " ".join(str(marker[k]) for k in ("reason", "exception") if marker.get(k))
         if isinstance(marker.get("step"), int) and not isinstance(marker["step"], bool):
             why += f" at step {marker['step']}"
-        alike.setdefault(why or "partial", []).append(int(key))
+        alike.setdefault(why or "partial", []).append(rank)
     parts = []
     for why, ranks in sorted(alike.items(), key=lambda item: min(item[1])):
         ranks.sort()
@@ -255,20 +272,20 @@ def describe_partial(partial: dict[str, Any]) -> str:
     return "; ".join(parts)
 
 
-def first_to_end(partial: dict[str, Any]) -> str | None:
-    """Of a combined trace's ``meta.partial_ranks``, the rank whose record ends first,
+def first_to_end(partial: dict[int, dict[str, Any]]) -> str | None:
+    """Of partial ranks (:func:`partial_ranks_of`), the rank whose record ends first,
     when two or more say when (``at``) and one is earliest: in a job that fell apart,
     the rank that went first is where to look (``rank 1 ended first, at …, 0.342 s
     before the next``). None otherwise."""
     ends: list[tuple[float, int, str]] = []
-    for key, marker in partial.items():
-        at = marker.get("at") if isinstance(marker, dict) else None
+    for rank, marker in partial.items():
+        at = marker.get("at")
         if isinstance(at, str):
             try:
                 when = datetime.datetime.fromisoformat(at.replace("Z", "+00:00")).timestamp()
             except ValueError:
                 continue
-            ends.append((when, int(key), at))
+            ends.append((when, rank, at))
     ends.sort()
     if len(ends) < 2 or ends[0][0] == ends[1][0]:
         return None

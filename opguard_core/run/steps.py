@@ -24,7 +24,6 @@ from typing import Any, Literal
 
 from ruamel.yaml.comments import CommentedMap
 
-from opguard_core.combine.accumulator import PARTIAL_RANKS_KEY
 from opguard_core.configs.chain import active_filters, apply_filters
 from opguard_core.configs.selection import Selection, select_trace, unmatched_hide
 from opguard_core.files.atomic import atomic_write_bytes, atomic_write_parts, safe_child
@@ -39,7 +38,7 @@ from opguard_core.formats.divergence import (
     tally,
 )
 from opguard_core.formats.readers import Readers
-from opguard_core.formats.trace import describe_partial, first_to_end
+from opguard_core.formats.trace import describe_partial, first_to_end, partial_ranks_of
 from opguard_core.formats.tree import check_tree, encode_tree
 from opguard_core.model import InputEntry, RunOptions, StageFailed, StageRecord
 from opguard_core.plugin.manager import OpGuardPluginManager
@@ -179,14 +178,14 @@ def combine(call: StepCall, entry: InputEntry, needs: Mapping[str, Any]) -> Any:
         "opguard_combine", entry=entry, options=call.options, readers=call.context.readers
     )
     call.write("combined", trace.json_parts)
-    partial = trace.meta.get(PARTIAL_RANKS_KEY)
+    partial = partial_ranks_of(trace.meta)
     if partial:
         first = first_to_end(partial)
         warn(
             f"{entry.name}: traces written before their process was done "
             f"({describe_partial(partial)}): those ranks' records end there"
             + (f"; {first}" if first else ""),
-            ranks=[int(rank) for rank in partial],
+            ranks=sorted(partial),
         )
     call.record.counts = {
         "files": len(entry.files),

@@ -42,14 +42,13 @@ from typing import Any
 from opguard_core import hookimpl
 from opguard_core.combine.accumulator import (
     COLLECTIVE_APIS,
-    PARTIAL_RANKS_KEY,
     CallsiteTrace,
     RankLists,
     is_collective,
     ranks_to_mask,
 )
 from opguard_core.formats.divergence import Finding
-from opguard_core.formats.trace import Callsite, describe_partial, list_ranks
+from opguard_core.formats.trace import Callsite, describe_partial, list_ranks, partial_ranks_of
 from opguard_core.formats.tree import target_name
 from opguard_core.model import RunOptions
 from opguard_core.native import load_native
@@ -215,7 +214,7 @@ def find_divergence(trace: CallsiteTrace, options: RunOptions) -> list[Finding]:
     findings.extend(_dtype_mismatch(trace, stacks))
     if exact:
         findings.extend(_count_skew(trace, stacks, options.skew))
-    partial = trace.meta.get(PARTIAL_RANKS_KEY)
+    partial = partial_ranks_of(trace.meta)
     if partial:
         _note_partial(findings, partial)
     return findings
@@ -226,15 +225,14 @@ def find_divergence(trace: CallsiteTrace, options: RunOptions) -> list[Finding]:
 ENDED_EARLY_KINDS = frozenset({"collective_missing", "collective_mismatch"})
 
 
-def _note_partial(findings: list[Finding], partial: dict[str, Any]) -> None:
+def _note_partial(findings: list[Finding], partial: dict[int, dict[str, Any]]) -> None:
     """Say so in the message of a collective finding whose deviating ranks' traces were
     all written before their process was done: a rank that died (or hung and was
     killed) issues nothing after that point, and its record simply ends there."""
-    ended = {int(rank) for rank in partial}
     for finding in findings:
         ranks = finding.get("ranks") or []
-        if finding["kind"] in ENDED_EARLY_KINDS and ranks and ended.issuperset(ranks):
-            mine = {str(r): partial[str(r)] for r in ranks}
+        if finding["kind"] in ENDED_EARLY_KINDS and ranks and partial.keys() >= set(ranks):
+            mine = {r: partial[r] for r in ranks}
             finding["message"] += (
                 f" (its trace was written before the process was done: {describe_partial(mine)};"
                 " the sequence may only have ended there)"
