@@ -22,6 +22,7 @@ from typing import Any
 import msgspec
 
 from opguard_core.errors import InputError
+from opguard_core.formats.trace import list_ranks
 
 DIVERGENCE_FORMAT = "opguard-divergence"
 #: version 2: a collective finding's ``stream`` is its stream role (``comm``), not a raw
@@ -487,8 +488,8 @@ def _stack_lines(
 
 
 def _ranks(ranks: list[int]) -> str:
-    text = ", ".join(map(str, ranks[:16]))
-    return text + (f" … ({len(ranks)} ranks)" if len(ranks) > 16 else "")
+    """Ranks for a log line (up to 16, then how many)."""
+    return list_ranks(ranks, 16)
 
 
 def _sequence_lines(f: Finding) -> list[str]:

@@ -295,10 +295,10 @@ def first_to_end(partial: dict[int, dict[str, Any]]) -> str | None:
     )
 
 
-def list_ranks(ranks: list[int]) -> str:
-    """Ranks for a message: the first eight, then how many there are."""
-    text = ", ".join(map(str, ranks[:8]))
-    return text + (f" … ({len(ranks)} ranks)" if len(ranks) > 8 else "")
+def list_ranks(ranks: list[int], limit: int = 8) -> str:
+    """Ranks for a message: the first ``limit``, then how many there are."""
+    text = ", ".join(map(str, ranks[:limit]))
+    return text + (f" … ({len(ranks)} ranks)" if len(ranks) > limit else "")
 
 
 def _is_rank(value: object) -> bool:

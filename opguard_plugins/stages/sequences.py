@@ -42,6 +42,7 @@ from opguard_core.formats.collectives import (
     collective_kind,
 )
 from opguard_core.formats.divergence import Finding
+from opguard_core.formats.trace import list_ranks
 
 #: collectives compared after the first disagreement to tell its kind
 WINDOW = 32
@@ -391,7 +392,7 @@ def _finding(
     op = (got or expected or (0, None))[1]
     step = (got or expected or (None, None))[0]
     label = f"group {group.name}" + (f" ({group.desc})" if group.desc else "")
-    rank_text = ", ".join(map(str, ranks[:8])) + (" …" if len(ranks) > 8 else "")
+    rank_text = list_ranks(ranks)
     them = (
         "most ranks"
         if majority
@@ -461,7 +462,7 @@ def _group_finding(missing: Finding, extra: Finding) -> Finding:
     expected, got = missing["expected"], extra["got"]
     group, other = missing["group"], extra["group"]
     ranks = missing["ranks"]
-    rank_text = ", ".join(map(str, ranks[:8])) + (" …" if len(ranks) > 8 else "")
+    rank_text = list_ranks(ranks)
     return {
         **missing,
         "kind": "collective_group",
