@@ -303,6 +303,30 @@ def test_a_rank_whose_trace_ended_early_is_said_to_have(
     assert "before the process was done" not in finding["message"]
 
 
+def test_a_rank_0_that_ended_early_is_the_one_reported(
+    opguard: Callable[..., Any], tmp_path: Path
+) -> None:
+    """Two ranks, no majority: the rank whose sequence ended is the one reported (not
+    the healthy rank 1 as 'extra' because rank 0 is the lowest)."""
+    cut = rank_doc(0, [c for c in good() if c[0] == 0])
+    cut["meta"]["partial"] = {"reason": "exception", "exception": "RuntimeError",
+                              "at": "2026-12-06T10:00:00.100Z", "step": 1}  # fmt: skip
+    # rank 1 then fails too (its peer is gone), a moment later, in step 2
+    torn = rank_doc(1, [c for c in good() if c[0] <= 1])
+    torn["meta"]["partial"] = {"reason": "exception", "exception": "RuntimeError",
+                               "at": "2026-12-06T10:00:00.500Z", "step": 2}  # fmt: skip
+    cut["callsites"][-1]["count"], torn["callsites"][-1]["count"] = 20, 40  # the compute op
+    doc = run_docs(opguard, tmp_path, cut, torn)
+    (finding,) = collective_findings(doc)
+    assert finding["kind"] == "collective_missing" and finding["ranks"] == [0]
+    assert finding["expected_ranks"] == [1] and finding["majority"] is False
+    assert "rank 0: exception RuntimeError at step 1" in finding["message"]
+    # the ranks' op counts differ because rank 0 stopped: every count finding says so
+    counted = [f for f in doc["findings"] if f["kind"] in ("count_skew", "rank_specific")]
+    assert counted and all("(not comparable: traces that end early" in f["message"]
+                           for f in counted)  # fmt: skip
+
+
 def test_the_rank_that_ended_first_is_named() -> None:
     """A job that fell apart: every rank's trace is partial; the one whose record ends
     first is where to look."""

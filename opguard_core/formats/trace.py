@@ -272,21 +272,27 @@ def describe_partial(partial: dict[int, dict[str, Any]]) -> str:
     return "; ".join(parts)
 
 
+def end_times(partial: dict[int, dict[str, Any]]) -> dict[int, float]:
+    """When each partial rank's record ends (its marker's ``at``, as a POSIX time),
+    for the ranks whose marker says so in ISO 8601."""
+    times: dict[int, float] = {}
+    for rank, marker in partial.items():
+        at = marker.get("at")
+        if isinstance(at, str):
+            try:
+                times[rank] = datetime.datetime.fromisoformat(at.replace("Z", "+00:00")).timestamp()
+            except ValueError:
+                continue
+    return times
+
+
 def first_to_end(partial: dict[int, dict[str, Any]]) -> str | None:
     """Of partial ranks (:func:`partial_ranks_of`), the rank whose record ends first,
     when two or more say when (``at``) and one is earliest: in a job that fell apart,
     the rank that went first is where to look (``rank 1 ended first, at …, 0.342 s
     before the next``). None otherwise."""
-    ends: list[tuple[float, int, str]] = []
-    for rank, marker in partial.items():
-        at = marker.get("at")
-        if isinstance(at, str):
-            try:
-                when = datetime.datetime.fromisoformat(at.replace("Z", "+00:00")).timestamp()
-            except ValueError:
-                continue
-            ends.append((when, rank, at))
-    ends.sort()
+    times = end_times(partial)
+    ends = sorted((when, rank, partial[rank]["at"]) for rank, when in times.items())
     if len(ends) < 2 or ends[0][0] == ends[1][0]:
         return None
     return (

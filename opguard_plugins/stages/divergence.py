@@ -48,7 +48,13 @@ from opguard_core.combine.accumulator import (
     ranks_to_mask,
 )
 from opguard_core.formats.divergence import Finding
-from opguard_core.formats.trace import Callsite, describe_partial, list_ranks, partial_ranks_of
+from opguard_core.formats.trace import (
+    Callsite,
+    describe_partial,
+    end_times,
+    list_ranks,
+    partial_ranks_of,
+)
 from opguard_core.formats.tree import target_name
 from opguard_core.model import RunOptions
 from opguard_core.native import load_native
@@ -206,7 +212,12 @@ def find_divergence(trace: CallsiteTrace, options: RunOptions) -> list[Finding]:
     stacks = _Stacks(trace, options)
     collectives = trace.collectives
     covered = {r for seq in collectives.sequences for r in seq.ranks} if collectives else set()
-    findings = sequence_findings(collectives, stacks.describe_stack) if collectives else []
+    partial = partial_ranks_of(trace.meta)
+    findings = (
+        sequence_findings(collectives, stacks.describe_stack, end_times(partial))
+        if collectives
+        else []
+    )
     if not covered.issuperset(ranks):
         # some rank recorded no sequence (an older trace): counts per callsite too
         findings.extend(_collectives(trace, stacks, exact))
@@ -214,7 +225,6 @@ def find_divergence(trace: CallsiteTrace, options: RunOptions) -> list[Finding]:
     findings.extend(_dtype_mismatch(trace, stacks))
     if exact:
         findings.extend(_count_skew(trace, stacks, options.skew))
-    partial = partial_ranks_of(trace.meta)
     if partial:
         _note_partial(findings, partial)
     return findings
@@ -225,10 +235,19 @@ def find_divergence(trace: CallsiteTrace, options: RunOptions) -> list[Finding]:
 ENDED_EARLY_KINDS = frozenset({"collective_missing", "collective_mismatch"})
 
 
+#: findings that compare the ranks' op counts: a rank whose record ended early ran
+#: fewer ops, so the others can look like the odd ones out (a median of two is the
+#: lower count)
+COUNTED_KINDS = frozenset({"count_skew", "rank_specific"})
+
+
 def _note_partial(findings: list[Finding], partial: dict[int, dict[str, Any]]) -> None:
     """Say so in the message of a collective finding whose deviating ranks' traces were
-    all written before their process was done: a rank that died (or hung and was
-    killed) issues nothing after that point, and its record simply ends there."""
+    all written before their process was done (a rank that died, or hung and was
+    killed, issues nothing after that point: its record simply ends there), and in
+    every finding that compares op counts (the ranks' records do not cover the same
+    stretch of the run)."""
+    counted = f" (not comparable: traces that end early, {describe_partial(partial)})"
     for finding in findings:
         ranks = finding.get("ranks") or []
         if finding["kind"] in ENDED_EARLY_KINDS and ranks and partial.keys() >= set(ranks):
@@ -237,6 +256,8 @@ def _note_partial(findings: list[Finding], partial: dict[int, dict[str, Any]]) -
                 f" (its trace was written before the process was done: {describe_partial(mine)};"
                 " the sequence may only have ended there)"
             )
+        elif finding["kind"] in COUNTED_KINDS:
+            finding["message"] += counted
 
 
 def _collectives(trace: CallsiteTrace, stacks: _Stacks, exact: bool) -> Iterator[Finding]:

@@ -11,10 +11,13 @@ At that position each member issues a collective (its kind, dtype, element count
 shapes, reduce op: :meth:`~opguard_core.formats.collectives.Signature.key`) or none
 (its sequence ended). The value a strict majority of members holds is the expected
 one and the other ranks deviate; without a strict majority (always so for two ranks
-that disagree) the lowest rank's value is taken as the reference and the finding says
-``"majority": false`` with the distribution. Each deviating value is one finding,
-whose kind a short look-ahead decides: the explanation under which the two sequences
-agree longest after the position (a window of :data:`WINDOW` collectives):
+that disagree) the reference is the value of the ranks whose records went on longest
+(``ended``: when each rank's partial trace ends; a complete one never does: in a job
+where a rank died first, it is the one reported, whatever its number), then the
+lowest rank's, and the finding says ``"majority": false`` with the distribution.
+Each deviating value is one finding, whose kind a short look-ahead decides: the
+explanation under which the two sequences agree longest after the position (a window
+of :data:`WINDOW` collectives):
 
 * ``collective_order``: the next two collectives swapped (or another collective
   where the others issue this one);
@@ -29,6 +32,7 @@ agree longest after the position (a window of :data:`WINDOW` collectives):
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -164,8 +168,11 @@ def _group_id(group: Group) -> GroupId:
     return (group.name, tuple(group.ranks))
 
 
-def sequence_findings(collectives: Collectives, describe: Describe) -> list[Finding]:
-    """The first disagreement on every process group (module docstring)."""
+def sequence_findings(
+    collectives: Collectives, describe: Describe, ended: dict[int, float] | None = None
+) -> list[Finding]:
+    """The first disagreement on every process group (module docstring); ``ended``:
+    when the records of the ranks whose traces are partial end (a POSIX time)."""
     by_rank = collectives.by_rank()
     groups: dict[GroupId, Group] = {}
     #: per group: each sequence that used it, with the group's index there
@@ -195,7 +202,7 @@ def sequence_findings(collectives: Collectives, describe: Describe) -> list[Find
             classes.setdefault(view.shape(), []).append(view)
         if len(classes) < 2:
             continue
-        findings.extend(_first_disagreement(group, list(classes.values()), describe))
+        findings.extend(_first_disagreement(group, list(classes.values()), describe, ended or {}))
     return _merge_groups(findings)
 
 
@@ -216,8 +223,13 @@ def _advance_by(cursor: _Cursor, calls: int) -> None:
             calls -= 1
 
 
+def _last_end(ranks: list[int], ended: dict[int, float]) -> float:
+    """When the last of ``ranks``' records ends (infinity: one is complete)."""
+    return max(ended.get(rank, math.inf) for rank in ranks)
+
+
 def _first_disagreement(
-    group: Group, classes: list[list[_View]], describe: Describe
+    group: Group, classes: list[list[_View]], describe: Describe, ended: dict[int, float]
 ) -> list[Finding]:
     """Findings at the first position where ``classes`` (views that agree) differ."""
     cursors = [_Cursor(views[0].blocks) for views in classes]
@@ -259,8 +271,10 @@ def _first_disagreement(
     total = sum(len(r) for r in distribution.values())
     winner = max(distribution, key=lambda k: len(distribution[k]))
     majority = 2 * len(distribution[winner]) > total
-    if not majority:  # the lowest rank's value is the reference
-        winner = min(distribution, key=lambda k: min(distribution[k]))
+    if not majority:  # the ranks that went on longest are the reference, then the lowest
+        winner = min(
+            distribution, key=lambda k: (-_last_end(distribution[k], ended), min(distribution[k]))
+        )
     reference = next(i for i, key in enumerate(keys) if key == winner)
     expected_window = cursors[reference].window(WINDOW + 2)
     shown = [
@@ -393,11 +407,7 @@ def _finding(
     step = (got or expected or (None, None))[0]
     label = f"group {group.name}" + (f" ({group.desc})" if group.desc else "")
     rank_text = list_ranks(ranks)
-    them = (
-        "most ranks"
-        if majority
-        else f"rank {expected_ranks[0]} (no majority: the lowest rank is the reference)"
-    )
+    them = "most ranks" if majority else f"rank {expected_ranks[0]} (no majority: the reference)"
     head = f"collective #{position} on {label}, step {step}: rank(s) {rank_text}"
     if kind == "collective_missing":
         then = f"issue {_text(got)} next" if got is not None else "issue no further collective"
