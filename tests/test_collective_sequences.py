@@ -327,6 +327,20 @@ def test_a_rank_0_that_ended_early_is_the_one_reported(
                            for f in counted)  # fmt: skip
 
 
+def test_a_rank_without_a_trace_is_named(opguard: Callable[..., Any], tmp_path: Path) -> None:
+    """Rank 1 of 2 died before it wrote anything (os._exit, SIGKILL before a flush):
+    the run says which rank is missing, from meta.world_size."""
+    write(tmp_path / "job_rank0.json", rank_doc(0, good()))
+    run = opguard("run", "-i", str(tmp_path / "job_rank*.json"), expect=0)
+    summary = json.loads(run.read("pipeline_summary.json"))
+    (warning,) = [w for w in summary["warnings"] if "world_size" in w["message"]]
+    assert warning["message"] == (
+        "job: meta.world_size is 2 but there is no trace of rank(s) 1 "
+        "(lost with its process, or not given)"
+    )
+    assert warning["missing"] == 1
+
+
 def test_the_rank_that_ended_first_is_named() -> None:
     """A job that fell apart: every rank's trace is partial; the one whose record ends
     first is where to look."""

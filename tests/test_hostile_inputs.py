@@ -13,6 +13,7 @@ import dataclasses
 import errno
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -518,12 +519,15 @@ except KeyboardInterrupt:
 """
 
 
-def _trace(tmp: Path, program: str, *args: str) -> subprocess.Popen[str]:
+def _trace(tmp: Path, program: str, *args: str, rank: str | None = None) -> subprocess.Popen[str]:
     pytest.importorskip("torch")
     script = tmp / "prog.py"
     script.write_text(program)
     env = {**os.environ, "OPGUARD_TRACE_OUTPUT_BASE": str(tmp / "base")}
     env.pop("OPGUARD_DISABLE_PLUGINS", None)
+    env.pop("RANK", None)
+    if rank is not None:  # as torchrun sets it
+        env["RANK"] = rank
     return subprocess.Popen(
         [*OPGUARD, "trace", "--label", "p", "--", str(script), *args],
         env=env, cwd=tmp, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -567,6 +571,14 @@ def test_an_abrupt_end_gets_an_accurate_message(
     assert proc.returncode == code, err
     assert message in err and "did the command import torch" not in err
     assert not list((tmp_path / "base").glob(".*"))
+
+
+@pytest.mark.slow
+def test_a_lost_trace_names_the_rank_where_the_launcher_said_it(tmp_path: Path) -> None:
+    proc = _trace(tmp_path, OS_EXIT, rank="3")
+    _, err = proc.communicate(timeout=180)
+    assert proc.returncode == 4, err
+    assert re.search(r"process \d+ \(rank 3\) ended without writing its trace", err), err
 
 
 @pytest.mark.slow

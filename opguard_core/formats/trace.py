@@ -256,6 +256,17 @@ def partial_ranks_of(meta: dict[str, Any]) -> dict[int, dict[str, Any]]:
     }
 
 
+def absent_ranks(meta: dict[str, Any], ranks: list[int]) -> list[int]:
+    """The ranks below a trace's ``meta.world_size`` (every input agreeing on it) that
+    it has no record of: a rank whose process died before it wrote its trace, or a
+    rank file not given."""
+    world = meta.get("world_size")
+    if not isinstance(world, int) or isinstance(world, bool) or len(ranks) >= world:
+        return []
+    have = set(ranks)
+    return [rank for rank in range(min(world, MAX_RANK)) if rank not in have]
+
+
 def describe_partial(partial: dict[int, dict[str, Any]]) -> str:
     """Partial ranks (:func:`partial_ranks_of`) in words, ranks that ended alike
     together: ``rank 1: sigterm at step 3; ranks 4, 5: exception RuntimeError``."""

@@ -38,7 +38,13 @@ from opguard_core.formats.divergence import (
     tally,
 )
 from opguard_core.formats.readers import Readers
-from opguard_core.formats.trace import describe_partial, first_to_end, partial_ranks_of
+from opguard_core.formats.trace import (
+    absent_ranks,
+    describe_partial,
+    first_to_end,
+    list_ranks,
+    partial_ranks_of,
+)
 from opguard_core.formats.tree import check_tree, encode_tree
 from opguard_core.model import InputEntry, RunOptions, StageFailed, StageRecord
 from opguard_core.plugin.manager import OpGuardPluginManager
@@ -178,6 +184,13 @@ def combine(call: StepCall, entry: InputEntry, needs: Mapping[str, Any]) -> Any:
         "opguard_combine", entry=entry, options=call.options, readers=call.context.readers
     )
     call.write("combined", trace.json_parts)
+    absent = absent_ranks(trace.meta, trace.ranks)
+    if absent:
+        warn(
+            f"{entry.name}: meta.world_size is {trace.meta['world_size']} but there is no "
+            f"trace of rank(s) {list_ranks(absent)} (lost with its process, or not given)",
+            missing=len(absent),
+        )
     partial = partial_ranks_of(trace.meta)
     if partial:
         first = first_to_end(partial)

@@ -109,10 +109,14 @@ def _write_marker(
     flushed: Path | None = None,
     error: str | None = None,
 ) -> None:
-    """Write (or rewrite) this process's marker: its pid, the parent it was forked
-    from, its label, the last partial trace flushed and why writing failed."""
+    """Write (or rewrite) this process's marker: its pid, its rank where the launcher
+    says (``$RANK``: torchrun sets it before the process starts), the parent it was
+    forked from, its label, the last partial trace flushed and why writing failed."""
     path = marker_path(tracer.output_dir, tracer.base_label, os.getpid())
     info: dict[str, Any] = {"pid": os.getpid(), "forked_from": parent, "label": tracer.label}
+    rank = os.environ.get("RANK", "")
+    if rank.isdigit():
+        info["rank"] = int(rank)
     if flushed is not None:
         info["flushed"] = str(flushed)
     if error is not None:

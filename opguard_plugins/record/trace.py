@@ -377,7 +377,8 @@ def trace(
         click.echo(f"opguard trace: {status}", err=True)
     for info in outcome.lost:
         pid = info.get("pid", "?")
-        forked = f" (forked from {info['forked_from']})" if info.get("forked_from") else ""
+        forked = f" (rank {info['rank']})" if isinstance(info.get("rank"), int) else ""
+        forked += f" (forked from {info['forked_from']})" if info.get("forked_from") else ""
         if info.get("error"):
             click.echo(
                 f"opguard trace: error: process {pid}{forked} could not write its trace: "
