@@ -59,6 +59,15 @@ def one_line(text: str) -> str:
     return _CONTROLS.sub(_escape, text)
 
 
+def plural(count: int, word: str) -> str:
+    """``1 entry``, ``2 entries``, ``3 findings``: a count and its English noun."""
+    if count == 1:
+        return f"{count} {word}"
+    if word.endswith("y") and word[-2:-1] not in "aeiou":
+        return f"{count} {word[:-1]}ies"
+    return f"{count} {word}{'es' if word.endswith(('s', 'x', 'ch', 'sh')) else 's'}"
+
+
 class OpGuardError(Exception):
     """Base class of every error OpGuard reports to a user as one line; a command that
     ends with one exits with its ``exit_code``."""

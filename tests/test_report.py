@@ -606,6 +606,24 @@ def test_hostile_names_stay_text_in_the_browser(
     assert browser.errors == [] and count(browser, "b, i") == 0
 
 
+@pytest.mark.slow  # a headless browser
+@needs_chromium
+def test_control_and_bidi_characters_in_names_are_shown_escaped(
+    opguard: Callable[..., Any], tmp_path: Path, browser: Chromium
+) -> None:
+    """A right-to-left override would reverse the rest of its cell, an escape sequence
+    hide text: the report shows them as \\uXXXX, as the terminal commands do."""
+    name = "step\u202eevil\x1b[31m"
+    src = write(
+        tmp_path / "bidi.json", trace_doc([([("app", "main"), ("app", name)], None, "aten::mm", 7)])
+    )
+    run_dir = opguard("run", "-i", str(src), expect=0).run_dir
+    open_report(browser, run_dir / "report.html")
+    page = str(browser.evaluate("document.body.innerText"))
+    assert "\u202e" not in page and "\x1b" not in page
+    assert "step\\u202eevil\\u001b[31m" in page
+
+
 @pytest.mark.slow  # generates traces, runs opguard and a browser
 @needs_chromium
 def test_the_load_benchmark_runs_end_to_end(tmp_path: Path) -> None:

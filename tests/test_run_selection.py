@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 from ruamel.yaml import YAML
 
+from opguard_core.errors import plural
 from opguard_core.formats.tree import split_api, target_name
 from opguard_core.run.summary import summary_lines
 
@@ -141,7 +142,7 @@ def test_the_console_summary_is_a_few_lines_for_a_person(opguard, samples, tmp_p
     start = next(i for i, line in enumerate(lines) if line.startswith("summary: "))
     assert lines[start - 1].startswith("opguard: combine [broken] failed: ")
     assert lines[start] == (
-        "summary: failed, 3 entries (2 ok, 1 failed: broken), 1 failures, 3 warnings"
+        "summary: failed, 3 entries (2 ok, 1 failed: broken), 1 failure, 3 warnings"
     )
     final = run.run_dir / "final_combined_instrumentation.yaml"
     assert lines[start + 1] == f"  final config: {final}"
@@ -184,7 +185,9 @@ def test_the_summary_counts_divergence_findings(opguard, samples) -> None:
     (record,) = [e for e in _events(run.stderr) if e["event"] == "run summary"]
     assert (record["divergence_findings"], record["divergence_errors"]) == (findings, errors)
     (line,) = [x for x in summary_lines(summary) if x.startswith("  divergence:")]
-    assert line.startswith(f"  divergence: {findings} findings ({errors} errors, ")
+    assert line.startswith(
+        f"  divergence: {plural(findings, 'finding')} ({plural(errors, 'error')}, "
+    )
     assert "divergent_callsite" in line
     skipped = _summary(opguard("run", "-i", str(divergent), "--skip", "divergence"))
     assert not any("divergence" in x for x in summary_lines(skipped))
@@ -225,3 +228,12 @@ def test_show_and_filter_refuse_a_selection_that_leaves_nothing(opguard, samples
     out = samples / "f.yaml"
     filtered = opguard("filter", config, "--ignore", ".*", "-o", out)
     assert filtered.exit_code == 1 and not out.exists()
+
+
+@pytest.mark.parametrize(
+    ("count", "word", "text"),
+    [(1, "entry", "1 entry"), (2, "entry", "2 entries"), (0, "finding", "0 findings"),
+     (3, "match", "3 matches"), (2, "day", "2 days"), (1, "op", "1 op"), (5, "op", "5 ops")],
+)  # fmt: skip
+def test_counts_read_as_english(count: int, word: str, text: str) -> None:
+    assert plural(count, word) == text

@@ -470,7 +470,8 @@ def _member(f: Finding) -> str:
             else "no majority, lowest rank"
         )
         return f"{_what(f)}: {reference} {f.get('expected')}; rank {text}{more}"
-    return f"{_what(f)}: {f['message']}"
+    what, message = _what(f), str(f["message"])
+    return message if message.startswith(what) else f"{what}: {message}"
 
 
 def _stack_lines(

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from opguard_core import __version__
-from opguard_core.errors import InputError
+from opguard_core.errors import InputError, plural
 
 if TYPE_CHECKING:
     from opguard_core.model import InputEntry, RunOptions, StageRecord
@@ -306,9 +306,9 @@ def summary_lines(summary: dict[str, Any]) -> list[str]:
     ok = [n for n in names if n not in bad]
     broken = [n for n in names if n in bad]
     warnings = summary.get("warnings") or []
-    head = f"summary: {summary.get('status', '?')}, {len(names)} entries ({len(ok)} ok"
+    head = f"summary: {summary.get('status', '?')}, {plural(len(names), 'entry')} ({len(ok)} ok"
     head += f", {len(broken)} failed: {', '.join(broken)})" if broken else ")"
-    head += f", {len(failed)} failures, {len(warnings)} warnings"
+    head += f", {plural(len(failed), 'failure')}, {plural(len(warnings), 'warning')}"
     lines = [head]
     final, filtered = final_configs(summary)
     run_dir = Path(str(summary.get("run_dir", ".")))
@@ -326,8 +326,8 @@ def summary_lines(summary: dict[str, Any]) -> list[str]:
     if found is not None:
         where = f" in {', '.join(found['entries'])}" if found["entries"] else ""
         lines.append(
-            f"  divergence: {found['findings']} findings ({found['errors']} errors, "
-            f"{found['warnings']} warnings){where}"
+            f"  divergence: {plural(found['findings'], 'finding')} "
+            f"({plural(found['errors'], 'error')}, {plural(found['warnings'], 'warning')}){where}"
         )
     report = run_dir / REPORT_FILE
     if report.is_file():

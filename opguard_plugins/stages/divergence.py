@@ -47,6 +47,7 @@ from opguard_core.combine.accumulator import (
     is_collective,
     ranks_to_mask,
 )
+from opguard_core.errors import plural
 from opguard_core.formats.divergence import Finding
 from opguard_core.formats.trace import (
     Callsite,
@@ -440,7 +441,7 @@ def _rank_specific(trace: CallsiteTrace, stacks: _Stacks) -> Iterator[Finding]:
             "ops": ops,
             "size": ops,
             "message": (
-                f"{name} ran only on rank(s) {list_ranks(ran)} ({ops} ops), "
+                f"{name} ran only on rank(s) {list_ranks(ran)} ({plural(ops, 'op')}), "
                 f"never on {list_ranks(missing)}"
             ),
             "stack": where["stack"],

@@ -4,6 +4,13 @@
 // attribute or a canvas, never innerHTML, so no input can inject markup or script.
 "use strict";
 (function () {
+  // Control, line-separator and bidi-override characters a trace's names may carry,
+  // shown as \uXXXX (as the terminal commands escape them: errors.one_line), so a
+  // name cannot reverse or hide the text after it; tabs and newlines stay.
+  const HIDDEN = /[\u0000-\u0008\u000b-\u001f\u007f-\u009f\u061c\u200e\u200f\u2028-\u202e\u2066-\u2069]/g;
+  function printable(text) {
+    return String(text).replace(HIDDEN, function (c) { return "\\u" + c.charCodeAt(0).toString(16).padStart(4, "0"); });
+  }
   const data = JSON.parse(document.getElementById("opguard-data").textContent);
   const content = document.getElementById("content");
   const header = document.getElementById("top");
@@ -13,7 +20,7 @@
   // ------------------------------------------------------------ small helpers
   function el(tag, text, cls) {
     const e = document.createElement(tag);
-    if (text !== undefined && text !== null) e.textContent = String(text);
+    if (text !== undefined && text !== null) e.textContent = printable(text);
     if (cls) e.className = cls;
     return e;
   }
@@ -47,7 +54,7 @@
     return out;
   }
   function showTip(ev, text) {
-    tip.textContent = text;
+    tip.textContent = printable(text);
     tip.style.display = "block";
     tip.style.left = Math.max(0, Math.min(ev.clientX + 12, window.innerWidth - 330)) + "px";
     tip.style.top = Math.min(ev.clientY + 14, window.innerHeight - 40) + "px";
@@ -143,7 +150,7 @@
         for (const c of columns) {
           const text = c.text(row);
           const td = add(tr, "td", text, (c.num ? "num " : "") + (c.cls ? c.cls(row) : ""));
-          if (!c.num && String(text).length > 12) td.title = String(text);
+          if (!c.num && String(text).length > 12) td.title = printable(text);
         }
         if (opts.detail) {
           tr.addEventListener("click", function () { toggle(i, tr); });
@@ -222,7 +229,7 @@
       if (v === undefined || v === null || v === "") continue;
       add(g, "div", k);
       const cell = add(g, "div");
-      if (v instanceof Node) cell.appendChild(v); else cell.textContent = String(v);
+      if (v instanceof Node) cell.appendChild(v); else cell.textContent = printable(v);
     }
     return g;
   }
@@ -316,7 +323,7 @@
       return fit >= 4 ? q.slice(0, fit - 1) + "…" : "";
     }
     function tipText(node) {
-      const lines = [node.name, num(node.c) + " ops (" + (root.c ? (100 * node.c) / root.c : 0).toFixed(1) + "% of all)"];
+      const lines = [node.name, plural(node.c, "op") + " (" + (root.c ? (100 * node.c) / root.c : 0).toFixed(1) + "% of all)"];
       if (node.kind) lines.push("kind: " + node.kind);
       if (node.ranks) lines.push("only on ranks " + node.ranks[1] + " (" + num(node.ranks[0]) + (flat.ranks ? " of " + num(flat.ranks) : "") + ")");
       if (node.own.length) lines.push("own ops:");
@@ -358,7 +365,7 @@
             const d = bar(null, depth + 1, x - smallW, smallW, smallW > 26 ? "+" + group.length : "", "more");
             drawn.push([d, group]);
             const ops = group.reduce(function (s, n) { return s + n.c; }, 0);
-            d.addEventListener("mousemove", function (ev) { showTip(ev, plural(group.length, "small frame") + " under " + node.name + ": " + num(ops) + " ops\n(click: zoom into " + node.name + ")"); });
+            d.addEventListener("mousemove", function (ev) { showTip(ev, plural(group.length, "small frame") + " under " + node.name + ": " + plural(ops, "op") + "\n(click: zoom into " + node.name + ")"); });
             d.addEventListener("mouseleave", hideTip);
             d.addEventListener("click", function () { focus = node; draw(); });
             depthMax = Math.max(depthMax, depth + 1);
@@ -438,6 +445,7 @@
     collective_mismatch: ["Collectives per rank", "collectives issued per rank, by calling function"],
     rank_specific: ["Functions only some ranks ran", "1 = the rank ran it"],
     count_skew: ["Count skew", "ops per rank, by function (ranks within the threshold shown as the median)"],
+    dtype_mismatch: ["Dtype mismatches", "1 = the rank runs the op in another set of dtypes"],
   }));
   function cellColor(v, e, off, kind) {
     if (!off) return "#e9e9e9";
@@ -550,7 +558,8 @@
         g.fillStyle = r.summary ? "#7a4a00" : "#222";
         g.font = (r.summary ? "bold " : "") + "11px monospace";
         const fit = Math.floor((labelW - 8) / 6.7);
-        const text = r.label.length > fit ? r.label.slice(0, Math.max(1, fit - 1)) + "…" : r.label;
+        const label = printable(r.label);
+        const text = label.length > fit ? label.slice(0, Math.max(1, fit - 1)) + "…" : label;
         g.fillText(text, 4, y + rowH / 2);
         g.font = "11px monospace";
         const max = r.summary ? Math.max(1, ...d.v) : 0;
@@ -656,7 +665,7 @@
     for (const g of groups) if (!kinds.includes(g.kind)) kinds.push(g.kind);
     for (const kind of Object.keys(div.per_rank)) if (!kinds.includes(kind)) kinds.push(kind);
     kinds.sort(function (a, b) { return order(a) - order(b); });
-    function order(kind) { const i = ["collective_order", "collective_dtype", "collective_size", "collective_reduce_op", "collective_missing", "collective_extra", "collective_group", "collective_mismatch", "rank_specific", "count_skew"].indexOf(kind); return i < 0 ? 9 : i; }
+    function order(kind) { const i = ["collective_order", "collective_dtype", "collective_size", "collective_reduce_op", "collective_missing", "collective_extra", "collective_group", "collective_mismatch", "rank_specific", "count_skew", "dtype_mismatch"].indexOf(kind); return i < 0 ? 11 : i; }
     for (const kind of kinds) {
       const rows = [{ label: "findings on the rank", summary: true, kind: kind, row: { expected: 0, values: div.per_rank[kind] || [] }, hay: "" }];
       groups.forEach(function (g, i) {
@@ -688,13 +697,13 @@
       if (m.expected !== undefined) facts.push("expected " + num(m.expected));
       if (m.counts) facts.push(m.counts.map(function (p) { return "ranks " + rankSet([p[1], p[2]]) + ": " + num(p[0]); }).join("; "));
       if (m.missing) facts.push("not on ranks " + rankSet(m.missing));
-      if (m.ops !== undefined) facts.push(num(m.ops) + " ops");
+      if (m.ops !== undefined) facts.push(plural(m.ops, "op"));
       if (facts.length) add(box, "div", facts.join(" · "));
       if (m.message) add(box, "div", m.message, "note");
       if (m.stack !== undefined) {
         const stack = stackOf(m.stack);
         const d = add(box, "details");
-        add(d, "summary", "stack (" + stack.length + " frames, outermost first)").style.fontWeight = "normal";
+        add(d, "summary", "stack (" + plural(stack.length, "frame") + ", outermost first)").style.fontWeight = "normal";
         const ol = add(d, "ol", null, "stack");
         for (const f of stack) add(ol, "li", f, f === g.target ? "here" : "");
       }
