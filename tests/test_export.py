@@ -266,6 +266,13 @@ def test_a_run_directory_exports_its_entry_s_tree(
     assert len(result.stderr.strip().splitlines()) == 1
 
 
+def test_a_config_is_not_exported_and_says_what_is(tree_file: Path) -> None:
+    config = tree_file.parent / "fsdp_callsite_instrumentation.yaml"
+    result = export(config, "--format", "collapsed", expect=2)
+    assert f"{config}: a YAML config, not a callsite trace, a compressed tree" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
 def test_bad_source_is_one_line(tmp_path: Path) -> None:
     bad = tmp_path / "bad.json"
     bad.write_text("{not json")

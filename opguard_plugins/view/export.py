@@ -23,6 +23,7 @@ import click
 from opguard_core import hookimpl
 from opguard_core.cli import exits
 from opguard_core.cli.options import verbose_option
+from opguard_core.cli.run_command import CONFIG_SUFFIXES
 from opguard_core.combine.accumulator import TraceAccumulator
 from opguard_core.configs.selection import PatternError, Selection, compile_patterns
 from opguard_core.errors import ExitCode, PluginError, one_line
@@ -200,6 +201,11 @@ def make_command(manager: OpGuardPluginManager) -> click.Command:
             )
         if src.is_dir():  # a run directory: its entry's compressed tree
             src = run_tree(src)
+        elif src.name.lower().endswith(CONFIG_SUFFIXES):
+            raise click.UsageError(
+                f"{src}: a YAML config, not a callsite trace, a compressed tree or a run "
+                "directory; opguard show, compare and filter read configs"
+            )
         out = output or src.with_name(src.name.removesuffix(".json") + SUFFIX.get(fmt, f".{fmt}"))
         check_output_file(out, [src])
         tree = load_source(src, not no_default_hide, Readers(manager))
