@@ -249,6 +249,11 @@ def test_a_few_aliases_are_still_read(tmp_path: Path) -> None:
             id="duplicate_entry",
         ),
         pytest.param(
+            config_text(entry("a", 10**38), total=5),
+            f"entries[0].count {10**38} is more than meta.total 5",
+            id="count_above_total",
+        ),
+        pytest.param(
             config_text(entry("a")).replace("source: hand", "source: ['touch PWNED']"),
             "'source' must be a string",
             id="source_list",

@@ -27,6 +27,7 @@ from opguard_core.cli.options import (
     verbose_option,
 )
 from opguard_core.errors import ExitCode, one_line
+from opguard_core.formats import CONFIG_SUFFIXES
 from opguard_core.logs import configure_logging
 from opguard_core.model import (
     DEFAULT_CONTEXT_DEPTH,
@@ -48,7 +49,6 @@ CODES: exits.Codes = {
     ExitCode.INTERRUPTED: None,
 }
 
-CONFIG_SUFFIXES = (".yaml", ".yml")
 
 _OPTIONS: tuple[Callable[[Any], Any], ...] = (
     input_option,

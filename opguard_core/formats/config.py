@@ -825,7 +825,8 @@ def validate_config(config: object, path: Path | str) -> None:
     ranks = meta.get("ranks", [])
     if not isinstance(ranks, list) or not all(_is_count(r) for r in ranks):
         raise InputError(path, "meta.ranks must be a list of integers (0 or more)")
-    if not _is_count(meta.get("total", 0)):
+    total = meta.get("total", 0)
+    if not _is_count(total):
         raise InputError(path, "meta.total must be an integer (0 or more)")
     steps = meta.get("steps", {})
     if not isinstance(steps, dict) or not all(
@@ -906,6 +907,10 @@ def validate_config(config: object, path: Path | str) -> None:
                 )
         if not _is_count(entry.get("count", 0)):
             raise InputError(path, f"{where}.count must be an integer (0 or more)")
+        if total and entry.get("count", 0) > total:  # counts are inclusive: at most all ops
+            raise InputError(
+                path, f"{where}.count {entry['count']} is more than meta.total {total}"
+            )
         by_source = entry.get("sources", {})
         if not isinstance(by_source, dict) or not all(
             isinstance(k, str) and _is_count(v) for k, v in by_source.items()

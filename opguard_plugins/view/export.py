@@ -23,12 +23,12 @@ import click
 from opguard_core import hookimpl
 from opguard_core.cli import exits
 from opguard_core.cli.options import verbose_option
-from opguard_core.cli.run_command import CONFIG_SUFFIXES
 from opguard_core.combine.accumulator import TraceAccumulator
 from opguard_core.configs.selection import PatternError, Selection, compile_patterns
 from opguard_core.errors import ExitCode, PluginError, one_line
 from opguard_core.files.atomic import atomic_write_bytes
 from opguard_core.files.output_dirs import check_output_file
+from opguard_core.formats import CONFIG_SUFFIXES
 from opguard_core.formats.readers import HEAD, Readers
 from opguard_core.formats.stacks import Stack, tree_stacks
 from opguard_core.formats.trace import read_bytes
