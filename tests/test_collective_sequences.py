@@ -379,6 +379,11 @@ def test_combined_partial_ranks_read_back_and_bad_ones_are_refused(tmp_path: Pat
     again = TraceAccumulator()  # a combined trace as an input keeps the list
     again.add_file(write(tmp_path / "c.json", json.loads(b"".join(orders[0].json_parts()))))
     assert again.result().meta["partial_ranks"] == {"1": marker}
+    setup = [{**d, "meta": {**d["meta"], "phase": "setup"}} for d in docs]  # its phase ended
+    acc = TraceAccumulator()
+    for r, d in enumerate(setup):
+        acc.add_file(write(tmp_path / f"s_rank{r}.json", d))
+    assert "partial_ranks" not in acc.result().meta
     bad = json.loads(b"".join(orders[0].json_parts()))
     bad["meta"]["partial_ranks"] = {"7": marker}  # not a rank of the file
     with pytest.raises(InputError, match="partial_ranks must map the file's ranks"):

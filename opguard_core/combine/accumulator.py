@@ -71,6 +71,7 @@ from opguard_core.formats.trace import (
     PARTIAL_RANKS_KEY,
     READ_VERSIONS,
     ROLE_VERSION,
+    SETUP_PHASE,
     TRACE_FORMAT,
     Callsite,
     DecodedTrace,
@@ -1112,11 +1113,13 @@ def partial_ranks(
 ) -> dict[int, dict[str, Any]]:
     """The ranks of one input whose records were written before their process was done:
     a combined input's ``meta.partial_ranks``, else every rank of a file with
-    ``meta.partial`` (a mapping: what the tracer writes). Refuses a ``partial_ranks``
-    that does not map the file's ranks to mappings."""
+    ``meta.partial`` (a mapping: what the tracer writes) but a set-up file's. Refuses a
+    ``partial_ranks`` that does not map the file's ranks to mappings."""
     if PARTIAL_RANKS_KEY not in meta:
         marker = meta.get("partial")
-        return {rank: marker for rank in file_ranks} if isinstance(marker, dict) else {}
+        if not isinstance(marker, dict) or meta.get("phase") == SETUP_PHASE:
+            return {}  # complete, or a set-up file: its phase had ended when it was written
+        return {rank: marker for rank in file_ranks}
     listed, found = meta[PARTIAL_RANKS_KEY], partial_ranks_of(meta)
     if isinstance(listed, dict) and len(found) == len(listed) and found.keys() <= set(file_ranks):
         return found
