@@ -25,10 +25,13 @@ pytestmark = pytest.mark.torch
 
 
 def sync(step: int, case: str) -> None:
-    """The program's collectives of one step; ``case`` departs from step 2 on."""
+    """The program's collectives of one step; ``case`` departs from step 2 on (``die``:
+    raises in step 3, after its first collective)."""
     odd = step >= 2
-    dtype = torch.int32 if odd and case == "dtype" else torch.float32
+    dtype = torch.int32 if odd and case.startswith("dtype") else torch.float32
     dist.all_reduce(torch.ones(6, dtype=dtype))
+    if case.endswith("die") and step == 3:
+        raise RuntimeError("the peer is gone")
     if not (odd and case == "missing"):
         dist.all_reduce(torch.ones(8 if odd and case == "size" else 4))
     if odd and case == "extra":
@@ -97,3 +100,38 @@ def test_check_finds_what_the_guard_would_raise(tmp_path: Path) -> None:
         # named by the function that issued it (or, missing, by the op it lacks)
         assert found[0]["target"] in {"test_check_sequences:sync", "c10d::allreduce_"}, found
         assert "step 2" in found[0]["message"], found[0]["message"]
+
+
+@pytest.mark.usefixtures("group")
+def test_a_run_that_died_mid_step_is_held_to_what_it_got_to(tmp_path: Path) -> None:
+    """The program raised halfway through step 3: its trace is partial. Its last step
+    is held to a loop step (not to what the good run did after its loop) and neither
+    what it did not get to nor its counts are reported; the report says why."""
+    base = traced(tmp_path / "t", "base", 6)
+    result = invoke("run", "-i", base, "--output-base", tmp_path / "run")
+    config = Path(result.stdout.strip().splitlines()[-1])
+
+    def marked_partial(path: Path, step: int) -> Path:
+        """As ``opguard trace`` writes a process that died of the exception (the
+        in-process API writes what the block ran, unmarked)."""
+        doc = json.loads(path.read_text())
+        doc["meta"]["partial"] = {"reason": "exception", "exception": "RuntimeError",
+                                  "at": "2026-12-06T10:00:00.000Z", "step": step}  # fmt: skip
+        path.write_text(json.dumps(doc))
+        return path
+
+    with pytest.raises(RuntimeError), trace_callsites("died", tmp_path / "t", rank=0):
+        train(6, "die")
+    died = marked_partial(tmp_path / "t" / "died_callsite_rank0.json", 3)
+    checked = invoke("check", "--config", config, "-i", died)
+    assert checked.exit_code == 0, checked.stdout
+    head, *rest = checked.stdout.splitlines()
+    assert "traces that end early, rank 0: exception RuntimeError at step 3" in head
+    assert head.endswith(": 0 error(s), 0 warning(s)") and rest == [], checked.stdout
+    # a departure before the end is still one
+    with pytest.raises(RuntimeError), trace_callsites("odd", tmp_path / "t", rank=0):
+        train(6, "dtype+die")
+    odd = marked_partial(tmp_path / "t" / "odd_callsite_rank0.json", 3)
+    checked = invoke("check", "--config", config, "-i", odd, "--format", "json")
+    kinds = [v["kind"] for v in json.loads(checked.stdout)["violations"]]
+    assert checked.exit_code == 1 and "collective_dtype" in kinds, checked.stdout

@@ -4,8 +4,9 @@ made the config it enforces.
 
 :class:`Pipeline` works in a scratch run directory of its own (removed on exit) and
 keeps the run's records, so its failures read as the run's would. Its stages log only
-with ``options.verbose``: the command that uses it reports :meth:`Pipeline.failures`
-itself, once each.
+with ``options.verbose`` (the command that uses it reports :meth:`Pipeline.failures`
+itself, once each); its run warnings are logged, but for an entry made ``quietly``
+(one rank file of a job, where "no trace of rank 1" says nothing).
 """
 
 from __future__ import annotations
@@ -19,10 +20,12 @@ from typing import Any
 from ruamel.yaml.comments import CommentedMap
 
 from opguard_core.configs.chain import active_filters, apply_filters
+from opguard_core.formats.trace import partial_ranks_of
 from opguard_core.model import InputEntry, RunOptions
 from opguard_core.plugin.manager import OpGuardPluginManager
 from opguard_core.run.records import EventRecorder
 from opguard_core.run.runner import Runner
+from opguard_core.run.warnings import collecting
 
 
 class Pipeline:
@@ -40,6 +43,9 @@ class Pipeline:
         if not options.verbose:  # the stages' records are kept, their log events dropped
             self._runner.recorder.log = EventRecorder([])
         self._filters = active_filters(manager, options)
+        #: the ranks whose traces were written before their process was done, with
+        #: their ``meta.partial`` (formats.md §1, version 8), over every entry made
+        self.partial: dict[int, dict[str, Any]] = {}
 
     def __enter__(self) -> Pipeline:
         return self
@@ -53,10 +59,15 @@ class Pipeline:
         """The entries of the inputs; refused inputs are :meth:`failures`."""
         return self._runner.discover()
 
-    def config(self, entry: InputEntry) -> CommentedMap | None:
+    def config(self, entry: InputEntry, quietly: bool = False) -> CommentedMap | None:
         """``entry``'s config as the run makes it (combine, compress, generate) and the
         run's filter chain applied; None when a stage failed (see :meth:`failures`)."""
-        config: CommentedMap | None = self._runner.process_entry(entry, side=False).get("generate")
+        quiet = quietly and not self.options.verbose
+        with collecting(self._runner.recorder.warnings, quiet=quiet):
+            results = self._runner.process_entry(entry, side=False)
+        if results.get("combine") is not None:
+            self.partial.update(partial_ranks_of(results["combine"].meta))
+        config: CommentedMap | None = results.get("generate")
         if config is None or not self._filters:
             return config
         log = self._runner.recorder.log

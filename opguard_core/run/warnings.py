@@ -20,6 +20,8 @@ from opguard_core.logs import get_logger
 _COLLECTED: contextvars.ContextVar[list[dict[str, Any]] | None] = contextvars.ContextVar(
     "opguard_run_warnings", default=None
 )
+#: whether the warnings collected now are only collected, not logged
+_QUIET: contextvars.ContextVar[bool] = contextvars.ContextVar("opguard_quiet", default=False)
 
 
 def warn(message: str, **fields: Any) -> None:
@@ -37,19 +39,22 @@ def warn(message: str, **fields: Any) -> None:
         if bound.get(key) is not None:
             record[key] = bound[key]
     record.update(fields)
-    get_logger().warning(record["message"], **fields)
+    if not _QUIET.get():
+        get_logger().warning(record["message"], **fields)
     collected = _COLLECTED.get()
     if collected is not None:
         collected.append(record)
 
 
 @contextlib.contextmanager
-def collecting(into: list[dict[str, Any]]) -> Iterator[list[dict[str, Any]]]:
-    """Collect every :func:`warn` made inside the block into ``into``."""
-    token = _COLLECTED.set(into)
+def collecting(into: list[dict[str, Any]], quiet: bool = False) -> Iterator[list[dict[str, Any]]]:
+    """Collect every :func:`warn` made inside the block into ``into`` (``quiet``: and
+    log none: a command that runs stages as a library and reports on its own)."""
+    token, quieted = _COLLECTED.set(into), _QUIET.set(quiet)
     try:
         yield into
     finally:
+        _QUIET.reset(quieted)
         _COLLECTED.reset(token)
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +56,7 @@ from opguard_core.formats.collectives import (
 from opguard_core.formats.config import entry_key, load_config
 from opguard_core.formats.config_collectives import read_config_collectives
 from opguard_core.formats.sources import config_steps, loop_only, project, recorded_sources
+from opguard_core.formats.trace import describe_partial
 from opguard_core.formats.tree import TORCH_API
 from opguard_core.logs import configure_logging, get_logger
 from opguard_core.model import InputEntry, RunOptions
@@ -161,6 +162,10 @@ class Observed:
     files: list[Path] = dataclasses.field(default_factory=list)
     #: each entry (its name: the traces' label) observed alone, as above
     entries: dict[str, Observed] = dataclasses.field(default_factory=dict)
+    #: the ranks whose traces were written before their process was done (their
+    #: ``meta.partial``): their counts and their last, interrupted step are not held
+    #: to the config
+    partial: dict[int, dict[str, Any]] = dataclasses.field(default_factory=dict)
 
 
 def observe(manager: OpGuardPluginManager, inputs: Sequence[str], options: RunOptions) -> Observed:
@@ -183,7 +188,7 @@ def observe(manager: OpGuardPluginManager, inputs: Sequence[str], options: RunOp
             for path in entry.files:
                 index += 1
                 single = InputEntry(f"{entry.name}_{index}", (path,), index, entry.specs)
-                config = pipeline.config(single)
+                config = pipeline.config(single, quietly=True)  # the whole entry warns
                 if config is None:
                     continue
                 rank = int(((config.get("meta") or {}).get("ranks") or [0])[0])
@@ -196,8 +201,9 @@ def observe(manager: OpGuardPluginManager, inputs: Sequence[str], options: RunOp
                 alone[entry.name].combined = whole
                 combined = whole if combined is None else pipeline.merge(combined, whole)
         problems = pipeline.failures()
+        partial = pipeline.partial
     files = [Path(path) for entry in entries for path in entry.files]
-    return Observed(configs, problems, combined, files, alone)
+    return Observed(configs, problems, combined, files, alone, partial)
 
 
 def _steps(config: dict[str, Any]) -> int | None:
@@ -465,9 +471,10 @@ def check_sequences(
             items: dict[str, list[Mapping[str, Any]]] = {}
             for item in raw:
                 items.setdefault(str(item.get("source")), []).append(item)
+            cut = rank in observed.partial
             for source, collectives in read_config_collectives(raw, path).items():
                 for item, sequence in zip(items[source], collectives.sequences, strict=True):
-                    out.extend(_replay(expected, sequence, item, rank))
+                    out.extend(_replay(expected, sequence, item, rank, cut))
     return out
 
 
@@ -497,10 +504,17 @@ class _ComparableSteps(ExpectedSteps):
 
 
 def _replay(
-    expected: Collectives, sequence: CollectiveSequence, item: Mapping[str, Any], rank: int
+    expected: Collectives,
+    sequence: CollectiveSequence,
+    item: Mapping[str, Any],
+    rank: int,
+    cut: bool = False,
 ) -> list[Violation]:
     """``rank``'s calls in ``sequence`` (``item``: its config form, whose signatures
-    name the calling function) through a :class:`SequenceChecker`."""
+    name the calling function) through a :class:`SequenceChecker`. ``cut``: the rank's
+    trace ends early (``meta.partial``): its last step was interrupted, so it is held
+    to a loop step (not to what the good run did after its loop) and what it did not
+    get to is not missing."""
     found: list[Violation] = []
 
     def report(violation: Violation, message: str, stop: bool) -> None:
@@ -511,7 +525,7 @@ def _replay(
         return found
     signatures = item.get("signatures") or {}
     groups = [g.name for g in sequence.groups]
-    last = sequence.steps[-1].last if sequence.steps else 0
+    last = -1 if cut else sequence.steps[-1].last if sequence.steps else 0
     assert checker.expected is not None
     checker.expected = _ComparableSteps(checker.expected, last)
     for step, call in sequence.calls():
@@ -521,9 +535,29 @@ def _replay(
         at = str((signatures.get(call) or {}).get("at") or sig.op)
         call_of = (groups[sig.group], sig.dtype, sig.numel, sig.shapes, sig.reduce_op)
         checker.check(sig.op, call_of, step, at.split(" (", 1)[0])
-    for violation in checker.finish():
+    for violation in checker.finish() if not cut else ():
         report(violation, "", False)
     return found
+
+
+#: violations that compare what a rank ran over the whole run: a rank whose trace
+#: ends early ran less, and says nothing by that
+WHOLE_RUN_KINDS = frozenset({"count_drift", "missing", "missing_op"})
+
+
+def without_partial_counts(violations: list[Violation], partial: Iterable[int]) -> list[Violation]:
+    """``violations`` with the ranks whose traces end early (``partial``) taken out of
+    every :data:`WHOLE_RUN_KINDS` violation (dropped when no rank is left)."""
+    cut = set(partial)
+    kept = []
+    for v in violations:
+        if v.kind in WHOLE_RUN_KINDS and cut.intersection(v.ranks):
+            ranks = [r for r in v.ranks if r not in cut]
+            if not ranks:
+                continue
+            v = dataclasses.replace(v, ranks=ranks)
+        kept.append(v)
+    return kept
 
 
 def format_text(config: str, violations: Sequence[Violation], compared: str | None = None) -> str:
@@ -626,6 +660,13 @@ def make_command(manager: OpGuardPluginManager) -> click.Command:
         violations = join_ranks(
             [*violations, *check_sequences(config, observed, sources, config_path)]
         )
+        if observed.partial:
+            violations = without_partial_counts(violations, observed.partial.keys())
+            cut = (
+                f"traces that end early, {describe_partial(observed.partial)}: "
+                "their counts and last step not compared"
+            )
+            compared = f"{compared}; {cut}" if compared else cut
         if fmt == "json":
             document = check_report(str(config_path), violations)
             if output is not None:
