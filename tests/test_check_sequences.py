@@ -135,3 +135,17 @@ def test_a_run_that_died_mid_step_is_held_to_what_it_got_to(tmp_path: Path) -> N
     checked = invoke("check", "--config", config, "-i", odd, "--format", "json")
     kinds = [v["kind"] for v in json.loads(checked.stdout)["violations"]]
     assert checked.exit_code == 1 and "collective_dtype" in kinds, checked.stdout
+
+
+@pytest.mark.usefixtures("group")
+def test_traces_without_sequences_say_the_collectives_were_not_compared(tmp_path: Path) -> None:
+    base = traced(tmp_path / "t", "base", 3)
+    result = invoke("run", "-i", base, "--output-base", tmp_path / "run")
+    config = Path(result.stdout.strip().splitlines()[-1])
+    again = traced(tmp_path / "t", "again", 3)
+    doc = json.loads(again.read_text())
+    del doc["collectives"]  # as a reader that records none (a Kineto trace without them)
+    again.write_text(json.dumps(doc))
+    checked = invoke("check", "--config", config, "-i", again)
+    head = checked.stdout.splitlines()[0]
+    assert "the config's collective sequences not compared: the traces record none" in head

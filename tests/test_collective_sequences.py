@@ -344,23 +344,26 @@ def test_a_rank_without_a_trace_is_named(opguard: Callable[..., Any], tmp_path: 
 def test_the_rank_that_ended_first_is_named() -> None:
     """A job that fell apart: every rank's trace is partial; the one whose record ends
     first is where to look."""
-    from opguard_core.formats.trace import describe_partial, first_to_end
+    from opguard_core.formats.trace import describe_partial, first_to_end, partial_ranks_of
 
     raised = {"reason": "exception", "exception": "RuntimeError", "step": 3}
-    partial = {
+    partial = partial_ranks_of({"partial_ranks": {
         "0": {**raised, "at": "2026-12-06T18:30:20.558Z"},
         "1": {**raised, "at": "2026-12-06T18:30:20.216Z"},
         "2": {"reason": "sigterm", "at": "2026-12-06T18:30:21.000Z", "step": 3},
-    }
+    }})  # fmt: skip
     assert describe_partial(partial) == (
         "ranks 0, 1: exception RuntimeError at step 3; rank 2: sigterm at step 3"
     )
     assert first_to_end(partial) == (
         "rank 1 ended first, at 2026-12-06T18:30:20.216Z, 0.342 s before the next (rank 0)"
     )
-    partial["0"]["at"] = partial["1"]["at"]  # a tie names no one
+    partial[0]["at"] = partial[1]["at"]  # a tie names no one
     assert first_to_end(partial) is None
-    assert first_to_end({"0": {"reason": "flush", "at": "not a time"}, "1": {}}) is None
+    assert first_to_end({0: {"reason": "flush", "at": "not a time"}, 1: {}}) is None
+    # every rank told to stop (a hang killed by a timeout): the first to go is no culprit
+    stopped = {r: {"reason": "sigterm", "at": f"2026-12-06T18:30:2{r}.000Z"} for r in (0, 1)}
+    assert first_to_end(stopped) is None
 
 
 def test_combined_partial_ranks_read_back_and_bad_ones_are_refused(tmp_path: Path) -> None:

@@ -299,13 +299,16 @@ def end_times(partial: dict[int, dict[str, Any]]) -> dict[int, float]:
 
 def first_to_end(partial: dict[int, dict[str, Any]]) -> str | None:
     """Of partial ranks (:func:`partial_ranks_of`), the rank whose record ends first,
-    when two or more say when (``at``) and one is earliest: in a job that fell apart,
-    the rank that went first is where to look (``rank 1 ended first, at …, 0.342 s
-    before the next``). None otherwise."""
+    when two or more say when (``at``), one is earliest and it did not end because it
+    was told to (SIGTERM, SIGINT: a launcher or a timeout stopping every rank at once):
+    in a job that fell apart, the rank that went first is where to look (``rank 1
+    ended first, at …, 0.342 s before the next``). None otherwise."""
     times = end_times(partial)
     ends = sorted((when, rank, partial[rank]["at"]) for rank, when in times.items())
     if len(ends) < 2 or ends[0][0] == ends[1][0]:
         return None
+    if partial[ends[0][1]].get("reason") in ("sigterm", "sigint"):
+        return None  # told to stop (a launcher or a timeout stopping every rank): no culprit
     return (
         f"rank {ends[0][1]} ended first, at {ends[0][2]}, "
         f"{ends[1][0] - ends[0][0]:.3f} s before the next (rank {ends[1][1]})"

@@ -660,13 +660,21 @@ def make_command(manager: OpGuardPluginManager) -> click.Command:
         violations = join_ranks(
             [*violations, *check_sequences(config, observed, sources, config_path)]
         )
+        notes = [compared] if compared else []
+        if "collectives" in config and not any(
+            mine.get("collectives")
+            for alone in observed.entries.values()
+            for mine in alone.configs.values()
+        ):
+            notes.append("the config's collective sequences not compared: the traces record none")
         if observed.partial:
             violations = without_partial_counts(violations, observed.partial.keys())
             cut = (
                 f"traces that end early, {describe_partial(observed.partial)}: "
                 "their counts and last step not compared"
             )
-            compared = f"{compared}; {cut}" if compared else cut
+            notes.append(cut)
+        compared = "; ".join(notes) or None
         if fmt == "json":
             document = check_report(str(config_path), violations)
             if output is not None:
