@@ -210,8 +210,10 @@ def test_periodic_flush_bounds_what_sigkill_of_the_worker_loses(tmp_path: Path) 
     code, err = _finish(proc)
     assert code == 137, err
     meta = _assert_work_recorded(trace_file)
-    assert meta["partial"]["reason"] == "flush"
+    # opguard trace saw the process end without writing: the flush's marker says so
+    assert meta["partial"]["reason"] == "lost"
     assert "its trace up to the last flush is in p_callsite_rank0.json" in err
+    assert "(marked partial, reason lost)" in err
 
 
 def test_flush_seconds_zero_flushes_nothing(tmp_path: Path) -> None:
@@ -247,7 +249,7 @@ def test_flush_every_n_optimizer_steps(tmp_path: Path) -> None:
     os.kill(int(ready.read_text()), signal.SIGKILL)
     _finish(proc)
     meta = load_trace(out / "p_callsite_rank0.json").meta
-    assert meta["partial"] == {**meta["partial"], "reason": "flush", "step": 4}
+    assert meta["partial"] == {**meta["partial"], "reason": "lost", "step": 4}
     # a flush writes the set-up apart from the loop as the exit would
     setup = load_trace(out / "p_setup_rank0.json").meta
     assert (meta["phase"], meta["steps"], setup["phase"], setup["steps"]) == ("loop", 3, "setup", 1)

@@ -7,7 +7,12 @@ from __future__ import annotations
 import datetime as _dt
 import os
 import sys
+from pathlib import Path
 from typing import Any
+
+import msgspec
+
+from opguard_core.files.atomic import atomic_write_bytes
 
 #: seconds between periodic flushes of a traced process's trace (0: none)
 FLUSH_SECONDS_ENV = "OPGUARD_TRACE_FLUSH_SECONDS"
@@ -52,12 +57,32 @@ def partial_marker(reason: str, steps: int, **more: Any) -> dict[str, Any]:
     return {"reason": reason, "at": at.replace("+00:00", "Z"), "step": steps, **more}
 
 
+#: ``meta.partial.reason`` of a flushed trace whose process then ended without writing
+#: its own (``os._exit``, SIGKILL): ``opguard trace`` sets it over the flush's
+#: (formats.md §1, version 8), so the trace says its process was lost, not only flushed
+LOST = "lost"
+
+
+def mark_lost(path: Path) -> bool:
+    """Mark the trace at ``path``, a periodic flush's, as the last record of a process
+    that ended without writing its own (:data:`LOST`); False if it is not a flush's."""
+    doc = msgspec.json.decode(path.read_bytes())
+    partial = doc.get("meta", {}).get("partial") if isinstance(doc, dict) else None
+    if not isinstance(partial, dict) or partial.get("reason") != "flush":
+        return False
+    partial["reason"] = LOST
+    atomic_write_bytes(path, msgspec.json.encode(doc))
+    return True
+
+
 __all__ = [
     "DEFAULT_FLUSH_SECONDS",
     "DEFAULT_FLUSH_STEPS",
     "FLUSH_SECONDS_ENV",
     "FLUSH_STEPS_ENV",
+    "LOST",
     "SPLIT_ENV",
     "flush_settings",
+    "mark_lost",
     "partial_marker",
 ]

@@ -43,7 +43,9 @@ from opguard_plugins.record.flush import (
     DEFAULT_FLUSH_STEPS,
     FLUSH_SECONDS_ENV,
     FLUSH_STEPS_ENV,
+    LOST,
     SPLIT_ENV,
+    mark_lost,
 )
 
 BOOTSTRAP_DIR = Path(__file__).resolve().parent / "_trace_bootstrap"
@@ -387,12 +389,14 @@ def trace(
             )
             continue
         flushed = info.get("flushed")
-        kept = (
-            f"its trace up to the last flush is in {one_line(Path(str(flushed)).name)} "
-            "(marked partial)"
-            if flushed
-            else "its operators are lost"
-        )
+        kept = "its operators are lost"
+        if flushed:
+            with contextlib.suppress(OSError, ValueError):  # msgspec.DecodeError is one
+                mark_lost(Path(str(flushed)))
+            kept = (
+                f"its trace up to the last flush is in {one_line(Path(str(flushed)).name)} "
+                f"(marked partial, reason {LOST})"
+            )
         click.echo(
             f"opguard trace: process {pid}{forked} ended without writing its trace "
             f"(os._exit, or killed by a signal): {kept}",
