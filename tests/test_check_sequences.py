@@ -111,18 +111,10 @@ def test_a_run_that_died_mid_step_is_held_to_what_it_got_to(tmp_path: Path) -> N
     result = invoke("run", "-i", base, "--output-base", tmp_path / "run")
     config = Path(result.stdout.strip().splitlines()[-1])
 
-    def marked_partial(path: Path, step: int) -> Path:
-        """As ``opguard trace`` writes a process that died of the exception (the
-        in-process API writes what the block ran, unmarked)."""
-        doc = json.loads(path.read_text())
-        doc["meta"]["partial"] = {"reason": "exception", "exception": "RuntimeError",
-                                  "at": "2026-12-06T10:00:00.000Z", "step": step}  # fmt: skip
-        path.write_text(json.dumps(doc))
-        return path
-
     with pytest.raises(RuntimeError), trace_callsites("died", tmp_path / "t", rank=0):
         train(6, "die")
-    died = marked_partial(tmp_path / "t" / "died_callsite_rank0.json", 3)
+    died = tmp_path / "t" / "died_callsite_rank0.json"  # marked partial: the block raised
+    assert json.loads(died.read_text())["meta"]["partial"]["exception"] == "RuntimeError"
     checked = invoke("check", "--config", config, "-i", died)
     assert checked.exit_code == 0, checked.stdout
     head, *rest = checked.stdout.splitlines()
@@ -131,7 +123,7 @@ def test_a_run_that_died_mid_step_is_held_to_what_it_got_to(tmp_path: Path) -> N
     # a departure before the end is still one
     with pytest.raises(RuntimeError), trace_callsites("odd", tmp_path / "t", rank=0):
         train(6, "dtype+die")
-    odd = marked_partial(tmp_path / "t" / "odd_callsite_rank0.json", 3)
+    odd = tmp_path / "t" / "odd_callsite_rank0.json"
     checked = invoke("check", "--config", config, "-i", odd, "--format", "json")
     kinds = [v["kind"] for v in json.loads(checked.stdout)["violations"]]
     assert checked.exit_code == 1 and "collective_dtype" in kinds, checked.stdout

@@ -339,3 +339,21 @@ def test_a_bad_phase_is_refused_in_one_line(tmp_path: Path, slmodel: Any) -> Non
     config.write_text(text.replace("phases: {a_callsite: loop}", "phases: {a_callsite: warmup}"))
     with pytest.raises(InputError, match=r"meta\.phases must map sources to setup or loop"):
         load_config(config)
+
+
+@pytest.mark.parametrize(
+    ("raised", "reason"),
+    [(RuntimeError, "exception"), (KeyboardInterrupt, "sigint"), (SystemExit, None)],
+)
+def test_a_block_left_by_an_exception_writes_a_trace_marked_partial(
+    tmp_path: Path, raised: type[BaseException], reason: str | None
+) -> None:
+    """As ``opguard trace`` marks a process that died of one; ``sys.exit`` ends a
+    complete record. The exception goes on."""
+    with pytest.raises(raised), trace_callsites("blk", tmp_path, rank=0, split=False) as t:
+        torch.ones(3) + 1
+        raise raised()
+    meta = load_trace(Path(str(t.written))).meta
+    assert (meta.get("partial") or {}).get("reason") == reason
+    if raised is RuntimeError:
+        assert meta["partial"]["exception"] == "RuntimeError" and meta["partial"]["step"] == 0

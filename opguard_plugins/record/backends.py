@@ -63,15 +63,33 @@ def trace_callsites(
         and the loop to the trace file (docs/tracing.md, "Set-up and loop"); False:
         one file for the whole block.
     :param extra_meta: more keys for the trace's ``meta``.
+
+    A block left by an exception (not ``SystemExit``) writes its trace marked partial
+    (``meta.partial``, as ``opguard trace`` marks a process that died of one), then the
+    exception goes on.
     """
     tracer = make_tracer(backend, label, output_dir, rank=rank, extra_meta=extra_meta)
     tracer.split_setup = split
     tracer.start()
     try:
         yield tracer
-    finally:
+    except BaseException as exc:  # the block ended early: the trace says so, then it goes on
         tracer.stop()
-        tracer.write()
+        tracer.write(partial=ended_by(type(exc), tracer.steps_done))
+        raise
+    tracer.stop()
+    tracer.write()
+
+
+def ended_by(kind: type[BaseException], steps: int) -> dict[str, Any] | None:
+    """``meta.partial`` of tracing ended by an exception of ``kind`` after ``steps``
+    optimizer steps: ``sigint`` for a KeyboardInterrupt, else ``exception`` with its
+    class name; None for ``SystemExit`` (``sys.exit`` ends a complete record)."""
+    if issubclass(kind, SystemExit):
+        return None
+    if issubclass(kind, KeyboardInterrupt):
+        return partial_marker("sigint", steps)
+    return partial_marker("exception", steps, exception=kind.__name__)
 
 
 # ---------------------------------------------------------------------------
@@ -271,11 +289,7 @@ def _note_uncaught(previous: Any) -> Any:
     def excepthook(kind: type[BaseException], value: BaseException, tb: Any) -> None:
         tracer, state = _PROCESS_TRACER, _STATE
         if tracer is not None and state is not None and state.ended is None:
-            if issubclass(kind, KeyboardInterrupt):
-                state.ended = partial_marker("sigint", tracer.steps_done)
-            else:
-                name = kind.__name__
-                state.ended = partial_marker("exception", tracer.steps_done, exception=name)
+            state.ended = ended_by(kind, tracer.steps_done)
         previous(kind, value, tb)
 
     return excepthook
