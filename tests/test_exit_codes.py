@@ -270,3 +270,17 @@ def _exit_of(args: list[str]) -> int:
         main(args)
     code = exit_info.value.code
     return code if isinstance(code, int) else 1
+
+
+def test_a_signal_forwarded_twice_is_named_once() -> None:
+    """GNU ``timeout`` sends SIGTERM, then SIGTERM again to what is left."""
+    from opguard_plugins.record.trace import TraceOutcome
+
+    outcome = TraceOutcome(1, [signal.SIGTERM, signal.SIGTERM], [], [])
+    assert outcome.status_line() == (
+        "received SIGTERM (2 times), forwarded to the command, which exited with 1"
+    )
+    assert outcome.exit_code == 143
+    assert TraceOutcome(-2, [signal.SIGINT], [], []).status_line() == (
+        "received SIGINT, forwarded to the command, which was killed by SIGINT"
+    )

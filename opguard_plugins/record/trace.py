@@ -177,15 +177,19 @@ class TraceOutcome:
     def status_line(self) -> str | None:
         """One line on how the command ended, when that was not a plain exit."""
         own = (
-            f"killed by {signal.Signals(-self.returncode).name}"
+            f"was killed by {signal.Signals(-self.returncode).name}"
             if self.returncode < 0
             else f"exited with {self.returncode}"
         )
         if self.signals:
-            names = ", ".join(signal.Signals(n).name for n in self.signals)
+            counts: dict[str, int] = {}
+            for number in self.signals:  # SIGTERM twice (GNU timeout sends two): once
+                name = signal.Signals(number).name
+                counts[name] = counts.get(name, 0) + 1
+            names = ", ".join(n if c == 1 else f"{n} ({c} times)" for n, c in counts.items())
             return f"received {names}, forwarded to the command, which {own}"
         if self.returncode < 0:
-            return f"the command was {own} (exit {self.exit_code})"
+            return f"the command {own} (exit {self.exit_code})"
         return None
 
 
