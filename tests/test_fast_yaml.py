@@ -165,7 +165,8 @@ def configs(draw: st.DrawFn, text: st.SearchStrategy[str]) -> CommentedMap:
     config["meta"] = block_map(
         [
             ("ranks", flow_seq(meta_ranks)),
-            ("total", draw(counts)),
+            # counts are inclusive: none above the total (the loader refuses it)
+            ("total", max((e["count"] for e in entries), default=0) + draw(counts)),
             ("sources", flow_seq(draw(st.lists(text, max_size=2)))),
             # hide patterns must compile (settings are validated at load): the drawn
             # text escaped, which keeps it adversarial for YAML
