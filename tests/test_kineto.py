@@ -28,6 +28,7 @@ from hypothesis import strategies as st
 
 from opguard_core.formats.readers import Readers
 from opguard_core.formats.trace import TRACE_VERSION, read_bytes
+from opguard_core.run.summary import summary_lines
 from opguard_plugins.readers.kineto import KinetoError, looks_like_kineto, read_kineto
 from opguard_plugins.stages.combine import combine_parallel
 from opguard_plugins.stages.compress import DEFAULT_HIDE
@@ -632,8 +633,19 @@ def test_a_glob_of_kineto_rank_files_is_one_entry(opguard: Opguard, tmp_path: Pa
     assert roles == {("c10d::allreduce_", "comm"): 24, ("c10d::alltoall_base_", "comm"): 40}
     config = run.read("rank_instrumentation.yaml")
     assert "version: 5" in config and "      comm: " in config and "      side1: " in config
-    # the window's cuts are reported, not silently dropped
-    assert any("profiling window cut work" in w["message"] for w in summary["warnings"])
+    # the window's cuts are reported, not silently dropped: all eight kept in the
+    # summary, one logged and one printed with how many more (a thousand ranks must
+    # not make a thousand lines)
+    cuts = [w for w in summary["warnings"] if "profiling window cut work" in w["message"]]
+    assert len(cuts) == 8 and {w["alike"] for w in cuts} == {"the profiling window cut work"}
+    logged = [line for line in run.stderr.splitlines() if "profiling window cut work" in line]
+    assert len(logged) == 1, logged
+    lines = summary_lines(summary)
+    assert sum("profiling window cut work:" in line for line in lines) == 1
+    assert (
+        "  warning: … and 7 more like it (the profiling window cut work; all in "
+        "pipeline_summary.json)" in lines
+    )
 
 
 def test_kineto_rank_files_named_as_profiled_are_one_entry(

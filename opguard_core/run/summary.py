@@ -317,11 +317,23 @@ def summary_lines(summary: dict[str, Any]) -> list[str]:
             lines.append(f"  {label}: {run_dir / name}")
     if final is None:
         lines.append("  final config: none")
+    alike: dict[str, int] = {}  # kind -> how many of it after the first
     for warning in warnings:
+        kind = warning.get("alike")
+        if kind is not None and kind in alike:
+            alike[kind] += 1
+            continue
+        if kind is not None:
+            alike[kind] = 0
         fields = ", ".join(
-            f"{k}={v}" for k, v in warning.items() if k != "message" and v is not None
+            f"{k}={v}"
+            for k, v in warning.items()
+            if k not in ("message", "alike") and v is not None
         )
         lines.append(f"  warning: {warning.get('message')}" + (f" ({fields})" if fields else ""))
+    for kind, more in alike.items():
+        if more:
+            lines.append(f"  warning: … and {more} more like it ({kind}; all in {SUMMARY_FILE})")
     found = divergence_counts(summary)
     if found is not None:
         where = f" in {', '.join(found['entries'])}" if found["entries"] else ""

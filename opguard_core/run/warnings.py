@@ -24,10 +24,14 @@ _COLLECTED: contextvars.ContextVar[list[dict[str, Any]] | None] = contextvars.Co
 _QUIET: contextvars.ContextVar[bool] = contextvars.ContextVar("opguard_quiet", default=False)
 
 
-def warn(message: str, **fields: Any) -> None:
+def warn(message: str, *, alike: str | None = None, **fields: Any) -> None:
     """Log ``message`` as a warning and add it to the current run's warnings.
 
     :param message: one line, complete on its own (it is printed as is).
+    :param alike: a name for one kind of warning made once per input (a Kineto file's
+        profiling window, for each of a thousand ranks): all are kept, but only the
+        first of a kind is logged, and the run's summary prints it once with how many
+        more there are.
     :param fields: JSON-able details (``pattern=``, ``file=``, ...); the bound
         ``stage`` and ``entry`` are added where there are (a field overrides them).
     """
@@ -39,9 +43,13 @@ def warn(message: str, **fields: Any) -> None:
         if bound.get(key) is not None:
             record[key] = bound[key]
     record.update(fields)
-    if not _QUIET.get():
-        get_logger().warning(record["message"], **fields)
     collected = _COLLECTED.get()
+    repeat = False
+    if alike is not None:
+        record["alike"] = alike
+        repeat = any(r.get("alike") == alike for r in collected or ())
+    if not _QUIET.get() and not repeat:
+        get_logger().warning(record["message"], **fields)
     if collected is not None:
         collected.append(record)
 

@@ -236,6 +236,7 @@ def opguard_read_trace(path: Path, data: bytes) -> dict[str, Any] | None:
         warn(
             f"{path}: the profiling window cut work: {', '.join(cut)} (meta.window; "
             "docs/kineto.md)",
+            alike="the profiling window cut work",
             file=str(path),
             window=window,
         )
