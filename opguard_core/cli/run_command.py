@@ -27,7 +27,7 @@ from opguard_core.cli.options import (
     verbose_option,
 )
 from opguard_core.errors import ExitCode, one_line
-from opguard_core.formats import CONFIG_SUFFIXES
+from opguard_core.formats import names_a_config
 from opguard_core.logs import configure_logging
 from opguard_core.model import (
     DEFAULT_CONTEXT_DEPTH,
@@ -257,7 +257,7 @@ def _refuse_configs(inputs: Sequence[str]) -> None:
     """``run`` reads traces; a YAML config given as input is a usage error that names
     the commands made for configs."""
     for spec in inputs:
-        if spec.lower().endswith(CONFIG_SUFFIXES):
+        if names_a_config(spec):
             raise click.UsageError(
                 f"--input {spec}: a YAML config, not a callsite trace; "
                 "use opguard compare, merge, filter or show on configs"

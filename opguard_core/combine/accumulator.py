@@ -1195,11 +1195,10 @@ def py_build_callsites(
 
 
 def _per_rank(
-    slot: list[Any],
-    ranks_of: Callable[[int], list[int]] = mask_to_ranks,
-    per_rank: type[PerRank] = PerRank,
+    slot: list[Any], ranks_of: Callable[[int], list[int]], per_rank: type[PerRank]
 ) -> PerRank:
-    """The written statistics of a site whose ranks disagree (min < max)."""
+    """The written statistics of a site whose ranks disagree (min < max), its rank
+    lists from ``ranks_of``."""
     hist = _histogram(slot, copy=False)
     return per_rank(
         min=slot[_MIN],

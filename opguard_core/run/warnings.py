@@ -22,6 +22,10 @@ _COLLECTED: contextvars.ContextVar[list[dict[str, Any]] | None] = contextvars.Co
 )
 #: whether the warnings collected now are only collected, not logged
 _QUIET: contextvars.ContextVar[bool] = contextvars.ContextVar("opguard_quiet", default=False)
+#: the ``alike`` kinds among the warnings collected now (a repeat is not logged)
+_KINDS: contextvars.ContextVar[set[str] | None] = contextvars.ContextVar(
+    "opguard_warning_kinds", default=None
+)
 
 
 def warn(message: str, *, alike: str | None = None, **fields: Any) -> None:
@@ -43,11 +47,13 @@ def warn(message: str, *, alike: str | None = None, **fields: Any) -> None:
         if bound.get(key) is not None:
             record[key] = bound[key]
     record.update(fields)
-    collected = _COLLECTED.get()
+    collected, kinds = _COLLECTED.get(), _KINDS.get()
     repeat = False
     if alike is not None:
         record["alike"] = alike
-        repeat = any(r.get("alike") == alike for r in collected or ())
+        repeat = kinds is not None and alike in kinds
+        if kinds is not None:
+            kinds.add(alike)
     if not _QUIET.get() and not repeat:
         get_logger().warning(record["message"], **fields)
     if collected is not None:
@@ -59,9 +65,11 @@ def collecting(into: list[dict[str, Any]], quiet: bool = False) -> Iterator[list
     """Collect every :func:`warn` made inside the block into ``into`` (``quiet``: and
     log none: a command that runs stages as a library and reports on its own)."""
     token, quieted = _COLLECTED.set(into), _QUIET.set(quiet)
+    known = _KINDS.set({r["alike"] for r in into if "alike" in r})
     try:
         yield into
     finally:
+        _KINDS.reset(known)
         _QUIET.reset(quieted)
         _COLLECTED.reset(token)
 

@@ -28,7 +28,7 @@ from opguard_core.configs.selection import PatternError, Selection, compile_patt
 from opguard_core.errors import ExitCode, PluginError, one_line
 from opguard_core.files.atomic import atomic_write_bytes
 from opguard_core.files.output_dirs import check_output_file
-from opguard_core.formats import CONFIG_SUFFIXES
+from opguard_core.formats import names_a_config
 from opguard_core.formats.readers import HEAD, Readers
 from opguard_core.formats.stacks import Stack, tree_stacks
 from opguard_core.formats.trace import read_bytes
@@ -201,7 +201,7 @@ def make_command(manager: OpGuardPluginManager) -> click.Command:
             )
         if src.is_dir():  # a run directory: its entry's compressed tree
             src = run_tree(src)
-        elif src.name.lower().endswith(CONFIG_SUFFIXES):
+        elif names_a_config(src.name):
             raise click.UsageError(
                 f"{src}: a YAML config, not a callsite trace, a compressed tree or a run "
                 "directory; opguard show, compare and filter read configs"
