@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -100,6 +101,24 @@ def test_dask_reports_a_bad_rank_file_by_name(
     assert [s["stage"] for s in failed] == ["combine"]
     assert "gpt_callsite_rank1.json" in failed[0]["error"]
     assert "not valid JSON" in failed[0]["error"]
+
+
+def test_warnings_made_on_workers_reach_the_summary(
+    opguard: Callable[..., RunResult],
+    tmp_path: Path,
+    scheduler: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A run warning made reading a file on a worker (a Kineto file's cut profiling
+    window) is the summary's, as with the local executor: eight kept, one logged."""
+    kineto = Path(__file__).parent / "data" / "kineto"
+    for rank in range(8):
+        shutil.copy(kineto / f"dlrm_rank{rank}.pt.trace.json.gz", tmp_path / f"rank{rank}.json.gz")
+    monkeypatch.setenv(dask_executor.SCHEDULER_ENV, scheduler)
+    run = opguard("run", "-i", tmp_path / "rank*.json.gz", "--executor", "dask", expect=0)
+    cuts = [w for w in _summary(run)["warnings"] if "profiling window cut" in w["message"]]
+    assert sorted(Path(w["file"]).name for w in cuts) == [f"rank{r}.json.gz" for r in range(8)]
+    assert sum("profiling window cut" in line for line in run.stderr.splitlines()) == 1
 
 
 def test_tree_reduce_of_partials_equals_one_accumulator(samples: Path) -> None:

@@ -563,6 +563,10 @@ class TraceAccumulator:
         self.sequences_valid = True
         #: rank -> its rank file's ``meta.partial`` (PARTIAL_RANKS_KEY)
         self.partial: dict[int, dict[str, Any]] = {}
+        #: run warnings (records, opguard_core.run.warnings) made while adding files in
+        #: another process (a combine helper, a Dask worker), to be made again where
+        #: the result is used; empty where the files were added in that process
+        self.warnings: list[dict[str, Any]] = []
 
     def _intern(self, frame: Frame) -> int:
         index = self.frame_ids.get(frame)
@@ -867,6 +871,7 @@ class TraceAccumulator:
         _add_partial(self.partial, other.partial)
         self._add_summed(other.summed)
         self.extras.update(other.extras)
+        self.warnings += other.warnings
 
     def __getstate__(self) -> dict[str, Any]:
         """Pickle compactly: without ``frame_ids`` (rebuilt from ``frames``) or the

@@ -60,6 +60,19 @@ def warn(message: str, *, alike: str | None = None, **fields: Any) -> None:
         collected.append(record)
 
 
+def warn_again(records: list[dict[str, Any]]) -> None:
+    """Make here, as :func:`warn` makes them (logged, collected), the warnings another
+    process collected quietly (a combine's helper process, a Dask worker): each keeps
+    its message, ``alike`` and fields; ``stage`` and ``entry`` are this process's."""
+    for record in records:
+        fields = {k: v for k, v in record.items() if k not in _OWN_KEYS}
+        warn(record["message"], alike=record.get("alike"), **fields)
+
+
+#: what :func:`warn` puts in a record beside the caller's fields
+_OWN_KEYS = frozenset({"message", "alike", "stage", "entry"})
+
+
 @contextlib.contextmanager
 def collecting(into: list[dict[str, Any]], quiet: bool = False) -> Iterator[list[dict[str, Any]]]:
     """Collect every :func:`warn` made inside the block into ``into`` (``quiet``: and
@@ -74,4 +87,4 @@ def collecting(into: list[dict[str, Any]], quiet: bool = False) -> Iterator[list
         _COLLECTED.reset(token)
 
 
-__all__ = ["collecting", "warn"]
+__all__ = ["collecting", "warn", "warn_again"]

@@ -9,7 +9,10 @@ With several jobs (``--jobs N``, N > 1; ``0`` means automatic, see
 one at a time from a shared queue (so a slow file does not leave a core idle), each
 into its own accumulator; the helpers send their partial accumulators back at the
 end and the main process folds them in. The combine is a multiset union, so the
-result is the same whichever process took which file.
+result is the same whichever process took which file. The run warnings a helper
+makes reading its files (a Kineto file's cut profiling window) come back with its
+partial and are made in the main process, so ``pipeline_summary.json`` lists them
+as if the main process had read every file.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from opguard_core.formats.readers import Readers
 from opguard_core.logs import progress
 from opguard_core.model import InputEntry, RunOptions
 from opguard_core.processes import die_with_parent, signals_deferred
+from opguard_core.run.warnings import collecting, warn_again
 
 #: Below this many input bytes a pool costs more (process start-up) than it saves.
 AUTO_POOL_MIN_BYTES = 24 * 1024 * 1024
@@ -73,11 +77,17 @@ def combine_files(
 def combine_files_portable(
     paths: Sequence[Path | str], readers: Readers | None = None
 ) -> TraceAccumulator:
-    """:func:`combine_files` for other processes (pool, Dask): errors pickle."""
+    """:func:`combine_files` for other processes (Dask): errors pickle, and the run
+    warnings made reading the files travel in the result (``warnings``), unlogged,
+    for the run's process to make (:func:`warn_again`)."""
+    warnings: list[dict[str, Any]] = []
     try:
-        return combine_files(paths, readers=readers)
+        with collecting(warnings, quiet=True):
+            accumulator = combine_files(paths, readers=readers)
     except Exception as exc:
         raise portable_error(exc) from None
+    accumulator.warnings += warnings
+    return accumulator
 
 
 def cpu_count() -> int:
@@ -146,7 +156,8 @@ def _helper(tasks: Any, results: Any, readers: Readers | None, parent: int) -> N
     die_with_parent(signal.SIGKILL, parent)
     accumulator = TraceAccumulator()
     try:
-        with gc_paused():
+        # the run warnings made reading files go back with the result, unlogged
+        with gc_paused(), collecting(accumulator.warnings, quiet=True):
             while (path := tasks.get()) is not None:
                 accumulator.add_file(path, readers)
                 results.put(("file", None))
@@ -261,6 +272,7 @@ def combine_entry(
             accumulator = combine_parallel(entry.files, jobs, advance, readers)
         else:
             accumulator = combine_files(entry.files, advance, readers)
+    warn_again(accumulator.warnings)
     check_rank_claims(accumulator.claims)
     with gc_paused():
         return accumulator.result()

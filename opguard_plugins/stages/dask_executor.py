@@ -34,6 +34,7 @@ from opguard_core.errors import OpGuardError
 from opguard_core.formats.readers import Readers
 from opguard_core.logs import get_logger, progress
 from opguard_core.model import InputEntry, RunOptions
+from opguard_core.run.warnings import warn_again
 from opguard_plugins.stages.combine import combine_files_portable, portable_error, split_evenly
 
 EXECUTOR_NAME = "dask"
@@ -120,6 +121,7 @@ def combine_on_dask(
                     finished.add(client.submit(merge_partials, *ready, pure=False))
                     ready = []
             total: TraceAccumulator = ready[0].result()
+        warn_again(total.warnings)
         check_rank_claims(total.claims)
         with gc_paused():
             return total.result()
