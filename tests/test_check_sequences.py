@@ -120,6 +120,12 @@ def test_a_run_that_died_mid_step_is_held_to_what_it_got_to(tmp_path: Path) -> N
     head, *rest = checked.stdout.splitlines()
     assert "traces that end early, rank 0: exception RuntimeError at step 3" in head
     assert head.endswith(": 0 error(s), 0 warning(s)") and rest == [], checked.stdout
+    checked = invoke("check", "--config", config, "-i", died, "--format", "json")
+    report = json.loads(checked.stdout)  # says so too: not a clean pass
+    assert report["violations"] == [] and report["notes"] == [
+        "traces that end early, rank 0: exception RuntimeError at step 3: "
+        "their counts and last step not compared"
+    ]
     # a departure before the end is still one
     with pytest.raises(RuntimeError), trace_callsites("odd", tmp_path / "t", rank=0):
         train(6, "dtype+die")

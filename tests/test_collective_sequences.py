@@ -293,7 +293,7 @@ def test_a_rank_whose_trace_ended_early_is_said_to_have(
     assert combined["version"] == 8 and combined["meta"]["partial_ranks"] == {"2": marker}
     summary = json.loads((run_dir / "pipeline_summary.json").read_text())
     (warning,) = [w for w in summary["warnings"] if "before their process" in w["message"]]
-    assert warning["ranks"] == [2] and "rank 2: sigterm at step 1" in warning["message"]
+    assert warning["partial"] == 1 and "rank 2: sigterm at step 1" in warning["message"]
     assert "ended first" not in warning["message"]  # one rank: nothing to order
     # a complete rank that issued fewer collectives gets no such excuse
     del cut["meta"]["partial"]
@@ -325,6 +325,80 @@ def test_a_rank_0_that_ended_early_is_the_one_reported(
     counted = [f for f in doc["findings"] if f["kind"] in ("count_skew", "rank_specific")]
     assert counted and all("(not comparable: traces that end early" in f["message"]
                            for f in counted)  # fmt: skip
+
+
+def test_ranks_that_died_are_no_majority_against_the_one_that_went_on(
+    opguard: Callable[..., Any], tmp_path: Path
+) -> None:
+    """Three ranks, two of which were lost after step 0: their sequences end there
+    because their records do, so they do not outvote rank 2, which went on: they are
+    reported (missing, with why), not the healthy rank as issuing an 'extra' one."""
+    world = {**WORLD, "size": 3, "ranks": [0, 1, 2]}
+    lost = []
+    for rank in (0, 1):
+        doc = rank_doc(rank, [c for c in good() if c[0] == 0], [world], 3)
+        doc["meta"]["partial"] = {"reason": "lost", "at": f"2026-12-06T10:00:0{rank}.000Z",
+                                  "step": 1}  # fmt: skip
+        lost.append(doc)
+    doc = run_docs(opguard, tmp_path, *lost, rank_doc(2, good(), [world], 3))
+    (finding,) = collective_findings(doc)
+    assert (finding["kind"], finding["ranks"], finding["majority"]) == (
+        "collective_missing",
+        [0, 1],
+        False,
+    )
+    assert "ranks 0, 1: lost at step 1" in finding["message"]
+    # complete ranks that end their sequence there are a majority: rank 2's is extra
+    for d in lost:
+        del d["meta"]["partial"]
+    (tmp_path / "complete").mkdir()
+    doc = run_docs(opguard, tmp_path / "complete", *lost, rank_doc(2, good(), [world], 3))
+    assert [(f["kind"], f["ranks"], f["majority"]) for f in collective_findings(doc)] == [
+        ("collective_extra", [2], True)
+    ]
+
+
+def test_without_sequences_a_rank_0_that_died_is_the_one_reported(
+    opguard: Callable[..., Any], tmp_path: Path
+) -> None:
+    """Counts only (traces with no collective sequences, as older ones and Kineto's):
+    the rank whose record ended is held to the one that went on, as with sequences."""
+    cut = rank_doc(0, [c for c in good() if c[0] == 0])
+    cut["meta"]["partial"] = {"reason": "exception", "exception": "RuntimeError",
+                              "at": "2026-12-06T10:00:00.000Z", "step": 1}  # fmt: skip
+    whole = rank_doc(1, good())
+    for d in (cut, whole):
+        del d["collectives"]
+    doc = run_docs(opguard, tmp_path, cut, whole)
+    found = collective_findings(doc)
+    assert len(found) == 2  # both all-reduce callsites
+    for finding in found:
+        assert (finding["kind"], finding["ranks"], finding["expected"]) == (
+            "collective_mismatch",
+            [0],
+            3,
+        )
+        assert "against rank 1, whose record went on longest (3x)" in finding["message"]
+        assert "rank 0: exception RuntimeError at step 1" in finding["message"]
+
+
+@pytest.mark.parametrize("later", [0, 1])
+def test_ranks_all_told_to_stop_are_not_ordered_by_when(
+    opguard: Callable[..., Any], tmp_path: Path, later: int
+) -> None:
+    """A hang a timeout ends: every rank gets SIGTERM at once. Rank 1 stalled before
+    step 1's first all-reduce; which rank's handler ran a millisecond later does not
+    change who is reported."""
+    ahead = rank_doc(0, [c for c in good() if c[0] == 0] + [(1, AR, "float32", 6, 10)])
+    stalled = rank_doc(1, [c for c in good() if c[0] == 0])
+    for rank, d in enumerate((ahead, stalled)):
+        ms = 1 if rank == later else 0
+        d["meta"]["partial"] = {"reason": "sigterm", "at": f"2026-12-06T10:00:00.00{ms}Z",
+                                "step": 1}  # fmt: skip
+    doc = run_docs(opguard, tmp_path, ahead, stalled)
+    assert [(f["kind"], f["ranks"]) for f in collective_findings(doc)] == [
+        ("collective_missing", [1])
+    ]
 
 
 def test_a_rank_without_a_trace_is_named(opguard: Callable[..., Any], tmp_path: Path) -> None:
@@ -364,6 +438,11 @@ def test_the_rank_that_ended_first_is_named() -> None:
     # every rank told to stop (a hang killed by a timeout): the first to go is no culprit
     stopped = {r: {"reason": "sigterm", "at": f"2026-12-06T18:30:2{r}.000Z"} for r in (0, 1)}
     assert first_to_end(stopped) is None
+    # a lost rank's time is its last flush, not its end: it is not named first
+    flushed = {**partial, 1: {"reason": "lost", "at": "2026-12-06T18:30:12.000Z", "step": 2}}
+    assert first_to_end(flushed) == (
+        "rank 0 ended first, at 2026-12-06T18:30:20.216Z, 0.784 s before the next (rank 2)"
+    )
 
 
 def test_combined_partial_ranks_read_back_and_bad_ones_are_refused(tmp_path: Path) -> None:
@@ -388,9 +467,10 @@ def test_combined_partial_ranks_read_back_and_bad_ones_are_refused(tmp_path: Pat
         acc.add_file(write(tmp_path / f"s_rank{r}.json", d))
     assert "partial_ranks" not in acc.result().meta
     bad = json.loads(b"".join(orders[0].json_parts()))
-    bad["meta"]["partial_ranks"] = {"7": marker}  # not a rank of the file
-    with pytest.raises(InputError, match="partial_ranks must map the file's ranks"):
-        TraceAccumulator().add_file(write(tmp_path / "bad.json", bad))
+    for key in ("7", "²"):  # not a rank of the file; a digit, but not a number
+        bad["meta"]["partial_ranks"] = {"1": marker, key: marker}
+        with pytest.raises(InputError, match="partial_ranks must map the file's ranks"):
+            TraceAccumulator().add_file(write(tmp_path / "bad.json", bad))
 
 
 def test_two_ranks_have_no_majority_and_say_so(opguard: Callable[..., Any], tmp_path: Path) -> None:

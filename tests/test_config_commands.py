@@ -8,6 +8,7 @@ config, and comparing a config with itself finds nothing.
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -17,7 +18,7 @@ from click.testing import CliRunner, Result
 from ruamel.yaml import YAML
 
 from opguard_core.cli.app import cli_for
-from opguard_core.formats.config import CONFIG_VERSION
+from opguard_core.formats.config import CONFIG_VERSION, load_config
 
 SAMPLES = Path(__file__).parent / "data" / "samples"
 V1 = Path(__file__).parent / "data" / "configs" / "gpt_callsite_v1.yaml"
@@ -58,6 +59,21 @@ def test_merge_of_the_runs_configs_is_its_final_config_byte_for_byte(run_dir, tm
     assert result.exit_code == 0, result.stderr
     assert result.stdout.strip() == str(out)
     assert out.read_bytes() == (run_dir / FINAL).read_bytes()
+
+
+def test_merge_with_a_config_of_unknown_total_loads_back(run_dir, tmp_path) -> None:
+    """A config without ``meta.total`` (0: unknown) merged with one that has it: the
+    merged total is unknown too (0), not the one side's, which its counts exceed."""
+    text = (run_dir / GPT).read_text()
+    assert re.search(r"^  total: \d+$", text, re.M)
+    unknown = tmp_path / "unknown.yaml"
+    unknown.write_text(re.sub(r"^  total: \d+\n", "", text, flags=re.M).replace(
+        "source: gpt_callsite", "source: gpt_again"))  # fmt: skip
+    out = tmp_path / "merged.yaml"
+    result = invoke("merge", run_dir / GPT, unknown, "-o", out)
+    assert result.exit_code == 0, result.stderr
+    assert load_config(out)["meta"]["total"] == 0
+    assert invoke("show", out).exit_code == 0
 
 
 @pytest.mark.parametrize("given", ["run_dir", "file"])

@@ -181,12 +181,16 @@ def sort_key(item: Violation) -> tuple[Any, ...]:
     )
 
 
-def check_report(config: str, violations: Sequence[Violation]) -> dict[str, Any]:
-    """The ``opguard-check-report`` document."""
+def check_report(
+    config: str, violations: Sequence[Violation], notes: Sequence[str] = ()
+) -> dict[str, Any]:
+    """The ``opguard-check-report`` document; ``notes``: what was not compared and why
+    (the text report's first line), where anything was not."""
     return {
         "format": CHECK_FORMAT,
         "version": REPORT_VERSION,
         "config": config,
+        **({"notes": list(notes)} if notes else {}),
         "errors": sum(v.severity == ERROR for v in violations),
         "warnings": sum(v.severity == WARNING for v in violations),
         "violations": [v.to_dict() for v in violations],

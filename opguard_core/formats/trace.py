@@ -252,7 +252,7 @@ def partial_ranks_of(meta: dict[str, Any]) -> dict[int, dict[str, Any]]:
     return {
         int(key): marker
         for key, marker in listed.items()
-        if isinstance(key, str) and key.isdigit() and isinstance(marker, dict)
+        if isinstance(key, str) and key.isascii() and key.isdigit() and isinstance(marker, dict)
     }
 
 
@@ -283,11 +283,24 @@ def describe_partial(partial: dict[int, dict[str, Any]]) -> str:
     return "; ".join(parts)
 
 
-def end_times(partial: dict[int, dict[str, Any]]) -> dict[int, float]:
+#: partial reasons of a process told to stop (a launcher, a scheduler or a timeout
+#: stopping every rank at once): when its record ends says nothing of who went first
+TOLD_TO_STOP = ("sigterm", "sigint")
+#: partial reasons whose ``at`` is the last periodic flush, not when the process ended
+#: (``lost``: it then ended without a word, SIGKILLed or in ``os._exit``)
+FLUSHED = ("flush", "lost")
+
+
+def end_times(
+    partial: dict[int, dict[str, Any]], leave_out: tuple[str, ...] = ()
+) -> dict[int, float]:
     """When each partial rank's record ends (its marker's ``at``, as a POSIX time),
-    for the ranks whose marker says so in ISO 8601."""
+    for the ranks whose marker says so in ISO 8601 and whose ``reason`` is not one of
+    ``leave_out``."""
     times: dict[int, float] = {}
     for rank, marker in partial.items():
+        if marker.get("reason") in leave_out:
+            continue
         at = marker.get("at")
         if isinstance(at, str):
             try:
@@ -299,15 +312,15 @@ def end_times(partial: dict[int, dict[str, Any]]) -> dict[int, float]:
 
 def first_to_end(partial: dict[int, dict[str, Any]]) -> str | None:
     """Of partial ranks (:func:`partial_ranks_of`), the rank whose record ends first,
-    when two or more say when (``at``), one is earliest and it did not end because it
-    was told to (SIGTERM, SIGINT: a launcher or a timeout stopping every rank at once):
-    in a job that fell apart, the rank that went first is where to look (``rank 1
-    ended first, at …, 0.342 s before the next``). None otherwise."""
-    times = end_times(partial)
+    when two or more say when they ended (``at``; not a :data:`FLUSHED` marker's, the
+    time of a flush), one is earliest and it did not end because it was told to
+    (:data:`TOLD_TO_STOP`): in a job that fell apart, the rank that went first is where
+    to look (``rank 1 ended first, at …, 0.342 s before the next``). None otherwise."""
+    times = end_times(partial, leave_out=FLUSHED)
     ends = sorted((when, rank, partial[rank]["at"]) for rank, when in times.items())
     if len(ends) < 2 or ends[0][0] == ends[1][0]:
         return None
-    if partial[ends[0][1]].get("reason") in ("sigterm", "sigint"):
+    if partial[ends[0][1]].get("reason") in TOLD_TO_STOP:
         return None  # told to stop (a launcher or a timeout stopping every rank): no culprit
     return (
         f"rank {ends[0][1]} ended first, at {ends[0][2]}, "

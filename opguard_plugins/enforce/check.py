@@ -676,7 +676,7 @@ def make_command(manager: OpGuardPluginManager) -> click.Command:
             notes.append(cut)
         compared = "; ".join(notes) or None
         if fmt == "json":
-            document = check_report(str(config_path), violations)
+            document = check_report(str(config_path), violations, notes)
             if output is not None:
                 write_json(output, document)
             else:

@@ -9,10 +9,11 @@ With several jobs (``--jobs N``, N > 1; ``0`` means automatic, see
 one at a time from a shared queue (so a slow file does not leave a core idle), each
 into its own accumulator; the helpers send their partial accumulators back at the
 end and the main process folds them in. The combine is a multiset union, so the
-result is the same whichever process took which file. The run warnings a helper
-makes reading its files (a Kineto file's cut profiling window) come back with its
-partial and are made in the main process, so ``pipeline_summary.json`` lists them
-as if the main process had read every file.
+result is the same whichever process took which file. The run warnings made reading
+the files (a Kineto file's cut profiling window) are collected, a helper's coming
+back with its partial, and made at the end in the order of the files they name
+(:func:`warn_in_input_order`), so ``pipeline_summary.json`` lists them as if one
+process had read every file in order.
 """
 
 from __future__ import annotations
@@ -88,6 +89,14 @@ def combine_files_portable(
         raise portable_error(exc) from None
     accumulator.warnings += warnings
     return accumulator
+
+
+def warn_in_input_order(warnings: list[dict[str, Any]], files: Sequence[Path]) -> None:
+    """Make the run warnings other processes collected (:func:`warn_again`), in the
+    order of the input files they name (which process read which file is chance), the
+    ones that name none last, as they came."""
+    position = {str(path): index for index, path in enumerate(files)}
+    warn_again(sorted(warnings, key=lambda w: position.get(str(w.get("file")), len(position))))
 
 
 def cpu_count() -> int:
@@ -218,7 +227,8 @@ def combine_parallel(
                 tasks.put(str(path))
             for _ in range(helpers + 1):
                 tasks.put(None)
-        with gc_paused():
+        # this process's run warnings join the helpers', made in input order at the end
+        with gc_paused(), collecting(total.warnings, quiet=True):
             while (path := tasks.get()) is not None:
                 total.add_file(path, readers)
                 tick(1)
@@ -272,7 +282,7 @@ def combine_entry(
             accumulator = combine_parallel(entry.files, jobs, advance, readers)
         else:
             accumulator = combine_files(entry.files, advance, readers)
-    warn_again(accumulator.warnings)
+    warn_in_input_order(accumulator.warnings, entry.files)
     check_rank_claims(accumulator.claims)
     with gc_paused():
         return accumulator.result()

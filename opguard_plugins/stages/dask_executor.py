@@ -34,8 +34,12 @@ from opguard_core.errors import OpGuardError
 from opguard_core.formats.readers import Readers
 from opguard_core.logs import get_logger, progress
 from opguard_core.model import InputEntry, RunOptions
-from opguard_core.run.warnings import warn_again
-from opguard_plugins.stages.combine import combine_files_portable, portable_error, split_evenly
+from opguard_plugins.stages.combine import (
+    combine_files_portable,
+    portable_error,
+    split_evenly,
+    warn_in_input_order,
+)
 
 EXECUTOR_NAME = "dask"
 #: modules ``--executor dask`` needs (checked before the run: opguard_core.cli.checks)
@@ -121,7 +125,7 @@ def combine_on_dask(
                     finished.add(client.submit(merge_partials, *ready, pure=False))
                     ready = []
             total: TraceAccumulator = ready[0].result()
-        warn_again(total.warnings)
+        warn_in_input_order(total.warnings, entry.files)
         check_rank_claims(total.claims)
         with gc_paused():
             return total.result()

@@ -45,11 +45,13 @@ from opguard_core.combine.accumulator import (
     CallsiteTrace,
     RankLists,
     is_collective,
+    mask_to_ranks,
     ranks_to_mask,
 )
 from opguard_core.errors import plural
 from opguard_core.formats.divergence import Finding
 from opguard_core.formats.trace import (
+    TOLD_TO_STOP,
     Callsite,
     describe_partial,
     end_times,
@@ -60,7 +62,12 @@ from opguard_core.formats.tree import target_name
 from opguard_core.model import RunOptions
 from opguard_core.native import load_native
 from opguard_plugins.stages.compress import DEFAULT_HIDE, hidden_frames
-from opguard_plugins.stages.sequences import sequence_findings
+from opguard_plugins.stages.sequences import (
+    last_end,
+    outlived,
+    sequence_findings,
+    went_on_longest,
+)
 from opguard_plugins.stages.sorted_runs import stack_summary, touching, visible_frames
 
 #: how many enclosing functions a finding's ``context`` lists (as config entries do)
@@ -92,10 +99,13 @@ def site_histogram(
     return hist
 
 
-def majority(hist: dict[int, int]) -> tuple[int, bool]:
+def majority(hist: dict[int, int], ended: dict[int, float] | None = None) -> tuple[int, bool]:
     """The count a strict majority (more than half) of the ranks has, and True; without
-    one, the count of the lowest rank (the reference, as for collective sequences) and
-    False. ``hist`` is {count: rank mask} over every rank compared."""
+    one, the count of the reference and False: the ranks whose records went on longest
+    (``ended``: when partial ranks' records ended, as for collective sequences), then
+    the lowest rank. A majority whose records all ended before another rank's is none
+    (:func:`~opguard_plugins.stages.sequences.outlived`). ``hist`` is {count: rank
+    mask} over every rank compared."""
     total = 0
     best = best_ranks = -1
     for value, mask in hist.items():
@@ -103,9 +113,14 @@ def majority(hist: dict[int, int]) -> tuple[int, bool]:
         total += ranks
         if ranks > best_ranks:
             best, best_ranks = value, ranks
-    if 2 * best_ranks > total:
+    if not ended:
+        if 2 * best_ranks > total:
+            return best, True
+        return min(hist, key=lambda value: _lowest(hist[value])), False
+    holders = {value: mask_to_ranks(mask) for value, mask in hist.items()}
+    if 2 * best_ranks > total and not outlived(holders[best], holders, ended):
         return best, True
-    return min(hist, key=lambda value: _lowest(hist[value])), False
+    return went_on_longest(holders, ended), False
 
 
 def distribution(hist: dict[int, int]) -> list[list[int]]:
@@ -163,7 +178,7 @@ class _Stacks:
         #: frame id: whether a callsite every rank ran shows it; the callsites some
         #: ranks never ran with a visible frame outside those (one pass, in C where built)
         callers, self.everywhere, self.outside = stack_summary(
-            self.stacks, self.hidden, self.user, bytes(mask == all_mask for mask in self.masks)
+            self.stacks, self.hidden, self.user, bytes(map(all_mask.__eq__, self.masks))
         )
         self.caller = memoryview(callers).cast("i")
         #: per callsite: whether it is a collective (:func:`is_collective`, once per op)
@@ -214,14 +229,12 @@ def find_divergence(trace: CallsiteTrace, options: RunOptions) -> list[Finding]:
     collectives = trace.collectives
     covered = {r for seq in collectives.sequences for r in seq.ranks} if collectives else set()
     partial = partial_ranks_of(trace.meta)
-    findings = (
-        sequence_findings(collectives, stacks.describe_stack, end_times(partial))
-        if collectives
-        else []
-    )
+    # when the partial ranks' records ended; a rank told to stop ran until every rank was
+    ended = end_times(partial, leave_out=TOLD_TO_STOP)
+    findings = sequence_findings(collectives, stacks.describe_stack, ended) if collectives else []
     if not covered.issuperset(ranks):
         # some rank recorded no sequence (an older trace): counts per callsite too
-        findings.extend(_collectives(trace, stacks, exact))
+        findings.extend(_collectives(trace, stacks, exact, ended))
     findings.extend(_rank_specific(trace, stacks))
     findings.extend(_dtype_mismatch(trace, stacks))
     if exact:
@@ -261,14 +274,21 @@ def _note_partial(findings: list[Finding], partial: dict[int, dict[str, Any]]) -
             finding["message"] += counted
 
 
-def _collectives(trace: CallsiteTrace, stacks: _Stacks, exact: bool) -> Iterator[Finding]:
-    all_mask = ranks_to_mask(trace.ranks)
+def _collectives(
+    trace: CallsiteTrace, stacks: _Stacks, exact: bool, ended: dict[int, float]
+) -> Iterator[Finding]:
+    """``collective_mismatch``: a collective callsite the ranks issued unequally often,
+    against the count a strict majority issued it, else the reference's
+    (:func:`majority`; ``ended``: when partial ranks' records ended)."""
+    all_mask = stacks.all_mask
     nranks = len(trace.ranks)
     ranks_of = RankLists()
-    for index, collective in enumerate(stacks.collective):
-        if not collective:
-            continue
-        site = trace.callsites[index]
+    callsites = trace.callsites
+    # (callsite index, its histogram over every rank) of each collective the ranks
+    # issued unequally; then the visible frames of all of them in one pass
+    unequal: list[tuple[int, dict[int, int]]] = []
+    for index in compress(counter(), stacks.collective):
+        site = callsites[index]
         if site.per_rank is None and site.ranks is None:
             continue  # every rank issued it equally often
         hist = site_histogram(site, all_mask, exact, stacks.mask_of)
@@ -277,21 +297,23 @@ def _collectives(trace: CallsiteTrace, stacks: _Stacks, exact: bool) -> Iterator
                 continue
             mask = stacks.masks[index]
             hist = {-1: mask, 0: all_mask & ~mask}
-        if len(hist) < 2:
-            continue
-        expected, most = majority(hist)
+        if len(hist) > 1:
+            unequal.append((index, hist))
+    visible, callers = stacks.visible_of([index for index, _ in unequal])
+    for (index, hist), frames, position in zip(unequal, visible, callers, strict=True):
+        site = callsites[index]
+        expected, most = majority(hist, ended)
         deviating = ranks_of(all_mask & ~hist[expected])
-        by_rank = {
-            rank: value
-            for value, mask in hist.items()
-            if value != expected
-            for rank in ranks_of(mask)
-        }
-        counts = {str(rank): by_rank[rank] for rank in deviating}
-        where = stacks.where(index)
         known = -1 not in hist
+        counts: dict[str, int] = {}
+        if known:
+            value_of = {
+                rank: value for value, mask in hist.items() if value != expected
+                for rank in ranks_of(mask)
+            }  # fmt: skip
+            counts = {str(rank): value_of[rank] for rank in deviating}
+        where = stacks.describe(frames, position)
         shown = distribution(hist) if known and not most else None  # once for both
-        holders = hist[expected].bit_count()
         finding: Finding = {
             "kind": "collective_mismatch",
             "severity": "error",
@@ -303,7 +325,7 @@ def _collectives(trace: CallsiteTrace, stacks: _Stacks, exact: bool) -> Iterator
             "context": where["context"],
             "expected": expected if known else None,
             "majority": most,
-            "counts": counts if known else {},
+            "counts": counts,
             "size": (
                 sum(abs(value - expected) * mask.bit_count() for value, mask in hist.items())
                 if known
@@ -315,10 +337,11 @@ def _collectives(trace: CallsiteTrace, stacks: _Stacks, exact: bool) -> Iterator
                 hist,
                 expected,
                 most,
-                (holders, nranks),
+                (hist[expected].bit_count(), nranks),
                 deviating,
                 counts if known else None,
                 shown,
+                _why_reference(hist, expected, ended) if not most else "",
             ),
             "stack": where["stack"],
             "callsite": index,
@@ -326,6 +349,18 @@ def _collectives(trace: CallsiteTrace, stacks: _Stacks, exact: bool) -> Iterator
         if not most:
             finding["distribution"] = shown if shown is not None else []
         yield finding
+
+
+def _why_reference(hist: dict[int, int], expected: int, ended: dict[int, float]) -> str:
+    """Why rank ``_lowest(hist[expected])`` is the reference without a majority."""
+    holders = {value: mask_to_ranks(mask) for value, mask in hist.items()}
+    if ended and any(
+        last_end(ranks, ended) < last_end(holders[expected], ended)
+        for value, ranks in holders.items()
+        if value != expected
+    ):
+        return "whose record went on longest"
+    return "the lowest"
 
 
 def _times(value: int) -> str:
@@ -342,10 +377,12 @@ def _mismatch_message(
     deviating: list[int],
     counts: dict[str, int] | None,
     shown: list[list[int]] | None = None,
+    why: str = "the lowest",
 ) -> str:
     """A ``collective_mismatch``'s message: who holds what, honestly (a strict
     majority, else no majority with the distribution, count → number of ranks;
-    ``shown``: :func:`distribution` of ``hist``, where the caller has it)."""
+    ``shown``: :func:`distribution` of ``hist``, where the caller has it; ``why``:
+    why the reference rank is the reference)."""
     issued = (
         ", ".join(f"rank {r}: {counts[str(r)]}" for r in deviating[:8])
         + (" …" if len(deviating) > 8 else "")
@@ -368,7 +405,7 @@ def _mismatch_message(
         spread += f", … ({len(shown)} values)" if len(shown) > 8 else ""
     return (
         f"{op} in {target} is issued unequally with no majority ({spread}); against rank "
-        f"{_lowest(hist[expected])}, the lowest ({_times(expected)}), rank(s) "
+        f"{_lowest(hist[expected])}, {why} ({_times(expected)}), rank(s) "
         f"{list_ranks(deviating)} differ ({issued}); {tail}"
     )
 
@@ -637,42 +674,47 @@ def _count_skew(trace: CallsiteTrace, stacks: _Stacks, skew: float) -> Iterator[
         number = numbers[partial_at]
         function_mask[number] = function_mask.get(number, 0) | masks[indices[partial_at]]
     names = stacks.function_names
+    kept = []
     for number, middle, row in found:
-        per_rank = memoryview(row).cast("d")
         slot = number if number >= 0 else functions
-        if not full[slot] and function_mask.get(number) != all_mask:
-            continue  # some ranks never ran it: a rank_specific finding says so
+        if full[slot] or function_mask.get(number) == all_mask:
+            kept.append((number, slot, middle, row))
+        # else some ranks never ran it: a rank_specific finding says so
+    # each finding's example callsite, and the visible frames of all of them in one pass
+    site_indices = [
+        None if (at := example[slot]) is None else indices[at] for _, slot, _, _ in kept
+    ]
+    visible, callers = stacks.visible_of([i for i in site_indices if i is not None])
+    shown = iter(zip(visible, callers, strict=True))
+    for (number, slot, middle, row), site_index in zip(kept, site_indices, strict=True):
         limit = skew * middle
         # the straying ranks and their ops, in rank order (no dict of every rank's)
-        stray = [(r, v) for r, v in zip(ranks, per_rank, strict=True) if abs(v - middle) > limit]
+        stray = [
+            (r, v)
+            for r, v in zip(ranks, memoryview(row).cast("d"), strict=True)
+            if abs(v - middle) > limit
+        ]
         deviating = [r for r, _ in stray]
         name = "<root>" if number < 0 else names[number]
-        at = example[slot]
-        site_index = indices[at] if at is not None else None
-        if site_index is None:
-            where = stacks.describe([], None)
+        frames, position = next(shown) if site_index is not None else ([], None)
+        if frames:  # down to the function
+            where = stacks.describe(frames[: (position or 0) + 1], position or 0)
         else:
-            visible, callers = stacks.visible_of([site_index])
-            frames, position = visible[0], callers[0] or 0
-            where = (
-                stacks.describe(frames[: position + 1], position)  # down to the function
-                if frames
-                else stacks.describe([], None)
-            )
-        counts = {str(r): _number(v) for r, v in stray}
+            where = stacks.describe([], None)
+        expected = _number(middle)
         yield {
             "kind": "count_skew",
             "severity": "warning",
             "ranks": deviating,
             "target": name,
             "context": where["context"],
-            "expected": _number(middle),
-            "counts": counts,
+            "expected": expected,
+            "counts": {str(r): _number(v) for r, v in stray},
             "ops": ops[slot],
             "size": int(round(sum(abs(v - middle) for _, v in stray), 6)),
             "message": (
                 f"{name}: ops on rank(s) {list_ranks(deviating)} differ from the median "
-                f"{_number(middle)} by more than {skew:g}x"
+                f"{expected} by more than {skew:g}x"
             ),
             "stack": where["stack"],
             "callsite": site_index,
@@ -680,6 +722,8 @@ def _count_skew(trace: CallsiteTrace, stacks: _Stacks, skew: float) -> Iterator[
 
 
 def _number(value: float) -> int | float:
+    if type(value) is float and value.is_integer():  # nearly every count: no rounding
+        return int(value)
     rounded = round(value, 3)
     return int(rounded) if float(rounded).is_integer() else rounded
 

@@ -12,9 +12,13 @@ shapes, reduce op: :meth:`~opguard_core.formats.collectives.Signature.key`) or n
 (its sequence ended). The value a strict majority of members holds is the expected
 one and the other ranks deviate; without a strict majority (always so for two ranks
 that disagree) the reference is the value of the ranks whose records went on longest
-(``ended``: when each rank's partial trace ends; a complete one never does: in a job
-where a rank died first, it is the one reported, whatever its number), then the
-lowest rank's, and the finding says ``"majority": false`` with the distribution.
+(``ended``: when each rank's partial trace ends; a complete one never does, nor one
+told to stop, SIGTERM or SIGINT, which every rank is told at once: in a job where a
+rank died first, it is the one reported, whatever its number), then the lowest
+rank's, and the finding says ``"majority": false`` with the distribution. Ranks whose
+sequences end at the position because their records ended before another rank's are
+no majority (:func:`outlived`: two ranks of three that died do not make the third
+the odd one out).
 Each deviating value is one finding, whose kind a short look-ahead decides: the
 explanation under which the two sequences agree longest after the position (a window
 of :data:`WINDOW` collectives):
@@ -33,7 +37,7 @@ of :data:`WINDOW` collectives):
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -223,9 +227,26 @@ def _advance_by(cursor: _Cursor, calls: int) -> None:
             calls -= 1
 
 
-def _last_end(ranks: list[int], ended: dict[int, float]) -> float:
+def last_end(ranks: Iterable[int], ended: dict[int, float]) -> float:
     """When the last of ``ranks``' records ends (infinity: one is complete)."""
     return max(ended.get(rank, math.inf) for rank in ranks)
+
+
+def outlived(ranks: list[int], holders: Mapping[Any, list[int]], ended: dict[int, float]) -> bool:
+    """Whether the records of all of ``ranks`` ended early (``ended``) and before the
+    record of another rank among ``holders`` (value → its ranks): such ranks cannot
+    outvote a rank that went on (three ranks, two of which died: the one left is not
+    the odd one out)."""
+    return all(rank in ended for rank in ranks) and last_end(
+        (r for held in holders.values() for r in held), ended
+    ) > last_end(ranks, ended)
+
+
+def went_on_longest(holders: Mapping[Any, list[int]], ended: dict[int, float]) -> Any:
+    """The reference without a majority: of ``holders`` (value → its ranks), the value
+    of the ranks whose records went on longest (a complete record never ends), then of
+    the lowest rank."""
+    return min(holders, key=lambda k: (-last_end(holders[k], ended), min(holders[k])))
 
 
 def _first_disagreement(
@@ -270,11 +291,12 @@ def _first_disagreement(
         distribution.setdefault(key, []).extend(ranks)
     total = sum(len(r) for r in distribution.values())
     winner = max(distribution, key=lambda k: len(distribution[k]))
-    majority = 2 * len(distribution[winner]) > total
+    # a majority whose sequences ended here because their records did is no majority
+    majority = 2 * len(distribution[winner]) > total and not (
+        winner is None and outlived(distribution[winner], distribution, ended)
+    )
     if not majority:  # the ranks that went on longest are the reference, then the lowest
-        winner = min(
-            distribution, key=lambda k: (-_last_end(distribution[k], ended), min(distribution[k]))
-        )
+        winner = went_on_longest(distribution, ended)
     reference = next(i for i, key in enumerate(keys) if key == winner)
     expected_window = cursors[reference].window(WINDOW + 2)
     shown = [
