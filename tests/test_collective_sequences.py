@@ -467,7 +467,7 @@ def test_combined_partial_ranks_read_back_and_bad_ones_are_refused(tmp_path: Pat
         acc.add_file(write(tmp_path / f"s_rank{r}.json", d))
     assert "partial_ranks" not in acc.result().meta
     bad = json.loads(b"".join(orders[0].json_parts()))
-    for key in ("7", "²"):  # not a rank of the file; a digit, but not a number
+    for key in ("7", "²", "9" * 5000):  # not a rank of the file; not a number; too long
         bad["meta"]["partial_ranks"] = {"1": marker, key: marker}
         with pytest.raises(InputError, match="partial_ranks must map the file's ranks"):
             TraceAccumulator().add_file(write(tmp_path / "bad.json", bad))

@@ -171,6 +171,7 @@ BASE = "version: 4\nsource: s\nmeta:\n  total: 1\nentries:\n  - target: a:b\n   
         BASE.replace("source: s", "source: 'x'"),  # quoted where the writer writes plain
         BASE.replace("source: s", "source: 'null'").replace("target: a:b", "target: null"),
         BASE.replace("total: 1", "f: 1.50"),  # ruamel writes 1.5
+        BASE.replace("total: 1", "total: "),  # no value after ": ": the writer writes "total:"
     ],
 )
 def test_what_the_writer_would_not_write_back_falls_back(text: str) -> None:

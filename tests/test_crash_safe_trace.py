@@ -191,6 +191,24 @@ def test_sys_exit_writes_a_complete_trace(tmp_path: Path) -> None:
     assert "partial" not in meta  # the program ran to its own end
 
 
+def test_an_earlier_runs_marker_is_not_this_runs_loss(tmp_path: Path) -> None:
+    """A marker left by an earlier run that was SIGKILLed as a whole (its ``opguard
+    trace`` too) is not reported as a process of this run, nor does it mark this run's
+    complete trace lost; it is left alone."""
+    out = tmp_path / "traces"
+    out.mkdir()
+    stale = out / ".p_callsite.4242.tracing"
+    stale.write_text(json.dumps({"pid": 4242, "flushed": str(out / "p_callsite_rank0.json")}))
+    hour_ago = time.time() - 3600
+    os.utime(stale, (hour_ago, hour_ago))
+    proc, _, _ = _start(tmp_path, "exit")
+    code, err = _finish(proc)
+    assert code == 3, err
+    assert "4242" not in err and "without writing" not in err, err
+    meta = _assert_work_recorded(out / "p_callsite_rank0.json")
+    assert "partial" not in meta and stale.exists()
+
+
 def test_uncaught_exception_writes_a_trace_marked_partial(tmp_path: Path) -> None:
     proc, _, out = _start(tmp_path, "raise")
     code, err = _finish(proc)
@@ -199,6 +217,61 @@ def test_uncaught_exception_writes_a_trace_marked_partial(tmp_path: Path) -> Non
     meta = _assert_work_recorded(out / "p_callsite_rank0.json")
     assert meta["partial"]["reason"] == "exception"
     assert meta["partial"]["exception"] == "RuntimeError"
+
+
+#: a rank that fails and, while its trace is written at exit, gets the SIGTERM that
+#: torchrun sends when it tears the job down (a thread sends it as soon as the write's
+#: temporary file appears); with --flush-steps 1, the same during a step's flush
+SIGTERM_WHILE_WRITING = """
+import glob, os, signal, sys, threading, time
+import torch
+
+source = "\\n".join(f"def f{i}(x):\\n    return x + {i}" for i in range(3000))
+functions = {}
+exec(compile(source, "many_functions.py", "exec"), functions)
+x = torch.ones(2)
+out = os.environ["OPGUARD_TRACE_DIR"]
+
+def killer():
+    while not glob.glob(os.path.join(out, ".*.tmp")):
+        time.sleep(0.0005)
+    os.kill(os.getpid(), signal.SIGTERM)
+
+for i in range(3000):
+    functions[f"f{i}"](x)
+if sys.argv[1] == "exit":
+    threading.Thread(target=killer, daemon=True).start()
+    raise RuntimeError("collective failed")
+model = torch.nn.Linear(2, 2)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+threading.Thread(target=killer, daemon=True).start()
+for step in range(100000):
+    model(x).sum().backward()
+    opt.step()
+"""
+
+
+@pytest.mark.parametrize("when", ["exit", "flush"])
+def test_a_sigterm_while_the_trace_is_written_waits_for_it(tmp_path: Path, when: str) -> None:
+    """The write is finished before SIGTERM does what it does: the trace is there and
+    no temporary is left (before: a rank failing as torchrun tore the job down lost its
+    whole trace, and a step flush left its temporary)."""
+    script = tmp_path / "prog.py"
+    script.write_text(SIGTERM_WHILE_WRITING)
+    out = tmp_path / "traces"
+    flush = ["--flush-steps", "1"] if when == "flush" else []
+    proc = subprocess.run(
+        [*OPGUARD, "trace", "--label", "p", "--output-dir", str(out), "--flush-seconds", "0",
+         *flush, "--", str(script), when],
+        env=_env(tmp_path), capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 143, proc.stderr
+    assert sorted(p.name for p in out.iterdir() if p.name.startswith(".")) == [], proc.stderr
+    # the 3000 functions ran before any optimizer step: the set-up's, where there is one
+    trace, _ = _trace(out / ("p_callsite_rank0.json" if when == "exit" else "p_setup_rank0.json"))
+    assert len(trace.callsites) >= 3000
+    final, _ = _trace(out / "p_callsite_rank0.json")
+    assert final.meta["partial"]["reason"] == ("exception" if when == "exit" else "sigterm")
 
 
 def test_periodic_flush_bounds_what_sigkill_of_the_worker_loses(tmp_path: Path) -> None:

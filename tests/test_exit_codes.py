@@ -284,3 +284,25 @@ def test_a_signal_forwarded_twice_is_named_once() -> None:
     assert TraceOutcome(-2, [signal.SIGINT], [], []).status_line() == (
         "received SIGINT, forwarded to the command, which was killed by SIGINT"
     )
+
+
+def test_a_lost_processs_flush_is_said_marked_only_where_it_was(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A process lost after a flush: its flush is marked ``lost`` and the message says
+    so; a flush whose marker says something else (the program's own SIGTERM handler,
+    then SIGKILL: ``sigterm``) is left as it is, and the message does not claim it."""
+    from opguard_plugins.record import trace as trace_module
+
+    flushes = {}
+    for reason in ("flush", "sigterm"):
+        flushes[reason] = tmp_path / f"{reason}_callsite_rank0.json"
+        flushes[reason].write_text(json.dumps({"meta": {"partial": {"reason": reason}}}))
+    for reason, path in flushes.items():
+        outcome = trace_module.TraceOutcome(-9, [], [], [{"pid": 7, "flushed": str(path)}])
+        monkeypatch.setattr(trace_module, "launch", lambda *args, o=outcome: o)
+        argv = ["trace", "--output-dir", str(tmp_path / "out"), "--", "true"]
+        result = CliRunner().invoke(cli_for(argv), argv)
+        lost = json.loads(path.read_text())["meta"]["partial"]["reason"]
+        said = "(marked partial, reason lost)" in result.stderr
+        assert (lost, said) == (("lost", True) if reason == "flush" else ("sigterm", False))

@@ -613,6 +613,10 @@ line_key(Reader *r, Span line, Py_ssize_t indent, Span *rest)
         return NULL;
     }
     if (starts_with(line, end, ": ")) {
+        if (r->strict && end + 2 == line.n) { /* "key: " and no value: the writer writes "key:" */
+            Py_DECREF(key);
+            return unusual(r);
+        }
         *rest = (Span){line.p + end + 2, line.n - end - 2};
         return key;
     }

@@ -252,8 +252,14 @@ def partial_ranks_of(meta: dict[str, Any]) -> dict[int, dict[str, Any]]:
     return {
         int(key): marker
         for key, marker in listed.items()
-        if isinstance(key, str) and key.isascii() and key.isdigit() and isinstance(marker, dict)
+        if isinstance(key, str) and _is_rank_key(key) and isinstance(marker, dict)
     }
+
+
+def _is_rank_key(key: str) -> bool:
+    """Whether a JSON key spells a rank number (ASCII digits, no longer than the
+    largest rank: ``int`` of 5,000 digits raises)."""
+    return key.isascii() and key.isdigit() and len(key) <= len(str(MAX_RANK))
 
 
 def absent_ranks(meta: dict[str, Any], ranks: list[int]) -> list[int]:

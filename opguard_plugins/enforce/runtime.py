@@ -89,7 +89,7 @@ from opguard_core.formats.streams import StreamRoles
 from opguard_core.formats.tree import TORCH_API, split_api, target_name, threshold
 from opguard_core.logs import escape_controls, resolve_format
 from opguard_core.native import load_native
-from opguard_core.processes import at_sigterm
+from opguard_core.processes import at_sigterm, signals_deferred
 from opguard_plugins.enforce import sequence_guard
 from opguard_plugins.enforce.rules import DEFAULT_TOLERANCE, count_drift, missing, missing_ops
 from opguard_plugins.enforce.sequence_guard import (
@@ -1426,13 +1426,16 @@ def _finish_process_guard() -> None:
         return
     if _PROCESS_GUARD._finished:
         return
-    written = _PROCESS_GUARD.finish()
-    write_status(
-        "finished",
-        report=None if written is None else str(written),
-        error=_PROCESS_GUARD.write_error,
-        checked=_PROCESS_GUARD.checked_ops,
-    )
+    # a SIGTERM while the report is written (torchrun tearing down the job as this
+    # rank exits) waits for it, instead of ending the process half-way through
+    with signals_deferred():
+        written = _PROCESS_GUARD.finish()
+        write_status(
+            "finished",
+            report=None if written is None else str(written),
+            error=_PROCESS_GUARD.write_error,
+            checked=_PROCESS_GUARD.checked_ops,
+        )
 
 
 def _note_uncaught_exceptions(guard: Guard) -> None:

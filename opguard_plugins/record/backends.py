@@ -24,7 +24,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from opguard_core.processes import at_sigterm
+from opguard_core.processes import at_sigterm, signals_deferred
 from opguard_plugins.record import tracer as tracer_module
 from opguard_plugins.record.flush import SPLIT_ENV, flush_settings, partial_marker
 from opguard_plugins.record.tracer import CallsiteTracer, _gc_paused, _is_launcher
@@ -267,7 +267,8 @@ def _seen(tracer: CallsiteTracer) -> tuple[int, int, int]:
 def _on_step(steps: int) -> None:
     state = _STATE
     if state is not None and state.steps and steps % state.steps == 0:
-        _flush("flush")
+        with signals_deferred():  # a SIGTERM waits for the flush, not leaves its temporary
+            _flush("flush")
 
 
 def _on_sigterm(ends: bool) -> None:
@@ -343,7 +344,11 @@ def _finish_process_tracer() -> None:
     # without it after a while (the counts' own lock is re-entrant)
     acquired = tracer.writing.acquire(timeout=10)
     try:
-        _finish(tracer, state)
+        # a SIGTERM now (torchrun tearing down the job as this rank exits) would find
+        # the trace "finished" and end the process half-way through writing it: it
+        # waits for the write, then does what it does
+        with signals_deferred():
+            _finish(tracer, state)
     finally:
         if acquired:
             tracer.writing.release()

@@ -127,15 +127,20 @@ def written_traces(output_dir: Path, label: str, since: float) -> list[Path]:
     return [path for _, _, path in sorted(found)]
 
 
-def lost_processes(output_dir: Path, label: str) -> list[dict[str, Any]]:
-    """Traced processes that ended without writing their trace; their markers are removed.
+def lost_processes(output_dir: Path, label: str, since: float) -> list[dict[str, Any]]:
+    """Traced processes of this run (markers written at or after ``since``) that ended
+    without writing their trace; their markers are removed.
 
     A traced process leaves a marker (``opguard_plugins.record.backends.MARKER_SUFFIX``) until
     its exit handler has run; one still there after the command ended means the
-    process ended by ``os._exit`` or was killed by a signal.
+    process ended by ``os._exit`` or was killed by a signal. An older marker is another
+    run's (one SIGKILLed with its ``opguard trace``, or one still running): left alone.
     """
     lost: list[dict[str, Any]] = []
     for marker in sorted(output_dir.glob(f".{label}_callsite.*.tracing")):
+        with contextlib.suppress(OSError):
+            if marker.stat().st_mtime < since:
+                continue
         try:
             info = json.loads(marker.read_text())
         except (OSError, ValueError):
@@ -227,7 +232,7 @@ def launch(
         returncode=returncode,
         signals=received,
         files=written_traces(output_dir, label, started),
-        lost=lost_processes(output_dir, label),
+        lost=lost_processes(output_dir, label, started),
     )
 
 
@@ -395,11 +400,11 @@ def trace(
         flushed = info.get("flushed")
         kept = "its operators are lost"
         if flushed:
+            marked = False
             with contextlib.suppress(OSError, ValueError):  # msgspec.DecodeError is one
-                mark_lost(Path(str(flushed)))
-            kept = (
-                f"its trace up to the last flush is in {one_line(Path(str(flushed)).name)} "
-                f"(marked partial, reason {LOST})"
+                marked = mark_lost(Path(str(flushed)))
+            kept = f"its trace up to the last flush is in {one_line(Path(str(flushed)).name)}" + (
+                f" (marked partial, reason {LOST})" if marked else ""
             )
         click.echo(
             f"opguard trace: process {pid}{forked} ended without writing its trace "

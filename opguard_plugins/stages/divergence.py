@@ -211,7 +211,7 @@ class _Stacks:
     def describe(self, frames: list[int], position: int | None) -> dict[str, Any]:
         if position is None:
             return {"target": "<root>", "context": [], "stack": []}
-        names = [self.names[fid] for fid in frames]
+        names = list(map(self.names.__getitem__, frames))
         return {
             "target": names[position],
             "context": names[max(0, position - CONTEXT_DEPTH) : position],
@@ -353,8 +353,10 @@ def _collectives(
 
 def _why_reference(hist: dict[int, int], expected: int, ended: dict[int, float]) -> str:
     """Why rank ``_lowest(hist[expected])`` is the reference without a majority."""
+    if not ended:  # no record ended early: the lowest rank's
+        return "the lowest"
     holders = {value: mask_to_ranks(mask) for value, mask in hist.items()}
-    if ended and any(
+    if any(
         last_end(ranks, ended) < last_end(holders[expected], ended)
         for value, ranks in holders.items()
         if value != expected

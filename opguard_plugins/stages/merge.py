@@ -239,9 +239,10 @@ def merge_configs(left: CommentedMap, right: CommentedMap) -> CommentedMap:
         frozenset({"ranks", "total", "sources", "steps", "phases", "recorded_by", "source_ranks"}),
     )
     meta["ranks"] = flow_seq(all_ranks)
-    # a side without a total (0: unknown) makes the sum unknown, not the other's total
-    left_total, right_total = int(left_meta.get("total", 0)), int(right_meta.get("total", 0))
-    meta["total"] = left_total + right_total if left_total and right_total else 0
+    if "total" in left_meta and "total" in right_meta:
+        meta["total"] = int(left_meta["total"]) + int(right_meta["total"])
+    else:  # unknown on one (a hand-written config): unknown, not the other side's alone
+        meta.pop("total", None)
     if "sources" in left_meta or "sources" in right_meta:
         meta["sources"] = _sorted_union(left_meta.get("sources"), right_meta.get("sources"))
     if "steps" in left_meta or "steps" in right_meta:
