@@ -321,6 +321,12 @@ def test_a_departure_is_in_the_report_though_the_rank_then_aborts(
     report = json.loads((tmp_path / "guard_report_rank1.json").read_text())
     assert [(v["kind"], v["count"]) for v in report["violations"]] == [("collective_dtype", 1)]
     assert not list(tmp_path.glob(".*.tmp"))
+    # and opguard guard says it left that report (not that it wrote none)
+    (said,) = [line for line in guarded.stderr.splitlines() if "before its guard finished" in line]
+    assert said.endswith(
+        f"its first collective departure is {tmp_path / 'guard_report_rank1.json'}"
+    )
+    assert "without writing its guard report" not in guarded.stderr, guarded.stderr[-2000:]
 
 
 @pytest.mark.slow

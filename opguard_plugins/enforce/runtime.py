@@ -1014,11 +1014,15 @@ class Guard:
         self._write_now()
 
     def _write_now(self) -> None:
-        """Write the report as it stands (the one at exit replaces it); never raises."""
+        """Write the report as it stands (the one at exit replaces it); never raises.
+        Under ``opguard guard`` the process's status names it, so a process then
+        killed is said to have left it."""
         try:
-            self.write()
+            written = self.write()
         except Exception as exc:
             print(f"opguard guard: could not write the report: {exc!r}", file=sys.stderr)
+        else:
+            write_status("started", report=str(written))
 
     # -- report ---------------------------------------------------------------
 
