@@ -292,9 +292,12 @@ def describe_partial(partial: dict[int, dict[str, Any]]) -> str:
 #: partial reasons of a process told to stop (a launcher, a scheduler or a timeout
 #: stopping every rank at once): when its record ends says nothing of who went first
 TOLD_TO_STOP = ("sigterm", "sigint")
+#: ``meta.partial.reason`` of a flushed trace whose process then ended without writing
+#: its own (``os._exit``, SIGKILL): ``opguard trace`` sets it over the flush's
+#: (version 8), so the trace says its process was lost, not only flushed
+LOST = "lost"
 #: partial reasons whose ``at`` is the last periodic flush, not when the process ended
-#: (``lost``: it then ended without a word, SIGKILLed or in ``os._exit``)
-FLUSHED = ("flush", "lost")
+FLUSHED = ("flush", LOST)
 
 
 def end_times(

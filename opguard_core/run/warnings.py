@@ -28,6 +28,10 @@ _KINDS: contextvars.ContextVar[set[str] | None] = contextvars.ContextVar(
 )
 
 
+#: what :func:`warn` puts in a record beside the caller's fields
+_OWN_KEYS = frozenset({"message", "alike", "stage", "entry"})
+
+
 def warn(message: str, *, alike: str | None = None, **fields: Any) -> None:
     """Log ``message`` as a warning and add it to the current run's warnings.
 
@@ -67,10 +71,6 @@ def warn_again(records: list[dict[str, Any]]) -> None:
     for record in records:
         fields = {k: v for k, v in record.items() if k not in _OWN_KEYS}
         warn(record["message"], alike=record.get("alike"), **fields)
-
-
-#: what :func:`warn` puts in a record beside the caller's fields
-_OWN_KEYS = frozenset({"message", "alike", "stage", "entry"})
 
 
 @contextlib.contextmanager

@@ -13,6 +13,7 @@ from typing import Any
 import msgspec
 
 from opguard_core.files.atomic import atomic_write_bytes
+from opguard_core.formats.trace import LOST
 
 #: seconds between periodic flushes of a traced process's trace (0: none)
 FLUSH_SECONDS_ENV = "OPGUARD_TRACE_FLUSH_SECONDS"
@@ -55,12 +56,6 @@ def partial_marker(reason: str, steps: int, **more: Any) -> dict[str, Any]:
     time it holds operators up to, and the optimizer steps done by then."""
     at = _dt.datetime.now(_dt.UTC).isoformat(timespec="milliseconds")
     return {"reason": reason, "at": at.replace("+00:00", "Z"), "step": steps, **more}
-
-
-#: ``meta.partial.reason`` of a flushed trace whose process then ended without writing
-#: its own (``os._exit``, SIGKILL): ``opguard trace`` sets it over the flush's
-#: (formats.md §1, version 8), so the trace says its process was lost, not only flushed
-LOST = "lost"
 
 
 def mark_lost(path: Path) -> bool:
