@@ -504,3 +504,30 @@ def test_help_and_docs_promise_the_codes_of_the_exit_table(name: str) -> None:
     for code in re.findall(r"\bexits? (\d+)", prose):  # "exit 1 when any error is found"
         assert int(code) in table, code
     assert _docs_codes(name) == set(table)
+
+
+def test_a_rank_killed_after_its_collective_timeout_is_said_to_have_left_that_report(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The watchdog writes the report at once (the hung job may be killed): a rank then
+    killed is said to have left it as of its collective timeout, not "its first
+    collective departure" (which is the warn-mode write, test_sequence_guard)."""
+    pytest.importorskip("torch")
+    from opguard_plugins.enforce.runtime import Guard
+    from opguard_plugins.enforce.status import STATUS_ENV, problems, read_statuses
+
+    status = tmp_path / "status"
+    status.mkdir()
+    monkeypatch.setenv(STATUS_ENV, str(status))
+    config = tmp_path / "relu.yaml"
+    config.write_text(RELU_CONFIG)
+    guard = Guard(load_config(config), report_dir=tmp_path, rank=0)
+    # what the watchdog's thread calls when a collective waited past --collective-timeout
+    guard._waited_too_long("c10d::allreduce_", "job:step", "waited 1.0 s in c10d::allreduce_", [])
+    (line,) = problems(read_statuses(status))  # the process "ended" here, unfinished
+    assert line == (
+        f"process {os.getpid()} ended before its guard finished (killed?): its report as of "
+        f"its collective timeout is {tmp_path / 'guard_report_rank0.json'}"
+    )
+    report = load_report(tmp_path / "guard_report_rank0.json")
+    assert [v["kind"] for v in report["violations"]] == ["collective_timeout"]

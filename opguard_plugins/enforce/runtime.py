@@ -984,7 +984,7 @@ class Guard:
         identity = self.remember(violation)
         self.hit(identity)
         if self.records[identity].count == 1 and violation.severity == ERROR:
-            self._write_now()
+            self._write_now("its first collective departure")
         if may_raise and self.on_violation == "raise":
             self.ended_early = True
             raise OpGuardViolation(violation)  # this call's (the record keeps the first)
@@ -1011,18 +1011,19 @@ class Guard:
             message=violation.message,
             stack=[f"{f['file']}:{f['line']} {f['function']}" for f in stack[-8:]],
         )
-        self._write_now()
+        self._write_now("its collective timeout")
 
-    def _write_now(self) -> None:
+    def _write_now(self, as_of: str) -> None:
         """Write the report as it stands (the one at exit replaces it); never raises.
-        Under ``opguard guard`` the process's status names it, so a process then
-        killed is said to have left it."""
+        Under ``opguard guard`` the process's status names it and ``as_of`` (what made
+        it write: "its collective timeout"), so a process then killed is said to have
+        left it, as of what."""
         try:
             written = self.write()
         except Exception as exc:
             print(f"opguard guard: could not write the report: {exc!r}", file=sys.stderr)
         else:
-            write_status("started", report=str(written))
+            write_status("started", report=str(written), as_of=as_of)
 
     # -- report ---------------------------------------------------------------
 

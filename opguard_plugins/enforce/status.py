@@ -7,8 +7,9 @@ every process whose guard starts (or fails to start) writes ``{pid}.json`` there
   by the bootstrap, which may not be able to import this module, so it writes the
   same JSON by hand);
 * ``{"pid": N, "state": "started"}``: running; a process that ends without replacing
-  it (SIGKILL, ``os._exit``) wrote no report; with ``"report": PATH`` it wrote one
-  as of its first collective departure (warn mode) and then ended so;
+  it (SIGKILL, ``os._exit``) wrote no report; with ``"report": PATH, "as_of": WHAT``
+  it wrote one mid-run, as of WHAT ("its first collective departure" in warn mode,
+  "its collective timeout" from the watchdog), and then ended so;
 * ``{"pid": N, "state": "finished", "report": PATH or null, "error": ... or null,
   "checked": K}``: the report was written (or could not be: ``error``), and ``K``
   ops were checked against the config (first sights per active-entry state).
@@ -84,9 +85,10 @@ def problems(statuses: list[dict[str, Any]]) -> list[str]:
         if state == "failed":
             lines.append(f"the guard could not start in process {pid}: {error}")
         elif state == "started" and status.get("report"):
+            as_of = status.get("as_of") or "a write during the run"
             lines.append(
                 f"process {pid} ended before its guard finished (killed?): its report as of "
-                f"its first collective departure is {status['report']}"
+                f"{as_of} is {status['report']}"
             )
         elif state == "started":
             lines.append(f"process {pid} ended without writing its guard report (killed?)")
