@@ -497,6 +497,35 @@ def test_a_collective_on_another_group_is_one_group_finding(
     assert finding["step"] == 1
 
 
+def test_ranks_whose_other_groups_split_their_steps_differently_agree(
+    opguard: Callable[..., Any], tmp_path: Path
+) -> None:
+    """Every rank issues broadcast, then one all-reduce per step on the world group;
+    ranks 0-1's tensor-parallel group calls change from step 1 to 2 (two runs), ranks
+    2-3's do not (one run of steps 1-2). The world group's views are the same: no
+    finding (a view built from merged runs once lined the ranks up one call apart)."""
+    world = {"name": "0", "desc": "default_pg", "size": 4, "ranks": [0, 1, 2, 3]}
+    docs = []
+    for rank in range(4):
+        tp = {"name": str(1 + rank // 2), "desc": "tp", "size": 2, "ranks": [rank & ~1, rank | 1]}
+        last = 16 if rank < 2 else 8
+        group = tp["name"]
+        calls: list[Call] = [
+            (0, "c10d::broadcast_", "float32", 4, 9),
+            (1, AR, "float32", 6, 10),
+            (1, AR, "float32", 8, 11, group),
+            (2, AR, "float32", 6, 10),
+            (2, AR, "float32", last, 11, group),
+        ]
+        doc = rank_doc(rank, calls, [world, tp], world_size=4)
+        sequence = doc["collectives"]["sequences"][0]
+        if rank >= 2:  # steps 1 and 2 issue the same calls: one run, as the recorder writes
+            sequence["steps"] = [sequence["steps"][0], [1, 2, sequence["steps"][1][2]]]
+        docs.append(doc)
+    doc = run_docs(opguard, tmp_path, *docs, expect=0)
+    assert collective_findings(doc) == []
+
+
 def test_only_the_first_disagreement_per_group_is_reported(
     opguard: Callable[..., Any], tmp_path: Path
 ) -> None:

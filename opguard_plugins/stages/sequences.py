@@ -101,8 +101,8 @@ class _View:
                     continue
                 keys = tuple(sig.key() for sig in calls)
                 if blocks and blocks[-1][1] + 1 == run.first and blocks[-1][3] == keys:
-                    first, _, before, _ = blocks[-1]
-                    blocks[-1] = (first, run.last, before, keys)
+                    start, _, before, _ = blocks[-1]
+                    blocks[-1] = (start, run.last, before, keys)
                 else:
                     blocks.append((run.first, run.last, calls, keys))
         return cls(blocks, [], first)
