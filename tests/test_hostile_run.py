@@ -624,6 +624,21 @@ def test_control_characters_in_file_names_never_forge_an_error_line(
         json.loads(line) if line.startswith("{") else None
 
 
+def test_a_file_name_that_is_not_utf8_runs_and_the_summary_escapes_it(
+    opguard: Callable[..., Any], tmp_path: Path, samples: Path
+) -> None:
+    """Linux file names are bytes: one that is not UTF-8 reaches Python as lone
+    surrogates, which JSON cannot carry; the summary writes its odd byte as ``\\xe9``
+    (it once ended the run with a traceback and a summary left 'running')."""
+    name = os.fsdecode(b"caf\xe9_rank0.json")
+    (tmp_path / name).write_bytes((samples / "gpt_callsite_rank0.json").read_bytes())
+    run = opguard("run", "-i", tmp_path / name)
+    assert run.exit_code == 0, run.stderr[-2000:]
+    summary = json.loads((run.run_dir / "pipeline_summary.json").read_text(encoding="utf-8"))
+    assert summary["status"] == "ok"
+    assert summary["entries"][0]["files"] == [f"{tmp_path}/caf\\xe9_rank0.json"]
+
+
 def test_control_characters_in_console_logs_are_escaped(tmp_path: Path, samples: Path) -> None:
     bad = tmp_path / f"bad{FORGING}.json"
     bad.write_bytes(b"[]")

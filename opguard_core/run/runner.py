@@ -31,7 +31,7 @@ from opguard_core.run.interrupts import Interrupts
 from opguard_core.run.records import Recorder, failure_reason
 from opguard_core.run.stale import find_stale_runs, release_run_directory, start_run_directory
 from opguard_core.run.steps import STEPS, RunContext, Step, StepCall, skip_reasons, unanswered
-from opguard_core.run.summary import SUMMARY_FILE, SummaryPace, build_summary
+from opguard_core.run.summary import SUMMARY_FILE, SummaryPace, build_summary, encode_summary
 from opguard_core.run.warnings import collecting, warn
 
 
@@ -284,8 +284,8 @@ class Runner:
         if self.run_dir is None or not self.summary_pace.ready(final):
             return
         try:
-            data = msgspec.json.format(msgspec.json.encode(self.summary(final)), indent=2)
-            atomic_write_bytes(safe_child(self.run_dir, SUMMARY_FILE), data + b"\n")
+            data = encode_summary(self.summary(final))
+            atomic_write_bytes(safe_child(self.run_dir, SUMMARY_FILE), data)
         except (OSError, OpGuardError, MemoryError, msgspec.EncodeError) as exc:
             error = one_line(str(exc) or type(exc).__name__)
             if error != self.summary_error:

@@ -295,6 +295,32 @@ def _jsonable(value: Any) -> Any:
     return value
 
 
+def encode_summary(document: dict[str, Any]) -> bytes:
+    """``document`` as ``pipeline_summary.json``'s text. A file name that is not UTF-8
+    (Python holds its odd bytes as lone surrogates, which JSON cannot carry) is written
+    with them as ``\\xNN`` escapes: ``caf\\xe9_rank0.json``."""
+    import msgspec  # not at start-up: ``opguard show`` reads summaries without it
+
+    try:
+        encoded = msgspec.json.encode(document)
+    except UnicodeEncodeError:
+        encoded = msgspec.json.encode(_without_surrogates(document))
+    return msgspec.json.format(encoded, indent=2) + b"\n"
+
+
+def _without_surrogates(value: Any) -> Any:
+    if isinstance(value, str):
+        try:  # a file name's undecodable bytes (os.fsdecode) back as \xNN
+            return value.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+        except UnicodeEncodeError:  # any other lone surrogate as \udNNN
+            return value.encode("utf-8", "backslashreplace").decode("utf-8")
+    if isinstance(value, dict):
+        return {_without_surrogates(k): _without_surrogates(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_without_surrogates(v) for v in value]
+    return value
+
+
 def summary_lines(summary: dict[str, Any]) -> list[str]:
     """The end-of-run summary for a person: entries, final config, failures,
     warnings, divergence findings (when the summary has them) and, last, the
