@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 from ruamel.yaml import YAML
 
 from opguard_core.formats.tree import load_tree
@@ -50,6 +51,26 @@ def test_two_entries_write_every_artifact(opguard, samples: Path) -> None:
     meta = config["meta"]
     assert (meta["ranks"], meta["total"]) == ([0, 1], 6241 + 5548)
     assert meta["sources"] == ["fsdp_callsite", "gpt_callsite"]
+
+
+def test_rank_files_of_one_directory_however_spelt_are_one_entry(
+    opguard, samples: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``sub/x_rank0.json``, ``/abs/sub/x_rank1.json``, ``sub/../sub/...`` and a link to
+    the directory all name one directory: one entry of their ranks (once, two entries
+    of one rank each, compared and merged with each other)."""
+    folder = tmp_path / "sub"
+    folder.mkdir()
+    for rank in range(2):
+        name = f"gpt_callsite_rank{rank}.json"
+        (folder / f"x_rank{rank}.json").write_bytes((samples / name).read_bytes())
+    (tmp_path / "link").symlink_to(folder)
+    monkeypatch.chdir(tmp_path)
+    for spelt in (["sub/x_rank0.json", folder / "x_rank1.json"],
+                  ["sub/../sub/x_rank0.json", "link/x_rank1.json"]):  # fmt: skip
+        run = opguard("run", "-i", *spelt, expect=0)
+        summary = json.loads(run.read("pipeline_summary.json"))
+        assert [(e["name"], len(e["files"])) for e in summary["entries"]] == [("x", 2)]
 
 
 def test_single_pattern_entry_has_no_merge_and_filters_under_its_name(opguard, samples) -> None:

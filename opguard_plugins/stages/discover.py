@@ -30,7 +30,7 @@ import hashlib
 import os
 import re
 import stat
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from opguard_core import hookimpl
@@ -141,11 +141,28 @@ Group = tuple[str, str]
 Order = tuple[int, ...]
 
 
-def _rank_group(path: Path) -> tuple[Group, Order] | None:
+#: a file's directory, however it is spelt (relative or absolute, ``sub/../sub``,
+#: through a link): what puts two files in one directory; one cache per discovery
+Directory = Callable[[Path], str]
+
+
+def _directories() -> Directory:
+    cache: dict[Path, str] = {}
+
+    def directory(path: Path) -> str:
+        found = cache.get(path.parent)
+        if found is None:
+            found = cache[path.parent] = os.path.realpath(path.parent)
+        return found
+
+    return directory
+
+
+def _rank_group(path: Path, directory: Directory) -> tuple[Group, Order] | None:
     """A ``{X}_rank{R}`` file's entry key and rank."""
     match = RANK_FILE.match(trace_stem(path))
     if match:
-        return (str(path.parent), match.group("name")), (int(match.group("rank")),)
+        return (directory(path), match.group("name")), (int(match.group("rank")),)
     return None
 
 
@@ -163,12 +180,12 @@ def _of_another_format(path: Path) -> bool:
         return False
 
 
-def _numbered_groups(files: list[Path]) -> dict[Path, tuple[Group, Order]]:
+def _numbered_groups(files: list[Path], directory: Directory) -> dict[Path, tuple[Group, Order]]:
     """The files (not rank-named) that are the ranks of one job: of another format,
     in one directory, their names the same but for their numbers (two or more)."""
-    buckets: dict[tuple[Path, str], list[Path]] = {}
+    buckets: dict[tuple[str, str], list[Path]] = {}
     for file in files:
-        buckets.setdefault((file.parent, _numbered_name(file)), []).append(file)
+        buckets.setdefault((directory(file), _numbered_name(file)), []).append(file)
     found: dict[Path, tuple[Group, Order]] = {}
     for (parent, numbered), members in buckets.items():
         if len(members) < 2 or not all(map(_of_another_format, members)):
@@ -176,7 +193,7 @@ def _numbered_groups(files: list[Path]) -> dict[Path, tuple[Group, Order]]:
         name = trace_stem(numbered).split("#", 1)[0].rstrip("._-") or "trace"
         for file in members:
             order = tuple(int(n) for n in _NUMBER.findall(file.name))
-            found[file] = ((str(parent), name), order)
+            found[file] = ((parent, name), order)
     return found
 
 
@@ -205,11 +222,18 @@ def discover(inputs: Sequence[str], base_dir: Path) -> Discovery:
                     )
                 continue
             inputs_read.append((spec, file))
-    numbered = _numbered_groups([f for _, f in inputs_read if _rank_group(f) is None])
+    directory = _directories()
+    numbered = _numbered_groups(
+        [f for _, f in inputs_read if _rank_group(f, directory) is None], directory
+    )
     groups: dict[Group, dict[Path, Order]] = {}
     specs: dict[Group, list[str]] = {}
     for spec, file in inputs_read:
-        key, order = _rank_group(file) or numbered.get(file) or ((str(file), trace_stem(file)), ())
+        key, order = (
+            _rank_group(file, directory)
+            or numbered.get(file)
+            or ((str(file), trace_stem(file)), ())
+        )
         groups.setdefault(key, {})[file.absolute()] = order
         if spec not in specs.setdefault(key, []):
             specs[key].append(spec)
