@@ -382,7 +382,9 @@ def test_a_real_dump_stays_within_the_value_budget() -> None:
 
 def test_the_rank_is_the_number_a_name_ends_with(tmp_path: Path) -> None:
     data = (DATA / "ok" / "rank_2").read_bytes()
-    for name, rank in (("nccl_trace_rank_12", 12), ("dump3.json", 3), ("trace_7", 7)):
+    named = [("nccl_trace_rank_12", 12), ("dump3.json", 3), ("trace_7", 7),
+             ("dump.0", 0), ("nccl_trace.rank_5", 5), ("host.domain_4", 4)]  # fmt: skip
+    for name, rank in named:
         assert read_dump(data, tmp_path / name)[0]["meta"]["rank"] == rank
     with pytest.raises(FlightRecorderError, match="cannot tell the rank"):
         read_dump(data, tmp_path / "dump")

@@ -95,6 +95,18 @@ def test_a_glob_of_dumps_is_one_entry(opguard: Opguard, tmp_path: Path) -> None:
     assert sorted(s["ranks"] for s in sequences) == [[0, 2], [1]]
 
 
+def test_dumps_named_prefix_dot_rank_are_one_entry(opguard: Opguard, tmp_path: Path) -> None:
+    """torch writes ``<prefix><rank>`` with any prefix: ``dump.0``, ``dump.1``, ... (the
+    rank after a dot once read as a suffix, and the dumps were refused)."""
+    (tmp_path / "dumps").mkdir()
+    for rank in range(3):
+        shutil.copy(DATA / "dtype" / f"rank_{rank}", tmp_path / "dumps" / f"dump.{rank}")
+    run = opguard("run", "-i", tmp_path / "dumps" / "dump.*")
+    assert run.exit_code == 0, run.stderr[-2000:]
+    combined = json.loads(run.read("dump_combined.json"))
+    assert combined["meta"]["ranks"] == [0, 1, 2]
+
+
 @pytest.mark.slow
 def test_readers_in_worker_processes_read_dumps() -> None:
     """The built-in reader is found by a spawned worker's plugin manager too."""

@@ -334,8 +334,9 @@ def decode_dump(data: bytes) -> _Dump:
 
 
 def rank_of(path: Path) -> int:
-    """The rank a dump's file name ends with (``nccl_trace_rank_3`` → 3)."""
-    match = _RANK_AT_END.search(trace_stem(path))
+    """The rank a dump's file name ends with (``nccl_trace_rank_3`` → 3), before a
+    trace suffix (``rank_3.json``) or at the very end (``dump.3``, ``trace.rank_3``)."""
+    match = _RANK_AT_END.search(trace_stem(path)) or _RANK_AT_END.search(Path(path).name)
     if match is None:
         raise FlightRecorderError(
             "cannot tell the rank: a Flight Recorder dump's file name ends with its rank "
