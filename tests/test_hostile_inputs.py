@@ -293,6 +293,12 @@ def test_two_files_claiming_one_rank_fail_the_entry(
             id="name_rank_disagrees_with_meta",
         ),
         pytest.param(
+            "W_rank3.pt.trace.json",
+            trace_doc(SITES, rank=2),
+            "the file name says rank 3 but meta says 2",
+            id="name_rank_before_a_trace_suffix_disagrees",
+        ),
+        pytest.param(
             "Z.json",
             {**trace_doc([]), "frames": [], "callsites": []},
             "the trace has no callsites",

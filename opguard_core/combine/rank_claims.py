@@ -17,17 +17,16 @@ decoded (``opguard_core.formats.trace``).
 from __future__ import annotations
 
 from collections.abc import Iterable
-from pathlib import Path
 
 from opguard_core.errors import InputError
-from opguard_core.formats.trace import RANK_IN_NAME
+from opguard_core.formats.trace import RANK_IN_NAME, trace_stem
 from opguard_core.run.warnings import warn
 
 Claim = tuple[str, tuple[int, ...], int, bool]
 
 
 def _name_rank(path: str) -> int | None:
-    match = RANK_IN_NAME.search(Path(path).stem)
+    match = RANK_IN_NAME.search(trace_stem(path))
     return int(match.group(1)) if match else None
 
 
