@@ -122,6 +122,22 @@ def handmade() -> dict[str, Any]:
     return {"schemaVersion": 1, "distributedInfo": DISTRIBUTED, "traceEvents": events}
 
 
+@pytest.mark.parametrize(
+    ("field", "value"), [("Process Group Ranks", [0, 1]), ("Process Group Name", {"x": 1})]
+)
+def test_a_group_described_by_a_json_array_or_object_is_read(field: str, value: Any) -> None:
+    """``Process Group Ranks`` as an array (not torch's string), a name as an object:
+    read (the ranks) or ignored (the name), not a crash of the reader."""
+    doc = handmade()
+    for event in doc["traceEvents"]:
+        if event["name"] == "record_param_comms":
+            event["args"][field] = value
+    seq = sequence(read(doc))
+    assert len(calls(seq)) == 4
+    if field == "Process Group Ranks":
+        assert [0, 1] in [g["ranks"] for g in seq["groups"]]
+
+
 def test_handmade_sequence_fields_groups_and_steps() -> None:
     seq = sequence(read(handmade()))
     assert seq["ranks"] == [1]

@@ -1465,13 +1465,17 @@ class _GroupTable:
                 _positive(entry.get("pg_size")),
                 _rank_list(entry.get("ranks")),
             )
-        self.cache: dict[tuple[Any, ...], GroupKey] = {}
+        self.cache: dict[Any, GroupKey] = {}
 
     def key(self, name: Any, desc: Any, size: Any, ranks: Any) -> GroupKey:
         """A group from what the events say (any of it may be missing), completed from
         ``pg_config``; no name: the default group ``"0"``, of the world's size."""
-        lookup = (name, desc, size, ranks)
-        found = self.cache.get(lookup)
+        lookup: Any = (name, desc, size, ranks)
+        try:
+            found = self.cache.get(lookup)
+        except TypeError:  # a JSON array or object among them: cached by its text
+            lookup = msgspec.json.encode(lookup)
+            found = self.cache.get(lookup)
         if found is not None:
             return found
         text = str(name) if isinstance(name, str | int) and str(name) else None
