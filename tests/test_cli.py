@@ -9,6 +9,7 @@ import pytest
 from ruamel.yaml import YAML
 
 from opguard_core.formats.tree import load_tree
+from opguard_core.run.summary import summary_fields
 
 
 def test_two_entries_write_every_artifact(opguard, samples: Path) -> None:
@@ -109,7 +110,7 @@ def test_three_entries_fold_left_and_compare_first_against_each(opguard, samples
 def test_a_failing_entry_is_recorded_and_the_others_go_on(opguard, samples) -> None:
     (samples / "broken.json").write_text('{"format": "opguard-callsites", "version": 1')
     run = opguard("run", "--base-dir", samples, "--input", "broken.json",
-                  "--input", "gpt_callsite_rank*.json")  # fmt: skip
+                  "--input", "gpt_callsite_rank*.json", "--basic")  # fmt: skip
     assert run.exit_code == 1
     assert "broken.json: not valid JSON" in run.stderr
     assert "Traceback" not in run.stderr
@@ -127,6 +128,11 @@ def test_a_failing_entry_is_recorded_and_the_others_go_on(opguard, samples) -> N
     assert by_stage[("compare", "broken")]["status"] == "skipped"
     assert by_stage[("compare", "broken")]["error"] == "this entry made no config"
     assert ("compare", "gpt_callsite") not in by_stage
+    # the one config made is the final one, filtered as a single entry's would be
+    assert "gpt_callsite's" in by_stage[("merge", None)]["error"]
+    assert by_stage[("filter", "gpt_callsite")]["status"] == "ok"
+    assert summary_fields(summary)["final_config"].endswith("gpt_callsite_instrumentation.yaml")
+    assert (run.run_dir / "gpt_callsite_filtered_instrumentation.yaml").exists()
 
 
 def test_missing_input_and_empty_pattern_fail_discovery(opguard, samples) -> None:

@@ -358,16 +358,19 @@ def _compare_one(
 
 
 def merge(call: StepCall, results: Mapping[str, Any]) -> tuple[str, CommentedMap] | None:
-    """Fold (1+2)+3+…; the final config (by its name), or the single entry's config."""
+    """Fold (1+2)+3+…; the final config (by its name), or the only config made (a
+    single entry's, or the one left when the others' entries failed)."""
     configs: Configs = results["generate"]
     entries: list[InputEntry] = results["discover"]
     available = [configs[i] for i in sorted(configs)]
-    if len(entries) == 1:
-        call.skip(None, "a single entry: nothing to merge")
-        return (available[0][0].name, available[0][1]) if available else None
     if len(available) < 2:
-        call.skip(None, "fewer than two configs to merge")
-        return None
+        if len(entries) == 1:
+            call.skip(None, "a single entry: nothing to merge")
+        elif available:
+            call.skip(None, f"one config made ({available[0][0].name}'s): it is the final one")
+        else:
+            call.skip(None, "no config to merge")
+        return (available[0][0].name, available[0][1]) if available else None
     accumulated = available[0][1]
     left = _config_name(available[0][0].name)
     for step, (entry, config) in enumerate(available[1:], start=1):

@@ -26,8 +26,9 @@ REPORT_FILE = "report.html"
 
 def final_configs(summary: dict[str, Any]) -> tuple[str | None, str | None]:
     """(final config, filtered final config) of a run, as names inside its directory:
-    the last merge's ``final_combined_instrumentation.yaml`` or, for one entry, its
-    config; and the filter stage's output. None where the run made none."""
+    the last merge's ``final_combined_instrumentation.yaml`` or, where one config was
+    made (one entry, or the other entries failed), that config; and the filter stage's
+    output. None where the run made none."""
     from opguard_core.run.steps import STEP  # its imports cost start-up time
 
     merged_name = STEP["merge"].artifacts["final"]
@@ -36,8 +37,9 @@ def final_configs(summary: dict[str, Any]) -> tuple[str | None, str | None]:
     filtered = next((o[0] for stage, o in outputs if stage == "filter" and o), None)
     merged = [n for stage, o in outputs if stage == "merge" for n in o if n == merged_name]
     final = merged[-1] if merged else None
-    if final is None and len(summary.get("entries", [])) == 1:
-        final = next((o[0] for stage, o in outputs if stage == "generate" and o), None)
+    generated = [o[0] for stage, o in outputs if stage == "generate" and o]
+    if final is None and len(generated) == 1:  # one entry, or the others failed
+        final = generated[0]
     return final, filtered
 
 
