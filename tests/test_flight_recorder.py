@@ -569,3 +569,30 @@ def test_side_by_side_on_wrapped_ring_buffers(tmp_path: Path) -> None:
     patched_for_torchfrtrace(wrapped_dumps(tmp_path / "wrapped"), tmp_path / "dumps")
     culprits, lines = torchfrtrace_culprits(tmp_path / "dumps")
     assert culprits == {1} and "COLLECTIVE_DTYPE_MISMATCH" in lines[0], lines
+
+
+def test_a_json_dump_after_a_byte_order_mark_reads_as_without(tmp_path: Path) -> None:
+    """Detection looked past a UTF-8 BOM, decoding did not ("JSON is malformed")."""
+    data = (DATA / "dtype_json" / "rank_0.json").read_bytes()
+    assert (
+        read_dump(b"\xef\xbb\xbf" + data, tmp_path / "rank_0")[0]
+        == read_dump(data, tmp_path / "rank_0")[0]
+    )
+
+
+def test_a_group_named_by_a_unicode_digit_is_ordered_as_a_name(
+    opguard: Opguard, tmp_path: Path
+) -> None:
+    """``"²"`` is a digit to ``str.isdigit`` but not to ``int``: divergence once failed."""
+    (tmp_path / "dumps").mkdir()
+    for rank in range(3):
+        text = (DATA / "dtype_json" / f"rank_{rank}.json").read_text()
+        renamed = text.replace('"process_group":["0","default_pg"]', '"process_group":["²","x"]')
+        assert renamed != text
+        (tmp_path / "dumps" / f"rank_{rank}.json").write_text(renamed)
+    run = opguard("run", "-i", tmp_path / "dumps" / "rank_*.json")
+    assert run.exit_code == 0, run.stderr[-2000:]
+    findings = load_divergence(run.run_dir / "rank_divergence.json")["findings"]
+    assert [(f["kind"], f["ranks"], f["group"]["name"]) for f in findings] == [
+        ("collective_dtype", [1], "²")
+    ]

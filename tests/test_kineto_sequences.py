@@ -394,3 +394,17 @@ def test_every_dlrm_rank_reads_the_same_collectives(rank: int) -> None:
     assert [(s["op"], s["dtype"], s["numel"]) for _, s in calls(sequence(read(dlrm(rank))))] == [
         (s["op"], s["dtype"], s["numel"]) for _, s in calls(sequence(read(dlrm(3))))
     ]
+
+
+def test_a_trace_after_a_byte_order_mark_reads_as_without() -> None:
+    data = json.dumps(handmade()).encode()
+    assert plain(read_kineto(b"\xef\xbb\xbf" + data, "t.json")) == plain(
+        read_kineto(data, "t.json")
+    )
+
+
+def test_a_step_number_of_thousands_of_digits_is_no_step() -> None:
+    """``int()`` refuses more than 4300 digits: the reader once failed on such a label."""
+    doc = handmade()
+    doc["traceEvents"][0]["name"] = "ProfilerStep#" + "9" * 5000
+    assert read(doc)["meta"]["steps"] == 1 and read(handmade())["meta"]["steps"] == 2

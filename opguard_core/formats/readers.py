@@ -28,6 +28,16 @@ if TYPE_CHECKING:
 HEAD = 4096
 
 
+#: the UTF-8 byte order mark some editors and Windows tools put first
+_BOM = b"\xef\xbb\xbf"
+
+
+def without_bom(data: bytes) -> bytes:
+    """``data`` without a leading UTF-8 byte order mark: JSON must not have one, but a
+    reader that recognises a file past it reads the file past it too."""
+    return data[len(_BOM) :] if data.startswith(_BOM) else data
+
+
 def is_callsite_trace(data: bytes) -> bool:
     """Whether ``data`` says it is an ``opguard-callsites`` document near its start."""
     return f'"{TRACE_FORMAT}"'.encode() in data[:HEAD]
@@ -77,4 +87,4 @@ class Readers:
         return None
 
 
-__all__ = ["Readers", "is_callsite_trace"]
+__all__ = ["Readers", "is_callsite_trace", "without_bom"]

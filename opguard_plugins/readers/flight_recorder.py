@@ -63,6 +63,7 @@ from opguard_core.formats.collectives import (
     Signature,
     StepRun,
 )
+from opguard_core.formats.readers import without_bom
 from opguard_core.formats.trace import TRACE_FORMAT, TRACE_VERSION, trace_stem
 from opguard_core.run.warnings import warn
 from opguard_plugins.readers.kineto import frame_key, module_of, relative_file
@@ -161,7 +162,7 @@ def looks_like_json_dump(data: bytes) -> bool:
     """Whether ``data`` looks like ``_dump_fr_trace_json()``'s output: a JSON object
     naming one of a dump's own keys in its first :data:`HEAD` bytes, and none of
     Kineto's."""
-    text = data[:HEAD].lstrip(b"\xef\xbb\xbf \t\r\n")
+    text = without_bom(data[:HEAD]).lstrip(b" \t\r\n")
     if not text.startswith(b"{") or b'"opguard-' in text[:4096]:
         return False
     if any(key in text for key in _KINETO_KEYS):
@@ -321,7 +322,7 @@ def decode_dump(data: bytes) -> _Dump:
         except RecursionError:
             raise FlightRecorderError(_TOO_DEEP) from None
     try:
-        return _JSON_DECODER.decode(data)
+        return _JSON_DECODER.decode(without_bom(data))
     except (msgspec.ValidationError, msgspec.DecodeError) as exc:
         raise FlightRecorderError(f"invalid dump: {_problem(exc)}") from None
     except RecursionError:  # msgspec's own bound on nesting (a dump nests 5 levels)

@@ -64,6 +64,7 @@ from opguard_core.formats.collectives import (
 )
 from opguard_core.formats.dtypes import PROFILER_TYPES, profiler_dtype
 from opguard_core.formats.streams import COMM_NAMESPACES, role_order
+from opguard_core.formats.readers import without_bom
 from opguard_core.formats.trace import TRACE_FORMAT, TRACE_VERSION, trace_ranks
 from opguard_core.run.warnings import warn
 
@@ -204,7 +205,7 @@ def looks_like_kineto(data: bytes) -> bool:
     """Whether a file's (decompressed) bytes look like a Kineto/Chrome trace: a JSON
     object that names one of Kineto's top-level keys in its first :data:`HEAD` bytes
     and is not an OpGuard document."""
-    text = data[:HEAD].lstrip(b"\xef\xbb\xbf \t\r\n")
+    text = without_bom(data[:HEAD]).lstrip(b" \t\r\n")
     if not text.startswith(b"{"):
         return False
     if b'"opguard-' in text[:4096]:
@@ -248,7 +249,7 @@ def opguard_read_trace(path: Path, data: bytes) -> dict[str, Any] | None:
 # ---------------------------------------------------------------------------
 
 _OP_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*::[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z0-9_]+)?$")
-_PROFILER_STEP = re.compile(r"^ProfilerStep#(\d+)$")
+_PROFILER_STEP = re.compile(r"^ProfilerStep#([0-9]{1,18})$")
 _PY_FRAME = re.compile(r"^(.*)\((\d+)\): (.+)$")
 _SITE_DIRS = re.compile(r"^.*/(?:site-packages|dist-packages)/")
 _STDLIB_DIR = re.compile(r"^.*/lib/python\d+(?:\.\d+)?/")
@@ -478,6 +479,7 @@ def read_kineto(data: bytes, name: str) -> dict[str, Any]:
     ``name`` is the file's name, for ``meta.source``. Raises :class:`KinetoError` with
     a one-line reason for anything unreadable.
     """
+    data = without_bom(data)
     distributed = data.find(_DISTRIBUTED_KEY, 0, HEAD) >= 0
     with gc_paused():  # millions of acyclic tuples: no collection can free anything
         document = _decode(data, _COMM_DECODER if distributed else _DECODER)

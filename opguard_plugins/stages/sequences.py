@@ -211,7 +211,10 @@ def sequence_findings(
 
 
 def _name_order(name: str) -> tuple[int, str]:
-    return (int(name), "") if name.isdigit() else (1 << 62, name)
+    """Groups by number (``"2"`` before ``"10"``), then any other names by text (a
+    Unicode digit such as ``"²"``, or a number of more than 18 digits, among them)."""
+    numeric = name.isascii() and name.isdigit() and len(name) <= 18
+    return (int(name), "") if numeric else (1 << 62, name)
 
 
 def _advance_by(cursor: _Cursor, calls: int) -> None:
