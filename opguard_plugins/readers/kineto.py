@@ -63,8 +63,8 @@ from opguard_core.formats.collectives import (
     remap_runs,
 )
 from opguard_core.formats.dtypes import PROFILER_TYPES, profiler_dtype
-from opguard_core.formats.streams import COMM_NAMESPACES, role_order
 from opguard_core.formats.readers import without_bom
+from opguard_core.formats.streams import COMM_NAMESPACES, role_order
 from opguard_core.formats.trace import TRACE_FORMAT, TRACE_VERSION, trace_ranks
 from opguard_core.run.warnings import warn
 
