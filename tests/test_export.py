@@ -207,6 +207,17 @@ def test_pprof_has_files_and_lines_for_list_and_full_names_for_top(tmp_path: Pat
     assert "29:" not in missing.stdout
 
 
+def test_pprof_encodes_a_negative_line_as_protobuf_does(tmp_path: Path) -> None:
+    """A trace's line may be any int: a negative one is a ten-byte varint (its 64-bit
+    two's complement); the encoder once shifted -1 right forever."""
+    doc = trace_doc([([("app", "main"), ("app", "step")], None, "aten::mm", 5)])
+    doc["frames"][0]["line"] = -5
+    out = tmp_path / "neg.pb.gz"
+    export(write(tmp_path / "neg.json", doc), "--format", "pprof", "-o", out)
+    minus_five = b"\xfb" + b"\xff" * 8 + b"\x01"
+    assert b"\x10" + minus_five in gzip.decompress(out.read_bytes())  # Line.line = -5
+
+
 def test_stacks_carry_each_frame_s_file_and_first_line(tmp_path: Path) -> None:
     src = write(
         tmp_path / "t.json",

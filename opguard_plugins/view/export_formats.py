@@ -81,6 +81,9 @@ def write_speedscope(stacks: list[Stack]) -> bytes:
 
 
 def _varint(value: int) -> bytes:
+    """A protobuf varint; a negative int64 (a trace's line may be any int) as its 64-bit
+    two's complement, ten bytes, as protobuf encodes it."""
+    value &= (1 << 64) - 1
     out = bytearray()
     while True:
         byte = value & 0x7F
