@@ -277,9 +277,11 @@ def configs(draw: st.DrawFn, source: str | None = None) -> CommentedMap:
     config = CommentedMap()
     config["version"] = CONFIG_VERSION
     config["source"] = source or draw(st.sampled_from(["a", "b", "c", "d"]))
-    config["meta"] = flow_map(
-        [("ranks", flow_seq(meta_ranks)), ("total", sum(e["count"] for e in entries))]
-    )
+    meta = [("ranks", flow_seq(meta_ranks)), ("total", sum(e["count"] for e in entries))]
+    if draw(st.booleans()):  # recorded steps, before settings, as generate writes them
+        meta.append(("steps", flow_map([(config["source"], draw(st.integers(1, 30)))])))
+    meta.append(("settings", flow_map([("context_depth", 1)])))
+    config["meta"] = flow_map(meta)
     config["entries"] = entries
     if draw(st.booleans()):  # config version 4: the source's collective sequence
         config["collectives"] = CommentedSeq(

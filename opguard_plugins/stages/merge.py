@@ -198,6 +198,19 @@ def _record_contributions(result: CommentedMap, both: Contributions | None) -> N
         entry["sources"] = flow_map(sorted(by_source.items()))
 
 
+#: ``meta``'s keys in the order generate writes them; any others after, sorted
+_META_ORDER = ("ranks", "total", "sources", "steps", "phases", "source_ranks", "recorded_by",
+               "settings")  # fmt: skip
+
+
+def _in_order(meta: CommentedMap) -> CommentedMap:
+    """``meta`` with its keys in one order whichever side had which (the left side's
+    order once decided it, so ``merge A B`` and ``merge B A`` differed in bytes)."""
+    known = [key for key in _META_ORDER if key in meta]
+    others = sorted((key for key in meta if key not in _META_ORDER), key=str)
+    return CommentedMap((key, meta[key]) for key in (*known, *others))
+
+
 def merge_configs(left: CommentedMap, right: CommentedMap) -> CommentedMap:
     """The built-in merge. ``left`` is copied, never changed in place."""
     left_share, right_share = contributions(left), contributions(right)
@@ -253,6 +266,7 @@ def merge_configs(left: CommentedMap, right: CommentedMap) -> CommentedMap:
         meta["recorded_by"] = _sorted_union(left_meta["recorded_by"], right_meta["recorded_by"])
     else:
         meta.pop("recorded_by", None)
+    meta = _in_order(meta)
     meta.fa.set_block_style()
     _keep_comments(meta, left_meta, right_meta)
     result["meta"] = meta
