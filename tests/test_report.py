@@ -189,6 +189,58 @@ def test_divergence_findings_are_grouped(opguard: Callable[..., Any], samples: P
     assert view["groups"] == [] and "could not be read" in view["note"]
 
 
+@pytest.mark.parametrize(
+    "doc",
+    [
+        {
+            "format": "opguard-divergence",
+            "version": 4,
+            "meta": {"ranks": [0, 1, 2]},
+            "frames": [],
+            "stacks": [],
+            "groups": [
+                {
+                    "kind": "rank_specific",
+                    "severity": "warning",
+                    "ranks": ["1", 2],
+                    "size": 1,
+                    "count": 1,
+                    "message": "m",
+                    "fields": ["target"],
+                    "findings": [["t"]],
+                }
+            ],
+        },
+        {
+            "format": "opguard-divergence",
+            "version": 1,
+            "meta": {"ranks": [0, 1, 2]},
+            "findings": [
+                {
+                    "kind": "rank_specific",
+                    "severity": "warning",
+                    "ranks": ["1", 2],
+                    "size": 1,
+                    "target": "t",
+                    "message": "m",
+                }
+            ],
+        },
+    ],
+    ids=["v4", "v1"],
+)
+def test_a_divergence_file_with_ranks_not_integers_is_a_note(
+    opguard: Callable[..., Any], samples: Path, doc: dict[str, Any]
+) -> None:
+    """Ranks that are not integers once ended ``opguard report`` in a traceback."""
+    run = opguard("run", *sample_inputs(samples, "gpt"), expect=0)
+    (run.run_dir / "gpt_callsite_divergence.json").write_text(json.dumps(doc))
+    result = opguard("report", run.run_dir, expect=0)
+    assert "Traceback" not in result.result.stderr
+    view = embedded(run.run_dir / "report.html")["entries"][0]["divergence"]
+    assert view["groups"] == [] and "gpt_callsite_divergence.json has malformed" in view["note"]
+
+
 def _stack(view: dict[str, Any], path: int) -> list[str]:
     out = []
     while path >= 0:

@@ -268,6 +268,13 @@ def rebuilt_distribution(counts: dict[str, Any], expected: Any, nranks: int) -> 
     return sorted(([v, n] for v, n in held.items()), key=lambda d: (-d[1], d[0]))
 
 
+def is_rank_list(value: Any) -> bool:
+    """Whether ``value`` is a list of non-negative integers (a finding's ``ranks``)."""
+    return isinstance(value, list) and all(
+        isinstance(r, int) and not isinstance(r, bool) and r >= 0 for r in value
+    )
+
+
 def flatten_groups(doc: dict[str, Any], where: str, distributions: bool = True) -> list[Finding]:
     """A version-4 document's findings as one flat list, each as the stage found it
     (its stacks as frame lists, its ``counts`` by rank, its ``distribution``) but for
@@ -306,6 +313,10 @@ def flatten_groups(doc: dict[str, Any], where: str, distributions: bool = True) 
             f = {**shared, **dict(zip(map(str, fields), row, strict=True)), "ranks": list(ranks)}
             if index == 0:
                 f.update(first)
+                if not is_rank_list(f["ranks"]):
+                    raise InputError(
+                        where, f"groups[{number}].ranks must be a list of non-negative integers"
+                    )
             for name in _STACK_FIELDS:
                 if f.get(name) is not None:
                     f[name] = _stack(f[name], stacks, frames, where, number, index)
