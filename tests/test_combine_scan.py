@@ -286,6 +286,29 @@ def test_the_scanner_ends_where_msgspec_does(tmp_path_factory: Any, data: Any) -
 
 
 @needs_c
+@pytest.mark.parametrize("version", [1, 2])
+def test_an_old_file_stating_its_roles_keeps_a_repeated_callsite_as_the_reference(
+    tmp_path: Path, version: int
+) -> None:
+    """A version 1 or 2 file whose callsites all state their role, one of them twice:
+    the repeat drops the per-rank statistics on both paths (the C path once merged it,
+    as it does for a repeat made by deriving roles from streams)."""
+    frames = [{"file": "a.py", "line": 1, "function": "f", "qualname": "f"}]
+    paths = []
+    for rank, count in ((0, 3), (1, 5)):
+        sites = [
+            {"stack": [0], "op": "aten::mm", "role": "compute", "count": n} for n in (count, 1)
+        ]
+        doc = {"format": "opguard-callsites", "version": version, "meta": {"rank": rank},
+               "frames": frames, "callsites": sites}  # fmt: skip
+        paths.append(tmp_path / f"t_rank{rank}.json")
+        paths[-1].write_text(json.dumps(doc))
+    c_path, reference = _outcome(paths[0], _scan, paths), _outcome(paths[0], None, paths)
+    assert c_path == reference
+    assert json.loads(reference)["meta"] == {"ranks": [0, 1]}  # no per_rank_stats
+
+
+@needs_c
 @settings(
     max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )

@@ -820,7 +820,9 @@ class TraceAccumulator:
         if head.version >= ROLE_VERSION:  # every key has its role (the scan required it)
             keys = cast("list[SiteKey]", scan_keys)
         else:
-            keys, counts = _without_duplicates(_with_roles(scan_keys, self.roles), counts)
+            keys = _with_roles(scan_keys, self.roles)
+            if any(isinstance(key[3], int) for key in scan_keys):  # a role derived, as
+                keys, counts = _without_duplicates(keys, counts)  # add() (derived_roles)
         total = self._checked_total(path, file_total)
         self._fold_file(path, head.meta, file_ranks, total, keys, counts, None)
         if collectives is not None:
