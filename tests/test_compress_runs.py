@@ -218,6 +218,8 @@ def test_c_frames_at_is_the_reference(data: st.DataObject) -> None:
     assert got == py_frames_at(paths, origins, own, start, end)
     with pytest.raises(ValueError):
         c_frames_at(paths, origins, own, start, start)
+    with pytest.raises(ValueError, match="no id there"):  # own + 4 overflowed: a wild read
+        c_frames_at(paths, origins, 2**63 - 3, start, end)
 
 
 @needs_c

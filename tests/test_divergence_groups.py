@@ -10,6 +10,7 @@ import random
 from collections.abc import Callable
 from itertools import compress
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import msgspec
@@ -229,6 +230,19 @@ def random_job(rnd: random.Random) -> list[dict[str, Any]]:
 
 
 OPS = ["aten::mm", "aten::add", "c10d::allreduce_"]
+
+
+@needs(RUNS)
+@pytest.mark.parametrize("middle", [2**53 + 1, 2**53 - 3, 2**60 + 7])
+def test_the_compiled_skew_fold_rounds_huge_shares_as_python(middle: int) -> None:
+    """An overflowed histogram's middle ranks share ``(count - min - max) / rest``: past
+    2**53 the C division rounded twice (the numerator, then the quotient)."""
+    assert RUNS is not None
+    low, high = 1, middle + 4
+    stats = SimpleNamespace(min=low, max=high, min_ranks=[0], max_ranks=[4], counts=None)
+    site = SimpleNamespace(count=3 * middle + low + high + 1, ranks=None, per_rank=stats)
+    args = ([site], [0], 1, [0, 1, 2, 3, 4], 0.0)
+    assert RUNS.skew_fold(*args) == divergence.py_skew_fold(*args)
 
 
 @needs(RUNS)

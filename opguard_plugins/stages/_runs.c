@@ -1060,7 +1060,7 @@ frames_at(PyObject *Py_UNUSED(module), PyObject *args)
     PyObject *result = NULL, *distinct = NULL;
     for (Py_ssize_t i = start; i < end; i++) {
         PyObject *path = PyList_GET_ITEM(frame_paths, i);
-        if (!PyBytes_Check(path) || PyBytes_GET_SIZE(path) < own + 4) {
+        if (!PyBytes_Check(path) || own > PyBytes_GET_SIZE(path) - 4) {
             PyErr_SetString(PyExc_ValueError, "frames_at: a frame path has no id there");
             goto done;
         }
@@ -1331,11 +1331,26 @@ skew_fold(PyObject *Py_UNUSED(module), PyObject *args)
                         || npresent < 0;
                     if (!failed) {
                         Py_ssize_t rest = npresent - nlow - nhigh;
-                        /* Python: (count - min * len(low) - max * len(high)) / rest */
-                        double share = rest
-                            ? (double)(count - lo * nlow - hi * nhigh) / (double)rest
-                            : 0.0;
-                        if (present == Py_None)
+                        /* Python: (count - min * len(low) - max * len(high)) / rest, an
+                           int division rounded once: in doubles only while the numerator
+                           is exact in one (|n| <= 2**53), else Python's own division */
+                        long long numerator = count - lo * nlow - hi * nhigh;
+                        double share = 0.0;
+                        if (rest && numerator <= (1LL << 53) && numerator >= -(1LL << 53)) {
+                            share = (double)numerator / (double)rest;
+                        } else if (rest) {
+                            PyObject *n = PyLong_FromLongLong(numerator);
+                            PyObject *d = n ? PyLong_FromSsize_t(rest) : NULL;
+                            PyObject *q = d ? PyNumber_TrueDivide(n, d) : NULL;
+                            share = q ? PyFloat_AsDouble(q) : 0.0;
+                            failed = q == NULL;
+                            Py_XDECREF(n);
+                            Py_XDECREF(d);
+                            Py_XDECREF(q);
+                        }
+                        if (failed) {
+                            /* the division's error is set */
+                        } else if (present == Py_None)
                             uniform[slot] += share;
                         else
                             failed = add_to_ranks(row, present, share, position, limit) < 0;
