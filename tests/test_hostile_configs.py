@@ -281,6 +281,16 @@ def test_a_few_aliases_are_still_read(tmp_path: Path) -> None:
             id="tagged_recorded_by",
         ),
         pytest.param(
+            config_text(entry("a")).replace('"a"', '"m:x\\ud800"', 1),
+            "'m:x\\ud800' holds a lone surrogate, which is not text",
+            id="lone_surrogate",
+        ),
+        pytest.param(
+            config_text(entry("a")).replace('"a"', '"m:x\\U0000DFFF"', 1),
+            "holds a lone surrogate",
+            id="lone_surrogate_long_escape",
+        ),
+        pytest.param(
             "version: 3\nentries: []\nmeta: {total: " + "9" * 5000 + "}\n",
             "an integer of 5000 characters",
             id="huge_int",

@@ -718,6 +718,8 @@ def parse_config(text: str, path: Path | str) -> CommentedMap:
         except MemoryError:
             raise InputError(path, "out of memory reading this config") from None
     validate_config(config, path)
+    if "\\u" in text or "\\U" in text:  # only an escape can make a lone surrogate
+        _refuse_surrogates(config, path)
     entries = config["entries"]
     if len(blocks) == len(entries):
         for entry, block in zip(entries, blocks, strict=True):
@@ -725,6 +727,24 @@ def parse_config(text: str, path: Path | str) -> CommentedMap:
                 set_entry_comments(entry, block)
     upgrade_config(config)
     return config  # type: ignore[no-any-return]
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _refuse_surrogates(value: Any, path: Path | str) -> None:
+    """Refuse a string (key or value) holding a lone surrogate (``"\\ud800"``): not
+    text, so no output (a terminal, UTF-8 files, JSON) could carry it."""
+    if isinstance(value, str):
+        if _SURROGATE.search(value):
+            raise InputError(path, f"{value!a} holds a lone surrogate, which is not text")
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            _refuse_surrogates(key, path)
+            _refuse_surrogates(item, path)
+    elif isinstance(value, list):
+        for item in value:
+            _refuse_surrogates(item, path)
 
 
 def upgrade_config(config: CommentedMap) -> None:
