@@ -403,6 +403,20 @@ def test_a_link_in_the_run_directory_cannot_lead_out(tmp_path: Path, run_dir: Pa
         one_error_line(invoke(*command), 5, "link.yaml", "leads outside the run directory")
 
 
+def test_report_replaces_a_link_named_report_html_not_what_it_points_at(run_dir: Path) -> None:
+    """``report.html`` linked to the run's config: the page replaces the link; the
+    config is left as it was (it was once overwritten with the page)."""
+    (config,) = run_dir.glob("*_instrumentation.yaml")
+    before = config.read_bytes()
+    (run_dir / "report.html").unlink()
+    (run_dir / "report.html").symlink_to(config.name)
+    result = invoke("report", run_dir)
+    assert result.exit_code == 0, result.output
+    assert config.read_bytes() == before
+    page = run_dir / "report.html"
+    assert not page.is_symlink() and page.read_bytes().startswith(b"<!DOCTYPE html>")
+
+
 @pytest.mark.parametrize(
     ("change", "problem"),
     [

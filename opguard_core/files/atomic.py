@@ -83,11 +83,14 @@ def atomic_write_text(path: Path, text: str) -> None:
 
 
 def safe_child(directory: Path, filename: str) -> Path:
-    """Return ``directory / filename``, refusing any name that would leave ``directory``."""
+    """Return ``directory / filename``, refusing any name that would leave ``directory``
+    (or a link there that leads out of it). The path is returned unresolved: an atomic
+    write replaces a link in the directory, never the file the link points at (a
+    ``report.html`` linked to a config would otherwise overwrite the config)."""
     if not filename or filename in {".", ".."} or "/" in filename or "\\" in filename:
         raise OpGuardError(f"refusing to write artifact with unsafe name {filename!r}")
-    candidate = (directory / filename).resolve()
-    if candidate.parent != directory.resolve():
+    candidate = directory / filename
+    if candidate.resolve().parent != directory.resolve():
         raise OpGuardError(f"refusing to write {filename!r} outside the run directory")
     return candidate
 
