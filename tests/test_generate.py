@@ -190,3 +190,20 @@ def test_basic_list_can_be_replaced_without_code(tmp_path) -> None:
     bundled = load_basic_list()
     assert {"cat", "stack", "reshape", "view", "permute", "transpose", "contiguous", "squeeze",
             "unsqueeze", "flatten", "split", "chunk"} <= bundled.utilities  # fmt: skip
+
+
+def test_an_entrys_kind_is_the_documented_one_whichever_node_counts_more() -> None:
+    """Two frames of one target, a method and a lambda (``X.y`` defined both ways):
+    the entry's kind is ``lambda`` (alphabetically smaller, formats.md §3) whether the
+    method's ops or the lambda's are more (the tree's count order once decided it)."""
+    kinds = set()
+    for method_count, lambda_count in ((10, 5), (5, 10)):
+        doc = trace_doc([
+            ([("m", "p"), ("m", "X.y")], None, "aten::mm", method_count),
+            ([("m", "p"), ("m", "X.y")], None, "aten::add", lambda_count),
+        ])  # fmt: skip
+        doc["frames"].append({**doc["frames"][1], "function": "<lambda>", "line": 9})
+        doc["callsites"][1]["stack"] = [0, 2]  # the second site: the lambda's frame
+        entry = by_target(config_of(doc, chains=False))[("m:X.y", ("m:p",))]
+        kinds.add(entry["kind"])
+    assert kinds == {"lambda"}

@@ -113,6 +113,13 @@ def _inclusive(root: dict[str, Any]) -> dict[int, _Sums]:
     return sums
 
 
+def _kind_first(kind: str) -> tuple[bool, str]:
+    """The order in which one key's kinds win (formats.md §3): any frame's kind before
+    ``torch_api``, then the alphabetically smaller, whatever order the tree (by count)
+    visits them in."""
+    return (kind == TORCH_API, kind)
+
+
 def collect_entries(tree: dict[str, Any], depth: int) -> dict[EntryKey, _Entry]:
     root = tree["root"]
     sums = _inclusive(root)
@@ -134,7 +141,7 @@ def collect_entries(tree: dict[str, Any], depth: int) -> dict[EntryKey, _Entry]:
         if entry is None:
             entry = entries[key] = _Entry()
         kind = node["kind"]
-        if entry.kind is None or (entry.kind == TORCH_API and kind != TORCH_API):
+        if entry.kind is None or _kind_first(kind) < _kind_first(entry.kind):
             entry.kind = kind
         if node.get("file") and (entry.file is None or node["file"] < entry.file):
             entry.file = node["file"]
