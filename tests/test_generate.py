@@ -207,3 +207,13 @@ def test_an_entrys_kind_is_the_documented_one_whichever_node_counts_more() -> No
         entry = by_target(config_of(doc, chains=False))[("m:X.y", ("m:p",))]
         kinds.add(entry["kind"])
     assert kinds == {"lambda"}
+
+
+def test_a_merged_source_is_the_union_of_the_sources_names_holding_a_plus() -> None:
+    """Entry names may hold ``+``: the merged ``source`` joins ``meta.sources`` (a
+    config of ``a+b`` once read as the two sources ``a`` and ``b``)."""
+    doc = trace_doc([([MAIN], None, "aten::mm", 1)])
+    configs = [config_of(doc, source=name) for name in ("a+b", "b", "a")]
+    merged = merge_configs(merge_configs(configs[0], configs[1]), configs[2])
+    assert list(merged["meta"]["sources"]) == ["a", "a+b", "b"]
+    assert merged["source"] == "a+a+b+b"  # the three names, sorted, joined

@@ -138,6 +138,11 @@ def _merge_steps(a: Any, b: Any) -> CommentedMap:
 
 
 def _sources(config: dict[str, Any]) -> set[str]:
+    """A config's sources: ``meta.sources`` where it lists them (an entry's name may
+    hold a ``+``), else its ``source`` split at ``+`` (a hand-written config)."""
+    listed = (config.get("meta") or {}).get("sources")
+    if isinstance(listed, list) and listed:
+        return {str(name) for name in listed}
     return set(str(config.get("source", "")).split("+")) - {""}
 
 
@@ -151,8 +156,7 @@ def contributions(config: dict[str, Any]) -> Contributions | None:
     config for its one source, or None when neither is known (a merge made before
     configs recorded it)."""
     meta = config.get("meta") or {}
-    names = meta.get("sources")
-    names = sorted(str(n) for n in names) if isinstance(names, list) else sorted(_sources(config))
+    names = sorted(_sources(config))
     source_ranks = meta.get("source_ranks")
     entries = config.get("entries") or []
     if isinstance(source_ranks, dict) and all(isinstance(e.get("sources"), dict) for e in entries):
