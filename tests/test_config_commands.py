@@ -269,6 +269,18 @@ def test_filter_focus_and_ignore_are_recorded_and_select_entries(run_dir, tmp_pa
             ] == [("--ignore", "no_such:frame")]  # fmt: skip
 
 
+@pytest.mark.parametrize("options", [["--basic"], ["--focus", r"torch\..*"]])
+def test_filtering_a_filtered_config_again_writes_the_same_bytes(
+    run_dir, tmp_path, options
+) -> None:
+    """The filter and the patterns are recorded once in ``meta.settings`` (once
+    ``filters: [basic_filter, basic_filter]`` and the pattern twice)."""
+    once, twice = tmp_path / "once.yaml", tmp_path / "twice.yaml"
+    assert invoke("filter", run_dir, *options, "-o", once).exit_code == 0
+    assert invoke("filter", once, *options, "-o", twice).exit_code == 0
+    assert twice.read_bytes() == once.read_bytes()
+
+
 @pytest.mark.parametrize("command", ["filter", "show"])
 def test_a_bad_pattern_is_a_usage_error_naming_it(run_dir, tmp_path, command) -> None:
     extra = ["-o", str(tmp_path / "x.yaml")] if command == "filter" else []

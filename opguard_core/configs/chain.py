@@ -8,6 +8,7 @@ merge`` folds through the same ``opguard_merge`` hook (:func:`fold`).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from ruamel.yaml.comments import CommentedMap
@@ -76,10 +77,20 @@ def settings_of(config: CommentedMap) -> CommentedMap:
     return settings  # type: ignore[no-any-return]
 
 
+def record_setting(config: CommentedMap, key: str, values: Sequence[str]) -> None:
+    """Add ``values`` to the list ``meta.settings[key]`` (``filters``, ``filter_focus``,
+    ...), after those already recorded, each once: filtering a filtered config again
+    records nothing new (so it writes the same bytes)."""
+    if not values:
+        return
+    settings = settings_of(config)
+    recorded = list(settings.get(key) or [])
+    settings[key] = flow_seq([*recorded, *(v for v in dict.fromkeys(values) if v not in recorded)])
+
+
 def record_filters(config: CommentedMap, names: list[str]) -> None:
     """Add ``names`` to ``meta.settings.filters`` (after any already recorded)."""
-    settings = settings_of(config)
-    settings["filters"] = flow_seq([*(settings.get("filters") or []), *names])
+    record_setting(config, "filters", names)
 
 
 def merge_step(

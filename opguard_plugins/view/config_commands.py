@@ -36,14 +36,13 @@ from opguard_core.configs.chain import (
     active_filters,
     apply_filters,
     fold,
-    settings_of,
+    record_setting,
 )
 from opguard_core.configs.selection import PatternError, Selection, select_entries
 from opguard_core.errors import ExitCode, one_line
 from opguard_core.files.atomic import atomic_write_text
 from opguard_core.files.output_dirs import check_output_file
 from opguard_core.formats.config import dump_config, entry_key, load_config
-from opguard_core.formats.styles import flow_seq
 from opguard_core.logs import get_logger
 from opguard_core.model import RunOptions
 from opguard_core.plugin.manager import OpGuardPluginManager
@@ -163,10 +162,8 @@ def make_merge(manager: OpGuardPluginManager) -> click.Command:
 
 def _record_selection(config: CommentedMap, focus: Sequence[str], ignore: Sequence[str]) -> None:
     """``meta.settings.filter_focus`` / ``filter_ignore``: the entry patterns applied."""
-    settings = settings_of(config)
-    for key, patterns in (("filter_focus", focus), ("filter_ignore", ignore)):
-        if patterns:
-            settings[key] = flow_seq([*(settings.get(key) or []), *patterns])
+    record_setting(config, "filter_focus", focus)
+    record_setting(config, "filter_ignore", ignore)
 
 
 def make_filter(manager: OpGuardPluginManager) -> click.Command:
