@@ -241,6 +241,22 @@ def test_a_divergence_file_with_ranks_not_integers_is_a_note(
     assert view["groups"] == [] and "gpt_callsite_divergence.json has malformed" in view["note"]
 
 
+def test_a_config_too_large_to_read_back_is_a_note_naming_the_command_that_lists_it(
+    opguard: Callable[..., Any], samples: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``opguard report RUN`` reads configs back from YAML up to a size; past it the
+    note points at ``opguard show`` (it once pointed at the run's page, which the
+    command had just replaced)."""
+    from opguard_plugins.view import report
+
+    run = opguard("run", *sample_inputs(samples, "gpt"), expect=0)
+    monkeypatch.setattr(report, "MAX_CONFIG_ROWS", 3)
+    opguard("report", run.run_dir, expect=0)
+    notes = json.dumps(embedded(run.run_dir / "report.html"))
+    config = run.run_dir / "gpt_callsite_instrumentation.yaml"
+    assert f"more than the report reads back from YAML (3); `opguard show {config}`" in notes
+
+
 def _stack(view: dict[str, Any], path: int) -> list[str]:
     out = []
     while path >= 0:
