@@ -427,3 +427,21 @@ def test_filter_basic_needs_the_basic_filter(run_dir, tmp_path) -> None:
     assert result.exit_code == 2
     assert "--basic needs the basic_filter plugin, which is disabled" in result.stderr
     assert not out.exists()
+
+
+@pytest.mark.parametrize("command", ["filter", "run"])
+def test_a_basic_list_without_basic_is_a_usage_error(run_dir, tmp_path, command) -> None:
+    """The list replaces the basic filter's: without ``--basic`` it was silently ignored
+    (even a malformed one), and the command exited 0 having filtered nothing."""
+    listed = tmp_path / "list.yaml"
+    listed.write_text("utilities: [torch.nn.functional:relu]\n")
+    out = tmp_path / "x.yaml"
+    args = (
+        ["filter", run_dir, "-o", out]
+        if command == "filter"
+        else ["run", "-i", SAMPLES / "gpt_callsite_rank0.json", "--output-base", tmp_path]
+    )
+    result = invoke(*args, "--basic-list", listed)
+    assert result.exit_code == 2
+    assert "--basic-list replaces the basic filter's list: it needs --basic" in result.stderr
+    assert not out.exists() and not list(tmp_path.glob("preprocessing_*"))

@@ -138,10 +138,13 @@ def basic_options(func: F) -> F:
     return click.option("--basic", is_flag=True, help="Run the built-in basic filter.")(func)
 
 
-def check_basic(disabled: Sequence[str], basic: bool) -> None:
-    """``--basic`` with the basic filter disabled is a usage error."""
+def check_basic(disabled: Sequence[str], basic: bool, basic_list: Path | None) -> None:
+    """``--basic`` with the basic filter disabled, and ``--basic-list`` without
+    ``--basic`` (a list that would be silently ignored), are usage errors."""
     if basic and "basic_filter" in disabled:
         raise click.UsageError("--basic needs the basic_filter plugin, which is disabled")
+    if basic_list is not None and not basic:
+        raise click.UsageError("--basic-list replaces the basic filter's list: it needs --basic")
 
 
 def selection_options(what: str) -> Callable[[F], F]:

@@ -175,7 +175,7 @@ def make_run_command(
             configure_logging((ctx.obj or {}).get("log_format"), params["verbose"])
         plugins = manager()
         _check_compressor(plugins, params["compressor"])
-        check_basic(disabled(), params["basic"])
+        check_basic(disabled(), params["basic"], params["basic_list"])
         for option in ("hide", "focus", "ignore"):
             _check_regexes(params[option], f"--{option}")
         check_executor(params["executor"], plugins.get_plugins())

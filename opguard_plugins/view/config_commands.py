@@ -183,7 +183,7 @@ def make_filter(manager: OpGuardPluginManager) -> click.Command:
     ) -> None:
         """Filter a config (or a run's final config) with the run's filter chain."""
         selection = _selection(focus, ignore)
-        check_basic(manager.disabled, basic)
+        check_basic(manager.disabled, basic, basic_list)
         options = RunOptions(basic=basic, basic_list=basic_list, verbose=bool(verbose))
         with gc_paused():
             source, loaded = read_input(config, filtered=False)
