@@ -526,6 +526,35 @@ def test_ranks_whose_other_groups_split_their_steps_differently_agree(
     assert collective_findings(doc) == []
 
 
+def test_a_skipped_collective_is_reported_at_its_own_step_and_op(
+    opguard: Callable[..., Any], tmp_path: Path
+) -> None:
+    """Rank 2 skips step 1's second all-reduce: the finding is at step 1 (the rank's
+    next collective is step 2's, once reported as the step)."""
+    skipped = replace_step(good(), 1, [(1, AR, "float32", 6, 10)])
+    docs = [rank_doc(r, good(), world_size=3) for r in (0, 1)]
+    doc = run_docs(opguard, tmp_path, *docs, rank_doc(2, skipped, world_size=3))
+    (finding,) = collective_findings(doc)
+    assert (finding["kind"], finding["ranks"], finding["step"]) == ("collective_missing", [2], 1)
+    assert finding["expected"]["numel"] == 8 and ", step 1: rank(s) 2 skip" in finding["message"]
+
+
+def test_a_collective_moved_to_another_group_names_its_own_step_and_op(
+    opguard: Callable[..., Any], tmp_path: Path
+) -> None:
+    """Rank 1 issues step 1's last all-reduce on group 1, and a broadcast follows: the
+    finding names the all-reduce and step 1 (once the broadcast and step 2)."""
+    other = {"name": "1", "desc": None, "size": 2, "ranks": [0, 1]}
+    after = [(2, "c10d::broadcast_", "float32", 4, 12)]
+    odd = replace_step(good(), 1, [(1, AR, "float32", 6, 10), (1, AR, "float32", 8, 11, "1")])
+    doc = run_docs(opguard, tmp_path, rank_doc(0, good() + after, [WORLD, other]),
+                   rank_doc(1, odd + after, [WORLD, other]))  # fmt: skip
+    (finding,) = collective_findings(doc)
+    assert finding["kind"] == "collective_group"
+    assert (finding["op"], finding["step"]) == (AR, 1)
+    assert ", step 1: rank(s) 1 issue c10d::allreduce_" in finding["message"]
+
+
 def test_only_the_first_disagreement_per_group_is_reported(
     opguard: Callable[..., Any], tmp_path: Path
 ) -> None:

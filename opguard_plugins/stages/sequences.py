@@ -428,8 +428,10 @@ def _finding(
     where_got = describe(got[1].stack) if got is not None else None
     where_expected = describe(expected[1].stack) if expected is not None else None
     where = where_got or where_expected or {"target": "<root>", "context": [], "stack": []}
-    op = (got or expected or (0, None))[1]
-    step = (got or expected or (None, None))[0]
+    # a skipped collective's step and op are the skipped one's (``got`` is the rank's
+    # next collective, maybe steps later); otherwise the rank's own call's
+    call = (expected or got) if kind == "collective_missing" else (got or expected)
+    step, op = call if call is not None else (None, None)
     label = f"group {group.name}" + (f" ({group.desc})" if group.desc else "")
     rank_text = list_ranks(ranks)
     them = "most ranks" if majority else f"rank {expected_ranks[0]} (no majority: the reference)"
@@ -501,6 +503,8 @@ def _group_finding(missing: Finding, extra: Finding) -> Finding:
     return {
         **missing,
         "kind": "collective_group",
+        "op": extra["op"],  # the moved collective's (``missing`` has the next one's)
+        "step": extra["step"],
         "got": got,
         "other_group": other,
         "stack": extra["stack"],
@@ -508,7 +512,7 @@ def _group_finding(missing: Finding, extra: Finding) -> Finding:
         "context": extra["context"],
         "message": (
             f"collective #{missing['position']} on group {group['name']}"
-            f"{' (' + group['desc'] + ')' if group['desc'] else ''}, step {missing['step']}: "
+            f"{' (' + group['desc'] + ')' if group['desc'] else ''}, step {extra['step']}: "
             f"rank(s) {rank_text} issue {expected['op']} {expected['dtype']}"
             f"{''.join(str(s) for s in expected['shapes'] or []).replace(' ', '')} on group "
             f"{other['name']} (ranks {other['ranks']}) where the others issue it on "
