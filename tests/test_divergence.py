@@ -144,6 +144,23 @@ def test_count_skew_threshold(tmp_path: Path) -> None:
     assert find_divergence(trace, RunOptions(skew=20.0)) == []
 
 
+def test_a_package_named_like_torch_is_the_users_code(tmp_path: Path) -> None:
+    """``torchtitan`` is not torch: its function is the one a skew names (only torch's
+    own frames, ``torch`` and ``torch.*``, are passed over)."""
+    stack = [("train", "main"), ("torchtitan.models.llama", "Attention.forward"),
+             ("torch.nn.functional", "linear")]  # fmt: skip
+    paths = []
+    for rank, count in enumerate([100, 100, 300]):
+        doc = trace_doc([(stack, None, "aten::addmm", count)], rank=rank)
+        paths.append(tmp_path / f"job_rank{rank}.json")
+        paths[-1].write_text(json.dumps(doc))
+    (skew,) = find_divergence(combine(paths), RunOptions())
+    assert (skew["kind"], skew["target"]) == (
+        "count_skew",
+        "torchtitan.models.llama:Attention.forward",
+    )
+
+
 def test_version_1_combined_trace_still_reads(tmp_path: Path) -> None:
     """A version-1 combined file (no statistics) is read; counts are then unknown,
     so only ranks that never ran something are reported."""

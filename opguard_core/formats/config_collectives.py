@@ -45,7 +45,7 @@ from opguard_core.formats.collectives import (
     check_collectives,
 )
 from opguard_core.formats.styles import block_map, flow_map, flow_seq
-from opguard_core.formats.trace import Frame
+from opguard_core.formats.trace import Frame, is_torch_module
 from opguard_core.formats.tree import target_name
 from opguard_core.formats.values import json_bytes
 
@@ -72,7 +72,7 @@ def issued_at(frames: Sequence[Frame]) -> Callable[[tuple[int, ...]], str | None
     def where(stack: tuple[int, ...]) -> str | None:
         if not stack:
             return None
-        ids = [fid for fid in stack if not (frames[fid].module or "").startswith("torch")]
+        ids = [fid for fid in stack if not is_torch_module(frames[fid].module)]
         frame = frames[(ids or list(stack))[-1]]
         name = target_name(frame.module, frame.file, frame.qualname)
         return f"{name} ({frame.file}:{frame.line})"

@@ -72,6 +72,12 @@ def trace_stem(path: Path | str) -> str:
     return _TRACE_SUFFIX.sub("", name, count=1) or name
 
 
+def is_torch_module(module: str | None) -> bool:
+    """Whether ``module`` is torch's own (``torch``, ``torch.nn.functional``), not a
+    package whose name merely starts so (``torchvision``, ``torchtitan``)."""
+    return module is not None and (module == "torch" or module.startswith("torch."))
+
+
 class Frame(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True, gc=False):
     """One Python code location; hashable, so it can be interned by value."""
 

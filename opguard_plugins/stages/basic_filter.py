@@ -21,6 +21,7 @@ from ruamel.yaml.error import YAMLError
 from opguard_core import hookimpl
 from opguard_core.errors import InputError
 from opguard_core.formats.config import BoundedComposer, ConfigLimitError, max_config_bytes
+from opguard_core.formats.trace import is_torch_module
 from opguard_core.model import RunOptions
 
 
@@ -65,7 +66,7 @@ def load_basic_list(path: Path | None = None) -> BasicList:
 
 def is_torch_utility(target: str, utilities: frozenset[str]) -> bool:
     module, _, qualname = target.partition(":")
-    if module != "torch" and not module.startswith("torch."):
+    if not is_torch_module(module):
         return False
     return qualname.rsplit(".", 1)[-1] in utilities
 

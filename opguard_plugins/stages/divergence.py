@@ -55,6 +55,7 @@ from opguard_core.formats.trace import (
     Callsite,
     describe_partial,
     end_times,
+    is_torch_module,
     list_ranks,
     partial_ranks_of,
 )
@@ -163,7 +164,7 @@ class _Stacks:
         ids: dict[str, int] = {}
         self.function = [ids.setdefault(name, len(ids)) for name in self.names]
         self.function_names = list(ids)
-        self.user = bytes(not (f.module or "").startswith("torch") for f in trace.frames)
+        self.user = bytes(not is_torch_module(f.module) for f in trace.frames)
         self.hidden = bytes(hidden_frames(trace, hide, self.names))
         #: per callsite: its ranks as a mask (all of them where ``ranks`` is None; a
         #: combined trace shares one ``ranks`` list per rank set: one mask each)
