@@ -156,6 +156,36 @@ def test_the_same_program_has_no_violation(tmp_path: Path, gmodel: Any, config: 
     assert document["targets_seen"] == len(guard.seen_targets())
 
 
+def test_a_sampled_guard_does_not_invent_missing_targets(tmp_path: Path, gmodel: Any) -> None:
+    """``gate`` runs in one step only, which the sampled guard (every 2nd step) did not
+    check: it is not said to have never run (sampling may miss, never invent)."""
+    with trace_callsites(label="h", output_dir=tmp_path / "traces", rank=0):
+        gmodel.train(steps=4, extra=("helper",))
+    config = make_config(tmp_path, str(tmp_path / "traces" / "h_callsite_rank0.json"))
+    for sample, step in ((0.5, 1), (0.5, 2)):
+        report = tmp_path / f"rep{step}"
+        with guarded(config, report_dir=report, rank=0, sample=sample, whole_run=True) as guard:
+            gmodel.train(steps=4, extra=("helper",), extra_steps={step})
+        kinds = [(v["kind"], v["target"]) for v in report_of(guard)["violations"]]
+        assert ("missing", "gmodel:gate") not in kinds, (step, kinds)
+
+
+def test_a_merged_configs_source_is_held_to_its_own_steps(
+    tmp_path: Path, gmodel: Any, config: Path
+) -> None:
+    """A merged config of two sources, the other traced over 4 times the steps:
+    ``source`` compares per step of its own (once of both: count_drift everywhere)."""
+    with trace_callsites(label="long", output_dir=tmp_path / "long", rank=0):
+        gmodel.train(steps=9)
+    other = make_config(tmp_path, str(tmp_path / "long" / "long_callsite_rank0.json"))
+    merged = tmp_path / "merged.yaml"
+    assert invoke("merge", config, other, "-o", merged).exit_code == 0
+    with guarded(merged, report_dir=tmp_path / "rep", rank=0, source="g_callsite",
+                 whole_run=True) as guard:  # fmt: skip
+        gmodel.train()
+    assert report_of(guard)["violations"] == []
+
+
 def test_an_extra_op_in_forward_is_unexpected_op(
     tmp_path: Path, gmodel: Any, config: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

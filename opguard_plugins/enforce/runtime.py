@@ -1128,7 +1128,7 @@ class Guard:
         """What needs the whole run, by check's own rules: ``missing`` (a config
         entry of a Python function that never ran on this rank, where the config has
         it) and ``count_drift`` (its op count per step beyond check's default
-        tolerance; only when every step was checked, ``sample`` 1)."""
+        tolerance); both only when every step was checked (``sample`` 1)."""
         if not self.whole_run_rules or self.ended_early or self.checked_ops == 0:
             return []
         config = self.whole_run_config()
@@ -1139,6 +1139,9 @@ class Guard:
         expected = {entry_key(e): e for e in config["entries"] if entry_key(e)[0] in tracked}
         observed = self.observed_entries()
         ranks = [int(r) for r in (config.get("meta") or {}).get("ranks") or [rank]]
+        # the steps of what is compared: a merged config's source's own, not the sum
+        # over every source (which made each count look short: count_drift everywhere)
+        expected_steps = config_steps(config.get("meta") or {})
         found: list[Violation] = []
         for key in sorted(expected):
             check = CheckInput(
@@ -1149,16 +1152,19 @@ class Guard:
                 observed={rank: observed},
                 ranks=ranks,
                 tolerance=DEFAULT_TOLERANCE,
-                expected_steps=self.config_steps,
+                expected_steps=expected_steps,
                 observed_steps={rank: self.loop_steps() or None},
                 loop=self.loop_counts and not self.other_view,  # a rule of one view
             )
+            if self.every != 1:
+                # sampled: what ran between checked steps was not seen, so "never ran"
+                # and drift would be invented (guard.md: sampling may miss, not invent)
+                continue
             found.extend(missing(observed.get(key), expected[key], check))
             if self.other_view:
                 continue  # what ran, not how much of which op (ACROSS_TRACERS)
             found.extend(missing_ops(observed.get(key), expected[key], check))
-            if self.every == 1:
-                found.extend(count_drift(observed.get(key), expected[key], check))
+            found.extend(count_drift(observed.get(key), expected[key], check))
         threshold = self.unknown_threshold()
         for (target, context), ops in sorted(self.extra_ops.items()):
             if ops >= threshold and (target, context) not in self.entries:

@@ -60,6 +60,7 @@ from opguard_core.formats.collectives import (
     collective_kind,
 )
 from opguard_core.formats.config_collectives import read_config_collectives
+from opguard_core.formats.sources import recorded_sources
 from opguard_core.formats.trace import decode_trace, read_bytes
 
 #: op namespaces whose ops the checker looks at (``func.namespace``)
@@ -103,11 +104,18 @@ def config_sequences(
     config: Mapping[str, Any], path: Path | str, source: str | None = None
 ) -> Collectives | None:
     """The collective sequences a config (version 4) recorded for ``source``; None
-    when it recorded none. With several sources and no ``source``, or a ``source``
-    it lacks, a one-line :class:`~opguard_core.errors.UsageProblem` names them."""
+    when it recorded none (then a ``source`` must be one of its recorded sources).
+    With several sources and no ``source``, or a ``source`` it lacks, a one-line
+    :class:`~opguard_core.errors.UsageProblem` names them."""
     if "collectives" not in config:
-        if source is not None:
-            raise UsageProblem(f"{path}: --source {source}: the config has no collective sequences")
+        # no sequences to follow; ``source`` still names the share the whole run is
+        # compared with (guard.md), so it must be one of the sources the config records
+        sources = recorded_sources(dict(config))
+        if source is not None and source not in sources:
+            raise UsageProblem(
+                f"{path}: --source {source}: the config has no collective sequences, and "
+                f"its sources are {', '.join(sources) or 'not recorded'}"
+            )
         return None
     found = read_config_collectives(config["collectives"], path)
     if source is None and len(found) == 1:
