@@ -167,8 +167,9 @@ CODES: exits.Codes = {
     "--source",
     default=None,
     metavar="NAME",
-    help="Which of a merged config's sources the program must follow collective by "
-    "collective (needed when the config has the sequences of several).",
+    help="Which of a merged config's sources the program is: the whole run is compared "
+    "with its share, and each collective with its sequence (needed when the config "
+    "has the sequences of several).",
 )
 @click.option(
     "--collective-timeout",
