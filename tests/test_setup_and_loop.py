@@ -357,3 +357,32 @@ def test_a_block_left_by_an_exception_writes_a_trace_marked_partial(
     assert (meta.get("partial") or {}).get("reason") == reason
     if raised is RuntimeError:
         assert meta["partial"]["exception"] == "RuntimeError" and meta["partial"]["step"] == 0
+
+
+def test_the_split_env_variable_is_no_split(tmp_path: Path) -> None:
+    """``$OPGUARD_TRACE_SPLIT=0`` is ``opguard trace --no-split`` (tracing.md): one file
+    (the command line once set the variable back to 1 for the program)."""
+    import os
+    import subprocess
+    import sys
+
+    program = tmp_path / "two_steps.py"
+    program.write_text(
+        "import torch\n"
+        "model = torch.nn.Linear(2, 2)\n"
+        "optimizer = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+        "for _ in range(2):\n"
+        "    optimizer.zero_grad()\n"
+        "    model(torch.ones(1, 2)).sum().backward()\n"
+        "    optimizer.step()\n"
+    )
+    out = tmp_path / "traces"
+    result = subprocess.run(
+        [sys.executable, "-m", "opguard_core.cli.app", "trace", "--label", "s",
+         "--output-dir", str(out), "--", sys.executable, str(program)],
+        env={**os.environ, "OPGUARD_TRACE_SPLIT": "0"}, capture_output=True, text=True,
+        timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert sorted(p.name for p in out.glob("*.json")) == ["s_callsite_rank0.json"]
+    assert load_trace(out / "s_callsite_rank0.json").meta["steps"] == 2

@@ -345,6 +345,8 @@ CODES: exits.Codes = {
     "--split/--no-split",
     default=True,
     show_default=True,
+    envvar=SPLIT_ENV,
+    show_envvar=True,
     help="Once the first optimizer step has ended, write what ran up to its end "
     "(construction, initialisation, the first step) to {label}_setup_rank{R}.json and "
     'the loop to {label}_callsite_rank{R}.json (docs/tracing.md, "Set-up and loop"); '
