@@ -217,3 +217,38 @@ def test_a_merged_source_is_the_union_of_the_sources_names_holding_a_plus() -> N
     merged = merge_configs(merge_configs(configs[0], configs[1]), configs[2])
     assert list(merged["meta"]["sources"]) == ["a", "a+b", "b"]
     assert merged["source"] == "a+a+b+b"  # the three names, sorted, joined
+
+
+def _two_rank_config(log_rank: int | None, total: int | None = 52) -> CommentedMap:
+    ranks = "" if log_rank is None else f", ranks: [{log_rank}]"
+    meta_total = "" if total is None else f", total: {total}"
+    return parse_config(
+        "version: 5\n"
+        f"meta: {{ranks: [0, 1]{meta_total}}}\n"
+        "entries:\n"
+        "  - {target: 'app:main', kind: function, context: [], ops: {aten::mm: 2}, count: 2}\n"
+        "  - {target: 'app:log_metrics', kind: function, context: [],"
+        f" ops: {{aten::add: 50}}, count: 50{ranks}}}\n",
+        "c.yaml",
+    )
+
+
+def test_compare_reports_a_rank_specific_entry_that_moved_to_another_rank() -> None:
+    """``log_metrics`` ran on rank 1, now on rank 0: a change (it was none)."""
+    from opguard_plugins.stages.compare import diff_configs, render_diff
+
+    diff = diff_configs(_two_rank_config(1), _two_rank_config(0), "a", "b")
+    (change,) = diff.changed
+    assert change.key == ("app:log_metrics", ()) and change.ranks == ([1], [0])
+    assert "      ranks: [1] -> [0]" in render_diff(diff)
+    widened = diff_configs(_two_rank_config(1), _two_rank_config(None), "a", "b")
+    assert [c.ranks for c in widened.changed] == [([1], [0, 1])]  # now on every rank
+    assert not diff_configs(_two_rank_config(None), _two_rank_config(None), "a", "b").differs
+
+
+def test_compare_shows_an_unknown_total_as_unknown_and_no_difference() -> None:
+    from opguard_plugins.stages.compare import diff_configs, render_diff
+
+    diff = diff_configs(_two_rank_config(1, total=None), _two_rank_config(1), "a", "b")
+    assert not diff.differs
+    assert "unknown" in next(line for line in render_diff(diff).splitlines() if "total ops" in line)

@@ -35,6 +35,9 @@ class EntryChange:
     tags_removed: list[str]
     #: where both entries record dtypes (formats.md, "Dtypes"); else none
     dtypes: list[Change] = dataclasses.field(default_factory=list)
+    #: (before, after) the ranks that ran it, where one of them is rank-specific
+    #: (an entry without ``ranks`` ran on its config's ``meta.ranks``) and they differ
+    ranks: tuple[list[int], list[int]] | None = None
 
     @property
     def delta(self) -> int:
@@ -51,7 +54,8 @@ class Side:
 
     label: str
     entries: int
-    total: int
+    #: None: unknown (a hand-written config without ``meta.total``)
+    total: int | None
     ranks: list[int]
 
 
@@ -71,7 +75,11 @@ class ConfigDiff:
             self.only_first
             or self.only_other
             or self.changed
-            or (self.first.total, self.first.ranks) != (self.other.total, self.other.ranks)
+            or self.first.ranks != self.other.ranks
+            or (
+                None not in (self.first.total, self.other.total)
+                and self.first.total != self.other.total
+            )
         )
 
 
@@ -83,8 +91,12 @@ def _label(key: EntryKey) -> str:
 
 def _side(config: dict[str, Any], label: str) -> Side:
     meta = config.get("meta") or {}
+    total = meta.get("total")
     return Side(
-        label, len(config["entries"]), int(meta.get("total", 0)), list(meta.get("ranks", []))
+        label,
+        len(config["entries"]),
+        None if total is None else int(total),
+        list(meta.get("ranks", [])),
     )
 
 
@@ -97,7 +109,21 @@ def _count_changes(a: dict[Any, int], b: dict[Any, int]) -> list[Change]:
     return out
 
 
-def _entry_change(key: EntryKey, a: dict[str, Any], b: dict[str, Any]) -> EntryChange | None:
+def _entry_ranks(
+    a: dict[str, Any], b: dict[str, Any], ranks_a: list[int], ranks_b: list[int]
+) -> tuple[list[int], list[int]] | None:
+    """(before, after) the ranks that ran an entry, where either is rank-specific and
+    they differ (a path that moved from rank 1 to rank 0); else None."""
+    if "ranks" not in a and "ranks" not in b:
+        return None
+    before = sorted(int(r) for r in a.get("ranks", ranks_a))
+    after = sorted(int(r) for r in b.get("ranks", ranks_b))
+    return (before, after) if before != after else None
+
+
+def _entry_change(
+    key: EntryKey, a: dict[str, Any], b: dict[str, Any], ranks: tuple[list[int], list[int]]
+) -> EntryChange | None:
     ta, tb = set(a.get("tags") or ()), set(b.get("tags") or ())
     change = EntryChange(
         key,
@@ -110,9 +136,11 @@ def _entry_change(key: EntryKey, a: dict[str, Any], b: dict[str, Any]) -> EntryC
         _count_changes(a["dtype_counts"] or {}, b["dtype_counts"] or {})
         if a.get("dtype_counts") is not None and b.get("dtype_counts") is not None
         else [],
+        _entry_ranks(a, b, *ranks),
     )
     if (
-        change.delta
+        change.ranks
+        or change.delta
         or change.ops
         or change.streams
         or change.dtypes
@@ -129,10 +157,11 @@ def diff_configs(
     """The difference between two configs; entries match on (target, context)."""
     a = {entry_key(e): e for e in first["entries"]}
     b = {entry_key(e): e for e in other["entries"]}
-    changes = (_entry_change(k, a[k], b[k]) for k in sorted(set(a) & set(b)))
+    sides = _side(first, first_label), _side(other, other_label)
+    ranks = sides[0].ranks, sides[1].ranks
+    changes = (_entry_change(k, a[k], b[k], ranks) for k in sorted(set(a) & set(b)))
     return ConfigDiff(
-        _side(first, first_label),
-        _side(other, other_label),
+        *sides,
         [(k, int(a[k].get("count", 0))) for k in sorted(set(a) - set(b))],
         [(k, int(b[k].get("count", 0))) for k in sorted(set(b) - set(a))],
         [c for c in changes if c is not None],
@@ -168,6 +197,10 @@ def _cut(items: list[Any], top: int | None) -> tuple[list[Any], int]:
     return items[:top], len(items) - top
 
 
+def _total(side: Side) -> str:
+    return "unknown" if side.total is None else str(side.total)
+
+
 def render_diff(diff: ConfigDiff, sort: Sort = "key", top: int | None = None) -> str:
     """The comparison as text: totals, only in the first, only in the other, changed.
     ``top`` keeps the first N of each section (a last line says how many more)."""
@@ -182,7 +215,7 @@ def render_diff(diff: ConfigDiff, sort: Sort = "key", top: int | None = None) ->
         "totals:",
         f"  {'':<18}{first.label:>{w}}  {other.label:>{w}}",
         f"  {'entries':<18}{first.entries:>{w}}  {other.entries:>{w}}",
-        f"  {'total ops':<18}{first.total:>{w}}  {other.total:>{w}}",
+        f"  {'total ops':<18}{_total(first):>{w}}  {_total(other):>{w}}",
         f"  {'ranks':<18}{first.ranks!s:>{w}}  {other.ranks!s:>{w}}",
         f"  {'only in one':<18}{len(diff.only_first):>{w}}  {len(diff.only_other):>{w}}",
         f"  {'changed':<18}{len(diff.changed):>{w}}",
@@ -202,6 +235,8 @@ def render_diff(diff: ConfigDiff, sort: Sort = "key", top: int | None = None) ->
         out.append(f"  ~ {_label(change.key)}")
         if change.delta:
             out.append(f"      count: {change.before} -> {change.after} ({change.delta:+d})")
+        if change.ranks:
+            out.append(f"      ranks: {change.ranks[0]} -> {change.ranks[1]}")
         for name, changes in (
             ("op", change.ops),
             ("stream", change.streams),
@@ -252,6 +287,7 @@ def diff_to_json(diff: ConfigDiff, sort: Sort = "key", top: int | None = None) -
                 "dtypes": counts(c.dtypes, "dtype"),
                 "tags_added": c.tags_added,
                 "tags_removed": c.tags_removed,
+                "ranks": None if c.ranks is None else {"before": c.ranks[0], "after": c.ranks[1]},
             },
         ),
     }
