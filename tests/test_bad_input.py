@@ -18,7 +18,7 @@ from opguard_core.errors import InputError
 from opguard_core.formats.config import load_config, parse_config
 from opguard_core.formats.trace import MAX_NESTING, MAX_RANK, decode_trace, load_trace
 from opguard_plugins.stages.basic_filter import load_basic_list
-from tests.builders import sample_inputs
+from tests.builders import sample_inputs, trace_doc
 
 GOOD_ENTRY = "gpt_callsite"
 
@@ -473,3 +473,27 @@ def test_cli_reports_missing_basic_list(
     (line,) = _error_lines(run.stderr)
     assert str(missing) in line and "cannot read basic-filter list" in line
     _assert_good_entry_processed(run)
+
+
+def test_several_processes_name_the_first_bad_file_in_input_order(tmp_path: Path) -> None:
+    """Ranks 3 and 6 of 8 are bad: ``--jobs 4`` names rank 3, as one process reading
+    the files in order does, whichever process met a bad file first (once whichever
+    error arrived first: rank 6 now and then)."""
+    from opguard_core.errors import InputError
+    from opguard_plugins.stages.combine import _earliest_error, combine_files, combine_parallel
+
+    paths = []
+    for rank in range(8):
+        doc = trace_doc([([("app", "main")], None, "aten::mm", 0 if rank in (3, 6) else 4)],
+                        rank=rank)  # fmt: skip
+        paths.append(tmp_path / f"x_rank{rank}.json")
+        paths[-1].write_text(json.dumps(doc))
+    with pytest.raises(InputError) as in_order:
+        combine_files(paths)
+    assert in_order.value.path == str(paths[3])
+    for _ in range(3):
+        with pytest.raises(InputError) as pooled:
+            combine_parallel(paths, jobs=4)
+        assert str(pooled.value) == str(in_order.value)
+    later = InputError(paths[6], "what the process that read rank 6 raised")
+    assert str(_earliest_error(later, paths, None)) == str(in_order.value)

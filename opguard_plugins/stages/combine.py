@@ -175,6 +175,26 @@ def _helper(tasks: Any, results: Any, readers: Readers | None, parent: int) -> N
         results.put(("error", portable_error(exc)))
 
 
+def _earliest_error(
+    error: BaseException, paths: Sequence[Path], readers: Readers | None
+) -> BaseException:
+    """The error of the first bad file in input order, as one process reading the
+    files in order would raise it: ``error`` came from whichever process met its file
+    first, so the files before it are read again, each on its own, in order (the
+    failure path only)."""
+    failed = str(error.path) if isinstance(error, InputError) else None
+    before = [str(p) for p in paths]
+    if failed not in before:
+        return error
+    for path in before[: before.index(failed)]:
+        try:
+            with collecting([], quiet=True):
+                TraceAccumulator().add_file(path, readers)
+        except InputError as exc:
+            return exc
+    return error
+
+
 def combine_parallel(
     paths: Sequence[Path],
     jobs: int,
@@ -205,7 +225,7 @@ def combine_parallel(
         elif kind == "done":
             partials.append(payload)
         else:
-            raise payload
+            raise _earliest_error(payload, paths, readers)
 
     def drain() -> None:
         while True:
@@ -230,7 +250,10 @@ def combine_parallel(
         # this process's run warnings join the helpers', made in input order at the end
         with gc_paused(), collecting(total.warnings, quiet=True):
             while (path := tasks.get()) is not None:
-                total.add_file(path, readers)
+                try:
+                    total.add_file(path, readers)
+                except InputError as exc:
+                    raise _earliest_error(exc, paths, readers) from None
                 tick(1)
                 drain()
             while len(partials) < helpers:
