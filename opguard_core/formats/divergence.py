@@ -462,7 +462,7 @@ def _counts_lines(f: Finding) -> list[str]:
     shown = list(counts_by_rank.items())
     text = ", ".join(f"rank {r}: {c}" for r, c in shown[:32])
     more = f", … ({len(shown) - 32} more)" if len(shown) > 32 else ""
-    reference = "expected" if f.get("majority", True) else "no majority; lowest rank has"
+    reference = "expected" if f.get("majority", True) else "no majority; the reference has"
     return [f"  counts: {text}{more} ({reference} {f.get('expected')})"]
 
 
@@ -478,7 +478,7 @@ def _member(f: Finding) -> str:
             if f["kind"] == "count_skew"
             else "expected"
             if f.get("majority", True)
-            else "no majority, lowest rank"
+            else "no majority, the reference"
         )
         return f"{_what(f)}: {reference} {f.get('expected')}; rank {text}{more}"
     what, message = _what(f), str(f["message"])
