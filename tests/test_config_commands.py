@@ -445,3 +445,25 @@ def test_a_basic_list_without_basic_is_a_usage_error(run_dir, tmp_path, command)
     assert result.exit_code == 2
     assert "--basic-list replaces the basic filter's list: it needs --basic" in result.stderr
     assert not out.exists() and not list(tmp_path.glob("preprocessing_*"))
+
+
+def test_merging_two_recordings_of_one_source_adds_their_steps_too(run_dir, tmp_path) -> None:
+    """The same source in both inputs: counts and steps are added, so per step the
+    merged config is the source's own (its steps were kept once: every entry then
+    drifted by -50 % in check) and a warning says so."""
+    (config,) = run_dir.glob("fsdp_callsite_instrumentation.yaml")
+    twice = tmp_path / "twice.yaml"
+    merged = invoke("merge", config, config, "-o", twice)
+    assert merged.exit_code == 0, merged.stderr
+    assert "fsdp_callsite in both configs: two recordings of one source" in merged.stderr
+    steps = safe(config)["meta"].get("steps")
+    assert safe(twice)["meta"].get("steps") == (
+        None if steps is None else {k: 2 * v for k, v in steps.items()}
+    )
+    found = []
+    for checked_config in (config, twice):  # the merged config checks as the source's own
+        checked = invoke("check", "--config", checked_config, "-i",
+                         SAMPLES / "fsdp_callsite_rank*.json", "--format", "json")  # fmt: skip
+        assert checked.exit_code == 0, checked.stderr
+        found.append([v["message"] for v in json.loads(checked.stdout)["violations"]])
+    assert found[1] == found[0]

@@ -29,6 +29,7 @@ from opguard_core.formats.streams import sorted_roles
 from opguard_core.formats.styles import block_map, elements_of, flow_map, flow_seq, items_of
 from opguard_core.formats.tree import TORCH_API
 from opguard_core.formats.values import same_json, value_order
+from opguard_core.run.warnings import warn
 
 _ENTRY_FIELDS = frozenset(
     {
@@ -126,13 +127,17 @@ def merge_entries(
     return left
 
 
-def _merge_steps(a: Any, b: Any) -> CommentedMap:
+def _merge_steps(a: Any, b: Any, add: bool = False) -> CommentedMap:
     """``meta.steps`` (source -> steps) of both, or ``meta.phases`` (source -> phase):
-    the union; where both name a source with different values, the one whose repr
-    sorts first (associative, commutative)."""
+    the union; where both name a source, with ``add`` (steps) the sum, as the counts
+    of its entries are summed (two recordings of one source), else the value whose
+    repr sorts first (associative, commutative)."""
     steps: dict[Any, Any] = dict(a or {})
     for source, value in (b or {}).items():
-        if source not in steps or repr(value) < repr(steps[source]):
+        mine = steps.get(source)
+        if add and _is_count(mine) and _is_count(value):
+            steps[source] = mine + value
+        elif source not in steps or repr(value) < repr(mine):
             steps[source] = value
     return flow_map(sorted(steps.items(), key=lambda kv: str(kv[0])))
 
@@ -215,8 +220,19 @@ def _in_order(meta: CommentedMap) -> CommentedMap:
     return CommentedMap((key, meta[key]) for key in (*known, *others))
 
 
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def merge_configs(left: CommentedMap, right: CommentedMap) -> CommentedMap:
     """The built-in merge. ``left`` is copied, never changed in place."""
+    shared = sorted(_sources(left) & _sources(right))
+    if shared:
+        warn(
+            f"merge: {', '.join(shared)} in both configs: two recordings of one source, "
+            "their counts and steps are added (the same config twice counts it twice)",
+            sources=shared,
+        )
     left_share, right_share = contributions(left), contributions(right)
     both = (
         _add_contributions(left_share, right_share)
@@ -263,7 +279,7 @@ def merge_configs(left: CommentedMap, right: CommentedMap) -> CommentedMap:
     if "sources" in left_meta or "sources" in right_meta:
         meta["sources"] = _sorted_union(left_meta.get("sources"), right_meta.get("sources"))
     if "steps" in left_meta or "steps" in right_meta:
-        meta["steps"] = _merge_steps(left_meta.get("steps"), right_meta.get("steps"))
+        meta["steps"] = _merge_steps(left_meta.get("steps"), right_meta.get("steps"), add=True)
     if "phases" in left_meta or "phases" in right_meta:
         meta["phases"] = _merge_steps(left_meta.get("phases"), right_meta.get("phases"))
     if "recorded_by" in left_meta and "recorded_by" in right_meta:  # unknown on one: unknown
