@@ -182,3 +182,19 @@ def test_output_base_env_and_fresh_directories(opguard, samples, tmp_path) -> No
     assert first.run_dir != second.run_dir
     assert first.run_dir.parent == tmp_path / "out"
     assert first.run_dir.name.startswith("preprocessing_")
+
+
+def test_every_commands_help_is_wrapped_without_its_docstrings_indent() -> None:
+    """A docstring's indent once reached the help (``Every\\n Python     process``)."""
+    import re
+
+    from click.testing import CliRunner
+
+    from opguard_core.cli import create_cli
+    from opguard_core.plugin.manager import create_plugin_manager
+
+    cli = create_cli(create_plugin_manager())
+    for name in sorted(cli.commands):
+        text = CliRunner(env={"COLUMNS": "80"}).invoke(cli, [name, "--help"]).output
+        description = text.split("Options:", 1)[0]
+        assert not re.search(r"\S {3,}\S", description), (name, description)

@@ -14,6 +14,7 @@ with it.
 from __future__ import annotations
 
 import functools
+import inspect
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -92,7 +93,10 @@ def command(
             ctx.exit(int(ExitCode.OK if code is None else code))
 
         made = click.command(name, cls=cls, **kwargs)(run)
-        made.help = ((made.help or "").rstrip() + "\n\n" + help_section(codes, extra)).strip()
+        # the docstring dedented (click leaves that to a help it builds itself): its
+        # lines would otherwise keep their indent, and be wrapped with it
+        own = inspect.cleandoc(made.help or "")
+        made.help = (own + "\n\n" + help_section(codes, extra)).strip()
         made.opguard_exit_codes = exit_codes(codes)  # type: ignore[attr-defined]
         return made
 
