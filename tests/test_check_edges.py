@@ -303,3 +303,13 @@ def test_a_record_that_does_not_add_up_is_not_used(merged_run: Path, tmp_path: P
     report = check(stale, SOURCES["ddp_callsite"])
     assert kinds(report).get("count_drift", 0) > 0
     assert "merged config without per-source counts" in report["stderr"]
+
+
+def test_a_missing_input_is_named_once(tmp_path: Path) -> None:
+    """``opguard: error: nope.json: no such file`` (once ``nope.json: nope.json: ...``)."""
+    run = make_run(tmp_path, SOURCES["ddp_callsite"])
+    result = invoke("check", "--config", run, "-i", str(tmp_path / "nope.json"))
+    assert result.exit_code != 0
+    assert result.stderr.strip().splitlines()[-1] == (
+        f"opguard: error: {tmp_path / 'nope.json'}: no such file"
+    )

@@ -82,12 +82,14 @@ class Pipeline:
 
     def failures(self) -> list[str]:
         """One line per problem: ``{entry}: {error}`` of the first failed stage with that
-        error (a file that cannot be read fails each entry it is in the same way)."""
+        error (a file that cannot be read fails each entry it is in the same way); an
+        input that discovery refused as its error alone, which names it already."""
         records: list[Any] = self._runner.recorder.records
         first: dict[str, str] = {}
         for r in records:
             if r.status == "failed":
-                first.setdefault(r.error, f"{r.entry or r.stage}: {r.error}")
+                named = r.stage == "discover" and r.entry and r.error.startswith(r.entry)
+                first.setdefault(r.error, r.error if named else f"{r.entry or r.stage}: {r.error}")
         return list(first.values())
 
 
