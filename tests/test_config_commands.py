@@ -455,7 +455,7 @@ def test_merging_two_recordings_of_one_source_adds_their_steps_too(run_dir, tmp_
     twice = tmp_path / "twice.yaml"
     merged = invoke("merge", config, config, "-o", twice)
     assert merged.exit_code == 0, merged.stderr
-    assert "fsdp_callsite in both configs: two recordings of one source" in merged.stderr
+    assert "fsdp_callsite in several configs: two recordings of one source" in merged.stderr
     steps = safe(config)["meta"].get("steps")
     assert safe(twice)["meta"].get("steps") == (
         None if steps is None else {k: 2 * v for k, v in steps.items()}

@@ -751,3 +751,19 @@ def test_opguard_filter_runs_installed_filters_as_the_run_does(
         == (run.run_dir / "gpt_callsite_filtered_instrumentation.yaml").read_bytes()
     )
     assert load_yaml(out)["meta"]["settings"]["filters"] == ["drop_small", "basic_filter"]
+
+
+def test_check_of_a_configs_own_traces_is_clean_with_a_count_filter(
+    opguard, example: Site, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``drop_small`` drops entries below a count: the config's (two ranks') counts.
+    check filters a job's observed config, not each rank's (whose counts are half:
+    entries above the threshold in the config fell below it per rank, and check said
+    they never ran)."""
+    monkeypatch.setenv("OPGUARD_DISABLE_PLUGINS", "shallow")
+    traces = str(Path(__file__).resolve().parent.parent / "examples/traces/ddp_callsite_rank*.json")
+    run = opguard("run", "--input", traces, expect=0)
+    checked = opguard("check", "--config", run.run_dir, "-i", traces, "--format", "json")
+    assert checked.exit_code == 0, checked.stderr
+    kinds = [v["kind"] for v in json.loads(checked.result.stdout)["violations"]]
+    assert "missing" not in kinds, kinds

@@ -59,19 +59,27 @@ class Pipeline:
         """The entries of the inputs; refused inputs are :meth:`failures`."""
         return self._runner.discover()
 
-    def config(self, entry: InputEntry, quietly: bool = False) -> CommentedMap | None:
-        """``entry``'s config as the run makes it (combine, compress, generate) and the
-        run's filter chain applied; None when a stage failed (see :meth:`failures`)."""
+    def config(
+        self, entry: InputEntry, quietly: bool = False, filtered: bool = True
+    ) -> CommentedMap | None:
+        """``entry``'s config as the run makes it (combine, compress, generate) and,
+        when ``filtered``, the run's filter chain applied; None when a stage failed
+        (see :meth:`failures`)."""
         quiet = quietly and not self.options.verbose
         with collecting(self._runner.recorder.warnings, quiet=quiet):
             results = self._runner.process_entry(entry, side=False)
         if results.get("combine") is not None:
             self.partial.update(partial_ranks_of(results["combine"].meta))
         config: CommentedMap | None = results.get("generate")
-        if config is None or not self._filters:
+        if config is None or not self._filters or not filtered:
             return config
         log = self._runner.recorder.log
         return apply_filters(self._filters, config, self.options, log)[0]
+
+    @property
+    def filters(self) -> bool:
+        """Whether the run's filter chain has any filter (the configs are filtered)."""
+        return bool(self._filters)
 
     def merge(self, left: CommentedMap, right: CommentedMap) -> CommentedMap:
         """``left`` and ``right`` merged by the run's ``opguard_merge``."""

@@ -173,7 +173,9 @@ def observe(manager: OpGuardPluginManager, inputs: Sequence[str], options: RunOp
     the config (:class:`~opguard_core.run.pipeline.Pipeline`: combine → compress →
     generate → the filters). Rank files of the same rank (two entries given) are
     merged with ``opguard_merge``; a file covering several ranks is kept under its
-    first rank.
+    first rank. The filters see what the run's saw, a job's config (a filter by count
+    would drop from one rank's what it keeps of all ranks'): a rank's config keeps the
+    entries its job's filtered config kept.
     """
     from opguard_core.run.pipeline import Pipeline  # the runner: not for check --help
 
@@ -188,22 +190,36 @@ def observe(manager: OpGuardPluginManager, inputs: Sequence[str], options: RunOp
             for path in entry.files:
                 index += 1
                 single = InputEntry(f"{entry.name}_{index}", (path,), index, entry.specs)
-                config = pipeline.config(single, quietly=True)  # the whole entry warns
+                # the whole entry warns; the filters run on it (below)
+                config = pipeline.config(single, quietly=True, filtered=False)
                 if config is None:
                     continue
                 rank = int(((config.get("meta") or {}).get("ranks") or [0])[0])
                 for into in (configs, mine.configs):
                     left = into.get(rank)
                     into[rank] = config if left is None else pipeline.merge(left, config)
+        kept: set[Any] = set()
         for entry in entries:
             whole = pipeline.config(entry)
             if whole is not None:
                 alone[entry.name].combined = whole
                 combined = whole if combined is None else pipeline.merge(combined, whole)
+                if pipeline.filters:
+                    keys = {entry_key(e) for e in whole["entries"]}
+                    _keep_only(alone[entry.name].configs.values(), keys)
+                    kept |= keys
+        if pipeline.filters:
+            _keep_only(configs.values(), kept)
         problems = pipeline.failures()
         partial = pipeline.partial
     files = [Path(path) for entry in entries for path in entry.files]
     return Observed(configs, problems, combined, files, alone, partial)
+
+
+def _keep_only(configs: Iterable[CommentedMap], keys: set[Any]) -> None:
+    """Drop from each of ``configs`` the entries whose key is not in ``keys``."""
+    for config in configs:
+        config["entries"][:] = [e for e in config["entries"] if entry_key(e) in keys]
 
 
 def _steps(config: dict[str, Any]) -> int | None:

@@ -29,7 +29,6 @@ from opguard_core.formats.streams import sorted_roles
 from opguard_core.formats.styles import block_map, elements_of, flow_map, flow_seq, items_of
 from opguard_core.formats.tree import TORCH_API
 from opguard_core.formats.values import same_json, value_order
-from opguard_core.run.warnings import warn
 
 _ENTRY_FIELDS = frozenset(
     {
@@ -142,6 +141,18 @@ def _merge_steps(a: Any, b: Any, add: bool = False) -> CommentedMap:
     return flow_map(sorted(steps.items(), key=lambda kv: str(kv[0])))
 
 
+def shared_sources(configs: list[dict[str, Any]]) -> list[str]:
+    """The sources two or more of ``configs`` name (two recordings of one job under
+    one label: merge adds their counts and steps)."""
+    seen: set[str] = set()
+    shared: set[str] = set()
+    for config in configs:
+        names = _sources(config)
+        shared |= seen & names
+        seen |= names
+    return sorted(shared)
+
+
 def _sources(config: dict[str, Any]) -> set[str]:
     """A config's sources: ``meta.sources`` where it lists them (an entry's name may
     hold a ``+``), else its ``source`` split at ``+`` (a hand-written config)."""
@@ -226,13 +237,6 @@ def _is_count(value: Any) -> bool:
 
 def merge_configs(left: CommentedMap, right: CommentedMap) -> CommentedMap:
     """The built-in merge. ``left`` is copied, never changed in place."""
-    shared = sorted(_sources(left) & _sources(right))
-    if shared:
-        warn(
-            f"merge: {', '.join(shared)} in both configs: two recordings of one source, "
-            "their counts and steps are added (the same config twice counts it twice)",
-            sources=shared,
-        )
     left_share, right_share = contributions(left), contributions(right)
     both = (
         _add_contributions(left_share, right_share)

@@ -48,6 +48,7 @@ from opguard_core.model import RunOptions
 from opguard_core.plugin.manager import OpGuardPluginManager
 from opguard_core.run.summary import config_source
 from opguard_plugins.stages.compare import Sort, diff_configs, diff_to_json, render_diff
+from opguard_plugins.stages.merge import shared_sources
 
 #: how many ops ``show`` names per entry
 MAIN_OPS = 3
@@ -147,6 +148,13 @@ def make_merge(manager: OpGuardPluginManager) -> click.Command:
         with gc_paused():  # as in the run: a config is acyclic, and GC passes cost half
             inputs = [read_input(path) for path in configs]
             check_output_file(output, [source for source, _ in inputs])
+            shared = shared_sources([config for _, config in inputs])
+            if shared:
+                get_logger().warning(
+                    f"{', '.join(shared)} in several configs: two recordings of one "
+                    "source, their counts and steps are added (a config twice counts twice)",
+                    sources=shared,
+                )
             merged = fold(manager, [config for _, config in inputs])
             atomic_write_text(output, dump_config(merged))
             # freed while the GC is paused: re-enabled, its first pass would otherwise
