@@ -767,3 +767,22 @@ def test_check_of_a_configs_own_traces_is_clean_with_a_count_filter(
     assert checked.exit_code == 0, checked.stderr
     kinds = [v["kind"] for v in json.loads(checked.result.stdout)["violations"]]
     assert "missing" not in kinds, kinds
+
+
+def test_check_says_when_its_filters_are_not_the_configs(
+    opguard, example: Site, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A config filtered by ``drop_small``, checked where it is disabled: the report's
+    notes say so (check ran another pipeline without a word)."""
+    monkeypatch.setenv("OPGUARD_DISABLE_PLUGINS", "shallow")
+    traces = str(Path(__file__).resolve().parent.parent / "examples/traces/ddp_callsite_rank*.json")
+    run = opguard("run", "--input", traces, expect=0)
+    same = opguard("check", "--config", run.run_dir, "-i", traces, "--format", "json")
+    assert not any("filtered by" in n for n in json.loads(same.result.stdout).get("notes", []))
+    monkeypatch.setenv("OPGUARD_DISABLE_PLUGINS", "shallow,drop_small")
+    other = opguard("check", "--config", run.run_dir, "-i", traces, "--format", "json")
+    notes = json.loads(other.result.stdout)["notes"]
+    assert any(
+        n.startswith("the config was filtered by drop_small, the traces are by no filter")
+        for n in notes
+    ), notes

@@ -31,7 +31,7 @@ from opguard_core.cli.options import (
     output_option,
     verbose_option,
 )
-from opguard_core.configs.chain import BASIC_FILTER_PLUGIN
+from opguard_core.configs.chain import BASIC_FILTER_PLUGIN, active_filters
 from opguard_core.configs.selection import PatternError, compile_patterns
 from opguard_core.errors import ExitCode, InputError, PluginError, one_line
 from opguard_core.files.atomic import atomic_write_text
@@ -124,6 +124,24 @@ def options_from_settings(
         # a file the config names: relative to the config, as a person wrote it
         values["basic_list"] = (config_dir or Path(".")) / basic_list
     return RunOptions(**values)
+
+
+def filters_differ(
+    manager: OpGuardPluginManager, options: RunOptions, config: dict[str, Any]
+) -> str | None:
+    """A note when the filters check runs are not the ones that filtered the config
+    (``meta.settings.filters``): a plugin not installed or disabled here, or one
+    installed since; None when they are the same."""
+    settings = (config.get("meta") or {}).get("settings") or {}
+    recorded = sorted({str(name) for name in settings.get("filters") or []})
+    running = sorted({impl.plugin_name for impl in active_filters(manager, options)})
+    if recorded == running:
+        return None
+    return (
+        f"the config was filtered by {', '.join(recorded) or 'no filter'}, the traces are "
+        f"by {', '.join(running) or 'no filter'} (a filter plugin missing, disabled or "
+        "installed since): what only one of them dropped may read as missing or unknown"
+    )
 
 
 def _split_hide(recorded: list[str]) -> dict[str, Any]:
@@ -690,6 +708,10 @@ def make_command(manager: OpGuardPluginManager) -> click.Command:
                 "their counts and last step not compared"
             )
             notes.append(cut)
+        other_filters = filters_differ(manager, options, config)
+        if other_filters:
+            notes.append(other_filters)
+            get_logger().warning("filters differ", config=str(config_path), note=other_filters)
         compared = "; ".join(notes) or None
         if fmt == "json":
             document = check_report(str(config_path), violations, notes)
