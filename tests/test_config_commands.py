@@ -213,6 +213,9 @@ def test_show_top_0_shows_all_and_tag_selects(run_dir) -> None:
     )
     expected = [e for e in config["entries"] if "communication" in e["tags"]]
     assert 0 < tagged["shown"] == len(expected) < everything["shown"]
+    typo = invoke("show", run_dir, "--tag", "comunication")  # as a --focus keeping nothing
+    assert typo.exit_code == 1
+    assert "nothing left: no entry has --tag comunication (the config's tags: " in typo.stderr
 
 
 def test_show_focus_and_ignore_follow_entry_paths(run_dir) -> None:

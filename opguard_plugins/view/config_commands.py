@@ -39,7 +39,7 @@ from opguard_core.configs.chain import (
     record_setting,
 )
 from opguard_core.configs.selection import PatternError, Selection, select_entries
-from opguard_core.errors import ExitCode, one_line
+from opguard_core.errors import ExitCode, OpGuardError, one_line
 from opguard_core.files.atomic import atomic_write_text
 from opguard_core.files.output_dirs import check_output_file
 from opguard_core.formats.config import dump_config, entry_key, load_config
@@ -309,6 +309,14 @@ def show(
     rows, selected = show_rows(loaded, selection, tags, top or None)
     _warn_unmatched(selection)
     selection.refuse_empty(str(path), "entry", len(loaded["entries"]), selected)
+    if tags and loaded["entries"] and not selected:  # as a --focus that keeps nothing
+        known = sorted({str(t) for e in loaded["entries"] for t in e.get("tags") or ()})
+        raise OpGuardError(
+            one_line(
+                f"{path}: nothing left: no entry has --tag {' --tag '.join(tags)} "
+                f"(the config's tags: {', '.join(known) or 'none'})"
+            )
+        )
     meta = loaded.get("meta") or {}
     head = {
         "config": str(path),
