@@ -374,6 +374,25 @@ def test_a_guard_that_did_not_check_the_program_fails_it(tmp_path: Path, case: s
     assert reason in line
 
 
+@pytest.mark.slow
+@pytest.mark.torch
+def test_a_loop_config_on_a_program_that_never_steps_says_so(tmp_path: Path) -> None:
+    """A config of the training loop is checked from the end of the first optimizer
+    step: a program that ends before it is told that, not to look for "missing"
+    warnings its report cannot have."""
+    pytest.importorskip("torch")
+    config = tmp_path / "loop.yaml"
+    config.write_text(
+        RELU_CONFIG.replace("meta:\n", "meta:\n  sources: [hand]\n  phases: {hand: loop}\n")
+    )
+    script = tmp_path / "program.py"
+    script.write_text("import torch\ntorch.nn.functional.relu(torch.ones(2))\n")
+    proc = run("guard", "--config", config, "--report-dir", tmp_path / "rep", "--", script)
+    assert proc.returncode == ExitCode.GUARD_FAILED, proc.stderr
+    [line] = [line for line in proc.stderr.splitlines() if line.startswith("opguard guard: error:")]
+    assert "the config is of the training loop" in line and "no guarded process ended one" in line
+
+
 LATE_MODELS = """\
 import torch
 from torch import nn

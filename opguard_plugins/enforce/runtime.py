@@ -1446,6 +1446,8 @@ def _finish_process_guard() -> None:
             report=None if written is None else str(written),
             error=_PROCESS_GUARD.write_error,
             checked=_PROCESS_GUARD.checked_ops,
+            # a config of the loop is checked from the end of the first step on
+            waits_for_a_step=_PROCESS_GUARD.skip_setup and _PROCESS_GUARD.step == 0,
         )
 
 

@@ -11,8 +11,9 @@ every process whose guard starts (or fails to start) writes ``{pid}.json`` there
   it wrote one mid-run, as of WHAT ("its first collective departure" in warn mode,
   "its collective timeout" from the watchdog), and then ended so;
 * ``{"pid": N, "state": "finished", "report": PATH or null, "error": ... or null,
-  "checked": K}``: the report was written (or could not be: ``error``), and ``K``
-  ops were checked against the config (first sights per active-entry state).
+  "checked": K, "waits_for_a_step": B}``: the report was written (or could not be:
+  ``error``), and ``K`` ops were checked against the config (first sights per
+  active-entry state); ``B``: the config is of the loop and no optimizer step ended.
 
 torchrun's launcher, which imports torch but runs no training code, removes its
 file. ``opguard guard`` reads them all after COMMAND ended (:func:`read_statuses`)
@@ -80,6 +81,7 @@ def problems(statuses: list[dict[str, Any]]) -> list[str]:
         return ["no process of COMMAND started the guard (did it import torch?)"]
     lines: list[str] = []
     checked = 0
+    waited = False
     for status in statuses:
         pid, state, error = status.get("pid"), status.get("state"), status.get("error")
         if state == "failed":
@@ -97,7 +99,14 @@ def problems(statuses: list[dict[str, Any]]) -> list[str]:
         else:
             value = status.get("checked")
             checked += value if isinstance(value, int) else 0
-    if not lines and checked == 0:
+            waited = waited or status.get("waits_for_a_step") is True
+    if not lines and checked == 0 and waited:
+        lines.append(
+            "the guard checked no op: the config is of the training loop, checked from the "
+            "end of the first optimizer step, and no guarded process ended one (a config "
+            "made with opguard trace --no-split checks from the first op)"
+        )
+    elif not lines and checked == 0:
         lines.append(
             "the guard checked no op: no config target ran (is the config made from this "
             "program? each report's 'missing' warnings name the targets that never ran)"
