@@ -14,6 +14,7 @@ import functools
 import itertools
 import json
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -719,3 +720,43 @@ def test_every_trace_string_reads_back_from_the_config(
     assert {f"{s}:{s}g" for s in AWKWARD} <= targets
     ops = {str(op) for e in config["entries"] for op in e["ops"]}
     assert ops == {f"aten::{s}" for s in AWKWARD}
+
+
+def test_a_sigterm_while_the_run_finishes_waits_for_its_summary_and_report(
+    tmp_path: Path, samples: Path
+) -> None:
+    """SIGTERM as the final summary is written (all steps done): the summary and the
+    report are written, then the signal ends the process (it once ended it at once,
+    leaving a summary that said 'running' and no report)."""
+    script = tmp_path / "late_term.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            import os, signal, sys
+            from opguard_core.cli.app import main
+            from opguard_core.run.runner import Runner
+
+            original = Runner.write_summary
+
+            def write_summary(self, final=False):
+                if final:
+                    os.kill(os.getpid(), signal.SIGTERM)
+                original(self, final)
+
+            Runner.write_summary = write_summary
+            sys.argv = ["opguard", "--log-format", "json", *sys.argv[1:]]
+            main()
+            """
+        )
+    )
+    out = tmp_path / "out"
+    proc = subprocess.run(
+        [sys.executable, str(script), "run", "-i", str(samples / "gpt_callsite_rank*.json"),
+         "--output-base", str(out)],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == -signal.SIGTERM, proc.stderr[-2000:]
+    (run_dir,) = out.iterdir()
+    summary = json.loads((run_dir / "pipeline_summary.json").read_text())
+    assert summary["status"] == "ok" and summary["finished_at"] is not None
+    assert (run_dir / "report.html").is_file()

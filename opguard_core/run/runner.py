@@ -25,6 +25,7 @@ from opguard_core.files.atomic import atomic_write_bytes, safe_child
 from opguard_core.files.output_dirs import trace_output_base
 from opguard_core.model import InputEntry, RunOptions, StageFailed, StageRecord
 from opguard_core.plugin.manager import OpGuardPluginManager, call_impl
+from opguard_core.processes import signals_deferred
 from opguard_core.run.artifacts import check_entry_names
 from opguard_core.run.helper import EntryHelper, SideWork, overlaps
 from opguard_core.run.interrupts import Interrupts
@@ -231,13 +232,14 @@ class Runner:
             stage, entry = self.recorder.current
             self.interrupted = {"signal": name, "stage": stage, "entry": entry}
             log.error("run interrupted", **self.interrupted)
-        finally:
-            self.write_summary(final=True)
-            self.finished = True
-            code = self.exit_code()
-            self._run_finished()
-            release_run_directory(lock)
-            log.info("run finished", exit_code=int(code))
+        finally:  # a SIGTERM now waits for the summary and the report (then ends us)
+            with signals_deferred():
+                self.write_summary(final=True)
+                self.finished = True
+                code = self.exit_code()
+                self._run_finished()
+                release_run_directory(lock)
+                log.info("run finished", exit_code=int(code))
         return code
 
     def exit_code(self) -> ExitCode:
@@ -278,9 +280,8 @@ class Runner:
                 self.recorder.log.error("run_finished failed", plugin=impl.plugin_name, error=error)
 
     def write_summary(self, final: bool = False) -> None:
-        """Rewrite ``pipeline_summary.json``. A failure (disk full, ...) never stops the
-        run: it is logged once, the next write tries again, and ``summary_error``
-        holds the last failure (None once a write succeeds)."""
+        """Rewrite ``pipeline_summary.json``. A failure (disk full, ...) never stops the run:
+        it is logged once, retried, and kept in ``summary_error`` until a write succeeds."""
         if self.run_dir is None or not self.summary_pace.ready(final):
             return
         try:
