@@ -252,3 +252,16 @@ def test_compare_shows_an_unknown_total_as_unknown_and_no_difference() -> None:
     diff = diff_configs(_two_rank_config(1, total=None), _two_rank_config(1), "a", "b")
     assert not diff.differs
     assert "unknown" in next(line for line in render_diff(diff).splitlines() if "total ops" in line)
+
+
+def test_a_config_without_meta_sources_keeps_its_name_through_merges() -> None:
+    """An old or hand-written config (no ``meta.sources``) is named by its ``source``:
+    its name stays in ``meta.sources`` and ``source`` whatever the merge order (it
+    was lost at the next merge, and merge was no longer associative)."""
+    doc = trace_doc([([MAIN], None, "aten::mm", 1)])
+    old, a, b = (config_of(doc, source=name) for name in ("oldsrc", "a", "b"))
+    del old["meta"]["sources"]
+    left = merge_configs(merge_configs(old, a), b)
+    right = merge_configs(old, merge_configs(a, b))
+    assert list(left["meta"]["sources"]) == ["a", "b", "oldsrc"] and left["source"] == "a+b+oldsrc"
+    assert dump_config(left) == dump_config(right)

@@ -230,6 +230,16 @@ def test_a_few_aliases_are_still_read(tmp_path: Path) -> None:
     assert [e["tags"] for e in json.loads(result.stdout)["entries"]] == [["user"], ["user"]]
 
 
+def test_a_surrogate_pair_escape_is_the_character_it_stands_for(tmp_path: Path) -> None:
+    """JSON (``json.dumps``) writes a character past U+FFFF as a pair of escapes: the
+    config reads it as that character (a lone surrogate is refused, above)."""
+    path = tmp_path / "emoji.yaml"
+    path.write_text(config_text(entry("a")).replace('"a"', '"m:x\\ud83d\\ude00"', 1))
+    result = invoke("show", path, "--format", "json")
+    assert result.exit_code == 0, result.output
+    assert [e["target"] for e in json.loads(result.stdout)["entries"]] == ["m:x\U0001f600"]
+
+
 @pytest.mark.parametrize(
     ("text", "problem"),
     [

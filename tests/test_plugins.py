@@ -786,3 +786,19 @@ def test_check_says_when_its_filters_are_not_the_configs(
         n.startswith("the config was filtered by drop_small, the traces are by no filter")
         for n in notes
     ), notes
+
+
+def test_check_of_a_merged_runs_traces_is_clean_with_a_count_filter(
+    opguard, example: Site, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A merged run filtered the sum of its jobs: an entry of 6 ops in each job (below
+    ``drop_small``'s 10) is kept at 12; checking one job's traces keeps it too (it was
+    said to have never ran)."""
+    monkeypatch.setenv("OPGUARD_DISABLE_PLUGINS", "shallow")
+    examples = Path(__file__).resolve().parent.parent / "examples" / "traces"
+    ddp, fsdp = (str(examples / f"{name}_callsite_rank*.json") for name in ("ddp", "fsdp"))
+    run = opguard("run", "--input", ddp, "--input", fsdp, expect=0)
+    checked = opguard("check", "--config", run.run_dir, "-i", ddp, "--format", "json")
+    assert checked.exit_code == 0, checked.stderr
+    kinds = [v["kind"] for v in json.loads(checked.result.stdout)["violations"]]
+    assert "missing" not in kinds, kinds

@@ -717,9 +717,9 @@ def parse_config(text: str, path: Path | str) -> CommentedMap:
             raise InputError(path, f"unreadable value: {exc}") from None
         except MemoryError:
             raise InputError(path, "out of memory reading this config") from None
+    if "\\u" in text or "\\U" in text:  # only an escape can make a surrogate
+        _join_surrogates(config, path)
     validate_config(config, path)
-    if "\\u" in text or "\\U" in text:  # only an escape can make a lone surrogate
-        _refuse_surrogates(config, path)
     entries = config["entries"]
     if len(blocks) == len(entries):
         for entry, block in zip(entries, blocks, strict=True):
@@ -732,19 +732,42 @@ def parse_config(text: str, path: Path | str) -> CommentedMap:
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
 
-def _refuse_surrogates(value: Any, path: Path | str) -> None:
-    """Refuse a string (key or value) holding a lone surrogate (``"\\ud800"``): not
-    text, so no output (a terminal, UTF-8 files, JSON) could carry it."""
+def _joined(text: str, path: Path | str) -> str:
+    """``text`` with each surrogate pair (``"\\ud83d\\ude00"``, how JSON writes a
+    character past U+FFFF) made the one character it stands for; a lone surrogate is
+    refused: not text, so no output (a terminal, UTF-8 files, JSON) could carry it."""
+    if not _SURROGATE.search(text):
+        return text
+    try:
+        joined = text.encode("utf-16", "surrogatepass").decode("utf-16")
+    except UnicodeDecodeError:
+        joined = text
+    if _SURROGATE.search(joined):
+        raise InputError(path, f"{text!a} holds a lone surrogate, which is not text")
+    return joined
+
+
+def _join_surrogates(value: Any, path: Path | str) -> Any:
+    """``value`` with :func:`_joined` applied to every string, keys included (mappings
+    and lists changed in place, their order kept)."""
     if isinstance(value, str):
-        if _SURROGATE.search(value):
-            raise InputError(path, f"{value!a} holds a lone surrogate, which is not text")
-    elif isinstance(value, dict):
-        for key, item in value.items():
-            _refuse_surrogates(key, path)
-            _refuse_surrogates(item, path)
+        return _joined(value, path)
+    if isinstance(value, dict):
+        for position, key in enumerate(list(value)):
+            item = value[key]
+            new_item = _join_surrogates(item, path)
+            new_key = _joined(key, path) if isinstance(key, str) else key
+            if new_key is not key and hasattr(value, "insert"):
+                del value[key]
+                value.insert(position, new_key, new_item)
+            elif new_item is not item:
+                value[key] = new_item
     elif isinstance(value, list):
-        for item in value:
-            _refuse_surrogates(item, path)
+        for index, item in enumerate(value):
+            new_item = _join_surrogates(item, path)
+            if new_item is not item:
+                value[index] = new_item
+    return value
 
 
 def upgrade_config(config: CommentedMap) -> None:

@@ -186,14 +186,21 @@ class Observed:
     partial: dict[int, dict[str, Any]] = dataclasses.field(default_factory=dict)
 
 
-def observe(manager: OpGuardPluginManager, inputs: Sequence[str], options: RunOptions) -> Observed:
+def observe(
+    manager: OpGuardPluginManager,
+    inputs: Sequence[str],
+    options: RunOptions,
+    expected: Iterable[Any] = (),
+) -> Observed:
     """Make a config of each rank file, and of all of them together, as the run made
     the config (:class:`~opguard_core.run.pipeline.Pipeline`: combine → compress →
     generate → the filters). Rank files of the same rank (two entries given) are
     merged with ``opguard_merge``; a file covering several ranks is kept under its
     first rank. The filters see what the run's saw, a job's config (a filter by count
     would drop from one rank's what it keeps of all ranks'): a rank's config keeps the
-    entries its job's filtered config kept.
+    entries its job's filtered config kept, and those of ``expected`` (the keys of the
+    config checked: a merged run filtered the sum of its jobs, where a job's own
+    counts may fall below a count filter's threshold).
     """
     from opguard_core.run.pipeline import Pipeline  # the runner: not for check --help
 
@@ -216,7 +223,8 @@ def observe(manager: OpGuardPluginManager, inputs: Sequence[str], options: RunOp
                 for into in (configs, mine.configs):
                     left = into.get(rank)
                     into[rank] = config if left is None else pipeline.merge(left, config)
-        kept: set[Any] = set()
+        expected_keys = set(expected)
+        kept: set[Any] = set(expected_keys)
         for entry in entries:
             whole = pipeline.config(entry)
             if whole is not None:
@@ -224,7 +232,7 @@ def observe(manager: OpGuardPluginManager, inputs: Sequence[str], options: RunOp
                 combined = whole if combined is None else pipeline.merge(combined, whole)
                 if pipeline.filters:
                     keys = {entry_key(e) for e in whole["entries"]}
-                    _keep_only(alone[entry.name].configs.values(), keys)
+                    _keep_only(alone[entry.name].configs.values(), keys | expected_keys)
                     kept |= keys
         if pipeline.filters:
             _keep_only(configs.values(), kept)
@@ -662,7 +670,8 @@ def make_command(manager: OpGuardPluginManager) -> click.Command:
         config = load_config(config_path)
         check_setting_patterns(config, config_path)
         options = options_from_settings(config, base_dir, config_path.parent)
-        observed = observe(manager, input_options, options)
+        expected_keys = (entry_key(e) for e in config["entries"])
+        observed = observe(manager, input_options, options, expected_keys)
         if observed.problems:
             for problem in observed.problems:
                 click.echo(f"opguard: error: {one_line(problem)}", err=True)

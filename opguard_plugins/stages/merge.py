@@ -281,7 +281,9 @@ def merge_configs(left: CommentedMap, right: CommentedMap) -> CommentedMap:
     else:  # unknown on one (a hand-written config): unknown, not the other side's alone
         meta.pop("total", None)
     if "sources" in left_meta or "sources" in right_meta:
-        meta["sources"] = _sorted_union(left_meta.get("sources"), right_meta.get("sources"))
+        # both sides' sources, a side without meta.sources (an old or hand-written
+        # config) by its ``source``: else its name is lost at the next merge
+        meta["sources"] = flow_seq(sorted(_sources(left) | _sources(right)))
     if "steps" in left_meta or "steps" in right_meta:
         meta["steps"] = _merge_steps(left_meta.get("steps"), right_meta.get("steps"), add=True)
     if "phases" in left_meta or "phases" in right_meta:
