@@ -50,6 +50,7 @@ from opguard_core.formats.dtypes import is_dtype
 from opguard_core.formats.streams import is_role, legacy_side_roles, legacy_stream_counts
 from opguard_core.formats.styles import block_map, elements_of, items_of, put_new
 from opguard_core.formats.trace import PHASES
+from opguard_core.formats.values import is_count
 
 #: the layout written: version 5 may carry an entry's ``dtype_counts`` (formats.md,
 #: "Dtypes"); version 4 may carry ``collectives`` (the good run's collective
@@ -844,11 +845,6 @@ def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _is_count(value: object) -> bool:
-    """An int (not a bool) of 0 or more: counts, totals and ranks."""
-    return _is_int(value) and value >= 0  # type: ignore[operator]
-
-
 def validate_config(config: object, path: Path | str) -> None:
     """Check the shape of a config document (types of every field §3 names)."""
     if not isinstance(config, dict):
@@ -866,10 +862,10 @@ def validate_config(config: object, path: Path | str) -> None:
     if not isinstance(meta, dict) or is_tagged(meta):
         raise InputError(path, "'meta' must be a mapping")
     ranks = meta.get("ranks", [])
-    if not isinstance(ranks, list) or not all(_is_count(r) for r in ranks):
+    if not isinstance(ranks, list) or not all(is_count(r) for r in ranks):
         raise InputError(path, "meta.ranks must be a list of integers (0 or more)")
     total = meta.get("total", 0)
-    if not _is_count(total):
+    if not is_count(total):
         raise InputError(path, "meta.total must be an integer (0 or more)")
     steps = meta.get("steps", {})
     if not isinstance(steps, dict) or not all(
@@ -883,7 +879,7 @@ def validate_config(config: object, path: Path | str) -> None:
         raise InputError(path, "meta.phases must map sources to setup or loop")
     source_ranks = meta.get("source_ranks", {})
     if not isinstance(source_ranks, dict) or not all(
-        isinstance(k, str) and isinstance(v, list) and all(_is_count(r) for r in v)
+        isinstance(k, str) and isinstance(v, list) and all(is_count(r) for r in v)
         for k, v in source_ranks.items()
     ):
         raise InputError(path, "meta.source_ranks must map sources to lists of ranks")
@@ -917,7 +913,7 @@ def validate_config(config: object, path: Path | str) -> None:
         if not isinstance(lines, list) or not all(_is_int(v) for v in elements_of(lines)):
             raise InputError(path, f"{where}.lines must be a list of integers")
         ranks = entry.get("ranks", [])
-        if not isinstance(ranks, list) or not all(_is_count(v) for v in elements_of(ranks)):
+        if not isinstance(ranks, list) or not all(is_count(v) for v in elements_of(ranks)):
             raise InputError(path, f"{where}.ranks must be a list of integers (0 or more)")
         ops = entry.get("ops", {})
         if not isinstance(ops, dict) or not all(
@@ -943,12 +939,12 @@ def validate_config(config: object, path: Path | str) -> None:
                     path, f"{where}.dtype_counts needs config version {DTYPE_VERSION} or later"
                 )
             if not isinstance(dtypes, dict) or not all(
-                is_dtype(k) and _is_count(v) for k, v in items_of(dtypes)
+                is_dtype(k) and is_count(v) for k, v in items_of(dtypes)
             ):
                 raise InputError(
                     path, f"{where}.dtype_counts must map dtype names (float32, int64, …) to counts"
                 )
-        if not _is_count(entry.get("count", 0)):
+        if not is_count(entry.get("count", 0)):
             raise InputError(path, f"{where}.count must be an integer (0 or more)")
         if total and entry.get("count", 0) > total:  # counts are inclusive: at most all ops
             raise InputError(
@@ -956,7 +952,7 @@ def validate_config(config: object, path: Path | str) -> None:
             )
         by_source = entry.get("sources", {})
         if not isinstance(by_source, dict) or not all(
-            isinstance(k, str) and _is_count(v) for k, v in by_source.items()
+            isinstance(k, str) and is_count(v) for k, v in by_source.items()
         ):
             raise InputError(path, f"{where}.sources must map sources to counts")
         if "kind" in entry and not isinstance(entry["kind"], str):

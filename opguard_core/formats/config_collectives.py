@@ -47,7 +47,7 @@ from opguard_core.formats.collectives import (
 from opguard_core.formats.styles import block_map, flow_map, flow_seq
 from opguard_core.formats.trace import Frame, is_torch_module
 from opguard_core.formats.tree import target_name
-from opguard_core.formats.values import json_bytes
+from opguard_core.formats.values import is_count, is_counts, json_bytes
 
 #: the first config version that may carry ``collectives``
 CONFIG_COLLECTIVES_VERSION = 4
@@ -128,14 +128,6 @@ def _fail(path: Path | str, where: str, problem: str) -> InputError:
     return InputError(path, f"{where} {problem}")
 
 
-def _count(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
-
-
-def _counts(value: object) -> bool:
-    return isinstance(value, list) and all(_count(v) for v in value)
-
-
 def _optional(item: Mapping[str, Any], key: str, check: Callable[[object], bool]) -> bool:
     return key not in item or check(item[key])
 
@@ -152,9 +144,9 @@ def _group(value: object, path: Path | str, where: str) -> Group:
         raise _fail(path, where, "must be a mapping with a string name")
     if not (
         _optional(value, "desc", lambda v: isinstance(v, str))
-        and _optional(value, "size", lambda v: _count(v) and v > 0)  # type: ignore[operator]
-        and _optional(value, "ranks", _counts)
-        and _optional(value, "first", _count)
+        and _optional(value, "size", lambda v: is_count(v) and v > 0)  # type: ignore[operator]
+        and _optional(value, "ranks", is_counts)
+        and _optional(value, "first", is_count)
         and set(value) <= {"name", "desc", "size", "ranks", "first"}
     ):
         raise _fail(path, where, "must hold name, desc, size, ranks and first of a group")
@@ -172,9 +164,9 @@ def _signature(value: object, path: Path | str, where: str) -> Signature:
         raise _fail(path, where, "must be a mapping with a string op")
     shapes = value.get("shapes")
     if not (
-        _count(value.get("group"))
+        is_count(value.get("group"))
         and _optional(value, "dtype", lambda v: isinstance(v, str))
-        and _optional(value, "numel", _count)
+        and _optional(value, "numel", is_count)
         and _optional(value, "reduce_op", lambda v: isinstance(v, str))
         and _optional(value, "at", lambda v: isinstance(v, str))
         and (
@@ -205,7 +197,7 @@ def _steps(value: object, path: Path | str, where: str) -> list[StepRun]:
     runs = []
     for key, calls in value.items():
         match = _STEPS.fullmatch(key) if isinstance(key, str) else None
-        if match is None or not _counts(calls):
+        if match is None or not is_counts(calls):
             raise _fail(path, f"{where}.{key}", "must be first-last: [signature ids]")
         runs.append(StepRun(int(match[1]), int(match[2]), tuple(calls)))
     return runs
@@ -222,7 +214,7 @@ def read_config_collectives(value: object, path: Path | str) -> dict[str, Collec
         where = f"collectives[{index}]"
         if not isinstance(item, dict) or not isinstance(item.get("source"), str):
             raise _fail(path, where, "must be a mapping with a string source")
-        if not (isinstance(item.get("ranks"), list) and item["ranks"] and _counts(item["ranks"])):
+        if not (isinstance(item.get("ranks"), list) and item["ranks"] and is_counts(item["ranks"])):
             raise _fail(path, f"{where}.ranks", "must be a non-empty list of ranks")
         seq = CollectiveSequence(
             ranks=list(item["ranks"]),

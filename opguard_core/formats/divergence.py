@@ -23,6 +23,7 @@ import msgspec
 
 from opguard_core.errors import InputError
 from opguard_core.formats.trace import list_ranks
+from opguard_core.formats.values import is_counts
 
 DIVERGENCE_FORMAT = "opguard-divergence"
 #: version 2: a collective finding's ``stream`` is its stream role (``comm``), not a raw
@@ -268,13 +269,6 @@ def rebuilt_distribution(counts: dict[str, Any], expected: Any, nranks: int) -> 
     return sorted(([v, n] for v, n in held.items()), key=lambda d: (-d[1], d[0]))
 
 
-def is_rank_list(value: Any) -> bool:
-    """Whether ``value`` is a list of non-negative integers (a finding's ``ranks``)."""
-    return isinstance(value, list) and all(
-        isinstance(r, int) and not isinstance(r, bool) and r >= 0 for r in value
-    )
-
-
 def flatten_groups(doc: dict[str, Any], where: str, distributions: bool = True) -> list[Finding]:
     """A version-4 document's findings as one flat list, each as the stage found it
     (its stacks as frame lists, its ``counts`` by rank, its ``distribution``) but for
@@ -313,7 +307,7 @@ def flatten_groups(doc: dict[str, Any], where: str, distributions: bool = True) 
             f = {**shared, **dict(zip(map(str, fields), row, strict=True)), "ranks": list(ranks)}
             if index == 0:
                 f.update(first)
-                if not is_rank_list(f["ranks"]):
+                if not is_counts(f["ranks"]):
                     raise InputError(
                         where, f"groups[{number}].ranks must be a list of non-negative integers"
                     )

@@ -14,6 +14,17 @@ from typing import Any
 import msgspec
 
 
+def is_count(value: object) -> bool:
+    """Whether a JSON value is a count: an int (not a bool) of 0 or more (counts,
+    totals, ranks, steps)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def is_counts(value: object) -> bool:
+    """Whether a JSON value is a list of counts (a list of ranks)."""
+    return isinstance(value, list) and all(map(is_count, value))
+
+
 def _fallback(value: Any) -> str:
     # a value msgspec cannot encode (a YAML tag, ...): its type and repr
     return f"{type(value).__module__}.{type(value).__qualname__}:{value!r}"

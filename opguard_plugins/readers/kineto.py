@@ -66,6 +66,7 @@ from opguard_core.formats.dtypes import PROFILER_TYPES, profiler_dtype
 from opguard_core.formats.readers import without_bom
 from opguard_core.formats.streams import COMM_NAMESPACES, role_order
 from opguard_core.formats.trace import TRACE_FORMAT, TRACE_VERSION, trace_ranks
+from opguard_core.formats.values import is_count
 from opguard_core.run.warnings import warn
 
 #: ``meta.importer``: this reader and the version of its rules
@@ -1382,7 +1383,7 @@ def _decoded(raw: msgspec.Raw) -> list[Any] | None:
 
 
 def _shape(value: Any) -> tuple[int, ...] | None:
-    if isinstance(value, list) and all(_count(d) for d in value):
+    if isinstance(value, list) and all(is_count(d) for d in value):
         return tuple(value)
     return None
 
@@ -1426,11 +1427,6 @@ def _first_dtype(types: list[Any] | None) -> str | None:
     return None
 
 
-def _count(value: Any) -> bool:
-    """Whether a JSON value is a non-negative integer."""
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
-
-
 def _positive(value: Any) -> int | None:
     if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
         return value
@@ -1445,7 +1441,7 @@ def _rank_list(value: Any) -> tuple[int, ...] | None:
             value = _LISTS.decode(value)
         except (msgspec.DecodeError, msgspec.ValidationError):
             return None
-    if isinstance(value, list) and value and all(_count(r) for r in value):
+    if isinstance(value, list) and value and all(is_count(r) for r in value):
         return tuple(value)
     return None
 
@@ -1530,7 +1526,7 @@ def _describe(
     numel: int | None = None
     if shapes is not None:
         numel = sum(math.prod(shape) for shape in shapes)
-    elif params is not None and _count(params.in_nelems):
+    elif params is not None and is_count(params.in_nelems):
         numel = params.in_nelems
     dtype: str | None = None
     if params is not None and isinstance(params.dtype, str):

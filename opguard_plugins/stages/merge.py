@@ -28,7 +28,7 @@ from opguard_core.formats.config_collectives import merge_config_collectives
 from opguard_core.formats.streams import sorted_roles
 from opguard_core.formats.styles import block_map, elements_of, flow_map, flow_seq, items_of
 from opguard_core.formats.tree import TORCH_API
-from opguard_core.formats.values import same_json, value_order
+from opguard_core.formats.values import is_count, same_json, value_order
 
 _ENTRY_FIELDS = frozenset(
     {
@@ -134,7 +134,7 @@ def _merge_steps(a: Any, b: Any, add: bool = False) -> CommentedMap:
     steps: dict[Any, Any] = dict(a or {})
     for source, value in (b or {}).items():
         mine = steps.get(source)
-        if add and _is_count(mine) and _is_count(value):
+        if add and is_count(mine) and is_count(value):
             steps[source] = mine + value
         elif source not in steps or repr(value) < repr(mine):
             steps[source] = value
@@ -229,10 +229,6 @@ def _in_order(meta: CommentedMap) -> CommentedMap:
     known = [key for key in _META_ORDER if key in meta]
     others = sorted((key for key in meta if key not in _META_ORDER), key=str)
     return CommentedMap((key, meta[key]) for key in (*known, *others))
-
-
-def _is_count(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def merge_configs(left: CommentedMap, right: CommentedMap) -> CommentedMap:

@@ -34,9 +34,10 @@ from opguard_core.cli.options import verbose_option
 from opguard_core.errors import ExitCode, InputError
 from opguard_core.files.atomic import atomic_write_text, safe_child
 from opguard_core.formats.config import load_config
-from opguard_core.formats.divergence import SEVERITIES, flatten_groups, is_rank_list
+from opguard_core.formats.divergence import SEVERITIES, flatten_groups
 from opguard_core.formats.trace import read_bytes
 from opguard_core.formats.tree import load_tree, node_target
+from opguard_core.formats.values import is_counts
 from opguard_core.run.summary import (
     REPORT_FILE,
     final_configs,
@@ -510,7 +511,7 @@ def read_divergence(path: Path) -> dict[str, Any] | None:
     found = doc.get("findings") if isinstance(doc, dict) else doc
     if not isinstance(found, list):
         return {**divergence_view({}, [], 0), "note": f"{path.name} has no findings list"}
-    if not all(isinstance(f, dict) and is_rank_list(f.get("ranks")) for f in found):
+    if not all(isinstance(f, dict) and is_counts(f.get("ranks")) for f in found):
         return {**divergence_view({}, [], 0), "note": f"{path.name} has malformed findings"}
     groups = group_findings(found)
     return divergence_view(meta, groups, sum(len(g["findings"]) for g in groups))
