@@ -144,3 +144,29 @@ def test_gzip_traces_are_read_by_content(tmp_path: Path) -> None:
 def test_a_callsite_trace_is_known_by_its_head() -> None:
     assert is_callsite_trace((SAMPLES / "gpt_callsite_rank0.json").read_bytes())
     assert not is_callsite_trace(b'{"traceEvents": []}')
+
+
+@pytest.mark.parametrize("compressed", [False, True], ids=["plain", "gzip"])
+def test_a_trace_after_a_byte_order_mark_combines_as_without(
+    opguard: Any, tmp_path: Path, compressed: bool
+) -> None:
+    """Kineto and Flight Recorder files were read past a UTF-8 BOM, our own traces were
+    refused ("not valid JSON"), by the C scanner and by ``check`` alike."""
+    examples = Path(__file__).parent.parent / "examples" / "traces"
+    for folder, bom in (("plain", b""), ("bom", b"\xef\xbb\xbf")):
+        (tmp_path / folder).mkdir()
+        for rank in (0, 1):
+            data = bom + (examples / f"ddp_callsite_rank{rank}.json").read_bytes()
+            name = f"ddp_callsite_rank{rank}.json"
+            if compressed:
+                data, name = gzip.compress(data, mtime=0), name + ".gz"
+            (tmp_path / folder / name).write_bytes(data)
+    combined = []
+    for folder in ("plain", "bom"):
+        run = opguard("run", "-i", tmp_path / folder / "ddp_callsite_rank*")
+        assert run.exit_code == 0, run.stderr[-2000:]
+        combined.append((run.run_dir / "ddp_callsite_combined.json").read_bytes())
+    assert combined[0] == combined[1]
+    config = run.run_dir
+    check = opguard("check", "--config", config, "-i", tmp_path / "bom" / "ddp_callsite_rank*")
+    assert check.exit_code == 0, check.stderr[-2000:]

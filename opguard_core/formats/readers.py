@@ -19,23 +19,13 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from opguard_core.errors import InputError, PluginError
-from opguard_core.formats.trace import TRACE_FORMAT, DecodedTrace, decode_trace
+from opguard_core.formats.trace import TRACE_FORMAT, DecodedTrace, decode_trace, without_bom
 
 if TYPE_CHECKING:
     from opguard_core.plugin.manager import OpGuardPluginManager
 
 #: how far into a file its ``"format"`` is looked for (every writer puts it first)
 HEAD = 4096
-
-
-#: the UTF-8 byte order mark some editors and Windows tools put first
-_BOM = b"\xef\xbb\xbf"
-
-
-def without_bom(data: bytes) -> bytes:
-    """``data`` without a leading UTF-8 byte order mark: JSON must not have one, but a
-    reader that recognises a file past it reads the file past it too."""
-    return data[len(_BOM) :] if data.startswith(_BOM) else data
 
 
 def is_callsite_trace(data: bytes) -> bool:

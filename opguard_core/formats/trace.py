@@ -355,6 +355,14 @@ def _is_rank(value: object) -> bool:
 
 #: the first bytes of a gzip file
 GZIP_MAGIC = b"\x1f\x8b"
+#: the UTF-8 byte order mark some editors and Windows tools put first
+_BOM = b"\xef\xbb\xbf"
+
+
+def without_bom(data: bytes) -> bytes:
+    """``data`` without a leading UTF-8 byte order mark: JSON must not have one, but
+    a file that has one is read past it, whatever its format."""
+    return data[len(_BOM) :] if data.startswith(_BOM) else data
 
 
 def read_bytes(path: Path) -> bytes:
@@ -366,10 +374,10 @@ def read_bytes(path: Path) -> bytes:
         data = path.read_bytes()
         if data.startswith(GZIP_MAGIC):
             try:
-                return gzip.decompress(data)
+                return without_bom(gzip.decompress(data))
             except (OSError, EOFError, zlib.error) as exc:
                 raise InputError(path, f"not a readable gzip file: {exc}") from None
-        return data
+        return without_bom(data)
     except InputError:
         raise
     except FileNotFoundError:
@@ -408,6 +416,7 @@ def decode_trace(data: bytes, path: Path | str, check_frame_ids: bool = True) ->
     the stacks, and raises the same error. Its message still comes before any rank
     error here, as with the check on.
     """
+    data = without_bom(data)
     if not data.strip():
         raise InputError(path, "empty file (expected an opguard-callsites JSON document)")
     try:
