@@ -480,7 +480,7 @@ def test_several_processes_name_the_first_bad_file_in_input_order(tmp_path: Path
     the files in order does, whichever process met a bad file first (once whichever
     error arrived first: rank 6 now and then)."""
     from opguard_core.errors import InputError
-    from opguard_plugins.stages.combine import _earliest_error, combine_files, combine_parallel
+    from opguard_plugins.stages.combine import combine_files, combine_parallel, earliest_error
 
     paths = []
     for rank in range(8):
@@ -496,4 +496,4 @@ def test_several_processes_name_the_first_bad_file_in_input_order(tmp_path: Path
             combine_parallel(paths, jobs=4)
         assert str(pooled.value) == str(in_order.value)
     later = InputError(paths[6], "what the process that read rank 6 raised")
-    assert str(_earliest_error(later, paths, None)) == str(in_order.value)
+    assert str(earliest_error(later, paths, None)) == str(in_order.value)

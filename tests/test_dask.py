@@ -103,6 +103,33 @@ def test_dask_reports_a_bad_rank_file_by_name(
     assert "not valid JSON" in failed[0]["error"]
 
 
+def test_dask_names_the_first_bad_file_in_input_order(
+    tmp_path: Path, scheduler: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Ranks 3 and 4 of 8 are bad: Dask names rank 3, as one process reading the files
+    in order does, though rank 4's chunk fails first (its first file; rank 3 comes
+    after three large files in the first chunk). It named whichever error arrived
+    first."""
+    from opguard_core.errors import InputError
+    from opguard_core.model import InputEntry
+
+    paths = []
+    for rank in range(8):
+        sites = [([("app", "main"), ("app", f"f{i}")], None, "aten::mm", 0 if rank in (3, 4) else 2)
+                 for i in range(3000 if rank < 3 else 1)]  # fmt: skip
+        paths.append(tmp_path / f"x_rank{rank}.json")
+        paths[-1].write_text(json.dumps(trace_doc(sites, rank=rank)))
+    with pytest.raises(InputError) as in_order:
+        combine_files(paths)
+    assert in_order.value.path == str(paths[3])
+    monkeypatch.setenv(dask_executor.SCHEDULER_ENV, scheduler)
+    entry = InputEntry(name="x", files=tuple(paths), index=1)
+    for _ in range(3):
+        with pytest.raises(InputError) as on_dask:
+            dask_executor.combine_on_dask(entry, RunOptions(executor="dask"))
+        assert str(on_dask.value) == str(in_order.value)
+
+
 def test_warnings_made_on_workers_reach_the_summary(
     opguard: Callable[..., RunResult],
     tmp_path: Path,

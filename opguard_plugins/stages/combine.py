@@ -175,7 +175,7 @@ def _helper(tasks: Any, results: Any, readers: Readers | None, parent: int) -> N
         results.put(("error", portable_error(exc)))
 
 
-def _earliest_error(
+def earliest_error(
     error: BaseException, paths: Sequence[Path], readers: Readers | None
 ) -> BaseException:
     """The error of the first bad file in input order, as one process reading the
@@ -225,7 +225,7 @@ def combine_parallel(
         elif kind == "done":
             partials.append(payload)
         else:
-            raise _earliest_error(payload, paths, readers)
+            raise earliest_error(payload, paths, readers)
 
     def drain() -> None:
         while True:
@@ -253,7 +253,7 @@ def combine_parallel(
                 try:
                     total.add_file(path, readers)
                 except InputError as exc:
-                    raise _earliest_error(exc, paths, readers) from None
+                    raise earliest_error(exc, paths, readers) from None
                 tick(1)
                 drain()
             while len(partials) < helpers:

@@ -36,6 +36,7 @@ from opguard_core.logs import get_logger, progress
 from opguard_core.model import InputEntry, RunOptions
 from opguard_plugins.stages.combine import (
     combine_files_portable,
+    earliest_error,
     portable_error,
     split_evenly,
     warn_in_input_order,
@@ -117,8 +118,8 @@ def combine_on_dask(
             finished = distributed.as_completed(futures)
             ready: list[Any] = []
             for future in finished:
-                if future.status == "error":
-                    future.result()  # raises the worker's error (same message)
+                if future.status == "error":  # the first bad file's, in input order
+                    raise earliest_error(future.exception(), entry.files, readers) from None
                 advance(sizes.get(future.key, 0))
                 ready.append(future)
                 if len(ready) == 2:
