@@ -28,6 +28,7 @@ from opguard_core.formats.check import (
     load_report,
 )
 from opguard_core.formats.config import load_config
+from opguard_core.model import RunOptions
 from opguard_core.plugin.manager import create_plugin_manager
 from opguard_plugins.enforce.check import options_from_settings
 from tests.builders import trace_doc, write
@@ -303,6 +304,25 @@ def test_settings_are_read_tolerantly(tmp_path: Path) -> None:
     assert options.hide == ("a:b",) and options.default_hide is False and options.basic
     defaults = options_from_settings({"meta": {}})
     assert defaults.default_hide and not defaults.basic and defaults.min_count == 1
+
+
+def test_a_config_never_says_how_check_runs() -> None:
+    """A config naming ``executor: dask`` and a scheduler address had check start a
+    Dask cluster, or connect to the address (Dask speaks pickle): how a run ran is
+    not how its entries were made."""
+    how_it_ran = {"executor": "dask", "extra": {"dask_scheduler": "tcp://10.0.0.1:8786"},
+                  "jobs": 64, "verbose": True, "fail_on_divergence": True,
+                  "base_dir": "/etc"}  # fmt: skip
+    options = options_from_settings({"meta": {"settings": {**how_it_ran, "min_count": 3}}})
+    assert options.min_count == 3
+    defaults = RunOptions()
+    assert (options.executor, options.extra, options.jobs, options.verbose) == (
+        defaults.executor,
+        defaults.extra,
+        defaults.jobs,
+        defaults.verbose,
+    )
+    assert not options.fail_on_divergence and options.base_dir == Path(".")
 
 
 def test_hook_check_entry(tmp_path: Path, app: Callable[..., Path]) -> None:

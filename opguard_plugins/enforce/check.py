@@ -67,6 +67,14 @@ from opguard_plugins.enforce.sequence_guard import ExpectedSteps, SequenceChecke
 
 #: ``meta.settings`` keys that are not RunOptions fields of the same name.
 _SPECIAL_SETTINGS = frozenset({"hide", "filters", "basic_list"})
+#: the RunOptions fields a config's ``meta.settings`` may set: how its entries were
+#: made. How a run ran (``executor``, ``extra``, ``jobs``, ``base_dir``, ``verbose``,
+#: ``fail_on_divergence``) is this machine's business, never a config's: a config
+#: naming ``executor: dask`` and a scheduler address would have check connect to it.
+_CONFIG_SETTINGS = frozenset(
+    {"min_count", "min_fraction", "chains", "focus", "ignore", "default_hide",
+     "context_depth", "compressor", "skew"}
+)  # fmt: skip
 #: ``meta.settings`` keys holding regular expressions
 _PATTERN_SETTINGS = ("hide", "focus", "ignore")
 
@@ -97,24 +105,22 @@ def options_from_settings(
 ) -> RunOptions:
     """The RunOptions that rebuild a run the way ``config`` was made.
 
-    Read tolerantly: a key of ``meta.settings`` that names a RunOptions field is used
-    (so ``focus``/``ignore`` work once runs record them), unknown keys are ignored and
+    Read tolerantly: a key of ``meta.settings`` that names a RunOptions field of how
+    entries are made (:data:`_CONFIG_SETTINGS`) is used, any other key is ignored and
     missing ones keep RunOptions' defaults. ``hide`` is the full list that was in
     force (the defaults included): the default patterns in it are taken as the
     defaults (:func:`_split_hide`), so they are neither added again nor reported when
-    they match nothing. A config
-    whose ``filters`` include the basic filter is rebuilt with ``--basic``, with its
-    ``basic_list`` (a file name, relative to ``config_dir``) when it names one.
+    they match nothing. A config whose ``filters`` include the basic filter is rebuilt
+    with ``--basic``, with its ``basic_list`` (a file name, relative to
+    ``config_dir``) when it names one.
     """
     meta = config.get("meta") or {}
     settings = meta.get("settings") if isinstance(meta, dict) else None
     settings = settings if isinstance(settings, dict) else {}
-    fields = {f.name: f for f in dataclasses.fields(RunOptions)}
     values: dict[str, Any] = {"base_dir": base_dir}
-    for key, value in settings.items():
-        if key in _SPECIAL_SETTINGS or key not in fields or key == "base_dir":
-            continue
-        values[key] = _plain(value)
+    values.update(
+        (key, _plain(value)) for key, value in settings.items() if key in _CONFIG_SETTINGS
+    )
     if isinstance(settings.get("hide"), list):
         values.update(_split_hide([str(p) for p in settings["hide"]]))
     filters = settings.get("filters") or []
