@@ -108,6 +108,13 @@ class PluginError(OpGuardError):
     exit_code = ExitCode.PLUGIN_ERROR
 
 
+def ended_by_plugin(code: object, plugin: str | None) -> str:
+    """What is said of a plugin that raised ``SystemExit(code)``: the process would
+    have ended (often with exit 0, having done nothing) where a plugin was called."""
+    by = f" by plugin {plugin}" if plugin else ""
+    return f"SystemExit({code!r}) raised{by}: a plugin may not end the process"
+
+
 class UsageProblem(OpGuardError):
     """The command line asks for something that cannot be (found after parsing)."""
 

@@ -802,3 +802,76 @@ def test_check_of_a_merged_runs_traces_is_clean_with_a_count_filter(
     assert checked.exit_code == 0, checked.stderr
     kinds = [v["kind"] for v in json.loads(checked.result.stdout)["violations"]]
     assert "missing" not in kinds, kinds
+
+
+_RULE = """
+from opguard_core import hookimpl
+
+@hookimpl
+def opguard_check_entry(observed, expected, check):
+    {body}
+"""
+
+
+@pytest.mark.parametrize(
+    ("body", "expected"),
+    [
+        ("raise SystemExit(0)",
+         "SystemExit(0) raised by plugin rule: a plugin may not end the process"),
+        ('return "not a list"',
+         'plugin "rule": opguard_check_entry returned str, not a list of Violation'),
+        ('return [{"kind": "x"}]',
+         'plugin "rule": opguard_check_entry returned a list holding other types, not a list'),
+    ],
+    ids=["system-exit", "a-string", "dicts"],
+)  # fmt: skip
+def test_a_check_rule_that_misbehaves_is_named(
+    body: str, expected: str, site: Site, samples: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A rule raising ``SystemExit(0)`` ended ``opguard check`` with exit 0 and no
+    output; one returning something else than violations gave a traceback."""
+    config = Path(__file__).parent / "data" / "configs" / "gpt_callsite_v1.yaml"
+    site.plugin("rule", _RULE.format(body=body))
+    code, _, err = run_main(["check", "--config", str(config), *gpt_inputs(samples)], capsys)
+    assert code == ExitCode.PLUGIN_ERROR
+    assert f"opguard: error: {expected}" in err
+    assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("where", ["at import", "in a reader"])
+def test_a_plugin_raising_system_exit_is_named(
+    where: str, site: Site, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A plugin module raising ``SystemExit(0)`` at import, or a reader raising it,
+    ended the command with exit 0 having done nothing."""
+    source = (
+        "raise SystemExit(0)\n"
+        if where == "at import"
+        else "from opguard_core import hookimpl\n\n@hookimpl(tryfirst=True)\n"
+        "def opguard_read_trace(path, data):\n    raise SystemExit(0)\n"
+    )
+    site.plugin("quitter", source)
+    trace = tmp_path / "k_rank0.json"
+    trace.write_text('{"traceEvents": []}')
+    code, _, err = run_main(["export", str(trace), "--format", "collapsed"], capsys)
+    assert code == ExitCode.PLUGIN_ERROR
+    assert "SystemExit(0) raised" in err and "quitter" in err
+    assert "a plugin may not end the process" in err
+    assert not list(tmp_path.glob("k_rank0*.folded"))
+
+
+@pytest.mark.parametrize("marker", ["wrapper=True", "hookwrapper=True"])
+def test_a_wrapper_implementation_is_refused(
+    marker: str, site: Site, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A wrapper was accepted and listed by ``opguard plugins``, then never called."""
+    site.plugin(
+        "wrap",
+        f"from opguard_core import hookimpl\n\n@hookimpl({marker})\n"
+        "def opguard_generate(tree, source, options):\n    config = yield\n    return config\n",
+    )
+    with pytest.raises(PluginError, match=r'^plugin "wrap": opguard_generate: a wrapper'):
+        create_plugin_manager()
+    code, _, err = run_main(["plugins"], capsys)
+    assert code == ExitCode.PLUGIN_ERROR
+    assert 'opguard: error: plugin "wrap": opguard_generate: a wrapper implementation' in err

@@ -160,6 +160,8 @@ def create_cli(
         for impl in manager.implementations("opguard_register_commands"):
             try:
                 call_impl(impl, {"cli": cli, "manager": manager})
+            except PluginError:
+                raise
             except Exception as exc:
                 raise PluginError(
                     f'plugin "{impl.plugin_name}": opguard_register_commands failed: {exc}'

@@ -65,7 +65,7 @@ class Readers:
         for impl in self.manager.implementations("opguard_read_trace"):
             try:
                 document = call_impl(impl, {"path": Path(path), "data": data})
-            except InputError:
+            except (InputError, PluginError):
                 raise
             except Exception as exc:
                 raise PluginError(

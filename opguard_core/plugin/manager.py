@@ -19,7 +19,7 @@ from typing import Any
 import pluggy
 
 from opguard_core import ENTRY_POINT_GROUP, PROJECT_NAME, hookspecs
-from opguard_core.errors import OpGuardError, PluginError, UsageProblem
+from opguard_core.errors import OpGuardError, PluginError, UsageProblem, ended_by_plugin
 from opguard_core.plugin.names import (
     BUILTIN_PLUGINS,
     ESSENTIAL_PLUGINS,
@@ -86,7 +86,8 @@ class OpGuardPluginManager(pluggy.PluginManager):
         """Register ``plugin``; raise :class:`PluginError` naming it when it is invalid.
 
         Invalid means: a hook name that no spec declares (a misspelling: the closest
-        hook is suggested), or arguments that the hook's spec does not have.
+        hook is suggested), arguments that the hook's spec does not have, or a
+        wrapper (``wrapper=True``, ``hookwrapper=True``), which opguard never calls.
         """
         label = name or self.get_canonical_name(plugin)
         if self.is_blocked(label):
@@ -96,7 +97,7 @@ class OpGuardPluginManager(pluggy.PluginManager):
         if self.is_registered(plugin):
             other = self.get_name(plugin)
             raise PluginError(f'plugin "{label}": already registered as plugin "{other}"')
-        problems = self._argument_problems(plugin)
+        problems = self._implementation_problems(plugin)
         if problems:
             raise PluginError(f'plugin "{label}": {"; ".join(problems)}')
         try:
@@ -118,13 +119,21 @@ class OpGuardPluginManager(pluggy.PluginManager):
             raise PluginError(f'plugin "{label}": {"; ".join(map(_unknown_hook, unknown))}')
         return registered
 
-    def _argument_problems(self, plugin: Any) -> list[str]:
+    def _implementation_problems(self, plugin: Any) -> list[str]:
         """``hook(args): unknown argument(s) …`` for every hook function naming arguments
-        that its hook's spec does not have."""
+        that its hook's spec does not have, and one for every wrapper: opguard calls
+        each plugin's implementation in turn (:meth:`first_result`, ``call_impl``), so
+        a wrapper would be accepted and listed, and never run."""
         problems = []
         for attribute in dir(plugin):
             opts = self.parse_hookimpl_opts(plugin, attribute)
             if opts is None:
+                continue
+            if opts.get("wrapper") or opts.get("hookwrapper"):
+                problems.append(
+                    f"{attribute}: a wrapper implementation, which opguard does not call;"
+                    " implement the hook itself"
+                )
                 continue
             hook_name = opts.get("specname") or attribute
             caller = getattr(self.hook, hook_name, None)
@@ -234,13 +243,9 @@ class OpGuardPluginManager(pluggy.PluginManager):
         raise OpGuardError(f"no plugin returned a result for {hook_name}")
 
     def implementations(self, hook_name: str) -> list[pluggy.HookImpl]:
-        """Non-wrapper implementations of a hook, in pluggy's call order."""
-        caller = getattr(self.hook, hook_name)
-        return [
-            impl
-            for impl in reversed(caller.get_hookimpls())
-            if not (impl.hookwrapper or impl.wrapper)
-        ]
+        """The implementations of a hook, in pluggy's call order (:meth:`register`
+        refuses wrappers)."""
+        return list(reversed(getattr(self.hook, hook_name).get_hookimpls()))
 
 
 def _one_line(exc: Exception) -> str:
@@ -256,13 +261,19 @@ def _unknown_hook(name: str) -> str:
 def _load(entry_point: EntryPoint) -> Any:
     try:
         return entry_point.load()
-    except Exception as exc:
-        raise PluginError(f'Error importing plugin "{entry_point.name}": {exc}') from exc
+    except (Exception, SystemExit) as exc:
+        why = ended_by_plugin(exc.code, None) if isinstance(exc, SystemExit) else exc
+        raise PluginError(f'Error importing plugin "{entry_point.name}": {why}') from exc
 
 
 def call_impl(impl: pluggy.HookImpl, kwargs: dict[str, Any]) -> Any:
-    """Call one implementation with just the arguments it names."""
-    return impl.function(*[kwargs[name] for name in impl.argnames])
+    """Call one implementation with just the arguments it names. A ``SystemExit`` it
+    raises is a :class:`PluginError` naming the plugin: the command would otherwise
+    end where the plugin was called, with the plugin's exit code (often 0)."""
+    try:
+        return impl.function(*[kwargs[name] for name in impl.argnames])
+    except SystemExit as exc:
+        raise PluginError(ended_by_plugin(exc.code, impl.plugin_name)) from None
 
 
 def create_plugin_manager(disabled: Iterable[str] = ()) -> OpGuardPluginManager:

@@ -19,7 +19,7 @@ from typing import Any
 
 import structlog
 
-from opguard_core.errors import Interrupted, OpGuardError, one_line
+from opguard_core.errors import Interrupted, OpGuardError, ended_by_plugin, one_line
 from opguard_core.logs import get_logger
 from opguard_core.model import StageFailed, StageRecord
 
@@ -147,7 +147,7 @@ def failure_reason(exc: BaseException, record: StageRecord | None) -> str:
     which one; a MemoryError names the stage's inputs."""
     plugin = f" by plugin {record.plugin}" if record is not None and record.plugin else ""
     if isinstance(exc, SystemExit):
-        return f"SystemExit({exc.code!r}) raised{plugin}: a plugin may not end the process"
+        return ended_by_plugin(exc.code, record.plugin if record is not None else None)
     if isinstance(exc, KeyboardInterrupt):
         return f"KeyboardInterrupt raised{plugin} without a SIGINT"
     if isinstance(exc, OpGuardError):

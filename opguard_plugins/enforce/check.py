@@ -299,12 +299,28 @@ def _run_rules(
             kwargs = {"observed": entries.get(key), "expected": expected.get(key), "check": check}
             for impl in impls:
                 try:
-                    found.extend(call_impl(impl, kwargs) or [])
+                    result = call_impl(impl, kwargs)
+                except PluginError:
+                    raise
                 except Exception as exc:
                     raise PluginError(
                         f'plugin "{impl.plugin_name}": opguard_check_entry: {exc}'
                     ) from exc
+                found.extend(_violations(result, impl.plugin_name))
     return found
+
+
+def _violations(result: object, plugin: str) -> list[Violation]:
+    """A check rule's result (None or a list of :class:`Violation`); anything else is
+    the plugin's error, named, not a traceback where the violations are joined."""
+    if result is None:
+        return []
+    if isinstance(result, list) and all(isinstance(v, Violation) for v in result):
+        return result
+    shown = type(result).__name__ if not isinstance(result, list) else "a list holding other types"
+    raise PluginError(
+        f'plugin "{plugin}": opguard_check_entry returned {shown}, not a list of Violation'
+    )
 
 
 def check_configs(
