@@ -101,7 +101,29 @@ def test_fail_on_divergence_exit_code(opguard: Callable[..., Any], tmp_path: Pat
     assert json.loads(run.read("pipeline_summary.json"))["exit_code"] == 4
     # a job without error findings passes with the flag
     opguard("run", "-i", str(files[0]), "-i", str(files[0]), "--fail-on-divergence", expect=0)
-    opguard("run", "-i", pattern, "--skip", "divergence", "--fail-on-divergence", expect=0)
+
+
+@pytest.mark.parametrize(
+    ("before", "after", "reason"),
+    [
+        ([], ["--skip", "divergence"], "--skip divergence"),
+        ([], ["--skip", "combine"], "--skip combine"),
+        (["--disable-plugin", "divergence"], [], "no plugin implements opguard_divergence"),
+    ],
+    ids=["skipped", "after-a-skipped-stage", "disabled"],
+)
+def test_fail_on_divergence_where_divergence_does_not_run_is_a_usage_error(
+    before: list[str], after: list[str], reason: str, opguard: Callable[..., Any], tmp_path: Path
+) -> None:
+    """A CI gate with the stage skipped or disabled passed a job with a known desync
+    (exit 0, no warning)."""
+    files = divergent_files(tmp_path)
+    pattern = str(files[0].parent / "divergent_callsite_rank*.json")
+    run = opguard(*before, "run", "-i", pattern, *after, "--fail-on-divergence", expect=2)
+    stderr = run.result.stderr
+    assert "--fail-on-divergence needs the divergence stage, which would not run" in stderr
+    assert reason in stderr
+    assert run.run_dir is None
 
 
 def test_single_rank_entry_has_no_divergence_files(

@@ -179,6 +179,8 @@ def make_run_command(
         for option in ("hide", "focus", "ignore"):
             _check_regexes(params[option], f"--{option}")
         check_executor(params["executor"], plugins.get_plugins())
+        if params["fail_on_divergence"]:
+            _check_divergence_runs(plugins, params["skip"])
         base = _output_base(params["output_base"])
         if params["clean_stale"]:
             for stale in clean_stale_runs(base):
@@ -213,6 +215,19 @@ def _check_compressor(manager: OpGuardPluginManager, compressor: str | None) -> 
     hooks = [h.name for h in manager.get_hookcallers(plugin) or []] if plugin else []
     if "opguard_compress" not in hooks:
         raise click.UsageError(f"--compressor {compressor}: no such compressor plugin")
+
+
+def _check_divergence_runs(manager: OpGuardPluginManager, skip: Sequence[str]) -> None:
+    """``--fail-on-divergence`` where the divergence stage would not run (skipped,
+    after a skipped stage it needs, or disabled) is a usage error: the gate would
+    pass whatever the ranks did."""
+    from opguard_core.run.steps import skip_reasons, unanswered
+
+    reason = skip_reasons(skip, unanswered=unanswered(manager)).get("divergence")
+    if reason is not None:
+        raise click.UsageError(
+            f"--fail-on-divergence needs the divergence stage, which would not run: {reason}"
+        )
 
 
 def _output_base(explicit: Path | None) -> Path:
