@@ -352,6 +352,8 @@ def test_invalid_meta_rank_values_are_errors(
     [
         pytest.param(["--executor", "nosuch"], "'nosuch': no such executor", id="executor"),
         pytest.param(["--min-fraction", "nan"], "nan is not a finite number", id="nan_fraction"),
+        pytest.param(["--skew", "nan"], "nan is not a finite number", id="nan_skew"),
+        pytest.param(["--skew", "inf"], "inf is not a finite number", id="inf_skew"),
         pytest.param(["--hide", "a{99999999999}"], "'a{99999999999}'", id="hide_overflow"),
     ],
 )
@@ -363,6 +365,31 @@ def test_bad_option_values_are_usage_errors(
     assert run.run_dir is None
     _no_traceback(run.stderr)
     assert message in run.stderr and options[-2] in run.stderr
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["check", "--config", "c.yaml", "-i", "t.json", "--tolerance", "nan"],
+        ["guard", "--config", "c.yaml", "--collective-timeout", "nan", "--", "true"],
+        ["trace", "--flush-seconds", "nan", "--", "true"],
+    ],
+    ids=["check-tolerance", "guard-collective-timeout", "trace-flush-seconds"],
+)
+def test_nan_is_refused_by_every_number_option(
+    opguard: Callable[..., RunResult],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    command: list[str],
+) -> None:
+    """``check --tolerance nan`` ran, with every drift message saying ``tolerance nan``
+    (nan compares false with a range's bounds)."""
+    (tmp_path / "c.yaml").write_text("version: 1\n")
+    (tmp_path / "t.json").write_text("{}")
+    monkeypatch.chdir(tmp_path)
+    run = opguard(*command, expect=2)
+    _no_traceback(run.stderr)
+    assert "nan is not a finite number" in run.stderr
 
 
 def test_unknown_disabled_plugin_is_a_warning(

@@ -6,7 +6,6 @@ value never reaches a stage as a silent fallback or a traceback.
 
 * patterns (``--hide``, ``--focus``, ``--ignore``) are compiled one by one by
   :func:`opguard_core.configs.selection.compile_patterns`.
-* :func:`check_fraction`: a finite number in [0, 1] (``nan`` is refused).
 * :func:`check_executor`: ``local`` or an executor an installed plugin provides,
   whose own requirements are importable.
 * :func:`unknown_disabled`: ``--disable-plugin`` names that match no plugin (a
@@ -16,7 +15,6 @@ value never reaches a stage as a silent fallback or a traceback.
 from __future__ import annotations
 
 import importlib.util
-import math
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -28,15 +26,6 @@ from opguard_core import ENTRY_POINT_GROUP
 LOCAL_EXECUTOR = "local"
 #: the built-in combine plugin's module (it is the ``local`` executor)
 BUILTIN_COMBINE = "opguard_plugins.stages.combine"
-
-
-def check_fraction(option_name: str, value: float) -> float:
-    """A finite fraction in [0, 1]; ``nan`` and infinities are refused."""
-    if not math.isfinite(value) or not 0.0 <= value <= 1.0:
-        raise click.BadParameter(
-            f"{value!r} is not a finite number between 0 and 1", param_hint=option_name
-        )
-    return value
 
 
 def executors(plugins: Iterable[Any]) -> dict[str, Any]:
@@ -106,7 +95,6 @@ def unknown_disabled(disabled: Sequence[str], builtin: Iterable[str]) -> list[st
 __all__ = [
     "LOCAL_EXECUTOR",
     "check_executor",
-    "check_fraction",
     "executors",
     "unknown_disabled",
 ]

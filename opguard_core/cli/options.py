@@ -9,6 +9,7 @@ itself (:mod:`opguard_core.cli.app`) is not for plugins.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
@@ -16,6 +17,20 @@ from typing import Any, TypeVar
 import click
 
 F = TypeVar("F", bound=Callable[..., Any])
+
+
+class FiniteFloatRange(click.FloatRange):
+    """click's ``FloatRange`` that refuses ``nan`` and the infinities: ``nan`` compares
+    false with every bound, so a range lets it through (``--skew nan`` turned the
+    check off, ``--tolerance nan`` printed ``tolerance nan``)."""
+
+    name = "finite float range"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        number = super().convert(value, param, ctx)
+        if not math.isfinite(number):
+            self.fail(f"{number!r} is not a finite number", param, ctx)
+        return number
 
 
 DISABLE_OPTION = "--disable-plugin"

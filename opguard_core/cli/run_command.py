@@ -15,8 +15,9 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from opguard_core.cli import exits
-from opguard_core.cli.checks import check_executor, check_fraction
+from opguard_core.cli.checks import check_executor
 from opguard_core.cli.options import (
+    FiniteFloatRange,
     InputsCommand,
     base_dir_option,
     basic_options,
@@ -77,8 +78,7 @@ _OPTIONS: tuple[Callable[[Any], Any], ...] = (
     ),
     click.option(
         "--min-fraction",
-        type=click.FloatRange(min=0.0, max=1.0),
-        callback=lambda _ctx, param, value: check_fraction("--min-fraction", value),
+        type=FiniteFloatRange(min=0.0, max=1.0),
         default=DEFAULT_MIN_FRACTION,
         show_default=True,
         help="Subtree pruning: fold subtrees below this fraction of all ops.",
@@ -129,7 +129,7 @@ _OPTIONS: tuple[Callable[[Any], Any], ...] = (
     ),
     click.option(
         "--skew",
-        type=click.FloatRange(min=0.0),
+        type=FiniteFloatRange(min=0.0),
         default=DEFAULT_SKEW,
         show_default=True,
         metavar="F",

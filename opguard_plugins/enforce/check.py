@@ -23,6 +23,7 @@ from ruamel.yaml.comments import CommentedMap
 from opguard_core import hookimpl
 from opguard_core.cli import exits
 from opguard_core.cli.options import (
+    FiniteFloatRange,
     InputsCommand,
     base_dir_option,
     config_option,
@@ -655,7 +656,7 @@ def make_command(manager: OpGuardPluginManager) -> click.Command:
     @click.option("--strict", is_flag=True, help="Treat every warning as an error.")
     @click.option(
         "--tolerance",
-        type=click.FloatRange(min=0.0),
+        type=FiniteFloatRange(min=0.0),
         default=DEFAULT_TOLERANCE,
         show_default=True,
         help="count_drift: relative change of an entry's count per rank (and step) allowed.",

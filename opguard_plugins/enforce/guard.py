@@ -22,7 +22,7 @@ import click
 
 from opguard_core import hookimpl
 from opguard_core.cli import exits
-from opguard_core.cli.options import config_option
+from opguard_core.cli.options import FiniteFloatRange, config_option
 from opguard_core.errors import ExitCode, OpGuardError, one_line
 from opguard_core.files.output_dirs import prepare_output_dir
 from opguard_core.formats.check import ERROR, load_report, sample_every
@@ -149,7 +149,7 @@ CODES: exits.Codes = {
 )
 @click.option(
     "--sample",
-    type=click.FloatRange(min=0.0, max=1.0, min_open=True),
+    type=FiniteFloatRange(min=0.0, max=1.0, min_open=True),
     callback=check_sample,
     default=1.0,
     show_default=True,
@@ -173,7 +173,7 @@ CODES: exits.Codes = {
 )
 @click.option(
     "--collective-timeout",
-    type=click.FloatRange(min=0.0, min_open=True),
+    type=FiniteFloatRange(min=0.0, min_open=True),
     default=None,
     help="Report a rank that waits longer than this many seconds in one collective.",
 )

@@ -31,6 +31,7 @@ import click
 
 from opguard_core import hookimpl
 from opguard_core.cli import exits
+from opguard_core.cli.options import FiniteFloatRange
 from opguard_core.errors import CommandNotRunnable, ExitCode, one_line
 from opguard_core.files.output_dirs import (
     OUTPUT_BASE_ENV,
@@ -324,7 +325,7 @@ CODES: exits.Codes = {
 )
 @click.option(
     "--flush-seconds",
-    type=click.FloatRange(min=0.0, max=1e9),
+    type=FiniteFloatRange(min=0.0, max=1e9),
     default=DEFAULT_FLUSH_SECONDS,
     show_default=True,
     envvar=FLUSH_SECONDS_ENV,
