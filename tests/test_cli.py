@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
+from click.testing import CliRunner
 from ruamel.yaml import YAML
 
+from opguard_core.cli.app import cli_for, disabled_from_args
 from opguard_core.formats.tree import load_tree
 from opguard_core.run.summary import summary_fields
 
@@ -198,3 +201,38 @@ def test_every_commands_help_is_wrapped_without_its_docstrings_indent() -> None:
         text = CliRunner(env={"COLUMNS": "80"}).invoke(cli, [name, "--help"]).output
         description = text.split("Options:", 1)[0]
         assert not re.search(r"\S {3,}\S", description), (name, description)
+
+
+@pytest.mark.parametrize(
+    ("argv", "disabled"),
+    [
+        (["--disable-plugin", "a", "run", "--disable-plugin=b", "-i", "x"], ["a", "b"]),
+        (["--log-format", "json", "--disable-plugin", "a", "plugins", "--disable-plugin", "b"],
+         ["a", "b"]),
+        (["--disable-plugin", "a", "trace", "python", "job.py", "--disable-plugin", "trace"],
+         ["a"]),
+        (["guard", "--config", "c.yaml", "python", "job.py", "--disable-plugin=guard"], []),
+        (["--log-format", "run", "trace", "python", "--disable-plugin", "x"], []),
+        (["run", "-i", "x", "--", "--disable-plugin", "y"], []),
+    ],
+    ids=["run", "plugins", "trace-program", "guard-program", "log-format-value", "after-dashes"],
+)  # fmt: skip
+def test_disable_plugin_is_read_where_opguard_takes_it(
+    argv: list[str], disabled: list[str]
+) -> None:
+    """``opguard trace python job.py --disable-plugin trace`` disabled the trace plugin
+    (``No such command 'trace'``) instead of passing the option to the program."""
+    assert disabled_from_args(argv) == disabled
+
+
+@pytest.mark.parametrize("command", ["trace", "guard"])
+def test_an_unknown_option_before_command_is_a_usage_error(command: str, tmp_path: Path) -> None:
+    """``guard --smaple 0.5 -- python …`` ran a program named ``--smaple`` (exit 127,
+    "command not found")."""
+    config = tmp_path / "c.yaml"
+    config.write_text("version: 1\n")
+    own = ["--config", str(config)] if command == "guard" else ["--output-dir", str(tmp_path)]
+    argv = [command, *own, "--smaple", "0.5", "--", sys.executable, "-c", "pass"]
+    result = CliRunner().invoke(cli_for(argv), argv)
+    assert result.exit_code == 2, result.output
+    assert "No such option '--smaple'" in result.stderr

@@ -31,16 +31,35 @@ if TYPE_CHECKING:
     from opguard_core.plugin.manager import OpGuardPluginManager
 
 
+#: the group's options that take a value (the value is not the command's name)
+_GROUP_VALUE_OPTIONS = ("--log-format", DISABLE_OPTION)
+#: the commands that take ``--disable-plugin`` after their name too
+_COMMANDS_DISABLING = ("run", "plugins")
+
+
 def disabled_from_args(args: Sequence[str]) -> list[str]:
-    """Values of ``--disable-plugin NAME`` / ``--disable-plugin=NAME`` anywhere in ``args``."""
+    """Values of ``--disable-plugin NAME`` / ``--disable-plugin=NAME`` before the
+    command's name, and after it for ``run`` and ``plugins``: what follows any other
+    command is its own (``opguard trace python job.py --disable-plugin x`` passes the
+    option to the program)."""
     names = []
-    for index, arg in enumerate(args):
+    command = None
+    index = 0
+    while index < len(args):
+        arg = args[index]
         if arg == "--":
             break
         if arg == DISABLE_OPTION and index + 1 < len(args):
             names.append(args[index + 1])
         elif arg.startswith(DISABLE_OPTION + "="):
             names.append(arg.split("=", 1)[1])
+        elif command is None and not arg.startswith("-"):
+            command = arg
+            if command not in _COMMANDS_DISABLING:
+                break
+        if command is None and arg in _GROUP_VALUE_OPTIONS:
+            index += 1  # its value
+        index += 1
     return names
 
 

@@ -251,7 +251,7 @@ guard_command = exits.command(
     "guard",
     CODES,
     extra="COMMAND's own exit code when it fails; else",
-    context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False},
+    context_settings={"allow_interspersed_args": False},
 )(guard)
 
 

@@ -433,7 +433,7 @@ trace_command = exits.command(
     "trace",
     CODES,
     extra="COMMAND's own exit code (128+N after signal N); else",
-    context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False},
+    context_settings={"allow_interspersed_args": False},
 )(trace)
 
 
