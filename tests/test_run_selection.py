@@ -237,3 +237,22 @@ def test_show_and_filter_refuse_a_selection_that_leaves_nothing(opguard, samples
 )  # fmt: skip
 def test_counts_read_as_english(count: int, word: str, text: str) -> None:
     assert plural(count, word) == text
+
+
+def test_the_summary_line_of_an_interrupted_run_counts_no_unfinished_entry_ok() -> None:
+    """SIGTERM in entry ``a``'s combine: the line said ``2 entries (2 ok)`` (only a
+    failed record made an entry not ok)."""
+    summary = {
+        "status": "interrupted",
+        "interrupted": {"signal": "SIGTERM", "stage": "combine", "entry": "a"},
+        "entries": [{"name": "done"}, {"name": "a"}, {"name": "b"}],
+        "stages": [
+            {"stage": "discover", "entry": None, "status": "ok"},
+            {"stage": "combine", "entry": "done", "status": "ok"},
+            {"stage": "combine", "entry": "a", "status": "interrupted"},
+        ],
+    }
+    assert summary_lines(summary)[0] == (
+        "summary: interrupted, 3 entries (1 ok, 1 interrupted: a, 1 not run: b), "
+        "0 failures, 0 warnings"
+    )

@@ -323,6 +323,25 @@ def _without_surrogates(value: Any) -> Any:
     return value
 
 
+def _entry_states(
+    names: list[str], stages: list[dict[str, Any]], interrupted: bool
+) -> dict[str, str]:
+    """Per entry: ``failed`` (a stage failed), ``interrupted`` (the run was stopped in
+    one of its stages), ``not run`` (an interrupted run never reached it), else ``ok``."""
+    status: dict[str, set[str]] = {name: set() for name in names}
+    for record in stages:
+        entry = record.get("entry")
+        if isinstance(entry, str) and entry in status:  # not a run-wide stage's (None)
+            status[entry].add(str(record.get("status")))
+    return {
+        name: "failed" if "failed" in seen
+        else "interrupted" if "interrupted" in seen
+        else "not run" if interrupted and not seen
+        else "ok"
+        for name, seen in status.items()
+    }  # fmt: skip
+
+
 def summary_lines(summary: dict[str, Any]) -> list[str]:
     """The end-of-run summary for a person: entries, final config, failures,
     warnings, divergence findings (when the summary has them) and, last, the
@@ -330,13 +349,14 @@ def summary_lines(summary: dict[str, Any]) -> list[str]:
     stages = summary.get("stages", [])
     names = [e["name"] for e in summary.get("entries", [])]
     failed = [r for r in stages if r.get("status") == "failed"]
-    bad = {r["entry"] for r in failed}
-    ok = [n for n in names if n not in bad]
-    broken = [n for n in names if n in bad]
+    state = _entry_states(names, stages, bool(summary.get("interrupted")))
+    ok = [n for n in names if state[n] == "ok"]
     warnings = summary.get("warnings") or []
     head = f"summary: {summary.get('status', '?')}, {plural(len(names), 'entry')} ({len(ok)} ok"
-    head += f", {len(broken)} failed: {', '.join(broken)})" if broken else ")"
-    head += f", {plural(len(failed), 'failure')}, {plural(len(warnings), 'warning')}"
+    for kind in ("failed", "interrupted", "not run"):
+        these = [n for n in names if state[n] == kind]
+        head += f", {len(these)} {kind}: {', '.join(these)}" if these else ""
+    head += f"), {plural(len(failed), 'failure')}, {plural(len(warnings), 'warning')}"
     lines = [head]
     final, filtered = final_configs(summary)
     run_dir = Path(str(summary.get("run_dir", ".")))
