@@ -720,3 +720,12 @@ def test_an_entry_shows_its_dtypes_where_the_config_records_them() -> None:
     rows = {row[0]: row for row in config_view(parse_config(text, "c.yaml"))["rows"]}
     assert rows["m:f"][10] == [["float64", 7], ["float32", 2]]
     assert rows["m:g"][10] is None
+
+
+def test_the_run_s_report_shows_the_summary_it_wrote(opguard: Any, samples: Path) -> None:
+    """The report hook was handed a summary built again after the file's, so its
+    ``finished_at`` and ``seconds`` differed from ``pipeline_summary.json``'s (and
+    ``opguard report`` on the same directory wrote other bytes)."""
+    run = opguard("run", "-i", samples / "fsdp_callsite_rank*.json", expect=0)
+    summary = json.loads(run.read("pipeline_summary.json"))
+    assert f'"finished_at":"{summary["finished_at"]}"' in run.read("report.html")

@@ -48,7 +48,7 @@ class Recorder:
     def __init__(
         self,
         verbose: bool = False,
-        on_change: Callable[[], None] = lambda: None,
+        on_change: Callable[[], object] = lambda: None,
         is_user_interrupt: Callable[[KeyboardInterrupt], bool] = lambda exc: True,
     ) -> None:
         self.records: list[StageRecord] = []

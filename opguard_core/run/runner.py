@@ -234,10 +234,10 @@ class Runner:
             log.error("run interrupted", **self.interrupted)
         finally:  # a SIGTERM now waits for the summary and the report (then ends us)
             with signals_deferred():
-                self.write_summary(final=True)
+                written = self.write_summary(final=True)
                 self.finished = True
                 code = self.exit_code()
-                self._run_finished()
+                self._run_finished(written)
                 release_run_directory(lock)
                 log.info("run finished", exit_code=int(code))
         return code
@@ -254,21 +254,19 @@ class Runner:
         return ExitCode.OK
 
     def summary(self, final: bool = False) -> dict[str, Any]:
-        code = self.exit_code()
-        status = "running" if not final else "failed" if code else "ok"
-        status = "interrupted" if self.interrupted else status
         return build_summary(
-            run_dir=self.run_dir, started=self.started, final=final, status=status,
-            exit_code=int(code) if final else None, interrupted=self.interrupted,
+            run_dir=self.run_dir, started=self.started, final=final,
+            exit_code=int(self.exit_code()) if final else None, interrupted=self.interrupted,
             inputs=self.inputs, options=self.options, entries=self.entries, skipped=self.skip,
             manager=self.manager, records=self.recorder.records, warnings=self.recorder.warnings,
         )  # fmt: skip
 
-    def _run_finished(self) -> None:
-        """Call every ``opguard_run_finished`` (the report); a failure is only logged."""
+    def _run_finished(self, written: dict[str, Any] | None) -> None:
+        """Call every ``opguard_run_finished`` (the report) with the summary ``written``
+        (the one in the file), else a final one; a failure is only logged."""
         if self.run_dir is None:
             return
-        summary = self.summary(final=True)
+        summary = written if written is not None else self.summary(final=True)
         configs: Mapping[str, Any] = self.context.written_configs if self.context else {}
         for impl in self.manager.implementations("opguard_run_finished"):
             try:
@@ -279,22 +277,24 @@ class Runner:
                 error = one_line(failure_reason(exc, None))
                 self.recorder.log.error("run_finished failed", plugin=impl.plugin_name, error=error)
 
-    def write_summary(self, final: bool = False) -> None:
-        """Rewrite ``pipeline_summary.json``. A failure (disk full, ...) never stops the run:
-        it is logged once, retried, and kept in ``summary_error`` until a write succeeds."""
+    def write_summary(self, final: bool = False) -> dict[str, Any] | None:
+        """Rewrite ``pipeline_summary.json``; the summary written, if it was. A failure
+        (disk full, ...) never stops the run: it is logged once, retried, and kept in
+        ``summary_error`` until a write succeeds."""
         if self.run_dir is None or not self.summary_pace.ready(final):
-            return
+            return None
         try:
-            data = encode_summary(self.summary(final))
-            atomic_write_bytes(safe_child(self.run_dir, SUMMARY_FILE), data)
+            summary = self.summary(final)
+            atomic_write_bytes(safe_child(self.run_dir, SUMMARY_FILE), encode_summary(summary))
         except (OSError, OpGuardError, MemoryError, msgspec.EncodeError) as exc:
             error = one_line(str(exc) or type(exc).__name__)
             if error != self.summary_error:
                 self.recorder.log.error("summary not written", file=SUMMARY_FILE, error=error)
             self.summary_error = error
-        else:
-            self.summary_error = None
-            self.summary_pace.wrote()
+            return None
+        self.summary_error = None
+        self.summary_pace.wrote()
+        return summary
 
 
 __all__ = ["Runner"]

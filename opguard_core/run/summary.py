@@ -225,7 +225,6 @@ def build_summary(
     run_dir: Path | None,
     started: _dt.datetime,
     final: bool,
-    status: str,
     exit_code: int | None,
     interrupted: dict[str, Any] | None,
     inputs: Sequence[str],
@@ -236,8 +235,19 @@ def build_summary(
     records: Sequence[StageRecord],
     warnings: Sequence[dict[str, Any]],
 ) -> dict[str, Any]:
-    """The ``pipeline_summary.json`` document of a run (formats.md §4)."""
+    """The ``pipeline_summary.json`` document of a run (formats.md §4); ``status``
+    ``interrupted``, else ``running`` until ``final``, then ``failed`` or ``ok`` by
+    ``exit_code``."""
     finished = _dt.datetime.now(_dt.UTC)
+    status = (
+        "interrupted"
+        if interrupted
+        else "running"
+        if not final
+        else "failed"
+        if exit_code
+        else "ok"
+    )
     return {
         "opguard_version": __version__,
         "run_dir": str(run_dir),
