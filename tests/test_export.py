@@ -294,6 +294,29 @@ def test_bad_source_is_one_line(tmp_path: Path) -> None:
     assert result.stderr == f"opguard: error: {tmp_path / 'missing.json'}: no such file\n"
 
 
+@pytest.mark.parametrize(
+    ("field", "value", "says"),
+    [
+        ("lines", [1, "a"], "lines [1, 'a'] is not a list of integers"),
+        ("lines", ["a"], "lines ['a'] is not a list of integers"),
+        ("lines", 7, "lines 7 is not a list of integers"),
+        ("file", 5, "file 5 is not a string"),
+    ],
+)
+def test_a_tree_node_with_a_mistyped_site_is_one_line(
+    tree_file: Path, tmp_path: Path, field: str, value: Any, says: str
+) -> None:
+    """A node's ``file`` and ``lines`` once ended ``opguard export`` in a traceback."""
+    tree = json.loads(tree_file.read_text())
+    tree["root"]["children"][0][field] = value
+    bad = write(tmp_path / "bad_compressed.json", tree)
+    for fmt in ("collapsed", "speedscope", "pprof"):
+        result = export(bad, "--format", fmt, "-o", tmp_path / "o.folded", expect=5)
+        (line,) = result.stderr.splitlines()
+        assert line.startswith(f"opguard: error: {bad}: ") and line.endswith(says)
+    assert not (tmp_path / "o.folded").exists()
+
+
 def test_unknown_format_is_a_usage_error(tmp_path: Path) -> None:
     result = export(tmp_path / "x.json", "--format", "svg", expect=2)
     assert "'svg': not one of collapsed, pprof, speedscope" in result.stderr

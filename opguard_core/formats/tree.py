@@ -105,6 +105,17 @@ def _check_count(where: str, field: str, value: Any) -> None:
         raise InvariantError(f"{where}: {field} {shown} is not an integer in [0, 2**63)")
 
 
+def _check_site(where: str, node: dict[str, Any]) -> None:
+    """A node's ``file`` is a string or null and its ``lines`` a list of integers,
+    where it has them (what ``opguard export`` writes into pprof and speedscope)."""
+    file = node.get("file")
+    if file is not None and type(file) is not str:
+        raise InvariantError(f"{where}: file {_short(file)} is not a string")
+    lines = node.get("lines", [])
+    if type(lines) is not list or any(type(line) is not int for line in lines):
+        raise InvariantError(f"{where}: lines {_short(lines)} is not a list of integers")
+
+
 def check_tree(tree: dict[str, Any], expected_total: int | None = None) -> None:
     """Raise :class:`InvariantError` unless ``tree`` meets every invariant of §2."""
     if tree.get("format") != TREE_FORMAT or tree.get("version") != TREE_VERSION:
@@ -133,6 +144,7 @@ def check_tree(tree: dict[str, Any], expected_total: int | None = None) -> None:
         where = "root" if parent is None else node_target(node)
         if "stack" in node:
             raise InvariantError(f"{where}: compressed tree nodes must not carry a stack")
+        _check_site(where, node)
         _check_count(where, "count", node["count"])
         for field in ("self_ops", "self_streams", "self_dtypes"):
             for name, value in node[field].items():
