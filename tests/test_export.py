@@ -73,6 +73,21 @@ def test_collapsed_from_a_raw_trace_and_default_output_name(samples: Path) -> No
     assert sum(folded(out).values()) == total == 2826
 
 
+def test_the_default_output_name_drops_every_suffix_of_src(samples: Path, tmp_path: Path) -> None:
+    """``x.pt.trace.json.gz`` once gave ``x.pt.trace.json.gz.folded``."""
+    kineto = Path(__file__).parent / "data" / "kineto" / "dlrm_rank0.pt.trace.json.gz"
+    gzipped = tmp_path / "gpt_callsite_rank0.json.gz"
+    gzipped.write_bytes(gzip.compress((samples / "gpt_callsite_rank0.json").read_bytes()))
+    for src, fmt, name in [
+        (shutil.copy(kineto, tmp_path), "collapsed", "dlrm_rank0.folded"),
+        (gzipped, "speedscope", "gpt_callsite_rank0.speedscope.json"),
+        (gzipped, "pprof", "gpt_callsite_rank0.pb.gz"),
+    ]:
+        result = export(src, "--format", fmt)
+        assert result.stdout.strip() == str(tmp_path / name)
+        assert (tmp_path / name).stat().st_size
+
+
 def test_hide_focus_ignore(tmp_path: Path) -> None:
     src = write(
         tmp_path / "t.json",

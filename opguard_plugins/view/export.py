@@ -31,7 +31,7 @@ from opguard_core.files.output_dirs import check_output_file
 from opguard_core.formats import names_a_config
 from opguard_core.formats.readers import HEAD, Readers
 from opguard_core.formats.stacks import Stack, tree_stacks
-from opguard_core.formats.trace import read_bytes
+from opguard_core.formats.trace import read_bytes, trace_stem
 from opguard_core.formats.tree import TREE_FORMAT, check_tree, checked_tree, decode_json
 from opguard_core.logs import get_logger
 from opguard_core.model import RunOptions
@@ -155,7 +155,8 @@ def make_command(manager: OpGuardPluginManager) -> click.Command:
         "-o",
         "--output",
         type=click.Path(path_type=Path),
-        help="Output file (default: SRC's stem + the format's suffix).",
+        help="Output file (default: beside SRC, its name less its suffixes - .json,"
+        " .pt.trace.json, either gzip'd - plus the format's suffix).",
     )
     @click.option(
         "--hide",
@@ -206,7 +207,7 @@ def make_command(manager: OpGuardPluginManager) -> click.Command:
                 f"{src}: a YAML config, not a callsite trace, a compressed tree or a run "
                 "directory; opguard show, compare and filter read configs"
             )
-        out = output or src.with_name(src.name.removesuffix(".json") + SUFFIX.get(fmt, f".{fmt}"))
+        out = output or src.with_name(trace_stem(src) + SUFFIX.get(fmt, f".{fmt}"))
         check_output_file(out, [src])
         tree = load_source(src, not no_default_hide, Readers(manager))
         unmatched: list[tuple[str, str]] = []
