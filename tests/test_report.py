@@ -5,7 +5,9 @@ rendered and used in a browser: layout at 1400 px, search, zoom, the ranks view.
 from __future__ import annotations
 
 import json
+import os
 import re
+import shutil
 import struct
 import subprocess
 import sys
@@ -41,6 +43,7 @@ from tests.chromium import Chromium
 
 DATA = re.compile(r'<script type="application/json" id="opguard-data">(.*?)</script>', re.S)
 DIVERGENT = Path(__file__).parent / "data" / "divergent" / "divergent_callsite_rank*.json"
+EXAMPLES = Path(__file__).parents[1] / "examples" / "traces"
 
 
 def embedded(report: Path) -> dict[str, Any]:
@@ -365,6 +368,31 @@ def test_many_findings_keep_the_report_small(opguard: Callable[..., Any], sample
     assert max(len(g["members"]) for g in view["groups"]) <= MAX_MEMBERS
     assert view["per_rank"]["collective_mismatch"] == [[20, "0-543"], [19, "544-1023"]]
     assert report.stat().st_size < 1_500_000
+
+
+def test_a_path_that_is_not_utf8_is_shown_with_its_bytes_escaped(
+    opguard: Callable[..., Any], tmp_path: Path
+) -> None:
+    """A run over inputs whose path is not UTF-8 once wrote no report.html (the hook
+    failed), and ``opguard report`` on a run directory so named ended in a traceback."""
+    inputs = tmp_path / os.fsdecode(b"in\xffdir")
+    inputs.mkdir()
+    shutil.copy(EXAMPLES / "single_callsite_rank0.json", inputs)
+    run = opguard("run", "-i", str(inputs / "single_callsite_rank*.json"), expect=0)
+    assert "run_finished failed" not in run.result.stderr
+    data = embedded(run.run_dir / "report.html")
+    assert data["summary"]["inputs"] == [
+        str(tmp_path / "in\\xffdir" / "single_callsite_rank*.json")
+    ]
+    renamed = run.run_dir.with_name(os.fsdecode(b"run\xff"))
+    run.run_dir.rename(renamed)
+    # a subprocess: its stdout writes the odd byte back as it was (CliRunner's cannot)
+    done = subprocess.run(
+        [sys.executable, "-m", "opguard", "report", renamed], capture_output=True, check=False
+    )
+    assert (done.returncode, done.stderr) == (0, b"")
+    assert done.stdout == os.fsencode(renamed / "report.html") + b"\n"
+    assert "<title>OpGuard run run\\xff</title>" in (renamed / "report.html").read_text()
 
 
 def test_report_command_bad_run_dir(opguard: Callable[..., Any], tmp_path: Path) -> None:

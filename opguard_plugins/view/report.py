@@ -40,6 +40,7 @@ from opguard_core.formats.tree import load_tree, node_target
 from opguard_core.formats.values import is_counts
 from opguard_core.run.summary import (
     REPORT_FILE,
+    _without_surrogates,
     final_configs,
     outputs_by_entry,
     read_summary,
@@ -626,8 +627,14 @@ def report_data(
 
 def _script_json(data: Any) -> str:
     """JSON safe inside ``<script>``: ``<``, ``>`` and ``&`` as ``\\u`` escapes. The
-    data is flat (the tree as columns), so msgspec encodes it directly."""
-    text = msgspec.json.encode(data).decode()
+    data is flat (the tree as columns), so msgspec encodes it directly; a file name
+    that is not UTF-8 is shown with its odd bytes as ``\\xNN``, as the summary
+    writes it."""
+    try:
+        encoded = msgspec.json.encode(data)
+    except UnicodeEncodeError:  # lone surrogates (os.fsdecode), which JSON cannot carry
+        encoded = msgspec.json.encode(_without_surrogates(data))
+    text = encoded.decode()
     return text.replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
 
 
@@ -635,7 +642,7 @@ def render_report(
     run_dir: Path, summary: dict[str, Any], configs: Mapping[str, Any] | None = None
 ) -> str:
     assets = files("opguard_plugins.view") / "_report"
-    title = html.escape(f"OpGuard run {run_dir.name}")
+    title = html.escape(_without_surrogates(f"OpGuard run {run_dir.name}"))
     return (
         '<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
         '<meta name="viewport" content="width=device-width">'
