@@ -192,6 +192,24 @@ def test_divergence_findings_are_grouped(opguard: Callable[..., Any], samples: P
     assert view["groups"] == [] and "could not be read" in view["note"]
 
 
+def test_the_findings_on_the_rank_row_counts_the_ranks_that_deviate(
+    opguard: Callable[..., Any], tmp_path: Path
+) -> None:
+    """8 ranks, rank 7 alone never runs ``app:extra``: the "findings on the rank" row
+    once counted the finding for ranks 0-6 (those that ran it), not for rank 7."""
+    for rank in range(8):
+        sites = [([("app", "main")], None, "aten::mm", 5)]
+        if rank != 7:
+            sites.append(([("app", "main"), ("app", "extra")], None, "aten::add", 3))
+        write(tmp_path / f"job_rank{rank}.json", trace_doc(sites, rank=rank, world_size=8))
+    run = opguard("run", "-i", str(tmp_path / "job_rank*.json"), expect=0)
+    view = embedded(run.run_dir / "report.html")["entries"][0]["divergence"]
+    (group,) = view["groups"]
+    assert (group["kind"], group["ranks"]) == ("rank_specific", [7, "0-6"])
+    assert group["row"] == {"expected": 1, "values": [[0, "7"]]}
+    assert view["per_rank"] == {"rank_specific": [[1, "7"]]}
+
+
 @pytest.mark.parametrize(
     "doc",
     [

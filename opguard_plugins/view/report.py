@@ -379,25 +379,35 @@ def rank_row(group: Mapping[str, Any], ranks: list[int]) -> dict[str, Any]:
     findings carry; rows made from recorded collective sequences (a value per rank
     and position) can use the same shape, strings allowed as values.
     """
+    expected, deviating = _deviations(group, ranks)
+    return _row(expected, deviating, {rank: at for at, rank in enumerate(ranks)})
+
+
+def _row(
+    expected: Any, deviating: Mapping[int, Any], positions: Mapping[int, int]
+) -> dict[str, Any]:
+    return {"expected": expected, "values": _value_ranges(deviating, positions)}
+
+
+def _deviations(group: Mapping[str, Any], ranks: list[int]) -> tuple[Any, dict[int, Any]]:
+    """(the value a rank of ``ranks`` should have in ``group``'s row, {rank: value}
+    of the ranks that deviate): :func:`rank_row`'s values, and the ranks the
+    "findings on the rank" row counts the group's findings for."""
     members = group["findings"]
-    known = {rank: at for at, rank in enumerate(ranks)}
+    known = set(ranks)
     if group["kind"] in ("collective_mismatch", "count_skew"):
         expected = sum(_int(f.get("expected")) for f in members)
-        deviating: dict[int, int] = {}
+        deviating: dict[int, Any] = {}
         for f in members:
             base = _int(f.get("expected"))
             for rank, count in _rank_counts(f).items():
                 if rank in known:
                     deviating[rank] = deviating.get(rank, expected) + count - base
-        return {"expected": expected, "values": _value_ranges(deviating, known)}
-    named = set(group["ranks"])
-    values = {r: (1 if r in named else 0) for r in ranks}
-    tally = Counter(values.values())
-    most = max(tally, key=lambda v: (tally[v], -v)) if tally else 0
-    return {
-        "expected": most,
-        "values": _value_ranges({r: v for r, v in values.items() if v != most}, known),
-    }
+        return expected, deviating
+    # 1 for a rank the group names, 0 for the rest; a tie goes to 0
+    named = known.intersection(group["ranks"])
+    most = 1 if 2 * len(named) > len(known) else 0
+    return most, dict.fromkeys(known - named if most else named, 1 - most)
 
 
 def divergence_view(
@@ -427,13 +437,14 @@ def divergence_view(
 
     per_kind: dict[str, Counter[int]] = {}
     totals = Counter[str]()
-    for g in groups:
+    deviations = [_deviations(g, ranks) for g in groups]
+    for g, (_, deviating) in zip(groups, deviations, strict=True):
         totals[g["severity"]] += len(g["findings"])
         tally = per_kind.setdefault(g["kind"], Counter())
-        for r in g["ranks"]:
+        for r in deviating:
             tally[r] += len(g["findings"])
     shown = []
-    for g in groups[:MAX_GROUPS]:
+    for g, (expected, deviating) in zip(groups[:MAX_GROUPS], deviations, strict=False):
         members = []
         for number, f in enumerate(g["findings"][:MAX_MEMBERS]):
             member: dict[str, Any] = {"severity": str(f.get("severity", ""))}
@@ -469,7 +480,7 @@ def divergence_view(
                 "ops": ops[:20],
                 "nops": len(ops),
                 "members": members,
-                "row": rank_row(g, ranks),
+                "row": _row(expected, deviating, positions),
             }
         )
     return {
