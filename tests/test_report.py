@@ -52,6 +52,22 @@ def embedded(report: Path) -> dict[str, Any]:
     return json.loads(match.group(1))
 
 
+NODE = shutil.which("node")
+needs_node = pytest.mark.skipif(NODE is None, reason="node (Debian nodejs) is not installed")
+
+
+def page(report: Path, search: str | None = None) -> list[str]:
+    """The page as its script builds it, run under Node in a stand-in for the DOM
+    (``report_dom.js``: every <details> and findings row opened, ``search`` typed):
+    a line ``tag.class[data-role]: text`` an element, indentation stripped. The
+    script failing fails the test."""
+    script = Path(__file__).parent / "report_dom.js"
+    argv = [str(NODE), str(script), str(report), *([] if search is None else [search])]
+    done = subprocess.run(argv, capture_output=True, text=True, check=False)
+    assert done.returncode == 0, done.stderr
+    return [line.strip() for line in done.stdout.splitlines()]
+
+
 def test_every_run_writes_a_self_contained_report(
     opguard: Callable[..., Any], samples: Path
 ) -> None:
@@ -411,6 +427,24 @@ def test_a_path_that_is_not_utf8_is_shown_with_its_bytes_escaped(
     assert (done.returncode, done.stderr) == (0, b"")
     assert done.stdout == os.fsencode(renamed / "report.html") + b"\n"
     assert "<title>OpGuard run run\\xff</title>" in (renamed / "report.html").read_text()
+
+
+@needs_node
+def test_a_stage_time_that_is_not_a_number_does_not_stop_the_page(
+    opguard: Callable[..., Any], samples: Path
+) -> None:
+    """A malformed summary (a stage's ``seconds`` a string) once stopped the page at
+    the stages table (``r.seconds.toFixed is not a function``): nothing after it
+    was drawn."""
+    run = opguard("run", *sample_inputs(samples, "gpt"), expect=0)
+    summary_path = run.run_dir / "pipeline_summary.json"
+    summary = json.loads(summary_path.read_text())
+    summary["stages"][0]["seconds"] = "1.5"
+    summary_path.write_text(json.dumps(summary))
+    opguard("report", run.run_dir, expect=0)
+    lines = page(run.run_dir / "report.html")
+    assert "td.num: 1.5" in lines
+    assert "td.num: " + f"{summary['stages'][1]['seconds']:.3f}" in lines
 
 
 def test_report_command_bad_run_dir(opguard: Callable[..., Any], tmp_path: Path) -> None:

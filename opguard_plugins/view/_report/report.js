@@ -807,7 +807,7 @@
       { title: "entry", width: "27%", text: function (r) { return r.entry || ""; } },
       { title: "status", width: "11%", text: function (r) { return r.status; }, cls: function (r) { return "status-" + r.status; } },
       { title: "plugin", width: "17%", text: function (r) { return r.plugin || ""; } },
-      { title: "seconds", width: "11%", num: true, text: function (r) { return r.seconds === undefined || r.seconds === null ? "" : r.seconds.toFixed(3); }, sort: function (r) { return r.seconds || 0; } },
+      { title: "seconds", width: "11%", num: true, text: function (r) { return typeof r.seconds === "number" ? r.seconds.toFixed(3) : num(r.seconds); }, sort: function (r) { return typeof r.seconds === "number" ? r.seconds : 0; } },
       { title: "error", width: "16%", text: function (r) { return r.error || ""; } },
     ],
     detail: function (r) { return detailGrid([["error", r.error], ["outputs", (r.outputs || []).join(", ")]]); },
