@@ -226,6 +226,30 @@ def test_the_findings_on_the_rank_row_counts_the_ranks_that_deviate(
     assert view["per_rank"] == {"rank_specific": [[1, "7"]]}
 
 
+@needs_node
+def test_a_group_of_several_functions_names_each_finding_s_own(
+    opguard: Callable[..., Any], samples: Path
+) -> None:
+    """A version-4 count_skew group of 10 functions: every finding was titled with
+    the group's first function, a search for another one found nothing, and no
+    stack frame was marked as the finding's (it was compared with "f (and 9 more)")."""
+    run = opguard("run", *sample_inputs(samples, "gpt"), expect=0)
+    (group,) = embedded(run.run_dir / "report.html")["entries"][0]["divergence"]["groups"]
+    first, gelu = (
+        "transformers.pytorch_utils:Conv1D.forward",
+        "transformers.activations:NewGELUActivation.forward",
+    )
+    assert group["target"] == f"{first} (and 9 more)"
+    targets = [m["target"] for m in group["members"]]
+    assert targets[:2] == [first, gelu] and len(set(targets)) == 10
+    lines = page(run.run_dir / "report.html")
+    titles = [f"div.sev-warning: {target}" for target in targets]
+    assert [line for line in lines if line in titles] == titles
+    assert f"li.here: {first}" in lines
+    found = page(run.run_dir / "report.html", search=gelu)
+    assert f"td: {first} (and 9 more)" in found
+
+
 @pytest.mark.parametrize(
     "doc",
     [

@@ -416,8 +416,9 @@ def divergence_view(
     """What the page shows of an entry's divergence: totals, the ranks, per kind the
     number of findings each rank deviates in, and the groups (at most
     :data:`MAX_GROUPS`, each with its rank-picture row and at most
-    :data:`MAX_MEMBERS` findings; their stacks as indices into ``paths``, a table of
-    ``[parent, frame]`` prefixes over the intern table ``frames``)."""
+    :data:`MAX_MEMBERS` findings, each with its ``target`` where it is not the
+    group's; their stacks as indices into ``paths``, a table of ``[parent, frame]``
+    prefixes over the intern table ``frames``)."""
     listed = meta.get("ranks")
     ranks = sorted({r for r in listed if isinstance(r, int)}) if isinstance(listed, list) else []
     if not ranks:
@@ -448,6 +449,9 @@ def divergence_view(
         members = []
         for number, f in enumerate(g["findings"][:MAX_MEMBERS]):
             member: dict[str, Any] = {"severity": str(f.get("severity", ""))}
+            target = str(f.get("target", ""))
+            if target != g["target"]:  # a version-4 group of several functions
+                member["target"] = target
             # the first member's message stands for the group's (the rest say the same
             # of another op): messages are most of a findings file's bytes
             for key in ("op", "api", "message") if number == 0 else ("op", "api"):

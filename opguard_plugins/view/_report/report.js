@@ -688,10 +688,17 @@
       for (let p = id; p !== undefined && p >= 0; p = paths[p][0]) out.unshift(frames[paths[p][1]]);
       return out;
     }
-    function groupHay(g) { return [g.kind, g.target, g.ops.join(" "), g.ranks[1], g.members.map(function (m) { return m.message || ""; }).join(" ")].join("\n").toLowerCase(); }
+    // a member's function: its own where the group has several ("f (and 9 more)")
+    function targetOf(g, m) { return m.target !== undefined ? m.target : g.target; }
+    function groupHay(g) {
+      const members = g.members.map(function (m) { return (m.target || "") + " " + (m.message || ""); });
+      return [g.kind, g.target, g.ops.join(" "), g.ranks[1], members.join(" ")].join("\n").toLowerCase();
+    }
     function memberView(g, m) {
       const box = el("div", null, "member");
-      let what = m.op ? m.op + (m.api ? " (" + m.api + ")" : "") + (m.stream !== undefined ? ", stream " + m.stream : "") : g.target;
+      const target = targetOf(g, m);
+      const what = m.op ? m.op + (m.api ? " (" + m.api + ")" : "") + (m.stream !== undefined ? ", stream " + m.stream : "") +
+        (m.target !== undefined ? " in " + m.target : "") : target;
       add(box, "div", what, "sev-" + m.severity);
       const facts = [];
       if (m.expected !== undefined) facts.push("expected " + num(m.expected));
@@ -705,7 +712,7 @@
         const d = add(box, "details");
         add(d, "summary", "stack (" + plural(stack.length, "frame") + ", outermost first)").style.fontWeight = "normal";
         const ol = add(d, "ol", null, "stack");
-        for (const f of stack) add(ol, "li", f, f === g.target ? "here" : "");
+        for (const f of stack) add(ol, "li", f, f === target ? "here" : "");
       }
       return box;
     }
