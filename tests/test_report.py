@@ -250,6 +250,26 @@ def test_a_group_of_several_functions_names_each_finding_s_own(
     assert f"td: {first} (and 9 more)" in found
 
 
+@needs_node
+def test_a_finding_whose_stack_the_file_left_out_names_its_callsite(
+    opguard: Callable[..., Any], samples: Path
+) -> None:
+    """A version-4 divergence file writes the stack of a group's first finding only
+    (of the largest groups); the others were drawn as "stack (0 frames)"."""
+    run = opguard("run", *sample_inputs(samples, "gpt"), expect=0)
+    doc = json.loads((run.run_dir / "gpt_callsite_divergence.json").read_text())
+    fields, rows = doc["groups"][0]["fields"], doc["groups"][0]["findings"]
+    callsites = [row[fields.index("callsite")] for row in rows]
+    (group,) = embedded(run.run_dir / "report.html")["entries"][0]["divergence"]["groups"]
+    assert [m["callsite"] for m in group["members"]] == callsites
+    assert "stack" in group["members"][0] and "stack" not in group["members"][1]
+    lines = page(run.run_dir / "report.html")
+    assert "summary: stack (11 frames, outermost first)" in lines
+    assert not any(line.startswith("summary: stack (0 frames") for line in lines)
+    notes = [f"div.note: stack: callsite {n} in gpt_callsite_combined.json" for n in callsites]
+    assert [line for line in lines if line in notes] == notes[1:]
+
+
 @pytest.mark.parametrize(
     "doc",
     [

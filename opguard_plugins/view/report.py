@@ -418,7 +418,8 @@ def divergence_view(
     :data:`MAX_GROUPS`, each with its rank-picture row and at most
     :data:`MAX_MEMBERS` findings, each with its ``target`` where it is not the
     group's; their stacks as indices into ``paths``, a table of ``[parent, frame]``
-    prefixes over the intern table ``frames``)."""
+    prefixes over the intern table ``frames``, and their ``callsite``, where the
+    combined trace has the stack of a finding whose file has none)."""
     listed = meta.get("ranks")
     ranks = sorted({r for r in listed if isinstance(r, int)}) if isinstance(listed, list) else []
     if not ranks:
@@ -428,8 +429,8 @@ def divergence_view(
     prefixes: dict[tuple[int, int], int] = {}
 
     def path_of(stack: Any) -> int | None:
-        if not isinstance(stack, list) or len(prefixes) >= MAX_STACK_FRAMES:
-            return None
+        if not isinstance(stack, list) or not stack or len(prefixes) >= MAX_STACK_FRAMES:
+            return None  # none written (a version-4 file's): its ``callsite`` says where
         node = -1
         for frame in stack:
             key = (node, frames(str(frame)))
@@ -457,7 +458,7 @@ def divergence_view(
             for key in ("op", "api", "message") if number == 0 else ("op", "api"):
                 if isinstance(f.get(key), str):
                     member[key] = f[key]
-            for key in ("stream", "expected", "ops", "size"):
+            for key in ("stream", "expected", "ops", "size", "callsite"):
                 if isinstance(f.get(key), int):
                     member[key] = f[key]
             counts = _rank_counts(f)

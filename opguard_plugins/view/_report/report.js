@@ -713,6 +713,8 @@
         add(d, "summary", "stack (" + plural(stack.length, "frame") + ", outermost first)").style.fontWeight = "normal";
         const ol = add(d, "ol", null, "stack");
         for (const f of stack) add(ol, "li", f, f === target ? "here" : "");
+      } else if (m.callsite !== undefined) {  // a divergence file writes a few stacks a group
+        add(box, "div", "stack: callsite " + m.callsite + " in " + entry.name + "_combined.json", "note");
       }
       return box;
     }
