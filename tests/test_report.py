@@ -491,6 +491,24 @@ def test_a_stage_time_that_is_not_a_number_does_not_stop_the_page(
     assert "td.num: " + f"{summary['stages'][1]['seconds']:.3f}" in lines
 
 
+@needs_node
+def test_a_failed_entry_says_where_and_why(opguard: Callable[..., Any], tmp_path: Path) -> None:
+    """An entry whose combine failed once had an empty section."""
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "bad_rank0.json").write_text('{"format": "opguard-callsites", "frames"')
+    run = opguard(
+        "run", "-i", str(tmp_path / "bad" / "bad_rank*.json"),
+        "-i", str(EXAMPLES / "single_callsite_rank*.json"),
+    )  # fmt: skip
+    error = f"{tmp_path / 'bad' / 'bad_rank0.json'}: not valid JSON: Input data was truncated"
+    bad, good = embedded(run.run_dir / "report.html")["entries"]
+    assert bad["failures"] == [{"stage": "combine", "error": error}]
+    assert good["failures"] == []
+    lines = page(run.run_dir / "report.html")
+    at = lines.index("h2: Entry 1: bad")
+    assert lines[at + 1] == f"p.sev-error: failed at combine: {error}"
+
+
 def test_report_command_bad_run_dir(opguard: Callable[..., Any], tmp_path: Path) -> None:
     result = opguard("report", tmp_path, expect=5)
     assert result.stderr == (

@@ -577,6 +577,17 @@ def _slim_summary(summary: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _failures(summary: Mapping[str, Any]) -> dict[str, list[dict[str, str]]]:
+    """Per entry name, the stages that failed for it: ``{"stage", "error"}`` each,
+    in run order (what its section says, beside whatever the stages before wrote)."""
+    out: dict[str, list[dict[str, str]]] = {}
+    for record in summary.get("stages") or []:
+        if record.get("status") == "failed" and record.get("entry") is not None:
+            failure = {"stage": str(record.get("stage")), "error": str(record.get("error") or "")}
+            out.setdefault(str(record["entry"]), []).append(failure)
+    return out
+
+
 def _first(run_dir: Path, names: list[str]) -> Path | None:
     """The first of ``names`` that exists in ``run_dir`` (confined to it)."""
     for name in names:
@@ -612,6 +623,7 @@ def report_data(
     trees, divergences, configs_of = (
         outputs_by_entry(summary, stage) for stage in ("compress", "divergence", "generate")
     )
+    failures = _failures(summary)
     for item in summary.get("entries") or []:
         name = str(item["name"])
         tree = _first(run_dir, trees.get(name, []))
@@ -623,6 +635,7 @@ def report_data(
                 "tree": tree_view(load_tree(tree)) if tree is not None else None,
                 "config": table(next(iter(configs_of.get(name, [])), None)),
                 "divergence": read_divergence(divergence) if divergence is not None else None,
+                "failures": failures.get(name, []),
             }
         )
     comparisons = []

@@ -782,6 +782,7 @@
     const id = "entry-" + Number(entry.index);
     const sec = section("Entry " + entry.index + ": " + entry.name, id);
     link("entry " + entry.index + ": " + entry.name, id);
+    for (const f of entry.failures || []) add(sec, "p", "failed at " + f.stage + ": " + f.error, "sev-error");
     if (entry.divergence) divergence(sec, entry, entry.divergence);
     if (entry.tree) {
       add(sec, "h3", "Call tree (" + plural(entry.tree.c[0], "op") + (entry.tree.ranks ? " on " + plural(entry.tree.ranks, "rank") : "") + ")");
