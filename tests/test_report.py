@@ -509,6 +509,24 @@ def test_a_failed_entry_says_where_and_why(opguard: Callable[..., Any], tmp_path
     assert lines[at + 1] == f"p.sev-error: failed at combine: {error}"
 
 
+@needs_node
+def test_an_interrupted_run_says_by_what_and_where(
+    opguard: Callable[..., Any], samples: Path
+) -> None:
+    """The summary's ``interrupted`` (signal, stage, entry) was never shown."""
+    run = opguard("run", *sample_inputs(samples, "gpt"), expect=0)
+    summary_path = run.run_dir / "pipeline_summary.json"
+    summary = json.loads(summary_path.read_text())
+    summary.update(status="interrupted", exit_code=130)
+    summary["interrupted"] = {"signal": "SIGTERM", "stage": "compress", "entry": "gpt_callsite"}
+    summary_path.write_text(json.dumps(summary))
+    opguard("report", run.run_dir, expect=0)
+    lines = page(run.run_dir / "report.html")
+    said = "interrupted by SIGTERM during compress of gpt_callsite"
+    assert f"span.sev-error: {said}" in lines
+    assert f"td: {said}" in lines  # and in the run's facts
+
+
 def test_report_command_bad_run_dir(opguard: Callable[..., Any], tmp_path: Path) -> None:
     result = opguard("report", tmp_path, expect=5)
     assert result.stderr == (

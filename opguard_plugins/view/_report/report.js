@@ -753,6 +753,11 @@
   add(status, "span", "exit code " + (s.exit_code === undefined || s.exit_code === null ? "?" : s.exit_code));
   add(status, "span", plural(data.entries.length, "entry"));
   if (typeof s.seconds === "number") add(status, "span", s.seconds.toFixed(2) + " s");
+  // {signal, stage, entry} of a run a signal ended; stage and entry may be null
+  const i = s.interrupted;
+  const interrupted = i && typeof i === "object" ? "interrupted by " + (i.signal || "a signal") +
+    (i.stage ? " during " + i.stage + (i.entry ? " of " + i.entry : "") : "") : "";
+  if (interrupted) add(status, "span", interrupted, "sev-error");
   const found = data.entries.reduce(function (n, e) { return n + (e.divergence ? e.divergence.findings : 0); }, 0);
   if (data.entries.some(function (e) { return e.divergence; })) add(status, "span", plural(found, "divergence finding"), found ? "sev-error" : "");
   if ((s.warnings || []).length) add(status, "span", plural(s.warnings.length, "warning"), "sev-warning");
@@ -799,7 +804,7 @@
   link("run", "run");
   const sides = add(run, "div", null, "side-by-side");
   const facts = add(add(sides, "div"), "table", null, "facts");
-  for (const [k, v] of [["status", s.status], ["exit code", s.exit_code], ["started", s.started_at], ["finished", s.finished_at],
+  for (const [k, v] of [["status", s.status], ["exit code", s.exit_code], ["interrupted", interrupted], ["started", s.started_at], ["finished", s.finished_at],
     ["seconds", s.seconds], ["run directory", s.run_dir], ["inputs", (s.inputs || []).join(" ")], ["skipped stages", (s.skipped_stages || []).join(", ")],
     ["disabled plugins", (s.disabled_plugins || []).join(", ")], ["opguard", s.opguard_version]]) {
     if (v === undefined || v === null || v === "") continue;
