@@ -316,20 +316,22 @@ def encode_summary(document: dict[str, Any]) -> bytes:
     try:
         encoded = msgspec.json.encode(document)
     except UnicodeEncodeError:
-        encoded = msgspec.json.encode(_without_surrogates(document))
+        encoded = msgspec.json.encode(without_surrogates(document))
     return msgspec.json.format(encoded, indent=2) + b"\n"
 
 
-def _without_surrogates(value: Any) -> Any:
+def without_surrogates(value: Any) -> Any:
+    """``value`` (strings, dicts, lists) with a file name's undecodable bytes as
+    ``\\xNN`` and any other lone surrogate as ``\\udNNN``: text JSON can carry."""
     if isinstance(value, str):
         try:  # a file name's undecodable bytes (os.fsdecode) back as \xNN
             return value.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
         except UnicodeEncodeError:  # any other lone surrogate as \udNNN
             return value.encode("utf-8", "backslashreplace").decode("utf-8")
     if isinstance(value, dict):
-        return {_without_surrogates(k): _without_surrogates(v) for k, v in value.items()}
+        return {without_surrogates(k): without_surrogates(v) for k, v in value.items()}
     if isinstance(value, list | tuple):
-        return [_without_surrogates(v) for v in value]
+        return [without_surrogates(v) for v in value]
     return value
 
 
@@ -444,4 +446,5 @@ __all__ = [
     "stage_outputs",
     "summary_fields",
     "summary_lines",
+    "without_surrogates",
 ]

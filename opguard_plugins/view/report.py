@@ -40,12 +40,12 @@ from opguard_core.formats.tree import load_tree, node_target
 from opguard_core.formats.values import is_counts
 from opguard_core.run.summary import (
     REPORT_FILE,
-    _without_surrogates,
     final_configs,
     outputs_by_entry,
     read_summary,
     run_artifact,
     stage_outputs,
+    without_surrogates,
 )
 
 REPORT_NAME = REPORT_FILE
@@ -662,7 +662,7 @@ def _script_json(data: Any) -> str:
     try:
         encoded = msgspec.json.encode(data)
     except UnicodeEncodeError:  # lone surrogates (os.fsdecode), which JSON cannot carry
-        encoded = msgspec.json.encode(_without_surrogates(data))
+        encoded = msgspec.json.encode(without_surrogates(data))
     text = encoded.decode()
     return text.replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
 
@@ -671,7 +671,7 @@ def render_report(
     run_dir: Path, summary: dict[str, Any], configs: Mapping[str, Any] | None = None
 ) -> str:
     assets = files("opguard_plugins.view") / "_report"
-    title = html.escape(_without_surrogates(f"OpGuard run {run_dir.name}"))
+    title = html.escape(without_surrogates(f"OpGuard run {run_dir.name}"))
     return (
         '<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
         '<meta name="viewport" content="width=device-width">'
