@@ -300,7 +300,7 @@ def test_compressor_by_name(opguard, example: Site, samples: Path) -> None:
     assert stage(json.loads(run.read("pipeline_summary.json")), "compress")["plugin"] == "compress"
     assert run.run_dir is not None
     tree = load_tree(run.run_dir / "gpt_callsite_compressed.json")
-    assert "compressor" not in tree["meta"]["compression"]
+    assert tree["meta"]["compression"]["compressor"] == "compress"
     assert max(_depth(tree["root"])) > 3
 
     run = opguard("run", *gpt_inputs(samples), "--compressor", "shallow", expect=0)
@@ -875,3 +875,22 @@ def test_a_wrapper_implementation_is_refused(
     code, _, err = run_main(["plugins"], capsys)
     assert code == ExitCode.PLUGIN_ERROR
     assert 'opguard: error: plugin "wrap": opguard_generate: a wrapper implementation' in err
+
+
+def test_check_compresses_with_the_config_s_compressor(
+    opguard, example: Site, samples: Path
+) -> None:
+    """A config made by ``shallow`` checked with ``shallow`` disabled was compared
+    with trees made by the built-in compressor: 63 false ``missing`` warnings on the
+    config's own traces (errors under ``--strict``), and no word of the compressor."""
+    run = opguard("run", *gpt_inputs(samples), expect=0)
+    config = run.run_dir / "gpt_callsite_filtered_instrumentation.yaml"
+    assert load_yaml(config)["meta"]["settings"]["compressor"] == "shallow"
+    same = opguard("check", "--config", config, *gpt_inputs(samples), expect=0)
+    assert ": 0 error(s)" in same.result.stdout
+    missing = opguard("--disable-plugin", "shallow", "check", "--config", config,
+                      *gpt_inputs(samples), expect=ExitCode.PLUGIN_ERROR)  # fmt: skip
+    assert (
+        f'opguard: error: {config}: made by compressor plugin "shallow", which is not '
+        "installed or is disabled here" in missing.stderr
+    )

@@ -209,11 +209,7 @@ def make_run_command(
 
 
 def _check_compressor(manager: OpGuardPluginManager, compressor: str | None) -> None:
-    if compressor is None:
-        return
-    plugin = manager.get_plugin(compressor)
-    hooks = [h.name for h in manager.get_hookcallers(plugin) or []] if plugin else []
-    if "opguard_compress" not in hooks:
+    if compressor is not None and not manager.implements(compressor, "opguard_compress"):
         raise click.UsageError(f"--compressor {compressor}: no such compressor plugin")
 
 

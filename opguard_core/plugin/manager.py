@@ -242,6 +242,13 @@ class OpGuardPluginManager(pluggy.PluginManager):
             raise OpGuardError(f"plugin {only!r} returned no result for {hook_name}")
         raise OpGuardError(f"no plugin returned a result for {hook_name}")
 
+    def implements(self, plugin_name: str, hook_name: str) -> bool:
+        """Whether plugin ``plugin_name`` is loaded here and implements ``hook_name``."""
+        plugin = self.get_plugin(plugin_name)
+        return plugin is not None and any(
+            impl.plugin is plugin for impl in getattr(self.hook, hook_name).get_hookimpls()
+        )
+
     def implementations(self, hook_name: str) -> list[pluggy.HookImpl]:
         """The implementations of a hook, in pluggy's call order (:meth:`register`
         refuses wrappers)."""

@@ -249,6 +249,8 @@ def compress(call: StepCall, entry: InputEntry, needs: Mapping[str, Any]) -> Any
     only = call.options.compressor
     tree: dict[str, Any] = call.call("opguard_compress", only, trace=trace, options=call.options)
     check_tree(tree, expected_total=trace.total)
+    # which plugin made the tree: the config records it, so check rebuilds with it
+    tree["meta"].setdefault("compression", {})["compressor"] = call.record.plugin
     call.write("tree", encode_tree(tree))
     settings = tree["meta"].get("compression", {})
     call.record.counts = {

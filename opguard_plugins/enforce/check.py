@@ -642,7 +642,7 @@ def format_text(config: str, violations: Sequence[Violation], compared: str | No
 CODES: exits.Codes = {
     ExitCode.OK: "no error (warnings allowed)",
     ExitCode.STAGE_FAILED: "errors found (with --strict, any violation)",
-    ExitCode.PLUGIN_ERROR: "a check-rule plugin failed",
+    ExitCode.PLUGIN_ERROR: "a plugin failed, or the config's compressor plugin is missing",
     ExitCode.INPUT_UNREADABLE: "the config or a trace could not be read",
 }
 
@@ -693,6 +693,11 @@ def make_command(manager: OpGuardPluginManager) -> click.Command:
         config = load_config(config_path)
         check_setting_patterns(config, config_path)
         options = options_from_settings(config, base_dir, config_path.parent)
+        if options.compressor and not manager.implements(options.compressor, "opguard_compress"):
+            raise PluginError(
+                f'{config_path}: made by compressor plugin "{options.compressor}", which is '
+                "not installed or is disabled here: the traces cannot be compressed the same way"
+            )
         expected_keys = (entry_key(e) for e in config["entries"])
         observed = observe(manager, input_options, options, expected_keys)
         if observed.problems:

@@ -168,7 +168,7 @@ def run_settings(tree: dict[str, Any], depth: int) -> CommentedMap:
     made = tree.get("meta", {}).get("compression", {})
     settings = block_map(
         (key, flow_seq(made[key]) if isinstance(made[key], list) else made[key])
-        for key in ("min_count", "min_fraction", "chains", "hide", "focus", "ignore")
+        for key in ("min_count", "min_fraction", "chains", "hide", "focus", "ignore", "compressor")
         if key in made
     )
     settings["context_depth"] = depth
