@@ -147,3 +147,33 @@ def test_traces_without_sequences_say_the_collectives_were_not_compared(tmp_path
     checked = invoke("check", "--config", config, "-i", again)
     head = checked.stdout.splitlines()[0]
     assert "the config's collective sequences not compared: the traces record none" in head
+
+
+def test_point_to_point_ops_are_not_replayed_by_position(tmp_path: Path) -> None:
+    """Hand-made 2-stage pipeline traces (no torch run): a stage that sends twice, or
+    another size, in a step departs from nothing; its all_reduce is still compared."""
+    from tests.test_collective_sequences import AR, SEND, pipeline, rank_doc, replace_step
+
+    def traces(folder: Path, docs: list[dict[str, Any]]) -> str:
+        folder.mkdir()
+        for doc in docs:
+            (folder / f"job_rank{doc['meta']['rank']}.json").write_text(json.dumps(doc))
+        return str(folder / "job_rank*.json")
+
+    good = traces(tmp_path / "good", [rank_doc(r, pipeline(r, 2)) for r in range(2)])
+    result = invoke("run", "-i", good, "--output-base", tmp_path / "run")
+    assert result.exit_code == 0, result.stdout
+    config = Path(result.stdout.strip().splitlines()[-1])
+    sends = [(1, SEND, "float32", 32, 21), (1, SEND, "float32", 8, 21), (1, AR, "float32", 8, 11)]
+    odd = [rank_doc(0, replace_step(pipeline(0, 2), 1, sends)), rank_doc(1, pipeline(1, 2))]
+    checked = invoke("check", "--config", config, "-i", traces(tmp_path / "odd", odd), "--format",
+                     "json")  # fmt: skip
+    assert checked.exit_code == 0, checked.stdout
+    kinds = {v["kind"] for v in json.loads(checked.stdout)["violations"]}
+    assert not {k for k in kinds if k.startswith("collective_")}, kinds
+    sends[-1] = (1, AR, "int32", 8, 11)
+    odd[0] = rank_doc(0, replace_step(pipeline(0, 2), 1, sends))
+    checked = invoke("check", "--config", config, "-i", traces(tmp_path / "dtype", odd), "--format",
+                     "json")  # fmt: skip
+    kinds = {v["kind"] for v in json.loads(checked.stdout)["violations"]}
+    assert checked.exit_code == 1 and "collective_dtype" in kinds, checked.stdout

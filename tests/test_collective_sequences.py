@@ -484,6 +484,42 @@ def test_two_ranks_have_no_majority_and_say_so(opguard: Callable[..., Any], tmp_
     assert "no majority" in doc["log"]
 
 
+SEND, RECV = "c10d::send", "c10d::recv_"
+
+
+def pipeline(rank: int, world: int, steps: int = 3) -> list[Call]:
+    """Each step: recv from the previous stage, send to the next, then all_reduce."""
+    calls: list[Call] = []
+    for step in range(steps):
+        calls += [(step, RECV, "float32", 16, 20)] if rank > 0 else []
+        calls += [(step, SEND, "float32", 16, 21)] if rank < world - 1 else []
+        calls.append((step, AR, "float32", 8, 11))
+    return calls
+
+
+def test_point_to_point_ops_are_not_compared_by_position(
+    opguard: Callable[..., Any], tmp_path: Path
+) -> None:
+    """A send on one rank and the recv on its peer, and a 4-stage pipeline (stage 0
+    only sends, the last only receives): no finding; a desync of the collectives
+    after them is still found, at its position among the collectives alone."""
+    world = {**WORLD, "size": 4, "ranks": [0, 1, 2, 3]}
+    docs = [rank_doc(r, pipeline(r, 4), [world], world_size=4) for r in range(4)]
+    (tmp_path / "pipe").mkdir()
+    doc = run_docs(opguard, tmp_path / "pipe", *docs, expect=0)
+    assert collective_findings(doc) == [] and not any(
+        f["severity"] == "error" for f in doc["findings"]
+    )
+    odd = replace_step(pipeline(2, 4), 1, [(1, RECV, "float32", 16, 20),
+                                            (1, SEND, "float32", 16, 21),
+                                            (1, AR, "int32", 8, 11)])  # fmt: skip
+    docs[2] = rank_doc(2, odd, [world], world_size=4)
+    (tmp_path / "odd").mkdir()
+    (finding,) = collective_findings(run_docs(opguard, tmp_path / "odd", *docs))
+    assert finding["kind"] == "collective_dtype" and finding["ranks"] == [2]
+    assert finding["position"] == 1 and finding["step"] == 1
+
+
 def test_a_collective_on_another_group_is_one_group_finding(
     opguard: Callable[..., Any], tmp_path: Path
 ) -> None:

@@ -145,6 +145,27 @@ def test_unknown_fields_are_not_compared() -> None:
     assert run_steps([GOOD_STEP, [call(A, reduce_op=None), call(B), call(C)]]).violations == []
 
 
+def test_point_to_point_ops_are_not_checked() -> None:
+    """A send pairs with its peer's recv, not with a position on the group: a pipeline
+    stage sending more, or other sizes (microbatches of other lengths), departs from
+    nothing; the collectives around the sends are checked as before."""
+    send = Signature(op="c10d::send", group=0, dtype="float32", numel=16, shapes=((16,),))
+    sequence = CollectiveSequence(
+        ranks=[1], groups=[WORLD, OTHER], signatures=[send, A, B, C],
+        steps=[StepRun(0, 2, (0, 1, 2, 3))],
+    )  # fmt: skip
+    recorded = Recorded()
+    checker = SequenceChecker(Collectives(sequences=[sequence]), recorded)
+    assert checker.bind(1)
+    sends = [call(send, numel=32, shapes=((32,),)), call(send, numel=8, shapes=((8,),))]
+    for step, calls in enumerate([[call(send), *GOOD_STEP], [*sends, *GOOD_STEP], GOOD_STEP]):
+        for op, described in calls:
+            checker.check(op, described, step, "job:step")
+    assert recorded.violations == []
+    checker.check(*call(B), 3, "job:step")  # a collective is still held to its place
+    assert recorded.kinds() == ["collective_order"]
+
+
 #: a barrier after the loop, on the world group (DDP jobs end with one, or a loss
 #: all-reduce): the good run's last recorded step holds it
 BARRIER = Signature(op="c10d::barrier", group=0, dtype="uint8", numel=1, shapes=((1,),))

@@ -43,7 +43,9 @@ stack: ranks issuing the same sequence from different lines agree).
 
 Collective ops are those of :data:`COLLECTIVE_NAMESPACES` except the waits
 (:data:`NOT_COLLECTIVES`); :func:`collective_kind` names what an op does, so
-``c10d::allreduce_`` and ``_c10d_functional::all_reduce`` compare equal.
+``c10d::allreduce_`` and ``_c10d_functional::all_reduce`` compare equal. Point-to-point
+ops (``send``, ``recv``…) are recorded but not compared by position
+(:func:`compared_by_position`).
 """
 
 from __future__ import annotations
@@ -113,6 +115,18 @@ _KINDS = {
 def is_collective(op: str) -> bool:
     """Whether ``op`` issues a collective (a wait does not)."""
     return op.startswith(COLLECTIVE_NAMESPACES) and op not in NOT_COLLECTIVES
+
+
+#: what point-to-point ops do (:func:`collective_kind`): a send on one rank pairs with
+#: a recv on its peer, not with what the group's other members issue at its position
+POINT_TO_POINT = frozenset({"send", "recv", "isend", "irecv", "batch_p2p_ops"})
+
+
+def compared_by_position(op: str) -> bool:
+    """Whether ranks are compared on ``op`` by position on its group (docs/divergence.md):
+    a collective every member issues, not a wait (:data:`NOT_COLLECTIVES`) nor a
+    point-to-point op (:data:`POINT_TO_POINT`), where a send and a recv differ."""
+    return op not in NOT_COLLECTIVES and collective_kind(op) not in POINT_TO_POINT
 
 
 def collective_kind(op: str) -> str:

@@ -49,10 +49,10 @@ from opguard_core.formats.check import (
     write_json,
 )
 from opguard_core.formats.collectives import (
-    NOT_COLLECTIVES,
     Collectives,
     CollectiveSequence,
     Signature,
+    compared_by_position,
 )
 from opguard_core.formats.config import entry_key, load_config
 from opguard_core.formats.config_collectives import read_config_collectives
@@ -595,7 +595,7 @@ def _replay(
     checker.expected = _ComparableSteps(checker.expected, last)
     for step, call in sequence.calls():
         sig = sequence.signatures[call]
-        if sig.op in NOT_COLLECTIVES:
+        if not compared_by_position(sig.op):
             continue
         at = str((signatures.get(call) or {}).get("at") or sig.op)
         call_of = (groups[sig.group], sig.dtype, sig.numel, sig.shapes, sig.reduce_op)

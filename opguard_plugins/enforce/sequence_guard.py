@@ -52,12 +52,12 @@ from typing import Any
 from opguard_core.errors import InputError, UsageProblem
 from opguard_core.formats.check import ERROR, Violation
 from opguard_core.formats.collectives import (
-    NOT_COLLECTIVES,
     UNKNOWN_GROUP,
     Collectives,
     CollectiveSequence,
     Signature,
     collective_kind,
+    compared_by_position,
 )
 from opguard_core.formats.config_collectives import read_config_collectives
 from opguard_core.formats.sources import recorded_sources
@@ -188,7 +188,7 @@ class ExpectedSteps:
             signatures = self.sequence.signatures
             for call in self.sequence.steps[index].calls:
                 sig = signatures[call]
-                if sig.op not in NOT_COLLECTIVES:
+                if compared_by_position(sig.op):
                     found.setdefault(self.groups[sig.group], []).append(sig)
             self._cache[index] = found
         return found
@@ -246,7 +246,10 @@ class SequenceChecker:
 
     def check(self, op: str, call: Call, step: int, target: str) -> None:
         """Before ``op`` is issued (``call`` describes it) in ``step``; ``target`` is
-        its innermost caller (``module:qualname``). Reports what disagrees."""
+        its innermost caller (``module:qualname``). Reports what disagrees; a
+        point-to-point op is not checked (:func:`compared_by_position`)."""
+        if not compared_by_position(op):
+            return
         expected = self.expected
         with self._lock:
             if step != self.step:

@@ -42,12 +42,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from opguard_core.formats.collectives import (
-    NOT_COLLECTIVES,
     Collectives,
     CollectiveSequence,
     Group,
     Signature,
     collective_kind,
+    compared_by_position,
 )
 from opguard_core.formats.divergence import Finding
 from opguard_core.formats.trace import list_ranks
@@ -94,8 +94,7 @@ class _View:
                 calls = tuple(
                     signatures[c]
                     for c in run.calls
-                    if signatures[c].group == group_index
-                    and signatures[c].op not in NOT_COLLECTIVES
+                    if signatures[c].group == group_index and compared_by_position(signatures[c].op)
                 )
                 if not calls:
                     continue
