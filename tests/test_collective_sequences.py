@@ -8,6 +8,7 @@ the end (tests/data/desync/desync_job.py).
 from __future__ import annotations
 
 import json
+import math
 import re
 import subprocess
 import sys
@@ -520,6 +521,34 @@ def test_point_to_point_ops_are_not_compared_by_position(
     assert finding["position"] == 1 and finding["step"] == 1
 
 
+SCATTER = "c10d::scatter_"
+
+
+def scatter_doc(rank: int, shapes: list[list[int]]) -> dict[str, Any]:
+    """Rank ``rank`` scatters from rank 0 each step, then all-reduces; its scatter
+    recorded with ``shapes``."""
+    step: list[Call] = [(0, SCATTER, "float32", 4, 30), (0, AR, "float32", 8, 11)]
+    doc = rank_doc(rank, [(n, *call[1:]) for n in range(3) for call in step])
+    sig = doc["collectives"]["sequences"][0]["signatures"][0]
+    sig.update(shapes=shapes, numel=sum(math.prod(shape) for shape in shapes))
+    return doc
+
+
+def test_a_scatter_recorded_by_an_older_tracer_agrees(
+    opguard: Callable[..., Any], tmp_path: Path
+) -> None:
+    """An older tracer recorded the root's whole scatter list ([4],[4]) and the other
+    ranks' output ([4]): each rank's share agrees. Another share is a size finding."""
+    (tmp_path / "old").mkdir()
+    doc = run_docs(opguard, tmp_path / "old", scatter_doc(0, [[4], [4]]),
+                   scatter_doc(1, [[4]]), expect=0)  # fmt: skip
+    assert collective_findings(doc) == []
+    (tmp_path / "odd").mkdir()
+    doc = run_docs(opguard, tmp_path / "odd", scatter_doc(0, [[4], [4]]), scatter_doc(1, [[5]]))
+    (finding,) = collective_findings(doc)
+    assert finding["kind"] == "collective_size" and finding["position"] == 0
+
+
 def test_a_collective_on_another_group_is_one_group_finding(
     opguard: Callable[..., Any], tmp_path: Path
 ) -> None:
@@ -707,6 +736,26 @@ def test_the_tracer_records_the_sequence(tmp_path: Path, backend: str) -> None:
     nested = seq.signatures[2].stack
     assert any(frames[f].function == "gather" for f in nested)  # the kernel's own frame
     assert not any(frames[f].file.endswith("collectives.py") for f in nested)
+
+
+@pytest.mark.torch
+def test_a_scatter_is_described_by_what_every_rank_holds() -> None:
+    """The root's scatter list is the root's alone: every rank, the root too, records
+    its output (a gather's input is on every rank: recorded as before)."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("torch.distributed")
+    from opguard_plugins.record.collectives import describe
+
+    out = torch.empty(4)
+    chunks = [torch.ones(4), torch.ones(4)]
+    for op, args in [
+        (SCATTER, ([out], [chunks], None, 0)),  # the root
+        (SCATTER, ([out], [], None, 0)),  # another rank
+        ("c10d::gather_", ([chunks], [out], None, 0)),  # the root
+        ("c10d::gather_", ([], [out], None, 0)),  # another rank
+    ]:
+        func = getattr(torch.ops.c10d, op.split("::")[1]).default
+        assert describe(func, op, args, None)[1:4] == ("float32", 4, ((4,),)), op
 
 
 # ----------------------------------------------------------------------------- live

@@ -166,6 +166,26 @@ def test_point_to_point_ops_are_not_checked() -> None:
     assert recorded.kinds() == ["collective_order"]
 
 
+def test_a_scatter_is_held_to_each_ranks_share() -> None:
+    """A good run recorded by an older tracer holds the root's whole scatter list
+    ([6],[6]); this run's root records its output ([6]): the same share. Another
+    share is a size departure."""
+    scatter = Signature(op="c10d::scatter_", group=0, dtype="float32", numel=12,
+                        shapes=((6,), (6,)))  # fmt: skip
+    sequence = CollectiveSequence(
+        ranks=[0], groups=[WORLD, OTHER], signatures=[scatter, B], steps=[StepRun(0, 2, (0, 1))]
+    )
+    recorded = Recorded()
+    checker = SequenceChecker(Collectives(sequences=[sequence]), recorded)
+    assert checker.bind(0)
+    for step in range(3):
+        checker.check(*call(scatter, numel=6, shapes=((6,),)), step, "job:step")
+        checker.check(*call(B), step, "job:step")
+    assert recorded.violations == []
+    checker.check(*call(scatter, numel=8, shapes=((8,),)), 3, "job:step")
+    assert recorded.kinds() == ["collective_size"]
+
+
 #: a barrier after the loop, on the world group (DDP jobs end with one, or a loss
 #: all-reduce): the good run's last recorded step holds it
 BARRIER = Signature(op="c10d::barrier", group=0, dtype="uint8", numel=1, shapes=((1,),))

@@ -50,6 +50,7 @@ ops (``send``, ``recv``…) are recorded but not compared by position
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Annotated, Any
@@ -139,6 +140,18 @@ def collective_kind(op: str) -> str:
     return _KINDS.get(name, name)
 
 
+def compared_size(
+    op: str, numel: int | None, shapes: tuple[tuple[int, ...], ...] | None
+) -> tuple[int | None, tuple[tuple[int, ...], ...] | None]:
+    """The element count and shapes of a call of ``op`` that every rank must share: a
+    scatter's one rank's share (its first shape: a trace written before the tracer
+    described a scatter by its output, on every rank, holds the root's whole list);
+    otherwise ``numel`` and ``shapes`` as recorded."""
+    if collective_kind(op) == "scatter" and shapes:
+        return math.prod(shapes[0]), shapes[:1]
+    return numel, shapes
+
+
 class Group(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """A process group as its members know it."""
 
@@ -173,9 +186,11 @@ class Signature(
     stack: tuple[NonNegativeInt, ...] = ()
 
     def key(self) -> tuple[Any, ...]:
-        """What ranks must agree on at one position: kind, dtype, size, reduce op
-        (not the op's API, nor the stack). The group is compared separately."""
-        return (collective_kind(self.op), self.dtype, self.numel, self.shapes, self.reduce_op)
+        """What ranks must agree on at one position: kind, dtype, size
+        (:func:`compared_size`), reduce op (not the op's API, nor the stack). The group
+        is compared separately."""
+        size = compared_size(self.op, self.numel, self.shapes)
+        return (collective_kind(self.op), self.dtype, *size, self.reduce_op)
 
 
 class StepRun(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_fields=True):

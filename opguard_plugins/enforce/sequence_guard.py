@@ -58,6 +58,7 @@ from opguard_core.formats.collectives import (
     Signature,
     collective_kind,
     compared_by_position,
+    compared_size,
 )
 from opguard_core.formats.config_collectives import read_config_collectives
 from opguard_core.formats.sources import recorded_sources
@@ -206,7 +207,8 @@ def compare(expected: Signature, op: str, call: Call) -> str | None:
         return "collective_order"
     if _differs(expected.dtype, dtype):
         return "collective_dtype"
-    if _differs(expected.numel, numel) or _differs(expected.shapes, shapes):
+    want = compared_size(expected.op, expected.numel, expected.shapes)
+    if any(map(_differs, want, compared_size(op, numel, shapes))):
         return "collective_size"
     if _differs(expected.reduce_op, reduce_op):
         return "collective_reduce_op"

@@ -1319,14 +1319,14 @@ _TENSOR_LISTS = frozenset({"TensorList", "GenericList"})
 
 #: the position of a collective's input tensor(s) among its args, where it is not the
 #: first: the argument OpGuard's tracer describes (``input``/``inputs``/``tensors``…
-#: by schema name, else the first tensor argument; torch 2.13's schemas)
+#: by schema name, else the first tensor argument; a scatter's output, the first, which
+#: every rank holds; torch 2.13's schemas)
 _INPUT_ARG: dict[str, int] = {
     "c10d::reduce_scatter_": 1,
     "c10d::reduce_scatter_tensor_coalesced_": 1,
     "c10d::alltoall_": 1,
     "c10d::alltoall_base_": 1,
     "c10d::gather_": 1,
-    "c10d::scatter_": 1,
     "c10d::allgather_": 1,
     "c10d::allgather_into_tensor_coalesced_": 1,
     "c10d::_reduce_scatter_base_": 1,

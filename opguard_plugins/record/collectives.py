@@ -84,6 +84,10 @@ CORE_NAMESPACES = frozenset(
 )
 #: where a collective's input tensors are, by schema argument name
 _INPUT_NAMES = ("input", "inputs", "input_tensor", "input_tensors", "tensors", "tensor", "inp")
+#: rooted collectives whose input only the root holds: described by the argument every
+#: rank has, so that the ranks' records agree (a scatter's output; a gather's input, a
+#: broadcast's and a reduce's tensors are on every rank already)
+_COMMON_ARGUMENT = {"c10d::scatter_": ("output_tensors",)}
 _PG_TYPE = "__torch__.torch.classes.c10d.ProcessGroup"
 _REDUCE_TYPE = "__torch__.torch.classes.c10d.ReduceOp"
 
@@ -191,6 +195,7 @@ def describe(
         schema_args = func._schema.arguments
     except Exception:
         schema_args = []
+    input_names = _COMMON_ARGUMENT.get(op, _INPUT_NAMES)
     values: dict[str, Any] = dict(kwargs or {})
     for index, argument in enumerate(schema_args):
         if index < len(args):
@@ -207,7 +212,7 @@ def describe(
                 reduce_op = _reduce_name(value)
             elif argument.name == "group_name":
                 group = _group_key(_resolve_group_name(value))
-            elif argument.name in _INPUT_NAMES and not inputs:
+            elif argument.name in input_names and not inputs:
                 inputs = list(_tensors(value))
             elif not first_tensors and "Tensor" in kind:
                 first_tensors = list(_tensors(value))
