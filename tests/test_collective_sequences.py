@@ -549,6 +549,28 @@ def test_a_scatter_recorded_by_an_older_tracer_agrees(
     assert finding["kind"] == "collective_size" and finding["position"] == 0
 
 
+A2A = "c10d::alltoall_base_"
+
+
+def test_uneven_all_to_all_sizes_are_not_compared(
+    opguard: Callable[..., Any], tmp_path: Path
+) -> None:
+    """all_to_all_single with uneven splits (an MoE's token dispatch): each rank sends
+    its own number of elements, no finding; another dtype is still one."""
+
+    def moe(rank: int, dtype: str = "float32") -> dict[str, Any]:
+        calls = [(n, A2A, dtype, 4 + rank + n, 40) for n in range(3)]  # sizes vary by step
+        return rank_doc(rank, [c for n in range(3) for c in (calls[n], (n, AR, "float32", 8, 11))])
+
+    (tmp_path / "moe").mkdir()
+    doc = run_docs(opguard, tmp_path / "moe", moe(0), moe(1), expect=0)
+    assert collective_findings(doc) == []
+    (tmp_path / "odd").mkdir()
+    doc = run_docs(opguard, tmp_path / "odd", moe(0), moe(1, "int32"))
+    (finding,) = collective_findings(doc)
+    assert finding["kind"] == "collective_dtype" and finding["position"] == 0
+
+
 def test_a_collective_on_another_group_is_one_group_finding(
     opguard: Callable[..., Any], tmp_path: Path
 ) -> None:

@@ -186,6 +186,25 @@ def test_a_scatter_is_held_to_each_ranks_share() -> None:
     assert recorded.kinds() == ["collective_size"]
 
 
+def test_an_all_to_alls_size_is_not_checked() -> None:
+    """An all_to_all's split sizes change with the data (an MoE's routing): another
+    size than the good run's departs from nothing; another dtype does."""
+    a2a = Signature(op="c10d::alltoall_base_", group=0, dtype="float32", numel=5,
+                    shapes=((5,),))  # fmt: skip
+    sequence = CollectiveSequence(
+        ranks=[0], groups=[WORLD, OTHER], signatures=[a2a, B], steps=[StepRun(0, 2, (0, 1))]
+    )
+    recorded = Recorded()
+    checker = SequenceChecker(Collectives(sequences=[sequence]), recorded)
+    assert checker.bind(0)
+    for step in range(3):
+        checker.check(*call(a2a, numel=4 + step, shapes=((4 + step,),)), step, "job:step")
+        checker.check(*call(B), step, "job:step")
+    assert recorded.violations == []
+    checker.check(*call(a2a, dtype="int32"), 3, "job:step")
+    assert recorded.kinds() == ["collective_dtype"]
+
+
 #: a barrier after the loop, on the world group (DDP jobs end with one, or a loss
 #: all-reduce): the good run's last recorded step holds it
 BARRIER = Signature(op="c10d::barrier", group=0, dtype="uint8", numel=1, shapes=((1,),))

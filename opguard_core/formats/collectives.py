@@ -123,6 +123,12 @@ def is_collective(op: str) -> bool:
 POINT_TO_POINT = frozenset({"send", "recv", "isend", "irecv", "batch_p2p_ops"})
 
 
+#: kinds (:func:`collective_kind`) whose sizes differ between ranks, and between steps,
+#: by design (uneven splits: an MoE's token dispatch); any kind named ``*_v``
+#: (``allgather_v``, ``reduce_scatter_v``) too: compared without their size
+UNEVEN = frozenset({"all_to_all"})
+
+
 def compared_by_position(op: str) -> bool:
     """Whether ranks are compared on ``op`` by position on its group (docs/divergence.md):
     a collective every member issues, not a wait (:data:`NOT_COLLECTIVES`) nor a
@@ -143,11 +149,15 @@ def collective_kind(op: str) -> str:
 def compared_size(
     op: str, numel: int | None, shapes: tuple[tuple[int, ...], ...] | None
 ) -> tuple[int | None, tuple[tuple[int, ...], ...] | None]:
-    """The element count and shapes of a call of ``op`` that every rank must share: a
+    """The element count and shapes of a call of ``op`` that every rank must share:
+    none (None, None: not compared) for an uneven kind (:data:`UNEVEN`, ``*_v``); a
     scatter's one rank's share (its first shape: a trace written before the tracer
     described a scatter by its output, on every rank, holds the root's whole list);
     otherwise ``numel`` and ``shapes`` as recorded."""
-    if collective_kind(op) == "scatter" and shapes:
+    kind = collective_kind(op)
+    if kind in UNEVEN or kind.endswith("_v"):
+        return None, None
+    if kind == "scatter" and shapes:
         return math.prod(shapes[0]), shapes[:1]
     return numel, shapes
 
