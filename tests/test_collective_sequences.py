@@ -709,6 +709,27 @@ def test_ranks_without_a_sequence_are_counted_and_named(
     assert "rank(s) 1 recorded no collective sequence" in doc["log"]
 
 
+def test_a_rank_that_issued_no_collective_is_counted_and_the_note_says_so(
+    opguard: Callable[..., Any], tmp_path: Path
+) -> None:
+    """Rank 2 of 3 issued no collective: its current trace has no sequence. The count
+    finding names it, and the log's note says its collectives are counted (not that
+    they are not compared)."""
+    world = {**WORLD, "size": 3, "ranks": [0, 1, 2]}
+    idle = rank_doc(2, [], [world], world_size=3)
+    del idle["collectives"]
+    idle["version"] = 8  # a current trace: a version that records sequences
+    docs = [rank_doc(r, good(), [world], world_size=3) for r in range(2)]
+    doc = run_docs(opguard, tmp_path, *docs, idle)
+    (finding, *_) = collective_findings(doc)
+    assert finding["kind"] == "collective_mismatch" and finding["ranks"] == [2]
+    assert (
+        "rank(s) 2 recorded no collective sequence (none issued, or an older trace): "
+        "collectives are compared by count per callsite too" in doc["log"]
+    )
+    assert "not compared" not in doc["log"]
+
+
 # ----------------------------------------------------------------------------- tracer
 
 #: tries of the sequence job: torch's own crash (a signal) is tried again

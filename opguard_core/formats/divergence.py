@@ -396,8 +396,8 @@ def render_log(
         without = [r for r in meta.get("ranks", []) if r not in sequence_ranks]
         if without:
             lines.append(
-                f"note: rank(s) {_ranks(without)} recorded no collective sequence (an older "
-                "trace): their collectives are not compared"
+                f"note: rank(s) {_ranks(without)} recorded no collective sequence (none "
+                "issued, or an older trace): collectives are compared by count per callsite too"
             )
     elif isinstance(sequence_ranks, list):
         lines.append(
