@@ -813,6 +813,9 @@ CASES = {
     "funcol": "collective_dtype",
     "nested": "collective_dtype",
     "lines": None,
+    "p2p": None,
+    "scatter": None,
+    "a2a": None,
 }
 
 

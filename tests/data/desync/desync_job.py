@@ -15,7 +15,10 @@ steps, so step 0 is before the first ``opt.step()``):
 * ``funcol``: both ranks use functional collectives
   (``torch.distributed._functional_collectives``), rank 1 with ``a`` as int32;
 * ``nested``: an all-gather runs inside a custom op (``desync::gather``), rank 1's
-  in int32 (a size mismatch would make gloo abort the process).
+  in int32 (a size mismatch would make gloo abort the process);
+* ``p2p``, ``scatter``, ``a2a``: no departure; every step first has rank 0 send to
+  rank 1, or scatter from rank 0, or an ``all_to_all_single`` with uneven splits
+  (legitimate programs whose ranks issue different p2p ops or sizes: no finding).
 
 A departing collective does not complete (gloo times out after ``--timeout``
 seconds, or completes with wrong values); the job catches the error and goes on, so
@@ -62,6 +65,19 @@ def step(case: str, rank: int, departs: bool, other: dist.ProcessGroup) -> None:
         gather(torch.ones(3, dtype=torch.int32 if odd else torch.float32))
         collective(dist.all_reduce, b)
         return
+    if case == "p2p":  # rank 0 sends, rank 1 receives
+        t = torch.ones(16)
+        if rank == 0:
+            collective(dist.send, t, 1)
+        else:
+            collective(dist.recv, t, 0)
+    if case == "scatter":  # the scatter list is the root's alone
+        out = torch.empty(4)
+        collective(dist.scatter, out, [torch.ones(4), torch.ones(4)] if rank == 0 else None, 0)
+    if case == "a2a":  # uneven splits: each rank sends and receives its own sizes
+        sent, got = [[1, 3], [2, 3]][rank], [[1, 2], [3, 3]][rank]
+        out = torch.empty(sum(got))
+        collective(dist.all_to_all_single, out, torch.ones(sum(sent)), got, sent)
     if case == "lines" and rank == 1:
         collective(dist.all_reduce, a)  # the same collectives, from other lines
         collective(dist.all_reduce, b)
