@@ -550,6 +550,16 @@ PLUGIN_ROWS = [
         "root: count 1000000000000000000000000000000000000... is not an integer in [0, 2**63)",
         id="count_too_large_for_a_float",
     ),
+    pytest.param(
+        lambda tree: 42,
+        "plugin 'compress': compressor returned int, not a call tree",
+        id="not_a_tree",
+    ),
+    pytest.param(
+        lambda tree: {**tree, "meta": ["x"]},
+        "plugin 'compress': a call tree's root and meta must be objects",
+        id="meta_a_list",
+    ),
 ]
 
 

@@ -101,6 +101,38 @@ def test_a_reader_refusing_its_own_file_is_one_line(tmp_path: Path) -> None:
     assert result.stderr.strip() == f"opguard: error: {empty}: an opcounts file without counts"
 
 
+class Careless:
+    """Takes ``careless`` files and returns what ``data`` says to return."""
+
+    @hookimpl
+    def opguard_read_trace(self, path: Path, data: bytes) -> Any:
+        if not data.startswith(b"careless "):
+            return None
+        return {"list": ["x"], "object": object()}[data.split()[1].decode()]
+
+
+@pytest.mark.parametrize(
+    ("returned", "code", "problem"),
+    [
+        ("list", 5, 'plugin "careless" read it as an invalid trace: expected a JSON object'),
+        ("object", 3, 'plugin "careless": opguard_read_trace('),
+    ],
+)
+def test_a_reader_s_invalid_document_names_the_reader(
+    tmp_path: Path, returned: str, code: int, problem: str
+) -> None:
+    """A reader returning ``["x"]`` was reported as the file's fault (``expected a
+    JSON object``), the plugin unnamed; one returning an object, with a traceback."""
+    path = tmp_path / "job_rank0.txt"
+    path.write_text(f"careless {returned}")
+    manager = create_plugin_manager()
+    manager.register(Careless(), name="careless")
+    result = _invoke(manager, "export", path, "--format", "collapsed")
+    assert result.exit_code == code, result.output
+    assert problem in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+
+
 def test_a_file_no_reader_takes_is_refused_as_before(tmp_path: Path) -> None:
     other = tmp_path / "notes.txt"
     other.write_text("hello")

@@ -73,8 +73,23 @@ class Readers:
                     f"{type(exc).__name__}: {exc}"
                 ) from exc
             if document is not None:
-                return decode_trace(msgspec.json.encode(document), path, check_frame_ids=False)
+                return _reader_trace(impl.plugin_name, path, document)
         return None
+
+
+def _reader_trace(plugin: str, path: Path | str, document: Any) -> DecodedTrace:
+    """A reader's document decoded and validated as a trace file is; a problem names the
+    plugin (the file may be fine: the reader made the document)."""
+    try:
+        return decode_trace(msgspec.json.encode(document), path, check_frame_ids=False)
+    except InputError as exc:
+        raise InputError(
+            path, f'plugin "{plugin}" read it as an invalid trace: {exc.problem}'
+        ) from None
+    except (TypeError, OverflowError) as exc:  # not JSON: a set, an object, a huge int
+        raise PluginError(
+            f'plugin "{plugin}": opguard_read_trace({path}) returned what is not JSON: {exc}'
+        ) from None
 
 
 __all__ = ["Readers", "is_callsite_trace", "without_bom"]

@@ -118,17 +118,21 @@ def _check_site(where: str, node: dict[str, Any]) -> None:
 
 def check_tree(tree: dict[str, Any], expected_total: int | None = None) -> None:
     """Raise :class:`InvariantError` unless ``tree`` meets every invariant of §2."""
+    if not isinstance(tree, dict):
+        raise InvariantError(f"compressor returned {type(tree).__name__}, not a call tree")
     if tree.get("format") != TREE_FORMAT or tree.get("version") != TREE_VERSION:
         raise InvariantError(
             f"compressor returned format {tree.get('format')!r} version {tree.get('version')!r},"
             f" expected {TREE_FORMAT!r} version {TREE_VERSION}"
         )
-    root = tree["root"]
-    dtypes = tree.get("meta", {}).get("dtypes", False)
+    root, meta = tree.get("root"), tree.get("meta", {})
+    if not isinstance(root, dict) or not isinstance(meta, dict):
+        raise InvariantError("a call tree's root and meta must be objects")
+    dtypes = meta.get("dtypes", False)
     if type(dtypes) is not bool:
         raise InvariantError(f"meta.dtypes {_short(dtypes)} is not true or false")
-    settings = tree.get("meta", {}).get("compression", {})
-    _check_count("root", "count", root["count"])
+    settings = meta.get("compression", {})
+    _check_count("root", "count", root.get("count"))
     if expected_total is not None and root["count"] != expected_total:
         raise InvariantError(
             f"root.count {root['count']} != input total {expected_total} (counts not conserved)"
@@ -137,7 +141,7 @@ def check_tree(tree: dict[str, Any], expected_total: int | None = None) -> None:
         root["count"], settings.get("min_count", 1), settings.get("min_fraction", 0.0)
     )
     chains = settings.get("chains", False)
-    all_ranks = tree.get("meta", {}).get("ranks")
+    all_ranks = meta.get("ranks")
     nodes = iter_nodes(root)
     holds = _holds_divergence(nodes, all_ranks)
     for node, parent in nodes:

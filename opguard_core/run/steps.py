@@ -26,6 +26,7 @@ from ruamel.yaml.comments import CommentedMap
 
 from opguard_core.configs.chain import active_filters, apply_filters
 from opguard_core.configs.selection import Selection, select_trace, unmatched_hide
+from opguard_core.errors import InvariantError
 from opguard_core.files.atomic import atomic_write_bytes, atomic_write_parts, safe_child
 from opguard_core.formats.config import dump_config, entry_key, validate_config
 from opguard_core.formats.config_collectives import config_collectives, issued_at
@@ -248,7 +249,10 @@ def compress(call: StepCall, entry: InputEntry, needs: Mapping[str, Any]) -> Any
     trace = _select(entry, needs["combine"], call.options)
     only = call.options.compressor
     tree: dict[str, Any] = call.call("opguard_compress", only, trace=trace, options=call.options)
-    check_tree(tree, expected_total=trace.total)
+    try:
+        check_tree(tree, expected_total=trace.total)
+    except InvariantError as exc:  # named: a third-party compressor's is the likely one
+        raise InvariantError(f"plugin {call.record.plugin!r}: {exc}") from None
     # which plugin made the tree: the config records it, so check rebuilds with it
     tree["meta"].setdefault("compression", {})["compressor"] = call.record.plugin
     call.write("tree", encode_tree(tree))
