@@ -130,6 +130,25 @@ def test_dask_names_the_first_bad_file_in_input_order(
         assert str(on_dask.value) == str(in_order.value)
 
 
+@pytest.mark.slow  # starts worker processes: about 3 s
+def test_a_bad_rank_file_is_not_also_a_worker_s_log_block(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """The LocalCluster opguard starts logged a multi-line "Compute Failed" block (not
+    JSON) on stderr beside the run's one line."""
+    pytest.importorskip("distributed")
+    from opguard_core.errors import InputError
+    from opguard_core.model import InputEntry
+
+    bad = tmp_path / "x_rank0.json"
+    bad.write_text('{"format": "opguard-callsites", "version": 1, "frames": [], "callsites": [')
+    entry = InputEntry(name="x", files=(bad,), index=1)
+    options = RunOptions(executor="dask", jobs=2)  # worker processes, as users get
+    with pytest.raises(InputError, match="not valid JSON"):
+        dask_executor.combine_on_dask(entry, options)
+    assert "Compute Failed" not in capfd.readouterr().err
+
+
 def test_warnings_made_on_workers_reach_the_summary(
     opguard: Callable[..., RunResult],
     tmp_path: Path,

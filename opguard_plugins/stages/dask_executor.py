@@ -22,6 +22,7 @@ way) when dask is not installed.
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -104,6 +105,9 @@ def combine_on_dask(
             threads_per_worker=1,
             processes=bool(options.extra.get("dask_processes", True)),
             dashboard_address=None,
+            # a bad rank file is one line from the run, not also a worker's multi-line
+            # "Compute Failed" block on stderr (not JSON, whatever --log-format says)
+            silence_logs=logging.WARNING if options.verbose else logging.CRITICAL,
         )
         client = distributed.Client(cluster)
     try:
