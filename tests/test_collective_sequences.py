@@ -328,6 +328,28 @@ def test_a_rank_0_that_ended_early_is_the_one_reported(
                            for f in counted)  # fmt: skip
 
 
+@pytest.mark.parametrize("partial", [None, "sigterm"])
+def test_a_rank_0_whose_sequence_ends_first_is_the_one_reported(
+    opguard: Callable[..., Any], tmp_path: Path, partial: str | None
+) -> None:
+    """Two complete ranks (or rank 0 told to stop, which says nothing of when its
+    record ended): rank 0 issues one all-reduce fewer in step 1. The reference is the
+    collective, not the end of rank 0's sequence: rank 0 is missing it (once rank 1
+    was reported as issuing an extra one, rank 0 being the lowest)."""
+    cut = rank_doc(0, good(steps=2)[:-1])
+    if partial:
+        cut["meta"]["partial"] = {"reason": partial, "at": "2026-12-06T10:00:00.100Z",
+                                  "step": 1}  # fmt: skip
+    doc = run_docs(opguard, tmp_path, cut, rank_doc(1, good(steps=2)))
+    (finding,) = collective_findings(doc)
+    assert (finding["kind"], finding["ranks"], finding["expected_ranks"]) == (
+        "collective_missing",
+        [0],
+        [1],
+    )
+    assert (finding["position"], finding["step"]) == (3, 1)
+
+
 def test_ranks_that_died_are_no_majority_against_the_one_that_went_on(
     opguard: Callable[..., Any], tmp_path: Path
 ) -> None:

@@ -14,11 +14,12 @@ one and the other ranks deviate; without a strict majority (always so for two ra
 that disagree) the reference is the value of the ranks whose records went on longest
 (``ended``: when each rank's partial trace ends; a complete one never does, nor one
 told to stop, SIGTERM or SIGINT, which every rank is told at once: in a job where a
-rank died first, it is the one reported, whatever its number), then the lowest
-rank's, and the finding says ``"majority": false`` with the distribution. Ranks whose
-sequences end at the position because their records ended before another rank's are
-no majority (:func:`outlived`: two ranks of three that died do not make the third
-the odd one out).
+rank died first, it is the one reported, whatever its number), then a collective
+over the end of a sequence, then the lowest rank's, and the finding says
+``"majority": false`` with the distribution. Ranks whose sequences end at the
+position because their records ended before another rank's are no majority
+(:func:`outlived`: two ranks of three that died do not make the third the odd one
+out).
 Each deviating value is one finding, whose kind a short look-ahead decides: the
 explanation under which the two sequences agree longest after the position (a window
 of :data:`WINDOW` collectives):
@@ -246,9 +247,10 @@ def outlived(ranks: list[int], holders: Mapping[Any, list[int]], ended: dict[int
 
 def went_on_longest(holders: Mapping[Any, list[int]], ended: dict[int, float]) -> Any:
     """The reference without a majority: of ``holders`` (value → its ranks), the value
-    of the ranks whose records went on longest (a complete record never ends), then of
-    the lowest rank."""
-    return min(holders, key=lambda k: (-last_end(holders[k], ended), min(holders[k])))
+    of the ranks whose records went on longest (a complete record never ends), then a
+    value over None (a collective over the end of a sequence: the rank whose sequence
+    ended is the odd one), then the value of the lowest rank."""
+    return min(holders, key=lambda k: (-last_end(holders[k], ended), k is None, min(holders[k])))
 
 
 def _first_disagreement(
@@ -475,21 +477,37 @@ def _finding(
 
 def _merge_groups(findings: list[Finding]) -> list[Finding]:
     """A rank's ``collective_missing`` on one group and ``collective_extra`` of the
-    same collective in the same step on another: one ``collective_group`` finding."""
-    extras = [f for f in findings if f["kind"] == "collective_extra"]
+    same collective in the same step on another: one ``collective_group`` finding.
+    Without a majority the other group's finding may be the mirror of an extra: the
+    ranks that did not issue it there ``collective_missing`` it, the moving rank being
+    the reference. A missing finding whose ranks go on with another collective on
+    their group is taken as the move first (the others never issued it there)."""
+    #: (finding, the collective issued on the other group, the ranks that issued it,
+    #: its stack)
+    issued = [
+        (f, f["got"], f["ranks"], f["stack"])
+        for f in findings
+        if f["kind"] == "collective_extra" and f["got"] is not None
+    ] + [
+        (f, f["expected"], f["expected_ranks"], f["expected_stack"])
+        for f in findings
+        if f["kind"] == "collective_missing" and not f["majority"] and f["expected"] is not None
+    ]
     merged: list[Finding] = []
     used: set[int] = set()
-    for finding in findings:
-        if finding["kind"] != "collective_missing" or finding["expected"] is None:
+    missing = [f for f in findings if f["kind"] == "collective_missing"]
+    for finding in sorted(missing, key=lambda f: f["got"] is None):
+        if id(finding) in used or finding["expected"] is None:
             continue
         want = {k: v for k, v in finding["expected"].items() if k != "group"}
-        for extra in extras:
-            if id(extra) in used or extra["got"] is None:
+        for other, call, ranks, stack in issued:
+            if id(other) in used or other["group"] == finding["group"]:
                 continue
-            have = {k: v for k, v in extra["got"].items() if k != "group"}
-            if have == want and extra["ranks"] == finding["ranks"]:
-                used.update((id(extra), id(finding)))
-                merged.append(_group_finding(finding, extra))
+            have = {k: v for k, v in call.items() if k != "group"}
+            if have == want and ranks == finding["ranks"]:
+                used.update((id(other), id(finding)))
+                moved = {**other, "got": call, "stack": stack, "op": call["op"]}
+                merged.append(_group_finding(finding, moved))
                 break
     return [f for f in findings if id(f) not in used] + merged
 
