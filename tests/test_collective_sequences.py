@@ -350,6 +350,25 @@ def test_a_rank_0_whose_sequence_ends_first_is_the_one_reported(
     assert (finding["position"], finding["step"]) == (3, 1)
 
 
+def test_check_finds_a_step_in_which_a_rank_issued_no_collective(
+    opguard: Callable[..., Any], tmp_path: Path
+) -> None:
+    """``opguard check`` against a good run's config: rank 1 issues nothing in step 2
+    of 5. That step's collectives are missing (once only a count drift warned)."""
+    (tmp_path / "good").mkdir()
+    (tmp_path / "bad").mkdir()
+    for r in (0, 1):
+        write(tmp_path / "good" / f"job_rank{r}.json", rank_doc(r, good(steps=5)))
+    run = opguard("run", "-i", str(tmp_path / "good" / "job_rank*.json"), expect=0)
+    skipped = [c for c in good(steps=5) if c[0] != 2]
+    for r, calls in ((0, good(steps=5)), (1, skipped)):
+        write(tmp_path / "bad" / f"job_rank{r}.json", rank_doc(r, calls))
+    result = opguard("check", "--config", str(run.run_dir), "-i",
+                     str(tmp_path / "bad" / "job_rank*.json"), expect=1)  # fmt: skip
+    assert "collective_missing" in result.result.stdout
+    assert "rank 1: step 2 ended after 0 collective(s) on group 0" in result.result.stdout
+
+
 def test_ranks_that_died_are_no_majority_against_the_one_that_went_on(
     opguard: Callable[..., Any], tmp_path: Path
 ) -> None:

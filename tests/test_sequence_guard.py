@@ -140,6 +140,20 @@ def test_a_missing_collective_is_found_when_the_next_step_starts() -> None:
     assert not may_raise and "step 1 ended after 0 collective(s) on group 1" in violation.message
 
 
+def test_a_step_without_any_collective_is_missing_its_collectives() -> None:
+    """Rank 1 issues nothing in step 2 (steps 0, 1, 3, 4): step 2 is held to its plan
+    when step 3's first collective comes (once only the step before it was)."""
+    recorded = Recorded()
+    checker = SequenceChecker(good(1, steps=5), recorded)
+    assert checker.bind(1)
+    for number in (0, 1, 3, 4):
+        for op, described in GOOD_STEP:
+            checker.check(op, described, number, "job:step")
+    recorded.violations.extend((v, False) for v in checker.finish())
+    assert recorded.kinds() == ["collective_missing", "collective_missing"]  # both groups
+    assert all("step 2 ended after 0 collective(s)" in v.message for v, _ in recorded.violations)
+
+
 def test_unknown_fields_are_not_compared() -> None:
     """A field the recording lacks (a Flight Recorder dump has no reduce op) matches."""
     assert run_steps([GOOD_STEP, [call(A, reduce_op=None), call(B), call(C)]]).violations == []

@@ -24,7 +24,10 @@ the good run, **before** it is issued (:class:`SequenceChecker`):
   issued later in the step on this group: skipped or out of order; or another
   collective), ``collective_dtype``, ``collective_size``, ``collective_reduce_op``,
   ``collective_extra`` (more collectives on the group in the step than the good run
-  issued) or ``collective_missing`` (fewer, found when the next step starts);
+  issued) or ``collective_missing`` (fewer, found when the next step starts; a step
+  in which the rank issued no collective at all is held to its plans too, up to
+  the first such step that comes up short, when a later step's first collective
+  comes);
 * with ``--on-violation raise`` the offending rank raises
   :class:`~opguard_plugins.enforce.runtime.OpGuardViolation` inside the call, with
   the stack, so the collective is never issued and no peer waits for it; ``warn``
@@ -256,6 +259,14 @@ class SequenceChecker:
         with self._lock:
             if step != self.step:
                 missing = self._close_step()
+                # the steps in between issued no collective: each is held to its plans,
+                # up to the first that comes up short (the rest of the gap follows from it)
+                for skipped in range(0 if self.step is None else self.step + 1, step):
+                    if expected is None or missing:
+                        break
+                    self.step, self.positions = skipped, {}
+                    self.alive = expected.plans(skipped)
+                    missing = self._close_step()
                 self.step, self.positions, self.alive = step, {}, None
             else:
                 missing = []
