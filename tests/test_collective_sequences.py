@@ -712,6 +712,61 @@ def test_runs_are_compared_without_expanding_them(
     assert (finding["position"], finding["step"]) == (2 * (last + 1), last + 1)
 
 
+@pytest.mark.parametrize("skipper", [1, 0])
+def test_a_step_a_rank_skipped_is_reported_where_it_parts(
+    opguard: Callable[..., Any], tmp_path: Path, skipper: int
+) -> None:
+    """A rank issues no collective in step 2 of 5: the finding is at step 2, position
+    4, and names that rank, whichever its number (once the whole steps were skipped as
+    alike, and the rank was found short at step 4, position 8)."""
+    skipped = [c for c in good(steps=5) if c[0] != 2]
+    docs = [rank_doc(r, skipped if r == skipper else good(steps=5)) for r in (0, 1)]
+    (finding,) = collective_findings(run_docs(opguard, tmp_path, *docs))
+    assert (finding["kind"], finding["ranks"]) == ("collective_missing", [skipper])
+    assert (finding["position"], finding["step"]) == (4, 2)
+    assert finding["got"]["step"] == 3 and "no collective in step 2" in finding["message"]
+
+
+def split(rank: int, steps: list[list[Any]], dtype: str = "bfloat16") -> dict[str, Any]:
+    """A rank file whose runs are ``steps``: signature 0 a float32 all-reduce of 8,
+    1 the same from another line, 2 the same in ``dtype``."""
+    doc = rank_doc(rank, [(0, AR, "float32", 8, 10), (1, AR, "float32", 8, 11),
+                          (2, AR, dtype, 8, 12)])  # fmt: skip
+    doc["collectives"]["sequences"][0]["steps"] = steps
+    return doc
+
+
+def test_sequences_that_split_their_steps_differently_are_compared_to_the_end(
+    opguard: Callable[..., Any], tmp_path: Path
+) -> None:
+    """12 million all-reduces, one a step on rank 0 and two on rank 1, then one in
+    another dtype: the runs are compared a stretch at a time, and the dtype found (once
+    a walk of 10 million calls, tens of seconds, gave up and said they agree)."""
+    n = 12_000_000
+    docs = [split(0, [[0, n - 1, [0]], [n, n, [1]]]),
+            split(1, [[0, n // 2 - 1, [0, 0]], [n // 2, n // 2, [2]]])]  # fmt: skip
+    (finding,) = collective_findings(run_docs(opguard, tmp_path, *docs))
+    assert (finding["kind"], finding["ranks"], finding["position"]) == ("collective_dtype", [1], n)
+
+
+def test_a_group_compared_only_in_part_says_so(
+    opguard: Callable[..., Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Past MAX_STEPPED calls compared one at a time the rest of a group is not
+    compared: a warning says up to where (once it said nothing, and the log that every
+    rank did the same)."""
+    monkeypatch.setattr("opguard_plugins.stages.sequences.MAX_STEPPED", 2)
+    a, b = (AR, "float32", 6, 10), (AR, "float32", 8, 11)
+    steps = [[a, b, a], [b, a, b], [a, b]]  # the same calls as good()'s 4 steps
+    odd = [(step, *c) for step, calls in enumerate(steps) for c in calls]
+    docs = [rank_doc(0, good(steps=4)), rank_doc(1, odd)]
+    doc = run_docs(opguard, tmp_path, *docs, expect=0)
+    (finding,) = [f for f in doc["findings"] if f["kind"] == "sequence_unchecked"]
+    assert finding["severity"] == "warning" and finding["ranks"] == [0, 1]
+    assert "group 0 (default_pg) compared only up to collective #2" in finding["message"]
+    assert "no divergence" not in doc["log"]
+
+
 def test_a_reduce_op_mismatch_is_its_own_kind(opguard: Callable[..., Any], tmp_path: Path) -> None:
     docs = [rank_doc(r, good()) for r in (0, 1)]
     docs[1]["collectives"]["sequences"][0]["signatures"].append(

@@ -46,7 +46,17 @@ SEQUENCE_KINDS = (
     "collective_extra",
     "collective_group",
 )
-KINDS = ("collective_mismatch", *SEQUENCE_KINDS, "rank_specific", "count_skew", "dtype_mismatch")
+#: a warning: a group whose sequences were compared only up to a position
+#: (``opguard_plugins/stages/sequences.py``, ``MAX_STEPPED``)
+UNCHECKED_KIND = "sequence_unchecked"
+KINDS = (
+    "collective_mismatch",
+    *SEQUENCE_KINDS,
+    UNCHECKED_KIND,
+    "rank_specific",
+    "count_skew",
+    "dtype_mismatch",
+)
 
 Finding = dict[str, Any]
 

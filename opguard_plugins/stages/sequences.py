@@ -40,7 +40,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from opguard_core.formats.collectives import (
     Collectives,
@@ -50,14 +50,14 @@ from opguard_core.formats.collectives import (
     collective_kind,
     compared_by_position,
 )
-from opguard_core.formats.divergence import Finding
+from opguard_core.formats.divergence import UNCHECKED_KIND, Finding
 from opguard_core.formats.trace import list_ranks
 
 #: collectives compared after the first disagreement to tell its kind
 WINDOW = 32
-#: collectives compared one by one on a group before giving up (whole steps that
-#: agree are skipped at once; only sequences that agree call by call but split their
-#: steps differently are walked one by one)
+#: collectives compared one by one on a group before giving up, with a
+#: ``sequence_unchecked`` warning (stretches that repeat alike are skipped at once:
+#: :func:`_walk`)
 MAX_STEPPED = 10_000_000
 
 #: a group as divergence knows it: its name and members (several groups may share a
@@ -117,16 +117,38 @@ class _Cursor:
     a call at a time, or whole steps at once (:meth:`skip`), so runs of millions of
     steps are never expanded."""
 
-    __slots__ = ("block", "blocks", "call", "rep")
+    __slots__ = ("block", "blocks", "call", "periods", "rep")
 
     def __init__(self, blocks: list[Block]) -> None:
         self.blocks = blocks
         self.block = self.rep = self.call = 0
+        #: block index -> the period of its step's keys (:meth:`rest`), once computed
+        self.periods: dict[int, int] = {}
 
     def copy(self) -> _Cursor:
         other = _Cursor(self.blocks)
         other.block, other.rep, other.call = self.block, self.rep, self.call
+        other.periods = self.periods
         return other
+
+    def previous_step(self) -> int | None:
+        """The step of the call before the current one (None before the first)."""
+        if self.call or self.rep:
+            return self.blocks[self.block][0] + self.rep - (0 if self.call else 1)
+        return self.blocks[self.block - 1][1] if self.block else None
+
+    def rest(self) -> tuple[tuple[Any, ...], int] | None:
+        """What the rest of the current block repeats (one period of its keys, from
+        the current call on) and how many calls it has left; None past the end."""
+        block = self.current()
+        if block is None:
+            return None
+        keys = block[3]
+        period = self.periods.get(self.block)
+        if period is None:
+            period = self.periods[self.block] = _period(keys)
+        offset = self.call % period
+        return keys[offset:period] + keys[:offset], self.reps_left() * len(keys) - self.call
 
     def current(self) -> Block | None:
         return self.blocks[self.block] if self.block < len(self.blocks) else None
@@ -166,6 +188,21 @@ class _Cursor:
             out.append(call)
             cursor.advance()
         return out
+
+
+def _period(keys: tuple[Any, ...]) -> int:
+    """The length of the shortest tuple whose repetition is ``keys`` (its own length
+    where none is shorter): the prefix function of Knuth, Morris and Pratt."""
+    border = [0] * len(keys)
+    k = 0
+    for i in range(1, len(keys)):
+        while k and keys[i] != keys[k]:
+            k = border[k - 1]
+        if keys[i] == keys[k]:
+            k += 1
+        border[i] = k
+    period = len(keys) - (border[-1] if keys else 0)
+    return period if period and len(keys) % period == 0 else len(keys)
 
 
 def _group_id(group: Group) -> GroupId:
@@ -248,9 +285,81 @@ def outlived(ranks: list[int], holders: Mapping[Any, list[int]], ended: dict[int
 def went_on_longest(holders: Mapping[Any, list[int]], ended: dict[int, float]) -> Any:
     """The reference without a majority: of ``holders`` (value → its ranks), the value
     of the ranks whose records went on longest (a complete record never ends), then a
-    value over None (a collective over the end of a sequence: the rank whose sequence
-    ended is the odd one), then the value of the lowest rank."""
-    return min(holders, key=lambda k: (-last_end(holders[k], ended), k is None, min(holders[k])))
+    collective over None or a :class:`Skipped` step (the rank whose sequence ended, or
+    that issued nothing in the step, is the odd one), then the value of the lowest
+    rank."""
+    return min(
+        holders,
+        key=lambda k: (
+            -last_end(holders[k], ended),
+            k is None or isinstance(k, Skipped),
+            min(holders[k]),
+        ),
+    )
+
+
+class Skipped(NamedTuple):
+    """What ranks hold at a position in a step in which they issued no collective on
+    the group, where others issue this one (they issue theirs in a later step)."""
+
+    step: int
+
+
+#: why :func:`_walk` stopped: the classes differ in a key; one skipped a step; all
+#: ended together (they agree); :data:`MAX_STEPPED` calls walked one at a time
+DIFFER, GAP, AGREE, UNCHECKED = "differ", "gap", "agree", "unchecked"
+
+
+def _walk(cursors: list[_Cursor], position: int) -> tuple[int, str]:
+    """Move ``cursors`` on together to the first position where they part, from
+    ``position``: where a key differs, or where a class skipped a whole step in which
+    another issues its next call (:func:`_skipped_step`). Stretches that repeat alike
+    (the rests of the current blocks repeat the same keys from where each cursor is:
+    whole steps issued alike, or the same calls split into steps differently) are
+    skipped at once; only where they do not is it a call at a time, and at most
+    :data:`MAX_STEPPED` calls. Returns the position and why it stopped."""
+    stepped = 0
+    #: the blocks where the rests were last found not to repeat alike: moving a call
+    #: at a time turns every rest by one, so they do not until a block changes
+    apart: tuple[int, ...] | None = None
+    while True:
+        if _skipped_step(cursors) is not None:
+            return position, GAP
+        blocks = tuple(c.block for c in cursors)
+        if blocks != apart:
+            rests = [c.rest() for c in cursors]
+            if all(r is not None for r in rests) and len({r[0] for r in rests if r}) == 1:
+                calls = min(r[1] for r in rests if r)
+                for cursor in cursors:
+                    _advance_by(cursor, calls)
+                position += calls
+                continue
+            apart = blocks
+        keys = [c.key() for c in cursors]
+        if len(set(keys)) > 1:
+            return position, DIFFER
+        if keys[0] is None:  # all ended together: they differ in step numbers only
+            return position, AGREE
+        if stepped == MAX_STEPPED:
+            return position, UNCHECKED
+        for cursor in cursors:
+            cursor.advance()
+        position += 1
+        stepped += 1
+
+
+def _skipped_step(cursors: list[_Cursor]) -> int | None:
+    """The step a class skipped at the cursors' position: the earliest step of their
+    current calls, where a class whose call is later issued its previous call before
+    it (it issued nothing in a step in which another class issues this call)."""
+    steps = [(call[0], c) for c in cursors if (call := c.peek()) is not None]
+    if len(steps) < 2:
+        return None
+    low = min(step for step, _ in steps)
+    for step, cursor in steps:
+        if step > low and (before := cursor.previous_step()) is not None and before < low:
+            return low
+    return None
 
 
 def _first_disagreement(
@@ -264,31 +373,19 @@ def _first_disagreement(
     position = max(views[0].first for views in classes)
     for views, cursor in zip(classes, cursors, strict=True):
         _advance_by(cursor, position - views[0].first)
-    stepped = 0
-    while True:
-        blocks = [c.current() for c in cursors]
-        if (
-            all(c.call == 0 for c in cursors)
-            and all(b is not None for b in blocks)
-            and len({b[3] for b in blocks if b is not None}) == 1
-        ):  # every class at the start of a step with the same calls: skip whole steps
-            reps = min(c.reps_left() for c in cursors)
-            for cursor in cursors:
-                cursor.skip(reps)
-            position += reps * len(blocks[0][3]) if blocks[0] is not None else 0
-            continue
-        keys = [c.key() for c in cursors]
-        if len(set(keys)) > 1:
-            break
-        if keys[0] is None:  # all ended together: they differ in step numbers only
-            return []
-        for cursor in cursors:
-            cursor.advance()
-        position += 1
-        stepped += 1
-        if stepped > MAX_STEPPED:
-            return []
+    position, why = _walk(cursors, position)
+    if why == AGREE:
+        return []
+    if why == UNCHECKED:
+        return [_unchecked(group, position, sorted(r for ranks in ranks_of for r in ranks))]
     here = [c.peek() for c in cursors]
+    keys: list[Any] = [c.key() for c in cursors]
+    gap = _skipped_step(cursors) if why == GAP else None
+    if gap is not None:  # a class that skipped the step holds that, not its next call
+        keys = [
+            Skipped(gap) if call is not None and call[0] > gap else key
+            for call, key in zip(here, keys, strict=True)
+        ]
     # the distribution at the position: key -> ranks
     distribution: dict[Any, list[int]] = {}
     for key, ranks in zip(keys, ranks_of, strict=True):
@@ -303,10 +400,12 @@ def _first_disagreement(
         winner = went_on_longest(distribution, ended)
     reference = next(i for i, key in enumerate(keys) if key == winner)
     expected_window = cursors[reference].window(WINDOW + 2)
+    skipped = {i for i, key in enumerate(keys) if isinstance(key, Skipped)}
     shown = [
-        {"value": _text(here[keys.index(key)]), "ranks": sorted(ranks)}
+        {"value": _text(here[keys.index(key)], gap if keys.index(key) in skipped else None),
+         "ranks": sorted(ranks)}
         for key, ranks in sorted(distribution.items(), key=lambda kv: min(kv[1]))
-    ]
+    ]  # fmt: skip
     findings = []
     done: set[Any] = set()
     for index, key in enumerate(keys):
@@ -314,7 +413,10 @@ def _first_disagreement(
             continue
         done.add(key)
         got_window = cursors[index].window(WINDOW + 2)
-        kind = _kind(expected_window, got_window)
+        if (index in skipped) != (reference in skipped):  # one of them skipped the step
+            kind = "collective_missing" if index in skipped else "collective_extra"
+        else:
+            kind = _kind(expected_window, got_window)
         findings.append(
             _finding(
                 kind,
@@ -327,9 +429,35 @@ def _first_disagreement(
                 majority,
                 shown,
                 describe,
+                gap if (index in skipped) != (reference in skipped) else None,
             )
         )
     return findings
+
+
+def _unchecked(group: Group, position: int, ranks: list[int]) -> Finding:
+    """A warning that ``group`` was compared only up to ``position``: the members'
+    sequences agree so far, call by call, but they split their steps so differently
+    that :data:`MAX_STEPPED` calls were walked one at a time."""
+    label = f"group {group.name}" + (f" ({group.desc})" if group.desc else "")
+    return {
+        "kind": UNCHECKED_KIND,
+        "severity": "warning",
+        "ranks": ranks,
+        "op": None,
+        "group": {"name": group.name, "desc": group.desc, "size": group.size,
+                  "ranks": list(group.ranks)},
+        "position": position,
+        "target": "<root>",
+        "context": [],
+        "stack": [],
+        "size": len(ranks),
+        "message": (
+            f"{label} compared only up to collective #{position}: its members agree call "
+            f"by call so far, but split their steps differently, and past {MAX_STEPPED} "
+            "collectives compared one at a time the rest was not compared"
+        ),
+    }  # fmt: skip
 
 
 def _kind(expected: list[Call], got: list[Call]) -> str:
@@ -391,10 +519,13 @@ def _signature_doc(call: Call | None, group: Group) -> dict[str, Any] | None:
     }
 
 
-def _text(call: Call | None) -> str:
-    """A collective as a person reads it: ``c10d::allreduce_ float32[6] sum``."""
+def _text(call: Call | None, gap: int | None = None) -> str:
+    """A collective as a person reads it: ``c10d::allreduce_ float32[6] sum``; with
+    ``gap``, the step it is issued in and the one skipped before it."""
     if call is None:
         return "no collective (its sequence ended)"
+    if gap is not None:
+        return f"no collective in step {gap} ({_text(call)} in step {call[0]} next)"
     sig = call[1]
     if sig.shapes is None:
         shape = f"({sig.numel} elements)" if sig.numel is not None else ""
@@ -425,7 +556,11 @@ def _finding(
     majority: bool,
     distribution: list[dict[str, Any]],
     describe: Describe,
+    gap: int | None = None,
 ) -> Finding:
+    """One sequence finding; ``gap``: the step in which one side (the deviating ranks
+    for a ``collective_missing``, the reference for a ``collective_extra``) issued no
+    collective on the group where the other issues this one."""
     where_got = describe(got[1].stack) if got is not None else None
     where_expected = describe(expected[1].stack) if expected is not None else None
     where = where_got or where_expected or {"target": "<root>", "context": [], "stack": []}
@@ -439,9 +574,13 @@ def _finding(
     head = f"collective #{position} on {label}, step {step}: rank(s) {rank_text}"
     if kind == "collective_missing":
         then = f"issue {_text(got)} next" if got is not None else "issue no further collective"
+        if gap is not None:
+            then = f"issue {_text(got, gap)}"
         message = f"{head} skip {_text(expected)}, which {them} issue(s) here; they {then}"
     elif kind == "collective_extra":
         then = f"issue(s) {_text(expected)} here" if expected is not None else "issue(s) none"
+        if gap is not None:
+            then = f"issue(s) {_text(expected, gap)}"
         message = f"{head} issue {_text(got)}, which {them} do(es) not: {them} {then}"
     else:
         message = (
