@@ -625,6 +625,31 @@ def test_a_collective_on_another_group_is_one_group_finding(
     assert finding["step"] == 1
 
 
+def test_two_groups_issued_in_another_order_are_a_desync(
+    opguard: Callable[..., Any], tmp_path: Path
+) -> None:
+    """Each step all-reduces on the world group, then on group 1 (both ranks); rank 1
+    swaps them in step 1. Each group on its own agrees, yet both ranks wait for the
+    other (a real hang under gloo and NCCL): a collective_order naming rank 1, step 1
+    (once: no divergence)."""
+    other = {"name": "1", "desc": None, "size": 2, "ranks": [0, 1]}
+    a, b = (AR, "float32", 6, 10), (AR, "float32", 8, 11, "1")
+    calls = [(step, *c) for step in range(3) for c in (a, b)]
+    swapped = replace_step(calls, 1, [(1, *b), (1, *a)])
+    doc = run_docs(opguard, tmp_path, rank_doc(0, calls, [WORLD, other]),
+                   rank_doc(1, swapped, [WORLD, other]))  # fmt: skip
+    (finding,) = collective_findings(doc)
+    assert (finding["kind"], finding["ranks"], finding["step"]) == ("collective_order", [1], 1)
+    assert (finding["group"]["name"], finding["other_group"]["name"]) == ("0", "1")
+    assert finding["position"] == 1 and finding["got"]["group"] == "1"
+    assert "interleave in another order" in finding["message"]
+    # the same order on both ranks, whatever it is, agrees
+    (tmp_path / "same").mkdir()
+    doc = run_docs(opguard, tmp_path / "same", rank_doc(0, swapped, [WORLD, other]),
+                   rank_doc(1, swapped, [WORLD, other]), expect=0)  # fmt: skip
+    assert collective_findings(doc) == []
+
+
 def test_ranks_whose_other_groups_split_their_steps_differently_agree(
     opguard: Callable[..., Any], tmp_path: Path
 ) -> None:

@@ -224,6 +224,9 @@ def sequence_findings(
             groups.setdefault(gid, group)
             users.setdefault(gid, {})[id(seq)] = index
     findings: list[Finding] = []
+    #: the groups compared (two or more members), and those with a finding
+    compared: set[GroupId] = set()
+    reported: set[GroupId] = set()
     for gid in sorted(groups, key=lambda g: (_name_order(g[0]), g)):
         group = groups[gid]
         used = users[gid]
@@ -231,6 +234,7 @@ def sequence_findings(
         members.update(r for seq in collectives.sequences if id(seq) in used for r in seq.ranks)
         if len(members) < 2:
             continue
+        compared.add(gid)
         views: dict[int, _View] = {}
         for rank in sorted(members):
             seq = by_rank[rank]
@@ -243,8 +247,12 @@ def sequence_findings(
             classes.setdefault(view.shape(), []).append(view)
         if len(classes) < 2:
             continue
-        findings.extend(_first_disagreement(group, list(classes.values()), describe, ended or {}))
-    return _merge_groups(findings)
+        found = _first_disagreement(group, list(classes.values()), describe, ended or {})
+        reported.update([gid] if found else [])
+        findings.extend(found)
+    findings = _merge_groups(findings)
+    findings.extend(_interleavings(collectives, groups, compared - reported, describe, ended or {}))
+    return findings
 
 
 def _name_order(name: str) -> tuple[int, str]:
@@ -386,18 +394,7 @@ def _first_disagreement(
             Skipped(gap) if call is not None and call[0] > gap else key
             for call, key in zip(here, keys, strict=True)
         ]
-    # the distribution at the position: key -> ranks
-    distribution: dict[Any, list[int]] = {}
-    for key, ranks in zip(keys, ranks_of, strict=True):
-        distribution.setdefault(key, []).extend(ranks)
-    total = sum(len(r) for r in distribution.values())
-    winner = max(distribution, key=lambda k: len(distribution[k]))
-    # a majority whose sequences ended here because their records did is no majority
-    majority = 2 * len(distribution[winner]) > total and not (
-        winner is None and outlived(distribution[winner], distribution, ended)
-    )
-    if not majority:  # the ranks that went on longest are the reference, then the lowest
-        winner = went_on_longest(distribution, ended)
+    distribution, winner, majority = _reference(keys, ranks_of, ended)
     reference = next(i for i, key in enumerate(keys) if key == winner)
     expected_window = cursors[reference].window(WINDOW + 2)
     skipped = {i for i, key in enumerate(keys) if isinstance(key, Skipped)}
@@ -435,11 +432,31 @@ def _first_disagreement(
     return findings
 
 
+def _reference(
+    keys: list[Any], ranks_of: list[list[int]], ended: dict[int, float]
+) -> tuple[dict[Any, list[int]], Any, bool]:
+    """The distribution at a position (each class's value ``keys[i]``, held by its
+    ``ranks_of[i]``: value -> ranks), the reference value and whether a strict majority
+    holds it (else the ranks that went on longest, then the lowest: module docstring)."""
+    distribution: dict[Any, list[int]] = {}
+    for key, ranks in zip(keys, ranks_of, strict=True):
+        distribution.setdefault(key, []).extend(ranks)
+    total = sum(len(r) for r in distribution.values())
+    winner = max(distribution, key=lambda k: len(distribution[k]))
+    # a majority whose sequences ended here because their records did is no majority
+    majority = 2 * len(distribution[winner]) > total and not (
+        winner is None and outlived(distribution[winner], distribution, ended)
+    )
+    if not majority:  # the ranks that went on longest are the reference, then the lowest
+        winner = went_on_longest(distribution, ended)
+    return distribution, winner, majority
+
+
 def _unchecked(group: Group, position: int, ranks: list[int]) -> Finding:
     """A warning that ``group`` was compared only up to ``position``: the members'
     sequences agree so far, call by call, but they split their steps so differently
     that :data:`MAX_STEPPED` calls were walked one at a time."""
-    label = f"group {group.name}" + (f" ({group.desc})" if group.desc else "")
+    label = _label(group)
     return {
         "kind": UNCHECKED_KIND,
         "severity": "warning",
@@ -458,6 +475,139 @@ def _unchecked(group: Group, position: int, ranks: list[int]) -> Finding:
             "collectives compared one at a time the rest was not compared"
         ),
     }  # fmt: skip
+
+
+def _interleavings(
+    collectives: Collectives,
+    groups: dict[GroupId, Group],
+    compared: set[GroupId],
+    describe: Describe,
+    ended: dict[int, float],
+) -> list[Finding]:
+    """``collective_order`` where ranks that share two groups interleave the groups'
+    collectives in another order (each group on its own agrees): the first position,
+    among the two groups' collectives merged in the order each rank issued them, where
+    the ranks differ. Only pairs of ``compared`` groups (two or more members, no
+    finding of their own) that two or more ranks both use, and that every one of them
+    recorded from the start (``Group.first``), are compared."""
+    #: per pair of groups: each sequence that used both, with their indexes there
+    pairs: dict[tuple[GroupId, GroupId], list[tuple[CollectiveSequence, int, int]]] = {}
+    for seq in collectives.sequences:
+        mine = sorted(
+            (gid, index)
+            for index, group in enumerate(seq.groups)
+            if (gid := _group_id(group)) in compared and not group.first
+        )
+        for a, (gid, index) in enumerate(mine):
+            for other, other_index in mine[a + 1 :]:
+                pairs.setdefault((gid, other), []).append((seq, index, other_index))
+    findings: list[Finding] = []
+    for pair in sorted(pairs, key=lambda p: [(_name_order(g[0]), g) for g in p]):
+        users = pairs[pair]
+        if sum(len(seq.ranks) for seq, _, _ in users) < 2:
+            continue
+        classes: dict[tuple[Any, ...], list[_View]] = {}
+        for seq, index, other_index in users:
+            view = _merged_view(seq, {index: pair[0], other_index: pair[1]})
+            classes.setdefault(view.shape(), []).append(view)
+        if len(classes) > 1:
+            findings.extend(_first_interleaving(groups, list(classes.values()), describe, ended))
+    return findings
+
+
+def _merged_view(sequence: CollectiveSequence, indexes: dict[int, GroupId]) -> _View:
+    """``sequence``'s collectives on the groups ``indexes`` (group index -> id), in the
+    order it issued them, each keyed by its group and what it does; its ranks."""
+    blocks: list[Block] = []
+    signatures = sequence.signatures
+    #: signature id -> its key, for the signatures on the groups (one key() each)
+    keyed = {
+        number: (indexes[sig.group], sig.key())
+        for number, sig in enumerate(signatures)
+        if sig.group in indexes and sig.op not in NOT_COLLECTIVES
+    }
+    for run in sequence.steps:
+        ids = [c for c in run.calls if c in keyed]
+        if not ids:
+            continue
+        calls = tuple(signatures[c] for c in ids)
+        keys = tuple(keyed[c] for c in ids)
+        if blocks and blocks[-1][1] + 1 == run.first and blocks[-1][3] == keys:
+            blocks[-1] = (blocks[-1][0], run.last, blocks[-1][2], keys)
+        else:
+            blocks.append((run.first, run.last, calls, keys))
+    return _View(blocks, list(sequence.ranks))
+
+
+def _on_group_before(cursor: _Cursor, gid: GroupId) -> int:
+    """How many collectives on ``gid`` a merged view's cursor has passed."""
+    count = 0
+    for index, (first, last, _, keys) in enumerate(cursor.blocks[: cursor.block + 1]):
+        on = sum(1 for key in keys if key[0] == gid)
+        if index < cursor.block:
+            count += (last - first + 1) * on
+        else:
+            count += cursor.rep * on + sum(1 for key in keys[: cursor.call] if key[0] == gid)
+    return count
+
+
+def _first_interleaving(
+    groups: dict[GroupId, Group],
+    classes: list[list[_View]],
+    describe: Describe,
+    ended: dict[int, float],
+) -> list[Finding]:
+    """Findings at the first position where ``classes`` (merged views of two groups
+    that agree) issue the two groups' collectives in another order."""
+    cursors = [_Cursor(views[0].blocks) for views in classes]
+    ranks_of = [sorted(r for v in views for r in v.ranks) for views in classes]
+    _, why = _walk(cursors, 0)
+    here = [c.peek() for c in cursors]
+    keys = [c.key() for c in cursors]
+    if why != DIFFER or any(call is None for call in here):
+        return []  # a sequence that ends first is the groups' own finding
+    distribution, winner, majority = _reference(keys, ranks_of, ended)
+    reference = keys.index(winner)
+    expected = here[reference]
+    group = groups[winner[0]]
+    at = _on_group_before(cursors[reference], winner[0])
+    shown = [
+        {"value": f"{_text(here[keys.index(key)])} on group {key[0][0]}", "ranks": sorted(ranks)}
+        for key, ranks in sorted(distribution.items(), key=lambda kv: min(kv[1]))
+    ]
+    findings = []
+    for index, key in enumerate(keys):
+        if key == winner or key in [keys[i] for i in range(index)]:
+            continue
+        got = here[index]
+        other = groups[key[0]]
+        ranks = sorted(distribution[key])
+        finding = _finding(
+            "collective_order", group, at, expected, got, ranks,
+            sorted(distribution[winner]), majority, shown, describe,
+        )  # fmt: skip
+        them = (
+            "most ranks"
+            if majority
+            else f"rank {finding['expected_ranks'][0]} (no majority: the reference)"
+        )
+        finding["got"]["group"] = other.name
+        finding["other_group"] = {"name": other.name, "desc": other.desc, "size": other.size,
+                                  "ranks": list(other.ranks)}  # fmt: skip
+        finding["message"] = (
+            f"collective #{at} on {_label(group)}, step {got[0] if got else None}: rank(s) "
+            f"{list_ranks(ranks)} issue {_text(got)} on {_label(other)} (its collective "
+            f"#{_on_group_before(cursors[index], key[0])} there) first, where {them} "
+            f"issue(s) {_text(expected)} on {_label(group)} first: the two groups' "
+            "collectives interleave in another order; the job hangs here"
+        )
+        findings.append(finding)
+    return findings
+
+
+def _label(group: Group) -> str:
+    """``group 0 (default_pg)``."""
+    return f"group {group.name}" + (f" ({group.desc})" if group.desc else "")
 
 
 def _kind(expected: list[Call], got: list[Call]) -> str:
@@ -568,7 +718,7 @@ def _finding(
     # next collective, maybe steps later); otherwise the rank's own call's
     call = (expected or got) if kind == "collective_missing" else (got or expected)
     step, op = call if call is not None else (None, None)
-    label = f"group {group.name}" + (f" ({group.desc})" if group.desc else "")
+    label = _label(group)
     rank_text = list_ranks(ranks)
     them = "most ranks" if majority else f"rank {expected_ranks[0]} (no majority: the reference)"
     head = f"collective #{position} on {label}, step {step}: rank(s) {rank_text}"
