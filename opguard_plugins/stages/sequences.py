@@ -524,7 +524,7 @@ def _merged_view(sequence: CollectiveSequence, indexes: dict[int, GroupId]) -> _
     keyed = {
         number: (indexes[sig.group], sig.key())
         for number, sig in enumerate(signatures)
-        if sig.group in indexes and sig.op not in NOT_COLLECTIVES
+        if sig.group in indexes and compared_by_position(sig.op)
     }
     for run in sequence.steps:
         ids = [c for c in run.calls if c in keyed]
