@@ -22,6 +22,7 @@ from opguard_core.cli.app import create_cli
 from opguard_core.formats.config import dump_config, entry_key, load_config
 from opguard_core.plugin.manager import create_plugin_manager
 from opguard_plugins.stages.compress import DEFAULT_HIDE
+from tests.builders import trace_doc, write
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples" / "traces"
 SOURCES = {
@@ -313,3 +314,31 @@ def test_a_missing_input_is_named_once(tmp_path: Path) -> None:
     assert result.stderr.strip().splitlines()[-1] == (
         f"opguard: error: {tmp_path / 'nope.json'}: no such file"
     )
+
+
+def _branching_job(folder: Path, rank1_branch: str | None) -> str:
+    """Two ranks of a loop (4 steps) whose ``metrics`` calls ``log_mean`` on rank 0 and
+    ``rank1_branch`` on rank 1 (None: rank 1 skips ``metrics``)."""
+    folder.mkdir()
+    for rank, branch in ((0, "log_mean"), (1, rank1_branch)):
+        sites = [([("job", "main"), ("job", "train")], None, "aten::mm", 40)]
+        if branch is not None:
+            sites.append(([("job", "main"), ("job", "metrics"), ("job", branch)], None,
+                          "aten::mean", 4))  # fmt: skip
+        write(folder / f"as_callsite_rank{rank}.json",
+              trace_doc(sites, rank=rank, world_size=2, steps=4, phase="loop"))  # fmt: skip
+    return str(folder / "as_callsite_rank*.json")
+
+
+def test_ranks_taking_different_branches_are_not_missing(tmp_path: Path) -> None:
+    """Each rank's own tree folds its one-child chain (``metrics → log_max``) that the
+    combined tree keeps: check of a config's own traces gave three ``missing`` errors
+    (``log_max [metrics]`` "never ran" on the rank that ran it)."""
+    own = _branching_job(tmp_path / "own", "log_max")
+    run = make_run(tmp_path, own)
+    report = check(run, own)
+    assert report["violations"] == []
+    skipped = check(run, _branching_job(tmp_path / "skipped", None), expect=1)
+    assert {(v["kind"], v["target"], tuple(v["ranks"])) for v in skipped["violations"]} == {
+        ("missing", "job:log_max", (1,))
+    }

@@ -368,9 +368,31 @@ def check_configs(
                 listed = (whole_entries.get(key) or {}).get("ranks")
                 ranks = sorted(listed) if listed else sorted(seen)
             found.append(dataclasses.replace(item, ranks=ranks))
+        found = [v for v in found if not _ran_in_combined(v, seen, combined, whole_entries)]
     if strict:
         found = [dataclasses.replace(v, severity=ERROR) for v in found]
     return join_ranks(found)
+
+
+def _ran_in_combined(
+    violation: Violation,
+    seen: dict[int, dict[EntryKey, dict[str, Any]]],
+    combined: dict[str, Any],
+    whole: dict[EntryKey, dict[str, Any]],
+) -> bool:
+    """Whether ``violation`` says a key did not run where the combined view shows it
+    did: a rank's own tree folds a chain only its rank has (``metrics → log_max``,
+    where another rank runs ``metrics → log_mean``) that the combined tree, like the
+    config's, keeps, so the key is absent from every rank's own config and yet ran
+    (``missing``; ``rank_mismatch`` "did not run on rank R")."""
+    key = (violation.target, tuple(violation.context))
+    entry = whole.get(key)
+    if entry is None or violation.kind not in ("missing", "rank_mismatch"):
+        return False
+    if violation.kind == "missing":
+        return True
+    ran = set(entry.get("ranks") or (combined.get("meta") or {}).get("ranks") or ())
+    return all(key not in seen.get(r, {}) and r in ran for r in violation.ranks)
 
 
 def across_tracers(
