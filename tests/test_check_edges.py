@@ -342,3 +342,29 @@ def test_ranks_taking_different_branches_are_not_missing(tmp_path: Path) -> None
     assert {(v["kind"], v["target"], tuple(v["ranks"])) for v in skipped["violations"]} == {
         ("missing", "job:log_max", (1,))
     }
+
+
+def _logging_job(folder: Path, rank0: int, rank1: int) -> str:
+    """Two ranks of a 4-step loop whose ``log_stats`` issues ``rank0`` ops a step on
+    rank 0 and ``rank1`` on rank 1."""
+    folder.mkdir()
+    for rank, ops in ((0, rank0), (1, rank1)):
+        sites = [([("job", "main"), ("job", "train")], None, "aten::mm", 40),
+                 ([("job", "main"), ("job", "log_stats")], None, "aten::add", 4 * ops)]  # fmt: skip
+        write(folder / f"lg_callsite_rank{rank}.json",
+              trace_doc(sites, rank=rank, world_size=2, steps=4, phase="loop"))  # fmt: skip
+    return str(folder / "lg_callsite_rank*.json")
+
+
+def test_a_rank_that_does_more_than_the_others_does_not_drift_from_itself(
+    tmp_path: Path,
+) -> None:
+    """A config holds an entry's count over its ranks: rank 0 (3 ops a step) and rank 1
+    (1) each drifted from the average (2) on the config's own traces, ±50 %."""
+    own = _logging_job(tmp_path / "own", 3, 1)
+    run = make_run(tmp_path, own)
+    assert check(run, own)["violations"] == []
+    doubled = check(run, _logging_job(tmp_path / "doubled", 6, 2))
+    drifted = {(v["target"], tuple(v["ranks"])) for v in doubled["violations"]}
+    assert ("job:log_stats", (0,)) in drifted  # 6 against 2; rank 1's 2 is the average
+    assert {v["kind"] for v in doubled["violations"]} == {"count_drift"}

@@ -63,7 +63,7 @@ from opguard_core.logs import configure_logging, get_logger
 from opguard_core.model import InputEntry, RunOptions
 from opguard_core.plugin.manager import OpGuardPluginManager, call_impl
 from opguard_core.run.summary import config_source
-from opguard_plugins.enforce.rules import DEFAULT_TOLERANCE
+from opguard_plugins.enforce.rules import DEFAULT_TOLERANCE, drifts, per_rank_step
 from opguard_plugins.enforce.sequence_guard import ExpectedSteps, SequenceChecker
 
 #: ``meta.settings`` keys that are not RunOptions fields of the same name.
@@ -369,6 +369,11 @@ def check_configs(
                 ranks = sorted(listed) if listed else sorted(seen)
             found.append(dataclasses.replace(item, ranks=ranks))
         found = [v for v in found if not _ran_in_combined(v, seen, combined, whole_entries)]
+        found = [
+            v
+            for v in found
+            if v.kind != "count_drift" or _job_drifts(v, config, combined, whole_entries, tolerance)
+        ]
     if strict:
         found = [dataclasses.replace(v, severity=ERROR) for v in found]
     return join_ranks(found)
@@ -393,6 +398,35 @@ def _ran_in_combined(
         return True
     ran = set(entry.get("ranks") or (combined.get("meta") or {}).get("ranks") or ())
     return all(key not in seen.get(r, {}) and r in ran for r in violation.ranks)
+
+
+def _job_drifts(
+    violation: Violation,
+    config: dict[str, Any],
+    combined: dict[str, Any],
+    whole: dict[EntryKey, dict[str, Any]],
+    tolerance: float,
+) -> bool:
+    """Whether the job's count of ``violation``'s key, per rank (and step), drifts from
+    the config's as one rank's did: a config holds an entry's count over its ranks,
+    so a rank that does more than the others (rank 0 logs, the rest do not) drifts
+    from that average on every run, the config's own traces included. A per-rank
+    ``count_drift`` is kept where the job as a whole drifts too."""
+    key = (violation.target, tuple(violation.context))
+    expected = next((e for e in config["entries"] if entry_key(e) == key), None)
+    observed = whole.get(key)
+    if expected is None or observed is None:
+        return True
+    config_steps, job_steps = _steps(config), _steps(combined)
+    both = config_steps is not None and job_steps is not None
+
+    def rate(entry: dict[str, Any], document: dict[str, Any], steps: int | None) -> float:
+        ranks = entry.get("ranks") or (document.get("meta") or {}).get("ranks") or ()
+        return per_rank_step(int(entry.get("count", 0)), len(ranks), steps if both else None)
+
+    return drifts(
+        rate(observed, combined, job_steps), rate(expected, config, config_steps), tolerance
+    )
 
 
 def across_tracers(

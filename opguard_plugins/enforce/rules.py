@@ -202,6 +202,12 @@ def per_rank_step(count: int, ranks: int, steps: int | None) -> float:
     return count / max(ranks, 1) / max(steps or 1, 1)
 
 
+def drifts(got: float, want: float, tolerance: float) -> bool:
+    """Whether a count ``got`` differs from ``want`` by more than ``tolerance``
+    (relative; any count against none)."""
+    return got != want and not (want and abs(got - want) / want <= tolerance)
+
+
 def count_drift(
     observed: dict[str, Any] | None, expected: dict[str, Any] | None, check: CheckInput
 ) -> list[Violation]:
@@ -217,7 +223,7 @@ def count_drift(
         check.expected_steps if both else None,
     )
     got = per_rank_step(int(observed.get("count", 0)), 1, observed_steps if both else None)
-    if want == got or (want and abs(got - want) / want <= check.tolerance):
+    if not drifts(got, want, check.tolerance):
         return []
     unit = "per rank and step" if both else "per rank"
     change = f"{(got - want) / want:+.0%}" if want else "new"
