@@ -177,3 +177,35 @@ def test_point_to_point_ops_are_not_replayed_by_position(tmp_path: Path) -> None
                      "json")  # fmt: skip
     kinds = {v["kind"] for v in json.loads(checked.stdout)["violations"]}
     assert checked.exit_code == 1 and "collective_dtype" in kinds, checked.stdout
+
+
+def test_two_groups_issued_in_another_order_are_a_collective_order(tmp_path: Path) -> None:
+    """Hand-made traces of 2 ranks (no torch run): each step all-reduces on the world
+    group, then on group 1 (both ranks); rank 1 swaps them in step 1. Each group on its
+    own follows the config, yet both ranks wait for the other: check names rank 1,
+    step 1 and both groups, as divergence does (docs/divergence.md)."""
+    from tests.test_collective_sequences import AR, WORLD, rank_doc, replace_step
+
+    def traces(folder: Path, docs: list[dict[str, Any]]) -> str:
+        folder.mkdir()
+        for doc in docs:
+            (folder / f"xg_rank{doc['meta']['rank']}.json").write_text(json.dumps(doc))
+        return str(folder / "xg_rank*.json")
+
+    sub = {"name": "1", "desc": None, "size": 2, "ranks": [0, 1]}
+    a, b = (AR, "float32", 6, 10), (AR, "float32", 6, 11, "1")  # the same all_reduce
+    calls = [(step, *c) for step in range(3) for c in (a, b)]
+    swapped = replace_step(calls, 1, [(1, *b), (1, *a)])
+    good = traces(tmp_path / "good", [rank_doc(r, calls, [WORLD, sub]) for r in range(2)])
+    result = invoke("run", "-i", good, "--output-base", tmp_path / "run")
+    assert result.exit_code == 0, result.stdout
+    config = Path(result.stdout.strip().splitlines()[-1])
+    odd = [rank_doc(0, calls, [WORLD, sub]), rank_doc(1, swapped, [WORLD, sub])]
+    checked = invoke("check", "--config", config, "-i", traces(tmp_path / "odd", odd),
+                     "--format", "json")  # fmt: skip
+    assert checked.exit_code == 1, checked.stdout
+    found = [v for v in json.loads(checked.stdout)["violations"] if v["kind"].startswith("coll")]
+    assert [(v["kind"], v["ranks"]) for v in found] == [("collective_order", [1])], found
+    message = found[0]["message"]
+    assert message.startswith("rank 1: collective #0 on group 1, step 1: issues"), message
+    assert "on group 0 first" in message and "interleave in another order" in message

@@ -269,6 +269,49 @@ def test_past_the_good_run_each_plan_must_fail_to_be_a_departure(
     assert recorded.kinds() == [kind]
 
 
+def two_groups(other: Group, rank: int = 1) -> SequenceChecker:
+    """Steps 0..2 each all-reduce on the world group, then the same on ``other``."""
+    same = msgspec.structs.replace(A, group=1)
+    sequence = CollectiveSequence(
+        ranks=[rank], groups=[WORLD, other], signatures=[A, same],
+        steps=[StepRun(0, 2, (0, 1))],
+    )  # fmt: skip
+    return SequenceChecker(Collectives(sequences=[sequence]), Recorded())
+
+
+def test_two_groups_issued_in_another_order_are_a_collective_order() -> None:
+    """Rank 1 issues step 1's all-reduce on group 1 before the world group's: each
+    group alone follows the good run, yet both ranks wait for the other. Raised at the
+    first call, as a collective_order naming both groups (not a collective_group: the
+    two calls are alike)."""
+    checker = two_groups(OTHER)
+    assert checker.bind(1)
+    recorded = checker.report
+    assert isinstance(recorded, Recorded)
+    for step, groups in enumerate([("0", "1"), ("1", "0"), ("0", "1")]):
+        for group in groups:
+            checker.check(*call(A, group=group), step, "job:step")
+    ((violation, may_raise),) = recorded.violations
+    assert (violation.kind, may_raise) == ("collective_order", True)
+    assert violation.message == (
+        "rank 1: collective #0 on group 1, step 1: issues c10d::allreduce_ float32[6] on "
+        "group 1 where the good run issued c10d::allreduce_ float32[6] on group 0 first "
+        "(groups 0 and 1 share ranks 0, 1: their collectives interleave in another order; "
+        "the job hangs here)"
+    )
+
+
+def test_groups_that_share_one_rank_may_interleave_in_any_order() -> None:
+    """Rank 1's own group with rank 2 shares only rank 1 with the world group of ranks
+    0, 1: neither peer waits on the other group, so its order is free."""
+    checker = two_groups(Group(name="1", desc=None, size=2, ranks=(1, 2)))
+    assert checker.bind(1)
+    for step, groups in enumerate([("0", "1"), ("1", "0"), ("0", "1")]):
+        for group in groups:
+            checker.check(*call(A, group=group), step, "job:step")
+    assert isinstance(checker.report, Recorded) and checker.report.violations == []
+
+
 def test_a_rank_the_good_run_lacked_is_not_checked() -> None:
     checker = SequenceChecker(good(0), Recorded())
     assert not checker.bind(5)

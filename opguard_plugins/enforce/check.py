@@ -51,7 +51,6 @@ from opguard_core.formats.check import (
 from opguard_core.formats.collectives import (
     Collectives,
     CollectiveSequence,
-    Signature,
     compared_by_position,
 )
 from opguard_core.formats.config import entry_key, load_config
@@ -64,7 +63,7 @@ from opguard_core.model import InputEntry, RunOptions
 from opguard_core.plugin.manager import OpGuardPluginManager, call_impl
 from opguard_core.run.summary import config_source
 from opguard_plugins.enforce.rules import DEFAULT_TOLERANCE, drifts, per_rank_step
-from opguard_plugins.enforce.sequence_guard import ExpectedSteps, SequenceChecker
+from opguard_plugins.enforce.sequence_guard import ExpectedSteps, Plan, SequenceChecker
 
 #: ``meta.settings`` keys that are not RunOptions fields of the same name.
 _SPECIAL_SETTINGS = frozenset({"hide", "filters", "basic_list"})
@@ -612,14 +611,14 @@ class _ComparableSteps(ExpectedSteps):
         self.good_last = runs[-1].last if runs else 0
         self.last = last
 
-    def at(self, step: int) -> dict[str, list[Signature]]:
+    def at(self, step: int) -> Plan:
         if step == self.last:
             step = self.good_last
         elif step >= self.good_last:
             step = max(self.good_last - 1, 0)
         return super().at(step)
 
-    def plans(self, step: int) -> list[dict[str, list[Signature]]]:
+    def plans(self, step: int) -> list[Plan]:
         """One plan per step: offline, the last step is known."""
         return [self.at(step)]
 

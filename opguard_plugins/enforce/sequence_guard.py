@@ -22,7 +22,10 @@ the good run, **before** it is issued (:class:`SequenceChecker`):
   compared) and the group. A disagreement is ``collective_group`` (the collective
   the good run issued next on another group), ``collective_order`` (one the good run
   issued later in the step on this group: skipped or out of order; or another
-  collective), ``collective_dtype``, ``collective_size``, ``collective_reduce_op``,
+  collective; or one issued before a collective on another group sharing two or more
+  ranks with its own that the good run issued first in the step: the two groups'
+  collectives interleave in another order, a hang each group alone misses, as the
+  divergence stage finds it), ``collective_dtype``, ``collective_size``, ``collective_reduce_op``,
   ``collective_extra`` (more collectives on the group in the step than the good run
   issued) or ``collective_missing`` (fewer, found when the next step starts; a step
   in which the rank issued no collective at all is held to its plans too, up to
@@ -49,6 +52,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -65,7 +69,7 @@ from opguard_core.formats.collectives import (
 )
 from opguard_core.formats.config_collectives import read_config_collectives
 from opguard_core.formats.sources import recorded_sources
-from opguard_core.formats.trace import decode_trace, read_bytes
+from opguard_core.formats.trace import decode_trace, list_ranks, read_bytes
 
 #: op namespaces whose ops the checker looks at (``func.namespace``)
 NAMESPACES = frozenset({"c10d", "_c10d_functional", "c10d_functional"})
@@ -150,13 +154,39 @@ def _text(op: str, dtype: str | None, numel: int | None, group: str) -> str:
     return f"{op} {dtype or '?'}[{size}] on group {group}"
 
 
+@dataclass
+class Plan:
+    """What one step may issue: per group name, the collectives on it in order
+    (``calls``), and per call, what the good run issued on other groups before it
+    (``after``: for the n-th call on a group, ``(other group, how many of its calls came
+    first)`` for each group that shares two or more ranks with it and issued a call
+    since the group's call before; the earlier ones were asked of that call)."""
+
+    calls: dict[str, list[Signature]] = field(default_factory=dict)
+    after: dict[str, list[tuple[tuple[str, int], ...]]] = field(default_factory=dict)
+
+
 class ExpectedSteps:
     """One rank's expected collectives, per step and group name (:meth:`at`)."""
 
     def __init__(self, sequence: CollectiveSequence) -> None:
         self.sequence = sequence
         self.groups = [g.name for g in sequence.groups]
-        self._cache: dict[int, dict[str, list[Signature]]] = {}
+        members: dict[str, set[int]] = {}
+        for group in sequence.groups:
+            members.setdefault(group.name, set()).update(group.ranks)
+        #: group name -> the other groups it shares two or more ranks with: ranks that
+        #: wait on both, so the two groups' calls must keep their relative order
+        self.related = {
+            name: frozenset(o for o in members if o != name and len(ranks & members[o]) > 1)
+            for name, ranks in members.items()
+        }
+        self._members = members
+        self._cache: dict[int, Plan] = {}
+
+    def shared(self, one: str, other: str) -> list[int]:
+        """The ranks two groups (names) share."""
+        return sorted(self._members.get(one, set()) & self._members.get(other, set()))
 
     def run_index(self, step: int) -> int | None:
         """The run holding ``step``; a step past every run is the last run's (the job
@@ -169,7 +199,7 @@ class ExpectedSteps:
                 return index
         return len(runs) - 1 if step > runs[-1].last else None
 
-    def plans(self, step: int) -> list[dict[str, list[Signature]]]:
+    def plans(self, step: int) -> list[Plan]:
         """What ``step`` may issue, one or two plans (see :meth:`at`): from the good
         run's last recorded step on, the last step's (what it ran after the loop
         included) or the last loop step's, where they differ; before it, its own."""
@@ -181,21 +211,35 @@ class ExpectedSteps:
         loop = self.at(good_last - 1)
         return [own] if loop == own else [own, loop]
 
-    def at(self, step: int) -> dict[str, list[Signature]]:
-        """Group name → the collectives the good run issued on it in ``step``, in order."""
+    def at(self, step: int) -> Plan:
+        """The collectives the good run issued in ``step`` (:class:`Plan`), made once
+        per run of steps."""
         index = self.run_index(step)
         if index is None:
-            return {}
+            return Plan()
         found = self._cache.get(index)
         if found is None:
-            found = {}
-            signatures = self.sequence.signatures
-            for call in self.sequence.steps[index].calls:
-                sig = signatures[call]
-                if compared_by_position(sig.op):
-                    found.setdefault(self.groups[sig.group], []).append(sig)
-            self._cache[index] = found
+            found = self._cache[index] = self._plan(self.sequence.steps[index].calls)
         return found
+
+    def _plan(self, calls: tuple[int, ...]) -> Plan:
+        """The plan of a step that issued ``calls`` (signature ids, in order)."""
+        plan = Plan()
+        #: group name -> the related groups that issued since its last call: how many
+        #: calls each had issued then
+        since: dict[str, dict[str, int]] = {}
+        signatures = self.sequence.signatures
+        for call in calls:
+            sig = signatures[call]
+            if not compared_by_position(sig.op):
+                continue
+            name = self.groups[sig.group]
+            on_group = plan.calls.setdefault(name, [])
+            on_group.append(sig)
+            plan.after.setdefault(name, []).append(tuple(since.pop(name, {}).items()))
+            for other in self.related.get(name, ()):
+                since.setdefault(other, {})[name] = len(on_group)
+        return plan
 
 
 def _differs(expected: Any, got: Any) -> bool:
@@ -235,7 +279,7 @@ class SequenceChecker:
         self.step: int | None = None
         self.positions: dict[str, int] = {}
         #: the plans the current step's calls so far agree with (None: not begun)
-        self.alive: list[dict[str, list[Signature]]] | None = None
+        self.alive: list[Plan] | None = None
         self.one_group = False
         self._lock = threading.Lock()
 
@@ -279,8 +323,9 @@ class SequenceChecker:
             agree = [
                 plan
                 for plan in plans or ()
-                if position < len(plan.get(group, ()))
-                and compare(plan[group][position], op, call) is None
+                if position < len(plan.calls.get(group, ()))
+                and compare(plan.calls[group][position], op, call) is None
+                and self._passed_over(plan, group, position) is None
             ]
             if agree:  # else every plan stays: later calls are held to them as before
                 self.alive = agree
@@ -289,12 +334,25 @@ class SequenceChecker:
         if expected is None or agree or not plans:
             return
         plan = plans[0]
-        on_group = plan.get(group, [])
+        on_group = plan.calls.get(group, [])
         got = _text(op, call[1], call[2], group)
         where = f"collective #{position} on group {group}, step {step}"
+        passed = (
+            self._passed_over(plan, group, position)
+            if position < len(on_group) and compare(on_group[position], op, call) is None
+            else None
+        )
         other = self._on_other_group(plan, group, op, call)
         later = next((s for s in on_group[position + 1 :] if compare(s, op, call) is None), None)
-        if other is not None:
+        if passed is not None:
+            kind = "collective_order"
+            first, sig = passed
+            want = (
+                f"{describe_signature(sig, expected.groups)} first (groups {first} and {group} "
+                f"share ranks {list_ranks(expected.shared(first, group))}: their collectives "
+                "interleave in another order; the job hangs here)"
+            )
+        elif other is not None:
             kind = "collective_group"
             want = describe_signature(other, expected.groups)
         elif position >= len(on_group):
@@ -312,11 +370,20 @@ class SequenceChecker:
         message = f"rank {self.rank}: {where}: issues {got} where the good run issued {want}"
         self.report(Violation(kind, ERROR, target, [], [], message, op=op), message, True)
 
-    def _on_other_group(
-        self, plan: dict[str, list[Signature]], group: str, op: str, call: Call
-    ) -> Signature | None:
+    def _passed_over(self, plan: Plan, group: str, position: int) -> tuple[str, Signature] | None:
+        """(its group, the call) of the first call the plan issued on a group that shares
+        two or more ranks with ``group`` before the ``position``-th call on ``group``, and
+        that this step has not issued yet; None when every such call is issued. A few
+        lookups: only the groups that issued since the group's call before are asked."""
+        for other, before in plan.after[group][position]:
+            issued = self.positions.get(other, 0)
+            if issued < before:
+                return other, plan.calls[other][issued]
+        return None
+
+    def _on_other_group(self, plan: Plan, group: str, op: str, call: Call) -> Signature | None:
         """The collective the good run issued next on another group, if it is this one."""
-        for name, signatures in plan.items():
+        for name, signatures in plan.calls.items():
             if name == group:
                 continue
             position = self.positions.get(name, 0)
@@ -334,12 +401,12 @@ class SequenceChecker:
         by the plan it came closest to; none where some plan it followed is complete."""
         if self.expected is None or self.step is None:
             return []
-        return min((self._shortfall(plan) for plan in self.alive or [{}]), key=len)
+        return min((self._shortfall(plan) for plan in self.alive or [Plan()]), key=len)
 
-    def _shortfall(self, plan: dict[str, list[Signature]]) -> list[Violation]:
+    def _shortfall(self, plan: Plan) -> list[Violation]:
         assert self.expected is not None
         out = []
-        for group, signatures in plan.items():
+        for group, signatures in plan.calls.items():
             issued = self.positions.get(group, 0)
             if issued < len(signatures):
                 sig = signatures[issued]
