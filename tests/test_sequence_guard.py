@@ -154,6 +154,25 @@ def test_a_step_without_any_collective_is_missing_its_collectives() -> None:
     assert all("step 2 ended after 0 collective(s)" in v.message for v, _ in recorded.violations)
 
 
+@pytest.mark.parametrize(
+    ("watched", "steps"),
+    [(lambda step: step >= 1, [1, 2, 3, 4]), (lambda step: step % 2 == 0, [0, 2, 4])],
+)
+def test_steps_the_guard_does_not_watch_are_not_missing(watched: Any, steps: list[int]) -> None:
+    """A config of the loop: the guard checks from the end of the first optimizer step
+    on, and sees no collective of step 0; ``--sample 0.5``: every other step. Those
+    steps issued their collectives unseen: none is missing (a step it watches that
+    issues none still is: test_a_step_without_any_collective_is_missing_its_collectives)."""
+    recorded = Recorded()
+    checker = SequenceChecker(good(1, steps=5), recorded, watched)
+    assert checker.bind(1)
+    for number in steps:
+        for op, described in GOOD_STEP:
+            checker.check(op, described, number, "job:step")
+    recorded.violations.extend((v, False) for v in checker.finish())
+    assert recorded.violations == []
+
+
 def test_unknown_fields_are_not_compared() -> None:
     """A field the recording lacks (a Flight Recorder dump has no reduce op) matches."""
     assert run_steps([GOOD_STEP, [call(A, reduce_op=None), call(B), call(C)]]).violations == []

@@ -486,7 +486,7 @@ class Guard:
         self.write_error: str | None = None
         #: the collective checks (sequence_guard.py): the good run's sequences, a watchdog
         self.sequences = (
-            SequenceChecker(collectives, self._collective_violation)
+            SequenceChecker(collectives, self._collective_violation, self.checks)
             if collectives is not None
             else None
         )

@@ -267,13 +267,20 @@ class SequenceChecker:
 
     :param collectives: the good run's sequences (every rank's).
     :param report: called with each violation and whether this call must raise.
+    :param watched: whether a step's collectives are seen (every step's, by default): a
+        step the guard does not check (the set-up, where the config is of the loop; a
+        step ``--sample`` leaves out) is not held to its plans when a later one comes.
     """
 
     def __init__(
-        self, collectives: Collectives, report: Callable[[Violation, str, bool], None]
+        self,
+        collectives: Collectives,
+        report: Callable[[Violation, str, bool], None],
+        watched: Callable[[int], bool] | None = None,
     ) -> None:
         self.collectives = collectives
         self.report = report
+        self.watched = watched
         self.expected: ExpectedSteps | None = None
         self.rank: int | None = None
         self.step: int | None = None
@@ -308,6 +315,8 @@ class SequenceChecker:
                 for skipped in range(0 if self.step is None else self.step + 1, step):
                     if expected is None or missing:
                         break
+                    if self.watched is not None and not self.watched(skipped):
+                        continue
                     self.step, self.positions = skipped, {}
                     self.alive = expected.plans(skipped)
                     missing = self._close_step()
