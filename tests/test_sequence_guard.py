@@ -369,9 +369,9 @@ def opguard(*args: str | Path, timeout: int = 180) -> subprocess.CompletedProces
     )  # fmt: skip
 
 
-def torchrun(case: str) -> list[str]:
+def torchrun(case: str, *more: str) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-            str(JOB), "--case", case]  # fmt: skip
+            str(JOB), "--case", case, *more]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -540,3 +540,27 @@ def test_a_good_run_of_unknown_groups_is_checked_as_one_group() -> None:
     for op, described in swapped:
         checker.check(op, described, 3, "job:step")
     assert recorded.kinds() == ["collective_order", "collective_size"]
+
+
+@pytest.mark.slow
+def test_raise_stops_a_rank_that_swaps_two_groups(tmp_path: Path) -> None:
+    """Every step all-reduces on the world group, then on a group of both ranks; rank 1
+    swaps them in step 1. The good run, traced with the subgroup, is the config; rank 1
+    raises before its subgroup all-reduce, where the job would hang."""
+    pytest.importorskip("torch")
+    traced = opguard("trace", "--label", "sub", "--output-dir", tmp_path / "traces", "--",
+                     *torchrun("none", "--sub"))  # fmt: skip
+    assert traced.returncode == 0, traced.stderr[-3000:]
+    run = opguard("run", "-i", tmp_path / "traces" / "sub_callsite_rank*.json",
+                  "--output-base", tmp_path / "runs")  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    guarded = opguard("guard", "--config", run_dir / "sub_callsite_instrumentation.yaml",
+                      "--on-violation", "raise", "--report-dir", tmp_path / "guard", "--",
+                      *torchrun("swap", "--sub"))  # fmt: skip
+    assert "rank 1: OpGuardViolation: opguard guard: collective_order: rank 1:" in guarded.stderr
+    found = reports(tmp_path / "guard")
+    assert found.get(0, []) == []
+    (violation,) = found[1]
+    assert violation["kind"] == "collective_order" and "step 1" in violation["message"]
+    assert "on group 0 first (groups 0 and 1 share ranks 0, 1" in violation["message"]
