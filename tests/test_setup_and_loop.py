@@ -359,6 +359,23 @@ def test_a_block_left_by_an_exception_writes_a_trace_marked_partial(
         assert meta["partial"]["exception"] == "RuntimeError" and meta["partial"]["step"] == 0
 
 
+def test_a_set_up_that_ended_is_written_complete_when_the_loop_is_not(tmp_path: Path) -> None:
+    """A process that dies after its first step leaves its set-up whole: only the loop's
+    file is marked partial, so check compares the set-up's counts (before: both files
+    said ``exception at step 3`` and the set-up's counts were skipped)."""
+    w = torch.nn.Parameter(torch.ones(4))
+    opt = torch.optim.SGD([w], lr=0.1)
+    with pytest.raises(RuntimeError), trace_callsites("die", tmp_path, rank=0) as t:
+        for _ in range(3):
+            (w * 2).sum().backward()
+            opt.step()
+        raise RuntimeError("collective failed")
+    loop = load_trace(Path(str(t.written))).meta
+    setup = load_trace(tmp_path / "die_setup_rank0.json").meta
+    assert (loop["phase"], loop["partial"]["reason"]) == ("loop", "exception")
+    assert (setup["phase"], setup["steps"], setup.get("partial")) == ("setup", 1, None)
+
+
 def test_the_split_env_variable_is_no_split(tmp_path: Path) -> None:
     """``$OPGUARD_TRACE_SPLIT=0`` is ``opguard trace --no-split`` (tracing.md): one file
     (the command line once set the variable back to 1 for the program)."""

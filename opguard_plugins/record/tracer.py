@@ -1106,7 +1106,8 @@ class CallsiteTracer:
         formats.md §1: why and up to when) marks a trace the process is not done with.
 
         After the first optimizer step the set-up phase goes to
-        ``{label}_setup_rank{R}.json`` and the path returned holds the loop; before
+        ``{label}_setup_rank{R}.json``, never marked partial (the set-up has ended, so
+        its record is complete), and the path returned holds the loop; before
         it (or in a program that never steps) the one file holds the whole process,
         and a set-up file of an earlier run under this label and rank is removed, so
         the directory describes one run (tracing.md, "Set-up and loop")."""
@@ -1115,7 +1116,7 @@ class CallsiteTracer:
             path = self.output_dir
             for phase in (SETUP_PHASE, LOOP_PHASE) if split else (None,):
                 meta, frames, callsites = self.build(phase=phase)
-                if partial:
+                if partial and phase != SETUP_PHASE:
                     meta["partial"] = partial
                 kind = "setup" if phase == SETUP_PHASE else "callsite"
                 path = self.output_dir / f"{self.label}_{kind}_rank{meta['rank']}.json"
