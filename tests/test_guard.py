@@ -396,6 +396,34 @@ def test_targets_that_never_run_are_missing_and_never_imported(
     assert "no_such_module_xyz" not in sys.modules  # a config never causes an import
 
 
+def test_a_run_that_ended_early_says_so_in_its_report(tmp_path: Path, gmodel: Any) -> None:
+    """A block left by an exception is not checked by the whole-run rules (its counts
+    cover part of a run) and its report says why it ended (``partial``, as a trace's
+    ``meta.partial``; before: nothing, so it read as a clean pass)."""
+    with trace_callsites(label="h", output_dir=tmp_path / "traces", rank=0):
+        gmodel.train(extra=("helper",))
+    config = make_config(tmp_path, str(tmp_path / "traces" / "h_callsite_rank0.json"))
+    with guarded(config, report_dir=tmp_path / "whole", rank=0, whole_run=True) as guard:
+        gmodel.train()  # gate never runs
+    document = report_of(guard)
+    assert ("missing", "gmodel:gate") in {(v["kind"], v["target"]) for v in document["violations"]}
+    assert "partial" not in document
+    with (
+        pytest.raises(RuntimeError),
+        guarded(config, report_dir=tmp_path / "died", rank=0, whole_run=True) as guard,
+    ):
+        gmodel.train()
+        raise RuntimeError("collective failed")
+    document = report_of(guard)
+    assert document["violations"] == []
+    assert document["partial"] == {
+        **document["partial"],
+        "reason": "exception",
+        "exception": "RuntimeError",
+        "step": 3,
+    }
+
+
 def test_guard_command_usage_and_unreadable_config(tmp_path: Path) -> None:
     bad = tmp_path / "bad.yaml"
     bad.write_text("version: 2\nentries: [\n")
@@ -611,3 +639,11 @@ def test_the_report_is_written_when_the_program_fails(
     [document] = [load_report(p) for p in (tmp_path / "rep").glob("guard_report_rank*.json")]
     assert document["rank"] == 0 and document["errors"] == 0
     assert document["targets_seen"] == 0  # no config target ran before it ended
+    # the report and the summary say the run ended early, so 0 errors is no clean pass
+    why = "exception ValueError" if code == 1 else "sigterm"
+    assert document["partial"]["reason"] == why.split()[0]
+    assert (
+        f"in 1 report(s) in {tmp_path / 'rep'}: guard_report_rank0.json (runs that ended early, "
+        f"rank 0: {why} at step 0: their whole-run rules (missing, missing_op, count_drift, "
+        "unknown_target) not checked)"
+    ) in proc.stderr

@@ -206,10 +206,12 @@ def guard_report(
     steps: int,
     checked_steps: int,
     targets_seen: int,
+    partial: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The ``opguard-guard-report`` document of one rank (``violations`` already carry
-    ``rank``, ``count`` and ``stack``)."""
-    return {
+    ``rank``, ``count`` and ``stack``); ``partial``, where the program ended early
+    (``meta.partial``'s shape), is written last and only then."""
+    document = {
         "format": GUARD_FORMAT,
         "version": GUARD_REPORT_VERSION,
         "config": config,
@@ -223,6 +225,9 @@ def guard_report(
         "violations": violations,
         "targets_seen": targets_seen,
     }
+    if partial is not None:
+        document["partial"] = partial
+    return document
 
 
 def sample_every(sample: float) -> int:

@@ -27,6 +27,7 @@ from opguard_core.errors import ExitCode, OpGuardError, one_line
 from opguard_core.files.output_dirs import prepare_output_dir
 from opguard_core.formats.check import ERROR, load_report, sample_every
 from opguard_core.formats.config import load_config
+from opguard_core.formats.trace import describe_partial
 from opguard_core.run.summary import config_source
 from opguard_plugins.enforce.sequence_guard import config_sequences, load_collectives
 from opguard_plugins.enforce.status import STATUS_ENV, read_statuses
@@ -96,28 +97,39 @@ def written_reports(report_dir: Path, since: float) -> list[Path]:
     return [path for _, path in sorted(found)]
 
 
+#: the kinds the guard reports by check's rules at the end of a whole run
+#: (docs/guard.md, "What needs the whole run"): not for a run that ended early
+WHOLE_RUN_KINDS = ("missing", "missing_op", "count_drift", "unknown_target")
+
+
 class NothingToCheck(OpGuardError):
     """The config gives the guard nothing to check."""
 
     exit_code = ExitCode.GUARD_FAILED
 
 
-def summarize(reports: list[Path]) -> tuple[int, int, list[str]]:
-    """(errors, warnings, one line per unreadable report) over the written reports."""
+def summarize(
+    reports: list[Path],
+) -> tuple[int, int, list[str], dict[int, dict[str, Any]]]:
+    """(errors, warnings, one line per unreadable report, the ``partial`` marker of
+    each rank whose program ended early) over the written reports."""
     errors = warnings = 0
     problems = []
+    partial: dict[int, dict[str, Any]] = {}
     for path in reports:
         try:
             document: dict[str, Any] = load_report(path)
         except OpGuardError as exc:
             problems.append(str(exc))
             continue
+        if isinstance(document.get("partial"), dict):
+            partial[document["rank"]] = document["partial"]
         for item in document["violations"]:
             if item["severity"] == ERROR:
                 errors += 1
             else:
                 warnings += 1
-    return errors, warnings, problems
+    return errors, warnings, problems, partial
 
 
 CODES: exits.Codes = {
@@ -223,14 +235,20 @@ def guard(
         code = run_bootstrapped(command, env)
         failures = guard_problems(read_statuses(Path(status_dir)))
     reports = written_reports(report_dir, started)
-    errors, warnings, problems = summarize(reports)
+    errors, warnings, problems, partial = summarize(reports)
     for problem in problems:
         click.echo(f"opguard: error: {one_line(problem)}", err=True)
     if reports:
         names = ", ".join(p.name for p in reports)
+        skipped = (
+            f" (runs that ended early, {describe_partial(partial)}: their whole-run rules "
+            f"({', '.join(WHOLE_RUN_KINDS)}) not checked)"
+            if partial
+            else ""
+        )
         click.echo(
             f"opguard guard: {errors} error(s), {warnings} warning(s) in {len(reports)} "
-            f"report(s) in {reports[0].parent}: {names}",
+            f"report(s) in {reports[0].parent}: {names}{skipped}",
             err=True,
         )
     else:

@@ -103,8 +103,10 @@ from opguard_plugins.enforce.sequence_guard import (
     work_of,
 )
 from opguard_plugins.enforce.status import clear_status, write_status
+from opguard_plugins.record.backends import ended_by
 from opguard_plugins.record.collectives import describe
 from opguard_plugins.record.dtypes import op_dtype
+from opguard_plugins.record.flush import partial_marker
 from opguard_plugins.record.tracer import (
     SetupEnd,
     _is_launcher,
@@ -343,9 +345,11 @@ class Guard:
         #: compare the whole run at exit (``missing``, ``count_drift``): the guard
         #: saw the whole program (``opguard guard``), and it ended normally
         self.whole_run_rules = whole_run
-        #: the program ended early (an uncaught exception, SIGTERM, a raised
-        #: violation): its counts cover part of a run, so no whole-run rules
-        self.ended_early = False
+        #: why the program ended early (``meta.partial``'s shape, formats.md §1: an
+        #: uncaught exception, SIGTERM, a raised violation, ``sys.exit`` with a
+        #: failure): its counts cover part of a run, so no whole-run rules; the
+        #: report says so (``partial``). None: not (yet) ended early
+        self.partial: dict[str, Any] | None = None
         self.config_path = config_path
         self.report_dir = Path(report_dir)
         self.on_violation = on_violation
@@ -876,7 +880,7 @@ class Guard:
         for identity in identities:
             self.hit(identity)
         if identities and self.on_violation == "raise":
-            self.ended_early = True
+            self.end_early(OpGuardViolation)
             raise OpGuardViolation(self.records[identities[0]].violation)
 
     def remember(self, violation: Violation) -> tuple[Any, ...]:
@@ -986,7 +990,7 @@ class Guard:
         if self.records[identity].count == 1 and violation.severity == ERROR:
             self._write_now("its first collective departure")
         if may_raise and self.on_violation == "raise":
-            self.ended_early = True
+            self.end_early(OpGuardViolation)
             raise OpGuardViolation(violation)  # this call's (the record keeps the first)
 
     def _waited_too_long(
@@ -1124,6 +1128,26 @@ class Guard:
             return project(dict(self.config), [self.source])
         return None
 
+    @property
+    def ended_early(self) -> bool:
+        """Whether the program ended early (:attr:`partial`)."""
+        return self.partial is not None
+
+    def end_early(self, kind: type[BaseException] | None, status: Any = None) -> None:
+        """Note that the program ends early, by an exception of ``kind`` (``sigint``
+        for a KeyboardInterrupt, ``exit`` with the exit ``status`` for ``SystemExit``,
+        else ``exception`` and its class name) or by SIGTERM (``kind`` None); the
+        first cause is kept."""
+        if self.partial is not None:
+            return
+        if kind is None:
+            self.partial = partial_marker("sigterm", self.step)
+        elif issubclass(kind, SystemExit):
+            code = 0 if status is None else status if isinstance(status, int) else 1
+            self.partial = partial_marker("exit", self.step, status=code)
+        else:
+            self.partial = ended_by(kind, self.step)
+
     def whole_run(self) -> list[Violation]:
         """What needs the whole run, by check's own rules: ``missing`` (a config
         entry of a Python function that never ran on this rank, where the config has
@@ -1184,6 +1208,7 @@ class Guard:
             steps=self.step,
             checked_steps=min(self.checked_steps, self.step + 1),
             targets_seen=len(self.seen_targets()),
+            partial=self.partial,
         )
 
     def write(self) -> Path:
@@ -1375,8 +1400,8 @@ def guarded(
     guard.start()
     try:
         yield guard
-    except BaseException:
-        guard.ended_early = True
+    except BaseException as exc:
+        guard.end_early(type(exc), exc.code if isinstance(exc, SystemExit) else None)
         raise
     finally:
         guard.finish()
@@ -1457,12 +1482,12 @@ def _note_uncaught_exceptions(guard: Guard) -> None:
     program_exit = sys.exit
 
     def hook(kind: Any, value: Any, traceback: Any) -> None:
-        guard.ended_early = True
+        guard.end_early(kind)
         previous(kind, value, traceback)
 
     def exit_noting_failure(status: Any = None) -> Any:
         if status not in (None, 0):
-            guard.ended_early = True
+            guard.end_early(SystemExit, status)
         return program_exit(status)
 
     sys.excepthook = hook
@@ -1473,7 +1498,7 @@ def _on_sigterm(ends: bool) -> None:
     """SIGTERM: write the report now when the process ends with it; else the program's
     own handler runs and the report is written at exit."""
     if _PROCESS_GUARD is not None:
-        _PROCESS_GUARD.ended_early = True
+        _PROCESS_GUARD.end_early(None)
     if ends:
         _finish_process_guard()
 
