@@ -443,6 +443,52 @@ def test_ranks_all_told_to_stop_are_not_ordered_by_when(
     ]
 
 
+@pytest.mark.parametrize("hung", [1, 0])
+@pytest.mark.parametrize("stopped", ["sigterm", "exception"])
+def test_a_rank_left_waiting_in_a_collective_is_not_the_one_reported(
+    opguard: Callable[..., Any], tmp_path: Path, hung: int, stopped: str
+) -> None:
+    """A rank hangs (or is evicted: SIGTERM) before step 2's first all-reduce; the
+    other issues it, waits, times out (its trace: exception) and torchrun then stops
+    the hung rank (sigterm), or it fails later on its own (exception, after the
+    other's). The rank whose sequence ended is reported missing the collective, not
+    the one left waiting as issuing an extra one (before: the waiting rank, since a
+    rank told to stop counted as never ending and the waiting one as ending first)."""
+    waiting = rank_doc(1 - hung, [c for c in good() if c[0] <= 1] + [(2, AR, "float32", 6, 10)])
+    waiting["meta"]["partial"] = {"reason": "exception", "exception": "RuntimeError",
+                                  "at": "2026-12-06T10:00:05.000Z", "step": 3}  # fmt: skip
+    ended = rank_doc(hung, [c for c in good() if c[0] <= 1])
+    ended["meta"]["partial"] = {"reason": stopped, "at": "2026-12-06T10:00:05.200Z", "step": 3}
+    if stopped == "exception":
+        ended["meta"]["partial"]["exception"] = "RuntimeError"
+    doc = run_docs(opguard, tmp_path, waiting, ended)
+    (finding,) = collective_findings(doc)
+    assert (finding["kind"], finding["ranks"], finding["expected_ranks"]) == (
+        "collective_missing",
+        [hung],
+        [1 - hung],
+    )
+    assert finding["majority"] is False and finding["step"] == 2
+    assert f"written before the process was done: rank {hung}: {stopped}" in finding["message"]
+
+
+def test_without_sequences_a_complete_rank_is_the_reference(
+    opguard: Callable[..., Any], tmp_path: Path
+) -> None:
+    """Counts only: rank 0 issued fewer all-reduces and was told to stop; rank 1's record
+    is complete, so it is the reference though neither 'ends' (before: rank 0's, the
+    lowest, and the complete rank 1 was reported)."""
+    stopped = rank_doc(0, [c for c in good() if c[0] == 0])
+    stopped["meta"]["partial"] = {"reason": "sigterm", "at": "2026-12-06T10:00:00.000Z",
+                                  "step": 1}  # fmt: skip
+    whole = rank_doc(1, good())
+    for d in (stopped, whole):
+        del d["collectives"]
+    found = collective_findings(run_docs(opguard, tmp_path, whole, stopped))
+    assert found and all(f["ranks"] == [0] for f in found), found
+    assert all("against rank 1, whose record is complete (3x)" in f["message"] for f in found)
+
+
 def test_a_rank_without_a_trace_is_named(opguard: Callable[..., Any], tmp_path: Path) -> None:
     """Rank 1 of 2 died before it wrote anything (os._exit, SIGKILL before a flush):
     the run says which rank is missing, from meta.world_size."""

@@ -33,6 +33,7 @@ functions whose callsites disagree between ranks, one count per rank
 from __future__ import annotations
 
 import array
+import math
 from collections.abc import Callable, Iterator
 from itertools import compress
 from itertools import count as counter
@@ -64,6 +65,7 @@ from opguard_core.model import RunOptions
 from opguard_core.native import load_native
 from opguard_plugins.stages.compress import DEFAULT_HIDE, hidden_frames
 from opguard_plugins.stages.sequences import (
+    all_partial,
     last_end,
     outlived,
     sequence_findings,
@@ -102,9 +104,10 @@ def site_histogram(
 
 def majority(hist: dict[int, int], ended: dict[int, float] | None = None) -> tuple[int, bool]:
     """The count a strict majority (more than half) of the ranks has, and True; without
-    one, the count of the reference and False: the ranks whose records went on longest
-    (``ended``: when partial ranks' records ended, as for collective sequences), then
-    the lowest rank. A majority whose records all ended before another rank's is none
+    one, the count of the reference and False: a rank whose record is complete, then
+    the ranks whose records went on longest (``ended``: when partial ranks' records
+    ended, as for collective sequences), then the lowest rank. A majority whose records
+    all ended before another rank's is none
     (:func:`~opguard_plugins.stages.sequences.outlived`). ``hist`` is {count: rank
     mask} over every rank compared."""
     total = 0
@@ -231,7 +234,8 @@ def find_divergence(trace: CallsiteTrace, options: RunOptions) -> list[Finding]:
     covered = {r for seq in collectives.sequences for r in seq.ranks} if collectives else set()
     partial = partial_ranks_of(trace.meta)
     # when the partial ranks' records ended; a rank told to stop ran until every rank was
-    ended = end_times(partial, leave_out=TOLD_TO_STOP)
+    # (infinity, as a complete record, but still partial: sequences.all_partial)
+    ended = {**dict.fromkeys(partial, math.inf), **end_times(partial, leave_out=TOLD_TO_STOP)}
     findings = sequence_findings(collectives, stacks.describe_stack, ended) if collectives else []
     if not covered.issuperset(ranks):
         # some rank recorded no sequence (an older trace): counts per callsite too
@@ -357,12 +361,13 @@ def _why_reference(hist: dict[int, int], expected: int, ended: dict[int, float])
     if not ended:  # no record ended early: the lowest rank's
         return "the lowest"
     holders = {value: mask_to_ranks(mask) for value, mask in hist.items()}
-    if any(
-        last_end(ranks, ended) < last_end(holders[expected], ended)
-        for value, ranks in holders.items()
-        if value != expected
-    ):
+    others = [ranks for value, ranks in holders.items() if value != expected]
+    if any(last_end(ranks, ended) < last_end(holders[expected], ended) for ranks in others):
         return "whose record went on longest"
+    if not all_partial(holders[expected], ended) and any(
+        all_partial(ranks, ended) for ranks in others
+    ):
+        return "whose record is complete"
     return "the lowest"
 
 

@@ -11,15 +11,17 @@ At that position each member issues a collective (its kind, dtype, element count
 shapes, reduce op: :meth:`~opguard_core.formats.collectives.Signature.key`) or none
 (its sequence ended). The value a strict majority of members holds is the expected
 one and the other ranks deviate; without a strict majority (always so for two ranks
-that disagree) the reference is the value of the ranks whose records went on longest
-(``ended``: when each rank's partial trace ends; a complete one never does, nor one
-told to stop, SIGTERM or SIGINT, which every rank is told at once: in a job where a
-rank died first, it is the one reported, whatever its number), then a collective
-over the end of a sequence, then the lowest rank's, and the finding says
-``"majority": false`` with the distribution. Ranks whose sequences end at the
-position because their records ended before another rank's are no majority
-(:func:`outlived`: two ranks of three that died do not make the third the odd one
-out).
+that disagree) the reference is the value of a rank whose record is complete, then a
+collective over the end of a sequence (in a job where a rank died or hung, the rank
+whose sequence ended is reported, not the one left waiting in the next collective,
+which timed out: whichever of them was told to stop), then the value of the ranks
+whose records went on longest (``ended``: when each rank's partial trace ends; one
+told to stop, SIGTERM or SIGINT, which every rank is told at once, never does: in a
+job where a rank died first, it is the one reported, whatever its number), then the
+lowest rank's, and the finding says ``"majority": false`` with the distribution.
+Ranks whose sequences end at the position because their records ended before another
+rank's are no majority (:func:`outlived`: two ranks of three that died do not make
+the third the odd one out).
 Each deviating value is one finding, whose kind a short look-ahead decides: the
 explanation under which the two sequences agree longest after the position (a window
 of :data:`WINDOW` collectives):
@@ -276,8 +278,15 @@ def _advance_by(cursor: _Cursor, calls: int) -> None:
 
 
 def last_end(ranks: Iterable[int], ended: dict[int, float]) -> float:
-    """When the last of ``ranks``' records ends (infinity: one is complete)."""
+    """When the last of ``ranks``' records ends (infinity: one is complete, or was told
+    to stop)."""
     return max(ended.get(rank, math.inf) for rank in ranks)
+
+
+def all_partial(ranks: Iterable[int], ended: dict[int, float]) -> bool:
+    """Whether the records of all of ``ranks`` were written before their process was
+    done (they are in ``ended``, a rank told to stop at infinity)."""
+    return all(rank in ended for rank in ranks)
 
 
 def outlived(ranks: list[int], holders: Mapping[Any, list[int]], ended: dict[int, float]) -> bool:
@@ -285,22 +294,25 @@ def outlived(ranks: list[int], holders: Mapping[Any, list[int]], ended: dict[int
     record of another rank among ``holders`` (value → its ranks): such ranks cannot
     outvote a rank that went on (three ranks, two of which died: the one left is not
     the odd one out)."""
-    return all(rank in ended for rank in ranks) and last_end(
+    return all_partial(ranks, ended) and last_end(
         (r for held in holders.values() for r in held), ended
     ) > last_end(ranks, ended)
 
 
 def went_on_longest(holders: Mapping[Any, list[int]], ended: dict[int, float]) -> Any:
     """The reference without a majority: of ``holders`` (value → its ranks), the value
-    of the ranks whose records went on longest (a complete record never ends), then a
-    collective over None or a :class:`Skipped` step (the rank whose sequence ended, or
-    that issued nothing in the step, is the odd one), then the value of the lowest
-    rank."""
+    of a rank whose record is complete (it ran to its own end), then a collective over
+    None or a :class:`Skipped` step (the rank whose sequence ended, or that issued
+    nothing in the step, is the odd one: of two ranks whose records ended early, one
+    that waited in a collective the other never issued, and so timed out, ended by
+    waiting, whichever of them was then told to stop), then the value of the ranks
+    whose records went on longest, then the value of the lowest rank."""
     return min(
         holders,
         key=lambda k: (
-            -last_end(holders[k], ended),
+            all_partial(holders[k], ended),
             k is None or isinstance(k, Skipped),
+            -last_end(holders[k], ended),
             min(holders[k]),
         ),
     )
