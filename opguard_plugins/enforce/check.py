@@ -368,11 +368,8 @@ def check_configs(
                 ranks = sorted(listed) if listed else sorted(seen)
             found.append(dataclasses.replace(item, ranks=ranks))
         found = [v for v in found if not _ran_in_combined(v, seen, combined, whole_entries)]
-        found = [
-            v
-            for v in found
-            if v.kind != "count_drift" or _job_drifts(v, config, combined, whole_entries, tolerance)
-        ]
+        job_drifts = _JobDrifts(config, combined, whole_entries, tolerance)
+        found = [v for v in found if v.kind != "count_drift" or job_drifts(v)]
     if strict:
         found = [dataclasses.replace(v, severity=ERROR) for v in found]
     return join_ranks(found)
@@ -399,33 +396,40 @@ def _ran_in_combined(
     return all(key not in seen.get(r, {}) and r in ran for r in violation.ranks)
 
 
-def _job_drifts(
-    violation: Violation,
-    config: dict[str, Any],
-    combined: dict[str, Any],
-    whole: dict[EntryKey, dict[str, Any]],
-    tolerance: float,
-) -> bool:
-    """Whether the job's count of ``violation``'s key, per rank (and step), drifts from
-    the config's as one rank's did: a config holds an entry's count over its ranks,
-    so a rank that does more than the others (rank 0 logs, the rest do not) drifts
-    from that average on every run, the config's own traces included. A per-rank
-    ``count_drift`` is kept where the job as a whole drifts too."""
-    key = (violation.target, tuple(violation.context))
-    expected = next((e for e in config["entries"] if entry_key(e) == key), None)
-    observed = whole.get(key)
-    if expected is None or observed is None:
-        return True
-    config_steps, job_steps = _steps(config), _steps(combined)
-    both = config_steps is not None and job_steps is not None
+class _JobDrifts:
+    """Whether the job's count of a ``count_drift``'s key, per rank (and step), drifts
+    from the config's as one rank's did: a config holds an entry's count over its
+    ranks, so a rank that does more than the others (rank 0 logs, the rest do not)
+    drifts from that average on every run, the config's own traces included. A
+    per-rank ``count_drift`` is kept where the job as a whole drifts too."""
 
-    def rate(entry: dict[str, Any], document: dict[str, Any], steps: int | None) -> float:
-        ranks = entry.get("ranks") or (document.get("meta") or {}).get("ranks") or ()
-        return per_rank_step(int(entry.get("count", 0)), len(ranks), steps if both else None)
+    def __init__(
+        self,
+        config: dict[str, Any],
+        combined: dict[str, Any],
+        whole: dict[EntryKey, dict[str, Any]],
+        tolerance: float,
+    ) -> None:
+        self.config, self.combined, self.whole, self.tolerance = config, combined, whole, tolerance
+        self.expected = {entry_key(e): e for e in config["entries"]}
+        config_steps, job_steps = _steps(config), _steps(combined)
+        both = config_steps is not None and job_steps is not None
+        self.config_steps = config_steps if both else None
+        self.job_steps = job_steps if both else None
 
-    return drifts(
-        rate(observed, combined, job_steps), rate(expected, config, config_steps), tolerance
-    )
+    def __call__(self, violation: Violation) -> bool:
+        key = (violation.target, tuple(violation.context))
+        expected, observed = self.expected.get(key), self.whole.get(key)
+        if expected is None or observed is None:
+            return True
+        got = _rate(observed, self.combined, self.job_steps)
+        return drifts(got, _rate(expected, self.config, self.config_steps), self.tolerance)
+
+
+def _rate(entry: dict[str, Any], document: dict[str, Any], steps: int | None) -> float:
+    """An entry's count per rank (its ``ranks``, else the document's) and step."""
+    ranks = entry.get("ranks") or (document.get("meta") or {}).get("ranks") or ()
+    return per_rank_step(int(entry.get("count", 0)), len(ranks), steps)
 
 
 def across_tracers(
