@@ -50,6 +50,7 @@ ops (``send``, ``recv``…) are recorded but not compared by position
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -121,6 +122,11 @@ def is_collective(op: str) -> bool:
 #: what point-to-point ops do (:func:`collective_kind`): a send on one rank pairs with
 #: a recv on its peer, not with what the group's other members issue at its position
 POINT_TO_POINT = frozenset({"send", "recv", "isend", "irecv", "batch_p2p_ops"})
+#: the torch.distributed APIs of point-to-point ops (a callsite a trace without
+#: collective sequences names by its API)
+POINT_TO_POINT_APIS = frozenset(
+    f"torch.distributed.{name}" for name in ("send", "recv", "isend", "irecv", "batch_isend_irecv")
+)
 
 
 #: kinds (:func:`collective_kind`) whose sizes differ between ranks, and between steps,
@@ -129,6 +135,7 @@ POINT_TO_POINT = frozenset({"send", "recv", "isend", "irecv", "batch_p2p_ops"})
 UNEVEN = frozenset({"all_to_all"})
 
 
+@functools.lru_cache(maxsize=4096)  # a job has a few ops, called millions of times
 def compared_by_position(op: str) -> bool:
     """Whether ranks are compared on ``op`` by position on its group (docs/divergence.md):
     a collective every member issues, not a wait (:data:`NOT_COLLECTIVES`) nor a
@@ -136,6 +143,7 @@ def compared_by_position(op: str) -> bool:
     return op not in NOT_COLLECTIVES and collective_kind(op) not in POINT_TO_POINT
 
 
+@functools.lru_cache(maxsize=4096)
 def collective_kind(op: str) -> str:
     """What a collective op does, whatever its API: ``c10d::allreduce_`` and
     ``_c10d_functional::all_reduce`` are both ``allreduce``; an unknown op is its own

@@ -93,15 +93,19 @@ class _View:
         first = sequence.groups[group_index].first if group_index is not None else 0
         if group_index is not None:
             signatures = sequence.signatures
+            #: signature id -> its key, for the group's compared signatures (a sequence
+            #: has a few signatures and millions of calls: one key() each)
+            keyed = {
+                number: sig.key()
+                for number, sig in enumerate(signatures)
+                if sig.group == group_index and compared_by_position(sig.op)
+            }
             for run in sequence.steps:
-                calls = tuple(
-                    signatures[c]
-                    for c in run.calls
-                    if signatures[c].group == group_index and compared_by_position(signatures[c].op)
-                )
-                if not calls:
+                ids = [c for c in run.calls if c in keyed]
+                if not ids:
                     continue
-                keys = tuple(sig.key() for sig in calls)
+                calls = tuple(signatures[c] for c in ids)
+                keys = tuple(keyed[c] for c in ids)
                 if blocks and blocks[-1][1] + 1 == run.first and blocks[-1][3] == keys:
                     start, _, before, _ = blocks[-1]
                     blocks[-1] = (start, run.last, before, keys)
