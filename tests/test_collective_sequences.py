@@ -608,6 +608,21 @@ def test_point_to_point_ops_are_not_compared_by_position(
     assert finding["position"] == 1 and finding["step"] == 1
 
 
+def test_point_to_point_ops_are_not_compared_by_count_either(
+    opguard: Callable[..., Any], tmp_path: Path
+) -> None:
+    """The same pipeline in traces without sequences (Kineto, older tracers): its sends
+    and recvs were ``collective_mismatch`` errors (rank 0 never receives, the last rank
+    never sends), compared by count per callsite."""
+    world = {**WORLD, "size": 4, "ranks": [0, 1, 2, 3]}
+    docs = [rank_doc(r, pipeline(r, 4), [world], world_size=4) for r in range(4)]
+    for doc in docs:
+        del doc["collectives"]
+    (tmp_path / "pipe").mkdir()
+    doc = run_docs(opguard, tmp_path / "pipe", *docs, expect=0)
+    assert not any(f["severity"] == "error" for f in doc["findings"])
+
+
 SCATTER = "c10d::scatter_"
 
 
@@ -796,6 +811,18 @@ def test_a_step_a_rank_skipped_is_reported_where_it_parts(
     assert (finding["kind"], finding["ranks"]) == ("collective_missing", [skipper])
     assert (finding["position"], finding["step"]) == (4, 2)
     assert finding["got"]["step"] == 3 and "no collective in step 2" in finding["message"]
+
+
+def test_step_numbers_alone_part_nothing(opguard: Callable[..., Any], tmp_path: Path) -> None:
+    """The same collectives in the same order, numbered in other steps (rank 1 counts
+    two optimizer steps an iteration, or its collective comes just after the step):
+    no finding (the skipped-step check once called the first gap a hang)."""
+    twice = [(2 * c[0], *c[1:]) for c in good(steps=5)]
+    shifted = [(c[0] + 1, *c[1:]) for c in good(steps=5)]
+    for name, other in (("twice", twice), ("shifted", shifted)):
+        (tmp_path / name).mkdir()
+        docs = [rank_doc(0, good(steps=5)), rank_doc(1, other)]
+        assert collective_findings(run_docs(opguard, tmp_path / name, *docs, expect=0)) == []
 
 
 def split(rank: int, steps: list[list[Any]], dtype: str = "bfloat16") -> dict[str, Any]:

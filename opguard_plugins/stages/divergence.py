@@ -50,6 +50,7 @@ from opguard_core.combine.accumulator import (
     ranks_to_mask,
 )
 from opguard_core.errors import plural
+from opguard_core.formats.collectives import POINT_TO_POINT_APIS, compared_by_position
 from opguard_core.formats.divergence import Finding
 from opguard_core.formats.trace import (
     TOLD_TO_STOP,
@@ -296,6 +297,8 @@ def _collectives(
         site = callsites[index]
         if site.per_rank is None and site.ranks is None:
             continue  # every rank issued it equally often
+        if not compared_by_position(site.op) or site.api in POINT_TO_POINT_APIS:
+            continue  # a send on one rank pairs with a recv on its peer, not with a send
         hist = site_histogram(site, all_mask, exact, stacks.mask_of)
         if hist is None:  # counts unknown: only ranks that never issued it can be told
             if site.ranks is None:

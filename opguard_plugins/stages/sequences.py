@@ -336,19 +336,24 @@ DIFFER, GAP, AGREE, UNCHECKED = "differ", "gap", "agree", "unchecked"
 
 def _walk(cursors: list[_Cursor], position: int) -> tuple[int, str]:
     """Move ``cursors`` on together to the first position where they part, from
-    ``position``: where a key differs, or where a class skipped a whole step in which
-    another issues its next call (:func:`_skipped_step`). Stretches that repeat alike
-    (the rests of the current blocks repeat the same keys from where each cursor is:
-    whole steps issued alike, or the same calls split into steps differently) are
-    skipped at once; only where they do not is it a call at a time, and at most
+    ``position``: where a key differs; or, where a class's sequence comes up short
+    (ends while another's goes on), where it first skipped a whole step in which
+    another issues its next call (:func:`_skipped_step`): the step it left out. Step
+    numbers alone part nothing (a rank whose optimizer steps are numbered otherwise
+    issues the same collectives in the same order). Stretches that repeat alike (the
+    rests of the current blocks repeat the same keys from where each cursor is: whole
+    steps issued alike, or the same calls split into steps differently) are skipped at
+    once; only where they do not is it a call at a time, and at most
     :data:`MAX_STEPPED` calls. Returns the position and why it stopped."""
     stepped = 0
     #: the blocks where the rests were last found not to repeat alike: moving a call
     #: at a time turns every rest by one, so they do not until a block changes
     apart: tuple[int, ...] | None = None
+    #: where a class first skipped a step, and the cursors there
+    gap: tuple[int, list[_Cursor]] | None = None
     while True:
-        if _skipped_step(cursors) is not None:
-            return position, GAP
+        if gap is None and _skipped_step(cursors) is not None:
+            gap = (position, [c.copy() for c in cursors])
         blocks = tuple(c.block for c in cursors)
         if blocks != apart:
             rests = [c.rest() for c in cursors]
@@ -361,6 +366,9 @@ def _walk(cursors: list[_Cursor], position: int) -> tuple[int, str]:
             apart = blocks
         keys = [c.key() for c in cursors]
         if len(set(keys)) > 1:
+            if gap is not None and None in keys:  # it came up short: the step it left out
+                cursors[:] = gap[1]
+                return gap[0], GAP
             return position, DIFFER
         if keys[0] is None:  # all ended together: they differ in step numbers only
             return position, AGREE
