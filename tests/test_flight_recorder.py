@@ -237,6 +237,34 @@ def nccl_dump(**changes: Any) -> dict[str, Any]:
     return dump
 
 
+def test_a_coalesced_batch_of_sends_and_recvs_is_point_to_point(
+    opguard: Opguard, tmp_path: Path
+) -> None:
+    """A 3-stage pipeline (``batch_isend_irecv``: each send or recv, then the batch's
+    ``nccl:coalesced`` entry, ``is_p2p``) between all-reduces: no finding (the batch
+    read as ``c10d::coalesced``, compared by position: a false collective_order)."""
+    base = nccl_dump()["entries"][0]
+    plan = {0: ["send 0->1"], 1: ["recv 0->1", "send 1->2"], 2: ["recv 1->2"]}
+    for rank in range(3):
+        calls: list[tuple[str, int, int]] = []  # (type, collective seq, p2p seq)
+        for step in range(2):
+            calls.append(("nccl:all_reduce", step + 1, 0))
+            for number, op in enumerate(plan[rank], 1):
+                calls += [(f"nccl:{op}", 0, 2 * step + number),
+                          ("nccl:coalesced", 0, 2 * step + number)]  # fmt: skip
+        calls.append(("nccl:all_reduce", 3, 0))
+        entries = [
+            dict(base, record_id=n, profiling_name=name, collective_seq_id=seq, op_id=n + 1,
+                 is_p2p=bool(p2p), p2p_seq_id=p2p)
+            for n, (name, seq, p2p) in enumerate(calls)
+        ]  # fmt: skip
+        dump = nccl_dump(entries=entries)
+        dump["pg_config"] = {"0": {"name": "0", "desc": "default_pg", "ranks": "[0, 1, 2]"}}
+        (tmp_path / f"nccl_trace_rank_{rank}").write_bytes(pickle.dumps(dump, protocol=2))
+    run = opguard("run", "-i", tmp_path / "nccl_trace_rank_*", "--fail-on-divergence")
+    assert run.exit_code == 0, run.stderr[-2000:]
+
+
 def test_nccl_dump(tmp_path: Path) -> None:
     path = tmp_path / "nccl_trace_rank_2"
     path.write_bytes(pickle.dumps(nccl_dump(), protocol=2))

@@ -62,6 +62,7 @@ from opguard_core.formats.collectives import (
     Group,
     Signature,
     StepRun,
+    compared_by_position,
 )
 from opguard_core.formats.readers import without_bom
 from opguard_core.formats.trace import TRACE_FORMAT, TRACE_VERSION, trace_stem
@@ -353,6 +354,11 @@ def split_name(profiling_name: str) -> tuple[str, str, str]:
     return backend, kind, rest
 
 
+#: the op of a point-to-point entry whose type names none (``nccl:coalesced``, which
+#: ends a ``batch_isend_irecv``): not compared by position (:func:`compared_by_position`)
+P2P_BATCH_OP = "c10d::batch_p2p_ops"
+
+
 def op_of(kind: str) -> str:
     """The c10d op of a Flight Recorder collective type (:data:`OPS`; else ``c10d::kind``)."""
     return OPS.get(kind) or f"c10d::{kind}"
@@ -390,6 +396,8 @@ def read_dump(data: bytes, path: Path) -> tuple[dict[str, Any], list[str]]:
         if backend:
             backends.add(backend)
         op = op_of(kind)
+        if entry.is_p2p and compared_by_position(op):  # ``nccl:coalesced`` of a batch
+            op = P2P_BATCH_OP  # of sends and recvs (batch_isend_irecv): point-to-point
         name, desc = entry.process_group
         group = groups.get((name, desc))
         if group is None:
