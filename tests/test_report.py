@@ -31,6 +31,7 @@ from opguard_plugins.view.report import (
     MAX_GROUPS,
     MAX_MEMBERS,
     config_view,
+    divergence_view,
     group_findings,
     rank_ranges,
     rank_row,
@@ -224,6 +225,16 @@ def test_the_findings_on_the_rank_row_counts_the_ranks_that_deviate(
     assert (group["kind"], group["ranks"]) == ("rank_specific", [7, "0-6"])
     assert group["row"] == {"expected": 1, "values": [[0, "7"]]}
     assert view["per_rank"] == {"rank_specific": [[1, "7"]]}
+
+
+def test_the_findings_on_the_rank_row_counts_a_finding_s_ranks_however_many() -> None:
+    """Two of three ranks died (no majority: rank 2 went on): the sequence finding
+    names ranks 0 and 1, which the row once inverted to rank 2, as for rank_specific."""
+    finding = {"kind": "collective_missing", "severity": "error", "ranks": [0, 1], "size": 1,
+               "target": "app:step", "message": "m"}  # fmt: skip
+    view = divergence_view({"ranks": [0, 1, 2]}, group_findings([finding]), 1)
+    assert view["per_rank"] == {"collective_missing": [[1, "0-1"]]}
+    assert view["groups"][0]["row"] == {"expected": 0, "values": [[1, "0-1"]]}
 
 
 @needs_node

@@ -404,9 +404,11 @@ def _deviations(group: Mapping[str, Any], ranks: list[int]) -> tuple[Any, dict[i
                 if rank in known:
                     deviating[rank] = deviating.get(rank, expected) + count - base
         return expected, deviating
-    # 1 for a rank the group names, 0 for the rest; a tie goes to 0
+    # 1 for a rank the group names, 0 for the rest. A rank_specific group names the
+    # ranks that ran its functions: the fewer deviate (a tie goes to 0). Any other
+    # group names its deviating ranks, however many (two of three ranks that died)
     named = known.intersection(group["ranks"])
-    most = 1 if 2 * len(named) > len(known) else 0
+    most = 1 if group["kind"] == "rank_specific" and 2 * len(named) > len(known) else 0
     return most, dict.fromkeys(known - named if most else named, 1 - most)
 
 
