@@ -355,6 +355,40 @@ def test_hook_export_formats(tmp_path: Path) -> None:
     assert out.read_text() == "aten::mm 4\n"
 
 
+def _quit(stacks: list[Stack]) -> bytes:
+    raise SystemExit(0)
+
+
+@pytest.mark.parametrize(
+    ("writer", "says"),
+    [
+        (_quit, "SystemExit(0) raised by plugin lines: a plugin may not end the process"),
+        (lambda stacks: "text", "plugin \"lines\": export format 'lines' returned str, not bytes"),
+    ],
+    ids=["system-exit", "not-bytes"],
+)
+def test_a_plugin_s_writer_that_misbehaves_is_named(
+    tmp_path: Path, writer: Callable[[list[Stack]], bytes], says: str
+) -> None:
+    """A writer raising ``SystemExit(0)`` ended ``opguard export`` with exit 0 and
+    nothing written; one returning text, with a traceback."""
+
+    class Lines:
+        @hookimpl
+        def opguard_export_formats(self) -> dict[str, Callable[[list[Stack]], bytes]]:
+            return {"lines": writer}
+
+    pm = create_plugin_manager()
+    pm.register(Lines(), name="lines")
+    src = write(tmp_path / "t.json", trace_doc([([("app", "main")], None, "aten::mm", 4)]))
+    out = tmp_path / "t.lines"
+    argv = ["export", str(src), "--format", "lines", "-o", str(out)]
+    result = CliRunner().invoke(create_cli(pm), argv)
+    assert result.exit_code == 3, result.output
+    assert result.stderr.strip() == f"opguard: error: {says}"
+    assert not out.exists()
+
+
 @given(
     st.dictionaries(st.sampled_from(["a", "b", "c", "d"]), st.integers(1, 50), min_size=1),
     st.data(),

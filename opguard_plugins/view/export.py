@@ -25,7 +25,7 @@ from opguard_core.cli import exits
 from opguard_core.cli.options import verbose_option
 from opguard_core.combine.accumulator import TraceAccumulator
 from opguard_core.configs.selection import PatternError, Selection, compile_patterns
-from opguard_core.errors import ExitCode, PluginError, one_line
+from opguard_core.errors import ExitCode, PluginError, ended_by_plugin, one_line
 from opguard_core.files.atomic import atomic_write_bytes
 from opguard_core.files.output_dirs import check_output_file
 from opguard_core.formats import names_a_config
@@ -54,8 +54,28 @@ def export_formats(manager: OpGuardPluginManager) -> dict[str, Writer]:
                 f'plugin "{impl.plugin_name}": opguard_export_formats: {exc}'
             ) from exc
         for name, writer in result.items():
-            found.setdefault(name, writer)
+            found.setdefault(name, _answerable(impl.plugin_name, name, writer))
     return found
+
+
+def _answerable(plugin: str, fmt: str, writer: Writer) -> Writer:
+    """``writer``, whose ``SystemExit`` or result other than bytes is a
+    :class:`PluginError` naming ``plugin`` (a ``SystemExit(0)`` in it ended
+    ``opguard export`` with exit 0 and nothing written)."""
+
+    def write(stacks: list[Stack]) -> bytes:
+        try:
+            data = writer(stacks)
+        except SystemExit as exc:
+            raise PluginError(ended_by_plugin(exc.code, plugin)) from None
+        if not isinstance(data, bytes):
+            raise PluginError(
+                f'plugin "{plugin}": export format {fmt!r} returned '
+                f"{type(data).__name__}, not bytes"
+            )
+        return data
+
+    return write
 
 
 def load_source(
