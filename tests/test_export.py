@@ -337,20 +337,27 @@ def test_unknown_format_is_a_usage_error(tmp_path: Path) -> None:
     assert "'svg': not one of collapsed, pprof, speedscope" in result.stderr
 
 
-def test_hook_export_formats(tmp_path: Path) -> None:
+def _export_lines(tmp_path: Path, writer: Callable[[list[Stack]], bytes]) -> tuple[Any, Path]:
+    """``opguard export --format lines`` of a one-callsite trace, ``lines`` written by
+    ``writer`` (a plugin's format): the result and the output path."""
+
     class Lines:
         @hookimpl
         def opguard_export_formats(self) -> dict[str, Callable[[list[Stack]], bytes]]:
-            return {
-                "lines": lambda stacks: b"".join(f"{s.op} {s.weight}\n".encode() for s in stacks)
-            }
+            return {"lines": writer}
 
     pm = create_plugin_manager()
     pm.register(Lines(), name="lines")
     src = write(tmp_path / "t.json", trace_doc([([("app", "main")], None, "aten::mm", 4)]))
     out = tmp_path / "t.lines"
     argv = ["export", str(src), "--format", "lines", "-o", str(out)]
-    result = CliRunner().invoke(create_cli(pm), argv)
+    return CliRunner().invoke(create_cli(pm), argv), out
+
+
+def test_hook_export_formats(tmp_path: Path) -> None:
+    result, out = _export_lines(
+        tmp_path, lambda stacks: b"".join(f"{s.op} {s.weight}\n".encode() for s in stacks)
+    )
     assert result.exit_code == 0, result.stderr
     assert out.read_text() == "aten::mm 4\n"
 
@@ -372,18 +379,7 @@ def test_a_plugin_s_writer_that_misbehaves_is_named(
 ) -> None:
     """A writer raising ``SystemExit(0)`` ended ``opguard export`` with exit 0 and
     nothing written; one returning text, with a traceback."""
-
-    class Lines:
-        @hookimpl
-        def opguard_export_formats(self) -> dict[str, Callable[[list[Stack]], bytes]]:
-            return {"lines": writer}
-
-    pm = create_plugin_manager()
-    pm.register(Lines(), name="lines")
-    src = write(tmp_path / "t.json", trace_doc([([("app", "main")], None, "aten::mm", 4)]))
-    out = tmp_path / "t.lines"
-    argv = ["export", str(src), "--format", "lines", "-o", str(out)]
-    result = CliRunner().invoke(create_cli(pm), argv)
+    result, out = _export_lines(tmp_path, writer)
     assert result.exit_code == 3, result.output
     assert result.stderr.strip() == f"opguard: error: {says}"
     assert not out.exists()

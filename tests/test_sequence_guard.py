@@ -72,6 +72,14 @@ class Recorded:
         return [v.kind for v, _ in self.violations]
 
 
+def bound_checker(sequence: CollectiveSequence, rank: int) -> tuple[SequenceChecker, Recorded]:
+    """A checker of ``sequence``, bound to ``rank``, and what it records."""
+    recorded = Recorded()
+    checker = SequenceChecker(Collectives(sequences=[sequence]), recorded)
+    assert checker.bind(rank)
+    return checker, recorded
+
+
 def run_steps(steps: list[list[tuple[str, Any]]], rank: int = 1) -> Recorded:
     recorded = Recorded()
     checker = SequenceChecker(good(rank), recorded)
@@ -187,9 +195,7 @@ def test_point_to_point_ops_are_not_checked() -> None:
         ranks=[1], groups=[WORLD, OTHER], signatures=[send, A, B, C],
         steps=[StepRun(0, 2, (0, 1, 2, 3))],
     )  # fmt: skip
-    recorded = Recorded()
-    checker = SequenceChecker(Collectives(sequences=[sequence]), recorded)
-    assert checker.bind(1)
+    checker, recorded = bound_checker(sequence, 1)
     sends = [call(send, numel=32, shapes=((32,),)), call(send, numel=8, shapes=((8,),))]
     for step, calls in enumerate([[call(send), *GOOD_STEP], [*sends, *GOOD_STEP], GOOD_STEP]):
         for op, described in calls:
@@ -208,9 +214,7 @@ def test_a_scatter_is_held_to_each_ranks_share() -> None:
     sequence = CollectiveSequence(
         ranks=[0], groups=[WORLD, OTHER], signatures=[scatter, B], steps=[StepRun(0, 2, (0, 1))]
     )
-    recorded = Recorded()
-    checker = SequenceChecker(Collectives(sequences=[sequence]), recorded)
-    assert checker.bind(0)
+    checker, recorded = bound_checker(sequence, 0)
     for step in range(3):
         checker.check(*call(scatter, numel=6, shapes=((6,),)), step, "job:step")
         checker.check(*call(B), step, "job:step")
@@ -227,9 +231,7 @@ def test_an_all_to_alls_size_is_not_checked() -> None:
     sequence = CollectiveSequence(
         ranks=[0], groups=[WORLD, OTHER], signatures=[a2a, B], steps=[StepRun(0, 2, (0, 1))]
     )
-    recorded = Recorded()
-    checker = SequenceChecker(Collectives(sequences=[sequence]), recorded)
-    assert checker.bind(0)
+    checker, recorded = bound_checker(sequence, 0)
     for step in range(3):
         checker.check(*call(a2a, numel=4 + step, shapes=((4 + step,),)), step, "job:step")
         checker.check(*call(B), step, "job:step")
@@ -529,9 +531,7 @@ def test_a_good_run_of_unknown_groups_is_checked_as_one_group() -> None:
     sequence = CollectiveSequence(
         ranks=[1], groups=[unknown], signatures=plain, steps=[StepRun(0, 2, (0, 1, 2))]
     )
-    recorded = Recorded()
-    checker = SequenceChecker(Collectives(sequences=[sequence]), recorded)
-    assert checker.bind(1)
+    checker, recorded = bound_checker(sequence, 1)
     for step in range(3):  # the real groups: A and B on "0", C on "1"
         for op, described in GOOD_STEP:
             checker.check(op, described, step, "job:step")

@@ -89,29 +89,16 @@ class _View:
 
     @classmethod
     def of(cls, sequence: CollectiveSequence, group_index: int | None) -> _View:
-        blocks: list[Block] = []
-        first = sequence.groups[group_index].first if group_index is not None else 0
-        if group_index is not None:
-            signatures = sequence.signatures
-            #: signature id -> its key, for the group's compared signatures (a sequence
-            #: has a few signatures and millions of calls: one key() each)
-            keyed = {
-                number: sig.key()
-                for number, sig in enumerate(signatures)
-                if sig.group == group_index and compared_by_position(sig.op)
-            }
-            for run in sequence.steps:
-                ids = [c for c in run.calls if c in keyed]
-                if not ids:
-                    continue
-                calls = tuple(signatures[c] for c in ids)
-                keys = tuple(keyed[c] for c in ids)
-                if blocks and blocks[-1][1] + 1 == run.first and blocks[-1][3] == keys:
-                    start, _, before, _ = blocks[-1]
-                    blocks[-1] = (start, run.last, before, keys)
-                else:
-                    blocks.append((run.first, run.last, calls, keys))
-        return cls(blocks, [], first)
+        if group_index is None:
+            return cls([], [], 0)
+        #: signature id -> its key, for the group's compared signatures (a sequence has
+        #: a few signatures and millions of calls: one key() each)
+        keyed = {
+            number: sig.key()
+            for number, sig in enumerate(sequence.signatures)
+            if sig.group == group_index and compared_by_position(sig.op)
+        }
+        return cls(_blocks(sequence, keyed), [], sequence.groups[group_index].first)
 
     def shape(self) -> tuple[Any, ...]:
         """What two views must share to agree."""
@@ -542,14 +529,20 @@ def _interleavings(
 def _merged_view(sequence: CollectiveSequence, indexes: dict[int, GroupId]) -> _View:
     """``sequence``'s collectives on the groups ``indexes`` (group index -> id), in the
     order it issued them, each keyed by its group and what it does; its ranks."""
-    blocks: list[Block] = []
-    signatures = sequence.signatures
     #: signature id -> its key, for the signatures on the groups (one key() each)
     keyed = {
         number: (indexes[sig.group], sig.key())
-        for number, sig in enumerate(signatures)
+        for number, sig in enumerate(sequence.signatures)
         if sig.group in indexes and compared_by_position(sig.op)
     }
+    return _View(_blocks(sequence, keyed), list(sequence.ranks))
+
+
+def _blocks(sequence: CollectiveSequence, keyed: Mapping[int, Any]) -> list[Block]:
+    """``sequence``'s step runs as blocks of the calls whose signature ``keyed`` keys
+    (signature id -> key), runs of the same keys in consecutive steps joined."""
+    blocks: list[Block] = []
+    signatures = sequence.signatures
     for run in sequence.steps:
         ids = [c for c in run.calls if c in keyed]
         if not ids:
@@ -560,7 +553,7 @@ def _merged_view(sequence: CollectiveSequence, indexes: dict[int, GroupId]) -> _
             blocks[-1] = (blocks[-1][0], run.last, blocks[-1][2], keys)
         else:
             blocks.append((run.first, run.last, calls, keys))
-    return _View(blocks, list(sequence.ranks))
+    return blocks
 
 
 def _on_group_before(cursor: _Cursor, gid: GroupId) -> int:
