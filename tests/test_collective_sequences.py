@@ -470,6 +470,15 @@ def test_a_rank_left_waiting_in_a_collective_is_not_the_one_reported(
     )
     assert finding["majority"] is False and finding["step"] == 2
     assert f"written before the process was done: rank {hung}: {stopped}" in finding["message"]
+    # the run's warning names the waiting rank as ending first, and says it was waiting
+    summary = json.loads((doc["run_dir"] / "pipeline_summary.json").read_text())
+    (warning,) = [w for w in summary["warnings"] if "ended first" in w["message"]]
+    assert warning["message"].endswith(
+        f"rank {1 - hung} ended first, at 2026-12-06T10:00:05.000Z, 0.200 s before the "
+        f"next (rank {hung}), but it had issued more collectives (5) than rank(s) {hung} "
+        "(4), which ended after it: it was likely left waiting in a collective they "
+        "never issued"
+    )
 
 
 def test_without_sequences_a_complete_rank_is_the_reference(

@@ -11,7 +11,7 @@ import datetime
 import gzip
 import re
 import zlib
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from itertools import islice
 from pathlib import Path
 from typing import Annotated, Any
@@ -325,22 +325,41 @@ def end_times(
     return times
 
 
-def first_to_end(partial: dict[int, dict[str, Any]]) -> str | None:
+def first_to_end(
+    partial: dict[int, dict[str, Any]], issued: Mapping[int, int] | None = None
+) -> str | None:
     """Of partial ranks (:func:`partial_ranks_of`), the rank whose record ends first,
     when two or more say when they ended (``at``; not a :data:`FLUSHED` marker's, the
     time of a flush), one is earliest and it did not end because it was told to
     (:data:`TOLD_TO_STOP`): in a job that fell apart, the rank that went first is where
-    to look (``rank 1 ended first, at …, 0.342 s before the next``). None otherwise."""
+    to look (``rank 1 ended first, at …, 0.342 s before the next``). None otherwise.
+
+    ``issued`` (each rank's count of collectives, where the trace has sequences) tells
+    a hang from a crash: a rank that timed out waiting in a collective ends first too,
+    having issued more collectives than a rank that ended after it (the one it waited
+    for, stopped later by the launcher); then the message says so and names those
+    ranks."""
     times = end_times(partial, leave_out=FLUSHED)
     ends = sorted((when, rank, partial[rank]["at"]) for rank, when in times.items())
     if len(ends) < 2 or ends[0][0] == ends[1][0]:
         return None
-    if partial[ends[0][1]].get("reason") in TOLD_TO_STOP:
+    first = ends[0][1]
+    if partial[first].get("reason") in TOLD_TO_STOP:
         return None  # told to stop (a launcher or a timeout stopping every rank): no culprit
-    return (
-        f"rank {ends[0][1]} ended first, at {ends[0][2]}, "
+    text = (
+        f"rank {first} ended first, at {ends[0][2]}, "
         f"{ends[1][0] - ends[0][0]:.3f} s before the next (rank {ends[1][1]})"
     )
+    if issued is not None and first in issued:
+        behind = sorted(r for _, r, _ in ends[1:] if issued.get(r, issued[first]) < issued[first])
+        if behind:
+            text += (
+                f", but it had issued more collectives ({issued[first]}) than rank(s) "
+                f"{list_ranks(behind)} ({', '.join(str(issued[r]) for r in behind[:8])}), "
+                "which ended after it: it was likely left waiting in a collective they "
+                "never issued"
+            )
+    return text
 
 
 def list_ranks(ranks: list[int], limit: int = 8) -> str:

@@ -194,7 +194,8 @@ def combine(call: StepCall, entry: InputEntry, needs: Mapping[str, Any]) -> Any:
         )
     partial = partial_ranks_of(trace.meta)
     if partial:
-        first = first_to_end(partial)
+        sequences = trace.collectives.sequences if trace.collectives is not None else []
+        first = first_to_end(partial, {r: seq.count() for seq in sequences for r in seq.ranks})
         warn(
             f"{entry.name}: traces written before their process was done "
             f"({describe_partial(partial)}): those ranks' records end there"
