@@ -874,6 +874,29 @@ def test_a_group_compared_only_in_part_says_so(
     assert "no divergence" not in doc["log"]
 
 
+def test_two_groups_ordered_only_in_part_say_so(
+    opguard: Callable[..., Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The order across two groups compared past MAX_STEPPED calls one at a time:
+    a warning naming both groups says up to where (once it said nothing)."""
+    monkeypatch.setattr("opguard_plugins.stages.sequences.MAX_STEPPED", 2)
+    other = {"name": "1", "desc": None, "size": 2, "ranks": [0, 1]}
+    a, b = (AR, "float32", 6, 10), (AR, "float32", 8, 11, "1")
+    even = [(step, *c) for step in range(4) for c in (a, b)]
+    steps = [[a, b, a], [b, a, b], [a, b]]  # the same calls, split otherwise
+    odd = [(step, *c) for step, calls in enumerate(steps) for c in calls]
+    doc = run_docs(opguard, tmp_path, rank_doc(0, even, [WORLD, other]),
+                   rank_doc(1, odd, [WORLD, other]), expect=0)  # fmt: skip
+    (finding,) = [f for f in doc["findings"] if f["kind"] == "sequence_unchecked"]
+    assert finding["severity"] == "warning" and finding["ranks"] == [0, 1]
+    assert (finding["group"]["name"], finding["other_group"]["name"]) == ("0", "1")
+    assert finding["message"].startswith(
+        "the order of group 0 (default_pg)'s and group 1's collectives compared only up to "
+        "their collective #2: "
+    )
+    assert collective_findings(doc) == []
+
+
 def test_a_reduce_op_mismatch_is_its_own_kind(opguard: Callable[..., Any], tmp_path: Path) -> None:
     docs = [rank_doc(r, good()) for r in (0, 1)]
     docs[1]["collectives"]["sequences"][0]["signatures"].append(

@@ -463,29 +463,39 @@ def _reference(
     return distribution, winner, majority
 
 
-def _unchecked(group: Group, position: int, ranks: list[int]) -> Finding:
-    """A warning that ``group`` was compared only up to ``position``: the members'
+def _unchecked(
+    group: Group, position: int, ranks: list[int], other: Group | None = None
+) -> Finding:
+    """A warning that ``group`` (or the order of ``group``'s and ``other``'s
+    collectives between them) was compared only up to ``position``: the members'
     sequences agree so far, call by call, but they split their steps so differently
     that :data:`MAX_STEPPED` calls were walked one at a time."""
-    label = _label(group)
-    return {
+    what = (
+        f"{_label(group)} compared only up to collective #{position}"
+        if other is None
+        else f"the order of {_label(group)}'s and {_label(other)}'s collectives compared "
+        f"only up to their collective #{position}"
+    )
+    finding: Finding = {
         "kind": UNCHECKED_KIND,
         "severity": "warning",
         "ranks": ranks,
         "op": None,
-        "group": {"name": group.name, "desc": group.desc, "size": group.size,
-                  "ranks": list(group.ranks)},
+        "group": _group_doc(group),
         "position": position,
         "target": "<root>",
         "context": [],
         "stack": [],
         "size": len(ranks),
         "message": (
-            f"{label} compared only up to collective #{position}: its members agree call "
-            f"by call so far, but split their steps differently, and past {MAX_STEPPED} "
-            "collectives compared one at a time the rest was not compared"
+            f"{what}: its members agree call by call so far, but split their steps "
+            f"differently, and past {MAX_STEPPED} collectives compared one at a time the "
+            "rest was not compared"
         ),
-    }  # fmt: skip
+    }
+    if other is not None:
+        finding["other_group"] = _group_doc(other)
+    return finding
 
 
 def _interleavings(
@@ -522,7 +532,8 @@ def _interleavings(
             view = _merged_view(seq, {index: pair[0], other_index: pair[1]})
             classes.setdefault(view.shape(), []).append(view)
         if len(classes) > 1:
-            findings.extend(_first_interleaving(groups, list(classes.values()), describe, ended))
+            views = list(classes.values())
+            findings.extend(_first_interleaving(groups, pair, views, describe, ended))
     return findings
 
 
@@ -570,15 +581,21 @@ def _on_group_before(cursor: _Cursor, gid: GroupId) -> int:
 
 def _first_interleaving(
     groups: dict[GroupId, Group],
+    pair: tuple[GroupId, GroupId],
     classes: list[list[_View]],
     describe: Describe,
     ended: dict[int, float],
 ) -> list[Finding]:
-    """Findings at the first position where ``classes`` (merged views of two groups
-    that agree) issue the two groups' collectives in another order."""
+    """Findings at the first position where ``classes`` (merged views of the groups
+    ``pair``, each agreeing on its own) issue the two groups' collectives in another
+    order; or a ``sequence_unchecked`` warning naming both groups where that position
+    was not reached (:data:`MAX_STEPPED`)."""
     cursors = [_Cursor(views[0].blocks) for views in classes]
     ranks_of = [sorted(r for v in views for r in v.ranks) for views in classes]
-    _, why = _walk(cursors, 0)
+    position, why = _walk(cursors, 0)
+    if why == UNCHECKED:
+        first, second = (groups[gid] for gid in pair)
+        return [_unchecked(first, position, sorted(r for ranks in ranks_of for r in ranks), second)]
     here = [c.peek() for c in cursors]
     keys = [c.key() for c in cursors]
     if why != DIFFER or any(call is None for call in here):
@@ -609,8 +626,7 @@ def _first_interleaving(
             else f"rank {finding['expected_ranks'][0]} (no majority: the reference)"
         )
         finding["got"]["group"] = other.name
-        finding["other_group"] = {"name": other.name, "desc": other.desc, "size": other.size,
-                                  "ranks": list(other.ranks)}  # fmt: skip
+        finding["other_group"] = _group_doc(other)
         finding["message"] = (
             f"collective #{at} on {_label(group)}, step {got[0] if got else None}: rank(s) "
             f"{list_ranks(ranks)} issue {_text(got)} on {_label(other)} (its collective "
@@ -620,6 +636,11 @@ def _first_interleaving(
         )
         findings.append(finding)
     return findings
+
+
+def _group_doc(group: Group) -> dict[str, Any]:
+    """A finding's ``group`` (or ``other_group``)."""
+    return {"name": group.name, "desc": group.desc, "size": group.size, "ranks": list(group.ranks)}
 
 
 def _label(group: Group) -> str:
@@ -759,12 +780,7 @@ def _finding(
         "severity": "error",
         "ranks": ranks,
         "op": op.op if op is not None else None,
-        "group": {
-            "name": group.name,
-            "desc": group.desc,
-            "size": group.size,
-            "ranks": list(group.ranks),
-        },
+        "group": _group_doc(group),
         "position": position,
         "step": step,
         "expected": _signature_doc(expected, group),
