@@ -422,6 +422,23 @@ def test_a_run_that_ended_early_says_so_in_its_report(tmp_path: Path, gmodel: An
         "exception": "RuntimeError",
         "step": 3,
     }
+    # sys.exit(0) in the block is a program that finished (as under `opguard guard`);
+    # sys.exit(2) one that failed
+    for status in (0, 2):
+        with (
+            pytest.raises(SystemExit),
+            guarded(config, report_dir=tmp_path / f"exit{status}", rank=0, whole_run=True) as guard,
+        ):
+            gmodel.train()
+            sys.exit(status)
+        document = report_of(guard)
+        if status == 0:
+            assert "partial" not in document
+            assert ("missing", "gmodel:gate") in {
+                (v["kind"], v["target"]) for v in document["violations"]
+            }
+        else:
+            assert document["partial"]["reason"] == "exit" and document["partial"]["status"] == 2
 
 
 def test_guard_command_usage_and_unreadable_config(tmp_path: Path) -> None:

@@ -1400,8 +1400,12 @@ def guarded(
     guard.start()
     try:
         yield guard
+    except SystemExit as exc:
+        if exc.code not in (None, 0):  # sys.exit(0) ends the block as it should, as at exit
+            guard.end_early(SystemExit, exc.code)
+        raise
     except BaseException as exc:
-        guard.end_early(type(exc), exc.code if isinstance(exc, SystemExit) else None)
+        guard.end_early(type(exc))
         raise
     finally:
         guard.finish()
