@@ -202,3 +202,33 @@ def test_a_trace_after_a_byte_order_mark_combines_as_without(
     config = run.run_dir
     check = opguard("check", "--config", config, "-i", tmp_path / "bom" / "ddp_callsite_rank*")
     assert check.exit_code == 0, check.stderr[-2000:]
+
+
+class Crashing:
+    """Takes ``crash`` files and fails reading them (a bug in the plugin)."""
+
+    @hookimpl
+    def opguard_read_trace(self, path: Path, data: bytes) -> Any:
+        if data.startswith(b"crash"):
+            raise RuntimeError("kaput")
+        return None
+
+
+def test_a_reader_that_raises_is_a_plugin_error_in_every_command(tmp_path: Path) -> None:
+    """export and check both exit 3 (a plugin failed) naming the plugin; check said 5,
+    as if the file could not be read."""
+    path = tmp_path / "job_rank0.txt"
+    path.write_text("crash")
+    manager = create_plugin_manager()
+    manager.register(Crashing(), name="crashing")
+    config = Path(__file__).parent / "data" / "configs" / "gpt_callsite_v1.yaml"
+    for args in (("export", path, "--format", "collapsed", "-o", tmp_path / "out"),
+                 ("check", "--config", config, "-i", path)):  # fmt: skip
+        result = _invoke(manager, *args)
+        assert result.exit_code == 3, (args[0], result.output)
+        assert 'plugin "crashing": opguard_read_trace(' in result.stderr
+        assert "Traceback" not in result.stderr
+    # a file that cannot be read is still an unreadable input (5)
+    bad = tmp_path / "bad_rank0.json"
+    bad.write_text('{"format": "opguard-callsites", "version": 1}')
+    assert _invoke(manager, "check", "--config", config, "-i", bad).exit_code == 5

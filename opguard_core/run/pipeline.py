@@ -20,6 +20,7 @@ from typing import Any
 from ruamel.yaml.comments import CommentedMap
 
 from opguard_core.configs.chain import active_filters, apply_filters
+from opguard_core.errors import ExitCode
 from opguard_core.formats.trace import partial_ranks_of
 from opguard_core.model import InputEntry, RunOptions
 from opguard_core.plugin.manager import OpGuardPluginManager
@@ -99,6 +100,13 @@ class Pipeline:
                 named = r.stage == "discover" and r.entry and r.error.startswith(r.entry)
                 first.setdefault(r.error, r.error if named else f"{r.entry or r.stage}: {r.error}")
         return list(first.values())
+
+    def failure_code(self) -> ExitCode:
+        """The exit code of the :meth:`failures`: a plugin's fault (it raised) or an
+        input's."""
+        if self._runner.recorder.plugin_failed:
+            return ExitCode.PLUGIN_ERROR
+        return ExitCode.INPUT_UNREADABLE
 
 
 __all__ = ["Pipeline"]

@@ -19,7 +19,7 @@ from typing import Any
 
 import structlog
 
-from opguard_core.errors import Interrupted, OpGuardError, ended_by_plugin, one_line
+from opguard_core.errors import Interrupted, OpGuardError, PluginError, ended_by_plugin, one_line
 from opguard_core.logs import get_logger
 from opguard_core.model import StageFailed, StageRecord
 
@@ -62,6 +62,9 @@ class Recorder:
         self.is_user_interrupt = is_user_interrupt
         #: the stage and entry running now, for the summary of an interrupted run
         self.current: tuple[str, str | None] = ("setup", None)
+        #: whether a stage failed by a plugin's fault (a :class:`PluginError`, or a
+        #: plugin that raised ``SystemExit`` or ``KeyboardInterrupt``), not its input's
+        self.plugin_failed = False
 
     def capturing(self) -> tuple[Recorder, list[Event]]:
         """A recorder for a forked helper: same settings, its own records, warnings and
@@ -122,6 +125,8 @@ class Recorder:
                     raise
                 record.status = "failed"
                 record.error = one_line(failure_reason(exc, record))
+                if isinstance(exc, PluginError | SystemExit | KeyboardInterrupt):
+                    self.plugin_failed = True
                 self.records.append(record)
                 self.log.error(
                     "stage failed", plugin=record.plugin, error=record.error, exc_info=self.verbose

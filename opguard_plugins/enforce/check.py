@@ -190,6 +190,8 @@ class Observed:
     #: ``meta.partial``): their counts and their last, interrupted step are not held
     #: to the config
     partial: dict[int, dict[str, Any]] = dataclasses.field(default_factory=dict)
+    #: the exit code of the ``problems``: a plugin's fault, or an input's
+    problems_code: ExitCode = ExitCode.INPUT_UNREADABLE
 
 
 def observe(
@@ -243,9 +245,10 @@ def observe(
         if pipeline.filters:
             _keep_only(configs.values(), kept)
         problems = pipeline.failures()
+        code = pipeline.failure_code()
         partial = pipeline.partial
     files = [Path(path) for entry in entries for path in entry.files]
-    return Observed(configs, problems, combined, files, alone, partial)
+    return Observed(configs, problems, combined, files, alone, partial, code)
 
 
 def _keep_only(configs: Iterable[CommentedMap], keys: set[Any]) -> None:
@@ -762,7 +765,7 @@ def make_command(manager: OpGuardPluginManager) -> click.Command:
         if observed.problems:
             for problem in observed.problems:
                 click.echo(f"opguard: error: {one_line(problem)}", err=True)
-            return ExitCode.INPUT_UNREADABLE
+            return observed.problems_code
         if output is not None:  # a trace given as -o is read, never replaced
             check_output_file(output, [config_path, *observed.files])
         names = recorded_sources(config)
