@@ -478,6 +478,38 @@ def test_labels_and_steps_without_stacks() -> None:
     assert doc["meta"]["device"] == "cpu"
 
 
+def test_an_instant_event_at_its_parents_end_is_inside_it() -> None:
+    """Whole-microsecond timestamps (DLRM's) put a zero-duration child at its parent's
+    end: it is inside the parent, not an op the program issued."""
+    doc = import_dict(
+        trace(
+            X("cpu_op", "aten::select", 0, 1),
+            X("cpu_op", "aten::as_strided", 1, 0),  # at select's end: inside it
+            X("cpu_op", "aten::item", 5, 0),
+            X("cpu_op", "aten::_local_scalar_dense", 5, 0),  # same instant: inside it
+            X("cpu_op", "aten::slice", 7, 2),
+            X("cpu_op", "aten::add", 9, 1),  # starts at slice's end, lasts: a sibling
+        )
+    )
+    assert op_roles(doc) == {
+        ("aten::select", "compute"): 1,
+        ("aten::item", "compute"): 1,
+        ("aten::slice", "compute"): 1,
+        ("aten::add", "compute"): 1,
+    }
+
+
+def test_dlrm_children_at_their_parents_end_are_not_counted(
+    dlrm: list[dict[str, Any]],
+) -> None:
+    # every aten::_local_scalar_dense of these ranks is inside an aten::item ending at
+    # the same microsecond; the 15 aten::as_strided counted are the autograd thread's
+    for doc in dlrm:
+        counts = op_roles(doc)
+        assert counts[("aten::_local_scalar_dense", "compute")] == 0
+        assert counts[("aten::as_strided", "compute")] == 15
+
+
 def test_collective_without_device_stream() -> None:
     # gloo (or NCCL kernels outside the window): still a comm role, on no device stream
     doc = import_dict(

@@ -662,7 +662,10 @@ class _Importer:
         module_class = ""  # class of the module call whose forward comes next
         misnested = 0
         for ts, negdur, kind, index in rows:
-            while ends and ends[-1] <= ts:
+            # an instant event (dur 0) at the very end of an open event is inside it:
+            # timestamps in whole microseconds put a child (``aten::as_strided`` in
+            # ``aten::select``, ``aten::_local_scalar_dense`` in ``aten::item``) there
+            while ends and (ends[-1] < ts or (ends[-1] == ts and negdur)):
                 ends.pop()
                 sid, op, module_class = saved.pop()
             if kind == _RUNTIME:
