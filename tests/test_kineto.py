@@ -615,6 +615,8 @@ def test_not_kineto(head: bytes) -> None:
     [
         (b'{"traceEvents": [{"ph": "X", "ts": "soon"', "not a readable Kineto trace"),
         (b'{"traceEvents": [{"ph": "X", "ts": "soon"}]}', "traceEvents[0].ts"),
+        # Kineto's keys but no events: a broken file, not an empty trace
+        (b'{"schemaVersion": 1, "distributedInfo": {"rank": 0}}', "field `traceEvents`"),
     ],
 )
 def test_bad_input_one_line(data: bytes, problem: str) -> None:

@@ -162,7 +162,7 @@ class _Document(
         "schema_version": "schemaVersion",
     },
 ):
-    trace_events: list[_Event] = []
+    trace_events: list[_Event]  # required: a file without it is no trace
     distributed_info: _Distributed | None = None
     schema_version: int | None = None
     roctracer_version: Any = None
@@ -179,7 +179,7 @@ _DOCUMENT_KEYS = {
 class _CommDocument(_Document, gc=False, rename=_DOCUMENT_KEYS):
     """A distributed job's trace: its events' args with collectives' descriptions."""
 
-    trace_events: list[_CommEvent] = []  # type: ignore[assignment]
+    trace_events: list[_CommEvent]  # type: ignore[assignment]
 
 
 _DECODER = msgspec.json.Decoder(_Document)
