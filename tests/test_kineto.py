@@ -617,6 +617,16 @@ def test_not_kineto(head: bytes) -> None:
         (b'{"traceEvents": [{"ph": "X", "ts": "soon"}]}', "traceEvents[0].ts"),
         # Kineto's keys but no events: a broken file, not an empty trace
         (b'{"schemaVersion": 1, "distributedInfo": {"rank": 0}}', "field `traceEvents`"),
+        # where such an event nests, and what it encloses, cannot be told
+        (
+            b'{"traceEvents": [{"ph": "X", "cat": "cpu_op", "name": "aten::mm", "dur": 3}]}',
+            "a complete event with no `ts` - at `$.traceEvents[0]` ('aten::mm'",
+        ),
+        (
+            b'{"traceEvents": [{"ph": "M", "name": "process_name"}, '
+            b'{"ph": "X", "cat": "cpu_op", "name": "aten::linear", "ts": 5, "dur": -10}]}',
+            "a complete event with a negative `dur` (-10) - at `$.traceEvents[1]`",
+        ),
     ],
 )
 def test_bad_input_one_line(data: bytes, problem: str) -> None:
@@ -729,6 +739,29 @@ def test_kineto_mixes_with_callsite_traces(opguard: Opguard, tmp_path: Path) -> 
     assert combined["meta"]["ranks"] == [0, 1]
     ops = {site["op"] for site in combined["callsites"]}
     assert "c10d::alltoall_base_" in ops and "aten::embedding" in ops
+
+
+def test_a_broken_kineto_rank_fails_its_entry_in_one_line(opguard: Opguard, tmp_path: Path) -> None:
+    """A Kineto file that cannot be read fails its entry with one line naming the file
+    and the problem, listed in the summary; the other entries go on; nothing of the
+    failed entry is written."""
+    data = raw_events("dlrm_rank1.pt.trace.json.gz")
+    first = next(e for e in data["traceEvents"] if e.get("ph") == "X" and e.get("cat") == "cpu_op")
+    del first["ts"]
+    bad = _write_json(tmp_path / "bad_rank1.json", data)
+    shutil.copy(KINETO / "dlrm_rank0.pt.trace.json.gz", tmp_path / "bad_rank0.json")
+    run = opguard("run", "-i", tmp_path / "bad_rank*.json", "-i", SAMPLES / "gpt*.json", expect=1)
+    assert "Traceback" not in run.stderr
+    lines = [line for line in run.stderr.splitlines() if "a complete event with no `ts`" in line]
+    assert lines and all(str(bad) in line for line in lines)
+    summary = json.loads(run.read("pipeline_summary.json"))
+    assert summary["exit_code"] == 1
+    failures = json.dumps(summary["stages"])
+    assert "bad_rank1.json: not a readable Kineto trace: a complete event with no" in failures
+    assert run.run_dir is not None
+    written = {p.name for p in run.run_dir.iterdir()}
+    assert "gpt_callsite_instrumentation.yaml" in written
+    assert not {name for name in written if name.startswith("bad")}
 
 
 def _write_json(path: Path, data: dict[str, Any]) -> Path:

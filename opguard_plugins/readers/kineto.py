@@ -130,13 +130,17 @@ class _CommArgs(
     in_nelems: Any = None
 
 
+#: an event's ``ts`` when it has none (JSON cannot spell it)
+_NO_TS = -math.inf
+
+
 class _Event(msgspec.Struct, gc=False):
     ph: str = ""
     cat: str | None = None
     name: str = ""
     pid: int | str = 0
     tid: int | str = 0
-    ts: float = 0.0
+    ts: float = _NO_TS
     dur: float = 0.0
     args: _Args | None = None
 
@@ -495,6 +499,16 @@ def _decode(data: bytes, decoder: msgspec.json.Decoder[Any] = _DECODER) -> _Docu
         raise KinetoError(f"not a readable Kineto trace: {' '.join(str(error).split())}") from None
 
 
+def _bad_time(index: int, event: _Event) -> None:
+    """Refuse a complete event that has no start or ends before it starts: where it
+    nests, and what it encloses, cannot be told."""
+    problem = "no `ts`" if event.ts == _NO_TS else f"a negative `dur` ({event.dur:g})"
+    raise KinetoError(
+        f"not a readable Kineto trace: a complete event with {problem} - at "
+        f"`$.traceEvents[{index}]` ({event.name[:80]!r}, cat {event.cat!r})"
+    )
+
+
 def _any_row(
     threads: dict[tuple[int | str, int | str], list[tuple[float, float, int, int]]], kind: int
 ) -> int | None:
@@ -581,6 +595,8 @@ class _Importer:
             kind = cat_kind.get(event.cat)  # type: ignore[arg-type]
             if kind is None or event.ph != "X":
                 continue
+            if event.ts == _NO_TS or event.dur < 0:
+                _bad_time(index, event)
             if kind < _DEVICE:
                 key = (event.pid, event.tid)
                 rows = threads.get(key)
