@@ -499,6 +499,20 @@ def test_an_instant_event_at_its_parents_end_is_inside_it() -> None:
     }
 
 
+def test_an_op_overrunning_its_parent_op_is_counted_as_misnested() -> None:
+    """Overlapping, non-nested ops on one thread: the second is inside the first (not
+    the program's), and the trace's inconsistency is counted, not dropped silently."""
+    doc = import_dict(
+        trace(
+            X("cpu_op", "aten::a", 0, 10),
+            X("cpu_op", "aten::b", 5, 10),  # starts inside aten::a, ends after it
+            X("cpu_op", "aten::c", 20, 5),
+        )
+    )
+    assert op_roles(doc) == {("aten::a", "compute"): 1, ("aten::c", "compute"): 1}
+    assert doc["meta"]["window"]["misnested_ops"] == 1
+
+
 def test_dlrm_children_at_their_parents_end_are_not_counted(
     dlrm: list[dict[str, Any]],
 ) -> None:

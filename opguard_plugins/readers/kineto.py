@@ -734,11 +734,11 @@ class _Importer:
                     ):
                         comm_params[op] = index
                     continue
-                if op != -1 and (okind != _COLLECTIVE or op_kind[op] == _COLLECTIVE):
-                    continue  # inside a counted op: not issued by the program
                 end = ts - negdur
                 if ends and end > ends[-1]:
                     misnested += 1
+                if op != -1 and (okind != _COLLECTIVE or op_kind[op] == _COLLECTIVE):
+                    continue  # inside a counted op: not issued by the program
                 new_sid = sid
                 if use_call_stack:
                     args = event.args
