@@ -177,6 +177,13 @@ def test_not_a_json_dump(head: bytes) -> None:
     assert not looks_like_json_dump(head)
 
 
+def test_a_json_dump_naming_opguard_is_a_dump() -> None:
+    """Only an OpGuard document's ``"format"`` makes it one: a group or thread named
+    ``opguard-…`` does not."""
+    dump = b'{"comm_lib_version": "", "pg_config": {"0": {"desc": "opguard-x"}}}'
+    assert looks_like_json_dump(dump)
+
+
 # --- NCCL's dump, as torch writes it (built here: no GPU on this machine) -----------
 
 

@@ -624,6 +624,22 @@ def test_not_kineto(head: bytes) -> None:
     assert not looks_like_kineto(head)
 
 
+def test_a_trace_naming_opguard_is_kineto(opguard: Opguard, tmp_path: Path) -> None:
+    """A program run from ``opguard-demo/`` (a relative frame path) or a label named
+    ``opguard-…`` near the start: still a Kineto trace, exported with its frames."""
+    data = trace(
+        X("python_function", "opguard-demo/train.py(10): <module>", 0, 100),
+        X("user_annotation", "opguard-step", 1, 50),
+        X("cpu_op", "aten::mm", 10, 5),
+        deviceProperties=[],
+    )
+    src = _write_json(tmp_path / "cpu.pt.trace.json", data)
+    assert looks_like_kineto(read_bytes(src))
+    out = tmp_path / "cpu.folded"
+    opguard("export", src, "--format", "collapsed", "-o", out, expect=0)
+    assert out.read_text() == "opguard-demo/train.py:<module>;aten::mm 1\n"
+
+
 @pytest.mark.parametrize(
     ("data", "problem"),
     [

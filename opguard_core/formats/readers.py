@@ -12,6 +12,7 @@ worker processes, spawned or on a Dask cluster, read with the same plugins.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -26,6 +27,19 @@ if TYPE_CHECKING:
 
 #: how far into a file its ``"format"`` is looked for (every writer puts it first)
 HEAD = 4096
+
+
+#: an OpGuard document's ``"format"`` (``opguard-callsites``, ``opguard-divergence``…),
+#: the key every writer puts first
+_OPGUARD_FORMAT = re.compile(rb'"format"\s*:\s*"opguard-')
+
+
+def is_opguard_document(data: bytes) -> bool:
+    """Whether ``data`` names an OpGuard format (``"format": "opguard-…"``) near its
+    start: what another format's reader leaves alone. Only the ``format`` key counts:
+    a trace of another format may hold the text ``"opguard-`` anywhere (a frame of a
+    program in ``opguard-demo/``, a label)."""
+    return _OPGUARD_FORMAT.search(data, 0, HEAD) is not None
 
 
 def is_callsite_trace(data: bytes) -> bool:

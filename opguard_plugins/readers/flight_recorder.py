@@ -64,7 +64,7 @@ from opguard_core.formats.collectives import (
     StepRun,
     compared_by_position,
 )
-from opguard_core.formats.readers import without_bom
+from opguard_core.formats.readers import is_opguard_document, without_bom
 from opguard_core.formats.trace import TRACE_FORMAT, TRACE_VERSION, trace_stem
 from opguard_core.run.warnings import warn
 from opguard_plugins.readers.kineto import frame_key, module_of, relative_file
@@ -164,7 +164,7 @@ def looks_like_json_dump(data: bytes) -> bool:
     naming one of a dump's own keys in its first :data:`HEAD` bytes, and none of
     Kineto's."""
     text = without_bom(data[:HEAD]).lstrip(b" \t\r\n")
-    if not text.startswith(b"{") or b'"opguard-' in text[:4096]:
+    if not text.startswith(b"{") or is_opguard_document(text):
         return False
     if any(key in text for key in _KINETO_KEYS):
         return False

@@ -63,7 +63,7 @@ from opguard_core.formats.collectives import (
     remap_runs,
 )
 from opguard_core.formats.dtypes import PROFILER_TYPES, profiler_dtype
-from opguard_core.formats.readers import without_bom
+from opguard_core.formats.readers import is_opguard_document, without_bom
 from opguard_core.formats.streams import COMM_NAMESPACES, role_order
 from opguard_core.formats.trace import TRACE_FORMAT, TRACE_VERSION, trace_ranks
 from opguard_core.formats.values import is_count
@@ -213,7 +213,7 @@ def looks_like_kineto(data: bytes) -> bool:
     text = without_bom(data[:HEAD]).lstrip(b" \t\r\n")
     if not text.startswith(b"{"):
         return False
-    if b'"opguard-' in text[:4096]:
+    if is_opguard_document(text):
         return False
     return any(key in text for key in _KINETO_KEYS)
 
