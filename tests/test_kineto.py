@@ -794,6 +794,24 @@ def test_a_broken_kineto_rank_fails_its_entry_in_one_line(opguard: Opguard, tmp_
     assert not {name for name in written if name.startswith("bad")}
 
 
+def test_a_gzip_file_past_memory_is_one_line(
+    opguard: Opguard, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A few MB of gzip can inflate to more than memory holds: export says so in one
+    line (exit 5), as run and check do, with no traceback and nothing written."""
+    src = tmp_path / "rank0.pt.trace.json.gz"
+    shutil.copy(KINETO / "dlrm_rank0.pt.trace.json.gz", src)
+
+    def inflate_past_memory(data: bytes) -> bytes:
+        raise MemoryError
+
+    monkeypatch.setattr(gzip, "decompress", inflate_past_memory)
+    out = tmp_path / "rank0.folded"
+    export = opguard("export", src, "--format", "collapsed", "-o", out, expect=5)
+    assert f"{src}: out of memory reading this file" in export.stderr
+    assert "Traceback" not in export.stderr and not out.exists()
+
+
 def _write_json(path: Path, data: dict[str, Any]) -> Path:
     path.write_bytes(gzip.compress(json.dumps(data).encode()))
     return path

@@ -405,6 +405,8 @@ def read_bytes(path: Path) -> bytes:
         raise InputError(path, "permission denied (file is not readable)") from None
     except OSError as exc:
         raise InputError(path, f"cannot read file: {exc.strerror or exc}") from None
+    except MemoryError:  # a gzip file that inflates past memory (a few MB can)
+        raise InputError(path, "out of memory reading this file") from None
 
 
 def read_head(path: Path, size: int = 4096) -> bytes:
