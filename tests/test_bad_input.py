@@ -84,7 +84,7 @@ TRACE_CASES: list[tuple[str, bytes, str]] = [
     ("top_level_string", b'"opguard"', "expected a JSON object at top level, got a string"),
     ("top_level_null", b"null", "expected a JSON object at top level, got null"),
     ("unknown_format", doc(format="pprof"), "unknown format 'pprof'"),
-    ("missing_format", doc(format=...), "unknown format None"),
+    ("missing_format", doc(format=...), 'no "format" key: not an OpGuard document'),
     ("unknown_version", doc(version=3), "version 3 (expected"),
     ("version_string", doc(version="1"), "version '1'"),
     ("missing_frames", doc(frames=...), "missing required field `frames`"),

@@ -232,3 +232,26 @@ def test_a_reader_that_raises_is_a_plugin_error_in_every_command(tmp_path: Path)
     bad = tmp_path / "bad_rank0.json"
     bad.write_text('{"format": "opguard-callsites", "version": 1}')
     assert _invoke(manager, "check", "--config", config, "-i", bad).exit_code == 5
+
+
+def test_a_file_no_reader_takes_names_the_readers_and_the_disabled_ones(tmp_path: Path) -> None:
+    """A Kineto trace with the kineto reader disabled: the one line says no reader
+    took it and which are disabled (it said only ``unknown format None version
+    None``); an OpGuard document of another kind keeps its own message."""
+    kineto = Path(__file__).parent / "data" / "kineto" / "hta_backward_thread.json"
+    manager = create_plugin_manager(["kineto"])
+    for args in (("export", kineto, "--format", "collapsed", "-o", tmp_path / "out"),
+                 ("run", "-i", kineto, "--output-base", tmp_path / "runs")):  # fmt: skip
+        result = _invoke(manager, *args)
+        assert result.exit_code == (5 if args[0] == "export" else 1), result.output
+        assert (
+            'no "format" key: not an OpGuard document (expected format '
+            "'opguard-callsites' version"
+        ) in result.stderr
+        assert "; and no reader plugin took it (readers: flight_recorder; disabled: kineto)" in (
+            result.stderr
+        )
+    tree = tmp_path / "tree_rank0.json"
+    tree.write_text('{"format": "opguard-divergence", "version": 4}')
+    result = _invoke(manager, "export", tree, "--format", "collapsed", "-o", tmp_path / "o2")
+    assert result.exit_code == 5 and "no reader plugin" not in result.stderr

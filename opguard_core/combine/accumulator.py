@@ -753,6 +753,11 @@ class TraceAccumulator:
                 if other is not None:
                     self.add(other)
                     return
+                try:
+                    self.add(decode_trace(data, path, check_frame_ids=False))
+                except InputError as exc:
+                    raise readers.declined(exc, data) from None
+                return
             if find_callsites is None or not self._add_scanned(data, str(path)):
                 self.add(decode_trace(data, path, check_frame_ids=False))
         except MemoryError:

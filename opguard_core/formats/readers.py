@@ -90,6 +90,21 @@ class Readers:
                 return _reader_trace(impl.plugin_name, path, document)
         return None
 
+    def declined(self, error: InputError, data: bytes) -> InputError:
+        """``error`` (the file refused as an OpGuard trace) saying also that no reader
+        took it, and which readers there are and are disabled, for a file that is not
+        an OpGuard document (``--disable-plugin kineto`` then a Kineto file)."""
+        if is_opguard_document(data):
+            return error
+        impls = self.manager.implementations("opguard_read_trace")
+        names = sorted(impl.plugin_name for impl in impls)
+        disabled = f"; disabled: {', '.join(sorted(self.disabled))}" if self.disabled else ""
+        return InputError(
+            error.path,
+            f"{error.problem}; and no reader plugin took it (readers: {', '.join(names) or 'none'}"
+            f"{disabled})",
+        )
+
 
 def _reader_trace(plugin: str, path: Path | str, document: Any) -> DecodedTrace:
     """A reader's document decoded and validated as a trace file is; a problem names the

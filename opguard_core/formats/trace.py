@@ -526,10 +526,14 @@ def _extras(items: list[dict[str, Any]], known: frozenset[str]) -> dict[int, dic
 
 def _check_header(fmt: object, version: object, path: Path | str) -> None:
     if fmt != TRACE_FORMAT or version not in READ_VERSIONS or isinstance(version, bool):
+        what = (
+            'no "format" key: not an OpGuard document'
+            if fmt is None
+            else f"unknown format {fmt!r} version {version!r}"
+        )
         raise InputError(
             path,
-            f"unknown format {fmt!r} version {version!r} "
-            f"(expected format {TRACE_FORMAT!r} version "
+            f"{what} (expected format {TRACE_FORMAT!r} version "
             f"{', '.join(map(str, READ_VERSIONS[:-1]))} or {READ_VERSIONS[-1]})",
         )
 
