@@ -736,7 +736,12 @@ class Guard:
         ``unknown_target``, under the context the check's tree gives it."""
         api, leaf = active[0], active[1]
         targets = tuple(t for t in active[2:] if t is not None)
-        known_api = api is not None and api in self.api_names
+        # an api that is the innermost target's own function (``F.batch_norm`` calling
+        # itself through the api mode) is that frame's node in check's tree (compress
+        # replaces the frame by its api), known whatever kind its entry was given
+        known_api = api is not None and (
+            api in self.api_names or (bool(targets) and targets[0] == api)
+        )
         base = self._resolve((api, *targets) if api is not None and known_api else targets)
         extra: list[EntryKey] = []
         if self.report_unknown and base.known:
