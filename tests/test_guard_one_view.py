@@ -154,7 +154,7 @@ def test_guard_and_check_agree_on_the_bundled_example(tmp_path: Path) -> None:
     assert _keys(guarded) == _keys(checked), _keys(guarded) ^ _keys(checked)
 
 
-@pytest.mark.parametrize("helper", [False], ids=["plain"])
+@pytest.mark.parametrize("helper", [False, True], ids=["plain", "helper"])
 def test_guard_and_check_agree_on_a_checkpointed_block(tmp_path: Path, helper: bool) -> None:
     """torch.utils.checkpoint's recomputation stops inside the block's last function
     that saves a tensor: there ``F.batch_norm`` runs under ``Tensor.backward``'s api

@@ -183,6 +183,7 @@ class _State:
         "children",
         "dtypes",
         "extra",
+        "folds",
         "key",
         "keys",
         "known",
@@ -222,6 +223,8 @@ class _State:
         #: the keys of the chain of targets this state was resolved from, outermost
         #: first (the branch of the run's tree its ops count for)
         self.keys: tuple[EntryKey, ...] = ()
+        #: the paths (targets, innermost first) this state read as folded chains
+        self.folds: tuple[tuple[str, ...], ...] = ()
 
 
 class _Record:
@@ -434,6 +437,11 @@ class Guard:
         #: the config targets on a stack (innermost first) -> their state
         self._nothing = _State((), None, frozenset(), None, None)
         self._by_active: dict[tuple[Any, ...], _State] = {}
+        #: the tuples of config targets (innermost first) that ops ran under: a target
+        #: with ops of its own on a path is no chain the config could have folded there
+        self._ran: set[tuple[str, ...]] = set()
+        #: such a path read as folded -> the stacks (``_by_active`` keys) so resolved
+        self._folded_over: dict[tuple[str, ...], list[tuple[Any, ...]]] = {}
         #: states with ``extra`` (copies of interned ones): counted at exit too
         self._copies: list[_State] = []
         #: ops of targets the config lacks, by (target, context): ``unknown_target``
@@ -742,7 +750,15 @@ class Guard:
         known_api = api is not None and (
             api in self.api_names or (bool(targets) and targets[0] == api)
         )
+        if targets not in self._ran:  # an api's ops are its caller's own (its leaf)
+            with self._lock:
+                self._ran.add(targets)
+                for stack in self._folded_over.pop(targets, ()):
+                    self._by_active.pop(stack, None)  # no folded chain: resolved again
         base = self._resolve((api, *targets) if api is not None and known_api else targets)
+        with self._lock:
+            for path in base.folds:
+                self._folded_over.setdefault(path, []).append(active)
         extra: list[EntryKey] = []
         if self.report_unknown and base.known:
             context = base.path[-self.depth :] if self.depth > 0 else ()
@@ -778,8 +794,38 @@ class Guard:
         be where it is stops the search, and the target is under it (an
         ``unknown_context``, as ``opguard check`` finds it). A target the config has
         at top level ends the chain when no parent of its runs above it. Every chosen
-        target's entry is active, as the config counts (inclusive)."""
+        target's entry is active, as the config counts (inclusive).
+
+        Where that makes an ``unknown_context`` but one of the target's parents runs
+        further up, the targets between may be a chain the config folded into its
+        deepest frame (a link with no ops of its own on this path: a function whose
+        only work there is a hook, ``torch.utils.checkpoint``'s recomputation stopping
+        inside it), which check's tree of this run folds alike; then the folded
+        reading names the contexts, and an op either reading allows is accepted; not
+        where a target between ran ops of its own on this path before (then it is a
+        node check's tree keeps). Ops it runs only later leave the folded reading in
+        place: the guard may then miss what check finds there, never the reverse."""
+        chosen, folds = self._choose(active, fold=False)
+        with self._lock:
+            state = self._build(chosen)
+            if folds and state.chain:
+                chosen, folds = self._choose(active, fold=True)
+                folded = self._build(chosen)
+                if len(folded.chain) < len(state.chain):
+                    state = self._either(state, folded)
+                    state.folds = tuple(folds)
+            self._by_active[active] = state
+        return state
+
+    def _choose(
+        self, active: tuple[str, ...], fold: bool
+    ) -> tuple[list[str], list[tuple[str, ...]]]:
+        """The targets of ``active`` whose entries are active (:meth:`_resolve`), and
+        the paths (from a target up) where a target was placed under a nearer one
+        though a parent of its ran further up (``fold``: skip those between, as a
+        folded chain)."""
         chosen: list[str] = []
+        folds: list[tuple[str, ...]] = []
         index = 0
         while index < len(active):
             target = active[index]
@@ -788,7 +834,13 @@ class Guard:
             above = index + 1
             while above < len(active) and active[above] not in parents:
                 if active[above] != target and self._placed(active, above):
-                    break  # a real node here: ``target`` ran under it (unknown_context)
+                    if active[above:] in self._ran or not any(
+                        a in parents for a in active[above + 1 :]
+                    ):
+                        break  # a real node here: ``target`` ran under it (unknown_context)
+                    folds.append(active[above:])  # no op of its own here yet: maybe folded
+                    if not fold:
+                        break
                 # folded away on this path when the config was made (the same target
                 # above itself, which the config never has there: a chain folded into
                 # its deepest frame, a decorator's wrapper calling another)
@@ -798,19 +850,40 @@ class Guard:
             if above == len(active):
                 above = index + 1
             index = above
-        with self._lock:
-            state = self._nothing
-            path: tuple[str, ...] = ()
-            known: frozenset[EntryKey] = frozenset()
-            chain: tuple[tuple[Any, ...], ...] = ()
-            keys: list[EntryKey] = []
-            for target in reversed(chosen):
-                state = self._state(path, target, known, chain)
-                path, known, chain = state.path, state.known, state.chain
-                keys.append(state.key)  # type: ignore[arg-type]
-            if keys and not state.keys:
-                state.keys = tuple(keys)
-            self._by_active[active] = state
+        return chosen, folds
+
+    def _build(self, chosen: list[str]) -> _State:
+        """The interned state of the chosen targets (innermost first)."""
+        state = self._nothing
+        path: tuple[str, ...] = ()
+        known: frozenset[EntryKey] = frozenset()
+        chain: tuple[tuple[Any, ...], ...] = ()
+        keys: list[EntryKey] = []
+        for target in reversed(chosen):
+            state = self._state(path, target, known, chain)
+            path, known, chain = state.path, state.known, state.chain
+            keys.append(state.key)  # type: ignore[arg-type]
+        if keys and not state.keys:
+            state.keys = tuple(keys)
+        return state
+
+    def _either(self, near: _State, folded: _State) -> _State:
+        """``folded``'s entries and contexts, accepting what either state accepts."""
+
+        def union(a: frozenset[str] | None, b: frozenset[str] | None) -> frozenset[str] | None:
+            return None if a is None or b is None else a | b
+
+        state = _State(
+            folded.path,
+            folded.key,
+            folded.known,
+            union(near.allowed, folded.allowed),
+            union(near.streams, folded.streams),
+            union(near.dtypes, folded.dtypes),
+        )
+        state.unknown, state.chain, state.keys = folded.unknown, folded.chain, folded.keys
+        state.watch = folded.watch
+        self._copies.append(state)
         return state
 
     # -- violations -----------------------------------------------------------
@@ -1074,9 +1147,15 @@ class Guard:
             out.append(data)
         return out
 
+    def _counted(self) -> list[_State]:
+        """Every state that ops were counted in, once (a copy resolved again since
+        keeps the ops it counted)."""
+        states = [*self._by_active.values(), *self._copies]
+        return list({id(s): s for s in states}.values())
+
     def seen_targets(self) -> frozenset[str]:
         """The config targets that ran (in a checked step) on this process's stacks."""
-        states = list(self._by_active.values())
+        states = self._counted()
         return frozenset(key[0] for state in states if state.ops for key in state.known)
 
     def observed_entries(self) -> dict[EntryKey, dict[str, Any]]:
@@ -1088,7 +1167,7 @@ class Guard:
         own: compression.md), then merged by key."""
         root: _Branch = [0, {}]
         total = 0
-        for state in {id(s): s for s in list(self._by_active.values())}.values():
+        for state in self._counted():
             total += state.ops
             if state.ops and state.keys:
                 node = root
@@ -1106,7 +1185,7 @@ class Guard:
                     todo.append(child)
         # the ops each entry saw (first sights are noted per state: ``ok``)
         ran: dict[EntryKey, set[str]] = {}
-        for state in {id(s): s for s in list(self._by_active.values())}.values():
+        for state in self._counted():
             if state.ops and state.known:
                 names = {op_name(k[0] if isinstance(k, tuple) else k) for k in list(state.ok)}
                 for key in state.known:
