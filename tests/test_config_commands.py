@@ -424,6 +424,31 @@ def test_a_run_directory_without_a_final_config_is_refused(run_dir, tmp_path) ->
     assert "made no final config" in result.stderr
 
 
+@pytest.mark.parametrize("status", ["running", "interrupted", "abandoned"])
+def test_a_run_stopped_after_its_first_entry_is_not_that_entrys_config(
+    run_dir, tmp_path, status
+) -> None:
+    """A run killed (or interrupted) once its first entry's config was written, before
+    the second entry ran: its one config is not the run's final config (that fallback
+    is for a finished run whose other entries failed); it stood for it silently."""
+    copy = tmp_path / "run"
+    shutil.copytree(run_dir, copy)
+    summary = json.loads((copy / "pipeline_summary.json").read_text())
+    first = next(i for i, s in enumerate(summary["stages"]) if s["stage"] == "generate")
+    summary["stages"] = summary["stages"][: first + 1]
+    summary["status"] = status
+    (copy / "pipeline_summary.json").write_text(json.dumps(summary))
+    for args in (("show", copy), ("merge", copy, V1, "-o", tmp_path / "m.yaml")):
+        result = invoke(*args)
+        assert result.exit_code == 5
+        (line,) = result.stderr.strip().splitlines()
+        assert f"made no final config (its status is '{status}')" in line
+    assert not (tmp_path / "m.yaml").exists()
+    summary["status"] = "failed"  # a finished run whose other entry failed: its one config
+    (copy / "pipeline_summary.json").write_text(json.dumps(summary))
+    assert invoke("show", copy).exit_code == 0
+
+
 def test_filter_basic_needs_the_basic_filter(run_dir, tmp_path) -> None:
     out = tmp_path / "x.yaml"
     result = invoke("--disable-plugin", "basic_filter", "filter", run_dir, "--basic", "-o", out)

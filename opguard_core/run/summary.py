@@ -38,9 +38,25 @@ def final_configs(summary: dict[str, Any]) -> tuple[str | None, str | None]:
     merged = [n for stage, o in outputs if stage == "merge" for n in o if n == merged_name]
     final = merged[-1] if merged else None
     generated = [o[0] for stage, o in outputs if stage == "generate" and o]
-    if final is None and len(generated) == 1:  # one entry, or the others failed
+    # one entry, or the others failed; not a run stopped before its other entries ran
+    if final is None and len(generated) == 1 and (finished(summary) or _entries(summary) <= 1):
         final = generated[0]
     return final, filtered
+
+
+#: a summary's ``status`` while, or because, the run did not get to its end
+UNFINISHED = ("running", "interrupted", "abandoned")
+
+
+def finished(summary: dict[str, Any]) -> bool:
+    """Whether the run got to its end (``ok`` or ``failed``): a run still going, or
+    interrupted or killed, may have skipped entries and made no final config."""
+    return summary.get("status") not in UNFINISHED
+
+
+def _entries(summary: dict[str, Any]) -> int:
+    entries = summary.get("entries")
+    return len(entries) if isinstance(entries, list) else 0
 
 
 def stage_outputs(summary: dict[str, Any], stage: str, entry: str | None = None) -> list[str]:
@@ -149,10 +165,12 @@ def run_artifact(run_dir: Path, name: str) -> Path:
 def run_config(run_dir: Path, filtered: bool = True) -> Path:
     """The config a run directory stands for: its filtered final config when there is
     one and ``filtered``, else its final config (confined: :func:`run_artifact`)."""
-    final, filtered_name = final_configs(read_summary(run_dir))
+    summary = read_summary(run_dir)
+    final, filtered_name = final_configs(summary)
     name = (filtered_name if filtered else None) or final
     if name is None:
-        raise InputError(run_dir, "the run made no final config (name an entry's config)")
+        why = "" if finished(summary) else f" (its status is {summary.get('status')!r})"
+        raise InputError(run_dir, f"the run made no final config{why}: name an entry's config")
     return run_artifact(run_dir, name)
 
 
