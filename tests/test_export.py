@@ -404,3 +404,23 @@ def test_split_streams_keeps_both_marginals(ops: dict[str, int], data: st.DataOb
         by_stream[stream] = by_stream.get(stream, 0) + n
     assert by_op == ops
     assert by_stream == streams
+
+
+@pytest.mark.parametrize("version", [2, 6, "5"])
+def test_a_tree_of_a_version_not_read_is_one_line_naming_the_version(
+    tree_file: Path, tmp_path: Path, version: Any
+) -> None:
+    """A future (or never written) tree version was refused as if a compressor had
+    returned it: `compressor returned format 'opguard-calltree' version 6, expected …`."""
+    doc = json.loads(tree_file.read_text())
+    doc["version"] = version
+    src = tmp_path / "x_compressed.json"
+    src.write_text(json.dumps(doc))
+    out = tmp_path / "x.folded"
+    result = export(src, "--format", "collapsed", "-o", out, expect=5)
+    (line,) = result.stderr.strip().splitlines()
+    assert line == (
+        f"opguard: error: {src}: unknown format 'opguard-calltree' version {version!r} "
+        "(expected 'opguard-calltree' version 1, 3, 4 or 5)"
+    )
+    assert not out.exists()

@@ -327,9 +327,15 @@ def checked_tree(tree: Any, path: Path | str) -> dict[str, Any]:
     upgraded), else InputError."""
     if not isinstance(tree, dict):
         raise InputError(path, "expected a JSON object at top level")
+    if tree.get("format") != TREE_FORMAT or tree.get("version") not in READ_VERSIONS:
+        raise InputError(  # not "compressor returned": this is a file, read
+            path,
+            f"unknown format {tree.get('format')!r} version {tree.get('version')!r} (expected "
+            f"{TREE_FORMAT!r} version {', '.join(map(str, READ_VERSIONS[:-1]))} or "
+            f"{READ_VERSIONS[-1]})",
+        )
     try:
-        if tree.get("version") in READ_VERSIONS:
-            upgrade_tree(tree)
+        upgrade_tree(tree)
         check_tree(tree)
     except (KeyError, TypeError, AttributeError) as exc:
         raise InputError(path, f"invalid call tree: missing or mistyped {exc}") from None
