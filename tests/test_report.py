@@ -209,6 +209,24 @@ def test_divergence_findings_are_grouped(opguard: Callable[..., Any], samples: P
     assert view["groups"] == [] and "could not be read" in view["note"]
 
 
+@pytest.mark.parametrize("version", [5, "4"])
+def test_a_divergence_document_of_a_version_not_read_is_a_note(
+    opguard: Callable[..., Any], samples: Path, version: Any
+) -> None:
+    """A later version's groups were shown as if the layout were version 4's."""
+    run = opguard("run", *sample_inputs(samples, "gpt"), expect=0)
+    path = run.run_dir / "gpt_callsite_divergence.json"
+    doc = json.loads(path.read_text())
+    doc["version"] = version
+    path.write_text(json.dumps(doc))
+    opguard("report", run.run_dir, expect=0)
+    view = embedded(run.run_dir / "report.html")["entries"][0]["divergence"]
+    assert view["groups"] == [] and view["note"] == (
+        f"gpt_callsite_divergence.json is of version {version}, which this OpGuard does "
+        "not read (it reads 1, 2, 3, 4)"
+    )
+
+
 def test_the_findings_on_the_rank_row_counts_the_ranks_that_deviate(
     opguard: Callable[..., Any], tmp_path: Path
 ) -> None:

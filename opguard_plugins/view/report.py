@@ -34,7 +34,7 @@ from opguard_core.cli.options import verbose_option
 from opguard_core.errors import ExitCode, InputError
 from opguard_core.files.atomic import atomic_write_text, safe_child
 from opguard_core.formats.config import load_config
-from opguard_core.formats.divergence import SEVERITIES, flatten_groups
+from opguard_core.formats.divergence import READ_VERSIONS, SEVERITIES, flatten_groups
 from opguard_core.formats.trace import read_bytes
 from opguard_core.formats.tree import load_tree, node_target
 from opguard_core.formats.values import is_counts
@@ -519,6 +519,12 @@ def read_divergence(path: Path) -> dict[str, Any] | None:
         return None
     except (OSError, msgspec.DecodeError):
         return {**divergence_view({}, [], 0), "note": f"{path.name} could not be read"}
+    if isinstance(doc, dict) and doc.get("version", 1) not in READ_VERSIONS:
+        return {  # a later layout read as this one's would be shown wrong
+            **divergence_view({}, [], 0),
+            "note": f"{path.name} is of version {str(doc.get('version'))[:20]}, "
+            f"which this OpGuard does not read (it reads {', '.join(map(str, READ_VERSIONS))})",
+        }
     meta = doc.get("meta") if isinstance(doc, dict) else None
     meta = meta if isinstance(meta, dict) else {}
     if isinstance(doc, dict) and isinstance(doc.get("groups"), list):
