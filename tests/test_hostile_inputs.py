@@ -9,6 +9,7 @@ docs/reliability.md ("Round two: paths, inputs, options, processes") lists them.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import errno
 import json
@@ -17,6 +18,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -480,6 +482,27 @@ def test_stale_run_directory_is_reported_and_cleaned(
         release_run_directory(fd)
 
 
+@pytest.mark.parametrize("kind", ["fifo", "deep"])
+def test_a_summary_no_run_wrote_does_not_stop_the_next_run(
+    opguard: Callable[..., RunResult], tmp_path: Path, kind: str
+) -> None:
+    """Looking for stale runs, ``opguard run`` read every ``preprocessing_*`` summary
+    under its output base: a FIFO there held it up for ever, a summary nested 100,000
+    deep ended it with a RecursionError traceback."""
+    summary = tmp_path / "out" / "preprocessing_20200101_000000" / "pipeline_summary.json"
+    summary.parent.mkdir(parents=True)
+    fired = threading.Event()
+    if kind == "fifo":
+        os.mkfifo(summary)
+        fired = _unblock_later(summary)
+    else:
+        summary.write_text('{"status": ' + "[" * 100_000 + "]" * 100_000 + "}")
+    sample = write(tmp_path / "t.json", trace_doc(SITES))
+    run = opguard("run", "-i", sample, expect=0)
+    assert "stale run directory" not in run.stderr
+    assert not fired.is_set()  # it did not wait on the FIFO
+
+
 @pytest.mark.slow
 def test_a_real_sigkill_leaves_a_run_the_next_run_reports(tmp_path: Path) -> None:
     from tests.test_atomic import _write_big_rank_files
@@ -691,3 +714,18 @@ def test_counts_adding_up_past_2_63_fail_the_entry_naming_the_file(
     assert failed["stage"] == "combine" and "huge_rank1.json" in failed["error"]
     assert "more than 2**63-1 ops" in failed["error"]
     assert run.read("fine_instrumentation.yaml")
+
+
+def _unblock_later(fifo: Path, after: float = 20.0) -> threading.Event:
+    """Set once ``after`` seconds have passed, then open ``fifo`` for writing and close
+    it, so a reader blocked on it gets end of file: a test asserts it is not set."""
+    fired = threading.Event()
+
+    def unblock() -> None:
+        time.sleep(after)
+        fired.set()
+        with contextlib.suppress(OSError):
+            os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+
+    threading.Thread(target=unblock, daemon=True).start()
+    return fired

@@ -92,8 +92,10 @@ def _is_live(run_dir: Path) -> bool:
 
 def _status(summary: Path) -> str | None:
     try:
+        if not summary.is_file():  # a FIFO would hold every later run up for ever
+            return None
         data = json.loads(summary.read_bytes())
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):  # RecursionError: nested too deep
         return None
     return data.get("status") if isinstance(data, dict) else None
 
