@@ -12,10 +12,12 @@ sequence, a hang, a traceback, memory in gigabytes, a replaced input).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
 import stat
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -448,6 +450,25 @@ def test_a_malformed_summary_is_one_line(
         one_error_line(invoke(*command), 5, "pipeline_summary.json", problem)
 
 
+def test_a_summary_nested_too_deep_is_one_line(tmp_path: Path, run_dir: Path) -> None:
+    """It was a RecursionError traceback in every command that reads a run directory."""
+    deep = '{"stages": ' + "[" * 100_000 + "]" * 100_000 + "}"
+    (run_dir / "pipeline_summary.json").write_text(deep)
+    for command in _commands(run_dir, tmp_path):
+        one_error_line(invoke(*command), 5, "pipeline_summary.json", "nested too deep")
+
+
+def test_report_does_not_wait_on_a_fifo_named_as_a_config(run_dir: Path) -> None:
+    """``opguard report`` read the run's config unchecked: a FIFO held it up for ever."""
+    (config,) = run_dir.glob("*_instrumentation.yaml")
+    config.unlink()
+    os.mkfifo(config)
+    fired = _unblock_later(config)
+    assert invoke("report", run_dir).exit_code == 0
+    assert not fired.is_set()  # it did not wait on the FIFO
+    assert f"{config.name} is not a regular file" in (run_dir / "report.html").read_text()
+
+
 # ============================================================ -o never an input
 
 
@@ -539,3 +560,18 @@ def test_a_hostile_basic_list_is_one_line(tmp_path: Path, text: str, problem: st
     result = invoke("filter", config, "--basic-list", basic, "--basic", "-o", tmp_path / "f.yaml")
     one_error_line(result, 5, "basic.yaml", problem)
     assert not (tmp_path / "f.yaml").exists()
+
+
+def _unblock_later(fifo: Path, after: float = 20.0) -> threading.Event:
+    """Set once ``after`` seconds have passed, then open ``fifo`` for writing and close
+    it, so a reader blocked on it gets end of file: a test asserts it is not set."""
+    fired = threading.Event()
+
+    def unblock() -> None:
+        time.sleep(after)
+        fired.set()
+        with contextlib.suppress(OSError):
+            os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+
+    threading.Thread(target=unblock, daemon=True).start()
+    return fired

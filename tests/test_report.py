@@ -23,6 +23,7 @@ from hypothesis import strategies as st
 
 from opguard_core import hookimpl
 from opguard_core.cli import create_cli
+from opguard_core.errors import InputError
 from opguard_core.formats.config import load_config, parse_config
 from opguard_core.formats.divergence import load_divergence
 from opguard_core.formats.tree import load_tree
@@ -225,6 +226,20 @@ def test_a_divergence_document_of_a_version_not_read_is_a_note(
         f"gpt_callsite_divergence.json is of version {version}, which this OpGuard does "
         "not read (it reads 1, 2, 3, 4)"
     )
+
+
+def test_a_divergence_document_nested_too_deep_is_a_note(
+    opguard: Callable[..., Any], samples: Path
+) -> None:
+    """It ended ``opguard report`` with a RecursionError traceback."""
+    run = opguard("run", *sample_inputs(samples, "gpt"), expect=0)
+    deep = '{"format": "opguard-divergence", "version": 4, "meta": ' + "[" * 100_000
+    (run.run_dir / "gpt_callsite_divergence.json").write_text(deep + "]" * 100_000 + "}")
+    opguard("report", run.run_dir, expect=0)
+    view = embedded(run.run_dir / "report.html")["entries"][0]["divergence"]
+    assert view["note"] == "gpt_callsite_divergence.json could not be read"
+    with pytest.raises(InputError, match="nested too deep"):
+        load_divergence(run.run_dir / "gpt_callsite_divergence.json")
 
 
 def test_the_findings_on_the_rank_row_counts_the_ranks_that_deviate(

@@ -369,6 +369,8 @@ def load_divergence(path: Path) -> dict[str, Any]:
         raise InputError(path, f"cannot read file: {exc.strerror or exc}") from None
     except msgspec.DecodeError as exc:
         raise InputError(path, f"not valid JSON: {exc}") from None
+    except RecursionError:
+        raise InputError(path, "not valid JSON: nested too deep") from None
     if (
         not isinstance(doc, dict)
         or doc.get("format") != DIVERGENCE_FORMAT

@@ -95,6 +95,8 @@ def read_summary(run_dir: Path) -> dict[str, Any]:
         raise InputError(run_dir, f"not a run directory (no {SUMMARY_FILE})") from None
     except (OSError, msgspec.DecodeError) as exc:
         raise InputError(path, f"unreadable run summary: {exc}") from None
+    except RecursionError:  # a summary nests a few levels; msgspec recurses in C
+        raise InputError(path, "unreadable run summary: nested too deep") from None
     if not isinstance(data, dict):
         raise InputError(path, "unreadable run summary: not a JSON object")
     check_summary(data, path)
