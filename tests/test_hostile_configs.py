@@ -360,6 +360,20 @@ def test_a_fifo_config_is_refused_without_blocking(tmp_path: Path) -> None:
     one_error_line(invoke("show", fifo), 5, "fifo.yaml", "not a regular file")
 
 
+def test_a_fifo_basic_list_is_refused_without_blocking(tmp_path: Path) -> None:
+    """``--basic-list`` was read unchecked: a FIFO held ``filter`` (and a run's filter
+    stage) up for ever, and a list of any size was read whole before its limit."""
+    config = tmp_path / "c.yaml"
+    config.write_text(config_text(entry("app:main")))
+    fifo = tmp_path / "list.yaml"
+    os.mkfifo(fifo)
+    fired = _unblock_later(fifo)
+    out = tmp_path / "out.yaml"
+    result = invoke("filter", config, "--basic", "--basic-list", fifo, "-o", out)
+    one_error_line(result, 5, "list.yaml", "cannot read basic-filter list: not a regular file")
+    assert not fired.is_set() and not out.exists()
+
+
 # ============================================================ run directories
 
 

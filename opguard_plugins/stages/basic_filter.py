@@ -10,6 +10,7 @@ utilities they called.
 from __future__ import annotations
 
 import dataclasses
+import stat
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -40,6 +41,11 @@ def load_basic_list(path: Path | None = None) -> BasicList:
                 resources.files("opguard_plugins.stages").joinpath("basic_filter.yaml").read_text()
             )
         else:
+            info = path.stat()
+            if not stat.S_ISREG(info.st_mode):  # a FIFO or a device would block
+                raise InputError(where, "cannot read basic-filter list: not a regular file")
+            if info.st_size > max_config_bytes():  # refused unread, as a config is
+                raise InputError(where, "basic-filter list too large")
             text = path.read_text(encoding="utf-8")
         if len(text) > max_config_bytes():
             raise InputError(where, "basic-filter list too large")
