@@ -374,6 +374,23 @@ def test_a_fifo_basic_list_is_refused_without_blocking(tmp_path: Path) -> None:
     assert not fired.is_set() and not out.exists()
 
 
+def test_json_output_names_a_file_that_is_not_utf8_as_the_summary_does(tmp_path: Path) -> None:
+    """``show``, ``compare`` and ``check`` ``--format json`` wrote such a name as a lone
+    surrogate escape (``"caf\\udce9.yaml"``), which strict JSON readers refuse and
+    OpGuard's own readers refuse in a config; the summary writes ``caf\\xe9.yaml``."""
+    config = tmp_path / os.fsdecode(b"caf\xe9.yaml")
+    config.write_text(config_text(entry("app:main")))
+    trace = write(tmp_path / "app_rank0.json", trace_doc([([MAIN], None, "aten::add", 5)]))
+    outputs = [
+        json.loads(invoke("show", config, "--format", "json").stdout)["config"],
+        json.loads(invoke("compare", config, config, "--format", "json").stdout)["first"]["label"],
+        json.loads(invoke("check", "--config", config, "-i", trace, "--format", "json").stdout)[
+            "config"
+        ],
+    ]
+    assert [name.rpartition("/")[2] for name in outputs] == ["caf\\xe9.yaml"] * 3
+
+
 # ============================================================ run directories
 
 

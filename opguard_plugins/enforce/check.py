@@ -61,7 +61,7 @@ from opguard_core.formats.tree import TORCH_API
 from opguard_core.logs import configure_logging, get_logger
 from opguard_core.model import InputEntry, RunOptions
 from opguard_core.plugin.manager import OpGuardPluginManager, call_impl
-from opguard_core.run.summary import config_source
+from opguard_core.run.summary import config_source, without_surrogates
 from opguard_plugins.enforce.rules import DEFAULT_TOLERANCE, drifts, per_rank_step
 from opguard_plugins.enforce.sequence_guard import ExpectedSteps, Plan, SequenceChecker
 
@@ -813,7 +813,8 @@ def make_command(manager: OpGuardPluginManager) -> click.Command:
             get_logger().warning("filters differ", config=str(config_path), note=other_filters)
         compared = "; ".join(notes) or None
         if fmt == "json":
-            document = check_report(str(config_path), violations, notes)
+            # a file name that is not UTF-8 with its odd bytes as \xNN, as the summary's
+            document = check_report(without_surrogates(str(config_path)), violations, notes)
             if output is not None:
                 write_json(output, document)
             else:

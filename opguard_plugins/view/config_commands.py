@@ -46,7 +46,7 @@ from opguard_core.formats.config import dump_config, entry_key, load_config
 from opguard_core.logs import get_logger
 from opguard_core.model import RunOptions
 from opguard_core.plugin.manager import OpGuardPluginManager
-from opguard_core.run.summary import config_source
+from opguard_core.run.summary import config_source, without_surrogates
 from opguard_plugins.stages.compare import Sort, diff_configs, diff_to_json, render_diff
 from opguard_plugins.stages.merge import shared_sources
 
@@ -118,7 +118,9 @@ def compare(
     other_path, second = read_input(other)
     diff = diff_configs(first, second, str(base_path), str(other_path))
     if fmt == "json":
-        click.echo(json.dumps(diff_to_json(diff, cast(Sort, sort), top), indent=2))
+        # a file name that is not UTF-8 with its odd bytes as \xNN: JSON cannot carry them
+        document = without_surrogates(diff_to_json(diff, cast(Sort, sort), top))
+        click.echo(json.dumps(document, indent=2))
     else:
         click.echo(render_diff(diff, cast(Sort, sort), top), nl=False)
     return ExitCode.STAGE_FAILED if fail_on_change and diff.differs else ExitCode.OK
@@ -328,7 +330,7 @@ def show(
         "shown": len(rows),
     }
     if fmt == "json":
-        click.echo(json.dumps({**head, "entries": rows}, indent=2))
+        click.echo(json.dumps(without_surrogates({**head, "entries": rows}), indent=2))
         return
     title = one_line(
         f"{head['config']}: {head['source']}, {head['total']} ops on ranks {head['ranks']}; "
