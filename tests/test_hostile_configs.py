@@ -489,6 +489,19 @@ def test_a_summary_nested_too_deep_is_one_line(tmp_path: Path, run_dir: Path) ->
         one_error_line(invoke(*command), 5, "pipeline_summary.json", "nested too deep")
 
 
+def test_a_fifo_summary_is_one_line_without_blocking(tmp_path: Path, run_dir: Path) -> None:
+    """``pipeline_summary.json`` was read unchecked: a FIFO there held every command
+    that takes a run directory up for ever."""
+    summary = run_dir / "pipeline_summary.json"
+    summary.unlink()
+    os.mkfifo(summary)
+    for command in (["show", run_dir], ["merge", run_dir, run_dir, "-o", tmp_path / "m.yaml"]):
+        fired = _unblock_later(summary)
+        one_error_line(invoke(*command), 5, "pipeline_summary.json", "not a regular file")
+        assert not fired.is_set()
+    assert not (tmp_path / "m.yaml").exists()
+
+
 def test_report_does_not_wait_on_a_fifo_named_as_a_config(run_dir: Path) -> None:
     """``opguard report`` read the run's config unchecked: a FIFO held it up for ever."""
     (config,) = run_dir.glob("*_instrumentation.yaml")

@@ -90,6 +90,8 @@ def read_summary(run_dir: Path) -> dict[str, Any]:
 
     path = run_dir / SUMMARY_FILE
     try:
+        if path.exists() and not path.is_file():  # a FIFO would block for ever
+            raise InputError(path, "unreadable run summary: not a regular file")
         data = msgspec.json.decode(path.read_bytes())
     except FileNotFoundError:
         raise InputError(run_dir, f"not a run directory (no {SUMMARY_FILE})") from None
