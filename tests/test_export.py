@@ -424,3 +424,30 @@ def test_a_tree_of_a_version_not_read_is_one_line_naming_the_version(
         "(expected 'opguard-calltree' version 1, 3, 4 or 5)"
     )
     assert not out.exists()
+
+
+def test_a_fifo_src_is_refused_without_blocking(tree_file: Path, tmp_path: Path) -> None:
+    """A FIFO SRC (or a run directory whose tree is one) held export up for ever, and
+    one with a writer was read twice: `empty file` for a whole trace behind it."""
+    import contextlib
+    import os
+    import threading
+
+    run = tmp_path / "run"
+    shutil.copytree(tree_file.parent, run)
+    (run / tree_file.name).unlink()
+    os.mkfifo(run / tree_file.name)
+    done, fired = threading.Event(), threading.Event()
+
+    def unblock() -> None:  # every 20 s, give a blocked reader end of file
+        while not done.wait(20):
+            fired.set()
+            with contextlib.suppress(OSError):
+                os.close(os.open(run / tree_file.name, os.O_WRONLY | os.O_NONBLOCK))
+
+    threading.Thread(target=unblock, daemon=True).start()
+    for src in (run / tree_file.name, run):
+        result = export(src, "--format", "collapsed", "-o", tmp_path / "x.folded", expect=5)
+        assert result.stderr.strip().endswith("not a regular file (a FIFO, device or socket)")
+    done.set()
+    assert not fired.is_set()  # nobody had to unblock it

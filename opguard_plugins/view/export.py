@@ -25,7 +25,7 @@ from opguard_core.cli import exits
 from opguard_core.cli.options import verbose_option
 from opguard_core.combine.accumulator import TraceAccumulator
 from opguard_core.configs.selection import PatternError, Selection, compile_patterns
-from opguard_core.errors import ExitCode, PluginError, ended_by_plugin, one_line
+from opguard_core.errors import ExitCode, InputError, PluginError, ended_by_plugin, one_line
 from opguard_core.files.atomic import atomic_write_bytes
 from opguard_core.files.output_dirs import check_output_file
 from opguard_core.formats import names_a_config
@@ -83,6 +83,8 @@ def load_source(
 ) -> dict[str, Any]:
     """The call tree of SRC: a compressed tree as it is, a trace (of any format
     ``readers`` read) compressed unpruned."""
+    if path.exists() and not path.is_file():  # a FIFO would block, and is read twice
+        raise InputError(path, "not a regular file (a FIFO, device or socket)")
     data = read_bytes(path)
     if f'"{TREE_FORMAT}"'.encode() in data[:HEAD]:
         head = decode_json(data, path)
