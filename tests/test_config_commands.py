@@ -61,6 +61,38 @@ def test_merge_of_the_runs_configs_is_its_final_config_byte_for_byte(run_dir, tm
     assert out.read_bytes() == (run_dir / FINAL).read_bytes()
 
 
+def test_merge_bytes_do_not_depend_on_which_side_had_which_key(run_dir, tmp_path) -> None:
+    """Fields this version does not know (on the document and on an entry), and a
+    side without ``meta``: each went after the other side's keys, so ``merge A B`` and
+    ``merge B A`` wrote the same data in two orders."""
+
+    def with_fields(text: str, entry_field: str, field: str) -> str:
+        """``text`` with ``entry_field`` on its first entry and ``field`` at the end."""
+        at = text.index("\n    count: ") + 1
+        at = text.index("\n", at) + 1
+        return text[:at] + f"    {entry_field}\n" + text[at:] + f"{field}\n"
+
+    gpt = (run_dir / GPT).read_text()
+    a = tmp_path / "a.yaml"
+    a.write_text(with_fields(gpt, "reviewer: alice", "zeta: 1"))
+    b = tmp_path / "b.yaml"
+    b.write_text(with_fields(gpt.replace("gpt_callsite", "gpt2"), "flagged: true", "alpha: 2"))
+    c = tmp_path / "c.yaml"
+    c.write_text("version: 5\nsource: bare\nentries: []\n")
+    outputs = []
+    for order in ((a, b, c), (b, a, c), (c, b, a), (c, a, b)):
+        out = tmp_path / f"m{len(outputs)}.yaml"
+        result = invoke("merge", *order, "-o", out)
+        assert result.exit_code == 0, result.stderr
+        outputs.append(out.read_bytes())
+    assert len(set(outputs)) == 1
+    text = outputs[0].decode()
+    assert text.startswith("version: 5\nsource: bare+gpt2+gpt_callsite\nmeta:\n")
+    assert text.endswith("alpha: 2\nzeta: 1\n")
+    assert "    reviewer: alice\n    flagged: true\n" not in text
+    assert "    flagged: true\n    reviewer: alice\n    sources: " in text
+
+
 def test_merge_with_a_config_of_unknown_total_loads_back(run_dir, tmp_path) -> None:
     """A config without ``meta.total`` (unknown) merged with one that has it: the
     merged total is unknown too (none), not the one side's, which its counts exceed."""
@@ -327,7 +359,8 @@ def test_person_comments_survive_merge_from_either_side(run_dir, tmp_path) -> No
     third, _ = _commented(run_dir / GPT, mine)
     for order in ((run_dir / FSDP, mine), (mine, run_dir / FSDP)):
         out = tmp_path / "merged.yaml"
-        assert invoke("merge", *order, "-o", out).exit_code == 0
+        result = invoke("merge", *order, "-o", out)
+        assert result.exit_code == 0, result.stderr
         text = out.read_text()
         assert _comment_above(text, "  # reviewed by a person: keep") == f"  - target: {third}"
         assert text.count("  # hot\n") == 1

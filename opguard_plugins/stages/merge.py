@@ -301,7 +301,32 @@ def merge_configs(left: CommentedMap, right: CommentedMap) -> CommentedMap:
             left.get("collectives"), right.get("collectives")
         )
     _record_contributions(result, both)
+    _put_in_order(result, _DOC_ORDER)
+    for entry in result["entries"]:
+        _put_in_order(entry, _ENTRY_ORDER, last=("sources",))
     return result
+
+
+#: the document's and an entry's keys in the order generate writes them: fields this
+#: version does not know go after them, sorted (an entry's ``sources`` stays last)
+_DOC_ORDER = ("version", "source", "meta", "entries", "collectives")
+_ENTRY_ORDER = ("target", "kind", "file", "lines", "context", "tags", "ops", "stream_counts",
+                "dtype_counts", "count", "ranks")  # fmt: skip
+
+
+def _put_in_order(
+    mapping: CommentedMap, order: tuple[str, ...], last: tuple[str, ...] = ()
+) -> None:
+    """Reorder ``mapping`` in place (comments stay on their keys): ``order``'s keys,
+    the others sorted, then ``last``'s, so that the bytes of a merge do not depend on
+    which side had which key (a side without ``meta``, or with a field of its own, put
+    it at the end of the other side's keys: ``merge A B`` and ``merge B A`` differed)."""
+    extras = sorted(
+        (key for key in mapping if key not in order and key not in last),
+        key=lambda key: (str(key), type(key).__name__),
+    )
+    for key in [*(k for k in order if k in mapping), *extras, *(k for k in last if k in mapping)]:
+        mapping.move_to_end(key)
 
 
 @hookimpl(trylast=True)
