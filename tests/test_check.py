@@ -124,6 +124,24 @@ def test_a_config_accepts_the_traces_it_was_made_from(
     assert report["config"] == str(config)
 
 
+def test_a_rank_without_a_trace_is_named_in_the_report(
+    tmp_path: Path, app: Callable[..., Path]
+) -> None:
+    """Rank 1 of 2 died before writing its trace: the report says which rank was not
+    checked (it said only "0 error(s)", the missing rank in a log line)."""
+    config = make_config(tmp_path, [str(app("base"))])
+    rank0 = str(app("new")).replace("*", "0")
+    _, report = check_json(config, rank0, expect=0)
+    assert (
+        "app: no trace of rank(s) 1 of its meta.world_size (lost with its process, or not "
+        "given): not checked"
+    ) in report["notes"]
+    result = invoke("check", "--config", config, "-i", rank0)
+    assert "no trace of rank(s) 1" in result.stdout.splitlines()[0]
+    _, report = check_json(config, app("both"), expect=0)
+    assert not any("no trace of rank" in note for note in report.get("notes", []))
+
+
 def test_an_extra_op_is_unexpected_op_naming_the_function_and_op(
     tmp_path: Path, app: Callable[..., Path]
 ) -> None:

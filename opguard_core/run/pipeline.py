@@ -21,7 +21,7 @@ from ruamel.yaml.comments import CommentedMap
 
 from opguard_core.configs.chain import active_filters, apply_filters
 from opguard_core.errors import ExitCode
-from opguard_core.formats.trace import partial_ranks_of
+from opguard_core.formats.trace import absent_ranks, partial_ranks_of
 from opguard_core.model import InputEntry, RunOptions
 from opguard_core.plugin.manager import OpGuardPluginManager
 from opguard_core.run.records import EventRecorder
@@ -47,6 +47,9 @@ class Pipeline:
         #: the ranks whose traces were written before their process was done, with
         #: their ``meta.partial`` (formats.md §1, version 8), over every entry made
         self.partial: dict[int, dict[str, Any]] = {}
+        #: per entry made whole (not ``quietly``): the ranks below its traces'
+        #: ``meta.world_size`` it has no trace of (:func:`absent_ranks`)
+        self.absent: dict[str, list[int]] = {}
 
     def __enter__(self) -> Pipeline:
         return self
@@ -69,8 +72,12 @@ class Pipeline:
         quiet = quietly and not self.options.verbose
         with collecting(self._runner.recorder.warnings, quiet=quiet):
             results = self._runner.process_entry(entry, side=False)
-        if results.get("combine") is not None:
-            self.partial.update(partial_ranks_of(results["combine"].meta))
+        trace = results.get("combine")
+        if trace is not None:
+            self.partial.update(partial_ranks_of(trace.meta))
+            absent = absent_ranks(trace.meta, trace.ranks)
+            if absent and not quietly:
+                self.absent[entry.name] = absent
         config: CommentedMap | None = results.get("generate")
         if config is None or not self._filters or not filtered:
             return config

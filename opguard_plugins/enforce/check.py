@@ -56,7 +56,7 @@ from opguard_core.formats.collectives import (
 from opguard_core.formats.config import entry_key, load_config
 from opguard_core.formats.config_collectives import read_config_collectives
 from opguard_core.formats.sources import config_steps, loop_only, project, recorded_sources
-from opguard_core.formats.trace import describe_partial
+from opguard_core.formats.trace import describe_partial, list_ranks
 from opguard_core.formats.tree import TORCH_API
 from opguard_core.logs import configure_logging, get_logger
 from opguard_core.model import InputEntry, RunOptions
@@ -192,6 +192,8 @@ class Observed:
     partial: dict[int, dict[str, Any]] = dataclasses.field(default_factory=dict)
     #: the exit code of the ``problems``: a plugin's fault, or an input's
     problems_code: ExitCode = ExitCode.INPUT_UNREADABLE
+    #: per entry: the ranks below its ``meta.world_size`` it has no trace of
+    absent: dict[str, list[int]] = dataclasses.field(default_factory=dict)
 
 
 def observe(
@@ -247,8 +249,9 @@ def observe(
         problems = pipeline.failures()
         code = pipeline.failure_code()
         partial = pipeline.partial
+        absent = pipeline.absent
     files = [Path(path) for entry in entries for path in entry.files]
-    return Observed(configs, problems, combined, files, alone, partial, code)
+    return Observed(configs, problems, combined, files, alone, partial, code, absent)
 
 
 def _keep_only(configs: Iterable[CommentedMap], keys: set[Any]) -> None:
@@ -807,6 +810,11 @@ def make_command(manager: OpGuardPluginManager) -> click.Command:
                 "their counts and last step not compared"
             )
             notes.append(cut)
+        for name, ranks in observed.absent.items():
+            notes.append(
+                f"{name}: no trace of rank(s) {list_ranks(ranks)} of its meta.world_size "
+                "(lost with its process, or not given): not checked"
+            )
         other_filters = filters_differ(manager, options, config)
         if other_filters:
             notes.append(other_filters)
