@@ -107,6 +107,15 @@ def test_a_yaml_input_names_the_config_commands(opguard, samples, name) -> None:
     assert run.run_dir is None
 
 
+def test_a_run_directory_input_names_the_commands_for_it(opguard, samples) -> None:
+    """A run directory given to ``run`` was an input refused at discover, in a new run
+    directory of its own (exit 1); it is a usage error, as a config is."""
+    first = _gpt(opguard, samples)
+    run = opguard("run", "-i", str(first.run_dir), expect=2)
+    assert f"--input {first.run_dir}: a run directory, not a callsite trace" in run.stderr
+    assert run.run_dir is None
+
+
 def test_the_end_of_a_run_says_what_it_made(opguard, samples) -> None:
     run = opguard("run", "-i", str(samples / "fsdp_callsite_rank*.json"),
                   "-i", str(samples / "gpt_callsite_rank*.json"), "--basic", expect=0)  # fmt: skip

@@ -265,13 +265,21 @@ def _check_regexes(patterns: Sequence[str], option: str) -> None:
 
 
 def _refuse_configs(inputs: Sequence[str]) -> None:
-    """``run`` reads traces; a YAML config given as input is a usage error that names
-    the commands made for configs."""
+    """``run`` reads traces; a YAML config or a run directory given as input is a
+    usage error that names the commands made for them."""
+    from opguard_core.run.summary import SUMMARY_FILE
+
     for spec in inputs:
         if names_a_config(spec):
             raise click.UsageError(
                 f"--input {spec}: a YAML config, not a callsite trace; "
                 "use opguard compare, merge, filter or show on configs"
+            )
+        if (Path(spec) / SUMMARY_FILE).is_file():
+            raise click.UsageError(
+                f"--input {spec}: a run directory, not a callsite trace; "
+                "use opguard show, compare, merge, filter, export or report on it, or give "
+                "the traces it was made from"
             )
 
 
