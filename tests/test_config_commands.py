@@ -93,6 +93,23 @@ def test_merge_bytes_do_not_depend_on_which_side_had_which_key(run_dir, tmp_path
     assert "    flagged: true\n    reviewer: alice\n    sources: " in text
 
 
+def test_merge_of_configs_made_with_different_settings_warns(run_dir, tmp_path) -> None:
+    """Configs made with another compressor or hide patterns: the merged config holds
+    one value of each setting, which check then uses (it kept one silently)."""
+    text = (run_dir / GPT).read_text()
+    assert "\n    min_count: " in text
+    other = tmp_path / "other.yaml"
+    other.write_text(re.sub(r"\n    min_count: \d+", "\n    min_count: 999", text).replace(
+        "source: gpt_callsite", "source: gpt_other"))  # fmt: skip
+    result = invoke("merge", run_dir / GPT, other, "-o", tmp_path / "m.yaml")
+    assert result.exit_code == 0, result.stderr
+    (event,) = [json.loads(line) for line in result.stderr.splitlines() if "settings" in line]
+    assert event["level"] == "warning" and event["settings"] == ["min_count"]
+    assert event["event"].startswith("the configs were made with different settings (min_count)")
+    result = invoke("merge", run_dir / GPT, run_dir / FSDP, "-o", tmp_path / "alike.yaml")
+    assert "different settings" not in result.stderr
+
+
 def test_merge_with_a_config_of_unknown_total_loads_back(run_dir, tmp_path) -> None:
     """A config without ``meta.total`` (unknown) merged with one that has it: the
     merged total is unknown too (none), not the one side's, which its counts exceed."""

@@ -153,6 +153,17 @@ def shared_sources(configs: list[dict[str, Any]]) -> list[str]:
     return sorted(shared)
 
 
+def differing_settings(configs: list[dict[str, Any]]) -> list[str]:
+    """The ``meta.settings`` (formats.md §3: compressor, hide patterns, thresholds…)
+    whose values differ between the ``configs`` that record them: the merged config
+    can hold one value of each, and ``check`` makes traces into configs with it."""
+    values: dict[str, set[str]] = {}
+    every = [(config.get("meta") or {}).get("settings") or {} for config in configs]
+    for key in sorted({str(k) for settings in every for k in settings}):
+        values[key] = {repr(settings[key]) for settings in every if key in settings}
+    return [key for key, seen in values.items() if len(seen) > 1]
+
+
 def _sources(config: dict[str, Any]) -> set[str]:
     """A config's sources: ``meta.sources`` where it lists them (an entry's name may
     hold a ``+``), else its ``source`` split at ``+`` (a hand-written config)."""

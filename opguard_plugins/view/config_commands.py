@@ -48,7 +48,7 @@ from opguard_core.model import RunOptions
 from opguard_core.plugin.manager import OpGuardPluginManager
 from opguard_core.run.summary import config_source, without_surrogates
 from opguard_plugins.stages.compare import Sort, diff_configs, diff_to_json, render_diff
-from opguard_plugins.stages.merge import shared_sources
+from opguard_plugins.stages.merge import differing_settings, shared_sources
 
 #: how many ops ``show`` names per entry
 MAIN_OPS = 3
@@ -156,6 +156,14 @@ def make_merge(manager: OpGuardPluginManager) -> click.Command:
                     f"{', '.join(shared)} in several configs: two recordings of one "
                     "source, their counts and steps are added (a config twice counts twice)",
                     sources=shared,
+                )
+            differ = differing_settings([config for _, config in inputs])
+            if differ:
+                get_logger().warning(
+                    f"the configs were made with different settings ({', '.join(differ)}): "
+                    "the merged config records one value of each, and check makes traces "
+                    "into configs with it; merge configs made alike",
+                    settings=differ,
                 )
             merged = fold(manager, [config for _, config in inputs])
             atomic_write_text(output, dump_config(merged))
