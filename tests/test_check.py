@@ -142,6 +142,53 @@ def test_a_rank_without_a_trace_is_named_in_the_report(
     assert not any("no trace of rank" in note for note in report.get("notes", []))
 
 
+def test_work_after_the_optimizer_step_does_not_drift_with_the_step_count(
+    tmp_path: Path,
+) -> None:
+    """A loop logs after ``optimizer.step()``: the last iteration's logging runs after
+    the last step ends, so the loop's file holds it once per step plus once (3 in a
+    2-step loop, 10 in a 9-step one). Checked per step alone that drifted -26 % on
+    every run of another length; a real change in it still drifts."""
+    log = ("app", "log_loss")
+
+    def job(name: str, steps: int, logs: int) -> Path:
+        folder = tmp_path / name
+        folder.mkdir()
+        sites = [
+            ([MAIN, STEP, FWD], None, "aten::addmm", 4 * steps),  # before the step
+            ([MAIN, log], None, "aten::mul", logs),  # after it
+        ]
+        write(folder / "app_rank0.json", trace_doc(sites, rank=0, world_size=1, steps=steps))
+        return folder / "app_rank0.json"
+
+    config = make_config(tmp_path, [str(job("base", 2, 3))])
+    for name, steps, logs in (("longer", 9, 10), ("shorter", 1, 2), ("same", 2, 3)):
+        _, report = check_json(config, job(name, steps, logs), expect=0)
+        assert [v for v in report["violations"] if v["kind"] == "count_drift"] == [], name
+    for name, logs in (("twice", 20), ("none_half", 5)):  # twice, half as often a step
+        _, report = check_json(config, job(name, 9, logs), expect=0)
+        drifted = {v["target"] for v in report["violations"] if v["kind"] == "count_drift"}
+        assert "app:log_loss" in drifted and "app:Model.forward" not in drifted, name
+
+
+def test_drift_per_step_allows_only_the_share_after_the_last_step() -> None:
+    """The rule's algebra: equal steps compare plainly; other step counts accept any
+    mix of work before and after the step, and nothing beyond it."""
+    from opguard_plugins.enforce.rules import drifts, drifts_per_step
+
+    for before, after in ((4, 0), (0, 1), (4, 1), (1, 1)):  # ops a step, each side
+        for want_steps, got_steps in ((2, 9), (9, 2), (3, 30)):
+            want = before * want_steps + after * (want_steps + 1)
+            got = before * got_steps + after * (got_steps + 1)
+            assert not drifts_per_step(got, got_steps, want, want_steps, 0.1)
+            assert drifts_per_step(2 * got, got_steps, want, want_steps, 0.1)
+            assert drifts_per_step(got / 2, got_steps, want, want_steps, 0.1)
+    assert drifts_per_step(11, 2, 10, 2, 0.05) == drifts(5.5, 5, 0.05)
+    # a config of one loop step cannot tell half the work from all of it after the step
+    assert not drifts_per_step(60, 30, 4, 1, 0.1)  # 2 a step of 4 a step
+    assert drifts_per_step(3, None, 0, None, 0.1) and not drifts_per_step(0, 3, 0, 2, 0.1)
+
+
 def test_an_extra_op_is_unexpected_op_naming_the_function_and_op(
     tmp_path: Path, app: Callable[..., Path]
 ) -> None:

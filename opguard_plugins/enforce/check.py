@@ -62,7 +62,7 @@ from opguard_core.logs import configure_logging, get_logger
 from opguard_core.model import InputEntry, RunOptions
 from opguard_core.plugin.manager import OpGuardPluginManager, call_impl
 from opguard_core.run.summary import config_source, without_surrogates
-from opguard_plugins.enforce.rules import DEFAULT_TOLERANCE, drifts, per_rank_step
+from opguard_plugins.enforce.rules import DEFAULT_TOLERANCE, drifts_per_step, per_rank_step
 from opguard_plugins.enforce.sequence_guard import ExpectedSteps, Plan, SequenceChecker
 
 #: ``meta.settings`` keys that are not RunOptions fields of the same name.
@@ -428,14 +428,15 @@ class _JobDrifts:
         expected, observed = self.expected.get(key), self.whole.get(key)
         if expected is None or observed is None:
             return True
-        got = _rate(observed, self.combined, self.job_steps)
-        return drifts(got, _rate(expected, self.config, self.config_steps), self.tolerance)
+        got = _per_rank(observed, self.combined)
+        want = _per_rank(expected, self.config)
+        return drifts_per_step(got, self.job_steps, want, self.config_steps, self.tolerance)
 
 
-def _rate(entry: dict[str, Any], document: dict[str, Any], steps: int | None) -> float:
-    """An entry's count per rank (its ``ranks``, else the document's) and step."""
+def _per_rank(entry: dict[str, Any], document: dict[str, Any]) -> float:
+    """An entry's count per rank (its ``ranks``, else the document's)."""
     ranks = entry.get("ranks") or (document.get("meta") or {}).get("ranks") or ()
-    return per_rank_step(int(entry.get("count", 0)), len(ranks), steps)
+    return per_rank_step(int(entry.get("count", 0)), len(ranks), None)
 
 
 def across_tracers(

@@ -208,23 +208,46 @@ def drifts(got: float, want: float, tolerance: float) -> bool:
     return got != want and not (want and abs(got - want) / want <= tolerance)
 
 
+def drifts_per_step(
+    got: float, got_steps: int | None, want: float, want_steps: int | None, tolerance: float
+) -> bool:
+    """Whether a count per rank ``got`` over ``got_steps`` loop steps drifts from
+    ``want`` over ``want_steps`` by more than ``tolerance``, per step (whole runs
+    where either side's steps are unknown). A loop's last iteration runs its work
+    after ``optimizer.step()`` (logging, ``loss.item()``, a scheduler's step) after the
+    last step ends, so such work is counted once per step plus once: per step it is
+    ``count / (steps + 1)``, work before the step ``count / steps``, and an entry with
+    both in between. So the counts drift only where no share ``t`` in [0, 1] makes
+    ``got / (got_steps + t)`` and ``want / (want_steps + t)`` agree within
+    ``tolerance``; with equal steps on both sides, exactly as :func:`drifts`."""
+    if got_steps is None or want_steps is None:
+        return drifts(got, want, tolerance)
+    if got_steps == want_steps or not want or not got:
+        return drifts(got / max(got_steps, 1), want / max(want_steps, 1), tolerance)
+    # the ratio of the two rates is monotonic in t: the ends bound it
+    ends = [(got / (got_steps + t)) / (want / (want_steps + t)) for t in (0, 1)]
+    return max(ends) < 1 - tolerance or min(ends) > 1 + tolerance
+
+
 def count_drift(
     observed: dict[str, Any] | None, expected: dict[str, Any] | None, check: CheckInput
 ) -> list[Violation]:
     """``count_drift``: the entry's op count per rank, and per step when both sides
-    record ``meta.steps``, differs by more than ``tolerance`` (relative)."""
+    record ``meta.steps``, differs by more than ``tolerance`` (relative), allowing for
+    the work after the last optimizer step (:func:`drifts_per_step`)."""
     if observed is None or expected is None:
         return []
     observed_steps = check.observed_steps.get(check.rank)
     both = check.expected_steps is not None and observed_steps is not None
-    want = per_rank_step(
-        int(expected.get("count", 0)),
-        len(check.entry_ranks(expected)),
-        check.expected_steps if both else None,
-    )
-    got = per_rank_step(int(observed.get("count", 0)), 1, observed_steps if both else None)
-    if not drifts(got, want, check.tolerance):
+    got_steps = observed_steps if both else None
+    want_steps = check.expected_steps if both else None
+    ranks = len(check.entry_ranks(expected))
+    count, want_count = int(observed.get("count", 0)), int(expected.get("count", 0))
+    per_rank = want_count / max(ranks, 1)
+    if not drifts_per_step(count, got_steps, per_rank, want_steps, check.tolerance):
         return []
+    want = per_rank_step(want_count, ranks, want_steps)
+    got = per_rank_step(count, 1, got_steps)
     unit = "per rank and step" if both else "per rank"
     change = f"{(got - want) / want:+.0%}" if want else "new"
     return [
