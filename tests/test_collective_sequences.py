@@ -720,6 +720,63 @@ def test_two_groups_issued_in_another_order_are_a_desync(
     assert collective_findings(doc) == []
 
 
+def mesh_docs(swapped: set[int], world: bool = False) -> list[dict[str, Any]]:
+    """A 2 x 2 mesh: tensor-parallel groups {0, 1} and {2, 3}, data-parallel {0, 2}
+    and {1, 3}; every step each rank all-reduces on its TP group, then on its DP
+    group (after one on the world group, with ``world``); ranks in ``swapped`` issue
+    the DP one first in step 1."""
+    everyone = {"name": "0", "desc": "default_pg", "size": 4, "ranks": [0, 1, 2, 3]}
+    docs = []
+    for rank in range(4):
+        tp = {"name": f"tp{rank // 2}", "desc": "tp", "size": 2, "ranks": [rank & ~1, rank | 1]}
+        dp = {"name": f"dp{rank % 2}", "desc": "dp", "size": 2, "ranks": [rank % 2, rank % 2 + 2]}
+        calls: list[Call] = []
+        for step in range(3):
+            mine = [
+                (step, AR, "float32", 6, 10, tp["name"]),
+                (step, AR, "float32", 8, 11, dp["name"]),
+            ]
+            if step == 1 and rank in swapped:
+                mine.reverse()
+            calls += [(step, AR, "float32", 4, 9, "0")] * world + mine
+        docs.append(rank_doc(rank, calls, [everyone, tp, dp], world_size=4))
+    return docs
+
+
+@pytest.mark.parametrize("world", [False, True])
+def test_ranks_waiting_for_each_other_in_a_circle_of_groups_are_a_desync(
+    opguard: Callable[..., Any], tmp_path: Path, world: bool
+) -> None:
+    """Ranks 1 and 2 issue their data-parallel all-reduce before the tensor-parallel
+    one in step 1: rank 0 waits on TP for 1, which waits on DP for 3, which waits on
+    TP for 2, which waits on DP for 0. Each group agrees, and no two ranks share two
+    groups, so no pair shows it (once: no divergence, and the job hangs)."""
+    doc = run_docs(opguard, tmp_path, *mesh_docs({1, 2}, world))
+    (finding,) = collective_findings(doc)
+    assert (finding["kind"], finding["ranks"], finding["step"]) == (
+        "collective_order",
+        [0, 1, 2, 3],
+        1,
+    )
+    assert (finding["group"]["name"], finding["other_group"]["name"]) == ("tp0", "dp1")
+    assert finding["message"] == (
+        "collectives on 4 groups issued in orders that wait for each other in a circle: "
+        "rank 0 waits in c10d::allreduce_ float32[6] sum on group tp0 (tp) (its collective "
+        "#1 there, step 1) for rank 1; rank 1 waits in c10d::allreduce_ float32[8] sum on "
+        "group dp1 (dp) (its collective #1 there, step 1) for rank 3; rank 3 waits in "
+        "c10d::allreduce_ float32[6] sum on group tp1 (tp) (its collective #1 there, step "
+        "1) for rank 2; rank 2 waits in c10d::allreduce_ float32[8] sum on group dp0 (dp) "
+        "(its collective #1 there, step 1) for rank 0; the job hangs here"
+    )
+    # every rank swapping, or two that do not close a circle (0 and 1: rank 0 waits on
+    # DP for 2, which goes on), is no hang
+    for swapped in ({0, 1, 2, 3}, {0, 1}, set()):
+        folder = tmp_path / f"ok{len(swapped)}"
+        folder.mkdir()
+        doc = run_docs(opguard, folder, *mesh_docs(swapped, world), expect=0)
+        assert collective_findings(doc) == [], swapped
+
+
 def test_ranks_whose_other_groups_split_their_steps_differently_agree(
     opguard: Callable[..., Any], tmp_path: Path
 ) -> None:

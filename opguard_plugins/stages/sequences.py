@@ -62,6 +62,11 @@ WINDOW = 32
 #: :func:`_walk`)
 MAX_STEPPED = 10_000_000
 
+#: collectives walked, over every distinct sequence, to look for a cycle of ranks
+#: waiting for each other across groups (:func:`_wait_cycles`): each sequence's first
+#: calls, its share of this; a cycle only later is not found
+MAX_CYCLE_CALLS = 250_000
+
 #: a group as divergence knows it: its name and members (several groups may share a
 #: name where ranks created groups in a different order)
 GroupId = tuple[str, tuple[int, ...]]
@@ -244,7 +249,9 @@ def sequence_findings(
         reported.update([gid] if found else [])
         findings.extend(found)
     findings = _merge_groups(findings)
-    findings.extend(_interleavings(collectives, groups, compared - reported, describe, ended or {}))
+    unreported = compared - reported
+    ordered = _interleavings(collectives, groups, unreported, describe, ended or {})
+    findings.extend(ordered or _wait_cycles(collectives, groups, unreported, describe))
     return findings
 
 
@@ -535,6 +542,200 @@ def _interleavings(
             views = list(classes.values())
             findings.extend(_first_interleaving(groups, pair, views, describe, ended))
     return findings
+
+
+def _wait_cycles(
+    collectives: Collectives,
+    groups: dict[GroupId, Group],
+    candidates: set[GroupId],
+    describe: Describe,
+) -> list[Finding]:
+    """A ``collective_order`` where ranks wait for each other in a cycle through three
+    or more groups, each agreeing on its own and every two of them in the order their
+    shared ranks issue them (a 2 × 2 mesh: rank 0 all-reduces on its tensor-parallel
+    group first, rank 1 on its data-parallel group; no pair of groups is used by two
+    ranks, so :func:`_interleavings` compares none). The ranks' collectives on the
+    ``candidates`` (compared groups without a finding of their own, recorded from the
+    start) are played as blocking calls: the n-th collective on a group completes once
+    every member issued it. A wait left when no call can complete, traced from rank
+    to the member it waits for, closes the cycle. Looked for only where the groups
+    that ranks use together form a cycle, over each sequence's first calls (its share
+    of :data:`MAX_CYCLE_CALLS`)."""
+    used: list[tuple[CollectiveSequence, dict[int, GroupId]]] = []
+    for seq in collectives.sequences:
+        mine = {
+            index: gid
+            for index, group in enumerate(seq.groups)
+            if (gid := _group_id(group)) in candidates and not group.first
+        }
+        if mine:
+            used.append((seq, mine))
+    if not _groups_form_a_cycle([sorted(set(mine.values())) for _, mine in used]):
+        return []
+    members: dict[GroupId, int] = {}
+    for seq, mine in used:
+        for gid in set(mine.values()):
+            members[gid] = members.get(gid, 0) + len(seq.ranks)
+    budget = max(MAX_CYCLE_CALLS // len(used), 1)
+    calls = [_first_calls(seq, mine, budget) for seq, mine in used]
+    blocked = _play(calls, [len(seq.ranks) for seq, _ in used], members)
+    cycle = _cycle_of(blocked, used)
+    if cycle is None:
+        return []
+    return [_cycle_finding(cycle, blocked, calls, used, groups, describe)]
+
+
+def _groups_form_a_cycle(used_together: list[list[GroupId]]) -> bool:
+    """Whether the groups, joined where a sequence uses two of them (each pair once),
+    form a cycle: else no ranks can wait for each other in a circle through them that
+    a pair of groups does not show."""
+    parent: dict[GroupId, GroupId] = {}
+
+    def root(gid: GroupId) -> GroupId:
+        while parent.setdefault(gid, gid) != gid:
+            parent[gid] = parent[parent[gid]]
+            gid = parent[gid]
+        return gid
+
+    edges = {(a, b) for gids in used_together for i, a in enumerate(gids) for b in gids[i + 1 :]}
+    for a, b in sorted(edges):
+        ra, rb = root(a), root(b)
+        if ra == rb:
+            return True
+        parent[ra] = rb
+    return False
+
+
+def _first_calls(
+    sequence: CollectiveSequence, indexes: dict[int, GroupId], limit: int
+) -> list[tuple[GroupId, int, Signature]]:
+    """The first ``limit`` collectives ``sequence`` issued on the groups ``indexes``,
+    in order, as (group, step, signature)."""
+    keyed = {
+        number: indexes[sig.group]
+        for number, sig in enumerate(sequence.signatures)
+        if sig.group in indexes and compared_by_position(sig.op)
+    }
+    found: list[tuple[GroupId, int, Signature]] = []
+    for run in sequence.steps:
+        ids = [c for c in run.calls if c in keyed]
+        for step in range(run.first, run.last + 1) if ids else ():
+            for call in ids:
+                found.append((keyed[call], step, sequence.signatures[call]))
+                if len(found) == limit:
+                    return found
+    return found
+
+
+#: where a sequence waits when no call can complete: (its position in its calls, the
+#: group and the group's position there); a sequence that got to its end has none
+Wait = tuple[int, GroupId, int]
+
+
+def _play(
+    calls: list[list[tuple[GroupId, int, Signature]]],
+    weights: list[int],
+    members: dict[GroupId, int],
+) -> dict[int, Wait]:
+    """Issue every sequence's ``calls`` as blocking collectives (a sequence stands for
+    ``weights`` ranks): the n-th on a group completes when all its ``members`` issued
+    it. Returns where each sequence that cannot go on waits."""
+    at = [0] * len(calls)
+    on_group: list[dict[GroupId, int]] = [{} for _ in calls]
+    arrived: dict[tuple[GroupId, int], int] = {}
+    waiting: dict[tuple[GroupId, int], list[int]] = {}
+    runnable = list(range(len(calls)))
+    while runnable:
+        index = runnable.pop()
+        while at[index] < len(calls[index]):
+            gid = calls[index][at[index]][0]
+            instance = (gid, on_group[index].get(gid, 0))
+            arrived[instance] = arrived.get(instance, 0) + weights[index]
+            if arrived[instance] < members[gid]:
+                waiting.setdefault(instance, []).append(index)
+                break
+            for done in [index, *waiting.pop(instance, [])]:
+                at[done] += 1
+                on_group[done][gid] = instance[1] + 1
+                if done != index:
+                    runnable.append(done)
+    return {
+        index: (at[index], *instance) for instance, indexes in waiting.items() for index in indexes
+    }
+
+
+def _cycle_of(
+    blocked: dict[int, Wait], used: list[tuple[CollectiveSequence, dict[int, GroupId]]]
+) -> list[tuple[int, int]] | None:
+    """A cycle of waits among the ``blocked`` sequences, as (sequence, the sequence it
+    waits for) from the lowest rank's; None where every wait leads to a sequence that
+    is not waiting (it ended, or was cut at its share of calls: no cycle is claimed)."""
+    users: dict[GroupId, list[int]] = {}
+    for index, (_, mine) in enumerate(used):
+        for gid in set(mine.values()):
+            users.setdefault(gid, []).append(index)
+
+    def awaited(waiter: int) -> int | None:
+        """A member the wait of ``waiter`` is for that waits elsewhere itself."""
+        _, gid, position = blocked[waiter]
+        for other in users[gid]:
+            wait = blocked.get(other)
+            if other != waiter and wait is not None and wait[1:] != (gid, position):
+                return other
+        return None
+
+    for start in sorted(blocked, key=lambda i: min(used[i][0].ranks)):
+        path: list[int] = []
+        current: int | None = start
+        while current is not None and current not in path:
+            path.append(current)
+            current = awaited(current)
+        if current is not None:
+            loop = path[path.index(current) :]
+            first = loop.index(min(loop, key=lambda i: min(used[i][0].ranks)))
+            loop = loop[first:] + loop[:first]
+            return [(a, loop[(k + 1) % len(loop)]) for k, a in enumerate(loop)]
+    return None
+
+
+def _cycle_finding(
+    cycle: list[tuple[int, int]],
+    blocked: dict[int, Wait],
+    calls: list[list[tuple[GroupId, int, Signature]]],
+    used: list[tuple[CollectiveSequence, dict[int, GroupId]]],
+    groups: dict[GroupId, Group],
+    describe: Describe,
+) -> Finding:
+    """The ``collective_order`` finding of a cycle of waits: each rank waits in its
+    next collective for the next rank of the cycle, which waits on another group; the
+    finding is on the first rank's group, ``got`` the next rank's call there."""
+    parts = []
+    ranks: list[int] = []
+    waits: list[tuple[GroupId, int, Call]] = []
+    for index, other in cycle:
+        at, gid, position = blocked[index]
+        _, step, sig = calls[index][at]
+        waits.append((gid, position, (step, sig)))
+        rank, next_rank = min(used[index][0].ranks), min(used[other][0].ranks)
+        ranks.extend(used[index][0].ranks)
+        parts.append(
+            f"rank {rank} waits in {_text((step, sig))} on {_label(groups[gid])} (its "
+            f"collective #{position} there, step {step}) for rank {next_rank}"
+        )
+    gid, position, expected = waits[0]
+    other_gid, _, got = waits[1]
+    finding = _finding(
+        "collective_order", groups[gid], position, expected, got, sorted(set(ranks)),
+        ranks[:1], False, [], describe,
+    )  # fmt: skip
+    finding["expected_ranks"] = []  # no rank is the reference: each waits for the next
+    finding["other_group"] = _group_doc(groups[other_gid])
+    finding["got"] = _signature_doc(got, groups[other_gid])
+    finding["message"] = (
+        f"collectives on {len({w[0] for w in waits})} groups issued in orders that wait "
+        f"for each other in a circle: {'; '.join(parts)}; the job hangs here"
+    )
+    return finding
 
 
 def _merged_view(sequence: CollectiveSequence, indexes: dict[int, GroupId]) -> _View:
