@@ -18,6 +18,7 @@ of two or more sources records what each contributed (config version 4): an entr
 from __future__ import annotations
 
 import copy
+from collections import OrderedDict
 from typing import Any
 
 from ruamel.yaml.comments import CommentedMap, CommentedSeq
@@ -325,6 +326,10 @@ _ENTRY_ORDER = ("target", "kind", "file", "lines", "context", "tags", "ops", "st
                 "dtype_counts", "count", "ranks")  # fmt: skip
 
 
+#: (order, last) -> each known key's place, for :func:`_put_in_order`
+_PLACES: dict[tuple[tuple[str, ...], tuple[str, ...]], dict[str, int]] = {}
+
+
 def _put_in_order(
     mapping: CommentedMap, order: tuple[str, ...], last: tuple[str, ...] = ()
 ) -> None:
@@ -332,11 +337,24 @@ def _put_in_order(
     the others sorted, then ``last``'s, so that the bytes of a merge do not depend on
     which side had which key (a side without ``meta``, or with a field of its own, put
     it at the end of the other side's keys: ``merge A B`` and ``merge B A`` differed)."""
+    # the mapping's own keys through OrderedDict's C methods: CommentedMap's Python
+    # __iter__ and __contains__ made this 8 % of a merge of 2,600 entries
+    keys = list(OrderedDict.__iter__(mapping))
+    place = _PLACES.get((order, last))
+    if place is None:
+        place = _PLACES[(order, last)] = {k: i for i, k in enumerate((*order, *last))}
+    at = [place.get(key, -1) for key in keys]
+    if -1 not in at and at == sorted(at):  # known keys, in order, as generate wrote them
+        return
+    present = set(keys)
     extras = sorted(
-        (key for key in mapping if key not in order and key not in last),
+        (key for key in keys if key not in order and key not in last),
         key=lambda key: (str(key), type(key).__name__),
     )
-    for key in [*(k for k in order if k in mapping), *extras, *(k for k in last if k in mapping)]:
+    wanted = [*(k for k in order if k in present), *extras, *(k for k in last if k in present)]
+    if keys == wanted:
+        return
+    for key in wanted:
         mapping.move_to_end(key)
 
 
