@@ -383,3 +383,23 @@ def test_an_unexpected_error_in_the_write_fails_the_combine_stage(
     assert "disk on fire" in records["combine"][4], records["combine"][4]
     assert records["generate"][2] == "ok"
     assert not (broken.run_dir / "gpt_callsite_combined.json").exists()
+
+
+def test_a_helper_killed_while_it_sends_its_result_is_a_death_not_a_traceback() -> None:
+    """A result larger than a pipe's buffer is sent in pieces: a helper killed after
+    the first piece (SIGKILL, the OOM killer) left part of a pickle, which raised
+    UnpicklingError out of the run (a traceback, and a summary that said ok)."""
+    import signal
+
+    from opguard_core.errors import OpGuardError
+    from opguard_core.run.forked import ForkedCall
+
+    if not can_fork():
+        pytest.skip("another thread runs in this test process")
+    job = ForkedCall.start(lambda: b"x" * (4 << 20), "sending")
+    assert job is not None
+    time.sleep(0.5)  # the child has filled the pipe and waits for us to read it
+    os.kill(job.pid, signal.SIGKILL)
+    with pytest.raises(OpGuardError, match=r"^sending: its helper process died \(killed by SIGKILL"):
+        job.result()
+    assert gone(job.pid)

@@ -82,7 +82,8 @@ class ForkedCall:
 
     def result(self) -> Any:
         """Wait for the child; its ``work()`` result. Raises :class:`OpGuardError`
-        naming ``what`` when ``work()`` raised or the child died without a result."""
+        naming ``what`` when ``work()`` raised or the child died without a result (or
+        with part of one: killed while it sent it)."""
         chunks = []
         try:
             while chunk := os.read(self.fd, 1 << 20):
@@ -90,14 +91,16 @@ class ForkedCall:
         finally:
             os.close(self.fd)
             _, status = os.waitpid(self.pid, 0)
-        data = b"".join(chunks)
-        if not data:
+        try:
+            kind, value = pickle.loads(b"".join(chunks))
+        except Exception:  # nothing, or cut short: the child died before or while sending it
             if os.WIFSIGNALED(status):
                 how = f"killed by {signal.Signals(os.WTERMSIG(status)).name}"
             else:
                 how = f"exit code {os.waitstatus_to_exitcode(status)}"
-            raise OpGuardError(f"{self.what}: its helper process died ({how}; out of memory?)")
-        kind, value = pickle.loads(data)
+            raise OpGuardError(
+                f"{self.what}: its helper process died ({how}; out of memory?)"
+            ) from None
         if kind == "error":
             raise OpGuardError(f"{self.what}: {value}")
         return value
