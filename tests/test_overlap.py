@@ -400,6 +400,37 @@ def test_a_helper_killed_while_it_sends_its_result_is_a_death_not_a_traceback() 
     assert job is not None
     time.sleep(0.5)  # the child has filled the pipe and waits for us to read it
     os.kill(job.pid, signal.SIGKILL)
-    with pytest.raises(OpGuardError, match=r"^sending: its helper process died \(killed by SIGKILL"):
+    died = r"^sending: its helper process died \(killed by SIGKILL"
+    with pytest.raises(OpGuardError, match=died):
         job.result()
     assert gone(job.pid)
+
+
+@pytest.mark.parametrize("split", [False, True], ids=["one_helper", "two_helpers"])
+@pytest.mark.parametrize("name", ["_combined.json", "_divergence.json"])
+def test_a_helper_dying_mid_write_leaves_no_temporary_file(
+    tmp_path: Path, samples: Path, split: bool, name: str
+) -> None:
+    """A helper that dies half-way through a write (the OOM killer, os._exit in a
+    plugin) runs no cleanup of its own: its temporary file was left in the run
+    directory of a run that went on and ended ``failed``, not interrupted."""
+    patch = f"""
+        import os, tempfile
+        from opguard_core.run import steps
+
+        def dying(real):
+            def write(path, data):
+                if path.name.endswith({name!r}):
+                    tempfile.mkstemp(prefix=f".{{path.name}}.", suffix=".tmp", dir=path.parent)
+                    os._exit(9)
+                real(path, data)
+            return write
+
+        steps.atomic_write_parts = dying(steps.atomic_write_parts)
+        steps.atomic_write_bytes = dying(steps.atomic_write_bytes)
+    """
+    dies = run(tmp_path, "dies", *sample_inputs(samples, "gpt"), patch=patch, split=split)
+    assert dies.exit_code == 1, dies.stderr
+    assert "its helper process died (exit code 9" in dies.stderr
+    assert not list(dies.run_dir.glob(".*.tmp"))
+    assert all(map(gone, dies.pids))

@@ -26,7 +26,7 @@ from functools import partial
 from typing import Any
 
 from opguard_core.errors import Interrupted, OpGuardError, one_line
-from opguard_core.files.atomic import remove_temporaries
+from opguard_core.files.atomic import TMP_SUFFIX, remove_temporaries
 from opguard_core.model import RunOptions, StageFailed, StageRecord
 from opguard_core.run.forked import ForkedCall, can_fork
 from opguard_core.run.records import Event, Recorder
@@ -170,6 +170,7 @@ class EntryHelper:
         records: list[StageRecord] = []
         warnings: list[Any] = []
         events: list[Event] = []
+        died = False
         for job, writes, sides in self.jobs:
             try:
                 job_error, job_records, job_warnings, job_events = job.result()
@@ -177,6 +178,7 @@ class EntryHelper:
                 self.cancel()
                 raise
             except OpGuardError as exc:
+                died = True
                 failure = one_line(str(exc))
                 # the writes are atomic: the file exists only if it was written whole
                 job_error = failure if writes and not self._written() else None
@@ -191,11 +193,24 @@ class EntryHelper:
             records += job_records
             warnings += job_warnings
             events += job_events
+        if died:
+            self._remove_temporaries()
         stage = self.sides[0] if self.sides else self.owner
         self.recorder.absorb(self.slot, records, warnings, events, stage, self.entry)
         if error is not None:
             self.recorder.fail(self.owner, self.entry, error)
             self.recorder.on_change()
+
+    def _remove_temporaries(self) -> None:
+        """Once every child is reaped: the temporary files a child that died (killed,
+        ``os._exit``) left half-written in the run directory, its own writes' and its
+        side steps' (whose names the helper does not know). Nothing else writes there
+        now: the run waits here, and an entry's helpers are done before the next's."""
+        for directory in {w.path.parent for w in self.writes}:
+            with contextlib.suppress(OSError):
+                for leftover in directory.glob(f".*{TMP_SUFFIX}"):
+                    with contextlib.suppress(OSError):
+                        leftover.unlink()
 
     def _written(self) -> bool:
         return all(w.path.exists() for w in self.writes)
