@@ -434,3 +434,31 @@ def test_a_helper_dying_mid_write_leaves_no_temporary_file(
     assert "its helper process died (exit code 9" in dies.stderr
     assert not list(dies.run_dir.glob(".*.tmp"))
     assert all(map(gone, dies.pids))
+
+
+def test_an_error_no_stage_caught_is_a_failed_run_not_an_ok_summary(
+    tmp_path: Path, samples: Path
+) -> None:
+    """An exception out of the runner's own plumbing (here, reading a helper's
+    result; before, the part of a pickle a killed helper left) ended the command with
+    a traceback while the final summary, written on the way out, said ok, exit 0."""
+    bug = run(tmp_path, "bug", *sample_inputs(samples, "gpt"), patch="""
+        real_result = ForkedCall.result
+
+        def broken(self):
+            real_result(self)
+            raise RuntimeError("a bug of ours")
+
+        ForkedCall.result = broken
+    """)  # fmt: skip
+    assert bug.exit_code == 1, bug.stderr
+    assert "Traceback" not in bug.stderr
+    summary = json.loads(bug.read("pipeline_summary.json"))
+    assert (summary["status"], summary["exit_code"]) == ("failed", 1)
+    failed = [s for s in bug.stages() if s[2] == "failed"]
+    assert [(s[1], s[4]) for s in failed] == [
+        ("gpt_callsite", "internal error: RuntimeError: a bug of ours")
+    ]
+    assert "failed: internal error: RuntimeError: a bug of ours" in bug.stderr
+    assert ("run failed", failed[0][0]) in bug.events()
+    assert all(map(gone, bug.pids))

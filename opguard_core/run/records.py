@@ -106,6 +106,15 @@ class Recorder:
         with structlog.contextvars.bound_contextvars(stage=stage, entry=entry):
             self.log.error("stage failed", plugin=None, error=error)
 
+    def crashed(self, exc: Exception) -> None:
+        """Record an error no stage caught (a bug of ours: the run stops) as a failure
+        of the stage where the run was, and log it (its traceback with ``--verbose``)."""
+        stage, entry = self.current
+        error = one_line(f"internal error: {type(exc).__name__}: {exc}")
+        self.records.append(StageRecord(stage, entry, status="failed", error=error))
+        with structlog.contextvars.bound_contextvars(stage=stage, entry=entry):
+            self.log.error("run failed", error=error, exc_info=exc if self.verbose else False)
+
     @contextlib.contextmanager
     def stage(self, name: str, entry: str | None) -> Iterator[StageRecord]:
         """Time a stage, record its outcome, and turn a failure into :class:`StageFailed`."""

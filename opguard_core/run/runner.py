@@ -64,8 +64,7 @@ class Runner:
         self.started = _dt.datetime.now(_dt.UTC)
         self.interrupted: dict[str, Any] | None = None
         self.finished = False
-        #: the last failure to write the summary (None: the last write succeeded)
-        self.summary_error: str | None = None
+        self.summary_error: str | None = None  # the last summary write's failure, if it failed
         self.summary_pace = SummaryPace()
 
     def start(self, run_dir: Path) -> RunContext:
@@ -220,9 +219,8 @@ class Runner:
             "plugins", active=self.manager.plugin_names(), disabled=list(self.manager.disabled)
         )
         try:
-            # the cyclic collector stays off for the run: every collection would rescan
-            # the millions of acyclic objects a large entry holds and free nothing;
-            # run_steps collects once between entries, when those objects are gone
+            # no cyclic collection in the run: it would rescan the millions of acyclic
+            # objects a large entry holds, to free nothing (run_steps collects between entries)
             with self.interrupts.handled(), collecting(self.recorder.warnings), gc_paused_run():
                 for stale in find_stale_runs(self.output_base, exclude=self.run_dir):
                     warn(stale.line(), stale_run_dir=str(stale.run_dir))
@@ -232,6 +230,8 @@ class Runner:
             stage, entry = self.recorder.current
             self.interrupted = {"signal": name, "stage": stage, "entry": entry}
             log.error("run interrupted", **self.interrupted)
+        except Exception as exc:  # a bug: recorded, so that neither summary nor exit code says ok
+            self.recorder.crashed(exc)
         finally:  # a SIGTERM now waits for the summary and the report (then ends us)
             with signals_deferred():
                 written = self.write_summary(final=True)
