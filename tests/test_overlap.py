@@ -462,3 +462,37 @@ def test_an_error_no_stage_caught_is_a_failed_run_not_an_ok_summary(
     assert "failed: internal error: RuntimeError: a bug of ours" in bug.stderr
     assert ("run failed", failed[0][0]) in bug.events()
     assert all(map(gone, bug.pids))
+
+
+@pytest.mark.parametrize("split", [False, True], ids=["one_helper", "two_helpers"])
+def test_an_interrupted_run_records_what_its_helper_had_finished(
+    tmp_path: Path, samples: Path, split: bool
+) -> None:
+    """The helper had written the divergence stage's files and ended when the signal
+    came: the summary said nothing of the stage (its records were dropped with the
+    helper, as if it had been cut short) while its files were in the run directory.
+    An in-process run records it ok; so does a run whose helper was done."""
+    stopped = run(tmp_path, "stopped", *sample_inputs(samples, "gpt"), patch="""
+        import os, signal, time
+        from opguard_plugins.stages import compress
+
+        real_compress = compress.compress_trace
+
+        def interrupted(trace, options):
+            time.sleep(1.5)  # the helper is done by now
+            os.kill(os.getpid(), signal.SIGTERM)
+            return real_compress(trace, options)
+
+        compress.compress_trace = interrupted
+    """, split=split)  # fmt: skip
+    assert stopped.exit_code == 130, stopped.stderr
+    assert all(map(gone, stopped.pids))
+    records = {s[0]: s for s in stopped.stages()}
+    assert records["compress"][2] == "interrupted"
+    assert records["divergence"][2] == records["combine"][2] == "ok"
+    summary = json.loads(stopped.read("pipeline_summary.json"))
+    outputs = {r["stage"]: r["outputs"] for r in summary["stages"]}
+    assert outputs["divergence"] == ["gpt_callsite_divergence.json", "gpt_callsite_divergence.log"]
+    assert all((stopped.run_dir / name).exists() for name in outputs["divergence"])
+    assert ("stage done", "divergence") in stopped.events()
+    assert not list(stopped.run_dir.glob(".*"))

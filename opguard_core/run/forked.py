@@ -42,6 +42,10 @@ class ForkedCall:
         self.pid = pid
         self.fd = fd
         self.what = what
+        #: the child's wait status, once it is reaped
+        self.status: int | None = None
+        #: whether result() or cancel() has taken the pipe (closed it)
+        self.taken = False
 
     @classmethod
     def start(cls, work: Callable[[], Any], what: str) -> ForkedCall | None:
@@ -85,12 +89,15 @@ class ForkedCall:
         naming ``what`` when ``work()`` raised or the child died without a result (or
         with part of one: killed while it sent it)."""
         chunks = []
+        self.taken = True
         try:
             while chunk := os.read(self.fd, 1 << 20):
                 chunks.append(chunk)
         finally:
             os.close(self.fd)
-            _, status = os.waitpid(self.pid, 0)
+            if self.status is None:
+                _, self.status = os.waitpid(self.pid, 0)
+        status = self.status
         try:
             kind, value = pickle.loads(b"".join(chunks))
         except Exception:  # nothing, or cut short: the child died before or while sending it
@@ -105,11 +112,24 @@ class ForkedCall:
             raise OpGuardError(f"{self.what}: {value}")
         return value
 
+    def ended(self) -> bool:
+        """Whether the child has ended and its result (if it sent one) waits in the pipe
+        for :meth:`result`, which will not block; False once the pipe is taken."""
+        if self.status is None and not self.taken:
+            with contextlib.suppress(ChildProcessError):
+                pid, status = os.waitpid(self.pid, os.WNOHANG)
+                self.status = status if pid else None
+        return self.status is not None and not self.taken
+
     def cancel(self) -> None:
-        """Kill the child (if it still runs) and reap it."""
-        with contextlib.suppress(OSError):
-            os.close(self.fd)
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(self.pid, signal.SIGKILL)
-        with contextlib.suppress(ChildProcessError):
-            os.waitpid(self.pid, 0)
+        """Kill the child (if it still runs) and reap it. Once reaped, never again: the
+        pid and the pipe's descriptor may by then be another process's and file's."""
+        if not self.taken:
+            self.taken = True
+            with contextlib.suppress(OSError):
+                os.close(self.fd)
+        if self.status is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, signal.SIGKILL)
+            with contextlib.suppress(ChildProcessError):
+                _, self.status = os.waitpid(self.pid, 0)

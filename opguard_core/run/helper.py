@@ -10,8 +10,8 @@ one of its own on a very large entry (:data:`SPLIT_MIN_CALLSITES`), while the ru
 on with compress and generate. It then records them as if they had run in-process:
 the side steps' records, warnings and log events come back and are put in place
 (:meth:`~opguard_core.run.records.Recorder.absorb`), a failed or missing write fails
-the step that deferred it, an interruption kills the children and removes what they
-left half-written. Elsewhere the same work runs in-process.
+the step that deferred it, an interruption records the children that had ended, kills
+the others and removes what they left half-written. Elsewhere the same work runs in-process.
 
 The helper knows no stage: it gets the writes, a function that runs the side steps
 with a given recorder, and the names to say what it does.
@@ -166,35 +166,48 @@ class EntryHelper:
         """Wait for the children (or kill them when the run is being interrupted) and
         record their work as if it had run in-process. A failed write fails the step
         that deferred it (the steps that read its result in memory have run)."""
+        self._collect(self.jobs)
+
+    def _collect(self, jobs: list[tuple[ForkedCall, bool, bool]]) -> None:
+        """Wait for ``jobs`` and record what they did (see :meth:`finish`); interrupted,
+        what came back so far is recorded and the rest is cancelled."""
         error: str | None = None
         records: list[StageRecord] = []
         warnings: list[Any] = []
         events: list[Event] = []
         died = False
-        for job, writes, sides in self.jobs:
-            try:
-                job_error, job_records, job_warnings, job_events = job.result()
-            except (KeyboardInterrupt, Interrupted):
-                self.cancel()
-                raise
-            except OpGuardError as exc:
-                died = True
-                failure = one_line(str(exc))
-                # the writes are atomic: the file exists only if it was written whole
-                job_error = failure if writes and not self._written() else None
-                job_records, job_warnings, job_events = [], [], []
-                if sides:
-                    job_records = [
-                        StageRecord(s, self.entry, status="failed", error=failure)
-                        for s in self.sides
-                    ]
-                    job_events = [("error", "stage failed", {"plugin": None, "error": failure})]
-            error = error or job_error
-            records += job_records
-            warnings += job_warnings
-            events += job_events
+        try:
+            for job, writes, sides in jobs:
+                try:
+                    job_error, job_records, job_warnings, job_events = job.result()
+                except OpGuardError as exc:
+                    died = True
+                    failure = one_line(str(exc))
+                    # the writes are atomic: the file exists only if it was written whole
+                    job_error = failure if writes and not self._written() else None
+                    job_records, job_warnings, job_events = [], [], []
+                    if sides:
+                        job_records = [
+                            StageRecord(s, self.entry, status="failed", error=failure)
+                            for s in self.sides
+                        ]
+                        job_events = [("error", "stage failed", {"plugin": None, "error": failure})]
+                error = error or job_error
+                records += job_records
+                warnings += job_warnings
+                events += job_events
+        except (KeyboardInterrupt, Interrupted):
+            self._record(records, warnings, events, error)
+            self.cancel()
+            raise
         if died:
             self._remove_temporaries()
+        self._record(records, warnings, events, error)
+
+    def _record(
+        self, records: list[StageRecord], warnings: list[Any], events: list[Event],
+        error: str | None,
+    ) -> None:  # fmt: skip
         stage = self.sides[0] if self.sides else self.owner
         self.recorder.absorb(self.slot, records, warnings, events, stage, self.entry)
         if error is not None:
@@ -216,9 +229,17 @@ class EntryHelper:
         return all(w.path.exists() for w in self.writes)
 
     def cancel(self) -> None:
-        """Kill the children; a file not written yet is not claimed."""
-        for job, _, _ in self.jobs:
+        """Kill the children; a file not written yet is not claimed. A child that had
+        already ended is recorded as if it had been waited for: its work is done, its
+        files are whole, and an in-process run would have recorded them."""
+        ended = [job for job in self.jobs if job[0].ended()]
+        killed = [job for job in self.jobs if job not in ended]
+        for job, _, _ in killed:
             job.cancel()
+        if killed:  # what they left half-written: their side steps' files too
+            self._remove_temporaries()
+        if ended:
+            self._collect(ended)
         writing = any(writes for _, writes, _ in self.jobs)
         unwritten = [w.path for w in self.writes if not w.path.exists()]
         if writing and unwritten:
