@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
 import pickle
+import time
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +20,7 @@ from click.testing import CliRunner
 from opguard_core import hookimpl
 from opguard_core.cli.app import create_cli
 from opguard_core.combine.accumulator import TraceAccumulator
-from opguard_core.errors import InputError
+from opguard_core.errors import InputError, OpGuardError
 from opguard_core.formats.readers import Readers, is_callsite_trace
 from opguard_core.plugin.manager import create_plugin_manager
 from opguard_plugins.stages import combine as combine_module
@@ -153,6 +155,34 @@ def test_worker_processes_read_with_the_same_plugins(
     assert total.total == 6 and total.ranks == [0, 1, 2]
     copy = pickle.loads(pickle.dumps(readers))
     assert copy.disabled == readers.disabled and copy._manager is None
+
+
+class EndsQuietlyInAWorker(OpCounts):
+    """OpCounts, but a combine helper process that reads a file ends with
+    ``os._exit(0)``: no result, no error, a clean exit code."""
+
+    def __init__(self) -> None:
+        self.parent = os.getpid()
+
+    @hookimpl(tryfirst=True)
+    def opguard_read_trace(self, path: Path, data: bytes) -> dict[str, Any] | None:
+        if os.getpid() != self.parent:
+            os._exit(0)
+        time.sleep(0.1)  # the main process reads too: leave files to the worker
+        return super().opguard_read_trace(path, data)
+
+
+def test_a_worker_that_ends_without_its_result_fails_combine_instead_of_hanging(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Only a worker's non-zero exit was noticed: one that ended with exit code 0
+    (``os._exit(0)`` in a reader plugin) left ``opguard run`` waiting for ever."""
+    monkeypatch.setattr(combine_module, "start_method", lambda: "fork")
+    paths = [_write(tmp_path, r, f"f aten::mm {r + 1}\n") for r in range(8)]
+    manager = create_plugin_manager()
+    manager.register(EndsQuietlyInAWorker(), name="ends_quietly")
+    with pytest.raises(OpGuardError, match=r"a helper process ended \(exit code 0\) without"):
+        combine_module.combine_parallel(paths, jobs=2, readers=Readers(manager))
 
 
 def test_gzip_traces_are_read_by_content(tmp_path: Path) -> None:

@@ -175,6 +175,15 @@ def _helper(tasks: Any, results: Any, readers: Readers | None, parent: int) -> N
         results.put(("error", portable_error(exc)))
 
 
+def how_it_ended(exitcode: int | None) -> str:
+    """A process's end, as a ``multiprocessing`` exit code says it (minus a signal's
+    number for a process a signal killed): ``killed by SIGKILL``, ``exit code 0``."""
+    if exitcode is not None and exitcode < 0:
+        with contextlib.suppress(ValueError):
+            return f"killed by {signal.Signals(-exitcode).name}"
+    return f"exit code {exitcode}"
+
+
 def earliest_error(
     error: BaseException, paths: Sequence[Path], readers: Readers | None
 ) -> BaseException:
@@ -260,11 +269,18 @@ def combine_parallel(
                 try:
                     kind, payload = results.get(timeout=0.5)
                 except queue.Empty:
-                    dead = [p for p in processes if p.exitcode not in (None, 0)]
+                    ended = [p for p in processes if p.exitcode is not None]
+                    drain()  # what they sent before they ended
+                    dead = [p for p in ended if p.exitcode != 0]
                     if dead:
                         raise OpGuardError(
                             f"combine: helper process {dead[0].name} died "
-                            f"(exit code {dead[0].exitcode}; out of memory?)"
+                            f"({how_it_ended(dead[0].exitcode)}; out of memory?)"
+                        ) from None
+                    if len(ended) > len(partials):  # waiting for it would be for ever
+                        raise OpGuardError(
+                            "combine: a helper process ended (exit code 0) without sending"
+                            " its result (os._exit in a reader plugin?)"
                         ) from None
                     continue
                 handle(kind, payload)
