@@ -491,8 +491,47 @@ def test_an_interrupted_run_records_what_its_helper_had_finished(
     assert records["compress"][2] == "interrupted"
     assert records["divergence"][2] == records["combine"][2] == "ok"
     summary = json.loads(stopped.read("pipeline_summary.json"))
+    assert summary["interrupted"]["stage"] == "compress"
+    summary = json.loads(stopped.read("pipeline_summary.json"))
     outputs = {r["stage"]: r["outputs"] for r in summary["stages"]}
     assert outputs["divergence"] == ["gpt_callsite_divergence.json", "gpt_callsite_divergence.log"]
     assert all((stopped.run_dir / name).exists() for name in outputs["divergence"])
     assert ("stage done", "divergence") in stopped.events()
+    assert not list(stopped.run_dir.glob(".*"))
+
+
+def test_a_run_interrupted_while_it_waits_for_its_helper_kills_it(
+    tmp_path: Path, samples: Path
+) -> None:
+    """The signal came while the run waited for the helper's result (compress and
+    generate done): the wait went on until the helper ended of itself (here two
+    minutes; a stuck divergence plugin, never), instead of killing it."""
+    started = time.monotonic()
+    stopped = run(tmp_path, "stopped", *sample_inputs(samples, "gpt"), patch="""
+        import os, signal, threading, time
+        from opguard_plugins.stages import compress
+        from opguard_plugins.stages import divergence
+
+        parent = os.getpid()
+        real_compress = compress.compress_trace
+
+        def slow(trace, options):
+            time.sleep(120)  # the helper: far longer than the test may take
+            return []
+
+        def later(trace, options):  # after the fork: a thread no longer stops it
+            threading.Timer(1.5, os.kill, (parent, signal.SIGTERM)).start()
+            return real_compress(trace, options)
+
+        divergence.find_divergence = slow
+        compress.compress_trace = later
+    """)  # fmt: skip
+    assert stopped.exit_code == 130, stopped.stderr
+    assert time.monotonic() - started < 60
+    summary = json.loads(stopped.read("pipeline_summary.json"))
+    assert summary["interrupted"] == {
+        "signal": "SIGTERM", "stage": "divergence", "entry": "gpt_callsite"
+    }  # fmt: skip
+    assert len(stopped.pids) == 1 and all(map(gone, stopped.pids))
+    assert not (stopped.run_dir / "gpt_callsite_divergence.json").exists()
     assert not list(stopped.run_dir.glob(".*"))

@@ -93,6 +93,10 @@ class ForkedCall:
         try:
             while chunk := os.read(self.fd, 1 << 20):
                 chunks.append(chunk)
+        except BaseException:  # interrupted while waiting: killed, not waited for
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, signal.SIGKILL)
+            raise
         finally:
             os.close(self.fd)
             if self.status is None:

@@ -166,6 +166,8 @@ class EntryHelper:
         """Wait for the children (or kill them when the run is being interrupted) and
         record their work as if it had run in-process. A failed write fails the step
         that deferred it (the steps that read its result in memory have run)."""
+        # where a signal finds the run now: waiting for them, not in its last step
+        self.recorder.current = (self.sides[0] if self.sides else self.owner, self.entry)
         self._collect(self.jobs)
 
     def _collect(self, jobs: list[tuple[ForkedCall, bool, bool]]) -> None:
