@@ -596,6 +596,34 @@ def test_a_misbehaving_compressor_fails_its_stage_and_the_summary_says_so(
     assert_every_artifact_parses(run.run_dir)
 
 
+def test_a_failed_merge_skips_the_folds_later_steps_and_says_so(
+    opguard: Callable[..., Any], samples: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """(1+2)+3 with 1+2 failing: the fold stops, and merge [3] was in no record at all
+    (not failed, not skipped), while the other stages after a failure are skipped."""
+    third = tmp_path / "third"
+    third.mkdir()
+    for rank in (0, 1):
+        text = (samples / f"gpt_callsite_rank{rank}.json").read_text()
+        (third / f"third_callsite_rank{rank}.json").write_text(text)
+
+    def merge(left: Any, right: Any) -> Any:
+        raise RuntimeError("no merging today")
+
+    monkeypatch.setattr(merge_plugin, "merge_configs", merge)
+    run = opguard("run", *sample_inputs(samples, "gpt", "fsdp"),
+                  "-i", str(third / "third_callsite_rank*.json"))  # fmt: skip
+    assert run.exit_code == 1, run.stderr
+    summary = summary_of(run)
+    merges = [(r["entry"], r["status"], r["error"]) for r in summary["stages"]
+              if r["stage"] == "merge"]  # fmt: skip
+    assert merges == [
+        ("fsdp_callsite", "failed", "RuntimeError: no merging today"),
+        ("third_callsite", "skipped", "an earlier stage failed: RuntimeError: no merging today"),
+    ]
+    assert not (run.run_dir / "final_combined_instrumentation.yaml").exists()
+
+
 def test_a_report_plugin_exiting_does_not_end_the_run(
     opguard: Callable[..., Any], samples: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -392,7 +392,9 @@ def merge(call: StepCall, results: Mapping[str, Any]) -> tuple[str, CommentedMap
                 if step == len(available) - 1:
                     stage.write("final", text, config=accumulated)
                 stage.record.counts = {"entries": len(accumulated["entries"])}
-        except StageFailed:
+        except StageFailed as exc:  # the fold's later steps need this one's result
+            for later, _ in available[step + 1 :]:
+                call.skip(later.name, f"an earlier stage failed: {exc}")
             return None
     return (FINAL, accumulated)
 
