@@ -624,6 +624,27 @@ def test_a_failed_merge_skips_the_folds_later_steps_and_says_so(
     assert not (run.run_dir / "final_combined_instrumentation.yaml").exists()
 
 
+def test_a_plugin_warning_with_a_path_field_is_in_the_summary(
+    opguard: Callable[..., Any], samples: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``warn(..., file=path)`` from a plugin: the summary could not be encoded (a
+    TypeError out of msgspec, not caught): a traceback, and a summary left ``running``."""
+    from opguard_core.run.warnings import warn
+
+    real = compress_plugin.compress_trace
+
+    def compress(trace: Any, options: Any) -> Any:
+        warn("a plugin's warning", file=samples / "gpt_callsite_rank0.json")
+        return real(trace, options)
+
+    monkeypatch.setattr(compress_plugin, "compress_trace", compress)
+    run = opguard("run", *sample_inputs(samples, "gpt"), expect=0)
+    summary = summary_of(run)
+    assert (summary["status"], summary["exit_code"]) == ("ok", 0)
+    [warning] = [w for w in summary["warnings"] if w["message"] == "a plugin's warning"]
+    assert warning["file"] == str(samples / "gpt_callsite_rank0.json")
+
+
 def test_a_report_plugin_exiting_does_not_end_the_run(
     opguard: Callable[..., Any], samples: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

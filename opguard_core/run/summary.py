@@ -332,13 +332,14 @@ def _jsonable(value: Any) -> Any:
 def encode_summary(document: dict[str, Any]) -> bytes:
     """``document`` as ``pipeline_summary.json``'s text. A file name that is not UTF-8
     (Python holds its odd bytes as lone surrogates, which JSON cannot carry) is written
-    with them as ``\\xNN`` escapes: ``caf\\xe9_rank0.json``."""
+    with them as ``\\xNN`` escapes: ``caf\\xe9_rank0.json``. A value JSON has no type
+    for (a plugin's warning with a ``Path`` field) is written as its ``str()``."""
     import msgspec  # not at start-up: ``opguard show`` reads summaries without it
 
     try:
-        encoded = msgspec.json.encode(document)
+        encoded = msgspec.json.encode(document, enc_hook=str)
     except UnicodeEncodeError:
-        encoded = msgspec.json.encode(without_surrogates(document))
+        encoded = msgspec.json.encode(without_surrogates(document), enc_hook=str)
     return msgspec.json.format(encoded, indent=2) + b"\n"
 
 
