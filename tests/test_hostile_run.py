@@ -643,6 +643,7 @@ def test_a_plugin_warning_with_a_path_field_is_in_the_summary(
     assert (summary["status"], summary["exit_code"]) == ("ok", 0)
     [warning] = [w for w in summary["warnings"] if w["message"] == "a plugin's warning"]
     assert warning["file"] == str(samples / "gpt_callsite_rank0.json")
+    assert (run.run_dir / "report.html").exists()  # its encoder failed alike
 
 
 def test_a_report_plugin_exiting_does_not_end_the_run(

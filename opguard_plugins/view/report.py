@@ -668,11 +668,12 @@ def _script_json(data: Any) -> str:
     """JSON safe inside ``<script>``: ``<``, ``>`` and ``&`` as ``\\u`` escapes. The
     data is flat (the tree as columns), so msgspec encodes it directly; a file name
     that is not UTF-8 is shown with its odd bytes as ``\\xNN``, as the summary
-    writes it."""
+    writes it; a value JSON has no type for (a plugin warning's ``Path``) as its
+    ``str()``, as the summary writes it too."""
     try:
-        encoded = msgspec.json.encode(data)
+        encoded = msgspec.json.encode(data, enc_hook=str)
     except UnicodeEncodeError:  # lone surrogates (os.fsdecode), which JSON cannot carry
-        encoded = msgspec.json.encode(without_surrogates(data))
+        encoded = msgspec.json.encode(without_surrogates(data), enc_hook=str)
     text = encoded.decode()
     return text.replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
 
