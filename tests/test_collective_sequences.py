@@ -475,9 +475,9 @@ def test_a_rank_left_waiting_in_a_collective_is_not_the_one_reported(
     (warning,) = [w for w in summary["warnings"] if "ended first" in w["message"]]
     assert warning["message"].endswith(
         f"rank {1 - hung} ended first, at 2026-12-06T10:00:05.000Z, 0.200 s before the "
-        f"next (rank {hung}), but it had issued more collectives (5) than rank(s) {hung} "
-        "(4), which ended after it: it was likely left waiting in a collective they "
-        "never issued"
+        f"next (rank {hung}), but it had issued more collectives than rank(s) {hung} on "
+        "the groups they share (5 to 4), which ended after it: it was likely left waiting "
+        "in a collective they never issued"
     )
 
 
@@ -539,6 +539,27 @@ def test_the_rank_that_ended_first_is_named() -> None:
     flushed = {**partial, 1: {"reason": "lost", "at": "2026-12-06T18:30:12.000Z", "step": 2}}
     assert first_to_end(flushed) == (
         "rank 0 ended first, at 2026-12-06T18:30:20.216Z, 0.784 s before the next (rank 2)"
+    )
+
+
+def test_ranks_of_other_groups_are_not_said_to_be_behind() -> None:
+    """The rank that ended first is said to have been waiting only where it issued
+    more collectives than a later one on the groups they share: a pipeline stage that
+    issues fewer by design (its own group) is not behind (once: totals, 30 to 15)."""
+    from opguard_core.formats.trace import first_to_end
+
+    partial = {r: {"reason": "exception", "at": f"2026-12-06T18:30:2{r}.000Z"} for r in (0, 1, 2)}
+    world, stage0, stage1 = ("0", (0, 1, 2)), ("1", (0,)), ("2", (1, 2))
+    issued = {0: {world: 10, stage0: 20}, 1: {world: 10, stage1: 5}, 2: {world: 10, stage1: 5}}
+    assert first_to_end(partial, issued) == (
+        "rank 0 ended first, at 2026-12-06T18:30:20.000Z, 1.000 s before the next (rank 1)"
+    )
+    issued[2] = {world: 9, stage1: 5}
+    assert first_to_end(partial, issued) == (
+        "rank 0 ended first, at 2026-12-06T18:30:20.000Z, 1.000 s before the next (rank 1), "
+        "but it had issued more collectives than rank(s) 2 on the groups they share (10 to "
+        "9), which ended after it: it was likely left waiting in a collective they never "
+        "issued"
     )
 
 

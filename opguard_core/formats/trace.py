@@ -325,8 +325,29 @@ def end_times(
     return times
 
 
+def issued_per_group(collectives: Collectives | None) -> dict[int, dict[tuple[Any, ...], int]]:
+    """Each rank's count of collectives on each of its groups (name and members), for
+    :func:`first_to_end`; run-length encoded steps are counted, not expanded."""
+    issued: dict[int, dict[tuple[Any, ...], int]] = {}
+    for seq in collectives.sequences if collectives is not None else []:
+        per_sig: dict[int, int] = {}
+        for run in seq.steps:
+            for call in run.calls:
+                per_sig[call] = per_sig.get(call, 0) + run.last - run.first + 1
+        counts: dict[tuple[Any, ...], int] = {}
+        for number, n in per_sig.items():
+            if number < len(seq.signatures) and seq.signatures[number].group < len(seq.groups):
+                group = seq.groups[seq.signatures[number].group]
+                gid = (group.name, tuple(group.ranks))
+                counts[gid] = counts.get(gid, 0) + n
+        for rank in seq.ranks:
+            issued[rank] = counts
+    return issued
+
+
 def first_to_end(
-    partial: dict[int, dict[str, Any]], issued: Mapping[int, int] | None = None
+    partial: dict[int, dict[str, Any]],
+    issued: Mapping[int, Mapping[tuple[Any, ...], int]] | None = None,
 ) -> str | None:
     """Of partial ranks (:func:`partial_ranks_of`), the rank whose record ends first,
     when two or more say when they ended (``at``; not a :data:`FLUSHED` marker's, the
@@ -334,11 +355,13 @@ def first_to_end(
     (:data:`TOLD_TO_STOP`): in a job that fell apart, the rank that went first is where
     to look (``rank 1 ended first, at …, 0.342 s before the next``). None otherwise.
 
-    ``issued`` (each rank's count of collectives, where the trace has sequences) tells
-    a hang from a crash: a rank that timed out waiting in a collective ends first too,
-    having issued more collectives than a rank that ended after it (the one it waited
-    for, stopped later by the launcher); then the message says so and names those
-    ranks."""
+    ``issued`` (each rank's count of collectives per group, where the trace has
+    sequences: :func:`issued_per_group`) tells a hang from a crash: a rank that timed
+    out waiting in a collective ends first too, having issued more collectives on the
+    groups it shares with a rank that ended after it (the one it waited for, stopped
+    later by the launcher); then the message says so and names those ranks. Only the
+    groups two ranks share are compared: ranks of other pipeline stages or groups
+    issue other numbers of collectives by design."""
     times = end_times(partial, leave_out=FLUSHED)
     ends = sorted((when, rank, partial[rank]["at"]) for rank, when in times.items())
     if len(ends) < 2 or ends[0][0] == ends[1][0]:
@@ -351,13 +374,22 @@ def first_to_end(
         f"{ends[1][0] - ends[0][0]:.3f} s before the next (rank {ends[1][1]})"
     )
     if issued is not None and first in issued:
-        behind = sorted(r for _, r, _ in ends[1:] if issued.get(r, issued[first]) < issued[first])
+        mine = issued[first]
+        shared: dict[int, tuple[int, int]] = {}  # rank -> (first's, its) on shared groups
+        for _, rank, _ in ends[1:]:
+            theirs = issued.get(rank, {})
+            common = [gid for gid in mine if gid in theirs]
+            counts = (sum(mine[g] for g in common), sum(theirs[g] for g in common))
+            if counts[1] < counts[0]:
+                shared[rank] = counts
+        behind = sorted(shared)
         if behind:
             text += (
-                f", but it had issued more collectives ({issued[first]}) than rank(s) "
-                f"{list_ranks(behind)} ({', '.join(str(issued[r]) for r in behind[:8])}), "
-                "which ended after it: it was likely left waiting in a collective they "
-                "never issued"
+                f", but it had issued more collectives than rank(s) {list_ranks(behind)} "
+                "on the groups they share ("
+                + ", ".join(f"{shared[r][0]} to {shared[r][1]}" for r in behind[:8])
+                + "), which ended after it: it was likely left waiting in a collective "
+                "they never issued"
             )
     return text
 

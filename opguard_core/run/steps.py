@@ -43,6 +43,7 @@ from opguard_core.formats.trace import (
     absent_ranks,
     describe_partial,
     first_to_end,
+    issued_per_group,
     list_ranks,
     partial_ranks_of,
 )
@@ -194,8 +195,7 @@ def combine(call: StepCall, entry: InputEntry, needs: Mapping[str, Any]) -> Any:
         )
     partial = partial_ranks_of(trace.meta)
     if partial:
-        sequences = trace.collectives.sequences if trace.collectives is not None else []
-        first = first_to_end(partial, {r: seq.count() for seq in sequences for r in seq.ranks})
+        first = first_to_end(partial, issued_per_group(trace.collectives))
         warn(
             f"{entry.name}: traces written before their process was done "
             f"({describe_partial(partial)}): those ranks' records end there"
