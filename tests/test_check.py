@@ -189,6 +189,30 @@ def test_drift_per_step_allows_only_the_share_after_the_last_step() -> None:
     assert drifts_per_step(3, None, 0, None, 0.1) and not drifts_per_step(0, 3, 0, 2, 0.1)
 
 
+def test_a_merged_config_allows_each_sources_work_after_its_last_step() -> None:
+    """A config merged from three 1-step runs holds their work after the step three
+    times (2 each: 6 in 3 steps); an unchanged 10-step run (11) is no count_drift (it
+    drifted -45 %: one loop's share was allowed); three times as much still drifts."""
+    from opguard_core.formats.check import CheckInput
+    from opguard_plugins.enforce.rules import count_drift
+
+    key = ("app:log_loss", ())
+    expected = {"target": key[0], "context": [], "ops": {"aten::mul": 6}, "count": 6}
+    config = {"meta": {"ranks": [0], "steps": {"a": 1, "b": 1, "c": 1}}, "entries": [expected]}
+
+    def drift(count: int) -> list[Any]:
+        observed = {"target": key[0], "context": [], "count": count}
+        check = CheckInput(rank=0, key=key, config=config, expected={key: expected},
+                           observed={0: {key: observed}}, ranks=[0], tolerance=0.1,
+                           expected_steps=3, observed_steps={0: 10})  # fmt: skip
+        return count_drift(observed, expected, check)
+
+    assert drift(11) == []
+    assert [v.kind for v in drift(33)] == ["count_drift"]
+    config["meta"]["steps"] = 3  # one loop of 3 steps: 6 is 1.5 a step, 11 in 10 drifts
+    assert [v.kind for v in drift(11)] == ["count_drift"]
+
+
 def test_an_extra_op_is_unexpected_op_naming_the_function_and_op(
     tmp_path: Path, app: Callable[..., Path]
 ) -> None:

@@ -49,6 +49,14 @@ def config_steps(meta: Mapping[str, Any]) -> int | None:
     return sum(values) or None
 
 
+def config_loops(meta: Mapping[str, Any]) -> int:
+    """How many loops a config's counts cover: one per source in ``meta.steps``
+    (a merged config's), each ending with its own work after its last optimizer step;
+    one where ``meta.steps`` is a number or absent."""
+    steps = meta.get("steps")
+    return max(len(steps), 1) if isinstance(steps, Mapping) else 1
+
+
 #: set (in memory) on a projected entry that other sources ran too: its ``ops`` are not
 #: the sources' own, so no rule may read them as counts of theirs (``missing_op``)
 SHARED_OPS = "shared_ops"
@@ -96,4 +104,4 @@ def project(config: dict[str, Any], sources: Sequence[str]) -> dict[str, Any]:
     return {**config, "source": "+".join(sorted(sources)), "meta": meta, "entries": entries}
 
 
-__all__ = ["SHARED_OPS", "loop_only", "project", "recorded_sources"]
+__all__ = ["SHARED_OPS", "config_loops", "loop_only", "project", "recorded_sources"]

@@ -55,7 +55,13 @@ from opguard_core.formats.collectives import (
 )
 from opguard_core.formats.config import entry_key, load_config
 from opguard_core.formats.config_collectives import read_config_collectives
-from opguard_core.formats.sources import config_steps, loop_only, project, recorded_sources
+from opguard_core.formats.sources import (
+    config_loops,
+    config_steps,
+    loop_only,
+    project,
+    recorded_sources,
+)
 from opguard_core.formats.trace import describe_partial, list_ranks
 from opguard_core.formats.tree import TORCH_API
 from opguard_core.logs import configure_logging, get_logger
@@ -430,7 +436,11 @@ class _JobDrifts:
             return True
         got = _per_rank(observed, self.combined)
         want = _per_rank(expected, self.config)
-        return drifts_per_step(got, self.job_steps, want, self.config_steps, self.tolerance)
+        loops = (
+            config_loops(self.combined.get("meta") or {}),
+            config_loops(self.config.get("meta") or {}),
+        )
+        return drifts_per_step(got, self.job_steps, want, self.config_steps, self.tolerance, loops)
 
 
 def _per_rank(entry: dict[str, Any], document: dict[str, Any]) -> float:

@@ -14,7 +14,7 @@ from typing import Any
 from opguard_core import hookimpl
 from opguard_core.formats.check import ERROR, WARNING, CheckInput, Violation
 from opguard_core.formats.dtypes import sorted_dtypes
-from opguard_core.formats.sources import SHARED_OPS
+from opguard_core.formats.sources import SHARED_OPS, config_loops
 from opguard_core.formats.streams import sorted_roles
 
 Rule = Callable[[dict[str, Any] | None, dict[str, Any] | None, CheckInput], list[Violation]]
@@ -209,7 +209,12 @@ def drifts(got: float, want: float, tolerance: float) -> bool:
 
 
 def drifts_per_step(
-    got: float, got_steps: int | None, want: float, want_steps: int | None, tolerance: float
+    got: float,
+    got_steps: int | None,
+    want: float,
+    want_steps: int | None,
+    tolerance: float,
+    loops: tuple[int, int] = (1, 1),
 ) -> bool:
     """Whether a count per rank ``got`` over ``got_steps`` loop steps drifts from
     ``want`` over ``want_steps`` by more than ``tolerance``, per step (whole runs
@@ -219,13 +224,19 @@ def drifts_per_step(
     ``count / (steps + 1)``, work before the step ``count / steps``, and an entry with
     both in between. So the counts drift only where no share ``t`` in [0, 1] makes
     ``got / (got_steps + t)`` and ``want / (want_steps + t)`` agree within
-    ``tolerance``; with equal steps on both sides, exactly as :func:`drifts`."""
+    ``tolerance``; with equal steps (and ``loops``) on both sides, exactly as
+    :func:`drifts`. ``loops``: how many loops each side's counts cover (got's, want's):
+    a config merged from several sources has each one's work after its last step,
+    ``want / (want_steps + loops * t)``."""
     if got_steps is None or want_steps is None:
         return drifts(got, want, tolerance)
-    if got_steps == want_steps or not want or not got:
+    if (got_steps == want_steps and loops[0] == loops[1]) or not want or not got:
         return drifts(got / max(got_steps, 1), want / max(want_steps, 1), tolerance)
     # the ratio of the two rates is monotonic in t: the ends bound it
-    ends = [(got / (got_steps + t)) / (want / (want_steps + t)) for t in (0, 1)]
+    got_loops, want_loops = loops
+    ends = [
+        (got / (got_steps + got_loops * t)) / (want / (want_steps + want_loops * t)) for t in (0, 1)
+    ]
     return max(ends) < 1 - tolerance or min(ends) > 1 + tolerance
 
 
@@ -244,7 +255,8 @@ def count_drift(
     ranks = len(check.entry_ranks(expected))
     count, want_count = int(observed.get("count", 0)), int(expected.get("count", 0))
     per_rank = want_count / max(ranks, 1)
-    if not drifts_per_step(count, got_steps, per_rank, want_steps, check.tolerance):
+    loops = (1, config_loops(check.config.get("meta") or {}))  # a rank's trace: one loop
+    if not drifts_per_step(count, got_steps, per_rank, want_steps, check.tolerance, loops):
         return []
     want = per_rank_step(want_count, ranks, want_steps)
     got = per_rank_step(count, 1, got_steps)
