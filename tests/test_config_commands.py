@@ -108,6 +108,13 @@ def test_merge_of_configs_made_with_different_settings_warns(run_dir, tmp_path) 
     assert event["event"].startswith("the configs were made with different settings (min_count)")
     result = invoke("merge", run_dir / GPT, run_dir / FSDP, "-o", tmp_path / "alike.yaml")
     assert "different settings" not in result.stderr
+    # a setting only one of them records (filtered, the other not) differs too
+    other.write_text(text.replace("\n    min_count: ", "\n    filters: [basic]\n    min_count: ")
+                     .replace("source: gpt_callsite", "source: gpt_other"))  # fmt: skip
+    assert "\n    filters: [basic]\n" in other.read_text()
+    result = invoke("merge", run_dir / GPT, other, "-o", tmp_path / "f.yaml")
+    (event,) = [json.loads(line) for line in result.stderr.splitlines() if "settings" in line]
+    assert event["settings"] == ["filters"], result.stderr
 
 
 def test_merge_with_a_config_of_unknown_total_loads_back(run_dir, tmp_path) -> None:

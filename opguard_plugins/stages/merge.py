@@ -157,12 +157,19 @@ def shared_sources(configs: list[dict[str, Any]]) -> list[str]:
 def differing_settings(configs: list[dict[str, Any]]) -> list[str]:
     """The ``meta.settings`` (formats.md §3: compressor, hide patterns, thresholds…)
     whose values differ between the ``configs`` that record them: the merged config
-    can hold one value of each, and ``check`` makes traces into configs with it."""
+    can hold one value of each, and ``check`` makes traces into configs with it. A
+    setting one of them lacks (``filters``: one was filtered, ``hide``) differs too,
+    among the configs that record settings at all."""
     values: dict[str, set[str]] = {}
     every = [(config.get("meta") or {}).get("settings") or {} for config in configs]
-    for key in sorted({str(k) for settings in every for k in settings}):
-        values[key] = {repr(settings[key]) for settings in every if key in settings}
+    every = [settings for settings in every if isinstance(settings, dict) and settings]
+    for key in sorted({k for settings in every for k in settings}, key=str):
+        values[str(key)] = {repr(settings.get(key, _ABSENT)) for settings in every}
     return [key for key, seen in values.items() if len(seen) > 1]
+
+
+#: a setting a config does not record (:func:`differing_settings`)
+_ABSENT = object()
 
 
 def _sources(config: dict[str, Any]) -> set[str]:
