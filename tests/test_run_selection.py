@@ -114,6 +114,10 @@ def test_a_run_directory_input_names_the_commands_for_it(opguard, samples) -> No
     run = opguard("run", "-i", str(first.run_dir), expect=2)
     assert f"--input {first.run_dir}: a run directory, not a callsite trace" in run.stderr
     assert run.run_dir is None
+    # a name that cannot be looked up is refused at discover in one line, as before
+    # the run-directory check (it raised OSError: File name too long, a traceback)
+    run = opguard("run", "-i", "a" * 300, expect=1)
+    assert "Traceback" not in run.stderr and "File name too long" in run.stderr, run.stderr
 
 
 def test_the_end_of_a_run_says_what_it_made(opguard, samples) -> None:

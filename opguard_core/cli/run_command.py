@@ -275,12 +275,21 @@ def _refuse_configs(inputs: Sequence[str]) -> None:
                 f"--input {spec}: a YAML config, not a callsite trace; "
                 "use opguard compare, merge, filter or show on configs"
             )
-        if (Path(spec) / SUMMARY_FILE).is_file():
+        if _is_file(Path(spec) / SUMMARY_FILE):
             raise click.UsageError(
                 f"--input {spec}: a run directory, not a callsite trace; "
                 "use opguard show, compare, merge, filter, export or report on it, or give "
                 "the traces it was made from"
             )
+
+
+def _is_file(path: Path) -> bool:
+    """Whether ``path`` is a file; False where it cannot be told (a name too long, a
+    folder not searchable): the input is then refused at discover, in one line."""
+    try:
+        return path.is_file()
+    except (OSError, ValueError):
+        return False
 
 
 __all__ = ["make_run_command", "run_options"]
