@@ -187,6 +187,8 @@ def test_drift_per_step_allows_only_the_share_after_the_last_step() -> None:
     # a config of one loop step cannot tell half the work from all of it after the step
     assert not drifts_per_step(60, 30, 4, 1, 0.1)  # 2 a step of 4 a step
     assert drifts_per_step(3, None, 0, None, 0.1) and not drifts_per_step(0, 3, 0, 2, 0.1)
+    # a side with no loop step: whole runs (no ZeroDivisionError)
+    assert not drifts_per_step(5, 0, 5, 3, 0.1) and drifts_per_step(9, 3, 5, 0, 0.1)
 
 
 def test_a_merged_config_allows_each_sources_work_after_its_last_step() -> None:

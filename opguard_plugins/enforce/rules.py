@@ -228,8 +228,8 @@ def drifts_per_step(
     :func:`drifts`. ``loops``: how many loops each side's counts cover (got's, want's):
     a config merged from several sources has each one's work after its last step,
     ``want / (want_steps + loops * t)``."""
-    if got_steps is None or want_steps is None:
-        return drifts(got, want, tolerance)
+    if got_steps is None or want_steps is None or min(got_steps, want_steps) < 1:
+        return drifts(got, want, tolerance)  # whole runs: a loop of no step has no rate
     if (got_steps == want_steps and loops[0] == loops[1]) or not want or not got:
         return drifts(got / max(got_steps, 1), want / max(want_steps, 1), tolerance)
     # the ratio of the two rates is monotonic in t: the ends bound it
