@@ -497,3 +497,36 @@ def test_several_processes_name_the_first_bad_file_in_input_order(tmp_path: Path
         assert str(pooled.value) == str(in_order.value)
     later = InputError(paths[6], "what the process that read rank 6 raised")
     assert str(earliest_error(later, paths, None)) == str(in_order.value)
+
+
+#: a name longer than the file system allows (NAME_MAX 255): Path.is_dir raises
+LONG = "a" * 300
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ("show", LONG),
+        ("export", LONG, "--format", "collapsed"),
+        ("compare", LONG, LONG),
+        ("merge", LONG, LONG, "-o", "merged.yaml"),
+        ("filter", LONG, "-o", "filtered.yaml"),
+        ("check", "--config", LONG, "-i", LONG),
+        ("report", LONG),
+    ],
+    ids=lambda args: args[0],
+)
+def test_a_name_too_long_is_one_line_in_every_command(
+    opguard: Callable[..., Any],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    args: tuple[str, ...],
+) -> None:
+    """``OSError: File name too long`` was a traceback from show, export, compare,
+    merge, filter and check (asking whether SRC is a run directory)."""
+    monkeypatch.chdir(tmp_path)
+    run = opguard(*args)
+    assert run.exit_code == 5, run.stderr
+    assert "Traceback" not in run.stderr
+    (line,) = _error_lines(run.stderr)
+    assert line.startswith(f"opguard: error: {LONG}") and "too long" in line

@@ -267,6 +267,7 @@ def _check_regexes(patterns: Sequence[str], option: str) -> None:
 def _refuse_configs(inputs: Sequence[str]) -> None:
     """``run`` reads traces; a YAML config or a run directory given as input is a
     usage error that names the commands made for them."""
+    from opguard_core.files.lookup import is_regular_file
     from opguard_core.run.summary import SUMMARY_FILE
 
     for spec in inputs:
@@ -275,21 +276,12 @@ def _refuse_configs(inputs: Sequence[str]) -> None:
                 f"--input {spec}: a YAML config, not a callsite trace; "
                 "use opguard compare, merge, filter or show on configs"
             )
-        if _is_file(Path(spec) / SUMMARY_FILE):
+        if is_regular_file(Path(spec) / SUMMARY_FILE):
             raise click.UsageError(
                 f"--input {spec}: a run directory, not a callsite trace; "
                 "use opguard show, compare, merge, filter, export or report on it, or give "
                 "the traces it was made from"
             )
-
-
-def _is_file(path: Path) -> bool:
-    """Whether ``path`` is a file; False where it cannot be told (a name too long, a
-    folder not searchable): the input is then refused at discover, in one line."""
-    try:
-        return path.is_file()
-    except (OSError, ValueError):
-        return False
 
 
 __all__ = ["make_run_command", "run_options"]

@@ -1,1 +1,2 @@
-"""Writing files safely: atomic artifact writes, and output locations checked up front."""
+"""Files handled safely: atomic artifact writes, output locations checked up front, and
+what a path names asked without raising (:mod:`~opguard_core.files.lookup`)."""

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from opguard_core import __version__
 from opguard_core.errors import InputError, plural
+from opguard_core.files.lookup import is_directory, is_special_file
 
 if TYPE_CHECKING:
     from opguard_core.model import InputEntry, RunOptions, StageRecord
@@ -90,7 +91,7 @@ def read_summary(run_dir: Path) -> dict[str, Any]:
 
     path = run_dir / SUMMARY_FILE
     try:
-        if path.exists() and not path.is_file():  # a FIFO would block for ever
+        if is_special_file(path):  # a FIFO would block for ever
             raise InputError(path, "unreadable run summary: not a regular file")
         data = msgspec.json.decode(path.read_bytes())
     except FileNotFoundError:
@@ -181,7 +182,7 @@ def run_config(run_dir: Path, filtered: bool = True) -> Path:
 def config_source(path: Path, filtered: bool = True) -> Path:
     """The config file ``path`` names: itself, or a run directory's final config
     (:func:`run_config`)."""
-    return run_config(path, filtered) if path.is_dir() else path
+    return run_config(path, filtered) if is_directory(path) else path
 
 
 def run_tree(run_dir: Path) -> Path:

@@ -27,6 +27,7 @@ from opguard_core.combine.accumulator import TraceAccumulator
 from opguard_core.configs.selection import PatternError, Selection, compile_patterns
 from opguard_core.errors import ExitCode, InputError, PluginError, ended_by_plugin, one_line
 from opguard_core.files.atomic import atomic_write_bytes
+from opguard_core.files.lookup import is_directory, is_special_file
 from opguard_core.files.output_dirs import check_output_file
 from opguard_core.formats import names_a_config
 from opguard_core.formats.readers import HEAD, Readers
@@ -83,7 +84,7 @@ def load_source(
 ) -> dict[str, Any]:
     """The call tree of SRC: a compressed tree as it is, a trace (of any format
     ``readers`` read) compressed unpruned."""
-    if path.exists() and not path.is_file():  # a FIFO would block, and is read twice
+    if is_special_file(path):  # a FIFO would block, and is read twice
         raise InputError(path, "not a regular file (a FIFO, device or socket)")
     data = read_bytes(path)
     if f'"{TREE_FORMAT}"'.encode() in data[:HEAD]:
@@ -222,7 +223,7 @@ def make_command(manager: OpGuardPluginManager) -> click.Command:
             raise click.BadParameter(
                 f"{fmt!r}: not one of {', '.join(sorted(writers))}", param_hint="--format"
             )
-        if src.is_dir():  # a run directory: its entry's compressed tree
+        if is_directory(src):  # a run directory: its entry's compressed tree
             src = run_tree(src)
         elif names_a_config(src.name):
             raise click.UsageError(
