@@ -242,14 +242,6 @@ _META_ORDER = ("ranks", "total", "sources", "steps", "phases", "source_ranks", "
                "settings")  # fmt: skip
 
 
-def _in_order(meta: CommentedMap) -> CommentedMap:
-    """``meta`` with its keys in one order whichever side had which (the left side's
-    order once decided it, so ``merge A B`` and ``merge B A`` differed in bytes)."""
-    known = [key for key in _META_ORDER if key in meta]
-    others = sorted((key for key in meta if key not in _META_ORDER), key=str)
-    return CommentedMap((key, meta[key]) for key in (*known, *others))
-
-
 def merge_configs(left: CommentedMap, right: CommentedMap) -> CommentedMap:
     """The built-in merge. ``left`` is copied, never changed in place."""
     left_share, right_share = contributions(left), contributions(right)
@@ -307,7 +299,7 @@ def merge_configs(left: CommentedMap, right: CommentedMap) -> CommentedMap:
         meta["recorded_by"] = _sorted_union(left_meta["recorded_by"], right_meta["recorded_by"])
     else:
         meta.pop("recorded_by", None)
-    meta = _in_order(meta)
+    _put_in_order(meta, _META_ORDER)  # the left side's order once decided it
     meta.fa.set_block_style()
     _keep_comments(meta, left_meta, right_meta)
     result["meta"] = meta
