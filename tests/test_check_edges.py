@@ -368,3 +368,33 @@ def test_a_rank_that_does_more_than_the_others_does_not_drift_from_itself(
     drifted = {(v["target"], tuple(v["ranks"])) for v in doubled["violations"]}
     assert ("job:log_stats", (0,)) in drifted  # 6 against 2; rank 1's 2 is the average
     assert {v["kind"] for v in doubled["violations"]} == {"count_drift"}
+
+
+def _rank0_metric_job(folder: Path, rank0_exp: int) -> str:
+    """Two ranks of a 4-step loop whose ``metrics`` reads the loss on every rank and,
+    on rank 0 only, computes ``rank0_exp`` more ops a step (``if rank == 0: ...``)."""
+    folder.mkdir()
+    for rank in (0, 1):
+        metrics = [("job", "main"), ("job", "metrics")]
+        sites = [([("job", "main"), ("job", "train")], None, "aten::mm", 40),
+                 (metrics, None, "aten::_local_scalar_dense", 4)]  # fmt: skip
+        if rank == 0 and rank0_exp:
+            sites.append((metrics, None, "aten::exp", 4 * rank0_exp))
+        write(folder / f"mt_callsite_rank{rank}.json",
+              trace_doc(sites, rank=rank, world_size=2, steps=4, phase="loop"))  # fmt: skip
+    return str(folder / "mt_callsite_rank*.json")
+
+
+def test_an_op_only_one_rank_runs_is_not_missing_on_the_others(tmp_path: Path) -> None:
+    """A config does not record which ranks ran an op: an op rank 0 alone runs inside
+    a function every rank runs (``aten::exp`` in ``metrics``, 1 a step on average over
+    the two ranks) was a ``missing_op`` error on rank 1 of the config's own traces.
+    Judged by the job (guard.md, "One view of the job"): missing only where no rank
+    ran it."""
+    own = _rank0_metric_job(tmp_path / "own", 2)
+    run = make_run(tmp_path, own)
+    assert check(run, own)["violations"] == []
+    removed = check(run, _rank0_metric_job(tmp_path / "removed", 0), expect=1)
+    missing = {(v["kind"], v["target"], v.get("op"), tuple(v["ranks"]))
+               for v in removed["violations"] if v["severity"] == "error"}  # fmt: skip
+    assert ("missing_op", "job:metrics", "aten::exp", (0, 1)) in missing

@@ -181,3 +181,56 @@ def test_guard_and_check_agree_on_a_checkpointed_block(tmp_path: Path, helper: b
     assert _keys(guarded) == _keys(checked), _keys(guarded) ^ _keys(checked)
     where = ("checkpointed:scaled_gelu", ("checkpointed:Block.forward",), "aten::tanh")
     assert ("unexpected_op", *where) in {k[:4] for k in _keys(guarded)}
+
+
+RANK0_METRICS = REPO / "tests" / "data" / "one_view" / "rank0_metrics.py"
+
+
+def _per_rank_keys(violations: list[dict[str, Any]]) -> set[tuple[Any, ...]]:
+    return {
+        (v["kind"], v["severity"], v["target"], tuple(v["context"]), v.get("op"), rank)
+        for v in violations
+        for rank in v.get("ranks") or [v["rank"]]
+    }
+
+
+def test_guard_and_check_judge_a_rank_that_does_more_by_the_job(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rank 0 does more inside ``metrics`` than rank 1 (``if rank == 0``). A config
+    holds the job's counts, so each rank drifted from the average and rank 1 "never
+    ran" rank 0's ops: the config's own program gave 4 ``missing_op`` errors from
+    check and guard, and 4 ``count_drift`` warnings from guard. Both now judge those by
+    the job (guard from every rank's counts, at the end): an unchanged rerun is clean,
+    the metric removed from rank 0 too is caught by both, alike; the console shows
+    what the reports hold."""
+    command = ["torchrun", "--nproc-per-node", "2", str(RANK0_METRICS)]
+    proc = run("trace", "--label", "good", "--output-dir", tmp_path / "good", "--", *command)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    good = str(tmp_path / "good" / "good_callsite_rank*.json")
+    proc = run("run", "-i", good, "--output-base", tmp_path / "run")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    [config] = (tmp_path / "run").glob("*/good_callsite_instrumentation.yaml")
+    for extra in ("1", "0"):
+        monkeypatch.setenv("EXTRA", extra)
+        traces = tmp_path / f"t{extra}"
+        proc = run("trace", "--label", "x", "--output-dir", traces, "--", *command)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        proc = run("check", "--config", config, "--format", "json",
+                   "-i", traces / "x_callsite_rank*.json")  # fmt: skip
+        checked = _per_rank_keys(json.loads(proc.stdout)["violations"])
+        reports = tmp_path / f"g{extra}"
+        proc = run("guard", "--config", config, "--report-dir", reports, "--", *command)
+        guarded = [json.loads(p.read_text()) for p in sorted(reports.glob("guard_report_rank*"))]
+        assert [g["rank"] for g in guarded] == [0, 1]
+        violations = [v for g in guarded for v in g["violations"]]
+        assert _per_rank_keys(violations) == checked, extra
+        logged = [line for line in proc.stderr.splitlines() if '"opguard guard: violation"' in line]
+        assert len(logged) == len(violations), proc.stderr[-3000:]
+        if extra == "1":
+            assert checked == set() and proc.returncode == 0, proc.stderr[-3000:]
+            assert "single ranks left out: the job as a whole agrees" in proc.stderr
+        else:
+            metrics = ("rank0_metrics:metrics", ("rank0_metrics:main",))
+            assert ("missing_op", "error", *metrics, "aten::exp", 1) in checked
+            assert proc.returncode == 1

@@ -104,4 +104,24 @@ def project(config: dict[str, Any], sources: Sequence[str]) -> dict[str, Any]:
     return {**config, "source": "+".join(sorted(sources)), "meta": meta, "entries": entries}
 
 
-__all__ = ["SHARED_OPS", "config_loops", "loop_only", "project", "recorded_sources"]
+def share_of(config: dict[str, Any], source: str | None) -> dict[str, Any] | None:
+    """What one run is held to by the rules that compare its counts: ``config``, or
+    ``source``'s share of a merged config that records its sources (:func:`project`);
+    None for a merged config and no source of it named (each source's entries would
+    be ``missing``: docs/guard.md)."""
+    names = recorded_sources(config)
+    if not names:
+        return config
+    if source in names:
+        return project(config, [source])
+    return None
+
+
+__all__ = [
+    "SHARED_OPS",
+    "config_loops",
+    "loop_only",
+    "project",
+    "recorded_sources",
+    "share_of",
+]

@@ -56,7 +56,6 @@ from opguard_core.formats.collectives import (
 from opguard_core.formats.config import entry_key, load_config
 from opguard_core.formats.config_collectives import read_config_collectives
 from opguard_core.formats.sources import (
-    config_loops,
     config_steps,
     loop_only,
     project,
@@ -68,7 +67,7 @@ from opguard_core.logs import configure_logging, get_logger
 from opguard_core.model import InputEntry, RunOptions
 from opguard_core.plugin.manager import OpGuardPluginManager, call_impl
 from opguard_core.run.summary import config_source, without_surrogates
-from opguard_plugins.enforce.rules import DEFAULT_TOLERANCE, drifts_per_step, per_rank_step
+from opguard_plugins.enforce.rules import DEFAULT_TOLERANCE, JobView
 from opguard_plugins.enforce.sequence_guard import ExpectedSteps, Plan, SequenceChecker
 
 #: ``meta.settings`` keys that are not RunOptions fields of the same name.
@@ -380,8 +379,8 @@ def check_configs(
                 ranks = sorted(listed) if listed else sorted(seen)
             found.append(dataclasses.replace(item, ranks=ranks))
         found = [v for v in found if not _ran_in_combined(v, seen, combined, whole_entries)]
-        job_drifts = _JobDrifts(config, combined, whole_entries, tolerance)
-        found = [v for v in found if v.kind != "count_drift" or job_drifts(v)]
+        job = JobView(config, combined, tolerance)
+        found = [v for v in found if job.keeps(v)]
     if strict:
         found = [dataclasses.replace(v, severity=ERROR) for v in found]
     return join_ranks(found)
@@ -406,47 +405,6 @@ def _ran_in_combined(
         return True
     ran = set(entry.get("ranks") or (combined.get("meta") or {}).get("ranks") or ())
     return all(key not in seen.get(r, {}) and r in ran for r in violation.ranks)
-
-
-class _JobDrifts:
-    """Whether the job's count of a ``count_drift``'s key, per rank (and step), drifts
-    from the config's as one rank's did: a config holds an entry's count over its
-    ranks, so a rank that does more than the others (rank 0 logs, the rest do not)
-    drifts from that average on every run, the config's own traces included. A
-    per-rank ``count_drift`` is kept where the job as a whole drifts too."""
-
-    def __init__(
-        self,
-        config: dict[str, Any],
-        combined: dict[str, Any],
-        whole: dict[EntryKey, dict[str, Any]],
-        tolerance: float,
-    ) -> None:
-        self.config, self.combined, self.whole, self.tolerance = config, combined, whole, tolerance
-        self.expected = {entry_key(e): e for e in config["entries"]}
-        config_steps, job_steps = _steps(config), _steps(combined)
-        both = config_steps is not None and job_steps is not None
-        self.config_steps = config_steps if both else None
-        self.job_steps = job_steps if both else None
-
-    def __call__(self, violation: Violation) -> bool:
-        key = (violation.target, tuple(violation.context))
-        expected, observed = self.expected.get(key), self.whole.get(key)
-        if expected is None or observed is None:
-            return True
-        got = _per_rank(observed, self.combined)
-        want = _per_rank(expected, self.config)
-        loops = (
-            config_loops(self.combined.get("meta") or {}),
-            config_loops(self.config.get("meta") or {}),
-        )
-        return drifts_per_step(got, self.job_steps, want, self.config_steps, self.tolerance, loops)
-
-
-def _per_rank(entry: dict[str, Any], document: dict[str, Any]) -> float:
-    """An entry's count per rank (its ``ranks``, else the document's)."""
-    ranks = entry.get("ranks") or (document.get("meta") or {}).get("ranks") or ()
-    return per_rank_step(int(entry.get("count", 0)), len(ranks), None)
 
 
 def across_tracers(

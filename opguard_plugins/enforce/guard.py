@@ -25,12 +25,22 @@ from opguard_core.cli import exits
 from opguard_core.cli.options import FiniteFloatRange, config_option
 from opguard_core.errors import ExitCode, OpGuardError, one_line
 from opguard_core.files.output_dirs import prepare_output_dir
-from opguard_core.formats.check import ERROR, load_report, sample_every
+from opguard_core.formats.check import (
+    ERROR,
+    WARNING,
+    Violation,
+    load_report,
+    sample_every,
+    write_json,
+)
 from opguard_core.formats.config import load_config
-from opguard_core.formats.trace import describe_partial
+from opguard_core.formats.sources import share_of
+from opguard_core.formats.trace import describe_partial, list_ranks
+from opguard_core.logs import get_logger
 from opguard_core.run.summary import config_source
+from opguard_plugins.enforce.rules import DEFAULT_TOLERANCE, JOB_KINDS, JobView
 from opguard_plugins.enforce.sequence_guard import config_sequences, load_collectives
-from opguard_plugins.enforce.status import STATUS_ENV, read_statuses
+from opguard_plugins.enforce.status import STATUS_ENV, read_job_counts, read_statuses
 from opguard_plugins.enforce.status import problems as guard_problems
 from opguard_plugins.record.trace import LAUNCH_CODES, bootstrap_env, run_bootstrapped
 
@@ -100,6 +110,118 @@ def written_reports(report_dir: Path, since: float) -> list[Path]:
 #: the kinds the guard reports by check's rules at the end of a whole run
 #: (docs/guard.md, "What needs the whole run"): not for a run that ended early
 WHOLE_RUN_KINDS = ("missing", "missing_op", "count_drift", "unknown_target")
+
+
+def _valid_counts(document: dict[str, Any]) -> bool:
+    """Whether a rank's counts (``status.write_job_counts``) have the shape the job
+    view reads."""
+    entries = document.get("entries")
+    steps = document.get("steps")
+    return (
+        all(isinstance(document.get(k), int) for k in ("rank", "world_size"))
+        and (steps is None or isinstance(steps, int))
+        and isinstance(entries, list)
+        and all(
+            isinstance(e, list)
+            and len(e) == 4
+            and isinstance(e[0], str)
+            and isinstance(e[1], list)
+            and isinstance(e[2], int)
+            and isinstance(e[3], list)
+            for e in entries
+        )
+    )
+
+
+def job_of(counts: list[dict[str, Any]]) -> tuple[dict[str, Any] | None, str | None]:
+    """The job as one observed config from every rank's counts (entries summed, each
+    with the ranks that ran it where not all did, the steps where every rank ran as
+    many); else None and why not: only with the counts of every rank of one world
+    (``opguard guard`` on each node of a multi-node job sees its node's ranks)."""
+    if not counts or not all(_valid_counts(c) for c in counts):
+        return None, "the ranks' counts could not be read"
+    sizes = {c["world_size"] for c in counts}
+    ranks = sorted(c["rank"] for c in counts)
+    world = max(sizes)
+    if len(sizes) > 1 or ranks != list(range(world)):
+        return None, f"the counts of rank(s) {list_ranks(ranks)} of a world of {world} here"
+    entries: dict[tuple[str, tuple[str, ...]], dict[str, Any]] = {}
+    for document in counts:
+        for target, context, count, ops in document["entries"]:
+            entry = entries.setdefault(
+                (target, tuple(context)),
+                {"target": target, "context": list(context), "count": 0, "ops": {}, "ranks": []},
+            )
+            entry["count"] += count
+            entry["ops"].update(dict.fromkeys(ops, 1))
+            entry["ranks"].append(document["rank"])
+    for entry in entries.values():
+        entry["ranks"] = sorted(entry["ranks"]) if len(entry["ranks"]) < world else None
+    meta: dict[str, Any] = {"ranks": list(range(world))}
+    steps = {c["steps"] for c in counts}
+    if len(steps) == 1 and None not in steps:
+        meta["steps"] = steps.pop()
+    return {"meta": meta, "entries": [entries[k] for k in sorted(entries)]}, None
+
+
+def judge_by_job(
+    reports: list[Path],
+    counts: list[dict[str, Any]] | None,
+    config: dict[str, Any],
+    source: str | None,
+) -> tuple[int, str | None]:
+    """Judge the reports' ``count_drift`` and ``missing_op`` by the job as a whole, as
+    ``opguard check`` does (:class:`~opguard_plugins.enforce.rules.JobView`): drop
+    from each rank's report those the job does not show (rewritten atomically), then
+    log those left, which the ranks leave to this command. (the number dropped, why
+    the job could not be judged or None)."""
+    deferred = {c.get("rank") for c in counts or ()}
+    held_to = share_of(config, source)
+    job, why = job_of(counts or [])
+    view = JobView(held_to, job, DEFAULT_TOLERANCE) if job is not None and held_to else None
+    dropped = 0
+    log = get_logger()
+    for path in reports:
+        try:
+            document = load_report(path)
+        except OpGuardError:
+            continue  # summarize() names it
+        kept = []
+        for item in document["violations"]:
+            judged = item["kind"] in JOB_KINDS and (counts is None or item["rank"] in deferred)
+            if judged and view is not None and not view.keeps(_violation(item)):
+                dropped += 1
+                continue
+            kept.append(item)
+            if judged:
+                (log.error if item["severity"] == ERROR else log.warning)(
+                    "opguard guard: violation",
+                    kind=item["kind"],
+                    severity=item["severity"],
+                    target=item["target"],
+                    context=item["context"],
+                    op=item.get("op"),
+                    rank=item["rank"],
+                    message=item["message"],
+                )
+        if len(kept) < len(document["violations"]):
+            document["violations"] = kept
+            document["errors"] = sum(v["severity"] == ERROR for v in kept)
+            document["warnings"] = sum(v["severity"] == WARNING for v in kept)
+            write_json(path, document)
+    return dropped, why if deferred and view is None else None
+
+
+def _violation(item: dict[str, Any]) -> Violation:
+    return Violation(
+        item["kind"],
+        item["severity"],
+        item["target"],
+        list(item["context"]),
+        list(item.get("ranks") or [item["rank"]]),
+        item["message"],
+        op=item.get("op"),
+    )
 
 
 class NothingToCheck(OpGuardError):
@@ -234,7 +356,9 @@ def guard(
             env["OPGUARD_GUARD_LOG_FORMAT"] = log_format
         code = run_bootstrapped(command, env)
         failures = guard_problems(read_statuses(Path(status_dir)))
+        counts = read_job_counts(Path(status_dir))
     reports = written_reports(report_dir, started)
+    dropped, unjudged = judge_by_job(reports, counts, config, source)
     errors, warnings, problems, partial = summarize(reports)
     for problem in problems:
         click.echo(f"opguard: error: {one_line(problem)}", err=True)
@@ -246,6 +370,13 @@ def guard(
             if partial
             else ""
         )
+        if dropped:
+            skipped += (
+                f" ({dropped} count_drift/missing_op of single ranks left out: the job as a "
+                "whole agrees with the config)"
+            )
+        if unjudged:
+            skipped += f" (count_drift and missing_op judged per rank: {unjudged})"
         click.echo(
             f"opguard guard: {errors} error(s), {warnings} warning(s) in {len(reports)} "
             f"report(s) in {reports[0].parent}: {names}{skipped}",

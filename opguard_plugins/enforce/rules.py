@@ -13,8 +13,10 @@ from typing import Any
 
 from opguard_core import hookimpl
 from opguard_core.formats.check import ERROR, WARNING, CheckInput, Violation
+from opguard_core.formats.config import entry_key
 from opguard_core.formats.dtypes import sorted_dtypes
 from opguard_core.formats.sources import SHARED_OPS, config_loops
+from opguard_core.formats.sources import config_steps as config_steps_of
 from opguard_core.formats.streams import sorted_roles
 
 Rule = Callable[[dict[str, Any] | None, dict[str, Any] | None, CheckInput], list[Violation]]
@@ -271,6 +273,59 @@ def count_drift(
             f"tolerance {check.tolerance:g})",
         )
     ]
+
+
+class JobView:
+    """The job as a whole (all its ranks' counts in one observed config: ``opguard
+    check``'s combined view, ``opguard guard``'s ranks' counts added up) against the
+    config, for the rules that compare a rank's counts with the config's: a config
+    holds an entry's counts over all its ranks, so a rank that does more than the
+    others (rank 0 logs, the rest do not) differs from that average on every run,
+    the config's own traces included. A rank's ``count_drift`` is kept where the
+    job's count per rank (and step) drifts too, and its ``missing_op`` where no rank
+    of the job ran the op inside the entry (an op only some ranks run is not missing
+    on the others: the config does not record which ranks ran an op). Every other
+    violation is kept (docs/guard.md, "One view of the job")."""
+
+    def __init__(self, config: dict[str, Any], job: dict[str, Any], tolerance: float) -> None:
+        self.config, self.job, self.tolerance = config, job, tolerance
+        self.expected = {entry_key(e): e for e in config["entries"]}
+        self.whole = {entry_key(e): e for e in job["entries"]}
+        config_steps = config_steps_of(config.get("meta") or {})
+        job_steps = config_steps_of(job.get("meta") or {})
+        both = config_steps is not None and job_steps is not None
+        self.config_steps = config_steps if both else None
+        self.job_steps = job_steps if both else None
+        self.loops = (
+            config_loops(job.get("meta") or {}),
+            config_loops(config.get("meta") or {}),
+        )
+
+    def keeps(self, violation: Violation) -> bool:
+        """Whether the job as a whole shows ``violation`` too (see the class)."""
+        if violation.kind not in JOB_KINDS:
+            return True
+        key = (violation.target, tuple(violation.context))
+        expected, observed = self.expected.get(key), self.whole.get(key)
+        if expected is None or observed is None:
+            return True
+        if violation.kind == "missing_op":
+            return violation.op not in (observed.get("ops") or {})
+        got = _per_rank(observed, self.job)
+        want = _per_rank(expected, self.config)
+        return drifts_per_step(
+            got, self.job_steps, want, self.config_steps, self.tolerance, self.loops
+        )
+
+
+#: the kinds :class:`JobView` judges by the job as a whole
+JOB_KINDS = frozenset({"count_drift", "missing_op"})
+
+
+def _per_rank(entry: dict[str, Any], document: dict[str, Any]) -> float:
+    """An entry's count per rank (its ``ranks``, else the document's)."""
+    ranks = entry.get("ranks") or (document.get("meta") or {}).get("ranks") or ()
+    return per_rank_step(int(entry.get("count", 0)), len(ranks), None)
 
 
 #: The built-in rules, in the order they run.

@@ -84,14 +84,20 @@ from opguard_core.formats.check import (
 )
 from opguard_core.formats.collectives import Collectives, is_collective
 from opguard_core.formats.config import entry_key, load_config
-from opguard_core.formats.sources import config_steps, loop_only, project, recorded_sources
+from opguard_core.formats.sources import config_steps, loop_only, share_of
 from opguard_core.formats.streams import StreamRoles
 from opguard_core.formats.tree import TORCH_API, split_api, target_name, threshold
 from opguard_core.logs import escape_controls, resolve_format
 from opguard_core.native import load_native
 from opguard_core.processes import at_sigterm, signals_deferred
 from opguard_plugins.enforce import sequence_guard
-from opguard_plugins.enforce.rules import DEFAULT_TOLERANCE, count_drift, missing, missing_ops
+from opguard_plugins.enforce.rules import (
+    DEFAULT_TOLERANCE,
+    JOB_KINDS,
+    count_drift,
+    missing,
+    missing_ops,
+)
 from opguard_plugins.enforce.sequence_guard import (
     LAST,
     NAMESPACES,
@@ -102,7 +108,7 @@ from opguard_plugins.enforce.sequence_guard import (
     load_collectives,
     work_of,
 )
-from opguard_plugins.enforce.status import clear_status, write_status
+from opguard_plugins.enforce.status import clear_status, write_job_counts, write_status
 from opguard_plugins.record.backends import ended_by
 from opguard_plugins.record.collectives import describe
 from opguard_plugins.record.dtypes import op_dtype
@@ -159,7 +165,7 @@ def _profiling_marks() -> frozenset[Any]:
 
 PROFILING_MARKS = _profiling_marks()
 #: kinds logged when the guard finishes (they need the whole run's counts)
-_AT_EXIT = frozenset({"unknown_context", "missing", "count_drift", "unknown_target"})
+_AT_EXIT = frozenset({"unknown_context", "missing", "missing_op", "count_drift", "unknown_target"})
 
 
 class OpGuardViolation(RuntimeError):
@@ -360,6 +366,10 @@ class Guard:
         self.every = sample_every(sample)
         self.fixed_rank = rank
         self.rank: int | None = None
+        self.world_size: int | None = None
+        #: what the whole-run rules counted, for ``opguard guard``'s view of the job
+        #: (:meth:`job_counts`; None until they ran)
+        self.counted: dict[EntryKey, dict[str, Any]] | None = None
         meta = config.get("meta") or {}
         settings = meta.get("settings") or {}
         ranks = len(meta.get("ranks") or [0]) or 1
@@ -1115,6 +1125,7 @@ class Guard:
 
             if dist.is_available() and dist.is_initialized():
                 self.rank = dist.get_rank()
+                self.world_size = dist.get_world_size()
         except Exception:
             pass
 
@@ -1131,6 +1142,34 @@ class Guard:
             return int(os.environ.get("RANK", "0"))
         except ValueError:
             return 0
+
+    def resolve_world_size(self) -> int:
+        """The world size: torch.distributed's (seen with the rank), else
+        ``$WORLD_SIZE``, else 1."""
+        if self.world_size is not None:
+            return self.world_size
+        try:
+            return int(os.environ.get("WORLD_SIZE", "1"))
+        except ValueError:
+            return 1
+
+    def job_counts(self) -> dict[str, Any] | None:
+        """What ``opguard guard`` needs of this rank to judge ``count_drift`` and
+        ``missing_op`` by the job as a whole (:class:`~opguard_plugins.enforce.rules.JobView`):
+        the rank, the world size, the loop steps and, per config entry that ran, its
+        ops counted and the ops that ran in it; None where the whole-run rules did not
+        run."""
+        if self.counted is None:
+            return None
+        return {
+            "rank": self.resolve_rank(),
+            "world_size": self.resolve_world_size(),
+            "steps": self.loop_steps() or None,
+            "entries": [
+                [target, list(context), entry["count"], sorted(entry["ops"])]
+                for (target, context), entry in sorted(self.counted.items())
+            ],
+        }
 
     def violations(self) -> list[dict[str, Any]]:
         """The counted violations as report objects (formats.md §5), sorted."""
@@ -1205,12 +1244,7 @@ class Guard:
         """The config the whole-run rules compare with: this config, or the share of
         ``source`` in a merged config that records its sources; None (no whole-run
         rules) for a merged config without a source named (docs/guard.md)."""
-        names = recorded_sources(dict(self.config))
-        if not names:
-            return self.config
-        if self.source in names:
-            return project(dict(self.config), [self.source])
-        return None
+        return share_of(dict(self.config), self.source)
 
     @property
     def ended_early(self) -> bool:
@@ -1246,6 +1280,7 @@ class Guard:
         tracked = self.names | self.api_names
         expected = {entry_key(e): e for e in config["entries"] if entry_key(e)[0] in tracked}
         observed = self.observed_entries()
+        self.counted = {key: entry for key, entry in observed.items() if key in expected}
         ranks = [int(r) for r in (config.get("meta") or {}).get("ranks") or [rank]]
         # the steps of what is compared: a merged config's source's own, not the sum
         # over every source (which made each count look short: count_drift everywhere)
@@ -1319,11 +1354,16 @@ class Guard:
                 self.records[identity].count += 1
         except Exception as exc:
             print(f"opguard guard: could not check the whole run: {exc!r}", file=sys.stderr)
+        # under `opguard guard`, which judges count_drift and missing_op by the whole
+        # job from every rank's counts, those are logged there, once judged
+        counts = self.job_counts()
+        judged_later = JOB_KINDS if counts is not None and write_job_counts(counts) else ()
         try:  # what needs the run's counts is logged now: unknown_context, missing, drift
             from opguard_core.formats.check import sort_key
 
             for record in sorted(self.records.values(), key=lambda r: sort_key(r.violation)):
-                if record.violation.kind in _AT_EXIT and self.counts(record):
+                kind = record.violation.kind
+                if kind in _AT_EXIT and kind not in judged_later and self.counts(record):
                     self._log(record)
         except Exception as exc:
             print(f"opguard guard: could not log: {exc!r}", file=sys.stderr)

@@ -15,8 +15,12 @@ every process whose guard starts (or fails to start) writes ``{pid}.json`` there
   ``error``), and ``K`` ops were checked against the config (first sights per
   active-entry state); ``B``: the config is of the loop and no optimizer step ended.
 
-torchrun's launcher, which imports torch but runs no training code, removes its
-file. ``opguard guard`` reads them all after COMMAND ended (:func:`read_statuses`)
+A process whose guard checked the whole run also writes ``{pid}.counts``: its rank,
+world size, loop steps and the ops it counted per config entry
+(:func:`write_job_counts`), from which ``opguard guard`` judges ``count_drift`` and
+``missing_op`` by the job as a whole, as ``opguard check`` does (docs/guard.md, "One
+view of the job"). torchrun's launcher, which imports torch but runs no training
+code, removes its file. ``opguard guard`` reads them all after COMMAND ended (:func:`read_statuses`)
 and exits with ``ExitCode.GUARD_FAILED`` when a guard failed, a report is missing,
 or no process checked an op. No torch, no click: the guarded process imports this.
 """
@@ -56,6 +60,37 @@ def clear_status() -> None:
     if path is not None:
         with contextlib.suppress(OSError):
             path.unlink()
+
+
+def write_job_counts(document: dict[str, Any]) -> bool:
+    """Write this process's counts for the job view (``{pid}.counts``); whether it was
+    written (not without ``$OPGUARD_GUARD_STATUS``); never raises."""
+    path = _path()
+    if path is None:
+        return False
+    path = path.with_suffix(".counts")
+    temporary = path.with_name(f".{path.name}.tmp")
+    try:
+        temporary.write_text(json.dumps(document))
+        os.replace(temporary, path)
+    except (OSError, TypeError, ValueError):
+        return False
+    return True
+
+
+def read_job_counts(folder: Path) -> list[dict[str, Any]] | None:
+    """Every process's counts in ``folder`` (:func:`write_job_counts`), or None where
+    one cannot be read."""
+    found: list[dict[str, Any]] = []
+    for path in sorted(folder.glob("*.counts")):
+        try:
+            document = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, ValueError):
+            return None
+        if not isinstance(document, dict):
+            return None
+        found.append(document)
+    return found
 
 
 def read_statuses(folder: Path) -> list[dict[str, Any]]:
@@ -114,4 +149,12 @@ def problems(statuses: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
-__all__ = ["STATUS_ENV", "clear_status", "problems", "read_statuses", "write_status"]
+__all__ = [
+    "STATUS_ENV",
+    "clear_status",
+    "problems",
+    "read_job_counts",
+    "read_statuses",
+    "write_job_counts",
+    "write_status",
+]

@@ -1,0 +1,108 @@
+"""``opguard guard`` judges ``count_drift`` and ``missing_op`` by the job as a whole
+from every rank's counts, as ``opguard check`` does with its combined view
+(docs/guard.md, "One view of the job"): the pieces, without torch. The whole command
+on a torchrun job is in tests/test_guard_one_view.py."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from opguard_core.formats.check import GUARD_FORMAT, guard_report
+from opguard_plugins.enforce.guard import job_of, judge_by_job
+
+METRICS = ("job:metrics", ["job:main"])
+
+
+def _config(exp: int = 8, count: int = 16) -> dict[str, Any]:
+    """A 2-rank, 4-step config whose ``metrics`` ran ``exp`` exps and ``count`` ops."""
+    return {
+        "meta": {"ranks": [0, 1], "sources": ["mt"], "steps": {"mt": 4}},
+        "entries": [
+            {"target": METRICS[0], "context": METRICS[1], "count": count,
+             "ops": {"aten::_local_scalar_dense": count - exp, "aten::exp": exp}},
+        ],
+    }  # fmt: skip
+
+
+def _counts(rank: int, count: int, ops: list[str], world: int = 2) -> dict[str, Any]:
+    return {
+        "rank": rank,
+        "world_size": world,
+        "steps": 4,
+        "entries": [[METRICS[0], METRICS[1], count, ops]],
+    }
+
+
+def _report(folder: Path, rank: int, *violations: dict[str, Any]) -> Path:
+    items = [
+        {"target": METRICS[0], "context": METRICS[1], "ranks": [rank], "rank": rank,
+         "count": 1, "stack": [], **v}
+        for v in violations
+    ]  # fmt: skip
+    path = folder / f"guard_report_rank{rank}.json"
+    document = guard_report("c.yaml", rank, items, "warn", 1.0, 4, 4, 1)
+    path.write_text(json.dumps(document))
+    return path
+
+
+DRIFT = {"kind": "count_drift", "severity": "warning", "message": "drifted"}
+MISSING_EXP = {"kind": "missing_op", "severity": "error", "op": "aten::exp", "message": "gone"}
+
+
+def test_a_job_whose_ranks_do_different_shares_is_clean(tmp_path: Path) -> None:
+    """Rank 0: 12 ops with exp, rank 1: 4 without (the config's own job): each rank
+    drifted from the average of 8 and rank 1 "never ran" exp; the job agrees."""
+    reports = [_report(tmp_path, 0, DRIFT), _report(tmp_path, 1, DRIFT, MISSING_EXP)]
+    counts = [_counts(0, 12, ["aten::_local_scalar_dense", "aten::exp"]),
+              _counts(1, 4, ["aten::_local_scalar_dense"])]  # fmt: skip
+    dropped, why = judge_by_job(reports, counts, _config(), None)
+    assert (dropped, why) == (3, None)
+    for path in reports:  # rewritten, the totals with them
+        document = json.loads(path.read_text())
+        assert document["format"] == GUARD_FORMAT
+        assert (document["violations"], document["errors"], document["warnings"]) == ([], 0, 0)
+
+
+def test_what_the_job_shows_is_kept(tmp_path: Path) -> None:
+    """exp gone from every rank: missing on both, as check says; the job's count per
+    rank halved: drift kept."""
+    reports = [_report(tmp_path, r, DRIFT, MISSING_EXP) for r in (0, 1)]
+    counts = [_counts(r, 4, ["aten::_local_scalar_dense"]) for r in (0, 1)]
+    assert judge_by_job(reports, counts, _config(), None) == (0, None)
+    for path in reports:
+        document = json.loads(path.read_text())
+        assert {v["kind"] for v in document["violations"]} == {"count_drift", "missing_op"}
+        assert document["errors"] == 1
+
+
+def test_without_every_rank_the_ranks_are_judged_alone(tmp_path: Path) -> None:
+    """On one node of a multi-node job `opguard guard` sees its node's ranks: no job
+    view, each rank's violations stay and the summary says why."""
+    reports = [_report(tmp_path, 0, DRIFT), _report(tmp_path, 1, DRIFT, MISSING_EXP)]
+    counts = [_counts(0, 12, ["aten::exp"], world=4), _counts(1, 4, [], world=4)]
+    dropped, why = judge_by_job(reports, counts, _config(), None)
+    assert dropped == 0
+    assert why == "the counts of rank(s) 0, 1 of a world of 4 here"
+    assert len(json.loads(reports[1].read_text())["violations"]) == 2
+
+
+def test_counts_of_another_shape_are_not_read(tmp_path: Path) -> None:
+    reports = [_report(tmp_path, 0, DRIFT)]
+    bad = [{"rank": 0, "world_size": 1, "steps": "4", "entries": []}]
+    assert judge_by_job(reports, bad, _config(), None) == (0, "the ranks' counts could not be read")
+    assert (
+        job_of([{"rank": 0, "world_size": 1, "steps": 4, "entries": [["t", [], "x", []]]}])[0]
+        is None
+    )
+
+
+def test_the_job_adds_the_ranks_counts() -> None:
+    job, why = job_of([_counts(1, 4, ["b"]), _counts(0, 12, ["a", "b"])])
+    assert why is None and job is not None
+    assert job["meta"] == {"ranks": [0, 1], "steps": 4}
+    [entry] = job["entries"]
+    assert (entry["count"], sorted(entry["ops"]), entry["ranks"]) == (16, ["a", "b"], None)
+    only_one, _ = job_of([_counts(0, 12, ["a"]), {**_counts(1, 0, []), "entries": []}])
+    assert only_one is not None and only_one["entries"][0]["ranks"] == [0]
