@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import shutil
+import signal
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -11,6 +12,13 @@ import pytest
 from click.testing import CliRunner, Result
 
 from opguard_core.cli.app import cli_for
+
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    # pytest started in the background by a shell without job control (`pytest &`,
+    # nohup) inherits SIGINT ignored, and Python then installs no KeyboardInterrupt
+    # handler: the in-process Ctrl-C tests would see the signal vanish. A user's
+    # terminal delivers it, so the tests run as under one.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 SAMPLES = Path(__file__).parent / "data" / "samples"
 
