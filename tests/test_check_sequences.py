@@ -209,3 +209,42 @@ def test_two_groups_issued_in_another_order_are_a_collective_order(tmp_path: Pat
     message = found[0]["message"]
     assert message.startswith("rank 1: collective #0 on group 1, step 1: issues"), message
     assert "on group 0 first" in message and "interleave in another order" in message
+
+
+def test_a_longer_run_is_not_held_to_a_one_of_a_kind_last_loop_step(tmp_path: Path) -> None:
+    """Hand-made 2-rank traces (no torch run) shaped as DDP's: the second iteration
+    also broadcasts the rebuilt bucket sizes. Of a 3-step good run that is the last loop
+    step, which check held every step past the good run's loop to: an unchanged 10-step
+    run of transformers' GPT-2 under DDP gave `collective_order` and
+    `collective_missing` errors (the guard, holding such a step to either the last loop
+    step or the last step, gave none). A departure there is still an error."""
+    from tests.test_collective_sequences import AR, rank_doc
+
+    def traces(folder: Path, calls: list[tuple[Any, ...]]) -> str:
+        folder.mkdir()
+        for rank in range(2):
+            (folder / f"dp_rank{rank}.json").write_text(json.dumps(rank_doc(rank, calls)))
+        return str(folder / "dp_rank*.json")
+
+    rebuild = ("c10d::broadcast_", "int32", 29, 12)
+
+    def job(steps: int, odd: int | None = None) -> list[tuple[Any, ...]]:
+        calls: list[tuple[Any, ...]] = []
+        for step in range(steps):
+            if step == 1:
+                calls.append((step, *rebuild))
+            calls.append((step, AR, "int32" if step == odd else "float32", 64, 10))
+        return calls
+
+    result = invoke("run", "-i", traces(tmp_path / "good", job(3)), "--output-base", tmp_path / "r")
+    assert result.exit_code == 0, result.stdout
+    config = Path(result.stdout.strip().splitlines()[-1])
+    checked = invoke("check", "--config", config, "-i", traces(tmp_path / "long", job(10)),
+                     "--format", "json")  # fmt: skip
+    kinds = [v["kind"] for v in json.loads(checked.stdout)["violations"]]
+    assert checked.exit_code == 0 and not [k for k in kinds if k.startswith("coll")], kinds
+    checked = invoke("check", "--config", config, "-i", traces(tmp_path / "odd", job(10, 5)),
+                     "--format", "json")  # fmt: skip
+    found = [v for v in json.loads(checked.stdout)["violations"] if v["kind"].startswith("coll")]
+    assert checked.exit_code == 1 and [v["kind"] for v in found] == ["collective_dtype"], found
+    assert "step 5" in found[0]["message"], found[0]["message"]

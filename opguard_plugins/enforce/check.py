@@ -581,8 +581,10 @@ class _ComparableSteps(ExpectedSteps):
     """A rank's expected steps, each step of a run whose last step is ``last`` held to
     the good run's comparable one: the last to the last (what runs after the loop: a
     final barrier, a loss all-reduce), a loop step past the good run's loop to the good
-    run's last loop step, any other to itself. Offline only: at run time the guard
-    cannot know which step is the last (docs/guard.md)."""
+    run's last loop step or to its last step (as the guard holds it: a short good run's
+    last loop step may be one of a kind, DDP rebuilding its buckets in the second
+    iteration), any other to itself. Offline only: at run time the guard cannot know
+    which step is the last (docs/guard.md)."""
 
     def __init__(self, expected: ExpectedSteps, last: int) -> None:
         super().__init__(expected.sequence)
@@ -598,8 +600,14 @@ class _ComparableSteps(ExpectedSteps):
         return super().at(step)
 
     def plans(self, step: int) -> list[Plan]:
-        """One plan per step: offline, the last step is known."""
-        return [self.at(step)]
+        """One plan for the last step (offline, it is known) and for a step the good run
+        reached before its last; a step past the good run's loop may issue its last
+        loop step's collectives or its last step's, where they differ."""
+        own = self.at(step)
+        if step == self.last or step < self.good_last or self.good_last < 1:
+            return [own]
+        final = super().at(self.good_last)
+        return [own] if final == own else [own, final]
 
 
 def _replay(
