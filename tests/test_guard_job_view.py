@@ -26,12 +26,18 @@ def _config(exp: int = 8, count: int = 16) -> dict[str, Any]:
     }  # fmt: skip
 
 
-def _counts(rank: int, count: int, ops: list[str], world: int = 2) -> dict[str, Any]:
+def _counts(
+    rank: int, count: int, ops: list[str], world: int = 2, unknown: int = 0
+) -> dict[str, Any]:
+    """A rank's counts; ``unknown``: the ops of an ``unknown_target`` it ran
+    (``torch:exp [job:log]``), against its threshold of 2."""
     return {
         "rank": rank,
         "world_size": world,
         "steps": 4,
         "entries": [[METRICS[0], METRICS[1], count, ops]],
+        "threshold": 2.0,
+        "unknown": [["unknown_target", "torch:exp", ["job:log"], unknown]] if unknown else [],
     }
 
 
@@ -90,7 +96,7 @@ def test_without_every_rank_the_ranks_are_judged_alone(tmp_path: Path) -> None:
 
 def test_counts_of_another_shape_are_not_read(tmp_path: Path) -> None:
     reports = [_report(tmp_path, 0, DRIFT)]
-    bad = [{"rank": 0, "world_size": 1, "steps": "4", "entries": []}]
+    bad = [{"rank": 0, "world_size": 1, "steps": "4", "entries": [], "threshold": 1, "unknown": []}]
     assert judge_by_job(reports, bad, _config(), None) == (0, "the ranks' counts could not be read")
     assert (
         job_of([{"rank": 0, "world_size": 1, "steps": 4, "entries": [["t", [], "x", []]]}])[0]
@@ -106,3 +112,22 @@ def test_the_job_adds_the_ranks_counts() -> None:
     assert (entry["count"], sorted(entry["ops"]), entry["ranks"]) == (16, ["a", "b"], None)
     only_one, _ = job_of([_counts(0, 12, ["a"]), {**_counts(1, 0, []), "entries": []}])
     assert only_one is not None and only_one["entries"][0]["ranks"] == [0]
+
+
+UNKNOWN = {"kind": "unknown_target", "severity": "warning", "message": "not in the config"}
+
+
+def test_what_one_rank_runs_is_held_to_the_threshold_of_the_job(tmp_path: Path) -> None:
+    """A function only rank 0 runs (its logging): 3 ops are over rank 0's share of the
+    config's pruning threshold (2 of 4), so the guard reported it, where the config's
+    tree, made from the job's ops added up, pruned it and check said nothing. The job's
+    ops against the job's threshold: gone; run on both ranks, kept."""
+    counts = [_counts(0, 12, ["aten::exp"], unknown=3), _counts(1, 4, [])]
+    reports = [_report(tmp_path, 0, {**UNKNOWN, "target": "torch:exp", "context": ["job:log"]})]
+    assert judge_by_job(reports, counts, _config(), None) == (1, None)
+    assert json.loads(reports[0].read_text())["violations"] == []
+    counts[1] = _counts(1, 4, [], unknown=3)
+    reports = [_report(tmp_path, r, {**UNKNOWN, "target": "torch:exp", "context": ["job:log"]})
+               for r in (0, 1)]  # fmt: skip
+    assert judge_by_job(reports, counts, _config(), None) == (0, None)
+    assert all(json.loads(p.read_text())["warnings"] == 1 for p in reports)

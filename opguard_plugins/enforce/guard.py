@@ -38,7 +38,12 @@ from opguard_core.formats.sources import share_of
 from opguard_core.formats.trace import describe_partial, list_ranks
 from opguard_core.logs import get_logger
 from opguard_core.run.summary import config_source
-from opguard_plugins.enforce.rules import DEFAULT_TOLERANCE, JOB_KINDS, JobView
+from opguard_plugins.enforce.rules import (
+    DEFAULT_TOLERANCE,
+    JUDGED_BY_JOB,
+    UNKNOWN_KINDS,
+    JobView,
+)
 from opguard_plugins.enforce.sequence_guard import config_sequences, load_collectives
 from opguard_plugins.enforce.status import STATUS_ENV, read_job_counts, read_statuses
 from opguard_plugins.enforce.status import problems as guard_problems
@@ -116,10 +121,12 @@ def _valid_counts(document: dict[str, Any]) -> bool:
     """Whether a rank's counts (``status.write_job_counts``) have the shape the job
     view reads."""
     entries = document.get("entries")
+    unknown = document.get("unknown")
     steps = document.get("steps")
     return (
         all(isinstance(document.get(k), int) for k in ("rank", "world_size"))
         and (steps is None or isinstance(steps, int))
+        and isinstance(document.get("threshold"), int | float)
         and isinstance(entries, list)
         and all(
             isinstance(e, list)
@@ -130,14 +137,26 @@ def _valid_counts(document: dict[str, Any]) -> bool:
             and isinstance(e[3], list)
             for e in entries
         )
+        and isinstance(unknown, list)
+        and all(
+            isinstance(u, list)
+            and len(u) == 4
+            and u[0] in UNKNOWN_KINDS
+            and isinstance(u[1], str)
+            and isinstance(u[2], list)
+            and isinstance(u[3], int)
+            for u in unknown
+        )
     )
 
 
 def job_of(counts: list[dict[str, Any]]) -> tuple[dict[str, Any] | None, str | None]:
     """The job as one observed config from every rank's counts (entries summed, each
     with the ranks that ran it where not all did, the steps where every rank ran as
-    many); else None and why not: only with the counts of every rank of one world
-    (``opguard guard`` on each node of a multi-node job sees its node's ranks)."""
+    many), with the ops of each ``unknown_target`` and ``unknown_context`` added up
+    (``unknown``) and the job's threshold for them, the ranks' added up; else None and
+    why not: only with the counts of every rank of one world (``opguard guard`` on
+    each node of a multi-node job sees its node's ranks)."""
     if not counts or not all(_valid_counts(c) for c in counts):
         return None, "the ranks' counts could not be read"
     sizes = {c["world_size"] for c in counts}
@@ -161,7 +180,18 @@ def job_of(counts: list[dict[str, Any]]) -> tuple[dict[str, Any] | None, str | N
     steps = {c["steps"] for c in counts}
     if len(steps) == 1 and None not in steps:
         meta["steps"] = steps.pop()
-    return {"meta": meta, "entries": [entries[k] for k in sorted(entries)]}, None
+    unknown: dict[tuple[str, str, tuple[str, ...]], int] = {}
+    for document in counts:
+        for kind, target, context, ops in document["unknown"]:
+            key = (kind, target, tuple(context))
+            unknown[key] = unknown.get(key, 0) + ops
+    job = {
+        "meta": meta,
+        "entries": [entries[k] for k in sorted(entries)],
+        "unknown": unknown,
+        "threshold": sum(c["threshold"] for c in counts),
+    }
+    return job, None
 
 
 def judge_by_job(
@@ -170,11 +200,15 @@ def judge_by_job(
     config: dict[str, Any],
     source: str | None,
 ) -> tuple[int, str | None]:
-    """Judge the reports' ``count_drift`` and ``missing_op`` by the job as a whole, as
-    ``opguard check`` does (:class:`~opguard_plugins.enforce.rules.JobView`): drop
-    from each rank's report those the job does not show (rewritten atomically), then
-    log those left, which the ranks leave to this command. (the number dropped, why
-    the job could not be judged or None)."""
+    """Judge the reports' whole-run kinds by the job as a whole, as ``opguard check``
+    does with its combined view: ``count_drift`` and ``missing_op`` by
+    :class:`~opguard_plugins.enforce.rules.JobView`, an ``unknown_target`` or
+    ``unknown_context`` by the job's ops against the job's threshold (the config's
+    tree pruned what the job as a whole ran too little of: a function only rank 0 runs
+    has rank 0's ops, against the threshold of every rank). Drop from each rank's
+    report those the job does not show (rewritten atomically), then log those left,
+    which the ranks leave to this command. (the number dropped, why the job could not
+    be judged or None)."""
     deferred = {c.get("rank") for c in counts or ()}
     held_to = share_of(config, source)
     job, why = job_of(counts or [])
@@ -188,8 +222,8 @@ def judge_by_job(
             continue  # summarize() names it
         kept = []
         for item in document["violations"]:
-            judged = item["kind"] in JOB_KINDS and (counts is None or item["rank"] in deferred)
-            if judged and view is not None and not view.keeps(_violation(item)):
+            judged = item["kind"] in JUDGED_BY_JOB and (counts is None or item["rank"] in deferred)
+            if judged and view is not None and job is not None and not _kept(item, view, job):
                 dropped += 1
                 continue
             kept.append(item)
@@ -210,6 +244,14 @@ def judge_by_job(
             document["warnings"] = sum(v["severity"] == WARNING for v in kept)
             write_json(path, document)
     return dropped, why if deferred and view is None else None
+
+
+def _kept(item: dict[str, Any], view: JobView, job: dict[str, Any]) -> bool:
+    """Whether the job as a whole shows the report's violation ``item``."""
+    if item["kind"] in UNKNOWN_KINDS:
+        key = (item["kind"], item["target"], tuple(item["context"]))
+        return bool(job["unknown"].get(key, 0) >= job["threshold"])
+    return view.keeps(_violation(item))
 
 
 def _violation(item: dict[str, Any]) -> Violation:
@@ -372,11 +414,11 @@ def guard(
         )
         if dropped:
             skipped += (
-                f" ({dropped} count_drift/missing_op of single ranks left out: the job as a "
-                "whole agrees with the config)"
+                f" ({dropped} violation(s) of single ranks left out: the job as a whole "
+                "agrees with the config)"
             )
         if unjudged:
-            skipped += f" (count_drift and missing_op judged per rank: {unjudged})"
+            skipped += f" (whole-run kinds judged per rank: {unjudged})"
         click.echo(
             f"opguard guard: {errors} error(s), {warnings} warning(s) in {len(reports)} "
             f"report(s) in {reports[0].parent}: {names}{skipped}",

@@ -320,6 +320,12 @@ class JobView:
 
 #: the kinds :class:`JobView` judges by the job as a whole
 JOB_KINDS = frozenset({"count_drift", "missing_op"})
+#: the kinds a config's pruning threshold decides (a key that ran fewer ops than the
+#: config keeps is no violation), judged by the job's ops added up
+UNKNOWN_KINDS = frozenset({"unknown_target", "unknown_context"})
+#: the kinds ``opguard guard`` judges by the whole job from every rank's counts once
+#: COMMAND ended, and logs (docs/guard.md, "One view of the job")
+JUDGED_BY_JOB = JOB_KINDS | UNKNOWN_KINDS
 
 
 def _per_rank(entry: dict[str, Any], document: dict[str, Any]) -> float:

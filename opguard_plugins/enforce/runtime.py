@@ -93,7 +93,7 @@ from opguard_core.processes import at_sigterm, signals_deferred
 from opguard_plugins.enforce import sequence_guard
 from opguard_plugins.enforce.rules import (
     DEFAULT_TOLERANCE,
-    JOB_KINDS,
+    JUDGED_BY_JOB,
     count_drift,
     missing,
     missing_ops,
@@ -1154,13 +1154,27 @@ class Guard:
             return 1
 
     def job_counts(self) -> dict[str, Any] | None:
-        """What ``opguard guard`` needs of this rank to judge ``count_drift`` and
-        ``missing_op`` by the job as a whole (:class:`~opguard_plugins.enforce.rules.JobView`):
-        the rank, the world size, the loop steps and, per config entry that ran, its
-        ops counted and the ops that ran in it; None where the whole-run rules did not
+        """What ``opguard guard`` needs of this rank to judge the whole-run kinds by
+        the job as a whole (docs/guard.md, "One view of the job"): the rank, the world
+        size, the loop steps; per config entry that ran, its ops counted and the ops
+        that ran in it (``count_drift``, ``missing_op``:
+        :class:`~opguard_plugins.enforce.rules.JobView`); the ops of every
+        ``unknown_target`` and ``unknown_context`` seen, below this rank's threshold
+        too, and that threshold (the job's is the ranks' added up, as the config's
+        tree pruned the job's ops added up). None where the whole-run rules did not
         run."""
         if self.counted is None:
             return None
+        unknown = [
+            ["unknown_target", target, list(context), ops]
+            for (target, context), ops in self.extra_ops.items()
+            if (target, context) not in self.entries
+        ]
+        unknown += [
+            ["unknown_context", v.target, list(v.context), record.ops]
+            for record in self.records.values()
+            if (v := record.violation).kind == "unknown_context" and record.count
+        ]
         return {
             "rank": self.resolve_rank(),
             "world_size": self.resolve_world_size(),
@@ -1169,6 +1183,8 @@ class Guard:
                 [target, list(context), entry["count"], sorted(entry["ops"])]
                 for (target, context), entry in sorted(self.counted.items())
             ],
+            "threshold": self.unknown_threshold(),
+            "unknown": sorted(unknown),
         }
 
     def violations(self) -> list[dict[str, Any]]:
@@ -1357,7 +1373,7 @@ class Guard:
         # under `opguard guard`, which judges count_drift and missing_op by the whole
         # job from every rank's counts, those are logged there, once judged
         counts = self.job_counts()
-        judged_later = JOB_KINDS if counts is not None and write_job_counts(counts) else ()
+        judged_later = JUDGED_BY_JOB if counts is not None and write_job_counts(counts) else ()
         try:  # what needs the run's counts is logged now: unknown_context, missing, drift
             from opguard_core.formats.check import sort_key
 
