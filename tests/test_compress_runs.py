@@ -11,6 +11,7 @@ not built, unless ``OPGUARD_REQUIRE_NATIVE=1`` (set by .ci/run) makes that a fai
 from __future__ import annotations
 
 from array import array
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -18,8 +19,8 @@ from compiled import compiled, needs
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from opguard_core.combine.accumulator import TraceAccumulator
-from opguard_core.formats.trace import load_trace
+from opguard_core.combine.accumulator import TraceAccumulator, ranks_to_mask
+from opguard_core.formats.trace import Callsite, load_trace
 from opguard_core.model import RunOptions
 from opguard_plugins.stages import compress
 from opguard_plugins.stages.sorted_runs import (
@@ -27,6 +28,7 @@ from opguard_plugins.stages.sorted_runs import (
     PyRuns,
     py_callsite_paths,
     py_frames_at,
+    py_site_summary,
     py_stack_summary,
     py_touching,
     py_visible_frames,
@@ -37,6 +39,7 @@ if _runs is not None:
     CRuns, c_callsite_paths = _runs.Runs, _runs.callsite_paths
     c_frames_at, c_visible_frames = _runs.frames_at, _runs.visible_frames
     c_stack_summary, c_touching = _runs.stack_summary, _runs.touching
+    c_site_summary = _runs.site_summary
 needs_c = needs(_runs)
 WIDTH = 4
 
@@ -275,3 +278,49 @@ def test_compress_writes_the_same_tree_through_either(
         for options in (RunOptions(), RunOptions(min_fraction=0.0), RunOptions(min_count=50)):
             documents.append(compress.compress_trace(trace, options))
     assert documents[:3] == documents[3:]
+
+
+@needs_c
+@settings(max_examples=300, deadline=None)
+@given(st.data())
+def test_c_site_summary_is_the_reference(data: st.DataObject) -> None:
+    """Divergence's pass over every callsite (its fields read in place where it is a
+    ``Callsite``, through getattr where it is anything else): C and Python agree, and
+    agree with ``stack_summary`` of the stacks with the callsites every rank ran."""
+    frames = data.draw(st.integers(1, 8))
+    flags = st.lists(st.integers(0, 1), min_size=frames, max_size=frames).map(bytes)
+    hidden, user = data.draw(flags), data.draw(flags)
+    nranks = data.draw(st.integers(1, 70))
+    all_mask = (1 << nranks) - 1
+    # a few rank lists shared by the callsites, as a combined trace shares them
+    shared = data.draw(
+        st.lists(st.lists(st.integers(0, nranks - 1), min_size=1, unique=True).map(sorted),
+                 max_size=4)
+    )  # fmt: skip
+    ranks = st.none() | (st.sampled_from(shared) if shared else st.none())
+    ops = st.sampled_from(["aten::mm", "c10d::allreduce_", "c10d::send", "aten::add"])
+    apis = st.sampled_from([None, "all_reduce", "barrier", "mm"])
+    site = st.builds(
+        Callsite,
+        stack=st.lists(st.integers(0, frames - 1), max_size=6).map(tuple),
+        op=ops, api=apis, role=st.just("compute"), count=st.integers(1, 9), ranks=ranks,
+    )  # fmt: skip
+    sites = data.draw(st.lists(site, max_size=20))
+    if data.draw(st.booleans()):  # not Callsites: read through getattr
+        sites = [SimpleNamespace(**{k: getattr(c, k) for k in c.__struct_fields__}) for c in sites]
+    asked: list[str] = []
+
+    def collective_op(op: str) -> bool:
+        asked.append(op)
+        return op.startswith("c10d::")
+
+    apis_in = frozenset({"all_reduce", "barrier"})
+    args = (sites, hidden, user, all_mask, ranks_to_mask, collective_op, apis_in)
+    summary = c_site_summary(*args)
+    assert len(asked) == len(set(asked))  # once per op
+    assert summary == py_site_summary(*args)
+    callers, union, outside, full, collective = summary
+    assert full == bytes(c.ranks is None or ranks_to_mask(c.ranks) == all_mask for c in sites)
+    assert collective == bytes(c.op.startswith("c10d::") or c.api in apis_in for c in sites)
+    stacks = [c.stack for c in sites]
+    assert (callers, union, outside) == py_stack_summary(stacks, hidden, user, full)

@@ -467,9 +467,11 @@ def test_per_rank_counts_add_up_for_every_shape_of_statistics() -> None:
     largest = {2: 0, 3: 2, 4: 3}  # the index of the function's largest callsite
     native = compiled("opguard_plugins.stages._runs")
     folds = [divergence.py_skew_fold] + ([native.skew_fold] if native is not None else [])
+    # every callsite's caller is frame 0, function 0; none skipped
+    frame0, function0 = array.array("i", [0] * 4).tobytes(), array.array("i", [0]).tobytes()
     for fold in folds:
         # a callsite every rank ran as often: a share of 2 each, no per-rank row
-        assert fold(sites[:1], [0], 1, ranks, -1.0) == (
+        assert fold(sites[:1], frame0[:4], function0, b"\0", 1, ranks, -1.0) == (
             [8, 0],
             bytearray([1, 0]),
             [0, None],
@@ -478,7 +480,9 @@ def test_per_rank_counts_add_up_for_every_shape_of_statistics() -> None:
         )
         for upto, per_rank in totals.items():
             # skew -1: every function strays, so the fold gives every one's totals
-            ops, full, example, partial, found = fold(sites[:upto], [0] * upto, 1, ranks, -1.0)
+            ops, full, example, partial, found = fold(
+                sites[:upto], frame0[: 4 * upto], function0, bytes(upto), 1, ranks, -1.0
+            )
             assert found == [(0, median_low(per_rank), array.array("d", per_rank).tobytes())]
             assert ops[0] == sum(site.count for site in sites[:upto])
             assert (full[0], example[0], partial) == (1, largest[upto], [1])

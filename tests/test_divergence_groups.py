@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import random
+from array import array
 from collections.abc import Callable
 from itertools import compress
 from pathlib import Path
@@ -241,8 +242,9 @@ def test_the_compiled_skew_fold_rounds_huge_shares_as_python(middle: int) -> Non
     low, high = 1, middle + 4
     stats = SimpleNamespace(min=low, max=high, min_ranks=[0], max_ranks=[4], counts=None)
     site = SimpleNamespace(count=3 * middle + low + high + 1, ranks=None, per_rank=stats)
-    args = ([site], [0], 1, [0, 1, 2, 3, 4], 0.0)
-    assert RUNS.skew_fold(*args) == divergence.py_skew_fold(*args)
+    one = array("i", [0]).tobytes()
+    args = ([site], one, one, b"\0", 1, [0, 1, 2, 3, 4], 0.0)
+    assert RUNS.skew_fold(*args) == divergence.py_skew_fold(*args)  # type: ignore[arg-type]
 
 
 @needs(RUNS)
@@ -262,15 +264,23 @@ def test_the_compiled_skew_fold_is_the_python_one(monkeypatch: pytest.MonkeyPatc
             accumulator.add(decode_trace(json.dumps(doc).encode(), f"x_rank{rank}.json"))
         trace = accumulator.result()
         stacks = divergence._Stacks(trace, RunOptions())
+        function = array("i", stacks.function).tobytes()
+        functions = len(stacks.function_names)
+        args = (trace.callsites, stacks.callers, function, stacks.collective, functions,
+                trace.ranks, 0.25)  # fmt: skip
+        folded = native.skew_fold(*args)
+        assert folded == divergence.py_skew_fold(*args)
+        # the callsites but the collectives alone, none skipped: the same totals
         keep = [not c for c in stacks.collective]
-        sites = list(compress(trace.callsites, keep))
-        numbers = [-1 if f < 0 else stacks.function[f] for f in compress(stacks.caller, keep)]
-        args = (sites, numbers, len(stacks.function_names), trace.ranks, 0.25)
-        assert native.skew_fold(*args) == divergence.py_skew_fold(*args)
+        alone = (list(compress(trace.callsites, keep)),
+                 array("i", compress(stacks.caller, keep)).tobytes(), function,
+                 bytes(sum(keep)), functions, trace.ranks, 0.25)  # fmt: skip
+        ops, full, _, _, found = divergence.py_skew_fold(*alone)
+        assert (ops, full, found) == (folded[0], folded[1], folded[4])
         monkeypatch.setattr(divergence, "skew_fold", native.skew_fold)
         with_c = divergence.find_divergence(trace, RunOptions())
         monkeypatch.setattr(divergence, "skew_fold", divergence.py_skew_fold)
-        monkeypatch.setattr(divergence, "stack_summary", sorted_runs.py_stack_summary)
+        monkeypatch.setattr(divergence, "site_summary", sorted_runs.py_site_summary)
         monkeypatch.setattr(divergence, "touching", sorted_runs.py_touching)
         monkeypatch.setattr(divergence, "visible_frames", sorted_runs.py_visible_frames)
         assert divergence.find_divergence(trace, RunOptions()) == with_c
@@ -282,5 +292,6 @@ def test_the_compiled_skew_fold_is_the_python_one(monkeypatch: pytest.MonkeyPatc
     # a callsite of ranks the trace does not have: one line, no crash
     site = trace_doc([(MAIN, None, "aten::mm", 3)], rank=7)["callsites"][0]
     lone = msgspec.convert({**site, "stack": [0], "ranks": [7], "role": "compute"}, Callsite)
+    one = array("i", [0]).tobytes()
     with pytest.raises(ValueError, match="rank 7 is not one of the trace's"):
-        native.skew_fold([lone], [0], 1, [0, 1], 0.25)
+        native.skew_fold([lone], one, one, b"\0", 1, [0, 1], 0.25)

@@ -10,10 +10,11 @@
  * builds the paths (4-byte ids only) and ``frames_at`` reads a node's frames from
  * them; ``visible_frames(stacks, hidden, user)`` gives divergence every stack's
  * visible frames and calling function, ``stack_summary`` its callers and the union of
- * the frames every rank ran without a list per stack, ``touching`` the stacks with a
- * marked frame. Each does what the pure-Python ``PyRuns``,
- * ``py_callsite_paths``, ``py_frames_at``, ``py_visible_frames``, ``py_stack_summary``
- * and ``py_touching``
+ * the frames every rank ran without a list per stack (``site_summary`` the same from
+ * the callsites, read in place, with which ran on every rank and which are
+ * collectives), ``touching`` the stacks with a marked frame. Each does what the pure-Python ``PyRuns``,
+ * ``py_callsite_paths``, ``py_frames_at``, ``py_visible_frames``, ``py_stack_summary``,
+ * ``py_site_summary`` and ``py_touching``
  * (opguard_plugins/stages/sorted_runs.py) do, which stay the reference:
  * tests/test_compress_runs.py holds the two to the same answers. ``skew_fold``
  * is divergence's count_skew fold (``py_skew_fold`` in
@@ -29,6 +30,7 @@
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+#include <structmember.h> /* T_OBJECT_EX: how msgspec keeps a Struct's fields */
 
 /* An int as a Py_ssize_t: a small one (a frame id, a rank, a position) read straight
  * from the object, any other through PyLong_AsSsize_t (-1 and an exception when it is
@@ -984,6 +986,278 @@ done:
     return result;
 }
 
+/* A callsite's (or its per_rank's) fields read in place. msgspec keeps a Struct's
+ * fields in slots: where the first object's type has a member descriptor (T_OBJECT_EX)
+ * for every name, an object of exactly that type is read at those offsets, a borrowed
+ * read that writes no reference count (in the forked helper that runs divergence,
+ * the callsites' pages then stay shared with the main process); an object of any
+ * other type (a test's namespace, a subclass) is read through getattr, the value held
+ * in ``held`` until the call returns. */
+#define MAX_FIELDS 8
+typedef struct {
+    PyTypeObject *type; /* strong; NULL: every object through getattr */
+    Py_ssize_t offset[MAX_FIELDS];
+    PyObject *const *names;
+    int count;
+    PyObject *held; /* list, made on first use */
+} Fields;
+
+static void
+fields_open(Fields *f, PyObject *const *names, int count, PyObject *first)
+{
+    f->type = NULL;
+    f->names = names;
+    f->count = count;
+    f->held = NULL;
+    if (first == NULL)
+        return;
+    PyTypeObject *type = Py_TYPE(first);
+    for (int k = 0; k < count; k++) {
+        PyObject *descr = _PyType_Lookup(type, names[k]); /* borrowed, no error set */
+        if (descr == NULL || !Py_IS_TYPE(descr, &PyMemberDescr_Type))
+            return;
+        PyMemberDef *member = ((PyMemberDescrObject *)descr)->d_member;
+        if (member->type != T_OBJECT_EX)
+            return;
+        f->offset[k] = member->offset;
+    }
+    f->type = (PyTypeObject *)Py_NewRef(type);
+}
+
+static void
+fields_close(Fields *f)
+{
+    Py_CLEAR(f->type);
+    Py_CLEAR(f->held);
+}
+
+/* field ``k`` of ``obj``, borrowed (NULL with an exception set where it has none) */
+static PyObject *
+field(Fields *f, PyObject *obj, int k)
+{
+    if (Py_TYPE(obj) == f->type) {
+        PyObject *value = *(PyObject **)((char *)obj + f->offset[k]);
+        if (value == NULL)
+            PyErr_SetObject(PyExc_AttributeError, f->names[k]);
+        return value;
+    }
+    PyObject *value = PyObject_GetAttr(obj, f->names[k]);
+    if (value == NULL)
+        return NULL;
+    if (f->held == NULL && (f->held = PyList_New(0)) == NULL) {
+        Py_DECREF(value);
+        return NULL;
+    }
+    int failed = PyList_Append(f->held, value);
+    Py_DECREF(value);
+    return failed < 0 ? NULL : value;
+}
+
+/* the interned names of a Callsite's fields read here, and of a PerRank's */
+enum { SITE_STACK, SITE_OP, SITE_API, SITE_COUNT, SITE_RANKS, SITE_PER_RANK, SITE_FIELDS };
+enum { STATS_COUNTS, STATS_MIN, STATS_MAX, STATS_MIN_RANKS, STATS_MAX_RANKS, STATS_FIELDS };
+static PyObject *site_names[SITE_FIELDS], *stats_names[STATS_FIELDS];
+
+static int
+field_names_ready(void)
+{
+    if (site_names[0] != NULL)
+        return 0;
+    const char *site[] = {"stack", "op", "api", "count", "ranks", "per_rank"};
+    const char *stats[] = {"counts", "min", "max", "min_ranks", "max_ranks"};
+    for (int k = 0; k < SITE_FIELDS; k++)
+        if ((site_names[k] = PyUnicode_InternFromString(site[k])) == NULL)
+            return -1;
+    for (int k = 0; k < STATS_FIELDS; k++)
+        if ((stats_names[k] = PyUnicode_InternFromString(stats[k])) == NULL)
+            return -1;
+    return 0;
+}
+
+/* object pointer -> a byte, open addressing (a power of two slots, at most half used) */
+typedef struct {
+    PyObject **keys;
+    unsigned char *values;
+    size_t slots, used;
+} PointerFlags;
+
+static inline size_t
+pointer_slot(const PointerFlags *t, PyObject *key)
+{
+    size_t slot = ((uintptr_t)key >> 4) * 0x9E3779B97F4A7C15ULL & (t->slots - 1);
+    while (t->keys[slot] != NULL && t->keys[slot] != key)
+        slot = (slot + 1) & (t->slots - 1);
+    return slot;
+}
+
+static int
+pointer_put(PointerFlags *t, PyObject *key, unsigned char value)
+{
+    if (2 * (t->used + 1) > t->slots) {
+        PointerFlags grown = {NULL, NULL, t->slots ? 2 * t->slots : 16, 0};
+        grown.keys = PyMem_Calloc(grown.slots, sizeof(PyObject *));
+        grown.values = PyMem_Calloc(grown.slots, 1);
+        if (grown.keys == NULL || grown.values == NULL) {
+            PyMem_Free(grown.keys);
+            PyMem_Free(grown.values);
+            PyErr_NoMemory();
+            return -1;
+        }
+        for (size_t i = 0; i < t->slots; i++)
+            if (t->keys[i] != NULL) {
+                size_t slot = pointer_slot(&grown, t->keys[i]);
+                grown.keys[slot] = t->keys[i];
+                grown.values[slot] = t->values[i];
+                grown.used++;
+            }
+        PyMem_Free(t->keys);
+        PyMem_Free(t->values);
+        *t = grown;
+    }
+    size_t slot = pointer_slot(t, key);
+    t->used += t->keys[slot] == NULL;
+    t->keys[slot] = key;
+    t->values[slot] = value;
+    return 0;
+}
+
+/* site_summary(sites, hidden, user, all_mask, mask_of, collective_op, collective_apis)
+ * -> (callers, union, outside, full, collective): divergence's one pass over every
+ * callsite, its fields read in place (``Fields``): ``stack_summary`` of the sites'
+ * stacks with ``full`` (per site: its ranks are None, or ``mask_of(ranks) ==
+ * all_mask``, asked once per ranks list object), and per site whether it is a
+ * collective (``collective_op(op)``, asked once per op string, or its api is in
+ * ``collective_apis``), as bytes. ``py_site_summary`` in sorted_runs.py is the
+ * reference. */
+static PyObject *
+site_summary(PyObject *Py_UNUSED(module), PyObject *args)
+{
+    PyObject *sites, *all_mask, *mask_of, *collective_op, *collective_apis;
+    Py_buffer hidden, user;
+    if (!PyArg_ParseTuple(args, "O!y*y*OOOO:site_summary", &PyList_Type, &sites, &hidden, &user,
+                          &all_mask, &mask_of, &collective_op, &collective_apis))
+        return NULL;
+    PyObject *callers = NULL, *union_ = NULL, *outside = NULL, *full = NULL, *collective = NULL;
+    PyObject *result = NULL, *known_ops = NULL;
+    PointerFlags full_of = {NULL, NULL, 0, 0};
+    Fields f;
+    const unsigned char *is_hidden = hidden.buf, *is_user = user.buf;
+    Py_ssize_t n = PyList_GET_SIZE(sites), frames = hidden.len;
+    fields_open(&f, site_names, SITE_FIELDS, NULL);
+    if (field_names_ready() < 0)
+        goto done;
+    fields_open(&f, site_names, SITE_FIELDS, n ? PyList_GET_ITEM(sites, 0) : NULL);
+    if (user.len != frames) {
+        PyErr_SetString(PyExc_ValueError, "site_summary: lengths differ");
+        goto done;
+    }
+    if (frames > INT32_MAX) { /* callers are 4-byte frame ids */
+        PyErr_SetString(PyExc_OverflowError, "site_summary: too many frames");
+        goto done;
+    }
+    callers = PyBytes_FromStringAndSize(NULL, n * (Py_ssize_t)sizeof(int32_t));
+    union_ = PyByteArray_FromStringAndSize(NULL, frames);
+    outside = PyList_New(0);
+    full = PyBytes_FromStringAndSize(NULL, n);
+    collective = PyBytes_FromStringAndSize(NULL, n);
+    known_ops = PyDict_New();
+    if (!callers || !union_ || !outside || !full || !collective || !known_ops)
+        goto done;
+    int32_t *caller_of = (int32_t *)PyBytes_AS_STRING(callers);
+    unsigned char *in_union = (unsigned char *)PyByteArray_AS_STRING(union_);
+    unsigned char *is_full = (unsigned char *)PyBytes_AS_STRING(full);
+    unsigned char *is_collective = (unsigned char *)PyBytes_AS_STRING(collective);
+    memset(in_union, 0, (size_t)frames);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *site = PyList_GET_ITEM(sites, i);
+        PyObject *stack = field(&f, site, SITE_STACK);
+        PyObject *ranks = stack ? field(&f, site, SITE_RANKS) : NULL;
+        PyObject *op = ranks ? field(&f, site, SITE_OP) : NULL;
+        if (op == NULL)
+            goto done;
+        if (!PyTuple_Check(stack)) {
+            PyErr_SetString(PyExc_TypeError, "site_summary: a stack is not a tuple");
+            goto done;
+        }
+        if (ranks == Py_None) {
+            is_full[i] = 1;
+        } else {
+            size_t slot = full_of.slots ? pointer_slot(&full_of, ranks) : 0;
+            if (full_of.slots && full_of.keys[slot] == ranks) {
+                is_full[i] = full_of.values[slot];
+            } else {
+                PyObject *mask = PyObject_CallOneArg(mask_of, ranks);
+                int equal = mask ? PyObject_RichCompareBool(mask, all_mask, Py_EQ) : -1;
+                Py_XDECREF(mask);
+                if (equal < 0 || pointer_put(&full_of, ranks, (unsigned char)equal) < 0)
+                    goto done;
+                is_full[i] = (unsigned char)equal;
+            }
+        }
+        PyObject *known = PyDict_GetItemWithError(known_ops, op); /* borrowed */
+        if (known == NULL) {
+            if (PyErr_Occurred())
+                goto done;
+            PyObject *answer = PyObject_CallOneArg(collective_op, op);
+            int truth = answer ? PyObject_IsTrue(answer) : -1;
+            Py_XDECREF(answer);
+            if (truth < 0 || PyDict_SetItem(known_ops, op, truth ? Py_True : Py_False) < 0)
+                goto done;
+            known = truth ? Py_True : Py_False;
+        }
+        int is_c = known == Py_True;
+        if (!is_c) {
+            PyObject *api = field(&f, site, SITE_API);
+            if (api == NULL || (is_c = PySequence_Contains(collective_apis, api)) < 0)
+                goto done;
+        }
+        is_collective[i] = (unsigned char)is_c;
+        Py_ssize_t depth = PyTuple_GET_SIZE(stack), last = -1, innermost_user = -1, frame;
+        for (Py_ssize_t j = 0; j < depth; j++) {
+            if (stack_frame(stack, j, frames, "site_summary", &frame) < 0)
+                goto done;
+            if (is_hidden[frame])
+                continue;
+            last = frame;
+            if (is_user[frame])
+                innermost_user = frame;
+            if (is_full[i])
+                in_union[frame] = 1;
+        }
+        caller_of[i] = (int32_t)(innermost_user >= 0 ? innermost_user : last);
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (is_full[i])
+            continue;
+        PyObject *stack = field(&f, PyList_GET_ITEM(sites, i), SITE_STACK); /* checked */
+        if (stack == NULL)
+            goto done;
+        Py_ssize_t depth = PyTuple_GET_SIZE(stack), frame;
+        for (Py_ssize_t j = 0; j < depth; j++) {
+            frame = as_index(PyTuple_GET_ITEM(stack, j)); /* checked above */
+            if (!is_hidden[frame] && !in_union[frame]) {
+                if (append_index(outside, i) < 0)
+                    goto done;
+                break;
+            }
+        }
+    }
+    result = PyTuple_Pack(5, callers, union_, outside, full, collective);
+done:
+    fields_close(&f);
+    PyMem_Free(full_of.keys);
+    PyMem_Free(full_of.values);
+    PyBuffer_Release(&hidden);
+    PyBuffer_Release(&user);
+    Py_XDECREF(callers);
+    Py_XDECREF(union_);
+    Py_XDECREF(outside);
+    Py_XDECREF(full);
+    Py_XDECREF(collective);
+    Py_XDECREF(known_ops);
+    return result;
+}
+
 /* touching(stacks, marked) -> positions: the stacks with a frame id marked (non-zero
  * in ``marked``, bytes by frame id). ``py_touching`` in sorted_runs.py is the
  * reference. */
@@ -1097,12 +1371,14 @@ done:
     return result;
 }
 
-/* skew_fold(sites, numbers, functions, ranks, skew) -> (ops, full, example, partial,
- * found): divergence's count_skew fold over the non-collective callsites,
- * the same numbers as the Python reference ``py_skew_fold``
- * (opguard_plugins/stages/divergence.py), bit for bit: the same additions in the
- * same order. ``numbers[i]`` is the calling function of ``sites[i]`` (-1: none, the
- * last slot); a site is read through its attributes (count, ranks, per_rank and
+/* skew_fold(sites, callers, function, skip, functions, ranks, skew) -> (ops, full,
+ * example, partial, found): divergence's count_skew fold over the callsites not
+ * ``skip``ped (bytes, one a site: the collectives), the same numbers as the Python
+ * reference ``py_skew_fold`` (opguard_plugins/stages/divergence.py), bit for bit: the
+ * same additions in the same order. A site's calling function is
+ * ``function[callers[i]]`` (native 4-byte ints: ``callers`` by site, -1 for none, the
+ * last slot; ``function`` by frame id); ``example`` and ``partial`` are positions in
+ * ``sites``. A site is read in place (``Fields``: count, ranks, per_rank and
  * per_rank's counts, min, max, min_ranks, max_ranks). A rank outside ``ranks`` is a
  * ValueError, a sum of ops past 2**63-1 an OverflowError. */
 
@@ -1111,30 +1387,6 @@ compare_doubles(const void *a, const void *b)
 {
     double x = *(const double *)a, y = *(const double *)b;
     return (x > y) - (x < y);
-}
-
-typedef struct {
-    PyObject *count, *ranks, *per_rank, *counts, *min, *max, *min_ranks, *max_ranks;
-} SkewNames;
-
-static SkewNames skew_names;
-
-static int
-skew_names_ready(void)
-{
-    if (skew_names.count != NULL)
-        return 0;
-    const char *text[] = {"count", "ranks", "per_rank", "counts", "min", "max",
-                          "min_ranks", "max_ranks"};
-    PyObject **slot[] = {&skew_names.count, &skew_names.ranks, &skew_names.per_rank,
-                         &skew_names.counts, &skew_names.min, &skew_names.max,
-                         &skew_names.min_ranks, &skew_names.max_ranks};
-    for (size_t i = 0; i < sizeof(text) / sizeof(text[0]); i++) {
-        *slot[i] = PyUnicode_InternFromString(text[i]);
-        if (*slot[i] == NULL)
-            return -1;
-    }
-    return 0;
 }
 
 /* the position of ``rank`` in the trace's ranks, or -1 with ValueError set */
@@ -1176,31 +1428,45 @@ add_to_ranks(double *row, PyObject *holders, double value, const Py_ssize_t *pos
 static PyObject *
 skew_fold(PyObject *Py_UNUSED(module), PyObject *args)
 {
-    PyObject *sites, *numbers, *ranks;
+    PyObject *sites, *ranks;
+    Py_buffer callers_buf, function_buf, skip_buf;
     Py_ssize_t functions;
     double skew;
-    if (!PyArg_ParseTuple(args, "O!O!nO!d:skew_fold", &PyList_Type, &sites, &PyList_Type,
-                          &numbers, &functions, &PyList_Type, &ranks, &skew))
-        return NULL;
-    if (skew_names_ready() < 0)
+    if (!PyArg_ParseTuple(args, "O!y*y*y*nO!d:skew_fold", &PyList_Type, &sites, &callers_buf,
+                          &function_buf, &skip_buf, &functions, &PyList_Type, &ranks, &skew))
         return NULL;
     Py_ssize_t n = PyList_GET_SIZE(sites), nranks = PyList_GET_SIZE(ranks), size = functions + 1;
-    if (PyList_GET_SIZE(numbers) != n || functions < 0 || nranks == 0) {
-        PyErr_SetString(PyExc_ValueError, "skew_fold: sites and numbers differ in length, "
-                                          "or no function or rank");
-        return NULL;
-    }
+    Py_ssize_t nframes = function_buf.len / (Py_ssize_t)sizeof(int32_t);
+    const int32_t *caller_of = callers_buf.buf, *function_of = function_buf.buf;
+    const unsigned char *skipped = skip_buf.buf;
     PyObject *result = NULL, *found = NULL, *partial = NULL, *ops_list = NULL;
     PyObject *full = NULL, *example_list = NULL;
     double *totals = NULL, *sorted_totals = NULL;
-    long long *ops = PyMem_Calloc(size, sizeof(long long));
-    double *uniform = PyMem_Calloc(size, sizeof(double));
-    long long *best = PyMem_Malloc(size * sizeof(long long));
-    Py_ssize_t *example = PyMem_Malloc(size * sizeof(Py_ssize_t));
-    double **rows = PyMem_Calloc(size, sizeof(double *));
-    Py_ssize_t *order = PyMem_Malloc(size * sizeof(Py_ssize_t)); /* slots as first varied */
+    long long *ops = NULL, *best = NULL;
+    double *uniform = NULL, **rows = NULL;
+    Py_ssize_t *example = NULL, *order = NULL;
     Py_ssize_t varied_count = 0, limit = 0, *position = NULL;
-    char *is_full = PyMem_Calloc(size, 1);
+    char *is_full = NULL;
+    int stats_open = 0;
+    Fields f, g;
+    fields_open(&f, site_names, SITE_FIELDS, NULL);
+    fields_open(&g, stats_names, STATS_FIELDS, NULL);
+    if (field_names_ready() < 0)
+        goto done;
+    if (callers_buf.len != n * (Py_ssize_t)sizeof(int32_t) || skip_buf.len != n
+        || function_buf.len % (Py_ssize_t)sizeof(int32_t) || functions < 0 || nranks == 0) {
+        PyErr_SetString(PyExc_ValueError, "skew_fold: sites, callers and skip differ in length, "
+                                          "or no function or rank");
+        goto done;
+    }
+    fields_open(&f, site_names, SITE_FIELDS, n ? PyList_GET_ITEM(sites, 0) : NULL);
+    ops = PyMem_Calloc(size, sizeof(long long));
+    uniform = PyMem_Calloc(size, sizeof(double));
+    best = PyMem_Malloc(size * sizeof(long long));
+    example = PyMem_Malloc(size * sizeof(Py_ssize_t));
+    rows = PyMem_Calloc(size, sizeof(double *));
+    order = PyMem_Malloc(size * sizeof(Py_ssize_t)); /* slots as first varied */
+    is_full = PyMem_Calloc(size, 1);
     if (!ops || !uniform || !best || !example || !rows || !order || !is_full) {
         PyErr_NoMemory();
         goto done;
@@ -1233,20 +1499,25 @@ skew_fold(PyObject *Py_UNUSED(module), PyObject *args)
     if (partial == NULL)
         goto done;
     for (Py_ssize_t i = 0; i < n; i++) {
+        if (skipped[i])
+            continue;
         PyObject *site = PyList_GET_ITEM(sites, i);
-        Py_ssize_t number = as_index(PyList_GET_ITEM(numbers, i));
-        if (number == -1 && PyErr_Occurred())
+        Py_ssize_t frame = caller_of[i], number = -1;
+        if (frame >= nframes || frame < -1) {
+            PyErr_SetString(PyExc_IndexError, "skew_fold: caller frame id out of range");
             goto done;
+        }
+        if (frame >= 0)
+            number = function_of[frame];
         if (number < -1 || number >= functions) {
             PyErr_SetString(PyExc_IndexError, "skew_fold: function number out of range");
             goto done;
         }
         Py_ssize_t slot = number >= 0 ? number : functions;
-        PyObject *count_obj = PyObject_GetAttr(site, skew_names.count);
+        PyObject *count_obj = field(&f, site, SITE_COUNT);
         if (count_obj == NULL)
             goto done;
         long long count = PyLong_AsLongLong(count_obj);
-        Py_DECREF(count_obj);
         if (count == -1 && PyErr_Occurred())
             goto done;
         if (number >= 0 && count > best[slot]) {
@@ -1257,21 +1528,19 @@ skew_fold(PyObject *Py_UNUSED(module), PyObject *args)
             PyErr_SetString(PyExc_OverflowError, "skew_fold: ops past 2**63-1");
             goto done;
         }
-        PyObject *present = PyObject_GetAttr(site, skew_names.ranks);
-        if (present == NULL)
+        PyObject *present = field(&f, site, SITE_RANKS);
+        PyObject *stats = present ? field(&f, site, SITE_PER_RANK) : NULL;
+        if (stats == NULL)
             goto done;
-        PyObject *stats = PyObject_GetAttr(site, skew_names.per_rank);
-        if (stats == NULL) {
-            Py_DECREF(present);
-            goto done;
+        if (stats != Py_None && !stats_open) { /* the first per_rank's type */
+            fields_open(&g, stats_names, STATS_FIELDS, stats);
+            stats_open = 1;
         }
         int failed = 0;
         if (present == Py_None) {
             is_full[slot] = 1;
         } else {
-            PyObject *index = PyLong_FromSsize_t(i);
-            failed = index == NULL || PyList_Append(partial, index) < 0;
-            Py_XDECREF(index);
+            failed = append_index(partial, i) < 0;
         }
         if (failed) {
         } else if (stats == Py_None && present == Py_None) {
@@ -1295,7 +1564,7 @@ skew_fold(PyObject *Py_UNUSED(module), PyObject *args)
                 if (len == 0)
                     PyErr_SetString(PyExc_ValueError, "skew_fold: a callsite with no rank");
             } else {
-                PyObject *counts = PyObject_GetAttr(stats, skew_names.counts);
+                PyObject *counts = field(&g, stats, STATS_COUNTS);
                 if (counts == NULL) {
                     failed = 1;
                 } else if (counts != Py_None) {
@@ -1317,10 +1586,10 @@ skew_fold(PyObject *Py_UNUSED(module), PyObject *args)
                     }
                     Py_XDECREF(fast);
                 } else {
-                    PyObject *low = PyObject_GetAttr(stats, skew_names.min_ranks);
-                    PyObject *high = PyObject_GetAttr(stats, skew_names.max_ranks);
-                    PyObject *low_value = PyObject_GetAttr(stats, skew_names.min);
-                    PyObject *high_value = PyObject_GetAttr(stats, skew_names.max);
+                    PyObject *low = field(&g, stats, STATS_MIN_RANKS);
+                    PyObject *high = low ? field(&g, stats, STATS_MAX_RANKS) : NULL;
+                    PyObject *low_value = high ? field(&g, stats, STATS_MIN) : NULL;
+                    PyObject *high_value = low_value ? field(&g, stats, STATS_MAX) : NULL;
                     failed = !low || !high || !low_value || !high_value;
                     long long lo = failed ? 0 : PyLong_AsLongLong(low_value);
                     long long hi = failed ? 0 : PyLong_AsLongLong(high_value);
@@ -1358,16 +1627,9 @@ skew_fold(PyObject *Py_UNUSED(module), PyObject *args)
                             || add_to_ranks(row, low, (double)lo - share, position, limit) < 0
                             || add_to_ranks(row, high, (double)hi - share, position, limit) < 0;
                     }
-                    Py_XDECREF(low);
-                    Py_XDECREF(high);
-                    Py_XDECREF(low_value);
-                    Py_XDECREF(high_value);
                 }
-                Py_XDECREF(counts);
             }
         }
-        Py_DECREF(present);
-        Py_DECREF(stats);
         if (failed)
             goto done;
     }
@@ -1420,6 +1682,11 @@ skew_fold(PyObject *Py_UNUSED(module), PyObject *args)
     }
     result = PyTuple_Pack(5, ops_list, full, example_list, partial, found);
 done:
+    fields_close(&f);
+    fields_close(&g);
+    PyBuffer_Release(&callers_buf);
+    PyBuffer_Release(&function_buf);
+    PyBuffer_Release(&skip_buf);
     if (rows != NULL)
         for (Py_ssize_t i = 0; i < size; i++)
             PyMem_Free(rows[i]);
@@ -1451,11 +1718,14 @@ static PyMethodDef module_methods[] = {
     {"stack_summary", stack_summary, METH_VARARGS,
      "stack_summary(stacks, hidden, user, full) -> (callers, union, outside): divergence's "
      "pass over every stack."},
+    {"site_summary", site_summary, METH_VARARGS,
+     "site_summary(sites, hidden, user, all_mask, mask_of, collective_op, collective_apis) -> "
+     "(callers, union, outside, full, collective): divergence's pass over every callsite."},
     {"touching", touching, METH_VARARGS,
      "touching(stacks, marked) -> positions: the stacks with a marked frame id."},
     {"skew_fold", skew_fold, METH_VARARGS,
-     "skew_fold(sites, numbers, functions, ranks, skew) -> (ops, full, example, partial, "
-     "found): divergence's count_skew fold."},
+     "skew_fold(sites, callers, function, skip, functions, ranks, skew) -> (ops, full, "
+     "example, partial, found): divergence's count_skew fold."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -5,7 +5,7 @@ Loaded by :mod:`opguard_plugins.stages.sorted_runs` through
 and the ``py_*`` functions there are the Python references.
 """
 
-from collections.abc import Sequence
+from collections.abc import Callable, Container, Sequence
 from typing import final
 
 from _typeshed import ReadableBuffer
@@ -70,7 +70,24 @@ def stack_summary(
     full: ReadableBuffer,
     /,
 ) -> tuple[bytes, bytearray, list[int]]: ...
+def site_summary(
+    sites: list[Callsite],
+    hidden: ReadableBuffer,
+    user: ReadableBuffer,
+    all_mask: int,
+    mask_of: Callable[[list[int]], int],
+    collective_op: Callable[[str], bool],
+    collective_apis: Container[str | None],
+    /,
+) -> tuple[bytes, bytearray, list[int], bytes, bytes]: ...
 def touching(stacks: list[tuple[int, ...]], marked: ReadableBuffer, /) -> list[int]: ...
 def skew_fold(
-    sites: list[Callsite], numbers: list[int], functions: int, ranks: list[int], skew: float, /
+    sites: list[Callsite],
+    callers: ReadableBuffer,
+    function: ReadableBuffer,
+    skip: ReadableBuffer,
+    functions: int,
+    ranks: list[int],
+    skew: float,
+    /,
 ) -> tuple[list[int], bytearray, list[int | None], list[int], list[tuple[int, float, bytes]]]: ...

@@ -35,6 +35,7 @@ from __future__ import annotations
 import array
 import math
 from collections.abc import Callable, Iterator
+from functools import cached_property
 from itertools import compress
 from itertools import count as counter
 from statistics import median_low
@@ -72,7 +73,7 @@ from opguard_plugins.stages.sequences import (
     sequence_findings,
     went_on_longest,
 )
-from opguard_plugins.stages.sorted_runs import stack_summary, touching, visible_frames
+from opguard_plugins.stages.sorted_runs import site_summary, touching, visible_frames
 
 #: how many enclosing functions a finding's ``context`` lists (as config entries do)
 CONTEXT_DEPTH = 3
@@ -153,6 +154,11 @@ class _MaskOf:
         return mask
 
 
+def _collective_op(op: str) -> bool:
+    """Whether ``op`` is a collective whatever its api (:func:`is_collective`)."""
+    return is_collective(op, None)
+
+
 class _Stacks:
     """Every callsite's calling function (its frame id), rank mask and whether it is a
     collective, in trace order, the frames' names, and which frames a callsite of
@@ -170,31 +176,42 @@ class _Stacks:
         self.function_names = list(ids)
         self.user = bytes(not is_torch_module(f.module) for f in trace.frames)
         self.hidden = bytes(hidden_frames(trace, hide, self.names))
-        #: per callsite: its ranks as a mask (all of them where ``ranks`` is None; a
-        #: combined trace shares one ``ranks`` list per rank set: one mask each)
+        #: per callsite: its calling function's frame id (the innermost visible frame
+        #: outside torch, else the innermost visible frame; -1 for none), whether
+        #: every rank ran it and whether it is a collective (:func:`is_collective`, once
+        #: per op); per frame id: whether a callsite every rank ran shows it; the
+        #: callsites some ranks never ran with a visible frame outside those: one pass,
+        #: in C where built, reading the callsites in place (a combined trace shares one
+        #: ``ranks`` list per rank set: one mask each)
+        self.callsites = trace.callsites
         self.all_mask = all_mask = ranks_to_mask(trace.ranks)
-        self.mask_of = mask_of = _MaskOf()
-        self.masks = [
-            all_mask if site.ranks is None else mask_of(site.ranks) for site in trace.callsites
-        ]
-        self.stacks = [site.stack for site in trace.callsites]
-        #: per callsite: the frame id of its calling function (the innermost visible
-        #: frame outside torch, else the innermost visible frame; -1 for none); per
-        #: frame id: whether a callsite every rank ran shows it; the callsites some
-        #: ranks never ran with a visible frame outside those (one pass, in C where built)
-        callers, self.everywhere, self.outside = stack_summary(
-            self.stacks, self.hidden, self.user, bytes(map(all_mask.__eq__, self.masks))
+        self.mask_of = _MaskOf()
+        self.callers, self.everywhere, self.outside, self.full, self.collective = site_summary(
+            trace.callsites,
+            self.hidden,
+            self.user,
+            all_mask,
+            self.mask_of,
+            _collective_op,
+            COLLECTIVE_APIS,
         )
-        self.caller = memoryview(callers).cast("i")
-        #: per callsite: whether it is a collective (:func:`is_collective`, once per op)
-        ops = {site.op for site in trace.callsites}
-        c10d = {op: is_collective(op, None) for op in ops}
-        self.collective = [c10d[site.op] or site.api in COLLECTIVE_APIS for site in trace.callsites]
+        self.caller = memoryview(self.callers).cast("i")
+
+    def mask(self, index: int) -> int:
+        """Callsite ``index``'s ranks as a mask (all of them where ``ranks`` is None)."""
+        ranks = self.callsites[index].ranks
+        return self.all_mask if ranks is None else self.mask_of(ranks)
+
+    @cached_property
+    def stacks(self) -> list[tuple[int, ...]]:
+        """Every callsite's stack, in trace order (read where a pass needs them all)."""
+        return [site.stack for site in self.callsites]
 
     def visible_of(self, indices: list[int]) -> tuple[list[list[int]], list[int | None]]:
         """Per callsite of ``indices``: its visible frames and the position in them of
         its calling function (None for no frame)."""
-        return visible_frames([self.stacks[i] for i in indices], self.hidden, self.user)
+        callsites = self.callsites
+        return visible_frames([callsites[i].stack for i in indices], self.hidden, self.user)
 
     def where(self, index: int) -> dict[str, Any]:
         """:meth:`describe` for callsite ``index``: its target, context and stack."""
@@ -303,7 +320,7 @@ def _collectives(
         if hist is None:  # counts unknown: only ranks that never issued it can be told
             if site.ranks is None:
                 continue
-            mask = stacks.masks[index]
+            mask = stacks.mask(index)
             hist = {-1: mask, 0: all_mask & ~mask}
         if len(hist) > 1:
             unequal.append((index, hist))
@@ -424,7 +441,6 @@ def _mismatch_message(
 def _rank_specific(trace: CallsiteTrace, stacks: _Stacks) -> Iterator[Finding]:
     """The outermost function of each path some ranks never took."""
     all_mask = stacks.all_mask
-    masks = stacks.masks
     function = stacks.function
     # a function in any callsite that every rank ran is run by every rank: the frames
     # those callsites show come from the one pass over the stacks (``everywhere``, by
@@ -434,7 +450,7 @@ def _rank_specific(trace: CallsiteTrace, stacks: _Stacks) -> Iterator[Finding]:
     outside = stacks.outside
     visible, _ = stacks.visible_of(outside)
     partial = [
-        (index, frames, masks[index])
+        (index, frames, stacks.mask(index))
         for index, frames in zip(outside, visible, strict=True)
         if not everywhere.issuperset(map(function.__getitem__, frames))
     ]
@@ -497,16 +513,21 @@ def _rank_specific(trace: CallsiteTrace, stacks: _Stacks) -> Iterator[Finding]:
         }
 
 
+#: a bytes translation table: 0 to 1, anything else to 0
+_NOT = bytes([1] + [0] * 255)
+
+
 def _dtype_mismatch(trace: CallsiteTrace, stacks: _Stacks) -> Iterator[Finding]:
     """Each callsite (stack, api, op, stream role) whose ranks ran its op in different
     sets of dtypes: the set a strict majority of the ranks that ran it ran, else the
     lowest rank's, against every other. A difference needs a variant some rank did not
     run, so only the keys of such variants are gathered."""
     callsites = trace.callsites
+    # the callsites some ranks never ran (``full`` inverted), only those read
     partial = [
         site
-        for site, mask in zip(callsites, stacks.masks, strict=True)
-        if site.dtype is not None and mask != stacks.all_mask
+        for index in compress(counter(), stacks.full.translate(_NOT))
+        if (site := callsites[index]).dtype is not None
     ]
     if not partial:
         return
@@ -522,7 +543,7 @@ def _dtype_mismatch(trace: CallsiteTrace, stacks: _Stacks) -> Iterator[Finding]:
             continue
         held: dict[int, list[str]] = {}  # rank -> the dtypes it ran here, sorted
         for index in sorted(members, key=lambda i: str(callsites[i].dtype)):
-            for rank in ranks_of(stacks.masks[index]):
+            for rank in ranks_of(stacks.mask(index)):
                 held.setdefault(rank, []).append(str(callsites[index].dtype))
         sets: dict[tuple[str, ...], list[int]] = {}
         for rank in sorted(held):
@@ -567,25 +588,38 @@ def _dtype_mismatch(trace: CallsiteTrace, stacks: _Stacks) -> Iterator[Finding]:
 
 
 #: what :func:`py_skew_fold` gives: per calling function (its number; the last slot:
-#: no frame) the ops, whether a callsite of it ran on every rank and the index of its
-#: largest callsite; the callsites with ``ranks``; and per function whose per-rank
-#: ops stray from their median by more than ``skew`` times it, (number, median,
-#: per-rank ops in ``ranks`` order as native doubles: 8 bytes a rank, where a list of
-#: floats is 32, for thousands of functions at 128 ranks)
+#: no frame) the ops, whether a callsite of it ran on every rank and the position in
+#: the callsites of its largest callsite; the positions of the callsites folded with
+#: ``ranks``; and per function whose per-rank ops stray from their median by more than
+#: ``skew`` times it, (number, median, per-rank ops in ``ranks`` order as native
+#: doubles: 8 bytes a rank, where a list of floats is 32, for thousands of functions
+#: at 128 ranks)
 SkewFold = tuple[list[int], bytearray, list[int | None], list[int], list[tuple[int, float, bytes]]]
 
 
 def py_skew_fold(
-    sites: list[Callsite], numbers: list[int], functions: int, ranks: list[int], skew: float
+    sites: list[Callsite],
+    callers: bytes,
+    function: bytes,
+    skip: bytes,
+    functions: int,
+    ranks: list[int],
+    skew: float,
 ) -> SkewFold:
-    """Fold ``sites`` (with ``numbers[i]``, the calling function of ``sites[i]``, -1
-    for none) into per-function totals (:data:`SkewFold`); the reference of the C
-    ``skew_fold`` (``_runs.c``), which gives the same numbers, bit for bit.
+    """Fold ``sites`` but those ``skip`` marks (bytes, one a site: the collectives)
+    into per-function totals (:data:`SkewFold`); the reference of the C ``skew_fold``
+    (``_runs.c``), which gives the same numbers, bit for bit. The calling function of
+    ``sites[i]`` is ``function[callers[i]]`` (both native 4-byte ints: ``callers`` by
+    site, -1 for none; ``function`` by frame id: the function's number).
 
     A function's per-rank total is a share every rank has plus what differs per
     rank: a callsite whose histogram overflowed adds the mean of its middle ranks to
     every rank and the difference to its min and max ranks only, so a callsite costs
     a few additions, not one per rank. The median is the lower one."""
+    caller = memoryview(callers).cast("i")
+    number_of = memoryview(function).cast("i")
+    if len(caller) != len(sites) or len(skip) != len(sites):
+        raise ValueError("skew_fold: sites, callers and skip differ in length")
     nranks = len(ranks)
     at = {rank: position for position, rank in enumerate(ranks)}
     size = functions + 1
@@ -596,7 +630,12 @@ def py_skew_fold(
     example: list[int | None] = [None] * size
     varied: dict[int, list[float]] = {}
     partial: list[int] = []
-    for index, (site, number) in enumerate(zip(sites, numbers, strict=True)):
+    for index in compress(counter(), skip.translate(_NOT)):
+        site = sites[index]
+        fid = caller[index]
+        number = -1 if fid < 0 else number_of[fid]
+        if not -1 <= number < functions:
+            raise IndexError("skew_fold: function number out of range")
         slot = number if number >= 0 else functions
         count = site.count
         if number >= 0 and count > best[slot]:
@@ -649,8 +688,8 @@ def py_skew_fold(
     return ops, full, example, partial, found
 
 
-#: (sites, numbers, functions, ranks, skew) -> :data:`SkewFold`
-SkewFolder = Callable[[list[Callsite], list[int], int, list[int], float], SkewFold]
+#: (sites, callers, function, skip, functions, ranks, skew) -> :data:`SkewFold`
+SkewFolder = Callable[[list[Callsite], bytes, bytes, bytes, int, list[int], float], SkewFold]
 
 
 def _skew_fold() -> SkewFolder:
@@ -671,19 +710,24 @@ def _count_skew(trace: CallsiteTrace, stacks: _Stacks, skew: float) -> Iterator[
     function, the share every rank has plus what differs per rank
     (:func:`py_skew_fold`)."""
     ranks = trace.ranks
-    all_mask = ranks_to_mask(ranks)
+    all_mask = stacks.all_mask
     function = stacks.function
-    keep = [not collective for collective in stacks.collective]
-    indices = list(compress(range(len(keep)), keep))
-    sites = list(compress(trace.callsites, keep))
-    numbers = [-1 if fid < 0 else function[fid] for fid in compress(stacks.caller, keep)]
     functions = len(stacks.function_names)
-    ops, full, example, partial, found = skew_fold(sites, numbers, functions, ranks, float(skew))
-    masks = stacks.masks
+    ops, full, example, partial, found = skew_fold(
+        trace.callsites,
+        stacks.callers,
+        array.array("i", function).tobytes(),
+        stacks.collective,
+        functions,
+        ranks,
+        float(skew),
+    )
+    caller = stacks.caller
     function_mask: dict[int, int] = {}
-    for partial_at in partial:
-        number = numbers[partial_at]
-        function_mask[number] = function_mask.get(number, 0) | masks[indices[partial_at]]
+    for index in partial:
+        fid = caller[index]
+        number = -1 if fid < 0 else function[fid]
+        function_mask[number] = function_mask.get(number, 0) | stacks.mask(index)
     names = stacks.function_names
     kept = []
     for number, middle, row in found:
@@ -692,9 +736,7 @@ def _count_skew(trace: CallsiteTrace, stacks: _Stacks, skew: float) -> Iterator[
             kept.append((number, slot, middle, row))
         # else some ranks never ran it: a rank_specific finding says so
     # each finding's example callsite, and the visible frames of all of them in one pass
-    site_indices = [
-        None if (at := example[slot]) is None else indices[at] for _, slot, _, _ in kept
-    ]
+    site_indices = [example[slot] for _, slot, _, _ in kept]
     visible, callers = stacks.visible_of([i for i in site_indices if i is not None])
     shown = iter(zip(visible, callers, strict=True))
     for (number, slot, middle, row), site_index in zip(kept, site_indices, strict=True):

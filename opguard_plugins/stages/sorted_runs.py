@@ -21,12 +21,13 @@ from __future__ import annotations
 
 from array import array
 from bisect import bisect_right
-from collections.abc import Callable
+from collections.abc import Callable, Container
 from functools import reduce
 from itertools import accumulate, pairwise
 from operator import itemgetter, or_
 from typing import TYPE_CHECKING, NamedTuple
 
+from opguard_core.formats.trace import Callsite
 from opguard_core.native import load_native
 
 
@@ -320,6 +321,33 @@ def py_stack_summary(
     return callers.tobytes(), union, outside
 
 
+def py_site_summary(
+    sites: list[Callsite],
+    hidden: bytes,
+    user: bytes,
+    all_mask: int,
+    mask_of: Callable[[list[int]], int],
+    collective_op: Callable[[str], bool],
+    collective_apis: Container[str | None],
+) -> tuple[bytes, bytearray, list[int], bytes, bytes]:
+    """Divergence's one pass over every callsite: :func:`py_stack_summary` of their
+    stacks with ``full`` (per site: its ``ranks`` are None or ``mask_of(ranks) ==
+    all_mask``, every rank ran it), then ``full`` and per site whether it is a
+    collective (``collective_op(op)``, asked once per op, or its api is in
+    ``collective_apis``), both as bytes. The C ``site_summary`` reads the sites'
+    fields in place, without writing their reference counts."""
+    full = bytes(site.ranks is None or mask_of(site.ranks) == all_mask for site in sites)
+    known: dict[str, bool] = {}
+    collective = bytearray(len(sites))
+    for index, site in enumerate(sites):
+        answer = known.get(site.op)
+        if answer is None:
+            answer = known[site.op] = bool(collective_op(site.op))
+        collective[index] = answer or site.api in collective_apis
+    callers, union, outside = py_stack_summary([site.stack for site in sites], hidden, user, full)
+    return callers, union, outside, full, bytes(collective)
+
+
 def py_touching(stacks: list[tuple[int, ...]], marked: bytes) -> list[int]:
     """The positions of the stacks with a frame id marked (non-zero in ``marked``)."""
     return [index for index, stack in enumerate(stacks) if any(marked[fid] for fid in stack)]
@@ -343,6 +371,20 @@ if TYPE_CHECKING:
     StackSummary = Callable[
         [list[tuple[int, ...]], bytes, bytes, bytes], tuple[bytes, bytearray, list[int]]
     ]
+    #: (sites, hidden, user, all_mask, mask_of, collective_op, collective_apis) ->
+    #: (callers, union, outside, full, collective)
+    SiteSummary = Callable[
+        [
+            list[Callsite],
+            bytes,
+            bytes,
+            int,
+            Callable[[list[int]], int],
+            Callable[[str], bool],
+            Container[str | None],
+        ],
+        tuple[bytes, bytearray, list[int], bytes, bytes],
+    ]
     #: (stacks, marked) -> positions
     Touching = Callable[[list[tuple[int, ...]], bytes], list[int]]
 
@@ -362,13 +404,14 @@ def _implementation() -> tuple[
 Runs, callsite_paths, frames_at, visible_frames = _implementation()
 
 
-def _divergence_implementation() -> tuple[StackSummary, Touching]:
+def _divergence_implementation() -> tuple[StackSummary, SiteSummary, Touching]:
     if load_native("opguard_plugins.stages._runs") is None:
-        return py_stack_summary, py_touching
-    from opguard_plugins.stages._runs import stack_summary, touching
+        return py_stack_summary, py_site_summary, py_touching
+    from opguard_plugins.stages._runs import site_summary, stack_summary, touching
 
-    return stack_summary, touching
+    return stack_summary, site_summary, touching
 
 
-#: divergence's pass over every stack and its search for stacks with marked frames
-stack_summary, touching = _divergence_implementation()
+#: divergence's pass over every stack (and over every callsite) and its search for
+#: stacks with marked frames
+stack_summary, site_summary, touching = _divergence_implementation()
