@@ -188,7 +188,9 @@ def encode_divergence(
         stacked = group_number < MAX_STACK_GROUPS
         rows = []
         for number, f in enumerate(g["findings"]):
-            row = {k: v for k, v in f.items() if k not in _GROUP_FIELDS}
+            row = f.copy()  # then the group's fields out: the finding's order kept
+            for name in _GROUP_FIELDS:
+                row.pop(name, None)
             with_stack = (stacked and number < STACKS_PER_GROUP) or row.get("callsite") is None
             for name in _STACK_FIELDS:
                 if name in row:
@@ -234,7 +236,7 @@ def encode_divergence(
                     **({"first": first} if first else {}),
                     **({"common": common} if common else {}),
                     "fields": fields,
-                    "findings": [[row.get(k) for k in fields] for row in rows],
+                    "findings": [list(map(row.get, fields)) for row in rows],
                 }
             )
         )
@@ -276,7 +278,9 @@ def rebuilt_distribution(counts: dict[str, Any], expected: Any, nranks: int) -> 
     rest = nranks - len(counts)
     if rest > 0:
         held[expected] = held.get(expected, 0) + rest
-    return sorted(([v, n] for v, n in held.items()), key=lambda d: (-d[1], d[0]))
+    # counts are distinct keys: (-ranks, count) orders as the key (-d[1], d[0]) would
+    order = sorted([(-n, v) for v, n in held.items()])
+    return [[v, -n] for n, v in order]
 
 
 def flatten_groups(doc: dict[str, Any], where: str, distributions: bool = True) -> list[Finding]:
