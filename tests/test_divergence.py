@@ -476,13 +476,23 @@ def test_per_rank_counts_add_up_for_every_shape_of_statistics() -> None:
             bytearray([1, 0]),
             [0, None],
             [],
-            [],
         )
         for upto, per_rank in totals.items():
             # skew -1: every function strays, so the fold gives every one's totals
-            ops, full, example, partial, found = fold(
+            ops, full, example, found = fold(
                 sites[:upto], frame0[: 4 * upto], function0, bytes(upto), 1, ranks, -1.0
             )
             assert found == [(0, median_low(per_rank), array.array("d", per_rank).tobytes())]
             assert ops[0] == sum(site.count for site in sites[:upto])
-            assert (full[0], example[0], partial) == (1, largest[upto], [1])
+            assert (full[0], example[0]) == (1, largest[upto])
+        # callsites of some ranks each: every rank ran the function only where together
+        # they hold every rank (and no rank outside the trace's)
+        two = [Callsite(stack=(), op="x", count=4, ranks=[0, 1]),
+               Callsite(stack=(), op="x", count=4, ranks=[2, 3])]  # fmt: skip
+        for upto, ran in ((1, 0), (2, 1)):
+            assert fold(two[:upto], frame0[: 4 * upto], function0, bytes(upto), 1, ranks, -1.0)[
+                1
+            ] == bytearray([ran, 0])
+        outside = PerRank(min=4, min_ranks=[2, 3], max=4, max_ranks=[2, 3], counts=[(4, [2, 3])])
+        spoilt = [*two, Callsite(stack=(), op="x", count=8, ranks=[2, 3, 9], per_rank=outside)]
+        assert fold(spoilt, frame0[:12], function0, bytes(3), 1, ranks, -1.0)[1] == bytearray(2)

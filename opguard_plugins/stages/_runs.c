@@ -1372,15 +1372,50 @@ done:
 }
 
 /* skew_fold(sites, callers, function, skip, functions, ranks, skew) -> (ops, full,
- * example, partial, found): divergence's count_skew fold over the callsites not
+ * example, found): divergence's count_skew fold over the callsites not
  * ``skip``ped (bytes, one a site: the collectives), the same numbers as the Python
  * reference ``py_skew_fold`` (opguard_plugins/stages/divergence.py), bit for bit: the
  * same additions in the same order. A site's calling function is
  * ``function[callers[i]]`` (native 4-byte ints: ``callers`` by site, -1 for none, the
- * last slot; ``function`` by frame id); ``example`` and ``partial`` are positions in
- * ``sites``. A site is read in place (``Fields``: count, ranks, per_rank and
+ * last slot; ``function`` by frame id); ``example`` holds positions in ``sites``;
+ * ``full`` says per slot whether every rank ran a callsite of it (one whose ranks are
+ * None, or the ranks of its others together: a rank outside ``ranks`` spoils that). A site is read in place (``Fields``: count, ranks, per_rank and
  * per_rank's counts, min, max, min_ranks, max_ranks). A rank outside ``ranks`` is a
  * ValueError, a sum of ops past 2**63-1 an OverflowError. */
+
+/* mark the positions of ``present``'s ranks in ``*cover`` (made on first use),
+ * counting new ones in ``*covered``; a rank outside the trace's makes it -1 */
+static int
+cover_ranks(unsigned char **cover, Py_ssize_t *covered, PyObject *present, Py_ssize_t nranks,
+            const Py_ssize_t *position, Py_ssize_t limit)
+{
+    if (*cover == NULL && (*cover = PyMem_Calloc(nranks, 1)) == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    PyObject *fast = PySequence_Fast(present, "skew_fold: ranks must be a list");
+    if (fast == NULL)
+        return -1;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
+    PyObject **items = PySequence_Fast_ITEMS(fast);
+    for (Py_ssize_t j = 0; j < n; j++) {
+        Py_ssize_t rank = as_index(items[j]);
+        if (rank == -1 && PyErr_Occurred()) {
+            Py_DECREF(fast);
+            return -1;
+        }
+        if (rank < 0 || rank >= limit || position[rank] < 0) {
+            *covered = -1;
+            break;
+        }
+        if (!(*cover)[position[rank]]) { /* a rank outside spoils even a covered slot */
+            (*cover)[position[rank]] = 1;
+            ++*covered;
+        }
+    }
+    Py_DECREF(fast);
+    return 0;
+}
 
 static int
 compare_doubles(const void *a, const void *b)
@@ -1439,7 +1474,9 @@ skew_fold(PyObject *Py_UNUSED(module), PyObject *args)
     Py_ssize_t nframes = function_buf.len / (Py_ssize_t)sizeof(int32_t);
     const int32_t *caller_of = callers_buf.buf, *function_of = function_buf.buf;
     const unsigned char *skipped = skip_buf.buf;
-    PyObject *result = NULL, *found = NULL, *partial = NULL, *ops_list = NULL;
+    PyObject *result = NULL, *found = NULL, *ops_list = NULL;
+    unsigned char **cover = NULL; /* per slot, per rank position: ran a partial callsite */
+    Py_ssize_t *covered = NULL;   /* per slot: how many positions; -1: a rank outside */
     PyObject *full = NULL, *example_list = NULL;
     double *totals = NULL, *sorted_totals = NULL;
     long long *ops = NULL, *best = NULL;
@@ -1467,7 +1504,10 @@ skew_fold(PyObject *Py_UNUSED(module), PyObject *args)
     rows = PyMem_Calloc(size, sizeof(double *));
     order = PyMem_Malloc(size * sizeof(Py_ssize_t)); /* slots as first varied */
     is_full = PyMem_Calloc(size, 1);
-    if (!ops || !uniform || !best || !example || !rows || !order || !is_full) {
+    cover = PyMem_Calloc(size, sizeof(unsigned char *));
+    covered = PyMem_Calloc(size, sizeof(Py_ssize_t));
+    if (!ops || !uniform || !best || !example || !rows || !order || !is_full || !cover
+        || !covered) {
         PyErr_NoMemory();
         goto done;
     }
@@ -1495,9 +1535,6 @@ skew_fold(PyObject *Py_UNUSED(module), PyObject *args)
         position[i] = -1;
     for (Py_ssize_t i = 0; i < nranks; i++)
         position[as_index(PyList_GET_ITEM(ranks, i))] = i;
-    partial = PyList_New(0);
-    if (partial == NULL)
-        goto done;
     for (Py_ssize_t i = 0; i < n; i++) {
         if (skipped[i])
             continue;
@@ -1539,8 +1576,8 @@ skew_fold(PyObject *Py_UNUSED(module), PyObject *args)
         int failed = 0;
         if (present == Py_None) {
             is_full[slot] = 1;
-        } else {
-            failed = append_index(partial, i) < 0;
+        } else if (covered[slot] >= 0) {
+            failed = cover_ranks(&cover[slot], &covered[slot], present, nranks, position, limit);
         }
         if (failed) {
         } else if (stats == Py_None && present == Py_None) {
@@ -1635,6 +1672,8 @@ skew_fold(PyObject *Py_UNUSED(module), PyObject *args)
     }
     ops_list = PyList_New(size);
     example_list = PyList_New(size);
+    for (Py_ssize_t i = 0; i < size; i++)
+        is_full[i] |= covered[i] == nranks;
     full = PyByteArray_FromStringAndSize(is_full, size);
     found = PyList_New(0);
     totals = PyMem_Malloc(nranks * sizeof(double));
@@ -1680,7 +1719,7 @@ skew_fold(PyObject *Py_UNUSED(module), PyObject *args)
         }
         Py_DECREF(item);
     }
-    result = PyTuple_Pack(5, ops_list, full, example_list, partial, found);
+    result = PyTuple_Pack(4, ops_list, full, example_list, found);
 done:
     fields_close(&f);
     fields_close(&g);
@@ -1704,7 +1743,11 @@ done:
     Py_XDECREF(example_list);
     Py_XDECREF(full);
     Py_XDECREF(found);
-    Py_XDECREF(partial);
+    if (cover != NULL)
+        for (Py_ssize_t i = 0; i < size; i++)
+            PyMem_Free(cover[i]);
+    PyMem_Free(cover);
+    PyMem_Free(covered);
     return result;
 }
 
@@ -1725,7 +1768,7 @@ static PyMethodDef module_methods[] = {
      "touching(stacks, marked) -> positions: the stacks with a marked frame id."},
     {"skew_fold", skew_fold, METH_VARARGS,
      "skew_fold(sites, callers, function, skip, functions, ranks, skew) -> (ops, full, "
-     "example, partial, found): divergence's count_skew fold."},
+     "example, found): divergence's count_skew fold."},
     {NULL, NULL, 0, NULL},
 };
 

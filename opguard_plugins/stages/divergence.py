@@ -35,9 +35,10 @@ from __future__ import annotations
 import array
 import math
 from collections.abc import Callable, Iterator
-from functools import cached_property
-from itertools import compress
+from functools import cached_property, reduce
+from itertools import compress, islice, repeat
 from itertools import count as counter
+from operator import neg, or_
 from statistics import median_low
 from typing import Any
 
@@ -96,6 +97,9 @@ def site_histogram(
         hist = {site.count // mask.bit_count(): mask}
     elif stats.counts is None:
         return None
+    elif isinstance(mask_of, _MaskOf):  # its known masks read inline: no call each
+        known = mask_of.known
+        hist = {value: known.get(id(ranks)) or mask_of(ranks) for value, ranks in stats.counts}
     else:
         hist = {value: mask_of(ranks) for value, ranks in stats.counts}
     missing = all_mask & ~mask
@@ -112,17 +116,18 @@ def majority(hist: dict[int, int], ended: dict[int, float] | None = None) -> tup
     all ended before another rank's is none
     (:func:`~opguard_plugins.stages.sequences.outlived`). ``hist`` is {count: rank
     mask} over every rank compared."""
-    total = 0
-    best = best_ranks = -1
-    for value, mask in hist.items():
-        ranks = mask.bit_count()
-        total += ranks
-        if ranks > best_ranks:
-            best, best_ranks = value, ranks
+    held = list(map(int.bit_count, hist.values()))
+    total = sum(held)
+    best_ranks = max(held, default=-1)
+    best = next(compress(hist, map(best_ranks.__eq__, held)), -1)  # the first that many
     if not ended:
         if 2 * best_ranks > total:
             return best, True
-        return min(hist, key=lambda value: _lowest(hist[value])), False
+        if 0 in held:  # a count no rank holds: its "lowest rank" is -1
+            return min(hist, key=lambda value: _lowest(hist[value])), False
+        # the count the lowest rank of all holds (the first holder of it, as min's)
+        union = reduce(or_, hist.values())
+        return next(compress(hist, map((union & -union).__and__, hist.values()))), False
     holders = {value: mask_to_ranks(mask) for value, mask in hist.items()}
     if 2 * best_ranks > total and not outlived(holders[best], holders, ended):
         return best, True
@@ -132,7 +137,7 @@ def majority(hist: dict[int, int], ended: dict[int, float] | None = None) -> tup
 def distribution(hist: dict[int, int]) -> list[list[int]]:
     """``[[count, number of ranks], …]``, the most held first, then by count."""
     # counts are distinct keys: (-holders, count) orders as the key (-d[1], d[0]) would
-    order = sorted([(-mask.bit_count(), value) for value, mask in hist.items()])
+    order = sorted(zip(map(neg, map(int.bit_count, hist.values())), hist, strict=True))
     return [[value, -held] for held, value in order]
 
 
@@ -332,11 +337,13 @@ def _collectives(
         known = -1 not in hist
         counts: dict[str, int] = {}
         if known:
-            value_of = {
-                rank: value for value, mask in hist.items() if value != expected
-                for rank in ranks_of(mask)
-            }  # fmt: skip
-            counts = {str(rank): value_of[rank] for rank in deviating}
+            value_of: dict[int, int] = {}
+            for value, mask in hist.items():
+                if value != expected:
+                    value_of.update(zip(ranks_of(mask), repeat(value)))
+            counts = dict(
+                zip(map(str, deviating), map(value_of.__getitem__, deviating), strict=True)
+            )
         where = stacks.describe(frames, position)
         shown = distribution(hist) if known and not most else None  # once for both
         finding: Finding = {
@@ -412,7 +419,8 @@ def _mismatch_message(
     ``shown``: :func:`distribution` of ``hist``, where the caller has it; ``why``:
     why the reference rank is the reference)."""
     issued = (
-        ", ".join(f"rank {r}: {counts[str(r)]}" for r in deviating[:8])
+        # counts are by str(rank), in the order of ``deviating``
+        ", ".join([f"rank {r}: {value}" for r, value in islice(counts.items(), 8)])
         + (" …" if len(deviating) > 8 else "")
         if counts is not None
         else "counts unknown"
@@ -429,7 +437,7 @@ def _mismatch_message(
     else:
         if shown is None:
             shown = distribution(hist)
-        spread = ", ".join(f"{_times(v)}: {n} rank(s)" for v, n in shown[:8])
+        spread = ", ".join([f"{_times(v)}: {n} rank(s)" for v, n in shown[:8]])
         spread += f", … ({len(shown)} values)" if len(shown) > 8 else ""
     return (
         f"{op} in {target} is issued unequally with no majority ({spread}); against rank "
@@ -588,13 +596,13 @@ def _dtype_mismatch(trace: CallsiteTrace, stacks: _Stacks) -> Iterator[Finding]:
 
 
 #: what :func:`py_skew_fold` gives: per calling function (its number; the last slot:
-#: no frame) the ops, whether a callsite of it ran on every rank and the position in
-#: the callsites of its largest callsite; the positions of the callsites folded with
-#: ``ranks``; and per function whose per-rank ops stray from their median by more than
-#: ``skew`` times it, (number, median, per-rank ops in ``ranks`` order as native
-#: doubles: 8 bytes a rank, where a list of floats is 32, for thousands of functions
-#: at 128 ranks)
-SkewFold = tuple[list[int], bytearray, list[int | None], list[int], list[tuple[int, float, bytes]]]
+#: no frame) the ops, whether every rank ran a callsite of it (one callsite whose
+#: ``ranks`` are None, or the ``ranks`` of its callsites together, all of them the
+#: trace's) and the position in the callsites of its largest callsite; and per
+#: function whose per-rank ops stray from their median by more than ``skew`` times
+#: it, (number, median, per-rank ops in ``ranks`` order as native doubles: 8 bytes a
+#: rank, where a list of floats is 32, for thousands of functions at 128 ranks)
+SkewFold = tuple[list[int], bytearray, list[int | None], list[tuple[int, float, bytes]]]
 
 
 def py_skew_fold(
@@ -629,7 +637,9 @@ def py_skew_fold(
     best = [-1] * size
     example: list[int | None] = [None] * size
     varied: dict[int, list[float]] = {}
-    partial: list[int] = []
+    #: per slot, the ranks of its callsites with ``ranks`` (None: one outside the
+    #: trace's; every rank ran the function where they are all of them)
+    cover: dict[int, set[int] | None] = {}
     for index in compress(counter(), skip.translate(_NOT)):
         site = sites[index]
         fid = caller[index]
@@ -646,7 +656,9 @@ def py_skew_fold(
         if present is None:
             full[slot] = 1
         else:
-            partial.append(index)
+            seen = cover.setdefault(slot, set())
+            if seen is not None:
+                cover[slot] = None if not at.keys() >= set(present) else seen.union(present)
         stats = site.per_rank
         if stats is None and present is None:
             uniform[slot] += count // nranks
@@ -685,7 +697,10 @@ def py_skew_fold(
         if any(abs(v - middle) > limit for v in per_rank):
             row_bytes = array.array("d", per_rank).tobytes()
             found.append((slot if slot < functions else -1, middle, row_bytes))
-    return ops, full, example, partial, found
+    for slot, seen in cover.items():
+        if seen is not None and len(seen) == nranks:
+            full[slot] = 1
+    return ops, full, example, found
 
 
 #: (sites, callers, function, skip, functions, ranks, skew) -> :data:`SkewFold`
@@ -710,44 +725,35 @@ def _count_skew(trace: CallsiteTrace, stacks: _Stacks, skew: float) -> Iterator[
     function, the share every rank has plus what differs per rank
     (:func:`py_skew_fold`)."""
     ranks = trace.ranks
-    all_mask = stacks.all_mask
-    function = stacks.function
     functions = len(stacks.function_names)
-    ops, full, example, partial, found = skew_fold(
+    ops, full, example, found = skew_fold(
         trace.callsites,
         stacks.callers,
-        array.array("i", function).tobytes(),
+        array.array("i", stacks.function).tobytes(),
         stacks.collective,
         functions,
         ranks,
         float(skew),
     )
-    caller = stacks.caller
-    function_mask: dict[int, int] = {}
-    for index in partial:
-        fid = caller[index]
-        number = -1 if fid < 0 else function[fid]
-        function_mask[number] = function_mask.get(number, 0) | stacks.mask(index)
     names = stacks.function_names
     kept = []
     for number, middle, row in found:
         slot = number if number >= 0 else functions
-        if full[slot] or function_mask.get(number) == all_mask:
+        if full[slot]:
             kept.append((number, slot, middle, row))
         # else some ranks never ran it: a rank_specific finding says so
     # each finding's example callsite, and the visible frames of all of them in one pass
     site_indices = [example[slot] for _, slot, _, _ in kept]
     visible, callers = stacks.visible_of([i for i in site_indices if i is not None])
     shown = iter(zip(visible, callers, strict=True))
+    rank_names = list(map(str, ranks))
     for (number, slot, middle, row), site_index in zip(kept, site_indices, strict=True):
         limit = skew * middle
-        # the straying ranks and their ops, in rank order (no dict of every rank's)
-        stray = [
-            (r, v)
-            for r, v in zip(ranks, memoryview(row).cast("d"), strict=True)
-            if abs(v - middle) > limit
-        ]
-        deviating = [r for r, _ in stray]
+        # the straying ranks (positions in ``ranks``) and their ops, in rank order
+        values = memoryview(row).cast("d")
+        stray = [at for at, v in enumerate(values) if abs(v - middle) > limit]
+        deviating = [ranks[at] for at in stray]
+        strayed = [values[at] for at in stray]
         name = "<root>" if number < 0 else names[number]
         frames, position = next(shown) if site_index is not None else ([], None)
         if frames:  # down to the function
@@ -762,9 +768,11 @@ def _count_skew(trace: CallsiteTrace, stacks: _Stacks, skew: float) -> Iterator[
             "target": name,
             "context": where["context"],
             "expected": expected,
-            "counts": {str(r): _number(v) for r, v in stray},
+            "counts": dict(
+                zip(map(rank_names.__getitem__, stray), map(_number, strayed), strict=True)
+            ),
             "ops": ops[slot],
-            "size": int(round(sum(abs(v - middle) for _, v in stray), 6)),
+            "size": int(round(sum([abs(v - middle) for v in strayed]), 6)),
             "message": (
                 f"{name}: ops on rank(s) {list_ranks(deviating)} differ from the median "
                 f"{expected} by more than {skew:g}x"
