@@ -16,6 +16,8 @@ from typing import Any
 
 import msgspec
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from opguard_core.combine.accumulator import TraceAccumulator
 from opguard_core.formats.divergence import (
@@ -24,7 +26,7 @@ from opguard_core.formats.divergence import (
     load_divergence,
     render_log,
 )
-from opguard_core.formats.trace import Callsite, decode_trace
+from opguard_core.formats.trace import Callsite, PerRank, decode_trace
 from opguard_core.model import RunOptions
 from opguard_plugins.stages import divergence, sorted_runs
 from opguard_plugins.view.report import read_divergence
@@ -281,6 +283,9 @@ def test_the_compiled_skew_fold_is_the_python_one(monkeypatch: pytest.MonkeyPatc
         with_c = divergence.find_divergence(trace, RunOptions())
         monkeypatch.setattr(divergence, "skew_fold", divergence.py_skew_fold)
         monkeypatch.setattr(divergence, "site_summary", sorted_runs.py_site_summary)
+        monkeypatch.setattr(
+            divergence, "collective_histograms", divergence.py_collective_histograms
+        )
         monkeypatch.setattr(divergence, "touching", sorted_runs.py_touching)
         monkeypatch.setattr(divergence, "visible_frames", sorted_runs.py_visible_frames)
         assert divergence.find_divergence(trace, RunOptions()) == with_c
@@ -295,3 +300,88 @@ def test_the_compiled_skew_fold_is_the_python_one(monkeypatch: pytest.MonkeyPatc
     one = array("i", [0]).tobytes()
     with pytest.raises(ValueError, match="rank 7 is not one of the trace's"):
         native.skew_fold([lone], one, one, b"\0", 1, [0, 1], 0.25)
+
+
+def _general_path_only(sites: Any, indices: list[int], ranks: Any, names: Any) -> list[None]:
+    return [None] * len(indices)
+
+
+def test_collective_counts_read_at_once_are_what_the_general_path_finds(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``collective_histograms`` (C where built) reads a collective callsite's counts
+    at once where they are a clean partition of the ranks: the findings are those of
+    the general path (site_histogram, majority, distribution) on every random job."""
+    rnd = random.Random(7)
+    compared = 0
+    for _ in range(120):
+        accumulator = TraceAccumulator()
+        for doc in random_job(rnd):
+            rank = doc["meta"]["rank"]
+            accumulator.add(decode_trace(json.dumps(doc).encode(), f"x_rank{rank}.json"))
+        trace = accumulator.result()
+        fast = divergence.find_divergence(trace, RunOptions())
+        monkeypatch.setattr(divergence, "collective_histograms", _general_path_only)
+        assert divergence.find_divergence(trace, RunOptions()) == fast
+        monkeypatch.undo()
+        compared += any(f["kind"] == "collective_mismatch" for f in fast)
+    assert compared > 20
+
+
+@st.composite
+def collective_sites(draw: st.DrawFn) -> tuple[list[Any], list[int], list[str]]:
+    """Callsites with per-rank counts, most a clean partition of the trace's ranks
+    (not numbered 0..N-1, not sorted), some not: a rank twice or outside, a count
+    twice, an empty list, ``ranks`` that are not the ranks counted."""
+    ranks = draw(st.lists(st.integers(0, 40), min_size=2, max_size=12, unique=True))
+    sites: list[Any] = []
+    for _ in range(draw(st.integers(0, 8))):
+        present = draw(st.none() | st.lists(st.sampled_from(ranks), min_size=1, unique=True))
+        holders = list(ranks if present is None else present)
+        pairs: list[tuple[int, list[int]]] = []
+        values = draw(st.lists(st.integers(1, 9), min_size=1, max_size=5, unique=True))
+        for number, value in enumerate(values):
+            take = holders if number == len(values) - 1 else holders[: draw(st.integers(0, 3))]
+            holders = holders[len(take) :]
+            if take:
+                pairs.append((value, take))
+        if draw(st.integers(0, 5)) == 0:  # spoil it
+            spoil = draw(st.sampled_from(["twice", "outside", "count", "empty", "present"]))
+            if spoil == "twice":
+                pairs.append((99, [pairs[0][1][0]]))
+            elif spoil == "outside":
+                pairs.append((98, [41]))
+            elif spoil == "count":
+                pairs.append((pairs[0][0], [41]))
+            elif spoil == "empty":
+                pairs.append((97, []))
+            else:
+                present = [*(present or ranks), 41]
+        low = min(pairs, key=lambda p: p[0])
+        high = max(pairs, key=lambda p: p[0])
+        stats = PerRank(min=low[0], min_ranks=low[1], max=high[0], max_ranks=high[1],
+                        counts=sorted(pairs))  # fmt: skip
+        sites.append(Callsite(stack=(0,), op="c10d::allreduce_", count=1, ranks=present,
+                              per_rank=stats))  # fmt: skip
+    sites.append(Callsite(stack=(0,), op="c10d::allreduce_", count=1))  # no per_rank
+    indices = draw(st.lists(st.integers(0, len(sites) - 1), max_size=12))
+    return sites, indices, ranks
+
+
+@needs(RUNS)
+@settings(max_examples=400, deadline=None)
+@given(collective_sites())
+def test_the_compiled_collective_histograms_are_the_python_ones(
+    drawn: tuple[list[Any], list[int], list[int]],
+) -> None:
+    """``collective_histograms`` (C) gives what ``py_collective_histograms`` gives:
+    the same reading of a clean partition, False for one count, None (the general
+    path) for anything else."""
+    assert RUNS is not None
+    sites, indices, ranks = drawn
+    names = list(map(str, ranks))
+    got = RUNS.collective_histograms(sites, indices, ranks, names)
+    assert got == divergence.py_collective_histograms(sites, indices, ranks, names)
+    assert [type(g) for g in got] == [
+        type(g) for g in divergence.py_collective_histograms(sites, indices, ranks, names)
+    ]

@@ -18,7 +18,9 @@
  * (opguard_plugins/stages/sorted_runs.py) do, which stay the reference:
  * tests/test_compress_runs.py holds the two to the same answers. ``skew_fold``
  * is divergence's count_skew fold (``py_skew_fold`` in
- * opguard_plugins/stages/divergence.py; tests/test_divergence_groups.py).
+ * opguard_plugins/stages/divergence.py; tests/test_divergence_groups.py), and
+ * ``collective_histograms`` reads its collective callsites' per-rank counts
+ * (``py_collective_histograms`` there).
  *
  * Positions are checked against the number of paths (ValueError), and a sum of
  * counts past 2**63-1 is an OverflowError. CPython >= 3.11; the package works
@@ -1751,6 +1753,296 @@ done:
     return result;
 }
 
+/* collective_histograms(sites, indices, ranks, rank_names) -> per index: what a
+ * collective_mismatch finding of ``sites[index]`` says, read from its per-rank counts
+ * (``per_rank.counts``), where no record ended early: (expected, majority, deviating,
+ * counts, size, distribution, holders, reference); False where every rank has one
+ * count; None where the statistics are not a clean partition of ``ranks`` (no counts,
+ * a rank twice or not one of ``ranks``, ``site.ranks`` not the ranks counted, a count
+ * twice or not in 1..2**63-1): the caller's general path. ``rank_names[i]`` is
+ * ``str(ranks[i])``. ``py_collective_histograms`` in divergence.py is the reference. */
+typedef struct {
+    long long value;
+    Py_ssize_t held, lowest; /* how many ranks; the lowest rank (a number, not a position) */
+} Entry;
+
+static int
+compare_entries(const void *a, const void *b)
+{
+    const Entry *x = a, *y = b; /* the most held first, then by count */
+    if (x->held != y->held)
+        return x->held > y->held ? -1 : 1;
+    return (x->value > y->value) - (x->value < y->value);
+}
+
+static PyObject *
+histogram_of(Fields *f, Fields *g, int *stats_open, PyObject *site, Py_ssize_t nranks,
+             const Py_ssize_t *position, Py_ssize_t limit, const Py_ssize_t *by_rank,
+             PyObject *ranks, PyObject *rank_names, Py_ssize_t *owner, Entry *entries,
+             unsigned char *in_present)
+{
+    PyObject *stats = field(f, site, SITE_PER_RANK);
+    if (stats == NULL)
+        return NULL;
+    if (stats == Py_None)
+        Py_RETURN_NONE;
+    if (!*stats_open) {
+        fields_open(g, stats_names, STATS_FIELDS, stats);
+        *stats_open = 1;
+    }
+    PyObject *counts = field(g, stats, STATS_COUNTS);
+    PyObject *present = counts ? field(f, site, SITE_RANKS) : NULL;
+    if (present == NULL)
+        return NULL;
+    if (counts == Py_None || !PyList_Check(counts) || (present != Py_None && !PyList_Check(present)))
+        Py_RETURN_NONE;
+    for (Py_ssize_t p = 0; p < nranks; p++) {
+        owner[p] = -1;
+        in_present[p] = present == Py_None;
+    }
+    Py_ssize_t npresent = nranks;
+    if (present != Py_None) {
+        npresent = PyList_GET_SIZE(present);
+        for (Py_ssize_t j = 0; j < npresent; j++) {
+            Py_ssize_t rank = as_index(PyList_GET_ITEM(present, j));
+            if (rank == -1 && PyErr_Occurred())
+                return NULL;
+            if (rank < 0 || rank >= limit || position[rank] < 0 || in_present[position[rank]])
+                Py_RETURN_NONE;
+            in_present[position[rank]] = 1;
+        }
+    }
+    Py_ssize_t k = PyList_GET_SIZE(counts), counted = 0;
+    for (Py_ssize_t e = 0; e < k; e++) {
+        PyObject *pair = PyList_GET_ITEM(counts, e);
+        if (!PyTuple_Check(pair) || PyTuple_GET_SIZE(pair) != 2
+            || !PyList_Check(PyTuple_GET_ITEM(pair, 1)))
+            Py_RETURN_NONE;
+        int overflow = 0;
+        long long value = PyLong_Check(PyTuple_GET_ITEM(pair, 0))
+            ? PyLong_AsLongLongAndOverflow(PyTuple_GET_ITEM(pair, 0), &overflow)
+            : 0;
+        if (value == -1 && PyErr_Occurred())
+            return NULL;
+        if (overflow || value <= 0)
+            Py_RETURN_NONE;
+        for (Py_ssize_t d = 0; d < e; d++)
+            if (entries[d].value == value)
+                Py_RETURN_NONE; /* a count twice */
+        PyObject *holders = PyTuple_GET_ITEM(pair, 1);
+        Py_ssize_t n = PyList_GET_SIZE(holders), lowest = PY_SSIZE_T_MAX;
+        if (n == 0)
+            Py_RETURN_NONE;
+        for (Py_ssize_t j = 0; j < n; j++) {
+            Py_ssize_t rank = as_index(PyList_GET_ITEM(holders, j));
+            if (rank == -1 && PyErr_Occurred())
+                return NULL;
+            if (rank < 0 || rank >= limit || position[rank] < 0 || owner[position[rank]] >= 0
+                || !in_present[position[rank]])
+                Py_RETURN_NONE;
+            owner[position[rank]] = e;
+            if (rank < lowest)
+                lowest = rank;
+        }
+        counted += n;
+        entries[e] = (Entry){value, n, lowest};
+    }
+    if (counted != npresent)
+        Py_RETURN_NONE; /* a rank of site.ranks with no count */
+    if (npresent < nranks) { /* the ranks that never issued it: count 0, last */
+        Py_ssize_t lowest = PY_SSIZE_T_MAX;
+        for (Py_ssize_t p = 0; p < nranks; p++)
+            if (owner[p] < 0) {
+                owner[p] = k;
+                Py_ssize_t rank = as_index(PyList_GET_ITEM(ranks, p));
+                if (rank < lowest)
+                    lowest = rank;
+            }
+        entries[k++] = (Entry){0, nranks - npresent, lowest};
+    }
+    if (k <= 1)
+        Py_RETURN_FALSE;
+    Py_ssize_t best = 0, reference = 0;
+    for (Py_ssize_t e = 1; e < k; e++) {
+        if (entries[e].held > entries[best].held)
+            best = e;
+        if (entries[e].lowest < entries[reference].lowest)
+            reference = e;
+    }
+    int most = 2 * entries[best].held > nranks;
+    Py_ssize_t chosen = most ? best : reference;
+    long long expected = entries[chosen].value;
+    __int128 size = 0;
+    for (Py_ssize_t e = 0; e < k; e++) {
+        __int128 gap = (__int128)entries[e].value - expected;
+        size += (gap < 0 ? -gap : gap) * entries[e].held;
+    }
+    PyObject *deviating = PyList_New(nranks - entries[chosen].held);
+    PyObject *counts_of = PyDict_New();
+    PyObject *shown = NULL, *result = NULL, *size_obj = NULL;
+    if (deviating == NULL || counts_of == NULL)
+        goto done;
+    Py_ssize_t at = 0;
+    for (Py_ssize_t o = 0; o < nranks; o++) { /* by rank number */
+        Py_ssize_t p = by_rank[o];
+        if (owner[p] == chosen)
+            continue;
+        PyObject *value = PyLong_FromLongLong(entries[owner[p]].value);
+        if (value == NULL)
+            goto done;
+        int failed = PyDict_SetItem(counts_of, PyList_GET_ITEM(rank_names, p), value);
+        Py_DECREF(value);
+        if (failed < 0)
+            goto done;
+        PyList_SET_ITEM(deviating, at++, Py_NewRef(PyList_GET_ITEM(ranks, p)));
+    }
+    if (!most) {
+        Entry *sorted_entries = PyMem_Malloc(k * sizeof(Entry));
+        shown = sorted_entries ? PyList_New(k) : NULL;
+        if (shown != NULL) {
+            memcpy(sorted_entries, entries, k * sizeof(Entry));
+            qsort(sorted_entries, k, sizeof(Entry), compare_entries);
+            for (Py_ssize_t e = 0; e < k; e++) {
+                PyObject *item = Py_BuildValue("[Ln]", sorted_entries[e].value,
+                                               sorted_entries[e].held);
+                if (item == NULL) {
+                    Py_CLEAR(shown);
+                    break;
+                }
+                PyList_SET_ITEM(shown, e, item);
+            }
+        } else if (sorted_entries == NULL) {
+            PyErr_NoMemory();
+        }
+        PyMem_Free(sorted_entries);
+        if (shown == NULL)
+            goto done;
+    }
+    unsigned char bytes[16];
+    memcpy(bytes, &size, 16);
+    size_obj = _PyLong_FromByteArray(bytes, 16, PY_LITTLE_ENDIAN, 1);
+    if (size_obj == NULL)
+        goto done;
+    result = Py_BuildValue("(LONNOOnn)", expected, most ? Py_True : Py_False, deviating,
+                           counts_of, size_obj, shown ? shown : Py_None, entries[chosen].held,
+                           entries[chosen].lowest);
+    deviating = counts_of = NULL; /* stolen by N */
+done:
+    Py_XDECREF(deviating);
+    Py_XDECREF(counts_of);
+    Py_XDECREF(shown);
+    Py_XDECREF(size_obj);
+    return result;
+}
+
+static int
+compare_ranks(const void *a, const void *b)
+{
+    const Py_ssize_t *x = a, *y = b; /* (rank, position) pairs by rank */
+    return (x[0] > y[0]) - (x[0] < y[0]);
+}
+
+static PyObject *
+collective_histograms(PyObject *Py_UNUSED(module), PyObject *args)
+{
+    PyObject *sites, *indices, *ranks, *rank_names;
+    if (!PyArg_ParseTuple(args, "O!O!O!O!:collective_histograms", &PyList_Type, &sites,
+                          &PyList_Type, &indices, &PyList_Type, &ranks, &PyList_Type,
+                          &rank_names))
+        return NULL;
+    Py_ssize_t n = PyList_GET_SIZE(indices), nranks = PyList_GET_SIZE(ranks), limit = 0;
+    PyObject *out = NULL;
+    Py_ssize_t *position = NULL, *owner = NULL, *by_rank = NULL, *pairs = NULL;
+    Entry *entries = NULL;
+    unsigned char *in_present = NULL;
+    int stats_open = 0;
+    Fields f, g;
+    fields_open(&f, site_names, SITE_FIELDS, NULL);
+    fields_open(&g, stats_names, STATS_FIELDS, NULL);
+    if (field_names_ready() < 0)
+        goto done;
+    if (PyList_GET_SIZE(rank_names) != nranks) {
+        PyErr_SetString(PyExc_ValueError, "collective_histograms: ranks and names differ");
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < nranks; i++) {
+        Py_ssize_t rank = as_index(PyList_GET_ITEM(ranks, i));
+        if (rank == -1 && PyErr_Occurred())
+            goto done;
+        if (rank < 0) {
+            PyErr_SetString(PyExc_ValueError, "collective_histograms: a rank is negative");
+            goto done;
+        }
+        if (rank + 1 > limit)
+            limit = rank + 1;
+    }
+    position = PyMem_Malloc((limit + 1) * sizeof(Py_ssize_t));
+    owner = PyMem_Malloc((nranks + 1) * sizeof(Py_ssize_t));
+    by_rank = PyMem_Malloc((nranks + 1) * sizeof(Py_ssize_t));
+    pairs = PyMem_Malloc((2 * nranks + 1) * sizeof(Py_ssize_t));
+    entries = PyMem_Malloc((nranks + 2) * sizeof(Entry));
+    in_present = PyMem_Malloc(nranks + 1);
+    out = PyList_New(n);
+    if (!position || !owner || !by_rank || !pairs || !entries || !in_present) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    if (out == NULL)
+        goto done;
+    for (Py_ssize_t i = 0; i < limit; i++)
+        position[i] = -1;
+    for (Py_ssize_t i = 0; i < nranks; i++) {
+        Py_ssize_t rank = as_index(PyList_GET_ITEM(ranks, i));
+        if (position[rank] >= 0) {
+            PyErr_SetString(PyExc_ValueError, "collective_histograms: a rank twice");
+            goto done;
+        }
+        position[rank] = i;
+        pairs[2 * i] = rank;
+        pairs[2 * i + 1] = i;
+    }
+    qsort(pairs, nranks, 2 * sizeof(Py_ssize_t), compare_ranks);
+    for (Py_ssize_t i = 0; i < nranks; i++)
+        by_rank[i] = pairs[2 * i + 1];
+    for (Py_ssize_t i = 0; i < n; i++) {
+        Py_ssize_t index = as_index(PyList_GET_ITEM(indices, i));
+        if (index == -1 && PyErr_Occurred())
+            goto done;
+        if (index < 0 || index >= PyList_GET_SIZE(sites)) {
+            PyErr_SetString(PyExc_IndexError, "collective_histograms: index out of range");
+            goto done;
+        }
+        if (n && i == 0)
+            fields_open(&f, site_names, SITE_FIELDS, PyList_GET_ITEM(sites, index));
+        PyObject *item = histogram_of(&f, &g, &stats_open, PyList_GET_ITEM(sites, index),
+                                      nranks, position, limit, by_rank, ranks, rank_names,
+                                      owner, entries, in_present);
+        if (item == NULL)
+            goto done;
+        PyList_SET_ITEM(out, i, item);
+    }
+    fields_close(&f);
+    fields_close(&g);
+    PyMem_Free(position);
+    PyMem_Free(owner);
+    PyMem_Free(by_rank);
+    PyMem_Free(pairs);
+    PyMem_Free(entries);
+    PyMem_Free(in_present);
+    return out;
+done:
+    fields_close(&f);
+    fields_close(&g);
+    PyMem_Free(position);
+    PyMem_Free(owner);
+    PyMem_Free(by_rank);
+    PyMem_Free(pairs);
+    PyMem_Free(entries);
+    PyMem_Free(in_present);
+    Py_XDECREF(out);
+    return NULL;
+}
+
 static PyMethodDef module_methods[] = {
     {"callsite_paths", callsite_paths, METH_VARARGS,
      "callsite_paths(stacks, apis, api_index, tables, width) -> (paths, frame_paths)."},
@@ -1764,6 +2056,9 @@ static PyMethodDef module_methods[] = {
     {"site_summary", site_summary, METH_VARARGS,
      "site_summary(sites, hidden, user, all_mask, mask_of, collective_op, collective_apis) -> "
      "(callers, union, outside, full, collective): divergence's pass over every callsite."},
+    {"collective_histograms", collective_histograms, METH_VARARGS,
+     "collective_histograms(sites, indices, ranks, rank_names) -> per index: (expected, "
+     "majority, deviating, counts, size, distribution, holders, reference), False or None."},
     {"touching", touching, METH_VARARGS,
      "touching(stacks, marked) -> positions: the stacks with a marked frame id."},
     {"skew_fold", skew_fold, METH_VARARGS,

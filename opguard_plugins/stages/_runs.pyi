@@ -80,6 +80,11 @@ def site_summary(
     collective_apis: Container[str | None],
     /,
 ) -> tuple[bytes, bytearray, list[int], bytes, bytes]: ...
+def collective_histograms(
+    sites: list[Callsite], indices: list[int], ranks: list[int], rank_names: list[str], /
+) -> list[
+    tuple[int, bool, list[int], dict[str, int], int, list[list[int]] | None, int, int] | bool | None
+]: ...
 def touching(stacks: list[tuple[int, ...]], marked: ReadableBuffer, /) -> list[int]: ...
 def skew_fold(
     sites: list[Callsite],

@@ -309,18 +309,36 @@ def _collectives(
     against the count a strict majority issued it, else the reference's
     (:func:`majority`; ``ended``: when partial ranks' records ended)."""
     all_mask = stacks.all_mask
-    nranks = len(trace.ranks)
+    ranks = trace.ranks
+    nranks = len(ranks)
     ranks_of = RankLists()
     callsites = trace.callsites
-    # (callsite index, its histogram over every rank) of each collective the ranks
-    # issued unequally; then the visible frames of all of them in one pass
-    unequal: list[tuple[int, dict[int, int]]] = []
+    # the collectives compared by count; what their per-rank counts say, read at once
+    # where they are a clean partition of the ranks and no record ended early (in C
+    # where built: :func:`py_collective_histograms`), else (None) by the general path
+    compared = []
     for index in compress(counter(), stacks.collective):
         site = callsites[index]
         if site.per_rank is None and site.ranks is None:
             continue  # every rank issued it equally often
         if not compared_by_position(site.op) or site.api in POINT_TO_POINT_APIS:
             continue  # a send on one rank pairs with a recv on its peer, not with a send
+        compared.append(index)
+    read: list[CollectiveHistogram | bool | None] = (
+        [None] * len(compared)
+        if ended
+        else collective_histograms(callsites, compared, ranks, list(map(str, ranks)))
+    )
+    # (callsite index, its histogram over every rank, or what was read) of each
+    # collective the ranks issued unequally; then the visible frames of all in one pass
+    unequal: list[tuple[int, dict[int, int] | CollectiveHistogram]] = []
+    for index, got in zip(compared, read, strict=True):
+        if got is False:
+            continue  # one count on every rank
+        if isinstance(got, tuple):
+            unequal.append((index, got))
+            continue
+        site = callsites[index]
         hist = site_histogram(site, all_mask, exact, stacks.mask_of)
         if hist is None:  # counts unknown: only ranks that never issued it can be told
             if site.ranks is None:
@@ -330,22 +348,37 @@ def _collectives(
         if len(hist) > 1:
             unequal.append((index, hist))
     visible, callers = stacks.visible_of([index for index, _ in unequal])
-    for (index, hist), frames, position in zip(unequal, visible, callers, strict=True):
+    for (index, histogram), frames, position in zip(unequal, visible, callers, strict=True):
         site = callsites[index]
-        expected, most = majority(hist, ended)
-        deviating = ranks_of(all_mask & ~hist[expected])
-        known = -1 not in hist
-        counts: dict[str, int] = {}
-        if known:
-            value_of: dict[int, int] = {}
-            for value, mask in hist.items():
-                if value != expected:
-                    value_of.update(zip(ranks_of(mask), repeat(value)))
-            counts = dict(
-                zip(map(str, deviating), map(value_of.__getitem__, deviating), strict=True)
+        never = 0
+        if isinstance(histogram, tuple):
+            expected, most, deviating, counts, size, shown, holders, reference = histogram
+            known = True
+            why = "" if most else "the lowest"
+        else:
+            hist = histogram
+            expected, most = majority(hist, ended)
+            deviating = ranks_of(all_mask & ~hist[expected])
+            known = -1 not in hist
+            counts = {}
+            if known:
+                value_of: dict[int, int] = {}
+                for value, mask in hist.items():
+                    if value != expected:
+                        value_of.update(zip(ranks_of(mask), repeat(value)))
+                counts = dict(
+                    zip(map(str, deviating), map(value_of.__getitem__, deviating), strict=True)
+                )
+            size = (
+                sum(abs(value - expected) * mask.bit_count() for value, mask in hist.items())
+                if known
+                else len(deviating)
             )
+            shown = distribution(hist) if known and not most else None  # once for both
+            holders, reference = hist[expected].bit_count(), _lowest(hist[expected])
+            never = hist[0].bit_count() if 0 in hist else 0
+            why = _why_reference(hist, expected, ended) if not most else ""
         where = stacks.describe(frames, position)
-        shown = distribution(hist) if known and not most else None  # once for both
         finding: Finding = {
             "kind": "collective_mismatch",
             "severity": "error",
@@ -358,22 +391,19 @@ def _collectives(
             "expected": expected if known else None,
             "majority": most,
             "counts": counts,
-            "size": (
-                sum(abs(value - expected) * mask.bit_count() for value, mask in hist.items())
-                if known
-                else len(deviating)
-            ),
+            "size": size,
             "message": _mismatch_message(
                 site.op,
                 where["target"],
-                hist,
                 expected,
                 most,
-                (hist[expected].bit_count(), nranks),
+                (holders, nranks),
                 deviating,
                 counts if known else None,
                 shown,
-                _why_reference(hist, expected, ended) if not most else "",
+                why,
+                reference,
+                never,
             ),
             "stack": where["stack"],
             "callsite": index,
@@ -381,6 +411,94 @@ def _collectives(
         if not most:
             finding["distribution"] = shown if shown is not None else []
         yield finding
+
+
+#: what :func:`py_collective_histograms` reads for a collective callsite: (expected,
+#: majority, deviating ranks, their counts by str(rank), size, distribution (None with
+#: a majority), how many ranks hold the expected count, the lowest of them)
+CollectiveHistogram = tuple[
+    int, bool, list[int], dict[str, int], int, list[list[int]] | None, int, int
+]
+
+
+def py_collective_histograms(
+    sites: list[Callsite], indices: list[int], ranks: list[int], rank_names: list[str]
+) -> list[CollectiveHistogram | bool | None]:
+    """Per callsite ``sites[i]`` of ``indices``, what its collective_mismatch finding
+    says where no record ended early (:func:`site_histogram`, :func:`majority`,
+    :func:`distribution`: :data:`CollectiveHistogram`); False where every rank has one
+    count; None where its ``per_rank.counts`` are not a clean partition of the ranks
+    (none, a rank twice or not one of ``ranks``, not the ranks of ``site.ranks``, a
+    count twice, an empty list, a count not in 1..2**63-1), which the caller reads by
+    the general path. ``rank_names[i]`` is ``str(ranks[i])``. The reference of the C
+    ``collective_histograms`` (``_runs.c``)."""
+    if len(set(ranks)) != len(ranks):
+        raise ValueError("collective_histograms: a rank twice")
+    if len(rank_names) != len(ranks):
+        raise ValueError("collective_histograms: ranks and names differ")
+    everyone = set(ranks)
+    all_mask = ranks_to_mask(ranks)
+    out: list[CollectiveHistogram | bool | None] = []
+    for index in indices:
+        site = sites[index]
+        stats = site.per_rank
+        if stats is None or stats.counts is None:
+            out.append(None)
+            continue
+        present = everyone if site.ranks is None else site.ranks
+        counted = [rank for _, holders in stats.counts for rank in holders]
+        values = [value for value, _ in stats.counts]
+        if (
+            not all(0 < value < 2**63 for value in values)
+            or len(set(values)) != len(values)
+            or not all(holders for _, holders in stats.counts)
+            or len(set(counted)) != len(counted)
+            or len(set(present)) != len(present)
+            or set(counted) != set(present)
+            or not everyone.issuperset(present)
+        ):
+            out.append(None)
+            continue
+        hist = site_histogram(site, all_mask, True)
+        assert hist is not None  # per_rank.counts are known
+        if len(hist) < 2:
+            out.append(False)
+            continue
+        expected, most = majority(hist)
+        deviating = mask_to_ranks(all_mask & ~hist[expected])
+        value_of = {rank: value for value, mask in hist.items() for rank in mask_to_ranks(mask)}
+        out.append(
+            (
+                expected,
+                most,
+                deviating,
+                {str(rank): value_of[rank] for rank in deviating},
+                sum(abs(value - expected) * mask.bit_count() for value, mask in hist.items()),
+                None if most else distribution(hist),
+                hist[expected].bit_count(),
+                _lowest(hist[expected]),
+            )
+        )
+    return out
+
+
+#: (sites, indices, ranks, rank_names) -> per index, :data:`CollectiveHistogram`,
+#: False or None
+CollectiveReader = Callable[
+    [list[Callsite], list[int], list[int], list[str]], list[CollectiveHistogram | bool | None]
+]
+
+
+def _collective_reader() -> CollectiveReader:
+    if load_native("opguard_plugins.stages._runs") is None:
+        return py_collective_histograms
+    from opguard_plugins.stages._runs import collective_histograms as compiled
+
+    return compiled
+
+
+#: the implementation in use: the C one where it was built
+collective_histograms = _collective_reader()
 
 
 def _why_reference(hist: dict[int, int], expected: int, ended: dict[int, float]) -> str:
@@ -405,19 +523,21 @@ def _times(value: int) -> str:
 def _mismatch_message(
     op: str,
     target: str,
-    hist: dict[int, int],
     expected: int,
     most: bool,
     share: tuple[int, int],
     deviating: list[int],
     counts: dict[str, int] | None,
-    shown: list[list[int]] | None = None,
-    why: str = "the lowest",
+    shown: list[list[int]] | None,
+    why: str,
+    reference: int,
+    never: int,
 ) -> str:
     """A ``collective_mismatch``'s message: who holds what, honestly (a strict
-    majority, else no majority with the distribution, count → number of ranks;
-    ``shown``: :func:`distribution` of ``hist``, where the caller has it; ``why``:
-    why the reference rank is the reference)."""
+    majority, else no majority with the distribution, count → number of ranks:
+    ``shown``, :func:`distribution`, where the counts are known; ``why``: why the
+    reference rank, ``reference``, is the reference; ``never``: how many ranks never
+    issued it, where the counts are not known)."""
     issued = (
         # counts are by str(rank), in the order of ``deviating``
         ", ".join([f"rank {r}: {value}" for r, value in islice(counts.items(), 8)])
@@ -432,16 +552,14 @@ def _mismatch_message(
             f"{op} in {target} is issued {_times(expected)} on {holders} of {nranks} ranks "
             f"(a majority) but differently on rank(s) {list_ranks(deviating)} ({issued}); {tail}"
         )
-    if counts is None:
-        spread = f"issued on {nranks - hist[0].bit_count()}, never on {hist[0].bit_count()}"
+    if counts is None or shown is None:
+        spread = f"issued on {nranks - never}, never on {never}"
     else:
-        if shown is None:
-            shown = distribution(hist)
         spread = ", ".join([f"{_times(v)}: {n} rank(s)" for v, n in shown[:8]])
         spread += f", … ({len(shown)} values)" if len(shown) > 8 else ""
     return (
         f"{op} in {target} is issued unequally with no majority ({spread}); against rank "
-        f"{_lowest(hist[expected])}, {why} ({_times(expected)}), rank(s) "
+        f"{reference}, {why} ({_times(expected)}), rank(s) "
         f"{list_ranks(deviating)} differ ({issued}); {tail}"
     )
 
