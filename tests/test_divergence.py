@@ -482,7 +482,8 @@ def test_per_rank_counts_add_up_for_every_shape_of_statistics() -> None:
             ops, full, example, found = fold(
                 sites[:upto], frame0[: 4 * upto], function0, bytes(upto), 1, ranks, -1.0
             )
-            assert found == [(0, median_low(per_rank), array.array("d", per_rank).tobytes())]
+            row = array.array("d", per_rank).tobytes()
+            assert found == [(0, median_low(per_rank), row, [0, 1, 2, 3])]
             assert ops[0] == sum(site.count for site in sites[:upto])
             assert (full[0], example[0]) == (1, largest[upto])
         # callsites of some ranks each: every rank ran the function only where together

@@ -16,6 +16,8 @@ errors first, each group once with its largest findings and one stack.
 
 from __future__ import annotations
 
+from collections import Counter
+from operator import itemgetter
 from pathlib import Path
 from typing import Any
 
@@ -65,19 +67,22 @@ def sort_findings(findings: list[Finding]) -> list[Finding]:
     """By severity (errors first), then size (``ops`` deviating, largest first), then
     kind, target, op and ranks, so the order is the same for the same trace."""
 
-    def key(f: Finding) -> tuple[Any, ...]:
-        severity = f.get("severity")
-        rank = SEVERITIES.index(severity) if severity in SEVERITIES else len(SEVERITIES)
-        return (
-            rank,
+    # the keys built in one pass (no call per finding), the position last: ties keep
+    # the findings' order, as a stable sort by the key alone does
+    keyed = [
+        (
+            SEVERITIES.index(severity) if (severity := f.get("severity")) in SEVERITIES else 2,
             -int(f.get("size", 0)),
             str(f.get("kind", "")),
             str(f.get("target", "")),
             str(f.get("op") or ""),
             list(f.get("ranks") or []),
+            position,
         )
-
-    return sorted(findings, key=key)
+        for position, f in enumerate(findings)
+    ]
+    keyed.sort()
+    return [findings[key[-1]] for key in keyed]
 
 
 def check_findings(findings: object, where: str) -> list[Finding]:
@@ -100,10 +105,11 @@ def check_findings(findings: object, where: str) -> list[Finding]:
 
 def tally(findings: list[Finding]) -> dict[str, int]:
     """Counts for the summary: findings, errors, warnings, and one per kind."""
-    counts = {"findings": len(findings), "errors": 0, "warnings": 0}
-    for f in findings:
-        counts["errors" if f["severity"] == "error" else "warnings"] += 1
-        counts[f["kind"]] = counts.get(f["kind"], 0) + 1
+    severities = Counter(map(itemgetter("severity"), findings))
+    errors = severities.get("error", 0)
+    counts = {"findings": len(findings), "errors": errors, "warnings": len(findings) - errors}
+    for kind, number in Counter(map(itemgetter("kind"), findings)).items():
+        counts[kind] = counts.get(kind, 0) + number
     return counts
 
 
@@ -272,9 +278,7 @@ def rebuilt_distribution(counts: dict[str, Any], expected: Any, nranks: int) -> 
     """A ``collective_mismatch``'s distribution ``[[count, number of ranks], …]`` (the
     most held first, then by count) from its ``counts`` (the deviating ranks) and
     ``expected`` (every other of the ``nranks`` ranks)."""
-    held: dict[Any, int] = {}
-    for value in counts.values():
-        held[value] = held.get(value, 0) + 1
+    held = Counter(counts.values())
     rest = nranks - len(counts)
     if rest > 0:
         held[expected] = held.get(expected, 0) + rest

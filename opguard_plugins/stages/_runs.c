@@ -1702,19 +1702,34 @@ skew_fold(PyObject *Py_UNUSED(module), PyObject *args)
             totals[r] = sorted_totals[r] = uniform[slot] + rows[slot][r];
         qsort(sorted_totals, nranks, sizeof(double), compare_doubles);
         double middle = sorted_totals[(nranks - 1) / 2], limit = skew * middle;
-        int strays = 0;
-        for (Py_ssize_t r = 0; r < nranks && !strays; r++)
-            strays = fabs(totals[r] - middle) > limit;
+        Py_ssize_t strays = 0;
+        for (Py_ssize_t r = 0; r < nranks; r++)
+            strays += fabs(totals[r] - middle) > limit;
         if (!strays)
             continue;
         /* the per-rank totals as native doubles (8 bytes each, not a list of floats:
-         * at 128 ranks a list is 4 KiB per function, and thousands stray) */
+         * at 128 ranks a list is 4 KiB per function, and thousands stray), and the
+         * positions of the ranks that stray */
         PyObject *row = PyBytes_FromStringAndSize((const char *)totals,
                                                   nranks * (Py_ssize_t)sizeof(double));
-        if (row == NULL)
+        PyObject *stray = row ? PyList_New(strays) : NULL;
+        if (stray == NULL) {
+            Py_XDECREF(row);
             goto done;
-        PyObject *item = Py_BuildValue("(ndN)", slot == functions ? (Py_ssize_t)-1 : slot,
-                                       middle, row);
+        }
+        for (Py_ssize_t r = 0, at = 0; r < nranks; r++) {
+            if (!(fabs(totals[r] - middle) > limit))
+                continue;
+            PyObject *position_obj = PyLong_FromSsize_t(r);
+            if (position_obj == NULL) {
+                Py_DECREF(row);
+                Py_DECREF(stray);
+                goto done;
+            }
+            PyList_SET_ITEM(stray, at++, position_obj);
+        }
+        PyObject *item = Py_BuildValue("(ndNN)", slot == functions ? (Py_ssize_t)-1 : slot,
+                                       middle, row, stray);
         if (item == NULL || PyList_Append(found, item) < 0) {
             Py_XDECREF(item);
             goto done;

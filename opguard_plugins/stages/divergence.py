@@ -719,8 +719,9 @@ def _dtype_mismatch(trace: CallsiteTrace, stacks: _Stacks) -> Iterator[Finding]:
 #: trace's) and the position in the callsites of its largest callsite; and per
 #: function whose per-rank ops stray from their median by more than ``skew`` times
 #: it, (number, median, per-rank ops in ``ranks`` order as native doubles: 8 bytes a
-#: rank, where a list of floats is 32, for thousands of functions at 128 ranks)
-SkewFold = tuple[list[int], bytearray, list[int | None], list[tuple[int, float, bytes]]]
+#: rank, where a list of floats is 32, for thousands of functions at 128 ranks, and
+#: the positions in ``ranks`` of the ranks that stray)
+SkewFold = tuple[list[int], bytearray, list[int | None], list[tuple[int, float, bytes, list[int]]]]
 
 
 def py_skew_fold(
@@ -812,9 +813,10 @@ def py_skew_fold(
         per_rank = [base + value for value in row]
         middle = median_low(per_rank)
         limit = skew * middle
-        if any(abs(v - middle) > limit for v in per_rank):
+        stray = [at for at, v in enumerate(per_rank) if abs(v - middle) > limit]
+        if stray:
             row_bytes = array.array("d", per_rank).tobytes()
-            found.append((slot if slot < functions else -1, middle, row_bytes))
+            found.append((slot if slot < functions else -1, middle, row_bytes, stray))
     for slot, seen in cover.items():
         if seen is not None and len(seen) == nranks:
             full[slot] = 1
@@ -855,23 +857,21 @@ def _count_skew(trace: CallsiteTrace, stacks: _Stacks, skew: float) -> Iterator[
     )
     names = stacks.function_names
     kept = []
-    for number, middle, row in found:
+    for number, middle, row, stray in found:
         slot = number if number >= 0 else functions
         if full[slot]:
-            kept.append((number, slot, middle, row))
+            kept.append((number, slot, middle, row, stray))
         # else some ranks never ran it: a rank_specific finding says so
     # each finding's example callsite, and the visible frames of all of them in one pass
-    site_indices = [example[slot] for _, slot, _, _ in kept]
+    site_indices = [example[slot] for _, slot, _, _, _ in kept]
     visible, callers = stacks.visible_of([i for i in site_indices if i is not None])
     shown = iter(zip(visible, callers, strict=True))
     rank_names = list(map(str, ranks))
-    for (number, slot, middle, row), site_index in zip(kept, site_indices, strict=True):
-        limit = skew * middle
+    threshold = f"{skew:g}x"
+    for (number, slot, middle, row, stray), site_index in zip(kept, site_indices, strict=True):
         # the straying ranks (positions in ``ranks``) and their ops, in rank order
-        values = memoryview(row).cast("d")
-        stray = [at for at, v in enumerate(values) if abs(v - middle) > limit]
-        deviating = [ranks[at] for at in stray]
-        strayed = [values[at] for at in stray]
+        deviating = list(map(ranks.__getitem__, stray))
+        strayed = list(map(memoryview(row).cast("d").__getitem__, stray))
         name = "<root>" if number < 0 else names[number]
         frames, position = next(shown) if site_index is not None else ([], None)
         if frames:  # down to the function
@@ -893,7 +893,7 @@ def _count_skew(trace: CallsiteTrace, stacks: _Stacks, skew: float) -> Iterator[
             "size": int(round(sum([abs(v - middle) for v in strayed]), 6)),
             "message": (
                 f"{name}: ops on rank(s) {list_ranks(deviating)} differ from the median "
-                f"{expected} by more than {skew:g}x"
+                f"{expected} by more than {threshold}"
             ),
             "stack": where["stack"],
             "callsite": site_index,
