@@ -213,22 +213,26 @@ def encode_divergence(
                 and row["distribution"] == rebuilt_distribution(counts, row.get("expected"), nranks)
             ):
                 row["distribution"] = None
-            if isinstance(counts, dict) and counts and list(counts) == keys:
+            if (
+                isinstance(counts, dict)
+                and counts
+                and len(counts) == len(keys)
+                and list(counts) == keys
+            ):
                 row["counts"] = list(counts.values())
             rows.append(row)
         # what only the first finding has (its stacks, its context) is written once
-        first = {
-            k: v for k, v in rows[0].items() if len(rows) > 1 and all(k not in r for r in rows[1:])
-        }
+        head, others = rows[0], rows[1:]
+        first = {k: v for k, v in head.items() if all(k not in r for r in others)} if others else {}
         for k in first:
-            del rows[0][k]
-        names = sorted({k for row in rows for k in row})
+            del head[k]
+        names = sorted(set().union(*rows))
         # a field with one value in every row is written once, in ``common``
-        common = {
-            k: rows[0].get(k)
-            for k in names
-            if len(rows) > 1 and all(k in row and row[k] == rows[0][k] for row in rows)
-        }
+        common = (
+            {k: head.get(k) for k in names if all(k in row and row[k] == head[k] for row in rows)}
+            if others
+            else {}
+        )
         fields = [k for k in names if k not in common]
         lines.append(
             encoder.encode(
@@ -278,13 +282,13 @@ def rebuilt_distribution(counts: dict[str, Any], expected: Any, nranks: int) -> 
     """A ``collective_mismatch``'s distribution ``[[count, number of ranks], …]`` (the
     most held first, then by count) from its ``counts`` (the deviating ranks) and
     ``expected`` (every other of the ``nranks`` ranks)."""
-    held = Counter(counts.values())
+    held: dict[Any, int] = {}
+    for value in counts.values():
+        held[value] = held.get(value, 0) + 1
     rest = nranks - len(counts)
     if rest > 0:
         held[expected] = held.get(expected, 0) + rest
-    # counts are distinct keys: (-ranks, count) orders as the key (-d[1], d[0]) would
-    order = sorted([(-n, v) for v, n in held.items()])
-    return [[v, -n] for n, v in order]
+    return sorted(([v, n] for v, n in held.items()), key=lambda d: (-d[1], d[0]))
 
 
 def flatten_groups(doc: dict[str, Any], where: str, distributions: bool = True) -> list[Finding]:
