@@ -24,6 +24,7 @@ version 4 of the divergence document writes them.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import statistics
@@ -85,6 +86,9 @@ def child(checkout: Path, data: Path, repeat: int) -> dict[str, Any]:
         "cpu_seconds": min(cpu),
         "json_bytes": len(document),
         "log_bytes": len(log),
+        # what the two files hold, to tell that both sides wrote the same bytes
+        "json_sha256": hashlib.sha256(document).hexdigest(),
+        "log_sha256": hashlib.sha256(log).hexdigest(),
         "log_lines": log.count(b"\n"),
     }
 
@@ -167,6 +171,19 @@ def report(generator: str, shape: str, sides: dict[str, list[dict[str, Any]]]) -
             f"{base['json_bytes'] / mine['json_bytes']:.1f}× smaller, log "
             f"{base['log_bytes'] / mine['log_bytes']:.1f}× smaller "
             f"({base['findings']} → {mine['findings']} findings)"
+        )
+        same = {
+            name: {r[f"{name}_sha256"] for runs in sides.values() for r in runs}
+            for name in ("json", "log")
+        }
+        lines.append(
+            f"{'bytes':>9}: "
+            + ", ".join(
+                f"{name} {'identical' if len(hashes) == 1 else 'DIFFERENT'} "
+                f"(sha256 {sorted(hashes)[0][:16]}{'' if len(hashes) == 1 else ' …'})"
+                for name, hashes in same.items()
+            )
+            + " on both sides, every process"
         )
     return lines
 
