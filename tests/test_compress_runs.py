@@ -29,6 +29,7 @@ from opguard_plugins.stages.sorted_runs import (
     py_callsite_paths,
     py_frames_at,
     py_site_summary,
+    py_site_visible_frames,
     py_stack_summary,
     py_touching,
     py_visible_frames,
@@ -39,7 +40,7 @@ if _runs is not None:
     CRuns, c_callsite_paths = _runs.Runs, _runs.callsite_paths
     c_frames_at, c_visible_frames = _runs.frames_at, _runs.visible_frames
     c_stack_summary, c_touching = _runs.stack_summary, _runs.touching
-    c_site_summary = _runs.site_summary
+    c_site_summary, c_site_visible_frames = _runs.site_summary, _runs.site_visible_frames
 needs_c = needs(_runs)
 WIDTH = 4
 
@@ -324,3 +325,8 @@ def test_c_site_summary_is_the_reference(data: st.DataObject) -> None:
     assert collective == bytes(c.op.startswith("c10d::") or c.api in apis_in for c in sites)
     stacks = [c.stack for c in sites]
     assert (callers, union, outside) == py_stack_summary(stacks, hidden, user, full)
+    # the visible frames of some of the sites' stacks, read in place
+    indices = data.draw(st.lists(st.integers(0, len(sites) - 1), max_size=8)) if sites else []
+    visible = c_site_visible_frames(sites, indices, hidden, user)
+    assert visible == py_site_visible_frames(sites, indices, hidden, user)
+    assert visible == py_visible_frames([stacks[i] for i in indices], hidden, user)

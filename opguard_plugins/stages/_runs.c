@@ -799,195 +799,6 @@ done:
     return result;
 }
 
-/* visible_frames(stacks, hidden, user) -> (visible, callers): per stack (a tuple of
- * frame ids), its frame ids without the hidden ones (a list, one per distinct tuple
- * object) and its caller: the position of the innermost visible user frame, else of
- * the innermost visible frame, else None. ``hidden`` and ``user`` are bytes by frame
- * id (non-zero: true). */
-static PyObject *
-visible_frames(PyObject *Py_UNUSED(module), PyObject *args)
-{
-    PyObject *stacks;
-    Py_buffer hidden, user;
-    if (!PyArg_ParseTuple(args, "O!y*y*:visible_frames", &PyList_Type, &stacks, &hidden, &user))
-        return NULL;
-    PyObject *visible = NULL, *callers = NULL, *result = NULL;
-    const unsigned char *is_hidden = hidden.buf, *is_user = user.buf;
-    Py_ssize_t n = PyList_GET_SIZE(stacks), frames = hidden.len;
-    /* id(stack) -> index + 1 of its first site: open addressing, a power of two */
-    size_t slots = 16;
-    while (slots < (size_t)n * 2)
-        slots *= 2;
-    PyObject **seen_key = PyMem_Calloc(slots, sizeof(PyObject *));
-    Py_ssize_t *seen_at = PyMem_Calloc(slots, sizeof(Py_ssize_t));
-    if (seen_key == NULL || seen_at == NULL) {
-        PyErr_NoMemory();
-        goto done;
-    }
-    if (user.len != frames) {
-        PyErr_SetString(PyExc_ValueError, "visible_frames: hidden and user differ in length");
-        goto done;
-    }
-    visible = PyList_New(n);
-    callers = PyList_New(n);
-    if (visible == NULL || callers == NULL)
-        goto done;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *stack = PyList_GET_ITEM(stacks, i);
-        size_t slot = ((uintptr_t)stack >> 4) * 0x9E3779B97F4A7C15ULL & (slots - 1);
-        while (seen_key[slot] != NULL && seen_key[slot] != stack)
-            slot = (slot + 1) & (slots - 1);
-        if (seen_key[slot] == stack) {
-            Py_ssize_t at = seen_at[slot];
-            PyList_SET_ITEM(visible, i, Py_NewRef(PyList_GET_ITEM(visible, at)));
-            PyList_SET_ITEM(callers, i, Py_NewRef(PyList_GET_ITEM(callers, at)));
-            continue;
-        }
-        seen_key[slot] = stack; /* borrowed: the list holds it while we run */
-        seen_at[slot] = i;
-        if (!PyTuple_Check(stack)) {
-            PyErr_SetString(PyExc_TypeError, "visible_frames: a stack is not a tuple");
-            goto done;
-        }
-        Py_ssize_t depth = PyTuple_GET_SIZE(stack), kept = 0, innermost_user = -1;
-        for (Py_ssize_t j = 0; j < depth; j++) {
-            Py_ssize_t frame = as_index(PyTuple_GET_ITEM(stack, j));
-            if (frame == -1 && PyErr_Occurred())
-                goto done;
-            if (frame < 0 || frame >= frames) {
-                PyErr_SetString(PyExc_IndexError, "visible_frames: frame id out of range");
-                goto done;
-            }
-            kept += !is_hidden[frame];
-        }
-        PyObject *frames_of = PyList_New(kept);
-        if (frames_of == NULL)
-            goto done;
-        PyList_SET_ITEM(visible, i, frames_of);
-        kept = 0;
-        for (Py_ssize_t j = 0; j < depth; j++) {
-            PyObject *item = PyTuple_GET_ITEM(stack, j);
-            Py_ssize_t frame = as_index(item);
-            if (is_hidden[frame])
-                continue;
-            PyList_SET_ITEM(frames_of, kept, Py_NewRef(item));
-            if (is_user[frame])
-                innermost_user = kept;
-            kept++;
-        }
-        Py_ssize_t caller = innermost_user >= 0 ? innermost_user : kept - 1;
-        PyObject *position = caller >= 0 ? PyLong_FromSsize_t(caller) : Py_NewRef(Py_None);
-        if (position == NULL)
-            goto done;
-        PyList_SET_ITEM(callers, i, position);
-    }
-    result = PyTuple_Pack(2, visible, callers);
-done:
-    PyBuffer_Release(&hidden);
-    PyBuffer_Release(&user);
-    PyMem_Free(seen_key);
-    PyMem_Free(seen_at);
-    Py_XDECREF(visible);
-    Py_XDECREF(callers);
-    return result;
-}
-
-/* One frame id of a stack tuple, checked against the number of frames (IndexError). */
-static int
-stack_frame(PyObject *stack, Py_ssize_t j, Py_ssize_t frames, const char *who, Py_ssize_t *out)
-{
-    Py_ssize_t frame = as_index(PyTuple_GET_ITEM(stack, j));
-    if (frame == -1 && PyErr_Occurred())
-        return -1;
-    if (frame < 0 || frame >= frames) {
-        PyErr_Format(PyExc_IndexError, "%s: frame id out of range", who);
-        return -1;
-    }
-    *out = frame;
-    return 0;
-}
-
-/* stack_summary(stacks, hidden, user, full) -> (callers, union, outside): per stack its
- * caller's frame id (the innermost visible user frame, else the innermost visible
- * frame, else -1) as native 4-byte ints; per frame id whether it is a visible frame
- * of a stack with full[i]; the stacks without full[i] with a visible frame outside
- * that union. ``py_stack_summary`` in sorted_runs.py is the reference. */
-static PyObject *
-stack_summary(PyObject *Py_UNUSED(module), PyObject *args)
-{
-    PyObject *stacks;
-    Py_buffer hidden, user, full;
-    if (!PyArg_ParseTuple(args, "O!y*y*y*:stack_summary", &PyList_Type, &stacks, &hidden, &user,
-                          &full))
-        return NULL;
-    PyObject *callers = NULL, *union_ = NULL, *outside = NULL, *result = NULL;
-    const unsigned char *is_hidden = hidden.buf, *is_user = user.buf, *is_full = full.buf;
-    Py_ssize_t n = PyList_GET_SIZE(stacks), frames = hidden.len;
-    if (user.len != frames || full.len != n) {
-        PyErr_SetString(PyExc_ValueError, "stack_summary: lengths differ");
-        goto done;
-    }
-    if (frames > INT32_MAX) { /* callers are 4-byte frame ids */
-        PyErr_SetString(PyExc_OverflowError, "stack_summary: too many frames");
-        goto done;
-    }
-    callers = PyBytes_FromStringAndSize(NULL, n * (Py_ssize_t)sizeof(int32_t));
-    union_ = PyByteArray_FromStringAndSize(NULL, frames);
-    outside = PyList_New(0);
-    if (callers == NULL || union_ == NULL || outside == NULL)
-        goto done;
-    int32_t *caller_of = (int32_t *)PyBytes_AS_STRING(callers);
-    unsigned char *in_union = (unsigned char *)PyByteArray_AS_STRING(union_);
-    memset(in_union, 0, (size_t)frames);
-    for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *stack = PyList_GET_ITEM(stacks, i);
-        if (!PyTuple_Check(stack)) {
-            PyErr_SetString(PyExc_TypeError, "stack_summary: a stack is not a tuple");
-            goto done;
-        }
-        Py_ssize_t depth = PyTuple_GET_SIZE(stack), last = -1, innermost_user = -1, frame;
-        for (Py_ssize_t j = 0; j < depth; j++) {
-            if (stack_frame(stack, j, frames, "stack_summary", &frame) < 0)
-                goto done;
-            if (is_hidden[frame])
-                continue;
-            last = frame;
-            if (is_user[frame])
-                innermost_user = frame;
-            if (is_full[i])
-                in_union[frame] = 1;
-        }
-        caller_of[i] = (int32_t)(innermost_user >= 0 ? innermost_user : last);
-    }
-    for (Py_ssize_t i = 0; i < n; i++) {
-        if (is_full[i])
-            continue;
-        PyObject *stack = PyList_GET_ITEM(stacks, i); /* checked above */
-        Py_ssize_t depth = PyTuple_GET_SIZE(stack), frame;
-        for (Py_ssize_t j = 0; j < depth; j++) {
-            frame = as_index(PyTuple_GET_ITEM(stack, j)); /* checked above */
-            if (!is_hidden[frame] && !in_union[frame]) {
-                PyObject *index = PyLong_FromSsize_t(i);
-                if (index == NULL || PyList_Append(outside, index) < 0) {
-                    Py_XDECREF(index);
-                    goto done;
-                }
-                Py_DECREF(index);
-                break;
-            }
-        }
-    }
-    result = PyTuple_Pack(3, callers, union_, outside);
-done:
-    PyBuffer_Release(&hidden);
-    PyBuffer_Release(&user);
-    PyBuffer_Release(&full);
-    Py_XDECREF(callers);
-    Py_XDECREF(union_);
-    Py_XDECREF(outside);
-    return result;
-}
-
 /* A callsite's (or its per_rank's) fields read in place. msgspec keeps a Struct's
  * fields in slots: where the first object's type has a member descriptor (T_OBJECT_EX)
  * for every name, an object of exactly that type is read at those offsets, a borrowed
@@ -1121,6 +932,247 @@ pointer_put(PointerFlags *t, PyObject *key, unsigned char value)
     t->keys[slot] = key;
     t->values[slot] = value;
     return 0;
+}
+
+/* visible_frames(stacks, hidden, user) -> (visible, callers): per stack (a tuple of
+ * frame ids), its frame ids without the hidden ones (a list, one per distinct tuple
+ * object) and its caller: the position of the innermost visible user frame, else of
+ * the innermost visible frame, else None. ``hidden`` and ``user`` are bytes by frame
+ * id (non-zero: true). */
+static PyObject *
+visible_core(PyObject *const *stacks, Py_ssize_t n, Py_buffer hidden, Py_buffer user)
+{
+    PyObject *visible = NULL, *callers = NULL, *result = NULL;
+    const unsigned char *is_hidden = hidden.buf, *is_user = user.buf;
+    Py_ssize_t frames = hidden.len;
+    /* id(stack) -> index + 1 of its first site: open addressing, a power of two */
+    size_t slots = 16;
+    while (slots < (size_t)n * 2)
+        slots *= 2;
+    PyObject **seen_key = PyMem_Calloc(slots, sizeof(PyObject *));
+    Py_ssize_t *seen_at = PyMem_Calloc(slots, sizeof(Py_ssize_t));
+    if (seen_key == NULL || seen_at == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    if (user.len != frames) {
+        PyErr_SetString(PyExc_ValueError, "visible_frames: hidden and user differ in length");
+        goto done;
+    }
+    visible = PyList_New(n);
+    callers = PyList_New(n);
+    if (visible == NULL || callers == NULL)
+        goto done;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *stack = stacks[i];
+        size_t slot = ((uintptr_t)stack >> 4) * 0x9E3779B97F4A7C15ULL & (slots - 1);
+        while (seen_key[slot] != NULL && seen_key[slot] != stack)
+            slot = (slot + 1) & (slots - 1);
+        if (seen_key[slot] == stack) {
+            Py_ssize_t at = seen_at[slot];
+            PyList_SET_ITEM(visible, i, Py_NewRef(PyList_GET_ITEM(visible, at)));
+            PyList_SET_ITEM(callers, i, Py_NewRef(PyList_GET_ITEM(callers, at)));
+            continue;
+        }
+        seen_key[slot] = stack; /* borrowed: the list holds it while we run */
+        seen_at[slot] = i;
+        if (!PyTuple_Check(stack)) {
+            PyErr_SetString(PyExc_TypeError, "visible_frames: a stack is not a tuple");
+            goto done;
+        }
+        Py_ssize_t depth = PyTuple_GET_SIZE(stack), kept = 0, innermost_user = -1;
+        for (Py_ssize_t j = 0; j < depth; j++) {
+            Py_ssize_t frame = as_index(PyTuple_GET_ITEM(stack, j));
+            if (frame == -1 && PyErr_Occurred())
+                goto done;
+            if (frame < 0 || frame >= frames) {
+                PyErr_SetString(PyExc_IndexError, "visible_frames: frame id out of range");
+                goto done;
+            }
+            kept += !is_hidden[frame];
+        }
+        PyObject *frames_of = PyList_New(kept);
+        if (frames_of == NULL)
+            goto done;
+        PyList_SET_ITEM(visible, i, frames_of);
+        kept = 0;
+        for (Py_ssize_t j = 0; j < depth; j++) {
+            PyObject *item = PyTuple_GET_ITEM(stack, j);
+            Py_ssize_t frame = as_index(item);
+            if (is_hidden[frame])
+                continue;
+            PyList_SET_ITEM(frames_of, kept, Py_NewRef(item));
+            if (is_user[frame])
+                innermost_user = kept;
+            kept++;
+        }
+        Py_ssize_t caller = innermost_user >= 0 ? innermost_user : kept - 1;
+        PyObject *position = caller >= 0 ? PyLong_FromSsize_t(caller) : Py_NewRef(Py_None);
+        if (position == NULL)
+            goto done;
+        PyList_SET_ITEM(callers, i, position);
+    }
+    result = PyTuple_Pack(2, visible, callers);
+done:
+    PyMem_Free(seen_key);
+    PyMem_Free(seen_at);
+    Py_XDECREF(visible);
+    Py_XDECREF(callers);
+    return result;
+}
+
+static PyObject *
+visible_frames(PyObject *Py_UNUSED(module), PyObject *args)
+{
+    PyObject *stacks;
+    Py_buffer hidden, user;
+    if (!PyArg_ParseTuple(args, "O!y*y*:visible_frames", &PyList_Type, &stacks, &hidden, &user))
+        return NULL;
+    PyObject *result = visible_core(PySequence_Fast_ITEMS(stacks), PyList_GET_SIZE(stacks),
+                                    hidden, user);
+    PyBuffer_Release(&hidden);
+    PyBuffer_Release(&user);
+    return result;
+}
+
+/* site_visible_frames(sites, indices, hidden, user) -> ``visible_frames`` of the
+ * stacks of ``sites[i]`` for ``i`` in ``indices``, each read in place (``Fields``): no
+ * list of the stacks, no reference count of a callsite or its stack written.
+ * ``py_site_visible_frames`` in sorted_runs.py is the reference. */
+static PyObject *
+site_visible_frames(PyObject *Py_UNUSED(module), PyObject *args)
+{
+    PyObject *sites, *indices, *result = NULL;
+    Py_buffer hidden, user;
+    if (!PyArg_ParseTuple(args, "O!O!y*y*:site_visible_frames", &PyList_Type, &sites,
+                          &PyList_Type, &indices, &hidden, &user))
+        return NULL;
+    Py_ssize_t n = PyList_GET_SIZE(indices), nsites = PyList_GET_SIZE(sites);
+    PyObject **stacks = PyMem_Malloc((n + 1) * sizeof(PyObject *));
+    Fields f;
+    fields_open(&f, site_names, SITE_FIELDS, NULL);
+    if (stacks == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    if (field_names_ready() < 0)
+        goto done;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        Py_ssize_t index = as_index(PyList_GET_ITEM(indices, i));
+        if (index == -1 && PyErr_Occurred())
+            goto done;
+        if (index < 0 || index >= nsites) {
+            PyErr_SetString(PyExc_IndexError, "site_visible_frames: index out of range");
+            goto done;
+        }
+        if (i == 0)
+            fields_open(&f, site_names, SITE_FIELDS, PyList_GET_ITEM(sites, index));
+        if ((stacks[i] = field(&f, PyList_GET_ITEM(sites, index), SITE_STACK)) == NULL)
+            goto done;
+    }
+    result = visible_core(stacks, n, hidden, user);
+done:
+    fields_close(&f);
+    PyMem_Free(stacks);
+    PyBuffer_Release(&hidden);
+    PyBuffer_Release(&user);
+    return result;
+}
+
+/* One frame id of a stack tuple, checked against the number of frames (IndexError). */
+static int
+stack_frame(PyObject *stack, Py_ssize_t j, Py_ssize_t frames, const char *who, Py_ssize_t *out)
+{
+    Py_ssize_t frame = as_index(PyTuple_GET_ITEM(stack, j));
+    if (frame == -1 && PyErr_Occurred())
+        return -1;
+    if (frame < 0 || frame >= frames) {
+        PyErr_Format(PyExc_IndexError, "%s: frame id out of range", who);
+        return -1;
+    }
+    *out = frame;
+    return 0;
+}
+
+/* stack_summary(stacks, hidden, user, full) -> (callers, union, outside): per stack its
+ * caller's frame id (the innermost visible user frame, else the innermost visible
+ * frame, else -1) as native 4-byte ints; per frame id whether it is a visible frame
+ * of a stack with full[i]; the stacks without full[i] with a visible frame outside
+ * that union. ``py_stack_summary`` in sorted_runs.py is the reference. */
+static PyObject *
+stack_summary(PyObject *Py_UNUSED(module), PyObject *args)
+{
+    PyObject *stacks;
+    Py_buffer hidden, user, full;
+    if (!PyArg_ParseTuple(args, "O!y*y*y*:stack_summary", &PyList_Type, &stacks, &hidden, &user,
+                          &full))
+        return NULL;
+    PyObject *callers = NULL, *union_ = NULL, *outside = NULL, *result = NULL;
+    const unsigned char *is_hidden = hidden.buf, *is_user = user.buf, *is_full = full.buf;
+    Py_ssize_t n = PyList_GET_SIZE(stacks), frames = hidden.len;
+    if (user.len != frames || full.len != n) {
+        PyErr_SetString(PyExc_ValueError, "stack_summary: lengths differ");
+        goto done;
+    }
+    if (frames > INT32_MAX) { /* callers are 4-byte frame ids */
+        PyErr_SetString(PyExc_OverflowError, "stack_summary: too many frames");
+        goto done;
+    }
+    callers = PyBytes_FromStringAndSize(NULL, n * (Py_ssize_t)sizeof(int32_t));
+    union_ = PyByteArray_FromStringAndSize(NULL, frames);
+    outside = PyList_New(0);
+    if (callers == NULL || union_ == NULL || outside == NULL)
+        goto done;
+    int32_t *caller_of = (int32_t *)PyBytes_AS_STRING(callers);
+    unsigned char *in_union = (unsigned char *)PyByteArray_AS_STRING(union_);
+    memset(in_union, 0, (size_t)frames);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *stack = PyList_GET_ITEM(stacks, i);
+        if (!PyTuple_Check(stack)) {
+            PyErr_SetString(PyExc_TypeError, "stack_summary: a stack is not a tuple");
+            goto done;
+        }
+        Py_ssize_t depth = PyTuple_GET_SIZE(stack), last = -1, innermost_user = -1, frame;
+        for (Py_ssize_t j = 0; j < depth; j++) {
+            if (stack_frame(stack, j, frames, "stack_summary", &frame) < 0)
+                goto done;
+            if (is_hidden[frame])
+                continue;
+            last = frame;
+            if (is_user[frame])
+                innermost_user = frame;
+            if (is_full[i])
+                in_union[frame] = 1;
+        }
+        caller_of[i] = (int32_t)(innermost_user >= 0 ? innermost_user : last);
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (is_full[i])
+            continue;
+        PyObject *stack = PyList_GET_ITEM(stacks, i); /* checked above */
+        Py_ssize_t depth = PyTuple_GET_SIZE(stack), frame;
+        for (Py_ssize_t j = 0; j < depth; j++) {
+            frame = as_index(PyTuple_GET_ITEM(stack, j)); /* checked above */
+            if (!is_hidden[frame] && !in_union[frame]) {
+                PyObject *index = PyLong_FromSsize_t(i);
+                if (index == NULL || PyList_Append(outside, index) < 0) {
+                    Py_XDECREF(index);
+                    goto done;
+                }
+                Py_DECREF(index);
+                break;
+            }
+        }
+    }
+    result = PyTuple_Pack(3, callers, union_, outside);
+done:
+    PyBuffer_Release(&hidden);
+    PyBuffer_Release(&user);
+    PyBuffer_Release(&full);
+    Py_XDECREF(callers);
+    Py_XDECREF(union_);
+    Py_XDECREF(outside);
+    return result;
 }
 
 /* site_summary(sites, hidden, user, all_mask, mask_of, collective_op, collective_apis)
@@ -2063,6 +2115,9 @@ static PyMethodDef module_methods[] = {
      "callsite_paths(stacks, apis, api_index, tables, width) -> (paths, frame_paths)."},
     {"frames_at", frames_at, METH_VARARGS,
      "frames_at(frame_paths, origins, own, start, end) -> (first, distinct) frame ids."},
+    {"site_visible_frames", site_visible_frames, METH_VARARGS,
+     "site_visible_frames(sites, indices, hidden, user) -> (visible, callers): of those "
+     "sites' stacks, read in place."},
     {"visible_frames", visible_frames, METH_VARARGS,
      "visible_frames(stacks, hidden, user) -> (visible, callers): per stack."},
     {"stack_summary", stack_summary, METH_VARARGS,

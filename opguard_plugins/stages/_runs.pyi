@@ -63,6 +63,9 @@ def frames_at(
 def visible_frames(
     stacks: list[tuple[int, ...]], hidden: ReadableBuffer, user: ReadableBuffer, /
 ) -> tuple[list[list[int]], list[int | None]]: ...
+def site_visible_frames(
+    sites: list[Callsite], indices: list[int], hidden: ReadableBuffer, user: ReadableBuffer, /
+) -> tuple[list[list[int]], list[int | None]]: ...
 def stack_summary(
     stacks: list[tuple[int, ...]],
     hidden: ReadableBuffer,

@@ -74,7 +74,12 @@ from opguard_plugins.stages.sequences import (
     sequence_findings,
     went_on_longest,
 )
-from opguard_plugins.stages.sorted_runs import site_summary, touching, visible_frames
+from opguard_plugins.stages.sorted_runs import (
+    site_summary,
+    site_visible_frames,
+    touching,
+    visible_frames,
+)
 
 #: how many enclosing functions a finding's ``context`` lists (as config entries do)
 CONTEXT_DEPTH = 3
@@ -215,8 +220,7 @@ class _Stacks:
     def visible_of(self, indices: list[int]) -> tuple[list[list[int]], list[int | None]]:
         """Per callsite of ``indices``: its visible frames and the position in them of
         its calling function (None for no frame)."""
-        callsites = self.callsites
-        return visible_frames([callsites[i].stack for i in indices], self.hidden, self.user)
+        return site_visible_frames(self.callsites, indices, self.hidden, self.user)
 
     def where(self, index: int) -> dict[str, Any]:
         """:meth:`describe` for callsite ``index``: its target, context and stack."""

@@ -290,6 +290,15 @@ def py_visible_frames(
     return visible, callers
 
 
+def py_site_visible_frames(
+    sites: list[Callsite], indices: list[int], hidden: bytes, user: bytes
+) -> tuple[list[list[int]], list[int | None]]:
+    """:func:`py_visible_frames` of the stacks of ``sites[i]`` for ``i`` in
+    ``indices`` (the C ``site_visible_frames`` reads them in place, without a list of
+    them: no reference count of a callsite or of its stack written)."""
+    return py_visible_frames([sites[i].stack for i in indices], hidden, user)
+
+
 def py_stack_summary(
     stacks: list[tuple[int, ...]], hidden: bytes, user: bytes, full: bytes
 ) -> tuple[bytes, bytearray, list[int]]:
@@ -385,6 +394,10 @@ if TYPE_CHECKING:
         ],
         tuple[bytes, bytearray, list[int], bytes, bytes],
     ]
+    #: (sites, indices, hidden, user) -> (visible frames, callers), per index
+    SiteVisibleFrames = Callable[
+        [list[Callsite], list[int], bytes, bytes], tuple[list[list[int]], list[int | None]]
+    ]
     #: (stacks, marked) -> positions
     Touching = Callable[[list[tuple[int, ...]], bytes], list[int]]
 
@@ -404,14 +417,19 @@ def _implementation() -> tuple[
 Runs, callsite_paths, frames_at, visible_frames = _implementation()
 
 
-def _divergence_implementation() -> tuple[StackSummary, SiteSummary, Touching]:
+def _divergence_implementation() -> tuple[StackSummary, SiteSummary, SiteVisibleFrames, Touching]:
     if load_native("opguard_plugins.stages._runs") is None:
-        return py_stack_summary, py_site_summary, py_touching
-    from opguard_plugins.stages._runs import site_summary, stack_summary, touching
+        return py_stack_summary, py_site_summary, py_site_visible_frames, py_touching
+    from opguard_plugins.stages._runs import (
+        site_summary,
+        site_visible_frames,
+        stack_summary,
+        touching,
+    )
 
-    return stack_summary, site_summary, touching
+    return stack_summary, site_summary, site_visible_frames, touching
 
 
-#: divergence's pass over every stack (and over every callsite) and its search for
-#: stacks with marked frames
-stack_summary, site_summary, touching = _divergence_implementation()
+#: divergence's pass over every stack (and over every callsite), the visible frames
+#: of some callsites' stacks, and its search for stacks with marked frames
+stack_summary, site_summary, site_visible_frames, touching = _divergence_implementation()
