@@ -305,6 +305,7 @@ def test_c_site_summary_is_the_reference(data: st.DataObject) -> None:
         Callsite,
         stack=st.lists(st.integers(0, frames - 1), max_size=6).map(tuple),
         op=ops, api=apis, role=st.just("compute"), count=st.integers(1, 9), ranks=ranks,
+        dtype=st.sampled_from([None, "float32", "bfloat16"]),
     )  # fmt: skip
     sites = data.draw(st.lists(site, max_size=20))
     if data.draw(st.booleans()):  # not Callsites: read through getattr
@@ -320,9 +321,10 @@ def test_c_site_summary_is_the_reference(data: st.DataObject) -> None:
     summary = c_site_summary(*args)
     assert len(asked) == len(set(asked))  # once per op
     assert summary == py_site_summary(*args)
-    callers, union, outside, full, collective = summary
+    callers, union, outside, full, collective, partial_dtyped = summary
     assert full == bytes(c.ranks is None or ranks_to_mask(c.ranks) == all_mask for c in sites)
     assert collective == bytes(c.op.startswith("c10d::") or c.api in apis_in for c in sites)
+    assert partial_dtyped == [i for i, c in enumerate(sites) if not full[i] and c.dtype is not None]
     stacks = [c.stack for c in sites]
     assert (callers, union, outside) == py_stack_summary(stacks, hidden, user, full)
     # the visible frames of some of the sites' stacks, read in place

@@ -867,7 +867,16 @@ field(Fields *f, PyObject *obj, int k)
 }
 
 /* the interned names of a Callsite's fields read here, and of a PerRank's */
-enum { SITE_STACK, SITE_OP, SITE_API, SITE_COUNT, SITE_RANKS, SITE_PER_RANK, SITE_FIELDS };
+enum {
+    SITE_STACK,
+    SITE_OP,
+    SITE_API,
+    SITE_COUNT,
+    SITE_RANKS,
+    SITE_PER_RANK,
+    SITE_DTYPE,
+    SITE_FIELDS
+};
 enum { STATS_COUNTS, STATS_MIN, STATS_MAX, STATS_MIN_RANKS, STATS_MAX_RANKS, STATS_FIELDS };
 static PyObject *site_names[SITE_FIELDS], *stats_names[STATS_FIELDS];
 
@@ -876,7 +885,7 @@ field_names_ready(void)
 {
     if (site_names[0] != NULL)
         return 0;
-    const char *site[] = {"stack", "op", "api", "count", "ranks", "per_rank"};
+    const char *site[] = {"stack", "op", "api", "count", "ranks", "per_rank", "dtype"};
     const char *stats[] = {"counts", "min", "max", "min_ranks", "max_ranks"};
     for (int k = 0; k < SITE_FIELDS; k++)
         if ((site_names[k] = PyUnicode_InternFromString(site[k])) == NULL)
@@ -1176,12 +1185,13 @@ done:
 }
 
 /* site_summary(sites, hidden, user, all_mask, mask_of, collective_op, collective_apis)
- * -> (callers, union, outside, full, collective): divergence's one pass over every
- * callsite, its fields read in place (``Fields``): ``stack_summary`` of the sites'
+ * -> (callers, union, outside, full, collective, partial_dtyped): divergence's one
+ * pass over every callsite, its fields read in place (``Fields``): ``stack_summary`` of the sites'
  * stacks with ``full`` (per site: its ranks are None, or ``mask_of(ranks) ==
  * all_mask``, asked once per ranks list object), and per site whether it is a
  * collective (``collective_op(op)``, asked once per op string, or its api is in
- * ``collective_apis``), as bytes. ``py_site_summary`` in sorted_runs.py is the
+ * ``collective_apis``), as bytes; and the sites some ranks never ran (not ``full``)
+ * whose dtype is not None, ascending. ``py_site_summary`` in sorted_runs.py is the
  * reference. */
 static PyObject *
 site_summary(PyObject *Py_UNUSED(module), PyObject *args)
@@ -1192,7 +1202,7 @@ site_summary(PyObject *Py_UNUSED(module), PyObject *args)
                           &all_mask, &mask_of, &collective_op, &collective_apis))
         return NULL;
     PyObject *callers = NULL, *union_ = NULL, *outside = NULL, *full = NULL, *collective = NULL;
-    PyObject *result = NULL, *known_ops = NULL;
+    PyObject *result = NULL, *known_ops = NULL, *partial_dtyped = NULL;
     PointerFlags full_of = {NULL, NULL, 0, 0};
     Fields f;
     const unsigned char *is_hidden = hidden.buf, *is_user = user.buf;
@@ -1214,8 +1224,9 @@ site_summary(PyObject *Py_UNUSED(module), PyObject *args)
     outside = PyList_New(0);
     full = PyBytes_FromStringAndSize(NULL, n);
     collective = PyBytes_FromStringAndSize(NULL, n);
+    partial_dtyped = PyList_New(0);
     known_ops = PyDict_New();
-    if (!callers || !union_ || !outside || !full || !collective || !known_ops)
+    if (!callers || !union_ || !outside || !full || !collective || !partial_dtyped || !known_ops)
         goto done;
     int32_t *caller_of = (int32_t *)PyBytes_AS_STRING(callers);
     unsigned char *in_union = (unsigned char *)PyByteArray_AS_STRING(union_);
@@ -1266,6 +1277,11 @@ site_summary(PyObject *Py_UNUSED(module), PyObject *args)
                 goto done;
         }
         is_collective[i] = (unsigned char)is_c;
+        if (!is_full[i]) { /* some ranks never ran it: with a dtype, dtype_mismatch reads it */
+            PyObject *dtype = field(&f, site, SITE_DTYPE);
+            if (dtype == NULL || (dtype != Py_None && append_index(partial_dtyped, i) < 0))
+                goto done;
+        }
         Py_ssize_t depth = PyTuple_GET_SIZE(stack), last = -1, innermost_user = -1, frame;
         for (Py_ssize_t j = 0; j < depth; j++) {
             if (stack_frame(stack, j, frames, "site_summary", &frame) < 0)
@@ -1296,7 +1312,7 @@ site_summary(PyObject *Py_UNUSED(module), PyObject *args)
             }
         }
     }
-    result = PyTuple_Pack(5, callers, union_, outside, full, collective);
+    result = PyTuple_Pack(6, callers, union_, outside, full, collective, partial_dtyped);
 done:
     fields_close(&f);
     PyMem_Free(full_of.keys);
@@ -1308,6 +1324,7 @@ done:
     Py_XDECREF(outside);
     Py_XDECREF(full);
     Py_XDECREF(collective);
+    Py_XDECREF(partial_dtyped);
     Py_XDECREF(known_ops);
     return result;
 }

@@ -82,7 +82,7 @@ def site_summary(
     collective_op: Callable[[str], bool],
     collective_apis: Container[str | None],
     /,
-) -> tuple[bytes, bytearray, list[int], bytes, bytes]: ...
+) -> tuple[bytes, bytearray, list[int], bytes, bytes, list[int]]: ...
 def collective_histograms(
     sites: list[Callsite], indices: list[int], ranks: list[int], rank_names: list[str], /
 ) -> list[

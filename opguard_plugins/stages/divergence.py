@@ -190,13 +190,20 @@ class _Stacks:
         #: outside torch, else the innermost visible frame; -1 for none), whether
         #: every rank ran it and whether it is a collective (:func:`is_collective`, once
         #: per op); per frame id: whether a callsite every rank ran shows it; the
-        #: callsites some ranks never ran with a visible frame outside those: one pass,
-        #: in C where built, reading the callsites in place (a combined trace shares one
-        #: ``ranks`` list per rank set: one mask each)
+        #: callsites some ranks never ran with a visible frame outside those, and those
+        #: with a dtype: one pass, in C where built, reading the callsites in place (a
+        #: combined trace shares one ``ranks`` list per rank set: one mask each)
         self.callsites = trace.callsites
         self.all_mask = all_mask = ranks_to_mask(trace.ranks)
         self.mask_of = _MaskOf()
-        self.callers, self.everywhere, self.outside, self.full, self.collective = site_summary(
+        (
+            self.callers,
+            self.everywhere,
+            self.outside,
+            self.full,
+            self.collective,
+            self.partial_dtyped,
+        ) = site_summary(
             trace.callsites,
             self.hidden,
             self.user,
@@ -653,12 +660,9 @@ def _dtype_mismatch(trace: CallsiteTrace, stacks: _Stacks) -> Iterator[Finding]:
     lowest rank's, against every other. A difference needs a variant some rank did not
     run, so only the keys of such variants are gathered."""
     callsites = trace.callsites
-    # the callsites some ranks never ran (``full`` inverted), only those read
-    partial = [
-        site
-        for index in compress(counter(), stacks.full.translate(_NOT))
-        if (site := callsites[index]).dtype is not None
-    ]
+    # the callsites some ranks never ran with a dtype (from the pass over all), only
+    # those read
+    partial = list(map(callsites.__getitem__, stacks.partial_dtyped))
     if not partial:
         return
     near = {(site.stack[-1:], site.op) for site in partial}  # a cheap first test

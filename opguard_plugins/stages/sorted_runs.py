@@ -338,12 +338,13 @@ def py_site_summary(
     mask_of: Callable[[list[int]], int],
     collective_op: Callable[[str], bool],
     collective_apis: Container[str | None],
-) -> tuple[bytes, bytearray, list[int], bytes, bytes]:
+) -> tuple[bytes, bytearray, list[int], bytes, bytes, list[int]]:
     """Divergence's one pass over every callsite: :func:`py_stack_summary` of their
     stacks with ``full`` (per site: its ``ranks`` are None or ``mask_of(ranks) ==
     all_mask``, every rank ran it), then ``full`` and per site whether it is a
     collective (``collective_op(op)``, asked once per op, or its api is in
-    ``collective_apis``), both as bytes. The C ``site_summary`` reads the sites'
+    ``collective_apis``), both as bytes, and the sites not ``full`` whose ``dtype``
+    is not None (what ``dtype_mismatch`` reads), ascending. The C ``site_summary`` reads the sites'
     fields in place, without writing their reference counts."""
     full = bytes(site.ranks is None or mask_of(site.ranks) == all_mask for site in sites)
     known: dict[str, bool] = {}
@@ -354,7 +355,12 @@ def py_site_summary(
             answer = known[site.op] = bool(collective_op(site.op))
         collective[index] = answer or site.api in collective_apis
     callers, union, outside = py_stack_summary([site.stack for site in sites], hidden, user, full)
-    return callers, union, outside, full, bytes(collective)
+    partial_dtyped = [
+        index
+        for index, (site, everywhere) in enumerate(zip(sites, full, strict=True))
+        if not everywhere and site.dtype is not None
+    ]
+    return callers, union, outside, full, bytes(collective), partial_dtyped
 
 
 def py_touching(stacks: list[tuple[int, ...]], marked: bytes) -> list[int]:
@@ -392,7 +398,7 @@ if TYPE_CHECKING:
             Callable[[str], bool],
             Container[str | None],
         ],
-        tuple[bytes, bytearray, list[int], bytes, bytes],
+        tuple[bytes, bytearray, list[int], bytes, bytes, list[int]],
     ]
     #: (sites, indices, hidden, user) -> (visible frames, callers), per index
     SiteVisibleFrames = Callable[
