@@ -26,7 +26,7 @@ from opguard_core.formats.divergence import (
     load_divergence,
     render_log,
 )
-from opguard_core.formats.trace import Callsite, PerRank, decode_trace
+from opguard_core.formats.trace import Callsite, PerRank, decode_trace, list_ranks
 from opguard_core.model import RunOptions
 from opguard_plugins.stages import divergence, sorted_runs
 from opguard_plugins.view.report import read_divergence
@@ -286,6 +286,7 @@ def test_the_compiled_skew_fold_is_the_python_one(monkeypatch: pytest.MonkeyPatc
         monkeypatch.setattr(
             divergence, "collective_histograms", divergence.py_collective_histograms
         )
+        monkeypatch.setattr(divergence, "skew_findings", divergence.py_skew_findings)
         monkeypatch.setattr(divergence, "touching", sorted_runs.py_touching)
         monkeypatch.setattr(divergence, "visible_frames", sorted_runs.py_visible_frames)
         assert divergence.find_divergence(trace, RunOptions()) == with_c
@@ -385,3 +386,39 @@ def test_the_compiled_collective_histograms_are_the_python_ones(
     assert [type(g) for g in got] == [
         type(g) for g in divergence.py_collective_histograms(sites, indices, ranks, names)
     ]
+
+
+@needs(RUNS)
+def test_the_compiled_skew_findings_are_the_python_ones() -> None:
+    """``skew_findings`` (C) builds the findings ``py_skew_findings`` builds: a
+    function with no frame (``<root>``, no example callsite), more than eight straying
+    ranks, medians and ops that are not whole numbers, a stack shorter than its
+    context, an example whose stack shows no visible frame."""
+    assert RUNS is not None
+    ranks = [3, 5, 7, 9, 11, 13, 15, 17, 19, 21]
+    names = [str(r) for r in ranks]
+    whole = array("d", [float(v) for v in range(10)]).tobytes()
+    half = array("d", [v + 0.5 for v in range(10)]).tobytes()
+    third = array("d", [v / 3 for v in range(10)]).tobytes()
+    kept = [
+        (-1, 3, 4.0, whole, [0, 9]),  # <root>: no example callsite
+        (0, 0, 2.5, half, list(range(10))),  # every rank strays, medians of halves
+        (1, 1, 1.0 / 3, third, [1, 5]),  # thirds: rounded
+        (2, 2, 7.0, whole, [8]),  # an example with no visible frame
+    ]
+    site_indices = [None, 4, 9, 11]
+    visible = [[0, 1, 2, 3, 4], [2], []]
+    callers = [3, 0, None]
+    function_names = ["a.f", "b.g", "c.h"]
+    frame_names = [f"m.f{i}" for i in range(5)]
+    args = (kept, site_indices, visible, callers, function_names, frame_names, ranks, names,
+            [10, 20, 30, 40], "0.25x", divergence._number, divergence._stray_size,
+            list_ranks)  # fmt: skip
+    found = RUNS.skew_findings(*args)
+    assert found == divergence.py_skew_findings(*args)
+    assert [list(f) for f in found] == [list(f) for f in divergence.py_skew_findings(*args)]
+    assert found[1]["message"].count("…") == 1  # more than eight ranks
+    assert found[2]["expected"] == 0.333 and found[2]["counts"] == {"5": 0.333, "13": 1.667}
+    assert (found[0]["stack"], found[3]["stack"]) == ([], [])  # no frame to show
+    assert found[1]["stack"] == ["m.f0", "m.f1", "m.f2", "m.f3"]  # down to the function
+    assert found[1]["context"] == ["m.f0", "m.f1", "m.f2"]

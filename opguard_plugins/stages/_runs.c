@@ -18,9 +18,12 @@
  * (opguard_plugins/stages/sorted_runs.py) do, which stay the reference:
  * tests/test_compress_runs.py holds the two to the same answers. ``skew_fold``
  * is divergence's count_skew fold (``py_skew_fold`` in
- * opguard_plugins/stages/divergence.py; tests/test_divergence_groups.py), and
+ * opguard_plugins/stages/divergence.py; tests/test_divergence_groups.py),
+ * ``skew_findings`` builds its findings (``py_skew_findings`` there), and
  * ``collective_histograms`` reads its collective callsites' per-rank counts
- * (``py_collective_histograms`` there).
+ * (``py_collective_histograms`` there); ``site_visible_frames`` is
+ * ``visible_frames`` of some callsites' stacks, read in place
+ * (``py_site_visible_frames`` in sorted_runs.py).
  *
  * Positions are checked against the number of paths (ValueError), and a sum of
  * counts past 2**63-1 is an OverflowError. CPython >= 3.11; the package works
@@ -2127,6 +2130,199 @@ done:
     return NULL;
 }
 
+/* skew_findings(kept, site_indices, visible, callers, function_names, frame_names,
+ * ranks, rank_names, ops, threshold, number, size_of, list_ranks) -> the count_skew
+ * findings of ``kept`` ((number, slot, middle, row, stray) per function, as
+ * ``skew_fold`` found them), each a dict as ``py_skew_findings`` in divergence.py
+ * (the reference) builds it: ``visible`` and ``callers`` are the visible frames of
+ * the ``site_indices`` that are not None, in order; ``number`` is ``_number``
+ * (asked only for a value that is not a whole number), ``size_of(middle, strayed)``
+ * a finding's size, ``list_ranks`` the message's ranks. */
+static PyObject *
+number_of(double value, PyObject *number)
+{
+    if (isfinite(value) && floor(value) == value)
+        return PyLong_FromDouble(value);
+    PyObject *boxed = PyFloat_FromDouble(value);
+    if (boxed == NULL)
+        return NULL;
+    PyObject *result = PyObject_CallOneArg(number, boxed);
+    Py_DECREF(boxed);
+    return result;
+}
+
+static PyObject *
+names_of(PyObject *frames, Py_ssize_t start, Py_ssize_t stop, PyObject *frame_names)
+{
+    PyObject *out = PyList_New(stop > start ? stop - start : 0);
+    if (out == NULL)
+        return NULL;
+    for (Py_ssize_t j = start; j < stop; j++) {
+        Py_ssize_t frame = as_index(PyList_GET_ITEM(frames, j));
+        if (frame == -1 && PyErr_Occurred()) {
+            Py_DECREF(out);
+            return NULL;
+        }
+        if (frame < 0 || frame >= PyList_GET_SIZE(frame_names)) {
+            PyErr_SetString(PyExc_IndexError, "skew_findings: frame id out of range");
+            Py_DECREF(out);
+            return NULL;
+        }
+        PyList_SET_ITEM(out, j - start, Py_NewRef(PyList_GET_ITEM(frame_names, frame)));
+    }
+    return out;
+}
+
+static PyObject *skew_keys[12];
+
+static PyObject *
+skew_findings(PyObject *Py_UNUSED(module), PyObject *args)
+{
+    PyObject *kept, *site_indices, *visible, *callers, *function_names, *frame_names, *ranks;
+    PyObject *rank_names, *ops, *threshold, *number, *size_of, *list_ranks;
+    if (!PyArg_ParseTuple(args, "O!O!O!O!O!O!O!O!O!UOOO:skew_findings", &PyList_Type, &kept,
+                          &PyList_Type, &site_indices, &PyList_Type, &visible, &PyList_Type,
+                          &callers, &PyList_Type, &function_names, &PyList_Type, &frame_names,
+                          &PyList_Type, &ranks, &PyList_Type, &rank_names, &PyList_Type, &ops,
+                          &threshold, &number, &size_of, &list_ranks))
+        return NULL;
+    if (skew_keys[0] == NULL) {
+        const char *text[] = {"kind", "severity", "ranks", "target", "context", "expected",
+                              "counts", "ops", "size", "message", "stack", "callsite"};
+        for (int k = 0; k < 12; k++)
+            if ((skew_keys[k] = PyUnicode_InternFromString(text[k])) == NULL)
+                return NULL;
+    }
+    Py_ssize_t n = PyList_GET_SIZE(kept), nranks = PyList_GET_SIZE(ranks), shown = 0;
+    if (PyList_GET_SIZE(site_indices) != n || PyList_GET_SIZE(rank_names) != nranks
+        || PyList_GET_SIZE(visible) != PyList_GET_SIZE(callers)) {
+        PyErr_SetString(PyExc_ValueError, "skew_findings: lengths differ");
+        return NULL;
+    }
+    PyObject *out = PyList_New(0), *root = PyUnicode_FromString("<root>");
+    PyObject *kind = PyUnicode_FromString("count_skew"), *warning = PyUnicode_FromString("warning");
+    if (!out || !root || !kind || !warning)
+        goto fail;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *entry = PyList_GET_ITEM(kept, i), *site_index = PyList_GET_ITEM(site_indices, i);
+        if (!PyTuple_Check(entry) || PyTuple_GET_SIZE(entry) != 5
+            || !PyBytes_Check(PyTuple_GET_ITEM(entry, 3))
+            || !PyList_Check(PyTuple_GET_ITEM(entry, 4))) {
+            PyErr_SetString(PyExc_TypeError, "skew_findings: a kept function is malformed");
+            goto fail;
+        }
+        Py_ssize_t fnumber = as_index(PyTuple_GET_ITEM(entry, 0));
+        Py_ssize_t slot = as_index(PyTuple_GET_ITEM(entry, 1));
+        double middle = PyFloat_AsDouble(PyTuple_GET_ITEM(entry, 2));
+        if (PyErr_Occurred())
+            goto fail;
+        PyObject *row = PyTuple_GET_ITEM(entry, 3), *stray = PyTuple_GET_ITEM(entry, 4);
+        const double *values = (const double *)PyBytes_AS_STRING(row);
+        Py_ssize_t nstray = PyList_GET_SIZE(stray);
+        if (PyBytes_GET_SIZE(row) != nranks * (Py_ssize_t)sizeof(double) || slot < 0
+            || slot >= PyList_GET_SIZE(ops) || fnumber >= PyList_GET_SIZE(function_names)) {
+            PyErr_SetString(PyExc_ValueError, "skew_findings: a kept function is out of range");
+            goto fail;
+        }
+        PyObject *deviating = PyList_New(nstray), *strayed = PyList_New(nstray);
+        PyObject *counts = PyDict_New(), *expected = NULL, *stack = NULL, *context = NULL;
+        PyObject *size = NULL, *text = NULL, *message = NULL, *finding = NULL;
+        int failed = !deviating || !strayed || !counts;
+        for (Py_ssize_t j = 0; !failed && j < nstray; j++) {
+            Py_ssize_t at = as_index(PyList_GET_ITEM(stray, j));
+            if (at < 0 || at >= nranks) {
+                if (!PyErr_Occurred())
+                    PyErr_SetString(PyExc_IndexError, "skew_findings: a rank out of range");
+                failed = 1;
+                break;
+            }
+            PyList_SET_ITEM(deviating, j, Py_NewRef(PyList_GET_ITEM(ranks, at)));
+            PyObject *value = PyFloat_FromDouble(values[at]);
+            PyObject *shown_value = value ? number_of(values[at], number) : NULL;
+            failed = shown_value == NULL
+                || PyDict_SetItem(counts, PyList_GET_ITEM(rank_names, at), shown_value) < 0;
+            Py_XDECREF(shown_value);
+            if (value != NULL)
+                PyList_SET_ITEM(strayed, j, value);
+            else
+                failed = 1;
+        }
+        PyObject *name = fnumber < 0 ? root : PyList_GET_ITEM(function_names, fnumber);
+        if (!failed && site_index != Py_None) {
+            if (shown >= PyList_GET_SIZE(visible)) {
+                PyErr_SetString(PyExc_ValueError, "skew_findings: too few visible frames");
+                failed = 1;
+            } else {
+                PyObject *frames = PyList_GET_ITEM(visible, shown);
+                PyObject *position = PyList_GET_ITEM(callers, shown);
+                shown++;
+                if (!PyList_Check(frames)) {
+                    PyErr_SetString(PyExc_TypeError, "skew_findings: frames not a list");
+                    failed = 1;
+                } else if (PyList_GET_SIZE(frames) > 0) {
+                    Py_ssize_t p = position == Py_None ? 0 : as_index(position);
+                    if (p == -1 && PyErr_Occurred())
+                        failed = 1;
+                    else {
+                        Py_ssize_t stop = p + 1 < PyList_GET_SIZE(frames)
+                            ? p + 1 : PyList_GET_SIZE(frames);
+                        stack = names_of(frames, 0, stop, frame_names);
+                        context = stack ? PyList_GetSlice(stack, p - 3 > 0 ? p - 3 : 0, p)
+                                        : NULL;
+                        failed = context == NULL;
+                    }
+                }
+            }
+        }
+        if (!failed && stack == NULL) {
+            stack = PyList_New(0);
+            context = PyList_New(0);
+            failed = !stack || !context;
+        }
+        if (!failed) {
+            expected = number_of(middle, number);
+            PyObject *middle_obj = expected ? PyTuple_GET_ITEM(entry, 2) : NULL;
+            size = middle_obj ? PyObject_CallFunctionObjArgs(size_of, middle_obj, strayed, NULL)
+                              : NULL;
+            text = size ? PyObject_CallOneArg(list_ranks, deviating) : NULL;
+            message = text ? PyUnicode_FromFormat(
+                                 "%U: ops on rank(s) %U differ from the median %S by more "
+                                 "than %U", name, text, expected, threshold)
+                           : NULL;
+            finding = message ? PyDict_New() : NULL;
+            PyObject *values_in[12] = {kind, warning, deviating, name, context, expected,
+                                       counts, PyList_GET_ITEM(ops, slot), size, message,
+                                       stack, site_index};
+            for (int k = 0; finding != NULL && k < 12; k++)
+                if (PyDict_SetItem(finding, skew_keys[k], values_in[k]) < 0)
+                    Py_CLEAR(finding);
+            failed = finding == NULL || PyList_Append(out, finding) < 0;
+        }
+        Py_XDECREF(deviating);
+        Py_XDECREF(strayed);
+        Py_XDECREF(counts);
+        Py_XDECREF(expected);
+        Py_XDECREF(stack);
+        Py_XDECREF(context);
+        Py_XDECREF(size);
+        Py_XDECREF(text);
+        Py_XDECREF(message);
+        Py_XDECREF(finding);
+        if (failed)
+            goto fail;
+    }
+    Py_DECREF(root);
+    Py_DECREF(kind);
+    Py_DECREF(warning);
+    return out;
+fail:
+    Py_XDECREF(out);
+    Py_XDECREF(root);
+    Py_XDECREF(kind);
+    Py_XDECREF(warning);
+    return NULL;
+}
+
 static PyMethodDef module_methods[] = {
     {"callsite_paths", callsite_paths, METH_VARARGS,
      "callsite_paths(stacks, apis, api_index, tables, width) -> (paths, frame_paths)."},
@@ -2146,6 +2342,9 @@ static PyMethodDef module_methods[] = {
     {"collective_histograms", collective_histograms, METH_VARARGS,
      "collective_histograms(sites, indices, ranks, rank_names) -> per index: (expected, "
      "majority, deviating, counts, size, distribution, holders, reference), False or None."},
+    {"skew_findings", skew_findings, METH_VARARGS,
+     "skew_findings(kept, site_indices, visible, callers, function_names, frame_names, ranks, "
+     "rank_names, ops, threshold, number, size_of, list_ranks) -> count_skew findings."},
     {"touching", touching, METH_VARARGS,
      "touching(stacks, marked) -> positions: the stacks with a marked frame id."},
     {"skew_fold", skew_fold, METH_VARARGS,

@@ -6,7 +6,7 @@ and the ``py_*`` functions there are the Python references.
 """
 
 from collections.abc import Callable, Container, Sequence
-from typing import final
+from typing import Any, final
 
 from _typeshed import ReadableBuffer
 
@@ -88,6 +88,22 @@ def collective_histograms(
 ) -> list[
     tuple[int, bool, list[int], dict[str, int], int, list[list[int]] | None, int, int] | bool | None
 ]: ...
+def skew_findings(
+    kept: list[tuple[int, int, float, bytes, list[int]]],
+    site_indices: list[int | None],
+    visible: list[list[int]],
+    callers: list[int | None],
+    function_names: list[str],
+    frame_names: list[str],
+    ranks: list[int],
+    rank_names: list[str],
+    ops: list[int],
+    threshold: str,
+    number: Callable[[float], int | float],
+    size_of: Callable[[float, list[float]], int],
+    list_ranks: Callable[[list[int]], str],
+    /,
+) -> list[dict[str, Any]]: ...
 def touching(stacks: list[tuple[int, ...]], marked: ReadableBuffer, /) -> list[int]: ...
 def skew_fold(
     sites: list[Callsite],

@@ -864,7 +864,7 @@ def _count_skew(trace: CallsiteTrace, stacks: _Stacks, skew: float) -> Iterator[
         float(skew),
     )
     names = stacks.function_names
-    kept = []
+    kept: list[SkewKept] = []
     for number, middle, row, stray in found:
         slot = number if number >= 0 else functions
         if full[slot]:
@@ -873,39 +873,125 @@ def _count_skew(trace: CallsiteTrace, stacks: _Stacks, skew: float) -> Iterator[
     # each finding's example callsite, and the visible frames of all of them in one pass
     site_indices = [example[slot] for _, slot, _, _, _ in kept]
     visible, callers = stacks.visible_of([i for i in site_indices if i is not None])
+    yield from skew_findings(
+        kept,
+        site_indices,
+        visible,
+        callers,
+        names,
+        stacks.names,
+        ranks,
+        list(map(str, ranks)),
+        ops,
+        f"{skew:g}x",
+        _number,
+        _stray_size,
+        list_ranks,
+    )
+
+
+#: (number, slot, middle, per-rank ops, straying positions) of a function that strays
+SkewKept = tuple[int, int, float, bytes, list[int]]
+
+
+def py_skew_findings(
+    kept: list[SkewKept],
+    site_indices: list[int | None],
+    visible: list[list[int]],
+    callers: list[int | None],
+    function_names: list[str],
+    frame_names: list[str],
+    ranks: list[int],
+    rank_names: list[str],
+    ops: list[int],
+    threshold: str,
+    number: Callable[[float], int | float],
+    size_of: Callable[[float, list[float]], int],
+    ranks_text: Callable[[list[int]], str],
+) -> list[Finding]:
+    """The count_skew finding of each function of ``kept`` (as :func:`py_skew_fold`
+    found it, and kept: every rank ran it): its straying ranks and their ops, its
+    example callsite's stack down to the function (``visible`` and ``callers``: the
+    visible frames of the ``site_indices`` that are not None, in order), the median
+    (``number``: :func:`_number`), the size (``size_of``) and the message
+    (``ranks_text``: :func:`list_ranks`). The reference of the C ``skew_findings``."""
+    found: list[Finding] = []
     shown = iter(zip(visible, callers, strict=True))
-    rank_names = list(map(str, ranks))
-    threshold = f"{skew:g}x"
-    for (number, slot, middle, row, stray), site_index in zip(kept, site_indices, strict=True):
+    for (fnumber, slot, middle, row, stray), site_index in zip(kept, site_indices, strict=True):
         # the straying ranks (positions in ``ranks``) and their ops, in rank order
         deviating = list(map(ranks.__getitem__, stray))
         strayed = list(map(memoryview(row).cast("d").__getitem__, stray))
-        name = "<root>" if number < 0 else names[number]
+        name = "<root>" if fnumber < 0 else function_names[fnumber]
         frames, position = next(shown) if site_index is not None else ([], None)
+        stack: list[str] = []
+        context: list[str] = []
         if frames:  # down to the function
-            where = stacks.describe(frames[: (position or 0) + 1], position or 0)
-        else:
-            where = stacks.describe([], None)
-        expected = _number(middle)
-        yield {
-            "kind": "count_skew",
-            "severity": "warning",
-            "ranks": deviating,
-            "target": name,
-            "context": where["context"],
-            "expected": expected,
-            "counts": dict(
-                zip(map(rank_names.__getitem__, stray), map(_number, strayed), strict=True)
-            ),
-            "ops": ops[slot],
-            "size": int(round(sum([abs(v - middle) for v in strayed]), 6)),
-            "message": (
-                f"{name}: ops on rank(s) {list_ranks(deviating)} differ from the median "
-                f"{expected} by more than {threshold}"
-            ),
-            "stack": where["stack"],
-            "callsite": site_index,
-        }
+            at = position or 0
+            stack = list(map(frame_names.__getitem__, frames[: at + 1]))
+            context = stack[max(0, at - CONTEXT_DEPTH) : at]
+        expected = number(middle)
+        found.append(
+            {
+                "kind": "count_skew",
+                "severity": "warning",
+                "ranks": deviating,
+                "target": name,
+                "context": context,
+                "expected": expected,
+                "counts": dict(
+                    zip(map(rank_names.__getitem__, stray), map(number, strayed), strict=True)
+                ),
+                "ops": ops[slot],
+                "size": size_of(middle, strayed),
+                "message": (
+                    f"{name}: ops on rank(s) {ranks_text(deviating)} differ from the median "
+                    f"{expected} by more than {threshold}"
+                ),
+                "stack": stack,
+                "callsite": site_index,
+            }
+        )
+    return found
+
+
+#: (kept, site_indices, visible, callers, function_names, frame_names, ranks,
+#: rank_names, ops, threshold, number, size_of, ranks_text) -> findings
+SkewFinder = Callable[
+    [
+        list[SkewKept],
+        list[int | None],
+        list[list[int]],
+        list[int | None],
+        list[str],
+        list[str],
+        list[int],
+        list[str],
+        list[int],
+        str,
+        Callable[[float], int | float],
+        Callable[[float, list[float]], int],
+        Callable[[list[int]], str],
+    ],
+    list[Finding],
+]
+
+
+def _skew_finder() -> SkewFinder:
+    if load_native("opguard_plugins.stages._runs") is None:
+        return py_skew_findings
+    from opguard_plugins.stages._runs import skew_findings as compiled
+
+    return compiled
+
+
+#: the implementation in use: the C one where it was built
+skew_findings = _skew_finder()
+
+
+def _stray_size(middle: float, strayed: list[float]) -> int:
+    """A count_skew finding's size: how far its straying ranks' ops are from the
+    median, together."""
+    return int(round(sum([abs(v - middle) for v in strayed]), 6))
 
 
 def _number(value: float) -> int | float:
