@@ -29,6 +29,7 @@ from opguard_plugins.stages.sorted_runs import (
     py_callsite_paths,
     py_frames_at,
     py_site_summary,
+    py_site_touching,
     py_site_visible_frames,
     py_stack_summary,
     py_touching,
@@ -41,6 +42,7 @@ if _runs is not None:
     c_frames_at, c_visible_frames = _runs.frames_at, _runs.visible_frames
     c_stack_summary, c_touching = _runs.stack_summary, _runs.touching
     c_site_summary, c_site_visible_frames = _runs.site_summary, _runs.site_visible_frames
+    c_site_touching = _runs.site_touching
 needs_c = needs(_runs)
 WIDTH = 4
 
@@ -332,3 +334,7 @@ def test_c_site_summary_is_the_reference(data: st.DataObject) -> None:
     visible = c_site_visible_frames(sites, indices, hidden, user)
     assert visible == py_site_visible_frames(sites, indices, hidden, user)
     assert visible == py_visible_frames([stacks[i] for i in indices], hidden, user)
+    # the sites whose stack has a marked frame, read in place
+    marked = data.draw(flags)
+    assert c_site_touching(sites, marked) == py_site_touching(sites, marked)
+    assert py_site_touching(sites, marked) == py_touching(stacks, marked)

@@ -253,7 +253,8 @@ def test_the_compiled_skew_fold_rounds_huge_shares_as_python(middle: int) -> Non
 def test_the_compiled_skew_fold_is_the_python_one(monkeypatch: pytest.MonkeyPatch) -> None:
     """``skew_fold`` (C) gives what ``py_skew_fold`` gives, bit for bit, and so the
     same count_skew findings (C or Python in use), on random jobs; so do the pass over
-    the stacks (``stack_summary``, ``touching``, ``visible_frames``) for every kind."""
+    the stacks (``site_summary``, ``site_touching``, ``site_visible_frames``) for every
+    kind."""
     native = RUNS
     assert native is not None
     rnd = random.Random(31)
@@ -287,7 +288,7 @@ def test_the_compiled_skew_fold_is_the_python_one(monkeypatch: pytest.MonkeyPatc
             divergence, "collective_histograms", divergence.py_collective_histograms
         )
         monkeypatch.setattr(divergence, "skew_findings", divergence.py_skew_findings)
-        monkeypatch.setattr(divergence, "touching", sorted_runs.py_touching)
+        monkeypatch.setattr(divergence, "site_touching", sorted_runs.py_site_touching)
         monkeypatch.setattr(divergence, "visible_frames", sorted_runs.py_visible_frames)
         assert divergence.find_divergence(trace, RunOptions()) == with_c
         monkeypatch.undo()

@@ -21,9 +21,9 @@
  * opguard_plugins/stages/divergence.py; tests/test_divergence_groups.py),
  * ``skew_findings`` builds its findings (``py_skew_findings`` there), and
  * ``collective_histograms`` reads its collective callsites' per-rank counts
- * (``py_collective_histograms`` there); ``site_visible_frames`` is
- * ``visible_frames`` of some callsites' stacks, read in place
- * (``py_site_visible_frames`` in sorted_runs.py).
+ * (``py_collective_histograms`` there); ``site_visible_frames`` and
+ * ``site_touching`` are ``visible_frames`` and ``touching`` of callsites' stacks,
+ * read in place (``py_site_visible_frames``, ``py_site_touching`` in sorted_runs.py).
  *
  * Positions are checked against the number of paths (ValueError), and a sum of
  * counts past 2**63-1 is an OverflowError. CPython >= 3.11; the package works
@@ -1335,20 +1335,20 @@ done:
 /* touching(stacks, marked) -> positions: the stacks with a frame id marked (non-zero
  * in ``marked``, bytes by frame id). ``py_touching`` in sorted_runs.py is the
  * reference. */
+/* the positions ``i`` whose stack (``stack_of(i)``) has a marked frame id */
 static PyObject *
-touching(PyObject *Py_UNUSED(module), PyObject *args)
+touching_core(PyObject *sites, Fields *f, Py_ssize_t n, Py_buffer marked)
 {
-    PyObject *stacks;
-    Py_buffer marked;
-    if (!PyArg_ParseTuple(args, "O!y*:touching", &PyList_Type, &stacks, &marked))
-        return NULL;
     const unsigned char *is_marked = marked.buf;
-    Py_ssize_t n = PyList_GET_SIZE(stacks), frames = marked.len, frame;
+    Py_ssize_t frames = marked.len, frame;
     PyObject *found = PyList_New(0);
     if (found == NULL)
-        goto fail;
+        return NULL;
     for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *stack = PyList_GET_ITEM(stacks, i);
+        PyObject *stack = f == NULL ? PyList_GET_ITEM(sites, i)
+                                    : field(f, PyList_GET_ITEM(sites, i), SITE_STACK);
+        if (stack == NULL)
+            goto fail;
         if (!PyTuple_Check(stack)) {
             PyErr_SetString(PyExc_TypeError, "touching: a stack is not a tuple");
             goto fail;
@@ -1358,22 +1358,50 @@ touching(PyObject *Py_UNUSED(module), PyObject *args)
             if (stack_frame(stack, j, frames, "touching", &frame) < 0)
                 goto fail;
             if (is_marked[frame]) {
-                PyObject *index = PyLong_FromSsize_t(i);
-                if (index == NULL || PyList_Append(found, index) < 0) {
-                    Py_XDECREF(index);
+                if (append_index(found, i) < 0)
                     goto fail;
-                }
-                Py_DECREF(index);
                 break;
             }
         }
     }
-    PyBuffer_Release(&marked);
     return found;
 fail:
-    PyBuffer_Release(&marked);
     Py_XDECREF(found);
     return NULL;
+}
+
+static PyObject *
+touching(PyObject *Py_UNUSED(module), PyObject *args)
+{
+    PyObject *stacks;
+    Py_buffer marked;
+    if (!PyArg_ParseTuple(args, "O!y*:touching", &PyList_Type, &stacks, &marked))
+        return NULL;
+    PyObject *found = touching_core(stacks, NULL, PyList_GET_SIZE(stacks), marked);
+    PyBuffer_Release(&marked);
+    return found;
+}
+
+/* site_touching(sites, marked) -> ``touching`` of the sites' stacks, each read in place
+ * (``Fields``): no list of them, no reference count written. ``py_site_touching`` in
+ * sorted_runs.py is the reference. */
+static PyObject *
+site_touching(PyObject *Py_UNUSED(module), PyObject *args)
+{
+    PyObject *sites, *found = NULL;
+    Py_buffer marked;
+    if (!PyArg_ParseTuple(args, "O!y*:site_touching", &PyList_Type, &sites, &marked))
+        return NULL;
+    Fields f;
+    fields_open(&f, site_names, SITE_FIELDS, NULL);
+    if (field_names_ready() == 0) {
+        Py_ssize_t n = PyList_GET_SIZE(sites);
+        fields_open(&f, site_names, SITE_FIELDS, n ? PyList_GET_ITEM(sites, 0) : NULL);
+        found = touching_core(sites, &f, n, marked);
+    }
+    fields_close(&f);
+    PyBuffer_Release(&marked);
+    return found;
 }
 
 static int
@@ -2345,6 +2373,9 @@ static PyMethodDef module_methods[] = {
     {"skew_findings", skew_findings, METH_VARARGS,
      "skew_findings(kept, site_indices, visible, callers, function_names, frame_names, ranks, "
      "rank_names, ops, threshold, number, size_of, list_ranks) -> count_skew findings."},
+    {"site_touching", site_touching, METH_VARARGS,
+     "site_touching(sites, marked) -> positions: the sites whose stack has a marked frame id, "
+     "read in place."},
     {"touching", touching, METH_VARARGS,
      "touching(stacks, marked) -> positions: the stacks with a marked frame id."},
     {"skew_fold", skew_fold, METH_VARARGS,

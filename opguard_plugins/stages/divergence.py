@@ -35,7 +35,7 @@ from __future__ import annotations
 import array
 import math
 from collections.abc import Callable, Iterator
-from functools import cached_property, reduce
+from functools import reduce
 from itertools import compress, islice, repeat
 from itertools import count as counter
 from operator import neg, or_
@@ -76,8 +76,8 @@ from opguard_plugins.stages.sequences import (
 )
 from opguard_plugins.stages.sorted_runs import (
     site_summary,
+    site_touching,
     site_visible_frames,
-    touching,
     visible_frames,
 )
 
@@ -218,11 +218,6 @@ class _Stacks:
         """Callsite ``index``'s ranks as a mask (all of them where ``ranks`` is None)."""
         ranks = self.callsites[index].ranks
         return self.all_mask if ranks is None else self.mask_of(ranks)
-
-    @cached_property
-    def stacks(self) -> list[tuple[int, ...]]:
-        """Every callsite's stack, in trace order (read where a pass needs them all)."""
-        return [site.stack for site in self.callsites]
 
     def visible_of(self, indices: list[int]) -> tuple[list[list[int]], list[int | None]]:
         """Per callsite of ``indices``: its visible frames and the position in them of
@@ -619,7 +614,7 @@ def _rank_specific(trace: CallsiteTrace, stacks: _Stacks) -> Iterator[Finding]:
     marked = bytes(number in roots and not hidden[fid] for fid, number in enumerate(function))
     within: dict[int, set[int]] = {}  # by stack (a tuple shared by callsites): its roots
     callsites = trace.callsites
-    for index in touching(stacks.stacks, marked):
+    for index in site_touching(trace.callsites, marked):
         site = callsites[index]
         numbers = within.get(id(site.stack))
         if numbers is None:

@@ -363,6 +363,12 @@ def py_site_summary(
     return callers, union, outside, full, bytes(collective), partial_dtyped
 
 
+def py_site_touching(sites: list[Callsite], marked: bytes) -> list[int]:
+    """:func:`py_touching` of the sites' stacks (the C ``site_touching`` reads them in
+    place, without a list of them: no reference count written)."""
+    return py_touching([site.stack for site in sites], marked)
+
+
 def py_touching(stacks: list[tuple[int, ...]], marked: bytes) -> list[int]:
     """The positions of the stacks with a frame id marked (non-zero in ``marked``)."""
     return [index for index, stack in enumerate(stacks) if any(marked[fid] for fid in stack)]
@@ -406,6 +412,8 @@ if TYPE_CHECKING:
     ]
     #: (stacks, marked) -> positions
     Touching = Callable[[list[tuple[int, ...]], bytes], list[int]]
+    #: (sites, marked) -> positions
+    SiteTouching = Callable[[list[Callsite], bytes], list[int]]
 
 
 def _implementation() -> tuple[
@@ -423,19 +431,30 @@ def _implementation() -> tuple[
 Runs, callsite_paths, frames_at, visible_frames = _implementation()
 
 
-def _divergence_implementation() -> tuple[StackSummary, SiteSummary, SiteVisibleFrames, Touching]:
+def _divergence_implementation() -> tuple[
+    StackSummary, SiteSummary, SiteVisibleFrames, Touching, SiteTouching
+]:
     if load_native("opguard_plugins.stages._runs") is None:
-        return py_stack_summary, py_site_summary, py_site_visible_frames, py_touching
+        return (
+            py_stack_summary,
+            py_site_summary,
+            py_site_visible_frames,
+            py_touching,
+            py_site_touching,
+        )
     from opguard_plugins.stages._runs import (
         site_summary,
+        site_touching,
         site_visible_frames,
         stack_summary,
         touching,
     )
 
-    return stack_summary, site_summary, site_visible_frames, touching
+    return stack_summary, site_summary, site_visible_frames, touching, site_touching
 
 
 #: divergence's pass over every stack (and over every callsite), the visible frames
-#: of some callsites' stacks, and its search for stacks with marked frames
-stack_summary, site_summary, site_visible_frames, touching = _divergence_implementation()
+#: of some callsites' stacks, and its search for stacks (of callsites) with marked frames
+stack_summary, site_summary, site_visible_frames, touching, site_touching = (
+    _divergence_implementation()
+)
