@@ -170,10 +170,14 @@ def _collective_op(op: str) -> bool:
 
 
 class _Stacks:
-    """Every callsite's calling function (its frame id), rank mask and whether it is a
-    collective, in trace order, the frames' names, and which frames a callsite of
-    every rank shows; a callsite's visible frames (hidden plumbing removed) are read
-    for the few that need them (:meth:`visible_of`), not kept for all."""
+    """Every callsite's calling function (its frame id), whether every rank ran it and
+    whether it is a collective, in trace order, the frames' names, and which frames a
+    callsite of every rank shows; a callsite's rank mask (:meth:`mask`) and visible
+    frames (hidden plumbing removed, :meth:`visible_of`) are read for the few that need
+    them, not kept for all. The callsites are read in place where the C extension is
+    built (``_runs.site_summary``): in the forked helper that runs divergence, a
+    Python-level pass over them would write every callsite's reference count and copy
+    its page from the main process."""
 
     def __init__(self, trace: CallsiteTrace, options: RunOptions) -> None:
         hide = [*(DEFAULT_HIDE if options.default_hide else ()), *options.hide]
