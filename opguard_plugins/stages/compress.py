@@ -17,6 +17,8 @@ import math
 import re
 from array import array
 from collections import Counter, deque
+from itertools import groupby
+from operator import itemgetter
 from typing import Any, NamedTuple
 
 from opguard_core import hookimpl
@@ -312,14 +314,18 @@ def build_tree(
         :meth:`PyRuns.divergent`)."""
         assert rank_floor is not None
         parent_of, idents, found = runs.divergent(floor_count, math.ceil(rank_floor))
-        # the unbounded tree keeps every divergent node with its way up to floor
-        wanted: set[int] = set()
+        # the unbounded tree keeps every divergent node with its way up to floor: a
+        # flag a node, not a set of ids (100k nodes and more at 128 ranks, other generator)
+        wanted = bytearray(len(parent_of))
+        total = 0
         for _, node in found:
-            while node >= 0 and node not in wanted:
-                wanted.add(node)
+            while node >= 0 and not wanted[node]:
+                wanted[node] = 1
+                total += 1
                 node = parent_of[node]
-        if limit is None or len(wanted) <= limit:
-            return {idents[n] for n in wanted}, len(wanted)
+        if limit is None or total <= limit:
+            return {idents[n] for n, flag in enumerate(wanted) if flag}, total
+        del wanted
         # largest first; ties by the path of identities, as key tuples would sort
         key_order = sorted(range(len(keys)), key=lambda k: _sortable(keys[k]))
         rank_of = array(_ID_TYPE, [0]) * len(keys)  # uint32s
@@ -327,20 +333,26 @@ def build_tree(
             rank_of[kid] = position
 
         # the path's ids through rank_of, as bytes: they sort as the tuples of ranks
-        def order(item: tuple[int, int]) -> tuple[int, bytes]:
+        def path_order(item: tuple[int, int]) -> bytes:
             own, position = idents[item[1]]
-            return -item[0], runs.ranked_prefix(own, position, rank_of)
+            return runs.ranked_prefix(own, position, rank_of)
 
-        found.sort(key=order)
+        # by weight, then each weight's nodes by path as they come: the order of one
+        # sort by (-weight, path), without every node's path at once; once ``limit``
+        # nodes are kept no other way fits (each adds a node), so the rest is not sorted
+        found.sort(key=itemgetter(0), reverse=True)
         kept: set[int] = set()
-        for _, node in found:
-            way = []
-            while node >= 0 and node not in kept:
-                way.append(node)
-                node = parent_of[node]
-            if len(kept) + len(way) <= limit:
-                kept.update(way)
-        return {idents[n] for n in kept}, len(wanted)
+        for _, same in groupby(found, key=itemgetter(0)):
+            if len(kept) >= limit:
+                break
+            for _, node in sorted(same, key=path_order):
+                way = []
+                while node >= 0 and node not in kept:
+                    way.append(node)
+                    node = parent_of[node]
+                if len(kept) + len(way) <= limit:
+                    kept.update(way)
+        return {idents[n] for n in kept}, total
 
     rank_keep: set[tuple[int, int]] = set()
     rank_total = 0
