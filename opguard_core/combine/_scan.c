@@ -369,29 +369,42 @@ table_canonical(StackTable *t, PyObject *new_id)
         }
         mapped[i] = (uint32_t)value;
     }
+    /* every tuple first, then the sort keys and the pairs: the keys and the pairs go
+     * once the result is built, the tuples stay with it; made apart, the ones that go
+     * leave whole arenas free (given back) instead of a free pool beside each tuple's */
     for (size_t id = 0; id < t->count; id++) {
         const uint32_t *ids = t->flat + t->starts[id];
         Py_ssize_t n = (Py_ssize_t)(t->starts[id + 1] - t->starts[id]);
-        PyObject *key = PyBytes_FromStringAndSize(NULL, n * 4);
         PyObject *stack = PyTuple_New(n);
-        PyObject *pair = key && stack ? PyTuple_Pack(2, key, stack) : NULL;
-        Py_XDECREF(key);
-        Py_XDECREF(stack);
-        if (pair == NULL)
+        if (stack == NULL)
             goto fail;
-        PyList_SET_ITEM(out, (Py_ssize_t)id, pair); /* filled in below, in place */
-        unsigned char *bytes = (unsigned char *)PyBytes_AS_STRING(key);
+        PyList_SET_ITEM(out, (Py_ssize_t)id, stack); /* the pair takes its place below */
         for (Py_ssize_t j = 0; j < n; j++) {
             if ((Py_ssize_t)ids[j] >= frames) {
                 PyErr_SetString(PyExc_IndexError, "StackTable.canonical: frame id out of range");
                 goto fail;
             }
+            PyTuple_SET_ITEM(stack, j, Py_NewRef(PyList_GET_ITEM(new_id, ids[j])));
+        }
+    }
+    for (size_t id = 0; id < t->count; id++) {
+        const uint32_t *ids = t->flat + t->starts[id];
+        Py_ssize_t n = (Py_ssize_t)(t->starts[id + 1] - t->starts[id]);
+        PyObject *stack = PyList_GET_ITEM(out, (Py_ssize_t)id);
+        PyObject *key = PyBytes_FromStringAndSize(NULL, n * 4);
+        PyObject *pair = key ? PyTuple_Pack(2, key, stack) : NULL;
+        Py_XDECREF(key);
+        if (pair == NULL)
+            goto fail;
+        PyList_SET_ITEM(out, (Py_ssize_t)id, pair); /* the list's reference to the tuple */
+        Py_DECREF(stack);                          /* is now the pair's */
+        unsigned char *bytes = (unsigned char *)PyBytes_AS_STRING(key);
+        for (Py_ssize_t j = 0; j < n; j++) {
             uint32_t value = mapped[ids[j]];
             bytes[4 * j] = (unsigned char)(value >> 24);
             bytes[4 * j + 1] = (unsigned char)(value >> 16);
             bytes[4 * j + 2] = (unsigned char)(value >> 8);
             bytes[4 * j + 3] = (unsigned char)value;
-            PyTuple_SET_ITEM(stack, j, Py_NewRef(PyList_GET_ITEM(new_id, ids[j])));
         }
     }
     PyMem_Free(mapped);
