@@ -356,12 +356,17 @@ def report(
             "| ranks | MB of traces | wall s | peak RSS (process tree) | largest process |",
             "|---:|---:|---:|---:|---:|",
         ]
-        for fig in memory:
+        # the run above is one of the rank counts compared (--memory-ranks 128 beside
+        # --ranks 8: 128 against 8, not 128 against itself); a count run twice: the
+        # --memory-ranks run
+        by_ranks = {fig.ranks: fig for fig in (run, *memory)}
+        figures = [by_ranks[ranks] for ranks in sorted(by_ranks)]
+        for fig in figures:
             lines.append(
                 f"| {fig.ranks} | {fig.megabytes:,.0f} | {fig.wall:.2f} | "
                 f"{_mib(fig.peak_rss_tree)} | {_mib(fig.peak_rss_single)} |"
             )
-        low, high = memory[0], memory[-1]
+        low, high = figures[0], figures[-1]
         lines += [
             "",
             f"Peak RSS {high.ranks} vs {low.ranks} ranks: "

@@ -52,6 +52,20 @@ def test_benchmark_reports_stages_ratio_and_memory(tmp_path: Path) -> None:
     assert not any(data.iterdir())  # --cleanup removed the generated traces
 
 
+@pytest.mark.slow  # runs the benchmark script
+def test_benchmark_compares_memory_ranks_with_the_run_itself(tmp_path: Path) -> None:
+    """``--memory-ranks 4`` beside ``--ranks 2``: 4 ranks against the 2 of the run above
+    (the way issue 31's point 3 is measured), not 4 against themselves."""
+    pytest.importorskip("psutil")
+    result = run_benchmark(
+        "--ranks", "2", "--callsites", "300", "--data", str(tmp_path / "data"),
+        "--memory-ranks", "4", "--no-parse", "--cleanup",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert "| 2 | " in result.stdout and "| 4 | " in result.stdout
+    assert "Peak RSS 4 vs 2 ranks: **" in result.stdout
+
+
 def test_benchmark_fails_when_the_run_fails(tmp_path: Path) -> None:
     pytest.importorskip("psutil")
     result = run_benchmark(
