@@ -280,10 +280,20 @@ def build_tree(
     order = sorted(range(len(paths)), key=paths.__getitem__)
     all_mask = ranks_to_mask(trace.ranks)
     sorted_sites = [callsites[j] for j in order]
+    # a combined trace's callsites share one ranks list per rank set: one mask each,
+    # not an int per callsite (past 62 ranks a mask is an int of its own, 36+ bytes)
+    masks: dict[int, int] = {}
+
+    def site_mask(ranks: list[int]) -> int:
+        mask = masks.get(id(ranks))
+        if mask is None:
+            mask = masks[id(ranks)] = ranks_to_mask(ranks)
+        return mask
+
     runs = Runs(
         [paths[j] for j in order],
         [site.count for site in sorted_sites],
-        [all_mask if site.ranks is None else ranks_to_mask(site.ranks) for site in sorted_sites],
+        [all_mask if site.ranks is None else site_mask(site.ranks) for site in sorted_sites],
         all_mask,
         [site.op for site in sorted_sites],
         [site.role or COMPUTE for site in sorted_sites],
@@ -291,6 +301,7 @@ def build_tree(
         WIDTH,
     )
     del paths, sorted_sites
+    masks.clear()
     sorted_frame_paths = [frame_paths[j] for j in order]
     del frame_paths
     # a weight is kept at weight >= floor: for an int weight, weight >= ceil(floor)
