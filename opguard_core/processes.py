@@ -58,6 +58,14 @@ def _prctl() -> Any:
     return _PRCTL or None
 
 
+def before_fork() -> None:
+    """Look up now what :func:`die_with_parent` needs in a child about to be forked:
+    in the child, ctypes' ``find_library`` runs ``ldconfig -p``, a fork of the child
+    (all the parent's pages, counted again in the process tree's RSS while it lasts)
+    and ~10 ms at its start."""
+    _prctl()
+
+
 def die_with_parent(sig: int, parent: int) -> bool:
     """Get signal ``sig`` when the parent process dies; ``parent`` is the pid it had
     before the fork. If it is gone already (this process was re-parented before the
@@ -187,6 +195,7 @@ def at_sigterm(callback: Callable[[bool], None]) -> bool:
 
 __all__ = [
     "at_sigterm",
+    "before_fork",
     "child_dies_with_parent",
     "die_with_parent",
     "signals_deferred",

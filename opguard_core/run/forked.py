@@ -27,7 +27,7 @@ from collections.abc import Callable
 from typing import Any
 
 from opguard_core.errors import OpGuardError
-from opguard_core.processes import _prctl, die_with_parent
+from opguard_core.processes import before_fork, die_with_parent
 
 
 def can_fork() -> bool:
@@ -56,10 +56,7 @@ class ForkedCall:
         for stream in (sys.stdout, sys.stderr):  # or the child would write them again
             with contextlib.suppress(Exception):
                 stream.flush()
-        # libc's prctl looked up here, once (die_with_parent's): in the child ctypes'
-        # find_library runs ``ldconfig -p``, a fork of the child (of all this process's
-        # pages, counted again in the tree's RSS while it lasts) and ~10 ms at its start
-        _prctl()
+        before_fork()  # die_with_parent's libc, looked up here, not in the child
         read_fd, write_fd = os.pipe()
         parent = os.getpid()
         pid = os.fork()

@@ -35,7 +35,7 @@ from opguard_core.errors import InputError, OpGuardError
 from opguard_core.formats.readers import Readers
 from opguard_core.logs import progress
 from opguard_core.model import InputEntry, RunOptions
-from opguard_core.processes import _prctl, die_with_parent, signals_deferred
+from opguard_core.processes import before_fork, die_with_parent, signals_deferred
 from opguard_core.run.warnings import collecting, warn_again
 
 #: Below this many input bytes a pool costs more (process start-up) than it saves.
@@ -227,8 +227,8 @@ def combine_parallel(
     ]
     tick = advance or (lambda n: None)
     partials: list[TraceAccumulator] = []
-    if fork:  # libc's prctl looked up once, here, not by each helper (ldconfig -p: a fork)
-        _prctl()
+    if fork:  # die_with_parent's libc looked up once, here, not by each helper
+        before_fork()
 
     def handle(kind: str, payload: Any) -> None:
         if kind == "file":
