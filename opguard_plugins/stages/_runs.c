@@ -8,22 +8,20 @@
  * ``run_end``, ``id_at``, ``ranked_prefix``, ``tally``, ``distinct_prefixes`` and the
  * whole ``divergent`` search. ``callsite_paths(stacks, apis, api_index, tables, width)``
  * builds the paths (4-byte ids only) and ``frames_at`` reads a node's frames from
- * them; ``visible_frames(stacks, hidden, user)`` gives divergence every stack's
- * visible frames and calling function, ``stack_summary`` its callers and the union of
- * the frames every rank ran without a list per stack (``site_summary`` the same from
- * the callsites, read in place, with which ran on every rank and which are
- * collectives), ``touching`` the stacks with a marked frame. Each does what the pure-Python ``PyRuns``,
- * ``py_callsite_paths``, ``py_frames_at``, ``py_visible_frames``, ``py_stack_summary``,
- * ``py_site_summary`` and ``py_touching``
- * (opguard_plugins/stages/sorted_runs.py) do, which stay the reference:
+ * them; ``visible_frames(stacks, hidden, user)`` gives divergence given stacks'
+ * visible frames and calling function, ``site_summary`` every callsite's caller, the
+ * union of the frames every rank ran, which ran on every rank and which are
+ * collectives, the callsites read in place. Each does what the pure-Python ``PyRuns``,
+ * ``py_callsite_paths``, ``py_frames_at``, ``py_visible_frames`` and
+ * ``py_site_summary`` (opguard_plugins/stages/sorted_runs.py) do, which stay the reference:
  * tests/test_compress_runs.py holds the two to the same answers. ``skew_fold``
  * is divergence's count_skew fold (``py_skew_fold`` in
  * opguard_plugins/stages/divergence.py; tests/test_divergence_groups.py),
  * ``skew_findings`` builds its findings (``py_skew_findings`` there), and
  * ``collective_histograms`` reads its collective callsites' per-rank counts
  * (``py_collective_histograms`` there); ``site_visible_frames`` and
- * ``site_touching`` are ``visible_frames`` and ``touching`` of callsites' stacks,
- * read in place (``py_site_visible_frames``, ``py_site_touching`` in sorted_runs.py).
+ * ``site_touching`` are ``visible_frames`` of some callsites' stacks and the callsites
+ * whose stack has a marked frame, read in place (``py_site_visible_frames``, ``py_site_touching`` in sorted_runs.py).
  *
  * Positions are checked against the number of paths (ValueError), and a sum of
  * counts past 2**63-1 is an OverflowError. CPython >= 3.11; the package works
@@ -1106,90 +1104,9 @@ stack_frame(PyObject *stack, Py_ssize_t j, Py_ssize_t frames, const char *who, P
     return 0;
 }
 
-/* stack_summary(stacks, hidden, user, full) -> (callers, union, outside): per stack its
- * caller's frame id (the innermost visible user frame, else the innermost visible
- * frame, else -1) as native 4-byte ints; per frame id whether it is a visible frame
- * of a stack with full[i]; the stacks without full[i] with a visible frame outside
- * that union. ``py_stack_summary`` in sorted_runs.py is the reference. */
-static PyObject *
-stack_summary(PyObject *Py_UNUSED(module), PyObject *args)
-{
-    PyObject *stacks;
-    Py_buffer hidden, user, full;
-    if (!PyArg_ParseTuple(args, "O!y*y*y*:stack_summary", &PyList_Type, &stacks, &hidden, &user,
-                          &full))
-        return NULL;
-    PyObject *callers = NULL, *union_ = NULL, *outside = NULL, *result = NULL;
-    const unsigned char *is_hidden = hidden.buf, *is_user = user.buf, *is_full = full.buf;
-    Py_ssize_t n = PyList_GET_SIZE(stacks), frames = hidden.len;
-    if (user.len != frames || full.len != n) {
-        PyErr_SetString(PyExc_ValueError, "stack_summary: lengths differ");
-        goto done;
-    }
-    if (frames > INT32_MAX) { /* callers are 4-byte frame ids */
-        PyErr_SetString(PyExc_OverflowError, "stack_summary: too many frames");
-        goto done;
-    }
-    callers = PyBytes_FromStringAndSize(NULL, n * (Py_ssize_t)sizeof(int32_t));
-    union_ = PyByteArray_FromStringAndSize(NULL, frames);
-    outside = PyList_New(0);
-    if (callers == NULL || union_ == NULL || outside == NULL)
-        goto done;
-    int32_t *caller_of = (int32_t *)PyBytes_AS_STRING(callers);
-    unsigned char *in_union = (unsigned char *)PyByteArray_AS_STRING(union_);
-    memset(in_union, 0, (size_t)frames);
-    for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *stack = PyList_GET_ITEM(stacks, i);
-        if (!PyTuple_Check(stack)) {
-            PyErr_SetString(PyExc_TypeError, "stack_summary: a stack is not a tuple");
-            goto done;
-        }
-        Py_ssize_t depth = PyTuple_GET_SIZE(stack), last = -1, innermost_user = -1, frame;
-        for (Py_ssize_t j = 0; j < depth; j++) {
-            if (stack_frame(stack, j, frames, "stack_summary", &frame) < 0)
-                goto done;
-            if (is_hidden[frame])
-                continue;
-            last = frame;
-            if (is_user[frame])
-                innermost_user = frame;
-            if (is_full[i])
-                in_union[frame] = 1;
-        }
-        caller_of[i] = (int32_t)(innermost_user >= 0 ? innermost_user : last);
-    }
-    for (Py_ssize_t i = 0; i < n; i++) {
-        if (is_full[i])
-            continue;
-        PyObject *stack = PyList_GET_ITEM(stacks, i); /* checked above */
-        Py_ssize_t depth = PyTuple_GET_SIZE(stack), frame;
-        for (Py_ssize_t j = 0; j < depth; j++) {
-            frame = as_index(PyTuple_GET_ITEM(stack, j)); /* checked above */
-            if (!is_hidden[frame] && !in_union[frame]) {
-                PyObject *index = PyLong_FromSsize_t(i);
-                if (index == NULL || PyList_Append(outside, index) < 0) {
-                    Py_XDECREF(index);
-                    goto done;
-                }
-                Py_DECREF(index);
-                break;
-            }
-        }
-    }
-    result = PyTuple_Pack(3, callers, union_, outside);
-done:
-    PyBuffer_Release(&hidden);
-    PyBuffer_Release(&user);
-    PyBuffer_Release(&full);
-    Py_XDECREF(callers);
-    Py_XDECREF(union_);
-    Py_XDECREF(outside);
-    return result;
-}
-
 /* site_summary(sites, hidden, user, all_mask, mask_of, collective_op, collective_apis)
  * -> (callers, union, outside, full, collective, partial_dtyped): divergence's one
- * pass over every callsite, its fields read in place (``Fields``): ``stack_summary`` of the sites'
+ * pass over every callsite, its fields read in place (``Fields``): ``py_stack_summary`` of the sites'
  * stacks with ``full`` (per site: its ranks are None, or ``mask_of(ranks) ==
  * all_mask``, asked once per ranks list object), and per site whether it is a
  * collective (``collective_op(op)``, asked once per op string, or its api is in
@@ -1332,10 +1249,8 @@ done:
     return result;
 }
 
-/* touching(stacks, marked) -> positions: the stacks with a frame id marked (non-zero
- * in ``marked``, bytes by frame id). ``py_touching`` in sorted_runs.py is the
- * reference. */
-/* the positions ``i`` whose stack (``stack_of(i)``) has a marked frame id */
+/* the positions ``i`` of ``sites`` whose stack (read through ``f``) has a frame id
+ * marked (non-zero in ``marked``, bytes by frame id) */
 static PyObject *
 touching_core(PyObject *sites, Fields *f, Py_ssize_t n, Py_buffer marked)
 {
@@ -1345,8 +1260,7 @@ touching_core(PyObject *sites, Fields *f, Py_ssize_t n, Py_buffer marked)
     if (found == NULL)
         return NULL;
     for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *stack = f == NULL ? PyList_GET_ITEM(sites, i)
-                                    : field(f, PyList_GET_ITEM(sites, i), SITE_STACK);
+        PyObject *stack = field(f, PyList_GET_ITEM(sites, i), SITE_STACK);
         if (stack == NULL)
             goto fail;
         if (!PyTuple_Check(stack)) {
@@ -1370,19 +1284,7 @@ fail:
     return NULL;
 }
 
-static PyObject *
-touching(PyObject *Py_UNUSED(module), PyObject *args)
-{
-    PyObject *stacks;
-    Py_buffer marked;
-    if (!PyArg_ParseTuple(args, "O!y*:touching", &PyList_Type, &stacks, &marked))
-        return NULL;
-    PyObject *found = touching_core(stacks, NULL, PyList_GET_SIZE(stacks), marked);
-    PyBuffer_Release(&marked);
-    return found;
-}
-
-/* site_touching(sites, marked) -> ``touching`` of the sites' stacks, each read in place
+/* site_touching(sites, marked) -> ``py_touching`` of the sites' stacks, each read in place
  * (``Fields``): no list of them, no reference count written. ``py_site_touching`` in
  * sorted_runs.py is the reference. */
 static PyObject *
@@ -2361,9 +2263,6 @@ static PyMethodDef module_methods[] = {
      "sites' stacks, read in place."},
     {"visible_frames", visible_frames, METH_VARARGS,
      "visible_frames(stacks, hidden, user) -> (visible, callers): per stack."},
-    {"stack_summary", stack_summary, METH_VARARGS,
-     "stack_summary(stacks, hidden, user, full) -> (callers, union, outside): divergence's "
-     "pass over every stack."},
     {"site_summary", site_summary, METH_VARARGS,
      "site_summary(sites, hidden, user, all_mask, mask_of, collective_op, collective_apis) -> "
      "(callers, union, outside, full, collective): divergence's pass over every callsite."},
@@ -2376,8 +2275,6 @@ static PyMethodDef module_methods[] = {
     {"site_touching", site_touching, METH_VARARGS,
      "site_touching(sites, marked) -> positions: the sites whose stack has a marked frame id, "
      "read in place."},
-    {"touching", touching, METH_VARARGS,
-     "touching(stacks, marked) -> positions: the stacks with a marked frame id."},
     {"skew_fold", skew_fold, METH_VARARGS,
      "skew_fold(sites, callers, function, skip, functions, ranks, skew) -> (ops, full, "
      "example, found): divergence's count_skew fold."},

@@ -66,13 +66,6 @@ def visible_frames(
 def site_visible_frames(
     sites: list[Callsite], indices: list[int], hidden: ReadableBuffer, user: ReadableBuffer, /
 ) -> tuple[list[list[int]], list[int | None]]: ...
-def stack_summary(
-    stacks: list[tuple[int, ...]],
-    hidden: ReadableBuffer,
-    user: ReadableBuffer,
-    full: ReadableBuffer,
-    /,
-) -> tuple[bytes, bytearray, list[int]]: ...
 def site_summary(
     sites: list[Callsite],
     hidden: ReadableBuffer,
@@ -105,7 +98,6 @@ def skew_findings(
     /,
 ) -> list[dict[str, Any]]: ...
 def site_touching(sites: list[Callsite], marked: ReadableBuffer, /) -> list[int]: ...
-def touching(stacks: list[tuple[int, ...]], marked: ReadableBuffer, /) -> list[int]: ...
 def skew_fold(
     sites: list[Callsite],
     callers: ReadableBuffer,

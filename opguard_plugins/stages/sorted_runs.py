@@ -388,10 +388,6 @@ if TYPE_CHECKING:
     VisibleFrames = Callable[
         [list[tuple[int, ...]], bytes, bytes], tuple[list[list[int]], list[int | None]]
     ]
-    #: (stacks, hidden, user, full) -> (callers, union, outside)
-    StackSummary = Callable[
-        [list[tuple[int, ...]], bytes, bytes, bytes], tuple[bytes, bytearray, list[int]]
-    ]
     #: (sites, hidden, user, all_mask, mask_of, collective_op, collective_apis) ->
     #: (callers, union, outside, full, collective)
     SiteSummary = Callable[
@@ -410,8 +406,6 @@ if TYPE_CHECKING:
     SiteVisibleFrames = Callable[
         [list[Callsite], list[int], bytes, bytes], tuple[list[list[int]], list[int | None]]
     ]
-    #: (stacks, marked) -> positions
-    Touching = Callable[[list[tuple[int, ...]], bytes], list[int]]
     #: (sites, marked) -> positions
     SiteTouching = Callable[[list[Callsite], bytes], list[int]]
 
@@ -431,30 +425,14 @@ def _implementation() -> tuple[
 Runs, callsite_paths, frames_at, visible_frames = _implementation()
 
 
-def _divergence_implementation() -> tuple[
-    StackSummary, SiteSummary, SiteVisibleFrames, Touching, SiteTouching
-]:
+def _divergence_implementation() -> tuple[SiteSummary, SiteVisibleFrames, SiteTouching]:
     if load_native("opguard_plugins.stages._runs") is None:
-        return (
-            py_stack_summary,
-            py_site_summary,
-            py_site_visible_frames,
-            py_touching,
-            py_site_touching,
-        )
-    from opguard_plugins.stages._runs import (
-        site_summary,
-        site_touching,
-        site_visible_frames,
-        stack_summary,
-        touching,
-    )
+        return py_site_summary, py_site_visible_frames, py_site_touching
+    from opguard_plugins.stages._runs import site_summary, site_touching, site_visible_frames
 
-    return stack_summary, site_summary, site_visible_frames, touching, site_touching
+    return site_summary, site_visible_frames, site_touching
 
 
-#: divergence's pass over every stack (and over every callsite), the visible frames
-#: of some callsites' stacks, and its search for stacks (of callsites) with marked frames
-stack_summary, site_summary, site_visible_frames, touching, site_touching = (
-    _divergence_implementation()
-)
+#: divergence's pass over every callsite, the visible frames of some callsites' stacks,
+#: and its search for the callsites whose stack has a marked frame, each read in place
+site_summary, site_visible_frames, site_touching = _divergence_implementation()
