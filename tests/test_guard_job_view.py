@@ -9,6 +9,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from opguard_core.formats.check import GUARD_FORMAT, guard_report
 from opguard_plugins.enforce.guard import job_of, judge_by_job
 
@@ -131,3 +133,21 @@ def test_what_one_rank_runs_is_held_to_the_threshold_of_the_job(tmp_path: Path) 
                for r in (0, 1)]  # fmt: skip
     assert judge_by_job(reports, counts, _config(), None) == (0, None)
     assert all(json.loads(p.read_text())["warnings"] == 1 for p in reports)
+
+
+def test_a_report_that_cannot_be_rewritten_keeps_all_it_holds(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A full disk while a report is rewritten: the report stays as the rank wrote it,
+    nothing is counted as left out, and every violation in it is logged."""
+    import opguard_plugins.enforce.guard as guard_module
+
+    def full(path: Path, document: dict[str, Any]) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(guard_module, "write_json", full)
+    reports = [_report(tmp_path, 0, DRIFT), _report(tmp_path, 1, DRIFT, MISSING_EXP)]
+    counts = [_counts(0, 12, ["aten::_local_scalar_dense", "aten::exp"]),
+              _counts(1, 4, ["aten::_local_scalar_dense"])]  # fmt: skip
+    assert judge_by_job(reports, counts, _config(), None) == (0, None)
+    assert [len(json.loads(p.read_text())["violations"]) for p in reports] == [1, 2]

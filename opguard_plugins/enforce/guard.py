@@ -220,14 +220,34 @@ def judge_by_job(
             document = load_report(path)
         except OpGuardError:
             continue  # summarize() names it
-        kept = []
-        for item in document["violations"]:
-            judged = item["kind"] in JUDGED_BY_JOB and (counts is None or item["rank"] in deferred)
-            if judged and view is not None and job is not None and not _kept(item, view, job):
-                dropped += 1
-                continue
-            kept.append(item)
-            if judged:
+        judged = [
+            item
+            for item in document["violations"]
+            if item["kind"] in JUDGED_BY_JOB and (counts is None or item["rank"] in deferred)
+        ]
+        left_out = {
+            id(item)
+            for item in judged
+            if view is not None and job is not None and not _kept(item, view, job)
+        }
+        if left_out:
+            kept = [item for item in document["violations"] if id(item) not in left_out]
+            rewritten = {
+                **document,
+                "violations": kept,
+                "errors": sum(v["severity"] == ERROR for v in kept),
+                "warnings": sum(v["severity"] == WARNING for v in kept),
+            }
+            try:
+                write_json(path, rewritten)
+            except OSError as exc:  # the report stays whole as written: all of it counts
+                log.error(
+                    "opguard guard: could not rewrite a report", path=str(path), error=str(exc)
+                )
+                left_out = set()
+        dropped += len(left_out)
+        for item in judged:
+            if id(item) not in left_out:
                 (log.error if item["severity"] == ERROR else log.warning)(
                     "opguard guard: violation",
                     kind=item["kind"],
@@ -238,11 +258,6 @@ def judge_by_job(
                     rank=item["rank"],
                     message=item["message"],
                 )
-        if len(kept) < len(document["violations"]):
-            document["violations"] = kept
-            document["errors"] = sum(v["severity"] == ERROR for v in kept)
-            document["warnings"] = sum(v["severity"] == WARNING for v in kept)
-            write_json(path, document)
     return dropped, why if deferred and view is None else None
 
 
