@@ -18,6 +18,7 @@ from ruamel.yaml.comments import CommentedMap, CommentedSeq
 from opguard_core.formats.collectives import CollectiveSequence, Group, Signature, StepRun
 from opguard_core.formats.config import CONFIG_VERSION
 from opguard_core.formats.config_collectives import sequence_item
+from opguard_core.formats.op_ranks import ranges_seq
 from opguard_core.formats.streams import is_comm_op, legacy_roles
 from opguard_core.formats.styles import flow_map, flow_seq
 from opguard_core.formats.trace import DTYPE_VERSION, READ_VERSIONS, ROLE_VERSION, TRACE_FORMAT
@@ -241,6 +242,8 @@ def configs(draw: st.DrawFn, source: str | None = None) -> CommentedMap:
     )
     # config version 5: entries record dtypes where the traces did (formats.md, "Dtypes")
     with_dtypes = draw(st.booleans())
+    # config version 6: which ranks ran each op (formats.md, "Which ranks ran an op")
+    with_op_ranks = draw(st.booleans())
     entries = []
     for target, context in sorted(keys):
         ops = draw(st.dictionaries(st.sampled_from(OPS), st.integers(1, 40), min_size=1))
@@ -273,6 +276,14 @@ def configs(draw: st.DrawFn, source: str | None = None) -> CommentedMap:
             subset = sorted(draw(st.sets(st.sampled_from(meta_ranks), min_size=1)))
             if subset != meta_ranks:
                 item["ranks"] = flow_seq(subset)
+        ranks = list(item.get("ranks", meta_ranks))
+        some = {
+            op: sorted(draw(st.sets(st.sampled_from(ranks), min_size=1, max_size=len(ranks) - 1)))
+            for op in sorted(ops)
+            if with_op_ranks and len(ranks) > 1 and draw(st.booleans())
+        }
+        if some:
+            item["op_ranks"] = flow_map((op, ranges_seq(r)) for op, r in some.items())
         entries.append(item)
     config = CommentedMap()
     config["version"] = CONFIG_VERSION
@@ -280,6 +291,8 @@ def configs(draw: st.DrawFn, source: str | None = None) -> CommentedMap:
     meta = [("ranks", flow_seq(meta_ranks)), ("total", sum(e["count"] for e in entries))]
     if draw(st.booleans()):  # recorded steps, before settings, as generate writes them
         meta.append(("steps", flow_map([(config["source"], draw(st.integers(1, 30)))])))
+    if with_op_ranks:
+        meta.append(("op_ranks", True))
     meta.append(("settings", flow_map([("context_depth", 1)])))
     config["meta"] = flow_map(meta)
     config["entries"] = entries

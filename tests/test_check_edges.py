@@ -333,15 +333,19 @@ def _branching_job(folder: Path, rank1_branch: str | None) -> str:
 def test_ranks_taking_different_branches_are_not_missing(tmp_path: Path) -> None:
     """Each rank's own tree folds its one-child chain (``metrics → log_max``) that the
     combined tree keeps: check of a config's own traces gave three ``missing`` errors
-    (``log_max [metrics]`` "never ran" on the rank that ran it)."""
+    (``log_max [metrics]`` "never ran" on the rank that ran it). Rank 1 skipping
+    ``metrics`` is rank 1's: both functions its loop ran in every step, though rank 0
+    still runs ``metrics``."""
     own = _branching_job(tmp_path / "own", "log_max")
     run = make_run(tmp_path, own)
     report = check(run, own)
     assert report["violations"] == []
     skipped = check(run, _branching_job(tmp_path / "skipped", None), expect=1)
     assert {(v["kind"], v["target"], tuple(v["ranks"])) for v in skipped["violations"]} == {
-        ("missing", "job:log_max", (1,))
+        ("missing", "job:log_max", (1,)),
+        ("missing", "job:metrics", (1,)),
     }
+
 
 
 def _logging_job(folder: Path, rank0: int, rank1: int) -> str:
@@ -370,31 +374,80 @@ def test_a_rank_that_does_more_than_the_others_does_not_drift_from_itself(
     assert {v["kind"] for v in doubled["violations"]} == {"count_drift"}
 
 
-def _rank0_metric_job(folder: Path, rank0_exp: int) -> str:
-    """Two ranks of a 4-step loop whose ``metrics`` reads the loss on every rank and,
-    on rank 0 only, computes ``rank0_exp`` more ops a step (``if rank == 0: ...``)."""
+def _metric_job(folder: Path, *exp: int) -> str:
+    """Two ranks of a 4-step loop whose ``metrics`` reads the loss on every rank and
+    computes ``exp[rank]`` more ops a step on each rank (``if rank == 0: ...`` where
+    only rank 0's is non-zero)."""
     folder.mkdir()
     for rank in (0, 1):
         metrics = [("job", "main"), ("job", "metrics")]
         sites = [([("job", "main"), ("job", "train")], None, "aten::mm", 40),
                  (metrics, None, "aten::_local_scalar_dense", 4)]  # fmt: skip
-        if rank == 0 and rank0_exp:
-            sites.append((metrics, None, "aten::exp", 4 * rank0_exp))
+        if exp[rank]:
+            sites.append((metrics, None, "aten::exp", 4 * exp[rank]))
         write(folder / f"mt_callsite_rank{rank}.json",
               trace_doc(sites, rank=rank, world_size=2, steps=4, phase="loop"))  # fmt: skip
     return str(folder / "mt_callsite_rank*.json")
 
 
+def _errors(report: dict[str, Any]) -> set[tuple[str, str, str | None, tuple[int, ...]]]:
+    return {(v["kind"], v["target"], v.get("op"), tuple(v["ranks"]))
+            for v in report["violations"] if v["severity"] == "error"}  # fmt: skip
+
+
+def _without_op_ranks(run: Path, folder: Path) -> Path:
+    """``run``'s config as a version-5 config (which ranks ran an op not recorded)."""
+    config = load_config(next(run.glob("*_instrumentation.yaml")))
+    config["version"] = 5
+    del config["meta"]["op_ranks"]
+    for entry in config["entries"]:
+        entry.pop("op_ranks", None)
+    path = folder / "v5_instrumentation.yaml"
+    path.write_text(dump_config(config))
+    return path
+
+
 def test_an_op_only_one_rank_runs_is_not_missing_on_the_others(tmp_path: Path) -> None:
-    """A config does not record which ranks ran an op: an op rank 0 alone runs inside
-    a function every rank runs (``aten::exp`` in ``metrics``, 1 a step on average over
-    the two ranks) was a ``missing_op`` error on rank 1 of the config's own traces.
-    Judged by the job (guard.md, "One view of the job"): missing only where no rank
-    ran it."""
-    own = _rank0_metric_job(tmp_path / "own", 2)
+    """An op rank 0 alone runs inside a function every rank runs (``aten::exp`` in
+    ``metrics``, 1 a step on average over the two ranks) was a ``missing_op`` error on
+    rank 1 of the config's own traces. The config records which ranks ran it
+    (``op_ranks``, version 6): held to rank 0 alone, at rank 0's 2 a step; a config
+    that does not record it judges by the job (guard.md, "One view of the job")."""
+    own = _metric_job(tmp_path / "own", 2, 0)
+    run = make_run(tmp_path, own)
+    config = load_config(next(run.glob("*_instrumentation.yaml")))
+    metrics = next(e for e in config["entries"] if e["target"] == "job:metrics")
+    assert metrics["op_ranks"] == {"aten::exp": [0]} and config["meta"]["op_ranks"] is True
+    assert check(run, own)["violations"] == []
+    removed = check(run, _metric_job(tmp_path / "removed", 0, 0), expect=1)
+    assert ("missing_op", "job:metrics", "aten::exp", (0,)) in _errors(removed)
+    assert not [v for v in removed["violations"] if 1 in v["ranks"]]
+    # without the record: the average over both ranks, so both are named
+    old = _without_op_ranks(run, tmp_path)
+    assert check(old, own)["violations"] == []
+    removed = check(old, _metric_job(tmp_path / "removed_old", 0, 0), expect=1)
+    assert ("missing_op", "job:metrics", "aten::exp", (0, 1)) in _errors(removed)
+
+
+def test_an_op_one_rank_stops_running_is_missing_on_that_rank(tmp_path: Path) -> None:
+    """Both ranks ran ``aten::exp`` every step; rank 1 stops, rank 0 goes on. With
+    ``op_ranks`` recorded that is rank 1's ``missing_op`` error (the job as a whole
+    still ran the op, which is all a config without the record can see: it keeps
+    nothing), and a rank that stops running an op only it ran is one too."""
+    own = _metric_job(tmp_path / "own", 1, 1)
     run = make_run(tmp_path, own)
     assert check(run, own)["violations"] == []
-    removed = check(run, _rank0_metric_job(tmp_path / "removed", 0), expect=1)
-    missing = {(v["kind"], v["target"], v.get("op"), tuple(v["ranks"]))
-               for v in removed["violations"] if v["severity"] == "error"}  # fmt: skip
-    assert ("missing_op", "job:metrics", "aten::exp", (0, 1)) in missing
+    stopped = check(run, _metric_job(tmp_path / "stopped", 1, 0), expect=1)
+    assert _errors(stopped) == {
+        ("missing_op", target, "aten::exp", (1,)) for target in ("job:main", "job:metrics")
+    }
+    message = next(v["message"] for v in stopped["violations"] if v["kind"] == "missing_op")
+    assert message.endswith("the config's loop ran it 1x a step")
+    assert check(_without_op_ranks(run, tmp_path), _metric_job(tmp_path / "old", 1, 0))[
+        "violations"
+    ] == [v for v in stopped["violations"] if v["severity"] != "error"]
+    # an op rank 0 alone ran: named with its rank, held to its count on that rank
+    alone = make_run(tmp_path, _metric_job(tmp_path / "alone", 1, 0))
+    gone = check(alone, _metric_job(tmp_path / "gone", 0, 0), expect=1)
+    (item,) = [v for v in gone["violations"] if v["kind"] == "missing_op" and v["context"]]
+    assert item["ranks"] == [0] and item["message"].endswith("1x a step on rank(s) 0")

@@ -3,8 +3,9 @@
 ``build_tree`` never builds the whole call tree (see its docstring). The reference
 below does: it walks every callsite's stack from the root, creating nodes as it
 goes, then folds small subtrees with :func:`prune_subtrees`. Both must give the
-same nodes (identity, file, lines, counts, ranks, own ops, streams and dtypes) and the same
-count of nodes before pruning, for any traces and thresholds.
+same nodes (identity, file, lines, counts, ranks, own ops, streams, dtypes and the
+ranks that ran each own op) and the same count of nodes before pruning, for any
+traces and thresholds.
 """
 
 from __future__ import annotations
@@ -79,6 +80,7 @@ def reference_tree(trace: CallsiteTrace, hide: list[str]) -> Node:
         node.self_streams[site.role] += site.count
         if site.dtype is not None:
             node.self_dtypes[site.dtype] += site.count
+        node.self_op_ranks[site.op] = node.self_op_ranks.get(site.op, 0) | mask
     return root
 
 
@@ -119,6 +121,8 @@ def fold_small(root: Node, floor: float, keep: Callable[[Node], bool]) -> None:
                     node.self_ops.update(below.self_ops)
                     node.self_streams.update(below.self_streams)
                     node.self_dtypes.update(below.self_dtypes)
+                    for op, mask in below.self_op_ranks.items():
+                        node.self_op_ranks[op] = node.self_op_ranks.get(op, 0) | mask
                     folded.extend(below.children.values())
             else:
                 stack.append(child)
@@ -172,6 +176,7 @@ def state(node: Node) -> dict[str, Any]:
         "self_ops": dict(sorted(node.self_ops.items())),
         "self_streams": dict(sorted(node.self_streams.items())),
         "self_dtypes": dict(sorted(node.self_dtypes.items())),
+        "self_op_ranks": dict(sorted(node.self_op_ranks.items())),
         "children": {key: state(child) for key, child in sorted(node.children.items())},
     }
 

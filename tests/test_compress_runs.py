@@ -99,14 +99,17 @@ def test_c_runs_answer_like_the_reference(inputs: tuple[Any, ...], data: st.Data
         assert c.id_at(own, start) == py.id_at(own, start)
         ranks = array("I", data.draw(st.permutations(range(4))))
         assert c.ranked_prefix(own, start, ranks) == py.ranked_prefix(own, start, ranks)
-        tallies: list[tuple[dict[Any, int], dict[Any, int], dict[Any, int]]] = []
+        tallies: list[tuple[dict[Any, int], ...]] = []
         for runs in (py, c):
             ops: dict[Any, int] = {"aten::mm": 1}
             streams: dict[Any, int] = {}
             dtypes: dict[Any, int] = {"bool": 2}
-            runs.tally(start, end, ops, streams, dtypes)
-            tallies.append((ops, streams, dtypes))
+            op_masks: dict[Any, int] = {"aten::mm": 1 << 70}
+            runs.tally(start, end, ops, streams, dtypes, op_masks)
+            tallies.append((ops, streams, dtypes, op_masks))
         assert tallies[0] == tallies[1]
+        # which ranks ran each op: the or of its positions' masks, none other
+        assert set(tallies[0][3]) == set(tallies[0][0])
         # only ops with a dtype are tallied by dtype: at most the ops' own sum
         assert sum(tallies[0][2].values()) - 2 <= sum(tallies[0][0].values()) - 1
     floor = data.draw(st.integers(0, 2**42))
@@ -257,9 +260,9 @@ def test_c_runs_refuse_bad_arguments() -> None:
     with pytest.raises(ValueError, match="width"):
         CRuns([], [], [], 1, [], [], [], 0)
     with pytest.raises(TypeError, match="dicts"):
-        runs.tally(0, 1, [], {}, {})
+        runs.tally(0, 1, [], {}, {}, {})
     with pytest.raises(TypeError, match="dicts"):
-        runs.tally(0, 1, {}, {})  # the call before dtypes
+        runs.tally(0, 1, {}, {}, {})  # the call before op masks
 
 
 @needs_c

@@ -87,7 +87,7 @@ def test_merge_bytes_do_not_depend_on_which_side_had_which_key(run_dir, tmp_path
         outputs.append(out.read_bytes())
     assert len(set(outputs)) == 1
     text = outputs[0].decode()
-    assert text.startswith("version: 5\nsource: bare+gpt2+gpt_callsite\nmeta:\n")
+    assert text.startswith("version: 6\nsource: bare+gpt2+gpt_callsite\nmeta:\n")
     assert text.endswith("alpha: 2\nzeta: 1\n")
     assert "    reviewer: alice\n    flagged: true\n" not in text
     assert "    flagged: true\n    reviewer: alice\n    sources: " in text

@@ -278,7 +278,7 @@ def test_the_tree_counts_own_ops_by_dtype(tmp_path: Path, opguard: Run) -> None:
     run = opguard("run", "-i", str(tmp_path / "traces" / "job_rank*.json"), expect=0)
     raw = run.read("job_compressed.json")
     tree = json.loads(raw)
-    assert tree["version"] == TREE_VERSION == 5 and tree["meta"]["dtypes"] is True
+    assert tree["version"] == TREE_VERSION == 6 and tree["meta"]["dtypes"] is True
     nodes = {node.get("qualname"): node for node, _ in iter_nodes(tree["root"])}
     assert nodes["mm"]["self_dtypes"] == {"float32": 18, "float64": 6}
     assert nodes["Model.forward"]["self_ops"] == {"aten::empty": 8}
@@ -289,7 +289,7 @@ def test_the_tree_counts_own_ops_by_dtype(tmp_path: Path, opguard: Run) -> None:
         keys = list(node)
         assert keys[keys.index("self_streams") + 1] == "self_dtypes"
         assert sum(node["self_dtypes"].values()) <= sum(node["self_ops"].values())
-    assert list(tree["meta"])[-2:] == ["dtypes", "compression"]
+    assert list(tree["meta"])[-3:] == ["dtypes", "op_ranks", "compression"]
     check_tree(load_tree(run.run_dir / "job_compressed.json"))  # type: ignore[operator]
 
 
@@ -360,7 +360,7 @@ def test_a_version_4_tree_reads_with_empty_self_dtypes(tmp_path: Path) -> None:
     path.write_text(json.dumps(tree))
     loaded = load_tree(path)
     assert loaded["version"] == TREE_VERSION and loaded["meta"]["dtypes"] is False
-    assert list(loaded["meta"]) == ["ranks", "dtypes", "compression"]
+    assert list(loaded["meta"]) == ["ranks", "dtypes", "op_ranks", "compression"]
     for node, _ in iter_nodes(loaded["root"]):
         keys = list(node)
         assert node["self_dtypes"] == {} and keys[keys.index("self_streams") + 1] == "self_dtypes"

@@ -406,7 +406,7 @@ def test_split_streams_keeps_both_marginals(ops: dict[str, int], data: st.DataOb
     assert by_stream == streams
 
 
-@pytest.mark.parametrize("version", [2, 6, "5"])
+@pytest.mark.parametrize("version", [2, 7, "6"])
 def test_a_tree_of_a_version_not_read_is_one_line_naming_the_version(
     tree_file: Path, tmp_path: Path, version: Any
 ) -> None:
@@ -421,7 +421,7 @@ def test_a_tree_of_a_version_not_read_is_one_line_naming_the_version(
     (line,) = result.stderr.strip().splitlines()
     assert line == (
         f"opguard: error: {src}: unknown format 'opguard-calltree' version {version!r} "
-        "(expected 'opguard-calltree' version 1, 3, 4 or 5)"
+        "(expected 'opguard-calltree' version 1, 3, 4, 5 or 6)"
     )
     assert not out.exists()
 

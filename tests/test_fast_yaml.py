@@ -249,7 +249,7 @@ def test_comments_fall_back_to_ruamel() -> None:
 
 def test_loaded_comments_survive() -> None:
     text = (
-        "# a person's note\nversion: 5  # the format\nsource: s\nmeta:\n  total: 10\n"
+        "# a person's note\nversion: 6  # the format\nsource: s\nmeta:\n  total: 10\n"
         "entries:\n  # 4 ops, 40.0% of total\n  - target: a:b  # mine\n    count: 4\n"
         "  # a note before the second entry\n  # 6 ops, 60.0% of total\n  - target: c:d\n"
         "    count: 6\n"

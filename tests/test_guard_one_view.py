@@ -198,12 +198,15 @@ def test_guard_and_check_judge_a_rank_that_does_more_by_the_job(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Rank 0 does more inside ``metrics`` than rank 1 (``if rank == 0``). A config
-    holds the job's counts, so each rank drifted from the average and rank 1 "never
-    ran" rank 0's ops: the config's own program gave 4 ``missing_op`` errors from
-    check and guard, and 4 ``count_drift`` warnings from guard. Both now judge those by
-    the job (guard from every rank's counts, at the end): an unchanged rerun is clean,
-    the metric removed from rank 0 too is caught by both, alike; the console shows
-    what the reports hold."""
+    held only the job's counts, so each rank drifted from the average and rank 1
+    "never ran" rank 0's ops: the config's own program gave 4 ``missing_op`` errors
+    from check and guard, and 4 ``count_drift`` warnings from guard. The config now
+    records which ranks ran each op (``op_ranks``) and both judge the rest by the job
+    (guard from every rank's counts, at the end): an unchanged rerun is clean; the
+    metric removed from rank 0 is rank 0's ``missing_op`` alone; a rank that stops
+    reading the loss while the other goes on is caught on that rank (the job as a
+    whole still ran the op); both commands alike, and the console shows what the
+    reports hold."""
     command = ["torchrun", "--nproc-per-node", "2", str(RANK0_METRICS)]
     proc = run("trace", "--label", "good", "--output-dir", tmp_path / "good", "--", *command)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -211,26 +214,32 @@ def test_guard_and_check_judge_a_rank_that_does_more_by_the_job(
     proc = run("run", "-i", good, "--output-base", tmp_path / "run")
     assert proc.returncode == 0, proc.stderr[-3000:]
     [config] = (tmp_path / "run").glob("*/good_callsite_instrumentation.yaml")
-    for extra in ("1", "0"):
+    metrics = ("rank0_metrics:metrics", ("rank0_metrics:main",))
+    for name, extra, skip in (("same", "1", "-1"), ("no_extra", "0", "-1"), ("skip", "1", "1")):
         monkeypatch.setenv("EXTRA", extra)
-        traces = tmp_path / f"t{extra}"
+        monkeypatch.setenv("SKIP_READ", skip)
+        traces = tmp_path / f"t_{name}"
         proc = run("trace", "--label", "x", "--output-dir", traces, "--", *command)
         assert proc.returncode == 0, proc.stderr[-3000:]
         proc = run("check", "--config", config, "--format", "json",
                    "-i", traces / "x_callsite_rank*.json")  # fmt: skip
         checked = _per_rank_keys(json.loads(proc.stdout)["violations"])
-        reports = tmp_path / f"g{extra}"
+        reports = tmp_path / f"g_{name}"
         proc = run("guard", "--config", config, "--report-dir", reports, "--", *command)
         guarded = [json.loads(p.read_text()) for p in sorted(reports.glob("guard_report_rank*"))]
         assert [g["rank"] for g in guarded] == [0, 1]
         violations = [v for g in guarded for v in g["violations"]]
-        assert _per_rank_keys(violations) == checked, extra
+        assert _per_rank_keys(violations) == checked, name
         logged = [line for line in proc.stderr.splitlines() if '"opguard guard: violation"' in line]
         assert len(logged) == len(violations), proc.stderr[-3000:]
-        if extra == "1":
+        errors = {(key[0], key[-2], key[-1]) for key in checked if key[1] == "error"}
+        if name == "same":
             assert checked == set() and proc.returncode == 0, proc.stderr[-3000:]
-            assert "single ranks left out: the job as a whole agrees" in proc.stderr
+            continue
+        assert proc.returncode == 1
+        if name == "no_extra":
+            assert ("missing_op", "error", *metrics, "aten::exp", 0) in checked
+            assert {rank for _, _, rank in errors} == {0}, checked
         else:
-            metrics = ("rank0_metrics:metrics", ("rank0_metrics:main",))
-            assert ("missing_op", "error", *metrics, "aten::exp", 1) in checked
-            assert proc.returncode == 1
+            read = ("missing_op", "error", *metrics, "aten::_local_scalar_dense", 1)
+            assert read in checked and {rank for _, _, rank in errors} == {1}, checked

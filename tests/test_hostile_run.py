@@ -170,7 +170,7 @@ def test_deep_tree_file_is_msgspec_bytes_down_to_the_compact_level(tmp_path: Pat
     # (== on a 30,000-level dict would itself recurse: compare the written forms)
     compact = functools.partial(deep_json.encode_indented, compact_from=0)
     assert compact(deep_json.decode(encoded)) == compact(tree)
-    assert encoded.startswith(b'{\n "format": "opguard-calltree",\n "version": 5,\n "meta": {\n')
+    assert encoded.startswith(b'{\n "format": "opguard-calltree",\n "version": 6,\n "meta": {\n')
 
 
 def test_shallow_trees_keep_their_bytes(samples: Path) -> None:

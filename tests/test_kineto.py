@@ -706,7 +706,7 @@ def test_a_glob_of_kineto_rank_files_is_one_entry(opguard: Opguard, tmp_path: Pa
             roles[(site["op"], site["role"])] += site["count"]
     assert roles == {("c10d::allreduce_", "comm"): 24, ("c10d::alltoall_base_", "comm"): 40}
     config = run.read("rank_instrumentation.yaml")
-    assert "version: 5" in config and "      comm: " in config and "      side1: " in config
+    assert "version: 6" in config and "      comm: " in config and "      side1: " in config
     # the window's cuts are reported, not silently dropped: all eight kept in the
     # summary, one logged and one printed with how many more (a thousand ranks must
     # not make a thousand lines)

@@ -14,6 +14,7 @@ from ruamel.yaml.comments import CommentedMap
 
 from opguard_core.combine.accumulator import CallsiteTrace, TraceAccumulator
 from opguard_core.formats.config import dump_config, entry_key, parse_config, validate_config
+from opguard_core.formats.op_ranks import ranks_of_op, records_op_ranks
 from opguard_core.formats.trace import decode_trace
 from opguard_core.formats.tree import check_tree, iter_nodes
 from opguard_core.model import RunOptions
@@ -167,6 +168,18 @@ def test_compression_conserves_counts_and_meets_invariants(
     assert ops == expected_ops
     assert streams == expected_streams
     assert tree["meta"]["compression"]["total"] == trace.total
+    # which ranks ran each op (tree version 6): a node's own op on the ranks its
+    # self_op_ranks gives, else on all of the node's; over the tree, the callsites' own
+    assert tree["meta"]["op_ranks"] is True
+    ran: dict[str, set[int]] = {}
+    for node, parent in iter_nodes(tree["root"]):
+        mine = node["ranks"] if parent is not None else trace.ranks
+        for op in node["self_ops"]:
+            ran.setdefault(op, set()).update(node.get("self_op_ranks", {}).get(op, mine))
+    expected_ran: dict[str, set[int]] = {}
+    for site in trace.callsites:
+        expected_ran.setdefault(site.op, set()).update(site.ranks or trace.ranks)
+    assert ran == expected_ran
 
 
 @SETTINGS
@@ -256,6 +269,45 @@ def test_merge_conserves_counts_and_ops_and_leaves_inputs_alone(
             assert dict(entry["dtype_counts"]) == dict(want) and key in dtyped
         else:
             assert "dtype_counts" not in entry
+
+
+def _ran(config: dict[str, Any]) -> dict[tuple[Any, str], set[int]] | None:
+    """Which ranks ran each (entry key, op) of ``config``; None where it does not say."""
+    if not records_op_ranks(config):
+        return None
+    all_ranks = [int(r) for r in config["meta"]["ranks"]]
+    found = {}
+    for entry in config["entries"]:
+        for op in entry["ops"]:
+            ran = ranks_of_op(entry, op, config, all_ranks)
+            assert ran is not None
+            found[(entry_key(entry), op)] = set(ran)
+    return found
+
+
+@SETTINGS
+@given(configs(), configs())
+def test_merge_unites_which_ranks_ran_each_op(a: CommentedMap, b: CommentedMap) -> None:
+    """Config version 6: a merge of two configs that record which ranks ran each op
+    records, for each op of each entry, the union of the ranks that ran it on either
+    side (an op an entry's ranks all ran is not listed); one that does not record it
+    makes the merge record none."""
+    merged = merge_configs(a, b)
+    validate_config(merged, "merged")
+    got, left, right = _ran(merged), _ran(a), _ran(b)
+    if left is None or right is None:
+        assert got is None and all("op_ranks" not in e for e in merged["entries"])
+        return
+    assert got is not None
+    want: dict[tuple[Any, str], set[int]] = {}
+    for side in (left, right):
+        for key, ranks in side.items():
+            want.setdefault(key, set()).update(ranks)
+    assert got == want
+    for entry in merged["entries"]:  # listed only where some of the entry's ranks ran it
+        ranks = set(entry.get("ranks") or merged["meta"]["ranks"])
+        for op in entry.get("op_ranks") or {}:
+            assert got[(entry_key(entry), op)] < ranks
 
 
 @SETTINGS

@@ -92,7 +92,7 @@ def test_a_version_2_config_reads_with_roles(tmp_path: Path) -> None:
         "    count: 2\n"
     )
     config = parse_config(text, "old.yaml")
-    assert config["version"] == CONFIG_VERSION == 5
+    assert config["version"] == CONFIG_VERSION == 6
     assert dict(config["entries"][0]["stream_counts"]) == {"compute": 3, "comm": 2, "side2": 3}
     assert dict(config["entries"][1]["stream_counts"]) == {"side1": 2}
     with pytest.raises(Exception, match="stream roles"):
@@ -101,7 +101,7 @@ def test_a_version_2_config_reads_with_roles(tmp_path: Path) -> None:
 
 def test_the_bundled_version_1_config_reads_with_roles() -> None:
     config = load_config(Path(__file__).parent / "data" / "configs" / "gpt_callsite_v1.yaml")
-    assert config["version"] == CONFIG_VERSION == 5
+    assert config["version"] == CONFIG_VERSION == 6
     for entry in config["entries"]:
         assert set(entry.get("stream_counts") or {}) <= {"compute", "comm"}
 
@@ -116,7 +116,7 @@ def test_a_version_1_tree_reads_with_roles(tmp_path: Path) -> None:
     path = tmp_path / "old_compressed.json"
     path.write_text(json.dumps(tree))
     loaded = load_tree(path)
-    assert loaded["version"] == 5  # upgraded to the version in memory (TREE_VERSION)
+    assert loaded["version"] == 6  # upgraded to the version in memory (TREE_VERSION)
     assert loaded["root"]["children"][0]["self_streams"] == {"compute": 2, "comm": 2, "side1": 1}
     assert loaded["root"]["children"][0]["self_dtypes"] == {} and loaded["meta"]["dtypes"] is False
 

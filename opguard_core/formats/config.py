@@ -40,30 +40,34 @@ from ruamel.yaml.representer import RoundTripRepresenter
 from ruamel.yaml.scalarint import ScalarInt
 from ruamel.yaml.tag import Tag
 
-from opguard_core.errors import InputError
+from opguard_core.errors import InputError, InvariantError
 from opguard_core.formats.config_collectives import (
     CONFIG_COLLECTIVES_VERSION,
     read_config_collectives,
 )
 from opguard_core.formats.config_reader import Found, NoStrictReader, read_fast, read_strict
 from opguard_core.formats.dtypes import is_dtype
+from opguard_core.formats.op_ranks import read_ranges
 from opguard_core.formats.streams import is_role, legacy_side_roles, legacy_stream_counts
 from opguard_core.formats.styles import block_map, elements_of, items_of, put_new
 from opguard_core.formats.trace import PHASES
 from opguard_core.formats.values import is_count
 
-#: the layout written: version 5 may carry an entry's ``dtype_counts`` (formats.md,
-#: "Dtypes"); version 4 may carry ``collectives`` (the good run's collective
-#: sequences: :mod:`opguard_core.formats.config_collectives`); since version 3
+#: the layout written: version 6 may carry an entry's ``op_ranks`` and ``meta.op_ranks``
+#: (formats.md, "Which ranks ran an op"); version 5 may carry an entry's
+#: ``dtype_counts`` (formats.md, "Dtypes"); version 4 may carry ``collectives`` (the
+#: good run's collective sequences: :mod:`opguard_core.formats.config_collectives`); since version 3
 #: ``stream_counts`` are keyed by stream role (formats.md, "Streams and roles");
 #: version 2 (raw stream ids) and version 1 (also flow maps of ops, no summary
 #: comments) are still read, and upgraded (:func:`upgrade_config`)
-CONFIG_VERSION = 5
-READ_VERSIONS = (1, 2, 3, 4, 5)
+CONFIG_VERSION = 6
+READ_VERSIONS = (1, 2, 3, 4, 5, 6)
 #: the first version whose ``stream_counts`` are by role
 ROLE_VERSION = 3
 #: the first version whose entries may carry ``dtype_counts``
 DTYPE_VERSION = 5
+#: the first version whose entries may carry ``op_ranks`` (and ``meta.op_ranks``)
+OP_RANKS_VERSION = 6
 EntryKey = tuple[str, tuple[str, ...]]
 
 
@@ -885,6 +889,12 @@ def validate_config(config: object, path: Path | str) -> None:
         raise InputError(path, "meta.source_ranks must map sources to lists of ranks")
     if not _is_names(meta.get("recorded_by", [])):
         raise InputError(path, "meta.recorded_by must be a list of names")
+    if "op_ranks" in meta:
+        if config["version"] < OP_RANKS_VERSION:
+            needs = f"needs config version {OP_RANKS_VERSION} or later"
+            raise InputError(path, f"meta.op_ranks {needs}")
+        if type(meta["op_ranks"]) is not bool:
+            raise InputError(path, "meta.op_ranks must be true or false")
     if not _is_names(meta.get("sources", [])):
         raise InputError(path, "meta.sources must be a list of names")
     validate_settings(meta.get("settings"), path)
@@ -944,6 +954,8 @@ def validate_config(config: object, path: Path | str) -> None:
                 raise InputError(
                     path, f"{where}.dtype_counts must map dtype names (float32, int64, …) to counts"
                 )
+        if "op_ranks" in entry:
+            _check_op_ranks(entry["op_ranks"], ops, config["version"], f"{where}.op_ranks", path)
         if not is_count(entry.get("count", 0)):
             raise InputError(path, f"{where}.count must be an integer (0 or more)")
         if total and entry.get("count", 0) > total:  # counts are inclusive: at most all ops
@@ -965,6 +977,26 @@ def validate_config(config: object, path: Path | str) -> None:
                 path, f"collectives needs config version {CONFIG_COLLECTIVES_VERSION} or later"
             )
         read_config_collectives(config["collectives"], path)
+
+
+def _check_op_ranks(
+    op_ranks: object, ops: dict[str, Any], version: int, where: str, path: Path | str
+) -> None:
+    """An entry's ``op_ranks``: some of its ops, each with the ranks that ran it, as
+    ranges (formats.md, "Which ranks ran an op")."""
+    if version < OP_RANKS_VERSION:
+        raise InputError(path, f"{where} needs config version {OP_RANKS_VERSION} or later")
+    if not isinstance(op_ranks, dict):
+        raise InputError(path, f"{where} must map ops to the ranks that ran them")
+    for op, ranges in items_of(op_ranks):
+        if op not in ops:
+            raise InputError(path, f"{where} names {op!r}, which is not one of the entry's ops")
+        try:
+            ranks = read_ranges(ranges, f"{where}[{op!r}]")
+        except InvariantError as exc:
+            raise InputError(path, str(exc)) from None
+        if not ranks:
+            raise InputError(path, f"{where}[{op!r}] lists no rank")
 
 
 # ------------------------------------------------------------------ meta.settings

@@ -14,18 +14,22 @@ from opguard_core.formats.dtypes import is_dtype
 from opguard_core.formats.streams import is_role, legacy_side_roles, legacy_stream_counts
 
 TREE_FORMAT = "opguard-calltree"
-#: version 5 gives every node ``self_dtypes`` (its own ops by dtype) and the tree
+#: version 6 gives a node ``self_op_ranks`` (which ranks ran each of its own ops, where
+#: not all of its ranks did) and the tree ``meta.op_ranks`` (formats.md, "Which ranks
+#: ran an op"); version 5 gives every node ``self_dtypes`` (its own ops by dtype) and the tree
 #: ``meta.dtypes`` (formats.md, "Dtypes"); version 4 writes ``ranks`` (of every node,
 #: and ``meta.ranks``) as ranges (:func:`ranks_to_ranges`); version 3 keys
 #: ``self_streams`` by stream role (formats.md, "Streams and roles"); versions 1 (raw
 #: stream ids), 3 and 4 are read and upgraded (:func:`upgrade_tree`). In memory
 #: ``ranks`` are always lists of ranks.
-TREE_VERSION = 5
+TREE_VERSION = 6
 #: the first version whose ``ranks`` are ranges
 RANGES_VERSION = 4
 #: the first version with ``self_dtypes`` and ``meta.dtypes``
 DTYPES_VERSION = 5
-READ_VERSIONS = (1, 3, 4, 5)
+#: the first version with ``self_op_ranks`` and ``meta.op_ranks``
+OP_RANKS_VERSION = 6
+READ_VERSIONS = (1, 3, 4, 5, 6)
 #: a run of at least this many consecutive ranks is written as ``[first, last]``
 RANGE_MIN = 3
 TORCH_API = "torch_api"
@@ -128,9 +132,10 @@ def check_tree(tree: dict[str, Any], expected_total: int | None = None) -> None:
     root, meta = tree.get("root"), tree.get("meta", {})
     if not isinstance(root, dict) or not isinstance(meta, dict):
         raise InvariantError("a call tree's root and meta must be objects")
-    dtypes = meta.get("dtypes", False)
-    if type(dtypes) is not bool:
-        raise InvariantError(f"meta.dtypes {_short(dtypes)} is not true or false")
+    for flag in ("dtypes", "op_ranks"):
+        value = meta.get(flag, False)
+        if type(value) is not bool:
+            raise InvariantError(f"meta.{flag} {_short(value)} is not true or false")
     settings = meta.get("compression", {})
     _check_count("root", "count", root.get("count"))
     if expected_total is not None and root["count"] != expected_total:
@@ -170,6 +175,7 @@ def check_tree(tree: dict[str, Any], expected_total: int | None = None) -> None:
         typed = sum(node["self_dtypes"].values())
         if typed > own:
             raise InvariantError(f"{where}: self_dtypes sum {typed} is above self_ops' {own}")
+        _check_op_ranks(where, node, node.get("ranks", all_ranks) if parent else all_ranks)
         if parent is None:
             continue
         if node["count"] < floor and not (
@@ -187,6 +193,28 @@ def check_tree(tree: dict[str, Any], expected_total: int | None = None) -> None:
             == (parent.get("ranks", all_ranks) if "kind" in parent else all_ranks)
         ):
             raise InvariantError(f"{where}: linear chain left after chain pruning")
+
+
+def _check_op_ranks(where: str, node: dict[str, Any], ranks: Any) -> None:
+    """A node's ``self_op_ranks``: own ops, each run by some of the node's ``ranks``
+    but not by all of them (formats.md, "Which ranks ran an op")."""
+    op_ranks = node.get("self_op_ranks", {})
+    if not isinstance(op_ranks, dict):
+        raise InvariantError(f"{where}: self_op_ranks {_short(op_ranks)} is not an object")
+    mine = set(ranks) if isinstance(ranks, list) else set()
+    for op, ran in op_ranks.items():
+        if op not in node["self_ops"]:
+            raise InvariantError(f"{where}: self_op_ranks names {op!r}, not one of its own ops")
+        if (
+            not isinstance(ran, list)
+            or not ran
+            or any(type(r) is not int for r in ran)
+            or ran != sorted(set(ran))
+            or not set(ran) < mine
+        ):
+            raise InvariantError(
+                f"{where}: self_op_ranks[{op!r}] {_short(ran)} is not some of the node's ranks"
+            )
 
 
 def _parent_ranks(parent: dict[str, Any], all_ranks: Any) -> Any:
@@ -270,11 +298,13 @@ def _short(value: Any) -> str:
 
 
 def upgrade_tree(tree: dict[str, Any]) -> None:
-    """Bring a tree read from a file to the in-memory form of version 5, in place.
+    """Bring a tree read from a file to the in-memory form of version 6, in place.
 
-    Versions 4 and 5: every ``ranks`` (nodes, ``meta.ranks``) from ranges to a list of
-    ranks. Version 3 is that form already. Versions before 5: every node gets an empty
-    ``self_dtypes`` and ``meta.dtypes`` is false (no dtype was recorded). Version 1:
+    Versions 4 to 6: every ``ranks`` (nodes, ``meta.ranks``; version 6: every value of
+    ``self_op_ranks``) from ranges to a list of ranks. Version 3 is that form already.
+    Versions before 6: ``meta.op_ranks`` is false (which ranks ran an op was not
+    recorded). Versions before 5: every node gets an empty ``self_dtypes`` and
+    ``meta.dtypes`` is false (no dtype was recorded). Version 1:
     ``self_streams`` by raw id become counts by role (:func:`legacy_stream_counts`: 0
     is ``compute``, other ids ``side1``, … ascending over the whole tree, a node's
     collective ops ``comm``)."""
@@ -282,12 +312,24 @@ def upgrade_tree(tree: dict[str, Any]) -> None:
     if tree.get("format") != TREE_FORMAT or version not in READ_VERSIONS:
         return
     nodes = [node for node, _ in iter_nodes(tree["root"])]
+    if version >= OP_RANKS_VERSION:
+        for node in nodes:
+            held = node.get("self_op_ranks")
+            if isinstance(held, dict):
+                where = f"{_safe_target(node)}: self_op_ranks"
+                node["self_op_ranks"] = {
+                    op: ranges_to_ranks(ran, f"{where}[{op!r}]") for op, ran in held.items()
+                }
     if version < DTYPES_VERSION:  # where the compress stage writes them
         meta = tree.get("meta")
         if isinstance(meta, dict):
             _insert(meta, "dtypes", False, before="compression")
         for node in nodes:
             _insert(node, "self_dtypes", {}, after="self_streams")
+    if version < OP_RANKS_VERSION:  # which ranks ran each op: not recorded
+        meta = tree.get("meta")
+        if isinstance(meta, dict):
+            _insert(meta, "op_ranks", False, before="compression")
     if version >= RANGES_VERSION:
         meta = tree.get("meta")
         if isinstance(meta, dict) and "ranks" in meta:
@@ -360,20 +402,26 @@ def load_tree(path: Path) -> dict[str, Any]:
 def encode_tree(tree: dict[str, Any]) -> bytes:
     """Canonical JSON of a tree: insertion-ordered keys, one-space indentation; the
     subtree of every node at level :data:`COMPACT_LEVEL` on one line (formats.md);
-    ``ranks`` as ranges (:func:`ranks_to_ranges`). ``tree`` is left as it was."""
-    held: list[tuple[dict[str, Any], Any]] = []
+    ``ranks`` and the values of ``self_op_ranks`` as ranges (:func:`ranks_to_ranges`).
+    ``tree`` is left as it was."""
+    held: list[tuple[dict[str, Any], str, Any]] = []
     meta = tree.get("meta")
     for holder in [meta] if isinstance(meta, dict) else []:
-        held.append((holder, holder.get("ranks")))
-    held += [(node, node.get("ranks")) for node, _ in iter_nodes(tree["root"])[1:]]
-    held = [(holder, ranks) for holder, ranks in held if _plain_ranks(ranks)]
+        held.append((holder, "ranks", holder.get("ranks")))
+    nodes = iter_nodes(tree["root"])
+    held += [(node, "ranks", node.get("ranks")) for node, _ in nodes[1:]]
+    for node, _ in nodes:
+        op_ranks = node.get("self_op_ranks")
+        if isinstance(op_ranks, dict):
+            held += [(op_ranks, op, ran) for op, ran in op_ranks.items()]
+    held = [(holder, key, ranks) for holder, key, ranks in held if _plain_ranks(ranks)]
     try:
-        for holder, ranks in held:
-            holder["ranks"] = ranks_to_ranges(sorted(set(ranks)))
+        for holder, key, ranks in held:
+            holder[key] = ranks_to_ranges(sorted(set(ranks)))
         return _encode(tree)
     finally:
-        for holder, ranks in held:
-            holder["ranks"] = ranks
+        for holder, key, ranks in held:
+            holder[key] = ranks
 
 
 def _plain_ranks(ranks: Any) -> bool:

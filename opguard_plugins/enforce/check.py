@@ -396,13 +396,11 @@ def _ran_in_combined(
     did: a rank's own tree folds a chain only its rank has (``metrics → log_max``,
     where another rank runs ``metrics → log_mean``) that the combined tree, like the
     config's, keeps, so the key is absent from every rank's own config and yet ran
-    (``missing``; ``rank_mismatch`` "did not run on rank R")."""
+    (``missing``; ``rank_mismatch`` "did not run on rank R"), on each of its ranks."""
     key = (violation.target, tuple(violation.context))
     entry = whole.get(key)
     if entry is None or violation.kind not in ("missing", "rank_mismatch"):
         return False
-    if violation.kind == "missing":
-        return True
     ran = set(entry.get("ranks") or (combined.get("meta") or {}).get("ranks") or ())
     return all(key not in seen.get(r, {}) and r in ran for r in violation.ranks)
 

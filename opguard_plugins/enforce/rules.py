@@ -15,6 +15,7 @@ from opguard_core import hookimpl
 from opguard_core.formats.check import ERROR, WARNING, CheckInput, Violation
 from opguard_core.formats.config import entry_key
 from opguard_core.formats.dtypes import sorted_dtypes
+from opguard_core.formats.op_ranks import entry_op_ranks, records_op_ranks
 from opguard_core.formats.sources import SHARED_OPS, config_loops
 from opguard_core.formats.sources import config_steps as config_steps_of
 from opguard_core.formats.streams import sorted_roles
@@ -130,7 +131,9 @@ def unknown_keys(
     ]
 
 
-def every_step(count: int, expected: dict[str, Any], check: CheckInput) -> float:
+def every_step(
+    count: int, expected: dict[str, Any], check: CheckInput, ranks: list[int] | None = None
+) -> float:
     """``count`` of the config's per rank and loop step where the config and this run
     are both loops with steps (``CheckInput.loop``), else 0: at 1 or more, the config
     ran it in every step (on average), so this run must run it. A config of one loop
@@ -139,20 +142,32 @@ def every_step(count: int, expected: dict[str, Any], check: CheckInput) -> float
     observed_steps = check.observed_steps.get(check.rank)
     if not (check.loop and (check.expected_steps or 0) >= 2 and observed_steps):
         return 0.0
-    return per_rank_step(count, len(check.entry_ranks(expected)), check.expected_steps)
+    ran_on = check.entry_ranks(expected) if ranks is None else ranks
+    return per_rank_step(count, len(ran_on), check.expected_steps)
 
 
 def missing(
     observed: dict[str, Any] | None, expected: dict[str, Any] | None, check: CheckInput
 ) -> list[Violation]:
     """``missing``: a config entry that ran on no observed rank; an error when the
-    config's loop ran it in every step (:func:`every_step`)."""
-    if observed is not None or expected is None or check.seen_on():
+    config's loop ran it in every step (:func:`every_step`). An entry the config's loop
+    ran in every step on each of its ranks that this rank alone left out, while others
+    ran it, is an error of this rank too (a rank that stopped doing what the others
+    do); left out less often, it is :func:`rank_mismatch`'s warning."""
+    if observed is not None or expected is None:
         return []
     ranks = check.entry_ranks(expected)
     if check.rank not in ranks:
         return []
     rate = every_step(int(expected.get("count", 0)), expected, check)
+    if check.seen_on():
+        if rate < 1:
+            return []
+        message = (
+            f"{_where(check)} never ran on rank {check.rank}, though other ranks ran it; "
+            f"the config's loop ran it in every step on ranks {ranks} ({rate:g} ops a step)"
+        )
+        return [_violation("missing", ERROR, check, message)]
     if rate >= 1:
         message = (
             f"{_where(check)} never ran; the config's loop ran it in every step "
@@ -166,17 +181,27 @@ def missing_ops(
     observed: dict[str, Any] | None, expected: dict[str, Any] | None, check: CheckInput
 ) -> list[Violation]:
     """``missing_op``: an op the config's loop issued inside the entry in every step
-    (:func:`every_step`) never ran inside it (the entry ran). Not for an entry of a
-    merged config that other sources ran too (its ``ops`` are theirs as well)."""
+    (:func:`every_step`) never ran inside it (the entry ran). Where the config records
+    which ranks ran each op (``op_ranks``), an op only some ranks ran is held to those
+    ranks, by their count a step; else to every rank, by the entry's ranks' count (and
+    :class:`JobView` then keeps it only where no rank of the job ran the op). Not for
+    an entry of a merged config that other sources ran too (its ``ops`` are theirs as
+    well)."""
     if observed is None or expected is None or expected.get(SHARED_OPS):
         return []
     seen = observed.get("ops") or {}
+    some = entry_op_ranks(expected) if records_op_ranks(check.config) else {}
     found = []
     for op, count in sorted((expected.get("ops") or {}).items()):
-        rate = every_step(int(count), expected, check)
-        if rate >= 1 and op not in seen:
+        ran = some.get(op)
+        if op in seen or (ran is not None and check.rank not in ran):
+            continue
+        rate = every_step(int(count), expected, check, ran)
+        if rate >= 1:
+            on = f" on rank(s) {', '.join(map(str, ran))}" if ran is not None else ""
             message = (
-                f"{op} never ran inside {_where(check)}; the config's loop ran it {rate:g}x a step"
+                f"{op} never ran inside {_where(check)}; the config's loop ran it "
+                f"{rate:g}x a step{on}"
             )
             found.append(_violation("missing_op", ERROR, check, message, op=op))
     return found
@@ -192,7 +217,12 @@ def rank_mismatch(
     ranks = check.entry_ranks(expected)
     if observed is not None and check.rank not in ranks:
         message = f"{_where(check)} ran on rank {check.rank}; the config has it on {ranks}"
-    elif observed is None and check.rank in ranks and check.seen_on():
+    elif (
+        observed is None
+        and check.rank in ranks
+        and check.seen_on()
+        and every_step(int(expected.get("count", 0)), expected, check) < 1  # else missing
+    ):
         message = f"{_where(check)} did not run on rank {check.rank}; the config has it on {ranks}"
     else:
         return []
@@ -242,6 +272,23 @@ def drifts_per_step(
     return max(ends) < 1 - tolerance or min(ends) > 1 + tolerance
 
 
+def expected_on_rank(expected: dict[str, Any], check: CheckInput) -> float:
+    """The entry's count the config expects of ``check.rank`` over the whole run: its
+    count over its ranks, divided among them, except that where the config records
+    which ranks ran each op (``op_ranks``) an op some ranks alone ran is divided among
+    those (none of it on the others), so a rank that runs more ops than the rest (rank 0
+    logs) is held to its own share."""
+    ranks = check.entry_ranks(expected)
+    count = int(expected.get("count", 0))
+    some = entry_op_ranks(expected) if records_op_ranks(check.config) else {}
+    if not some or check.rank not in ranks:
+        return count / max(len(ranks), 1)
+    ops = expected.get("ops") or {}
+    shared = count - sum(int(ops.get(op, 0)) for op in some)
+    mine = sum(int(ops.get(op, 0)) / len(ran) for op, ran in some.items() if check.rank in ran)
+    return shared / len(ranks) + mine
+
+
 def count_drift(
     observed: dict[str, Any] | None, expected: dict[str, Any] | None, check: CheckInput
 ) -> list[Violation]:
@@ -254,13 +301,12 @@ def count_drift(
     both = check.expected_steps is not None and observed_steps is not None
     got_steps = observed_steps if both else None
     want_steps = check.expected_steps if both else None
-    ranks = len(check.entry_ranks(expected))
-    count, want_count = int(observed.get("count", 0)), int(expected.get("count", 0))
-    per_rank = want_count / max(ranks, 1)
+    count = int(observed.get("count", 0))
+    per_rank = expected_on_rank(expected, check)
     loops = (1, config_loops(check.config.get("meta") or {}))  # a rank's trace: one loop
     if not drifts_per_step(count, got_steps, per_rank, want_steps, check.tolerance, loops):
         return []
-    want = per_rank_step(want_count, ranks, want_steps)
+    want = per_rank / max(want_steps or 1, 1)  # as per_rank_step
     got = per_rank_step(count, 1, got_steps)
     unit = "per rank and step" if both else "per rank"
     change = f"{(got - want) / want:+.0%}" if want else "new"
@@ -290,6 +336,7 @@ class JobView:
     def __init__(self, config: dict[str, Any], job: dict[str, Any], tolerance: float) -> None:
         self.config, self.job, self.tolerance = config, job, tolerance
         self.expected = {entry_key(e): e for e in config["entries"]}
+        self.op_ranks = records_op_ranks(config)
         self.whole = {entry_key(e): e for e in job["entries"]}
         config_steps = config_steps_of(config.get("meta") or {})
         job_steps = config_steps_of(job.get("meta") or {})
@@ -309,8 +356,8 @@ class JobView:
         expected, observed = self.expected.get(key), self.whole.get(key)
         if expected is None or observed is None:
             return True
-        if violation.kind == "missing_op":
-            return violation.op not in (observed.get("ops") or {})
+        if violation.kind == "missing_op":  # exact where the config knows who ran it
+            return self.op_ranks or violation.op not in (observed.get("ops") or {})
         got = _per_rank(observed, self.job)
         want = _per_rank(expected, self.config)
         return drifts_per_step(

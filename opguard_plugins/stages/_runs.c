@@ -450,16 +450,37 @@ add_count(PyObject *into, PyObject *key, PyObject *count)
     return status;
 }
 
-/* tally(start, end, ops, streams, dtypes): the run's counts added by op, by stream role
- * and, for the positions with a dtype (not None), by dtype (``PyRuns.tally``) */
+/* into[key] = into.get(key, 0) | mask */
+static int
+or_mask(PyObject *into, PyObject *key, PyObject *mask)
+{
+    PyObject *old = PyDict_GetItemWithError(into, key);
+    if (old == NULL) {
+        if (PyErr_Occurred())
+            return -1;
+        return PyDict_SetItem(into, key, mask);
+    }
+    if (old == mask)
+        return 0;
+    PyObject *both = PyNumber_Or(old, mask);
+    if (both == NULL)
+        return -1;
+    int status = PyDict_SetItem(into, key, both);
+    Py_DECREF(both);
+    return status;
+}
+
+/* tally(start, end, ops, streams, dtypes, op_masks): the run's counts added by op, by
+ * stream role and, for the positions with a dtype (not None), by dtype; each op's rank
+ * masks or-ed into op_masks (``PyRuns.tally``) */
 static PyObject *
 runs_tally(Runs *r, PyObject *const *args, Py_ssize_t nargs)
 {
     Py_ssize_t at[2];
-    if (nargs != 5 || !PyDict_Check(args[2]) || !PyDict_Check(args[3]) ||
-        !PyDict_Check(args[4])) {
+    if (nargs != 6 || !PyDict_Check(args[2]) || !PyDict_Check(args[3]) ||
+        !PyDict_Check(args[4]) || !PyDict_Check(args[5])) {
         PyErr_SetString(PyExc_TypeError,
-                        "Runs.tally(start, end, ops, streams, dtypes): three dicts");
+                        "Runs.tally(start, end, ops, streams, dtypes, op_masks): four dicts");
         return NULL;
     }
     if (parse_positions(args, 2, 2, at, "tally") < 0 || check_run(r, at[0], at[1], 0) < 0)
@@ -469,11 +490,14 @@ runs_tally(Runs *r, PyObject *const *args, Py_ssize_t nargs)
         if (count == NULL)
             return NULL;
         PyObject *dtype = PyTuple_GET_ITEM(r->dtypes, i);
-        int status = add_count(args[2], PyTuple_GET_ITEM(r->ops, i), count);
+        PyObject *op = PyTuple_GET_ITEM(r->ops, i);
+        int status = add_count(args[2], op, count);
         if (status == 0)
             status = add_count(args[3], PyTuple_GET_ITEM(r->streams, i), count);
         if (status == 0 && dtype != Py_None)
             status = add_count(args[4], dtype, count);
+        if (status == 0)
+            status = or_mask(args[5], op, PyTuple_GET_ITEM(r->masks, i));
         Py_DECREF(count);
         if (status < 0)
             return NULL;
@@ -2297,7 +2321,7 @@ static PyMethodDef runs_methods[] = {
     {"ranked_prefix", (PyCFunction)(void (*)(void))runs_ranked_prefix, METH_FASTCALL,
      "ranked_prefix(own, position, ranks) -> bytes: the prefix's ids through ranks."},
     {"tally", (PyCFunction)(void (*)(void))runs_tally, METH_FASTCALL,
-     "tally(start, end, ops, streams, dtypes): add the run's counts by op, by stream and "
+     "tally(start, end, ops, streams, dtypes, op_masks): add the run's counts by op, by stream and "
      "by dtype (positions with one)."},
     {"distinct_prefixes", (PyCFunction)runs_distinct_prefixes, METH_NOARGS,
      "distinct_prefixes() -> int: the nodes of the unpruned tree below its root."},

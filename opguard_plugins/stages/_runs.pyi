@@ -42,6 +42,7 @@ class Runs:
         ops: dict[str, int],
         streams: dict[str, int],
         dtypes: dict[str, int],
+        op_masks: dict[str, int],
         /,
     ) -> None: ...
     def distinct_prefixes(self) -> int: ...

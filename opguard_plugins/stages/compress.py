@@ -90,6 +90,7 @@ class Node:
         "qualname",
         "ranks",
         "self_dtypes",
+        "self_op_ranks",
         "self_ops",
         "self_streams",
     )
@@ -108,10 +109,17 @@ class Node:
         self.self_streams: Counter[str] = _new_counter(Counter)
         #: own ops by dtype (only ops with one: formats.md, "Dtypes")
         self.self_dtypes: Counter[str] = _new_counter(Counter)
+        #: own ops' rank masks: which ranks ran each op (formats.md, "Which ranks ran an op")
+        self.self_op_ranks: dict[str, int] = {}
         self.ranks = 0
         #: targets folded into this node by chain pruning, outermost first
         self.chain: list[str] | deque[str] = []
         self.children: dict[tuple[str | None, str, str], Node] = {}
+
+    @property
+    def tallies(self) -> tuple[dict[str, int], dict[str, int], dict[str, int], dict[str, int]]:
+        """What :meth:`PyRuns.tally` adds a run's ops to."""
+        return self.self_ops, self.self_streams, self.self_dtypes, self.self_op_ranks
 
     @property
     def key(self) -> tuple[str, str, str]:
@@ -378,7 +386,7 @@ def build_tree(
         node, offset, start, high = todo.pop()  # offset: bytes of the node's own path
         # callsites whose path ends here come first in the run (a prefix sorts first)
         ended = runs.skip_ended(offset, start, high)
-        runs.tally(start, ended, node.self_ops, node.self_streams, node.self_dtypes)
+        runs.tally(start, ended, *node.tallies)
         start = ended
         at = slice(offset, offset + WIDTH)
         while start < high:
@@ -389,7 +397,7 @@ def build_tree(
                 node.children[key] = child
                 todo.append((child, offset + WIDTH, start, end))
             else:  # pruned: the run's ops are the node's own
-                runs.tally(start, end, node.self_ops, node.self_streams, node.self_dtypes)
+                runs.tally(start, end, *node.tallies)
             start = end
     return TreeBuild(root, nodes_before, len(rank_keep), rank_total - len(rank_keep))
 
@@ -415,6 +423,8 @@ def _merge_into(into: Node, other: Node) -> None:
         into.self_ops.update(other.self_ops)
         into.self_streams.update(other.self_streams)
         into.self_dtypes.update(other.self_dtypes)
+        for op, mask in other.self_op_ranks.items():
+            into.self_op_ranks[op] = into.self_op_ranks.get(op, 0) | mask
         into.lines |= other.lines
         into.ranks |= other.ranks
         into.chain = sorted(set(into.chain) | set(other.chain))
@@ -472,7 +482,16 @@ def fold_chains(root: Node, ranks: int | None = None) -> None:
         node.children = folded
 
 
+def _op_ranks(node: Node, ranks: int) -> dict[str, list[int]]:
+    """``self_op_ranks`` as written: the own ops that not every one of ``ranks`` (the
+    node's) ran, by op, each with the ranks that ran it."""
+    return {
+        op: mask_to_ranks(mask) for op, mask in sorted(node.self_op_ranks.items()) if mask != ranks
+    }
+
+
 def _node_fields(node: Node) -> dict[str, Any]:
+    op_ranks = _op_ranks(node, node.ranks)
     return {
         "module": node.module,
         "qualname": node.qualname,
@@ -483,6 +502,7 @@ def _node_fields(node: Node) -> dict[str, Any]:
         "self_ops": dict(sorted(node.self_ops.items())),
         "self_streams": dict(sorted_roles(node.self_streams)),
         "self_dtypes": dict(sorted_dtypes(node.self_dtypes)),
+        **({"self_op_ranks": op_ranks} if op_ranks else {}),
         "ranks": mask_to_ranks(node.ranks),
         "chain": list(node.chain),
         "children": [],
@@ -525,6 +545,8 @@ def _compress_trace(trace: CallsiteTrace, options: RunOptions) -> dict[str, Any]
     # whether the recorder recorded dtypes: a node's empty self_dtypes then means its
     # own ops had no tensor argument, not that nobody looked (formats.md, "Dtypes")
     meta["dtypes"] = any(site.dtype is not None for site in trace.callsites)
+    # each node says which ranks ran each of its own ops, where not all of its own did
+    meta["op_ranks"] = True
     meta["compression"] = {
         "chains": options.chains,
         "min_count": options.min_count,
@@ -549,9 +571,16 @@ def _compress_trace(trace: CallsiteTrace, options: RunOptions) -> dict[str, Any]
             "self_ops": dict(sorted(root.self_ops.items())),
             "self_streams": dict(sorted_roles(root.self_streams)),
             "self_dtypes": dict(sorted_dtypes(root.self_dtypes)),
+            **_root_op_ranks(root, ranks_to_mask(trace.ranks)),
             "children": [_node_doc(child) for child in root_children],
         },
     }
+
+
+def _root_op_ranks(root: Node, ranks: int) -> dict[str, Any]:
+    """The root's ``self_op_ranks`` (against every rank of the trace), where it has any."""
+    op_ranks = _op_ranks(root, ranks)
+    return {"self_op_ranks": op_ranks} if op_ranks else {}
 
 
 @hookimpl(trylast=True)

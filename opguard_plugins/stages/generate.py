@@ -14,8 +14,10 @@ from typing import Any
 from ruamel.yaml.comments import CommentedMap
 
 from opguard_core import hookimpl
+from opguard_core.combine.accumulator import mask_to_ranks, ranks_to_mask
 from opguard_core.formats.config import CONFIG_VERSION, EntryKey
 from opguard_core.formats.dtypes import sorted_dtypes
+from opguard_core.formats.op_ranks import ranges_seq
 from opguard_core.formats.streams import sorted_roles
 from opguard_core.formats.styles import block_map, flow_map, flow_seq
 from opguard_core.formats.trace import PHASES, recorded_by
@@ -73,7 +75,7 @@ def tags_for(target: str, kind: str, ops: dict[str, int]) -> list[str]:
 
 
 class _Entry:
-    __slots__ = ("dtypes", "file", "kind", "lines", "ops", "ranks", "streams")
+    __slots__ = ("dtypes", "file", "kind", "lines", "op_ranks", "ops", "ranks", "streams")
 
     def __init__(self) -> None:
         self.kind: str | None = None
@@ -85,9 +87,32 @@ class _Entry:
         #: ops by dtype (formats.md, "Dtypes")
         self.dtypes: Counter[str] = Counter()
         self.ranks: set[int] = set()
+        #: which ranks ran each op, as bit masks (formats.md, "Which ranks ran an op")
+        self.op_ranks: dict[str, int] = {}
 
 
 _Sums = tuple[Counter[str], Counter[str], Counter[str]]
+
+
+def _inclusive_op_ranks(root: dict[str, Any], all_ranks: list[int]) -> dict[int, dict[str, int]]:
+    """Which ranks ran each op at or below every node (bit masks by op), keyed by
+    ``id(node)``: a node's own op ran on the ranks its ``self_op_ranks`` gives, else on
+    all of the node's ranks (the root's: ``all_ranks``)."""
+    masks: dict[int, dict[str, int]] = {}
+    order: list[tuple[dict[str, Any], int]] = []
+    stack = [(root, ranks_to_mask(all_ranks))]
+    while stack:
+        node, mine = stack.pop()
+        order.append((node, mine))
+        stack.extend((child, ranks_to_mask(child.get("ranks", []))) for child in node["children"])
+    for node, mine in reversed(order):
+        listed = node.get("self_op_ranks") or {}
+        ops = {op: ranks_to_mask(listed[op]) if op in listed else mine for op in node["self_ops"]}
+        for child in node["children"]:
+            for op, mask in masks[id(child)].items():
+                ops[op] = ops.get(op, 0) | mask
+        masks[id(node)] = ops
+    return masks
 
 
 def _inclusive(root: dict[str, Any]) -> dict[int, _Sums]:
@@ -123,6 +148,10 @@ def _kind_first(kind: str) -> tuple[bool, str]:
 def collect_entries(tree: dict[str, Any], depth: int) -> dict[EntryKey, _Entry]:
     root = tree["root"]
     sums = _inclusive(root)
+    meta = tree.get("meta", {})
+    op_masks = (
+        _inclusive_op_ranks(root, list(meta.get("ranks", []))) if meta.get("op_ranks") else {}
+    )
     entries: dict[EntryKey, _Entry] = {}
     active: Counter[EntryKey] = Counter()
     # iterative DFS with explicit exit markers, carrying the context's targets
@@ -152,6 +181,8 @@ def collect_entries(tree: dict[str, Any], depth: int) -> dict[EntryKey, _Entry]:
             entry.ops.update(ops)
             entry.streams.update(streams)
             entry.dtypes.update(dtypes)
+        for op, mask in op_masks.get(id(node), {}).items():
+            entry.op_ranks[op] = entry.op_ranks.get(op, 0) | mask
         active[key] += 1
         stack.append((node, path, key))
         # only the last ``depth`` targets are ever read: keep no more (a deep tree's
@@ -180,6 +211,8 @@ def generate_config(tree: dict[str, Any], source: str, depth: int) -> CommentedM
     meta_ranks = sorted(tree.get("meta", {}).get("ranks", []))
     # every entry says which dtypes its ops ran in where the traces recorded them
     with_dtypes = tree.get("meta", {}).get("dtypes") is True
+    # and which ranks ran its ops, where the compressor recorded it
+    with_op_ranks = tree.get("meta", {}).get("op_ranks") is True
     entries = collect_entries(tree, depth)
     out = []
     for (target, context), entry in sorted(entries.items()):
@@ -199,6 +232,10 @@ def generate_config(tree: dict[str, Any], source: str, depth: int) -> CommentedM
         ranks = sorted(entry.ranks)
         if ranks != meta_ranks:
             item["ranks"] = flow_seq(ranks)
+        everywhere = ranks_to_mask(ranks)
+        some = [(op, mask) for op, mask in sorted(entry.op_ranks.items()) if mask != everywhere]
+        if some:
+            item["op_ranks"] = flow_map((op, ranges_seq(mask_to_ranks(mask))) for op, mask in some)
         out.append(item)
     config = CommentedMap()
     config["version"] = CONFIG_VERSION
@@ -215,6 +252,7 @@ def generate_config(tree: dict[str, Any], source: str, depth: int) -> CommentedM
             *([("steps", flow_map([(source, steps)]))] if known_steps else []),
             *([("phases", flow_map([(source, phase)]))] if phase in PHASES else []),
             *([("recorded_by", flow_seq([origin]))] if origin else []),
+            *([("op_ranks", True)] if with_op_ranks else []),
             ("settings", run_settings(tree, depth)),
         ]
     )

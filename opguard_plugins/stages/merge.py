@@ -26,6 +26,7 @@ from ruamel.yaml.comments import CommentedMap, CommentedSeq
 from opguard_core import hookimpl
 from opguard_core.formats.config import copy_config, entry_comments, entry_key, set_entry_comments
 from opguard_core.formats.config_collectives import merge_config_collectives
+from opguard_core.formats.op_ranks import entry_op_ranks, ranges_seq, records_op_ranks
 from opguard_core.formats.streams import sorted_roles
 from opguard_core.formats.styles import block_map, elements_of, flow_map, flow_seq, items_of
 from opguard_core.formats.tree import TORCH_API
@@ -44,6 +45,7 @@ _ENTRY_FIELDS = frozenset(
         "dtype_counts",
         "count",
         "ranks",
+        "op_ranks",
         "sources",
     }
 )
@@ -101,6 +103,11 @@ def merge_entries(
     left: CommentedMap, right: dict[str, Any], left_ranks: list[int], right_ranks: list[int]
 ) -> CommentedMap:
     """Merge ``right`` into ``left`` (same key) and return ``left``."""
+    # which ranks ran each op (dropped by merge_configs unless both configs record it)
+    ran: dict[str, set[int]] = {}
+    for side, ranks in ((left, left_ranks), (right, right_ranks)):
+        for op, op_ranks in _op_ranks(side, ranks).items():
+            ran.setdefault(op, set()).update(op_ranks)
     _carry_extras(left, right, _ENTRY_FIELDS)
     _keep_comments(left, left, right)
     mine = entry_comments(left)
@@ -124,7 +131,25 @@ def merge_entries(
         left.pop("dtype_counts", None)
     left["count"] = int(left.get("count", 0)) + int(right.get("count", 0))
     left["ranks"] = _sorted_union(_entry_ranks(left, left_ranks), _entry_ranks(right, right_ranks))
+    _set_op_ranks(left, ran)
     return left
+
+
+def _op_ranks(entry: dict[str, Any], meta_ranks: list[int]) -> dict[str, list[int]]:
+    """Which ranks ran each of ``entry``'s ops (an op not in its ``op_ranks``: all of
+    the entry's ranks), as far as the config records it."""
+    listed = entry_op_ranks(entry)
+    everywhere = _entry_ranks(entry, meta_ranks)
+    return {str(op): listed.get(str(op), everywhere) for op, _ in items_of(entry.get("ops") or {})}
+
+
+def _set_op_ranks(entry: CommentedMap, ran: dict[str, set[int]]) -> None:
+    """Write ``entry``'s ``op_ranks``: the ops of ``ran`` that not all of its ranks ran."""
+    everywhere = set(elements_of(entry.get("ranks") or ()))
+    some = [(op, sorted(ranks)) for op, ranks in sorted(ran.items()) if ranks != everywhere]
+    entry.pop("op_ranks", None)
+    if some:
+        entry["op_ranks"] = flow_map((op, ranges_seq(ranks)) for op, ranks in some)
 
 
 def _merge_steps(a: Any, b: Any, add: bool = False) -> CommentedMap:
@@ -239,7 +264,7 @@ def _record_contributions(result: CommentedMap, both: Contributions | None) -> N
 
 #: ``meta``'s keys in the order generate writes them; any others after, sorted
 _META_ORDER = ("ranks", "total", "sources", "steps", "phases", "source_ranks", "recorded_by",
-               "settings")  # fmt: skip
+               "op_ranks", "settings")  # fmt: skip
 
 
 def merge_configs(left: CommentedMap, right: CommentedMap) -> CommentedMap:
@@ -277,11 +302,8 @@ def merge_configs(left: CommentedMap, right: CommentedMap) -> CommentedMap:
             del entry["ranks"]
         entries.append(entry)
     meta = CommentedMap(left_meta)
-    _carry_extras(
-        meta,
-        right_meta,
-        frozenset({"ranks", "total", "sources", "steps", "phases", "recorded_by", "source_ranks"}),
-    )
+    # every key of meta this merge decides (settings: carried as an unknown key is)
+    _carry_extras(meta, right_meta, frozenset(_META_ORDER) - {"settings"})
     meta["ranks"] = flow_seq(all_ranks)
     if "total" in left_meta and "total" in right_meta:
         meta["total"] = int(left_meta["total"]) + int(right_meta["total"])
@@ -299,6 +321,12 @@ def merge_configs(left: CommentedMap, right: CommentedMap) -> CommentedMap:
         meta["recorded_by"] = _sorted_union(left_meta["recorded_by"], right_meta["recorded_by"])
     else:
         meta.pop("recorded_by", None)
+    if records_op_ranks(left) and records_op_ranks(right):
+        meta["op_ranks"] = True
+    else:  # which ranks ran an op is unknown on one side: unknown
+        meta.pop("op_ranks", None)
+        for entry in entries:
+            entry.pop("op_ranks", None)
     _put_in_order(meta, _META_ORDER)  # the left side's order once decided it
     meta.fa.set_block_style()
     _keep_comments(meta, left_meta, right_meta)
@@ -322,7 +350,7 @@ def merge_configs(left: CommentedMap, right: CommentedMap) -> CommentedMap:
 #: version does not know go after them, sorted (an entry's ``sources`` stays last)
 _DOC_ORDER = ("version", "source", "meta", "entries", "collectives")
 _ENTRY_ORDER = ("target", "kind", "file", "lines", "context", "tags", "ops", "stream_counts",
-                "dtype_counts", "count", "ranks")  # fmt: skip
+                "dtype_counts", "count", "ranks", "op_ranks")  # fmt: skip
 
 
 #: (order, last) -> each known key's place, for :func:`_put_in_order`

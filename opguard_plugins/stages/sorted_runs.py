@@ -111,15 +111,18 @@ class PyRuns:
         ops: dict[str, int],
         streams: dict[str, int],
         dtypes: dict[str, int],
+        op_masks: dict[str, int],
     ) -> None:
         """Add the counts of positions ``start`` to ``end`` to ``ops``, ``streams`` and
         ``dtypes`` (by each position's op, stream role and dtype; a position without a
-        dtype adds to the first two only)."""
+        dtype adds to the first two only), and or each position's rank mask into
+        ``op_masks`` under its op (which ranks ran each op)."""
         counts, my_ops, my_streams, my_dtypes = self.counts, self.ops, self.streams, self.dtypes
         for position in range(start, end):
             count = counts[position]
             op, stream, dtype = my_ops[position], my_streams[position], my_dtypes[position]
             ops[op] = ops.get(op, 0) + count
+            op_masks[op] = op_masks.get(op, 0) | self.masks[position]
             streams[stream] = streams.get(stream, 0) + count
             if dtype is not None:
                 dtypes[dtype] = dtypes.get(dtype, 0) + count

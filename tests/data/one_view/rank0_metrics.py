@@ -1,6 +1,7 @@
 """Two ranks (torchrun, gloo) whose ``metrics`` does more on rank 0 than on rank 1,
 as training scripts log on rank 0: ``$EXTRA`` (default 1) scales rank 0's extra work,
-0 removes it; ``$STEPS`` the steps (default 3)."""
+0 removes it; ``$SKIP_READ`` names a rank that stops reading the loss (the others go
+on); ``$STEPS`` the steps (default 3)."""
 
 import os
 
@@ -23,6 +24,8 @@ def metrics(loss, rank):
         extra = int(os.environ.get("EXTRA", "1"))
         for _ in range(4 * extra):
             value = value.exp().log()
+    if rank == int(os.environ.get("SKIP_READ", "-1")):
+        return None
     return float(value)
 
 
