@@ -347,7 +347,6 @@ def test_ranks_taking_different_branches_are_not_missing(tmp_path: Path) -> None
     }
 
 
-
 def _logging_job(folder: Path, rank0: int, rank1: int) -> str:
     """Two ranks of a 4-step loop whose ``log_stats`` issues ``rank0`` ops a step on
     rank 0 and ``rank1`` on rank 1."""

@@ -165,7 +165,7 @@ BASE = "version: 4\nsource: s\nmeta:\n  total: 1\nentries:\n  - target: a:b\n   
         BASE.replace("total: 1", "1.5: 1"),  # a float key
         BASE.replace("total: 1", "x" * 100 + ": 1"),  # a key of 100 characters: `? key`
         BASE.replace("total: 1", "1" + "0" * 99 + ": 1"),  # an int key of 100 digits
-        BASE.replace("total: 1", "r: [[1], 2]"),  # a flow sequence inside one
+        BASE.replace("total: 1", "r: [[[1]], 2]"),  # a flow sequence two deep inside one
         BASE.replace("total: 1", "r: {a: 1, a: 2}"),  # a key twice in a flow mapping
         BASE.replace("source: s", "source: 'x'") + "    x: x\n",  # x written two ways
         BASE.replace("source: s", "source: 'x'"),  # quoted where the writer writes plain

@@ -18,6 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from ruamel.yaml.comments import CommentedMap, CommentedSeq
 
+from opguard_core.errors import InputError
 from opguard_core.formats.config import (
     CONFIG_VERSION,
     _dump_fast,
@@ -27,6 +28,8 @@ from opguard_core.formats.config import (
     entry_key,
     parse_config,
 )
+from opguard_core.formats.config_reader import read_strict
+from opguard_core.formats.op_ranks import ranges_seq
 from opguard_core.formats.styles import block_map, flow_map, flow_seq
 from opguard_core.model import RunOptions
 from opguard_plugins.stages.basic_filter import opguard_filter
@@ -96,6 +99,26 @@ def test_a_loaded_config_dumps_back_to_its_text() -> None:
     assert dump_config(parse_config(text, "loaded")) == text
 
 
+def test_ranges_read_fast_and_three_deep_falls_back() -> None:
+    """``op_ranks``' ranges (a flow sequence of ranks and [first, last] sequences) take
+    the fast path both ways; a sequence three deep is no layout the writer writes, so
+    the strict reader leaves it to ruamel (and the validation refuses it)."""
+    config = sample_config("gpt")
+    config["meta"]["op_ranks"] = True
+    entry = config["entries"][0]
+    op = next(iter(entry["ops"]))
+    entry["op_ranks"] = flow_map([(op, ranges_seq([0, 1, 2, 3, 7, 9, 10]))])
+    text = assert_fast_matches(config)
+    assert f"    op_ranks: {{{op}: [[0, 3], 7, 9, 10]}}\n" in text
+    bare = _dump_fast(config)  # what the reader reads: the summary lines taken off
+    assert bare is not None and read_strict(bare) is not None
+    deeper = text.replace("[[0, 3], 7, 9, 10]", "[[[0, 3]], 7]")
+    assert read_strict(bare.replace("[[0, 3], 7, 9, 10]", "[[[0, 3]], 7]")) is None
+    assert read_strict(deeper) is None
+    with pytest.raises(InputError, match=r"\[\[0, 3\]\] is neither a rank nor \[first, last\]"):
+        parse_config(deeper, "deeper")  # read by ruamel, then refused by the validation
+
+
 def test_long_flow_maps_never_wrap() -> None:
     config = sample_config("gpt")
     entry = config["entries"][0]
@@ -153,6 +176,11 @@ def configs(draw: st.DrawFn, text: st.SearchStrategy[str]) -> CommentedMap:
         entry["count"] = draw(counts)
         if draw(st.booleans()):
             entry["ranks"] = flow_seq(sorted(draw(st.sets(st.integers(0, 64), max_size=4))))
+        if draw(st.booleans()):  # op_ranks: ranges, sequences inside a sequence
+            entry["op_ranks"] = flow_map(
+                (op, ranges_seq(sorted(draw(st.sets(st.integers(0, 64), min_size=1, max_size=9)))))
+                for op in ops
+            )
         if draw(st.booleans()):  # a field this version does not know, carried through
             unknown = draw(text.filter(lambda key, known=tuple(entry): key not in known))
             entry[unknown] = draw(st.one_of(extra_values, text))

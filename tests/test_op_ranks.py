@@ -139,7 +139,8 @@ meta:
          "entries[0].op_ranks['aten::exp']: 0 is not ascending, disjoint and first <= last"),
         (6, "", "    op_ranks: {aten::exp: [true]}\n",
          "entries[0].op_ranks['aten::exp']: True is neither a rank nor [first, last]"),
-        (6, "", "    op_ranks: {aten::exp: []}\n", "entries[0].op_ranks['aten::exp'] lists no rank"),
+        (6, "", "    op_ranks: {aten::exp: []}\n",
+         "entries[0].op_ranks['aten::exp'] lists no rank"),
     ],
 )  # fmt: skip
 def test_a_config_with_bad_op_ranks_is_one_line(

@@ -406,6 +406,7 @@ typedef struct {
     Span s;
     Py_ssize_t at;
     long level;
+    int seqs; /* flow sequences open around the position */
 } Flow;
 
 static PyObject *flow_seq(Reader *r, Flow *f);
@@ -424,11 +425,14 @@ flow_item(Reader *r, Flow *f, char closer)
         return quoted_scalar(r, s, at, &f->at, 1, 0);
     }
     if (c == '[') {
-        if (r->strict && closer == ']') {
-            return unusual(r); /* the writer's flow sequences hold scalars */
+        if (r->strict && f->seqs >= 2) {
+            /* the writer's flow sequences hold scalars, or sequences of scalars */
+            return unusual(r);
         }
         f->level++;
+        f->seqs++;
         PyObject *seq = flow_seq(r, f);
+        f->seqs--;
         f->level--;
         return seq;
     }
@@ -561,7 +565,7 @@ static PyObject *
 value_on_line(Reader *r, Span rest, long level)
 {
     if (rest.p[0] == '[' || rest.p[0] == '{') {
-        Flow f = {rest, 0, level};
+        Flow f = {rest, 0, level, rest.p[0] == '[' ? 1 : 0};
         PyObject *value = rest.p[0] == '[' ? flow_seq(r, &f) : flow_map(r, &f);
         if (value != NULL && f.at != rest.n) {
             Py_DECREF(value);

@@ -542,13 +542,25 @@ class _FastWriter:
 
     # collections
 
-    def flow_seq(self, seq: object, seen: set[int]) -> str:
-        """A flow sequence of scalars: ``[a, b]``."""
+    def flow_seq(self, seq: object, seen: set[int], nested: bool = True) -> str:
+        """A flow sequence of scalars, or of scalars and flow sequences of scalars
+        (``op_ranks``' ranges, ``[[0, 3], 7]``): ``[a, b]``."""
         if type(seq) is not CommentedSeq or not _is_flow(seq) or id(seq) in seen:
             raise _Unusual
         seen.add(id(seq))
         scalar = self.scalar
-        return "[" + ", ".join([scalar(item, True) for item in elements_of(seq)]) + "]"
+        return (
+            "["
+            + ", ".join(
+                [
+                    self.flow_seq(item, seen, False)
+                    if nested and type(item) is CommentedSeq
+                    else scalar(item, True)
+                    for item in elements_of(seq)
+                ]
+            )
+            + "]"
+        )
 
     def flow_map(self, mapping: CommentedMap, seen: set[int]) -> str:
         """A flow mapping of scalar keys to scalars or flow sequences of scalars."""

@@ -326,7 +326,8 @@ def read_strict(text: str) -> Found | None:
     - keys that are not strings or integers (``true``, ``1.5``), strings of 100
       characters or more and integers of 100 digits or more as keys;
     - ``-0`` (the writer writes ``0``);
-    - a flow sequence inside a flow sequence; a key twice in one flow mapping;
+    - a flow sequence inside a flow sequence inside a flow sequence (one inside one,
+      ``[[0, 3], 7]``, is ``op_ranks``' ranges); a key twice in one flow mapping;
     - one string written two ways in the same context (one of them is not the writer's).
 
     The rest of the layout the reader already accepts only as the writer writes it
