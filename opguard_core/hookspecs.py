@@ -144,7 +144,9 @@ def opguard_compress(trace: CallsiteTrace, options: RunOptions) -> dict[str, Any
         ``hide`` and ``default_hide``.
     :returns: the ``opguard-calltree`` document as a JSON-ready dict. The runner
         checks the contract's invariants on it before writing
-        ``{name}_compressed.json``.
+        ``{name}_compressed.json``. ``meta.op_ranks: true`` promises that every
+        node's ``self_op_ranks`` says which of its ranks ran each of its own ops
+        (formats.md, "Which ranks ran an op"); leave it out where that is not kept.
     """
 
 

@@ -44,6 +44,8 @@ from opguard_core.plugin.manager import (
     OpGuardPluginManager,
     create_plugin_manager,
 )
+from opguard_plugins.stages.combine import combine_files
+from tests.builders import trace_doc, write
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "opguard-plugin-example"
 EXAMPLE_SRC = EXAMPLE / "src"
@@ -220,6 +222,7 @@ def test_run_uses_the_example_filter_and_compressor(opguard, example: Site, samp
     assert tree["meta"]["compression"]["max_depth"] == 3
     assert tree["root"]["count"] == GPT_TOTAL
     assert max(_depth(tree["root"])) <= 3
+    assert _ran(tree)["aten::_scaled_dot_product_flash_attention_for_cpu"] == {0}
 
     # the filter runs without --basic, writes the filtered config, and is recorded
     config = load_yaml(run.run_dir / "gpt_callsite_instrumentation.yaml")
@@ -293,6 +296,36 @@ def test_filter_chain_order_third_party_then_basic(opguard, example: Site, sampl
     methods = [label(e) for e in config["entries"] if e["kind"] == "method"]
     assert chain[0]["dropped"] == methods
     assert record["counts"]["entries"] == chain[-1]["entries_after"]
+
+
+def _ran(tree: dict[str, Any]) -> dict[str, set[int]]:
+    """Which ranks ran each op, over the whole tree (tree version 6)."""
+    assert tree["meta"]["op_ranks"] is True
+    ran: dict[str, set[int]] = {}
+    for node, parent in iter_nodes(tree["root"]):
+        mine = node["ranks"] if parent is not None else tree["meta"]["ranks"]
+        for op in node["self_ops"]:
+            ran.setdefault(op, set()).update(node.get("self_op_ranks", {}).get(op, mine))
+    return ran
+
+
+def test_the_example_compressor_keeps_which_ranks_ran_an_op(example: Site, tmp_path: Path) -> None:
+    """``shallow`` folds a node below its depth into its ancestor with the ranks that
+    ran each op: ``aten::exp``, which rank 0 alone ran five levels down where both
+    ranks ran ``aten::mm``, is still rank 0's (else check would hold rank 1 to it)."""
+    from opguard_plugin_example.shallow import opguard_compress
+
+    stack = [("job", name) for name in ("main", "train", "step", "log", "metrics")]
+    for rank in (0, 1):
+        sites = [(stack, None, "aten::mm", 40)]
+        if rank == 0:
+            sites.append((stack, None, "aten::exp", 8))
+        write(tmp_path / f"j_callsite_rank{rank}.json", trace_doc(sites, rank=rank, world_size=2))
+    trace = combine_files(sorted(tmp_path.glob("j_callsite_rank*.json"))).result()
+    tree = opguard_compress(trace=trace, options=RunOptions(chains=False))
+    check_tree(tree, expected_total=trace.total)
+    assert max(_depth(tree["root"])) == 3
+    assert _ran(tree) == {"aten::mm": {0, 1}, "aten::exp": {0}}
 
 
 def test_compressor_by_name(opguard, example: Site, samples: Path) -> None:

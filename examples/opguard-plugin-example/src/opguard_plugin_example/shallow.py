@@ -41,21 +41,38 @@ def max_depth() -> int:
     return int(raw)
 
 
+def _op_ranks(node: dict[str, Any]) -> dict[str, set[int]]:
+    """Which ranks ran each of ``node``'s own ops (tree version 6: an op its
+    ``self_op_ranks`` does not list ran on all of the node's ranks)."""
+    listed = node.get("self_op_ranks", {})
+    return {op: set(listed.get(op, node["ranks"])) for op in node["self_ops"]}
+
+
 def _fold_subtrees(node: dict[str, Any]) -> None:
-    """Move the own counts of every node below ``node`` into ``node``; drop its children."""
+    """Move the own counts of every node below ``node`` into ``node``, and which ranks
+    ran each op; drop its children."""
     ops: Counter[str] = Counter(node["self_ops"])
     streams: Counter[str] = Counter(node["self_streams"])
     dtypes: Counter[str] = Counter(node["self_dtypes"])
+    ran = _op_ranks(node)
     stack = list(node["children"])
     while stack:
         below = stack.pop()
         ops.update(below["self_ops"])
         streams.update(below["self_streams"])
         dtypes.update(below["self_dtypes"])
+        for op, ranks in _op_ranks(below).items():
+            ran.setdefault(op, set()).update(ranks)
         stack.extend(below["children"])
     node["self_ops"] = dict(sorted(ops.items()))
     node["self_streams"] = dict(sorted_roles(streams))  # stream roles, compute first
     node["self_dtypes"] = dict(sorted_dtypes(dtypes))  # tree version 5: by dtype name
+    # tree version 6: the ops not all of the node's ranks ran, with the ranks that did
+    everywhere = set(node["ranks"])
+    some = {op: sorted(ranks) for op, ranks in sorted(ran.items()) if ranks != everywhere}
+    node.pop("self_op_ranks", None)
+    if some:
+        node["self_op_ranks"] = some
     node["children"] = []
 
 
