@@ -155,3 +155,17 @@ def test_a_config_with_bad_op_ranks_is_one_line(
     result = invoke("check", "--config", path, "-i", trace)
     assert result.exit_code == 5, result.stdout
     assert result.stderr.strip().splitlines()[-1] == f"opguard: error: {path}: {problem}"
+
+
+def test_show_names_the_ranks_of_an_op_not_all_ranks_ran(tmp_path: Path) -> None:
+    run = _run(tmp_path, _job(tmp_path / "job", 5, {0, 1, 2}))
+    config = next(run.glob("*_instrumentation.yaml"))
+    result = invoke("show", config, "--format", "json")
+    assert result.exit_code == 0, result.stderr
+    [row] = json.loads(result.stdout)["entries"]
+    assert row["main_ops"] == [
+        {"op": "aten::mm", "count": 200},
+        {"op": "aten::exp", "count": 24, "ranks": [0, 1, 2]},
+    ]
+    text = invoke("show", config)
+    assert "aten::mm 200, aten::exp 24 (ranks 0-2)" in text.stdout

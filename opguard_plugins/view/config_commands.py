@@ -43,6 +43,8 @@ from opguard_core.errors import ExitCode, OpGuardError, one_line
 from opguard_core.files.atomic import atomic_write_text
 from opguard_core.files.output_dirs import check_output_file
 from opguard_core.formats.config import dump_config, entry_key, load_config
+from opguard_core.formats.op_ranks import entry_op_ranks, records_op_ranks
+from opguard_core.formats.tree import ranks_to_ranges
 from opguard_core.logs import get_logger
 from opguard_core.model import RunOptions
 from opguard_core.plugin.manager import OpGuardPluginManager
@@ -235,9 +237,12 @@ def show_rows(
     chosen = [e for e in select_entries(config, selection) if wanted <= set(e.get("tags") or ())]
     chosen.sort(key=lambda e: (-int(e.get("count", 0)), entry_key(e)))
     rows = []
+    recorded = records_op_ranks(config)
     for entry in chosen[:top] if top else chosen:
         count = int(entry.get("count", 0))
         ops = sorted((entry.get("ops") or {}).items(), key=lambda kv: (-kv[1], kv[0]))
+        # the ops that not all of the entry's ranks ran (config version 6)
+        some = entry_op_ranks(entry) if recorded else {}
         rows.append(
             {
                 "target": str(entry["target"]),
@@ -245,7 +250,10 @@ def show_rows(
                 "kind": entry.get("kind"),
                 "count": count,
                 "share": round(count / total, 6) if total else None,
-                "main_ops": [{"op": str(op), "count": int(n)} for op, n in ops[:MAIN_OPS]],
+                "main_ops": [
+                    {"op": str(op), "count": int(n), **({"ranks": some[op]} if op in some else {})}
+                    for op, n in ops[:MAIN_OPS]
+                ],
                 "tags": [str(t) for t in entry.get("tags") or ()],
             }
         )
@@ -256,9 +264,20 @@ def _cells(row: dict[str, Any]) -> list[str]:
     """The row's table cells, control characters escaped (:func:`one_line`): a name
     from a config can neither forge a row nor send a terminal an escape sequence."""
     share = "" if row["share"] is None else f"{100 * row['share']:.1f}%"
-    ops = ", ".join(f"{o['op']} {o['count']}" for o in row["main_ops"])
+    ops = ", ".join(
+        f"{o['op']} {o['count']}" + (f" (ranks {_ranks_text(o['ranks'])})" if "ranks" in o else "")
+        for o in row["main_ops"]
+    )
     names = [row["target"], " > ".join(row["context"]), ops]
     return [str(row["count"]), share, *(one_line(name) for name in names)]
+
+
+def _ranks_text(ranks: list[int]) -> str:
+    """``0-3,7``: ranks as ranges, short enough for a table cell."""
+    return ",".join(
+        f"{item[0]}-{item[1]}" if isinstance(item, list) else str(item)
+        for item in ranks_to_ranges(ranks)
+    )
 
 
 HEADERS = ["count", "share", "target", "context", "main ops"]
