@@ -450,3 +450,42 @@ def test_an_op_one_rank_stops_running_is_missing_on_that_rank(tmp_path: Path) ->
     gone = check(alone, _metric_job(tmp_path / "gone", 0, 0), expect=1)
     (item,) = [v for v in gone["violations"] if v["kind"] == "missing_op" and v["context"]]
     assert item["ranks"] == [0] and item["message"].endswith("1x a step on rank(s) 0")
+
+
+def test_a_merged_config_holds_a_source_to_its_share_where_ops_ran_on_some_ranks(
+    tmp_path: Path,
+) -> None:
+    """Two sources share ``metrics``; in one, rank 0 alone computes ``aten::exp`` there.
+    A source's share of the merged entry is its count, not its ops (the merge does
+    not split ``ops`` per source), so a rank's own share cannot be read from which
+    ranks ran which op: each source checks clean against the merged config."""
+    logs = _metric_job(tmp_path / "logs", 2, 0)
+    folder = tmp_path / "plain"
+    folder.mkdir()
+    for rank in (0, 1):
+        metrics = [("job", "main"), ("job", "metrics")]
+        sites = [([("job", "main"), ("job", "train")], None, "aten::mm", 40),
+                 (metrics, None, "aten::_local_scalar_dense", 4)]  # fmt: skip
+        write(folder / f"pl_callsite_rank{rank}.json",
+              trace_doc(sites, rank=rank, world_size=2, steps=4, phase="loop"))  # fmt: skip
+    plain = str(folder / "pl_callsite_rank*.json")
+    run = make_run(tmp_path, logs, plain)
+    final = run / "final_combined_instrumentation.yaml"
+    merged = load_config(final)
+    (metrics,) = [e for e in merged["entries"] if e["target"] == "job:metrics"]
+    assert metrics["op_ranks"] == {"aten::exp": [0]} and len(metrics["sources"]) == 2
+    for source in (logs, plain):
+        assert check(final, source, strict=True)["violations"] == [], source
+    # rank 1 of the plain source reads the loss three times as often: rank 1's drift
+    # alone (rank 0 was held to rank 0's exp of the other source)
+    changed = tmp_path / "changed"
+    changed.mkdir()
+    for rank in (0, 1):
+        sites = [([("job", "main"), ("job", "train")], None, "aten::mm", 40),
+                 ([("job", "main"), ("job", "metrics")], None, "aten::_local_scalar_dense",
+                  12 if rank else 4)]  # fmt: skip
+        write(changed / f"pl_callsite_rank{rank}.json",
+              trace_doc(sites, rank=rank, world_size=2, steps=4, phase="loop"))  # fmt: skip
+    report = check(final, str(changed / "pl_callsite_rank*.json"))
+    drifted = {(v["target"], tuple(v["ranks"])) for v in report["violations"]}
+    assert ("job:metrics", (1,)) in drifted and ("job:metrics", (0,)) not in drifted, drifted

@@ -277,10 +277,12 @@ def expected_on_rank(expected: dict[str, Any], check: CheckInput) -> float:
     count over its ranks, divided among them, except that where the config records
     which ranks ran each op (``op_ranks``) an op some ranks alone ran is divided among
     those (none of it on the others), so a rank that runs more ops than the rest (rank 0
-    logs) is held to its own share."""
+    logs) is held to its own share. Not in a merged config's entry that other sources
+    ran too (:data:`SHARED_OPS`): its ``count`` is one source's, its ops all of theirs."""
     ranks = check.entry_ranks(expected)
     count = int(expected.get("count", 0))
-    some = entry_op_ranks(expected) if records_op_ranks(check.config) else {}
+    recorded = records_op_ranks(check.config) and not expected.get(SHARED_OPS)
+    some = entry_op_ranks(expected) if recorded else {}
     if not some or check.rank not in ranks:
         return count / max(len(ranks), 1)
     ops = expected.get("ops") or {}
