@@ -489,3 +489,34 @@ def test_a_merged_config_holds_a_source_to_its_share_where_ops_ran_on_some_ranks
     report = check(final, str(changed / "pl_callsite_rank*.json"))
     drifted = {(v["target"], tuple(v["ranks"])) for v in report["violations"]}
     assert ("job:metrics", (1,)) in drifted and ("job:metrics", (0,)) not in drifted, drifted
+
+
+def test_an_op_a_rank_pruned_elsewhere_in_its_own_tree_is_not_missing(tmp_path: Path) -> None:
+    """Rank 0 does five times rank 1's work, so its own tree's threshold (a fraction of
+    its ops) prunes ``main → Q → A → f``, where ``aten::exp`` runs, which the combined
+    tree (the config's, and check's combined view) keeps: ``A [main]`` and ``f [A]``
+    of rank 0's own config lack ``exp``, though rank 0 ran it there. The combined view
+    records which ranks ran it (``op_ranks``), so an unchanged rerun is no
+    ``missing_op``; a rank 0 that stops running it still is."""
+    main = ("job", "main")
+
+    def sites(big: int, exp: bool = True) -> list[Any]:
+        return [([main, ("job", "train")], None, "aten::mm", big),
+                ([main, ("job", "P"), ("job", "A")], None, "aten::add", 8),
+                ([main, ("job", "P"), ("job", "A"), ("job", "f")], None, "aten::mm", 1000),
+                ([main, ("job", "Q"), ("job", "A")], None, "aten::add", 8),
+                *([([main, ("job", "Q"), ("job", "A"), ("job", "f")], None, "aten::exp", 64)]
+                  if exp else [])]  # fmt: skip
+
+    def job(folder: Path, exp0: bool = True) -> str:
+        folder.mkdir()
+        for rank, doc in enumerate([sites(100000, exp0), sites(20000)]):
+            write(folder / f"pr_callsite_rank{rank}.json",
+                  trace_doc(doc, rank=rank, world_size=2, steps=4, phase="loop"))  # fmt: skip
+        return str(folder / "pr_callsite_rank*.json")
+
+    own = job(tmp_path / "own")
+    run = make_run(tmp_path, own)
+    assert check(run, own)["violations"] == []
+    stopped = check(run, job(tmp_path / "stopped", exp0=False), expect=1)
+    assert ("missing_op", "job:f", "aten::exp", (0,)) in _errors(stopped)

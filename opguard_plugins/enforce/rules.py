@@ -15,7 +15,7 @@ from opguard_core import hookimpl
 from opguard_core.formats.check import ERROR, WARNING, CheckInput, Violation
 from opguard_core.formats.config import entry_key
 from opguard_core.formats.dtypes import sorted_dtypes
-from opguard_core.formats.op_ranks import entry_op_ranks, records_op_ranks
+from opguard_core.formats.op_ranks import entry_op_ranks, ranks_of_op, records_op_ranks
 from opguard_core.formats.sources import SHARED_OPS, config_loops
 from opguard_core.formats.sources import config_steps as config_steps_of
 from opguard_core.formats.streams import sorted_roles
@@ -332,7 +332,9 @@ class JobView:
     the config's own traces included. A rank's ``count_drift`` is kept where the
     job's count per rank (and step) drifts too, and its ``missing_op`` where no rank
     of the job ran the op inside the entry (an op only some ranks run is not missing
-    on the others: the config does not record which ranks ran an op). Every other
+    on the others: the config does not record which ranks ran an op), or, where the
+    config records it (``op_ranks``), where the job does not show the rank ran it
+    there (:meth:`_missing_op`). Every other
     violation is kept (docs/guard.md, "One view of the job")."""
 
     def __init__(self, config: dict[str, Any], job: dict[str, Any], tolerance: float) -> None:
@@ -358,13 +360,29 @@ class JobView:
         expected, observed = self.expected.get(key), self.whole.get(key)
         if expected is None or observed is None:
             return True
-        if violation.kind == "missing_op":  # exact where the config knows who ran it
-            return self.op_ranks or violation.op not in (observed.get("ops") or {})
+        if violation.kind == "missing_op":
+            return self._missing_op(violation, observed)
         got = _per_rank(observed, self.job)
         want = _per_rank(expected, self.config)
         return drifts_per_step(
             got, self.job_steps, want, self.config_steps, self.tolerance, self.loops
         )
+
+    def _missing_op(self, violation: Violation, observed: dict[str, Any]) -> bool:
+        """Whether the job shows ``violation``'s op missing on its ranks: without
+        ``op_ranks`` in the config, where no rank of the job ran it inside the entry;
+        with them, where the job's view does not record that each of the violation's
+        ranks ran it there (a rank's own tree prunes by its own count, so its config
+        can lack an op the rank ran inside the entry), or does not record it at all
+        (``opguard guard``'s job: its ranks' own ops are exact)."""
+        ops = observed.get("ops") or {}
+        if violation.op not in ops:
+            return True
+        if not self.op_ranks:
+            return False
+        all_ranks = [int(r) for r in (self.job.get("meta") or {}).get("ranks") or ()]
+        ran = ranks_of_op(observed, str(violation.op), self.job, all_ranks)
+        return ran is None or not set(violation.ranks) <= set(ran)
 
 
 #: the kinds :class:`JobView` judges by the job as a whole
