@@ -107,6 +107,20 @@ def test_a_tree_file_with_bad_op_ranges_is_one_line(tmp_path: Path) -> None:
     )
 
 
+def test_a_tree_file_with_a_huge_op_range_is_one_line(tmp_path: Path) -> None:
+    """A hand-made range far past the node's ranks is refused before it is spelled
+    out (it was a MemoryError traceback)."""
+    tree = _tree(self_op_ranks={"aten::exp": [[0, 10**11]]})
+    path = tmp_path / "x_compressed.json"
+    path.write_text(json.dumps(tree))
+    result = invoke("export", str(path), "--format", "collapsed", "-o", tmp_path / "x.folded")
+    assert result.exit_code == 5
+    assert result.stderr.strip().splitlines()[-1] == (
+        f"opguard: error: {path}: job:main: self_op_ranks['aten::exp']: [0, 100000000000] "
+        "is past the last rank, 1"
+    )
+
+
 CONFIG = """version: {version}
 source: s
 meta:
@@ -141,6 +155,12 @@ meta:
          "entries[0].op_ranks['aten::exp']: True is neither a rank nor [first, last]"),
         (6, "", "    op_ranks: {aten::exp: []}\n",
          "entries[0].op_ranks['aten::exp'] lists no rank"),
+        (6, "", "    op_ranks: {aten::exp: [5]}\n",
+         "entries[0].op_ranks['aten::exp']: 5 is past the last rank, 1"),
+        (6, "", "    op_ranks: {aten::exp: [[0, 100000000000]]}\n",
+         "entries[0].op_ranks['aten::exp']: [0, 100000000000] is past the last rank, 1"),
+        (6, "", "    ranks: [0, 2]\n    op_ranks: {aten::exp: [1]}\n",
+         "entries[0].op_ranks['aten::exp'] lists a rank that is not one of the entry's"),
     ],
 )  # fmt: skip
 def test_a_config_with_bad_op_ranks_is_one_line(

@@ -877,8 +877,8 @@ def validate_config(config: object, path: Path | str) -> None:
         meta = {}
     if not isinstance(meta, dict) or is_tagged(meta):
         raise InputError(path, "'meta' must be a mapping")
-    ranks = meta.get("ranks", [])
-    if not isinstance(ranks, list) or not all(is_count(r) for r in ranks):
+    all_ranks = meta.get("ranks", [])
+    if not isinstance(all_ranks, list) or not all(is_count(r) for r in all_ranks):
         raise InputError(path, "meta.ranks must be a list of integers (0 or more)")
     total = meta.get("total", 0)
     if not is_count(total):
@@ -967,7 +967,14 @@ def validate_config(config: object, path: Path | str) -> None:
                     path, f"{where}.dtype_counts must map dtype names (float32, int64, …) to counts"
                 )
         if "op_ranks" in entry:
-            _check_op_ranks(entry["op_ranks"], ops, config["version"], f"{where}.op_ranks", path)
+            _check_op_ranks(
+                entry["op_ranks"],
+                ops,
+                [int(r) for r in elements_of(entry.get("ranks") or all_ranks)],
+                config["version"],
+                f"{where}.op_ranks",
+                path,
+            )
         if not is_count(entry.get("count", 0)):
             raise InputError(path, f"{where}.count must be an integer (0 or more)")
         if total and entry.get("count", 0) > total:  # counts are inclusive: at most all ops
@@ -992,23 +999,33 @@ def validate_config(config: object, path: Path | str) -> None:
 
 
 def _check_op_ranks(
-    op_ranks: object, ops: dict[str, Any], version: int, where: str, path: Path | str
+    op_ranks: object,
+    ops: dict[str, Any],
+    entry_ranks: list[int],
+    version: int,
+    where: str,
+    path: Path | str,
 ) -> None:
-    """An entry's ``op_ranks``: some of its ops, each with the ranks that ran it, as
-    ranges (formats.md, "Which ranks ran an op")."""
+    """An entry's ``op_ranks``: some of its ops, each with some of the entry's ranks
+    (``entry_ranks``) that ran it, as ranges (formats.md, "Which ranks ran an op"); a
+    range past the entry's last rank is refused before it is spelled out."""
     if version < OP_RANKS_VERSION:
         raise InputError(path, f"{where} needs config version {OP_RANKS_VERSION} or later")
     if not isinstance(op_ranks, dict):
         raise InputError(path, f"{where} must map ops to the ranks that ran them")
+    mine = set(entry_ranks)
+    last = max(mine, default=-1)
     for op, ranges in items_of(op_ranks):
         if op not in ops:
             raise InputError(path, f"{where} names {op!r}, which is not one of the entry's ops")
         try:
-            ranks = read_ranges(ranges, f"{where}[{op!r}]")
+            ranks = read_ranges(ranges, f"{where}[{op!r}]", last)
         except InvariantError as exc:
             raise InputError(path, str(exc)) from None
         if not ranks:
             raise InputError(path, f"{where}[{op!r}] lists no rank")
+        if not mine.issuperset(ranks):
+            raise InputError(path, f"{where}[{op!r}] lists a rank that is not one of the entry's")
 
 
 # ------------------------------------------------------------------ meta.settings

@@ -25,10 +25,11 @@ def ranges_seq(ranks: list[int]) -> CommentedSeq:
     )
 
 
-def read_ranges(value: Any, where: str) -> list[int]:
+def read_ranges(value: Any, where: str, top: int | None = None) -> list[int]:
     """The ranks a ranges value (as loaded from YAML) lists; raises
-    :class:`~opguard_core.errors.InvariantError` naming ``where`` when it is not one."""
-    return ranges_to_ranks(_plain(value), where)
+    :class:`~opguard_core.errors.InvariantError` naming ``where`` when it is not one
+    (or, with ``top``, lists a rank past it)."""
+    return ranges_to_ranks(_plain(value), where, top)
 
 
 def _plain(value: Any) -> Any:

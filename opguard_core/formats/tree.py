@@ -268,10 +268,12 @@ def ranks_to_ranges(ranks: list[int]) -> list[int | list[int]]:
     return out
 
 
-def ranges_to_ranks(ranges: Any, where: str = "ranks") -> list[int]:
+def ranges_to_ranks(ranges: Any, where: str = "ranks", top: int | None = None) -> list[int]:
     """The ranks a version-4 ``ranks`` value lists (:func:`ranks_to_ranges`'s inverse).
     Raises :class:`InvariantError` unless it is a list of non-negative integers and
-    ``[first, last]`` pairs (first <= last), ascending and disjoint."""
+    ``[first, last]`` pairs (first <= last), ascending and disjoint, and, with ``top``,
+    none past ``top`` (checked before a range is spelled out: ``[[0, 100000000000]]``
+    would not fit in memory)."""
     if not isinstance(ranges, list):
         raise InvariantError(f"{where} must be a list of ranks and [first, last] ranges")
     ranks: list[int] = []
@@ -287,6 +289,8 @@ def ranges_to_ranks(ranges: Any, where: str = "ranks") -> list[int]:
             raise InvariantError(
                 f"{where}: {_short(item)} is not ascending, disjoint and first <= last"
             )
+        if top is not None and end > top:
+            raise InvariantError(f"{where}: {_short(item)} is past the last rank, {top}")
         ranks.extend(range(first, end + 1))
         last = end
     return ranks
@@ -312,14 +316,6 @@ def upgrade_tree(tree: dict[str, Any]) -> None:
     if tree.get("format") != TREE_FORMAT or version not in READ_VERSIONS:
         return
     nodes = [node for node, _ in iter_nodes(tree["root"])]
-    if version >= OP_RANKS_VERSION:
-        for node in nodes:
-            held = node.get("self_op_ranks")
-            if isinstance(held, dict):
-                where = f"{_safe_target(node)}: self_op_ranks"
-                node["self_op_ranks"] = {
-                    op: ranges_to_ranks(ran, f"{where}[{op!r}]") for op, ran in held.items()
-                }
     if version < DTYPES_VERSION:  # where the compress stage writes them
         meta = tree.get("meta")
         if isinstance(meta, dict):
@@ -337,6 +333,19 @@ def upgrade_tree(tree: dict[str, Any]) -> None:
         for node in nodes[1:]:
             if "ranks" in node:
                 node["ranks"] = ranges_to_ranks(node["ranks"], f"{_safe_target(node)}: ranks")
+    if version >= OP_RANKS_VERSION:
+        meta = tree.get("meta")
+        all_ranks = meta.get("ranks") if isinstance(meta, dict) else None
+        for node in nodes:
+            held = node.get("self_op_ranks")
+            if isinstance(held, dict):
+                # none past the node's last rank: a range is spelled out once checked
+                mine = node.get("ranks", all_ranks) if node is not nodes[0] else all_ranks
+                top = max(mine, default=-1) if mine is not None and _plain_ranks(mine) else None
+                where = f"{_safe_target(node)}: self_op_ranks"
+                node["self_op_ranks"] = {
+                    op: ranges_to_ranks(ran, f"{where}[{op!r}]", top) for op, ran in held.items()
+                }
     if version == 1:
         raw = [{int(k): v for k, v in node["self_streams"].items()} for node in nodes]
         sides = legacy_side_roles(stream for streams in raw for stream in streams)
