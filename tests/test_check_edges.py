@@ -520,3 +520,29 @@ def test_an_op_a_rank_pruned_elsewhere_in_its_own_tree_is_not_missing(tmp_path: 
     assert check(run, own)["violations"] == []
     stopped = check(run, job(tmp_path / "stopped", exp0=False), expect=1)
     assert ("missing_op", "job:f", "aten::exp", (0,)) in _errors(stopped)
+
+
+def test_a_source_of_a_merged_config_is_held_to_its_own_share(tmp_path: Path) -> None:
+    """A merged config of ``a`` (2 ranks, rank 0 logs: ``exp`` in ``metrics``) and
+    ``b`` (4 ranks, no logging): ``metrics`` is both sources', its ``ops`` and
+    ``op_ranks`` the sum's. ``b``'s ranks doubling their reads is +100% on every rank,
+    not rank 0 held to ``a``'s logging (it read -20%, the config 2.5 a step)."""
+    metrics = [("job", "main"), ("job", "metrics")]
+
+    def job(folder: Path, name: str, exp: list[int], reads: int = 4) -> str:
+        folder.mkdir()
+        for rank, extra in enumerate(exp):
+            sites = [([("job", "main"), ("job", "train")], None, "aten::mm", 40),
+                     (metrics, None, "aten::_local_scalar_dense", reads)]  # fmt: skip
+            if extra:
+                sites.append((metrics, None, "aten::exp", 4 * extra))
+            doc = trace_doc(sites, rank=rank, world_size=len(exp), steps=4, phase="loop")
+            write(folder / f"{name}_callsite_rank{rank}.json", doc)
+        return str(folder / f"{name}_callsite_rank*.json")
+
+    a, b = job(tmp_path / "a", "a", [2, 0]), job(tmp_path / "b", "b", [0, 0, 0, 0])
+    run = make_run(tmp_path, a, b)
+    assert check(run, b, "--source", "b_callsite")["violations"] == []
+    doubled = check(run, job(tmp_path / "b2", "b", [0, 0, 0, 0], 8), "--source", "b_callsite")
+    [drift] = [v for v in doubled["violations"] if v["kind"] == "count_drift"]
+    assert drift["ranks"] == [0, 1, 2, 3] and "the config 1 (+100%" in drift["message"]
