@@ -14,9 +14,10 @@ from click.testing import CliRunner, Result
 
 from opguard_core.cli.app import create_cli
 from opguard_core.errors import InvariantError
-from opguard_core.formats.config import load_config
+from opguard_core.formats.config import load_config, validate_config
 from opguard_core.formats.tree import check_tree, iter_nodes, load_tree
 from opguard_core.plugin.manager import create_plugin_manager
+from opguard_plugins.stages.generate import generate_config
 from tests.builders import trace_doc, write
 
 MAIN = [("job", "main"), ("job", "metrics")]
@@ -189,3 +190,18 @@ def test_show_names_the_ranks_of_an_op_not_all_ranks_ran(tmp_path: Path) -> None
     ]
     text = invoke("show", config)
     assert "aten::mm 200, aten::exp 24 (ranks 0-2)" in text.stdout
+
+
+def test_a_node_without_ranks_ran_on_every_rank() -> None:
+    """A tree's node that does not say its ranks (another compressor's) ran on
+    ``meta.ranks``, as check_tree reads it: its ops are not listed as run by no rank
+    (``op_ranks: {aten::exp: []}``, a config its own validation refused)."""
+    inner = {"module": "job", "qualname": "inner", "file": "job.py", "lines": [2],
+             "kind": "function", "count": 2, "self_ops": {"aten::exp": 2},
+             "self_streams": {"compute": 2}, "self_dtypes": {}, "chain": [],
+             "children": []}  # fmt: skip
+    tree = _tree(self_ops={"aten::mm": 1}, self_streams={"compute": 1}, children=[inner])
+    check_tree(tree)
+    config = generate_config(tree, "s", 1)
+    validate_config(config, "generated")
+    assert all("op_ranks" not in e and "ranks" not in e for e in config["entries"])

@@ -97,14 +97,19 @@ _Sums = tuple[Counter[str], Counter[str], Counter[str]]
 def _inclusive_op_ranks(root: dict[str, Any], all_ranks: list[int]) -> dict[int, dict[str, int]]:
     """Which ranks ran each op at or below every node (bit masks by op), keyed by
     ``id(node)``: a node's own op ran on the ranks its ``self_op_ranks`` gives, else on
-    all of the node's ranks (the root's: ``all_ranks``)."""
+    all of the node's ranks (the root's, and those of a node that does not say:
+    ``all_ranks``, as :func:`~opguard_core.formats.tree.check_tree` reads them)."""
     masks: dict[int, dict[str, int]] = {}
     order: list[tuple[dict[str, Any], int]] = []
-    stack = [(root, ranks_to_mask(all_ranks))]
+    every = ranks_to_mask(all_ranks)
+    stack = [(root, every)]
     while stack:
         node, mine = stack.pop()
         order.append((node, mine))
-        stack.extend((child, ranks_to_mask(child.get("ranks", []))) for child in node["children"])
+        stack.extend(
+            (child, ranks_to_mask(child["ranks"]) if "ranks" in child else every)
+            for child in node["children"]
+        )
     for node, mine in reversed(order):
         listed = node.get("self_op_ranks") or {}
         ops = {op: ranks_to_mask(listed[op]) if op in listed else mine for op in node["self_ops"]}
@@ -149,9 +154,8 @@ def collect_entries(tree: dict[str, Any], depth: int) -> dict[EntryKey, _Entry]:
     root = tree["root"]
     sums = _inclusive(root)
     meta = tree.get("meta", {})
-    op_masks = (
-        _inclusive_op_ranks(root, list(meta.get("ranks", []))) if meta.get("op_ranks") else {}
-    )
+    all_ranks = list(meta.get("ranks", []))
+    op_masks = _inclusive_op_ranks(root, all_ranks) if meta.get("op_ranks") else {}
     entries: dict[EntryKey, _Entry] = {}
     active: Counter[EntryKey] = Counter()
     # iterative DFS with explicit exit markers, carrying the context's targets
@@ -175,7 +179,7 @@ def collect_entries(tree: dict[str, Any], depth: int) -> dict[EntryKey, _Entry]:
         if node.get("file") and (entry.file is None or node["file"] < entry.file):
             entry.file = node["file"]
         entry.lines.update(node.get("lines", ()))
-        entry.ranks.update(node.get("ranks", ()))
+        entry.ranks.update(node.get("ranks", all_ranks))  # none said: every rank's
         if not active[key]:
             ops, streams, dtypes = sums[id(node)]
             entry.ops.update(ops)
