@@ -4,6 +4,8 @@ the basic filter, and the YAML round trip (issue 5, part 3)."""
 from __future__ import annotations
 
 import copy
+import dataclasses
+import random
 from collections import Counter
 from typing import Any
 
@@ -18,10 +20,12 @@ from opguard_core.formats.op_ranks import ranks_of_op, records_op_ranks
 from opguard_core.formats.trace import decode_trace
 from opguard_core.formats.tree import check_tree, iter_nodes
 from opguard_core.model import RunOptions
+from opguard_plugins.stages import compress
 from opguard_plugins.stages.basic_filter import opguard_filter
 from opguard_plugins.stages.compress import compress_trace
 from opguard_plugins.stages.generate import generate_config
 from opguard_plugins.stages.merge import merge_configs
+from tests.builders import as_trace, trace_doc
 from tests.strategies import (
     configs,
     encode_doc,
@@ -144,6 +148,84 @@ thresholds = st.fixed_dictionaries(
         "default_hide": st.booleans(),
     }
 )
+
+
+def _by_rank(ops: dict[str, Any]) -> dict[str, set[int]]:
+    """``op@r,s`` keys (:func:`test_which_ranks_ran_each_op_holds_node_by_node`) as
+    the ranks that ran each op."""
+    ran: dict[str, set[int]] = {}
+    for key in ops:
+        op, ranks = key.rsplit("@", 1)
+        ran.setdefault(op, set()).update(int(r) for r in ranks.split(","))
+    return ran
+
+
+def assert_op_ranks_hold(trace: CallsiteTrace, options: RunOptions, depth: int) -> None:
+    """Each node's ``self_op_ranks`` and each entry's ``op_ranks`` against an oracle:
+    the same trace with every op named after the ranks of its callsite (``op@0,1``)
+    compresses to the same tree (pruning and folding read counts and ranks, never op
+    names), whose ops then say which ranks ran what, node by node and entry by entry."""
+    import msgspec
+
+    named = dataclasses.replace(
+        trace,
+        callsites=[
+            msgspec.structs.replace(
+                site, op=f"{site.op}@{','.join(map(str, site.ranks or trace.ranks))}"
+            )
+            for site in trace.callsites
+        ],
+    )
+    tree, oracle = compress_trace(trace, options), compress_trace(named, options)
+    nodes, truths = iter_nodes(tree["root"]), iter_nodes(oracle["root"])
+    assert len(nodes) == len(truths)
+    for (node, parent), (truth, _) in zip(nodes, truths, strict=True):
+        mine = node["ranks"] if parent is not None else trace.ranks
+        listed = node.get("self_op_ranks", {})
+        got = {op: set(listed.get(op, mine)) for op in node["self_ops"]}
+        assert got == _by_rank(truth["self_ops"])
+    config, truth_config = generate_config(tree, "t", depth), generate_config(oracle, "t", depth)
+    validate_config(config, "generated")
+    all_ranks = [int(r) for r in config["meta"]["ranks"]]
+    truths_by_key = {entry_key(e): e for e in truth_config["entries"]}
+    for entry in config["entries"]:
+        got = {op: set(ranks_of_op(entry, op, config, all_ranks) or ()) for op in entry["ops"]}
+        assert got == _by_rank(truths_by_key[entry_key(entry)]["ops"])
+
+
+@SETTINGS
+@given(rank_file_sets(min_files=2, max_files=3), thresholds, st.integers(0, 3))
+def test_which_ranks_ran_each_op_holds_node_by_node(
+    docs: list[dict[str, Any]], options: dict[str, Any], depth: int
+) -> None:
+    assert_op_ranks_hold(combined(*docs), RunOptions(**options), depth)
+
+
+@pytest.mark.parametrize("seed", range(0, 300, 3))
+def test_which_ranks_ran_each_op_holds_where_paths_fold_together(
+    seed: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As above, on stacks of six functions that recur along and across paths, so
+    chains fold into siblings that collide and merge, and pruning folds into parents
+    (some with a bound on the rank nodes kept that folds rank-specific ones too)."""
+    rng = random.Random(seed)
+    stacks = [[("m", rng.choice("abcdef")) for _ in range(rng.randint(1, 5))]
+              for _ in range(rng.randint(1, 8))]  # fmt: skip
+    world = rng.randint(2, 5)
+    docs = []
+    for rank in range(world):
+        sites = [(stack, None, op, rng.choice([1, 2, 5, 50, 500]))
+                 for stack in stacks for op in ("aten::mm", "aten::exp", "aten::add")
+                 if rng.random() < 0.4] or [(stacks[0], None, "aten::mm", 1)]  # fmt: skip
+        docs.append(trace_doc(sites, rank=rank, world_size=world))
+    monkeypatch.setattr(compress, "MAX_RANK_NODES", rng.choice([2, 5, 100_000]))
+    options = RunOptions(
+        min_count=rng.choice([1, 3, 50]),
+        min_fraction=rng.choice([0.0, 0.001, 0.05, 0.2]),
+        chains=rng.random() < 0.8,
+    )
+    for depth in (0, 1, 2):
+        assert_op_ranks_hold(as_trace(*docs), options, depth)
 
 
 @SETTINGS
