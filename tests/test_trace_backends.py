@@ -445,7 +445,10 @@ def _rss_bytes() -> int:
 @pytest.mark.slow
 @pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="needs /proc")
 @pytest.mark.parametrize("backend", ["modes", "profiler"])
-def test_memory_is_flat_over_10000_steps(tmp_path: Path, backend: str) -> None:
+def test_memory_is_flat_over_10000_steps(
+    tmp_path: Path, backend: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from opguard_plugins.record import profiler
     from opguard_plugins.record.backends import make_tracer
 
     torch.manual_seed(0)
@@ -455,6 +458,15 @@ def test_memory_is_flat_over_10000_steps(tmp_path: Path, backend: str) -> None:
     tracer = make_tracer(backend, "m", tmp_path, rank=0)
     folds = 0
     if backend == "profiler":
+        # A cycle of 0.5 s held as many steps' events as the machine ran in 0.5 s:
+        # 1,000-2,000 steps, 500-800 MiB, and the size of the cycle that happened to
+        # be held at the two readings was the "growth" (+107 and +207 MiB on a machine
+        # where it had passed hours before). On a clock that ticks 10 ms a reading (one
+        # reading a step), a cycle is 50 steps whatever the machine: 180 folds in the
+        # 9,000 steps measured, so what a fold failed to release would add up.
+        ticks = iter(range(1 << 62))
+        clock = type("Clock", (), {"monotonic": staticmethod(lambda: next(ticks) * 0.01)})
+        monkeypatch.setattr(profiler, "time", clock)
         tracer.fold_seconds = 0.5  # type: ignore[attr-defined]
         fold = tracer.recorder.fold  # type: ignore[attr-defined]
 
