@@ -506,6 +506,61 @@ def test_memory_is_flat_over_10000_steps(
     assert sum(tracer.recorder.counts.values()) > 10_000
 
 
+def _profiled_loop(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, steps: int, fail: set[int] = frozenset()
+) -> tuple[Any, list[int]]:
+    """``steps`` steps of a small loop under the profiler backend, on a clock of 10 ms a
+    reading (one reading a step: a cycle of 0.5 s is 50 steps); the ops each fold
+    counted (the folds numbered in ``fail`` raise, as torch's profiler can:
+    ``IndexError`` out of ``_disable_profiler``)."""
+    from opguard_plugins.record import profiler
+    from opguard_plugins.record.backends import make_tracer
+
+    ticks = iter(range(1 << 62))
+    clock = type("Clock", (), {"monotonic": staticmethod(lambda: next(ticks) * 0.01)})
+    monkeypatch.setattr(profiler, "time", clock)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 8)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    x = torch.randn(4, 8)
+    tracer = make_tracer("profiler", "m", tmp_path, rank=0)
+    tracer.fold_seconds = 0.5  # type: ignore[attr-defined]
+    fold, folded = tracer.recorder.fold, []
+
+    def counted_fold(roots: list[Any], first_step: int = 0) -> None:
+        if len(folded) in fail:
+            folded.append(0)
+            raise IndexError("Argument passed to at() was not in the map.")
+        before = sum(tracer.recorder.counts.values())
+        fold(roots, first_step)
+        folded.append(sum(tracer.recorder.counts.values()) - before)
+
+    tracer.recorder.fold = counted_fold
+    tracer.start()
+    try:
+        for _ in range(steps):
+            optimizer.zero_grad()
+            model(x).sum().backward()
+            optimizer.step()
+    finally:
+        tracer.stop()
+    return tracer, folded
+
+
+def test_a_lost_profiler_cycle_does_not_end_the_program(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """torch's profiler raised out of its stop once in a few thousand cycles (``IndexError:
+    Argument passed to at() was not in the map.``), inside the program's
+    ``optimizer.step()``: the training ended with a traceback. The cycle is lost, said
+    on stderr, and the next one starts."""
+    tracer, folded = _profiled_loop(tmp_path, monkeypatch, 300, fail={2})
+    assert tracer.lost_cycles == 1 and len(folded) > 3 and min(folded[3:]) > 0
+    err = capfd.readouterr().err
+    assert "opguard trace: a profiler cycle was lost at step" in err
+    assert "IndexError: Argument passed to at() was not in the map." in err
+
+
 # ---------------------------------------------------------------------------
 # library / user by location
 # ---------------------------------------------------------------------------

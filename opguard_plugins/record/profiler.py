@@ -443,6 +443,8 @@ class ProfilerTracer(CallsiteTracer):
         self.recorder: ProfilerRecorder = ProfilerRecorder()
         self.fold_seconds = fold_seconds
         self._cycle_started = 0.0
+        #: cycles whose events torch's profiler failed to give back (said on stderr)
+        self.lost_cycles = 0
         #: the optimizer steps finished when the current cycle began
         self._cycle_steps = 0
         self._profile: Any = None
@@ -476,11 +478,19 @@ class ProfilerTracer(CallsiteTracer):
         profile, self._profile = self._profile, None
         if profile is None:
             return
-        profile.__exit__(None, None, None)
-        results = profile.kineto_results
-        profile.kineto_results = None
-        if results is not None:
-            self.recorder.fold(results.experimental_event_tree(), self._cycle_steps)
+        try:
+            profile.__exit__(None, None, None)
+            results = profile.kineto_results
+            profile.kineto_results = None
+            if results is not None:
+                self.recorder.fold(results.experimental_event_tree(), self._cycle_steps)
+        except Exception as exc:  # torch's profiler failing must not end the program
+            self.lost_cycles += 1
+            print(  # inside the traced program, as the backends' other messages
+                f"opguard trace: a profiler cycle was lost at step {self.steps}, its ops "
+                f"not counted: {type(exc).__name__}: {exc}",
+                file=sys.stderr,
+            )
 
     def start(self) -> None:
         """Start the profiler (or, with ``start_at_first_call``, the mode that starts
