@@ -176,9 +176,10 @@ def configs(draw: st.DrawFn, text: st.SearchStrategy[str]) -> CommentedMap:
         entry["count"] = draw(counts)
         if draw(st.booleans()):
             entry["ranks"] = flow_seq(sorted(draw(st.sets(st.integers(0, 64), max_size=4))))
-        if draw(st.booleans()):  # op_ranks: ranges, sequences inside a sequence
+        ranks = list(entry.get("ranks") or meta_ranks)
+        if ranks and draw(st.booleans()):  # op_ranks: ranges, sequences inside a sequence
             entry["op_ranks"] = flow_map(
-                (op, ranges_seq(sorted(draw(st.sets(st.integers(0, 64), min_size=1, max_size=9)))))
+                (op, ranges_seq(sorted(draw(st.sets(st.sampled_from(ranks), min_size=1)))))
                 for op in ops
             )
         if draw(st.booleans()):  # a field this version does not know, carried through
