@@ -96,29 +96,23 @@ def test_a_tree_whose_op_ranks_are_not_its_own_is_refused(op_ranks: Any, problem
         check_tree(_tree(self_op_ranks=op_ranks))
 
 
-def test_a_tree_file_with_bad_op_ranges_is_one_line(tmp_path: Path) -> None:
-    tree = _tree(self_op_ranks={"aten::exp": [[1, 0]]})
+@pytest.mark.parametrize(
+    ("ranges", "problem"),
+    [
+        ([[1, 0]], "[1, 0] is not ascending, disjoint and first <= last"),
+        # far past the node's ranks: refused before it is spelled out (a MemoryError)
+        ([[0, 10**11]], "[0, 100000000000] is past the last rank, 1"),
+    ],
+)
+def test_a_tree_file_with_bad_op_ranges_is_one_line(
+    tmp_path: Path, ranges: list[Any], problem: str
+) -> None:
     path = tmp_path / "x_compressed.json"
-    path.write_text(json.dumps(tree))
+    path.write_text(json.dumps(_tree(self_op_ranks={"aten::exp": ranges})))
     result = invoke("export", str(path), "--format", "collapsed", "-o", tmp_path / "x.folded")
     assert result.exit_code == 5
     assert result.stderr.strip().splitlines()[-1] == (
-        f"opguard: error: {path}: job:main: self_op_ranks['aten::exp']: [1, 0] is not "
-        "ascending, disjoint and first <= last"
-    )
-
-
-def test_a_tree_file_with_a_huge_op_range_is_one_line(tmp_path: Path) -> None:
-    """A hand-made range far past the node's ranks is refused before it is spelled
-    out (it was a MemoryError traceback)."""
-    tree = _tree(self_op_ranks={"aten::exp": [[0, 10**11]]})
-    path = tmp_path / "x_compressed.json"
-    path.write_text(json.dumps(tree))
-    result = invoke("export", str(path), "--format", "collapsed", "-o", tmp_path / "x.folded")
-    assert result.exit_code == 5
-    assert result.stderr.strip().splitlines()[-1] == (
-        f"opguard: error: {path}: job:main: self_op_ranks['aten::exp']: [0, 100000000000] "
-        "is past the last rank, 1"
+        f"opguard: error: {path}: job:main: self_op_ranks['aten::exp']: {problem}"
     )
 
 

@@ -19,6 +19,7 @@ from opguard_core.formats.op_ranks import entry_op_ranks, ranks_of_op, records_o
 from opguard_core.formats.sources import SHARED_OPS, config_loops
 from opguard_core.formats.sources import config_steps as config_steps_of
 from opguard_core.formats.streams import sorted_roles
+from opguard_core.formats.trace import list_ranks
 
 Rule = Callable[[dict[str, Any] | None, dict[str, Any] | None, CheckInput], list[Violation]]
 
@@ -198,7 +199,7 @@ def missing_ops(
             continue
         rate = every_step(int(count), expected, check, ran)
         if rate >= 1:
-            on = f" on rank(s) {', '.join(map(str, ran))}" if ran is not None else ""
+            on = f" on rank(s) {list_ranks(ran)}" if ran is not None else ""
             message = (
                 f"{op} never ran inside {_where(check)}; the config's loop ran it "
                 f"{rate:g}x a step{on}"

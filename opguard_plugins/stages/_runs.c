@@ -432,37 +432,18 @@ done:
     return out;
 }
 
-/* into[key] = into.get(key, 0) + count */
+/* into[key] = combine(into.get(key), value), or value where key is new: a count added
+ * (PyNumber_Add), a rank mask or-ed (PyNumber_Or) */
 static int
-add_count(PyObject *into, PyObject *key, PyObject *count)
+merge_value(PyObject *into, PyObject *key, PyObject *value, binaryfunc combine)
 {
     PyObject *old = PyDict_GetItemWithError(into, key);
     if (old == NULL) {
         if (PyErr_Occurred())
             return -1;
-        return PyDict_SetItem(into, key, count);
+        return PyDict_SetItem(into, key, value);
     }
-    PyObject *sum = PyNumber_Add(old, count);
-    if (sum == NULL)
-        return -1;
-    int status = PyDict_SetItem(into, key, sum);
-    Py_DECREF(sum);
-    return status;
-}
-
-/* into[key] = into.get(key, 0) | mask */
-static int
-or_mask(PyObject *into, PyObject *key, PyObject *mask)
-{
-    PyObject *old = PyDict_GetItemWithError(into, key);
-    if (old == NULL) {
-        if (PyErr_Occurred())
-            return -1;
-        return PyDict_SetItem(into, key, mask);
-    }
-    if (old == mask)
-        return 0;
-    PyObject *both = PyNumber_Or(old, mask);
+    PyObject *both = combine(old, value);
     if (both == NULL)
         return -1;
     int status = PyDict_SetItem(into, key, both);
@@ -491,13 +472,13 @@ runs_tally(Runs *r, PyObject *const *args, Py_ssize_t nargs)
             return NULL;
         PyObject *dtype = PyTuple_GET_ITEM(r->dtypes, i);
         PyObject *op = PyTuple_GET_ITEM(r->ops, i);
-        int status = add_count(args[2], op, count);
+        int status = merge_value(args[2], op, count, PyNumber_Add);
         if (status == 0)
-            status = add_count(args[3], PyTuple_GET_ITEM(r->streams, i), count);
+            status = merge_value(args[3], PyTuple_GET_ITEM(r->streams, i), count, PyNumber_Add);
         if (status == 0 && dtype != Py_None)
-            status = add_count(args[4], dtype, count);
+            status = merge_value(args[4], dtype, count, PyNumber_Add);
         if (status == 0)
-            status = or_mask(args[5], op, PyTuple_GET_ITEM(r->masks, i));
+            status = merge_value(args[5], op, PyTuple_GET_ITEM(r->masks, i), PyNumber_Or);
         Py_DECREF(count);
         if (status < 0)
             return NULL;

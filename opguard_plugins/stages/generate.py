@@ -21,7 +21,7 @@ from opguard_core.formats.op_ranks import ranges_seq
 from opguard_core.formats.streams import sorted_roles
 from opguard_core.formats.styles import block_map, flow_map, flow_seq
 from opguard_core.formats.trace import PHASES, recorded_by
-from opguard_core.formats.tree import TORCH_API, node_target
+from opguard_core.formats.tree import TORCH_API, iter_nodes, node_target
 from opguard_core.model import RunOptions
 from opguard_plugins.stages import locations
 
@@ -100,17 +100,9 @@ def _inclusive_op_ranks(root: dict[str, Any], all_ranks: list[int]) -> dict[int,
     all of the node's ranks (the root's, and those of a node that does not say:
     ``all_ranks``, as :func:`~opguard_core.formats.tree.check_tree` reads them)."""
     masks: dict[int, dict[str, int]] = {}
-    order: list[tuple[dict[str, Any], int]] = []
     every = ranks_to_mask(all_ranks)
-    stack = [(root, every)]
-    while stack:
-        node, mine = stack.pop()
-        order.append((node, mine))
-        stack.extend(
-            (child, ranks_to_mask(child["ranks"]) if "ranks" in child else every)
-            for child in node["children"]
-        )
-    for node, mine in reversed(order):
+    for node, parent in reversed(iter_nodes(root)):  # children before their parents
+        mine = ranks_to_mask(node["ranks"]) if parent and "ranks" in node else every
         listed = node.get("self_op_ranks") or {}
         ops = {op: ranks_to_mask(listed[op]) if op in listed else mine for op in node["self_ops"]}
         for child in node["children"]:
@@ -124,13 +116,7 @@ def _inclusive(root: dict[str, Any]) -> dict[int, _Sums]:
     """Inclusive ops, stream roles and dtypes of every node, keyed by ``id(node)``
     (post-order)."""
     sums: dict[int, _Sums] = {}
-    order: list[dict[str, Any]] = []
-    stack = [root]
-    while stack:
-        node = stack.pop()
-        order.append(node)
-        stack.extend(node["children"])
-    for node in reversed(order):
+    for node, _ in reversed(iter_nodes(root)):  # children before their parents
         ops: Counter[str] = Counter(node["self_ops"])
         streams: Counter[str] = Counter(node["self_streams"])
         dtypes: Counter[str] = Counter(node.get("self_dtypes") or {})
