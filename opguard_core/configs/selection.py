@@ -21,7 +21,7 @@ from opguard_core.combine.accumulator import CallsiteTrace
 from opguard_core.configs.backtracking import Backtracking, check_backtracking
 from opguard_core.errors import OpGuardError, one_line
 from opguard_core.formats.config import entry_key
-from opguard_core.formats.tree import split_api, target_name
+from opguard_core.formats.tree import frame_targets, split_api, target_name
 
 
 class PatternError(OpGuardError):
@@ -111,7 +111,7 @@ def select_trace(trace: CallsiteTrace, selection: Selection) -> CallsiteTrace:
     table is shared; callsite extras follow their callsites)."""
     if not selection:
         return trace
-    frame_hits = [selection.hits(target_name(f.module, f.file, f.qualname)) for f in trace.frames]
+    frame_hits = list(map(selection.hits, frame_targets(trace.frames)))
     focus_ids = {i for i, (hit, _) in enumerate(frame_hits) if hit}
     ignore_ids = {i for i, (_, hit) in enumerate(frame_hits) if hit}
     leaf_hits: dict[tuple[str | None, str], tuple[bool, bool]] = {}
@@ -144,7 +144,7 @@ def unmatched_hide(trace: CallsiteTrace, patterns: Sequence[str]) -> list[str]:
     """The ``--hide`` patterns that match no frame of ``trace``."""
     if not patterns:
         return []
-    names = [target_name(f.module, f.file, f.qualname) for f in trace.frames]
+    names = frame_targets(trace.frames)
     return [
         pattern.pattern
         for pattern in compile_patterns(patterns, "--hide")

@@ -3,8 +3,9 @@ reader and writer (any depth: docs/formats.md "Deep trees")."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
@@ -12,6 +13,9 @@ from opguard_core.errors import InputError, InvariantError
 from opguard_core.formats import deep_json
 from opguard_core.formats.dtypes import is_dtype
 from opguard_core.formats.streams import is_role, legacy_side_roles, legacy_stream_counts
+
+if TYPE_CHECKING:
+    from opguard_core.formats.trace import Frame
 
 TREE_FORMAT = "opguard-calltree"
 #: version 6 gives a node ``self_op_ranks`` (which ranks ran each of its own ops, where
@@ -63,6 +67,12 @@ def split_api(api: str) -> tuple[str, str]:
 def target_name(module: str | None, file: str | None, qualname: str) -> str:
     """``module:qualname``, or ``file:qualname`` when the module is unknown."""
     return f"{module or file or '?'}:{qualname}"
+
+
+def frame_targets(frames: Sequence[Frame]) -> list[str]:
+    """:func:`target_name` of each frame, in order (one comprehension, no call per
+    frame: a trace has tens of thousands)."""
+    return [f"{f.module or f.file or '?'}:{f.qualname}" for f in frames]
 
 
 def node_target(node: dict[str, Any]) -> str:

@@ -31,6 +31,7 @@ from opguard_core.formats.tree import (
     TORCH_API,
     TREE_FORMAT,
     TREE_VERSION,
+    frame_targets,
     split_api,
     target_name,
     threshold,
@@ -150,7 +151,7 @@ def hidden_frames(
     if defaults:
         regexes.insert(0, re.compile("|".join(f"(?:{p})" for p in defaults)))
     if names is None:
-        names = [target_name(f.module, f.file, f.qualname) for f in trace.frames]
+        names = frame_targets(trace.frames)
     if len(regexes) == 1:  # the defaults alone: one C-level match per frame
         match = regexes[0].fullmatch
         return [match(name) is not None for name in names]

@@ -63,7 +63,7 @@ from opguard_core.formats.trace import (
     list_ranks,
     partial_ranks_of,
 )
-from opguard_core.formats.tree import target_name
+from opguard_core.formats.tree import frame_targets
 from opguard_core.model import RunOptions
 from opguard_core.native import load_native
 from opguard_plugins.stages.compress import DEFAULT_HIDE, hidden_frames
@@ -182,13 +182,15 @@ class _Stacks:
     def __init__(self, trace: CallsiteTrace, options: RunOptions) -> None:
         hide = [*(DEFAULT_HIDE if options.default_hide else ()), *options.hide]
         self.frames = trace.frames
-        self.names = [target_name(f.module, f.file, f.qualname) for f in trace.frames]
+        self.names = frame_targets(trace.frames)
         #: per frame id: its function's number (frames of one function, at other lines,
         #: share it), and per number the function's name
-        ids: dict[str, int] = {}
-        self.function = [ids.setdefault(name, len(ids)) for name in self.names]
-        self.function_names = list(ids)
-        self.user = bytes(not is_torch_module(f.module) for f in trace.frames)
+        self.function_names = list(dict.fromkeys(self.names))
+        number = {name: i for i, name in enumerate(self.function_names)}
+        self.function = list(map(number.__getitem__, self.names))
+        modules = [f.module for f in trace.frames]  # a few hundred distinct
+        user = {module: not is_torch_module(module) for module in set(modules)}
+        self.user = bytes(map(user.__getitem__, modules))
         self.hidden = bytes(hidden_frames(trace, hide, self.names))
         #: per callsite: its calling function's frame id (the innermost visible frame
         #: outside torch, else the innermost visible frame; -1 for none), whether
