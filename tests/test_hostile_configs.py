@@ -619,3 +619,50 @@ def _unblock_later(fifo: Path, after: float = 20.0) -> threading.Event:
 
     threading.Thread(target=unblock, daemon=True).start()
     return fired
+
+
+def test_a_document_that_is_not_a_config_is_named_as_such(tmp_path: Path) -> None:
+    """Each artifact of a real run handed where a config goes (show, compare, merge,
+    filter, check --config) is named for what it is, with what to give instead, in
+    one line, exit 5. Before, a compressed tree said ``meta.ranks must be a list of
+    integers``, a trace ``config too large … set OPGUARD_MAX_CONFIG_BYTES`` (its size
+    was checked first), a summary ``unknown config version None``."""
+    samples = Path(__file__).parent / "data" / "samples"
+    trace = samples / "gpt_callsite_rank0.json"
+    out = tmp_path / "runs"
+    pattern = str(samples / "gpt_callsite_rank*.json")
+    assert invoke("run", "-i", pattern, "--output-base", out).exit_code == 0
+    run = next(out.iterdir())
+    kineto = Path(__file__).parent / "data" / "kineto"
+    plain = tmp_path / "kineto.json"
+    plain.write_bytes((kineto / "hta_backward_thread.json").read_bytes())
+    named = {
+        run / "gpt_callsite_combined.json": "a callsite trace, not an instrumentation config",
+        run / "gpt_callsite_compressed.json": "a compressed call tree, not an instrumentation",
+        run / "gpt_callsite_divergence.json": "a divergence report, not an instrumentation",
+        run / "pipeline_summary.json": "a run's pipeline summary, not an instrumentation",
+        trace: "a callsite trace, not an instrumentation config",
+        plain: "a torch.profiler (Kineto) trace, not an instrumentation config",
+        kineto / "dlrm_rank0.pt.trace.json.gz": "a gzip file, not an instrumentation config",
+    }
+    small = {MAX_CONFIG_BYTES_ENV: "64"}  # the kind is named before the size is checked
+    for path, problem in named.items():
+        for args in (
+            ["show", path],
+            ["compare", path, run],
+            ["merge", run, path, "-o", tmp_path / "m.yaml"],
+            ["filter", path, "-o", tmp_path / "f.yaml"],
+            ["check", "--config", path, "-i", trace],
+        ):
+            one_error_line(invoke(*args), 5, path.name, problem)
+        one_error_line(invoke("show", path, env=small), 5, path.name, problem)
+    assert not (tmp_path / "m.yaml").exists() and not (tmp_path / "f.yaml").exists()
+    # a config written as JSON is still a config
+    as_json = tmp_path / "config.json"
+    as_json.write_text(json.dumps({"version": 3, "meta": {"ranks": [0]}, "entries": [entry("a")]}))
+    assert invoke("show", as_json).exit_code == 0
+    # and the other way round: a config handed to check as a trace
+    config = run / "gpt_callsite_instrumentation.yaml"
+    one_error_line(
+        invoke("check", "--config", run, "-i", config), 5, "a YAML config, not a callsite trace"
+    )

@@ -41,16 +41,19 @@ from ruamel.yaml.scalarint import ScalarInt
 from ruamel.yaml.tag import Tag
 
 from opguard_core.errors import InputError, InvariantError
+from opguard_core.formats.check import CHECK_FORMAT, GUARD_FORMAT
 from opguard_core.formats.config_collectives import (
     CONFIG_COLLECTIVES_VERSION,
     read_config_collectives,
 )
 from opguard_core.formats.config_reader import Found, NoStrictReader, read_fast, read_strict
+from opguard_core.formats.divergence import DIVERGENCE_FORMAT
 from opguard_core.formats.dtypes import is_dtype
 from opguard_core.formats.op_ranks import read_ranges
 from opguard_core.formats.streams import is_role, legacy_side_roles, legacy_stream_counts
 from opguard_core.formats.styles import block_map, elements_of, items_of, put_new
-from opguard_core.formats.trace import PHASES
+from opguard_core.formats.trace import GZIP_MAGIC, PHASES, TRACE_FORMAT
+from opguard_core.formats.tree import TREE_FORMAT
 from opguard_core.formats.values import is_count
 
 #: the layout written: version 6 may carry an entry's ``op_ranks`` and ``meta.op_ranks``
@@ -830,15 +833,71 @@ def _too_large(size: int, limit: int) -> str:
     )
 
 
+#: what a document that is not a config is, by its first key's value (``format``), and
+#: what to give instead: OpGuard's own JSON documents start with their ``format``
+_OTHER_DOCUMENTS = {
+    TRACE_FORMAT: "a callsite trace, not an instrumentation config: "
+    "`opguard run --input` makes a config from it, `opguard check --input` holds it to one",
+    TREE_FORMAT: "a compressed call tree, not an instrumentation config: the config made "
+    "from it is the *_instrumentation.yaml beside it (or give the run directory)",
+    DIVERGENCE_FORMAT: "a divergence report, not an instrumentation config: give the run "
+    "directory, or its *_instrumentation.yaml",
+    CHECK_FORMAT: "a check report, not an instrumentation config",
+    GUARD_FORMAT: "a guard report, not an instrumentation config",
+}
+#: the first key of a JSON object and, where it is a string, its value
+_FIRST_KEY = re.compile(
+    rb'\A(?:\xef\xbb\xbf)?\s*\{\s*"([A-Za-z_]{1,40})"\s*:\s*(?:"([^"\\]{0,80})")?'
+)
+#: first keys of documents that other tools write (torch.profiler's Kineto traces),
+#: or that a run writes beside its configs (pipeline_summary.json)
+_OTHER_FIRST_KEYS = {
+    "opguard_version": "a run's pipeline summary, not an instrumentation config: give its "
+    "run directory",
+    **dict.fromkeys(
+        ("schemaVersion", "traceEvents", "deviceProperties", "distributedInfo"),
+        "a torch.profiler (Kineto) trace, not an instrumentation config: "
+        "`opguard run --input` makes a config from it",
+    ),
+}
+
+
+def not_a_config(head: bytes) -> str | None:
+    """What a file whose first bytes are ``head`` is, when it is plainly another
+    document than a config (a trace, a tree, a report, a gzip file): the one-line
+    problem :func:`load_config` names, before a size limit or a YAML error would
+    mislead. None for anything else, a config written as JSON included."""
+    if head.startswith(GZIP_MAGIC):
+        return (
+            "a gzip file, not an instrumentation config (YAML text): a trace? "
+            "`opguard run --input` reads traces"
+        )
+    match = _FIRST_KEY.match(head)
+    if match is None:
+        return None
+    key, value = match.group(1).decode(), match.group(2)
+    if key == "format":
+        name = (value or b"").decode("utf-8", "replace")
+        return _OTHER_DOCUMENTS.get(
+            name, f"a JSON document of format {name!r}, not an instrumentation config"
+        )
+    return _OTHER_FIRST_KEYS.get(key)
+
+
 def load_config(path: Path) -> CommentedMap:
     """Read, parse and validate an instrumentation config file (one larger than
-    :func:`max_config_bytes` is refused before it is read)."""
+    :func:`max_config_bytes` is refused before it is read; a trace, a tree or a
+    report is named as such: :func:`not_a_config`)."""
     limit = max_config_bytes()
     try:
         info = path.stat()
         if not stat.S_ISREG(info.st_mode):  # a FIFO or a device would block
             kind = "Is a directory" if stat.S_ISDIR(info.st_mode) else "not a regular file"
             raise InputError(path, f"cannot read file: {kind}")
+        with path.open("rb") as file:
+            problem = not_a_config(file.read(512))
+        if problem is not None:
+            raise InputError(path, problem)
         if info.st_size > limit:
             raise InputError(path, _too_large(info.st_size, limit))
         data = path.read_bytes()

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from opguard_core.errors import InputError, PluginError
+from opguard_core.formats import names_a_config
 from opguard_core.formats.trace import TRACE_FORMAT, DecodedTrace, decode_trace, without_bom
 
 if TYPE_CHECKING:
@@ -96,6 +97,12 @@ class Readers:
         an OpGuard document (``--disable-plugin kineto`` then a Kineto file)."""
         if is_opguard_document(data):
             return error
+        if error.path is not None and names_a_config(Path(error.path).name):
+            return InputError(
+                error.path,
+                "a YAML config, not a callsite trace: `opguard check --config` takes a "
+                "config; compare, merge, filter and show read configs",
+            )
         impls = self.manager.implementations("opguard_read_trace")
         names = sorted(impl.plugin_name for impl in impls)
         disabled = f"; disabled: {', '.join(sorted(self.disabled))}" if self.disabled else ""
