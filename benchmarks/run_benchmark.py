@@ -353,8 +353,9 @@ def report(
     if memory:
         lines += [
             "",
-            "| ranks | MB of traces | wall s | peak RSS (process tree) | largest process |",
-            "|---:|---:|---:|---:|---:|",
+            "| ranks | MB of traces | wall s | peak RSS (process tree) | largest process |"
+            + (" peak PSS (process tree) |" if pss else ""),
+            "|---:|---:|---:|---:|---:|" + ("---:|" if pss else ""),
         ]
         # the run above is one of the rank counts compared (--memory-ranks 128 beside
         # --ranks 8: 128 against 8, not 128 against itself); a count run twice: the
@@ -365,13 +366,20 @@ def report(
             lines.append(
                 f"| {fig.ranks} | {fig.megabytes:,.0f} | {fig.wall:.2f} | "
                 f"{_mib(fig.peak_rss_tree)} | {_mib(fig.peak_rss_single)} |"
+                + (f" {_mib(fig.peak_pss_tree)} |" if pss else "")
             )
         low, high = figures[0], figures[-1]
         lines += [
             "",
             f"Peak RSS {high.ranks} vs {low.ranks} ranks: "
             f"**{high.peak_rss_tree / low.peak_rss_tree:.2f}×** (process tree), "
-            f"{high.peak_rss_single / low.peak_rss_single:.2f}× (largest process).",
+            f"{high.peak_rss_single / low.peak_rss_single:.2f}× (largest process)"
+            + (
+                f", {high.peak_pss_tree / low.peak_pss_tree:.2f}× (PSS of the process tree: "
+                "a page the fork shares counted once)."
+                if pss
+                else "."
+            ),
         ]
     if extra:
         lines += ["", f"Extra `opguard run` options: `{' '.join(extra)}`"]
