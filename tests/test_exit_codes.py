@@ -306,3 +306,56 @@ def test_a_lost_processs_flush_is_said_marked_only_where_it_was(
         lost = json.loads(path.read_text())["meta"]["partial"]["reason"]
         said = "(marked partial, reason lost)" in result.stderr
         assert (lost, said) == (("lost", True) if reason == "flush" else ("sigterm", False))
+
+
+#: a program that runs the console script with an object whose finalizer says when
+#: the interpreter tore it down
+_TORN_DOWN = """
+import sys
+from opguard_core.cli.app import main
+
+class Witness:
+    def __del__(self):
+        sys.stderr.write("torn down\\n")
+
+witness = Witness()
+main(sys.argv[1:])
+"""
+
+
+@pytest.mark.parametrize(
+    ("args", "code", "torn_down"),
+    [
+        (["run", "-i", FSDP], 0, False),
+        (
+            ["run", "-i", str(DIVERGENT / "divergent_callsite_rank*.json"), "--fail-on-divergence"],
+            4,
+            False,
+        ),
+        (["run", "-i", "nothing_matches_*.json"], 1, False),
+        (["show", str(EXAMPLES / "missing.yaml")], 5, True),  # asks nothing: torn down
+    ],
+)
+def test_run_ends_without_teardown_and_keeps_its_code_and_output(
+    tmp_path: Path, args: list[str], code: int, torn_down: bool
+) -> None:
+    """``opguard run`` leaves its last entry's trace and tree to the exit and the console
+    script then ends with ``os._exit`` (exits.end_without_teardown): no finalizer of
+    the interpreter's runs, the exit code is the run's and what it printed is all
+    there (the run directory on stdout, through a pipe); another command ends as
+    usual."""
+    import subprocess
+
+    if args[0] == "run":
+        args = [*args, "--output-base", str(tmp_path / "runs")]
+    done = subprocess.run(
+        [sys.executable, "-c", _TORN_DOWN, "--log-format", "json", *args],
+        capture_output=True, text=True, timeout=120, cwd=tmp_path,
+    )  # fmt: skip
+    assert done.returncode == code, done.stderr
+    assert ("torn down" in done.stderr) is torn_down, done.stderr
+    if args[0] == "run" and code != 1:
+        run_dir = Path(done.stdout.strip().splitlines()[-1])
+        summary = json.loads((run_dir / "pipeline_summary.json").read_text())
+        assert summary["exit_code"] == code
+        assert (run_dir / "report.html").read_text().endswith("</html>\n")

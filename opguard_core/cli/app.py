@@ -208,12 +208,17 @@ def cli_for(args: Sequence[str]) -> click.Group:
 
 def main(argv: Sequence[str] | None = None) -> None:
     """Console-script entry point."""
+    exits.watch_exit()
     args = list(sys.argv[1:] if argv is None else argv)
     try:
         cli_for(args).main(args, prog_name="opguard")
     except (PluginError, UsageProblem) as exc:  # loading the plugins failed
         click.echo(f"opguard: error: {exc}", err=True)
+        exits.exit_code_known(int(code_of(exc)))
         sys.exit(int(code_of(exc)))
+    except SystemExit as exc:  # how click ends every command
+        exits.exit_code_known(exc.code)
+        raise
 
 
 if __name__ == "__main__":

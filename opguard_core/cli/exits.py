@@ -13,8 +13,12 @@ with it.
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import functools
 import inspect
+import os
+import sys
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -103,4 +107,51 @@ def command(
     return decorate
 
 
-__all__ = ["ALWAYS", "MEANING", "code_of", "command", "exit_codes", "help_section"]
+#: the exit code of a command that asked to end without teardown, once it is known
+_ending: dict[str, int | bool] = {"asked": False}
+
+
+def end_without_teardown() -> None:
+    """Ask that the process end as soon as the command's exit code is known and the
+    exit handlers registered since start-up have run (``os._exit``), without
+    tearing its objects down one by one: ``opguard run`` leaves its last entry's
+    trace and tree to the exit (0.16 s to free at 4 ranks × 160,000 callsites).
+    Only the console script does it (:func:`watch_exit`): a command invoked in
+    process, as tests do, ends as any function returns."""
+    _ending["asked"] = True
+
+
+def watch_exit() -> None:
+    """Called first by the console script: registers :func:`_end_now` before any
+    other exit handler of the command (atexit runs the last registered first, so it
+    runs after them all)."""
+    atexit.register(_end_now)
+
+
+def exit_code_known(code: object) -> None:
+    """The console script's exit code (``SystemExit.code``), for :func:`_end_now`."""
+    _ending["code"] = code if isinstance(code, int) else 0 if code is None else 1
+
+
+def _end_now() -> None:
+    if not _ending["asked"] or "code" not in _ending:
+        return
+    if "logging" in sys.modules:  # its own exit handler was registered before ours
+        sys.modules["logging"].shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError):  # a closed pipe (| head)
+            stream.flush()
+    os._exit(int(_ending["code"]))
+
+
+__all__ = [
+    "ALWAYS",
+    "MEANING",
+    "code_of",
+    "command",
+    "end_without_teardown",
+    "exit_code_known",
+    "exit_codes",
+    "help_section",
+    "watch_exit",
+]

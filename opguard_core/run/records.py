@@ -97,6 +97,12 @@ class Recorder:
         self.log.info("stage skipped", stage=stage, entry=entry, reason=reason)
         self.on_change()
 
+    def refused(self, spec: str, error: str) -> None:
+        """An input ``discover`` refused (``spec``, as given): a failed record, logged."""
+        error = one_line(error)
+        self.records.append(StageRecord("discover", spec, "failed", error=error))
+        self.log.error("input refused", stage="discover", input=spec, error=error)
+
     def fail(self, stage: str, entry: str | None, error: str) -> None:
         """Mark the ``ok`` record of ``stage`` failed after the fact (a deferred write
         of it failed), and log it."""

@@ -66,6 +66,7 @@ class Runner:
         self.finished = False
         self.summary_error: str | None = None  # the last summary write's failure, if it failed
         self.summary_pace = SummaryPace()
+        self.left_to_exit: dict[str, Any] | None = None  # the last entry's: see run_steps
 
     def start(self, run_dir: Path) -> RunContext:
         """Use ``run_dir`` for this run's artifacts; the context its steps share."""
@@ -88,13 +89,7 @@ class Runner:
                 raise OpGuardError(f"plugin {record.plugin!r} refused: {'; '.join(clashes)}")
             record.outputs = [e.name for e in found.entries]
         for problem in found.problems:
-            error = one_line(problem.error)
-            self.recorder.records.append(
-                StageRecord("discover", problem.spec, "failed", error=error)
-            )
-            self.recorder.log.error(
-                "input refused", stage="discover", input=problem.spec, error=error
-            )
+            self.recorder.refused(problem.spec, problem.error)
         return list(found.entries)
 
     def process_entry(self, entry: InputEntry, side: bool = True) -> dict[str, Any]:
@@ -188,13 +183,15 @@ class Runner:
         kept = {n for step in self.per_run for n in step.needs} - {s.name for s in self.per_run}
         results: dict[str, Any] = {"discover": self.entries, **{name: {} for name in kept}}
         for entry in self.entries:
+            last = entry is self.entries[-1]
             try:
                 done = self.process_entry(entry)
                 for name in kept & done.keys():
                     results[name][entry.index] = (entry, done[name])
-                del done  # the entry's trace and tree go now, before the collection below
-            finally:
-                collect_kept()  # cycles an entry's plugins left (the run pauses the collector)
+                self.left_to_exit = done if last else None  # exits.end_without_teardown
+                del done  # its trace and tree go now (the last entry's at the exit, unfreed)
+            finally:  # cycles an entry's plugins left (the run pauses the collector)
+                collect_kept(collect=not last)
         for step in self.per_run:
             reason = self.skip_reason.get(step.name)
             if reason is not None:
@@ -218,28 +215,29 @@ class Runner:
         log.info(
             "plugins", active=self.manager.plugin_names(), disabled=list(self.manager.disabled)
         )
-        try:
-            # no cyclic collection in the run: it would rescan the millions of acyclic
-            # objects a large entry holds, to free nothing (run_steps collects between entries)
-            with self.interrupts.handled(), collecting(self.recorder.warnings), gc_paused_run():
-                for stale in find_stale_runs(self.output_base, exclude=self.run_dir):
-                    warn(stale.line(), stale_run_dir=str(stale.run_dir))
-                self.run_steps()
-        except (Interrupted, KeyboardInterrupt) as exc:
-            name = exc.signal_name if isinstance(exc, Interrupted) else "SIGINT"
-            stage, entry = self.recorder.current
-            self.interrupted = {"signal": name, "stage": stage, "entry": entry}
-            log.error("run interrupted", **self.interrupted)
-        except Exception as exc:  # a bug: recorded, so that neither summary nor exit code says ok
-            self.recorder.crashed(exc)
-        finally:  # a SIGTERM now waits for the summary and the report (then ends us)
-            with signals_deferred():
-                written = self.write_summary(final=True)
-                self.finished = True
-                code = self.exit_code()
-                self._run_finished(written)
-                release_run_directory(lock)
-                log.info("run finished", exit_code=int(code))
+        # no cyclic collection in the run, its summary or report: it would rescan the millions
+        # of acyclic objects a large entry holds, to free nothing (run_steps collects)
+        with gc_paused_run():
+            try:
+                with self.interrupts.handled(), collecting(self.recorder.warnings):
+                    for stale in find_stale_runs(self.output_base, exclude=self.run_dir):
+                        warn(stale.line(), stale_run_dir=str(stale.run_dir))
+                    self.run_steps()
+            except (Interrupted, KeyboardInterrupt) as exc:
+                name = exc.signal_name if isinstance(exc, Interrupted) else "SIGINT"
+                stage, entry = self.recorder.current
+                self.interrupted = {"signal": name, "stage": stage, "entry": entry}
+                log.error("run interrupted", **self.interrupted)
+            except Exception as exc:  # a bug: recorded, so neither summary nor exit code says ok
+                self.recorder.crashed(exc)
+            finally:  # a SIGTERM now waits for the summary and the report (then ends us)
+                with signals_deferred():
+                    written = self.write_summary(final=True)
+                    self.finished = True
+                    code = self.exit_code()
+                    self._run_finished(written)
+                    release_run_directory(lock)
+                    log.info("run finished", exit_code=int(code))
         return code
 
     def exit_code(self) -> ExitCode:
