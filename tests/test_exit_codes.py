@@ -359,3 +359,31 @@ def test_run_ends_without_teardown_and_keeps_its_code_and_output(
         summary = json.loads((run_dir / "pipeline_summary.json").read_text())
         assert summary["exit_code"] == code
         assert (run_dir / "report.html").read_text().endswith("</html>\n")
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["show", "{missing}"],
+        ["compare", "{missing}", "{missing}"],
+        ["merge", "{missing}", "{missing}", "-o", "{out}"],
+        ["filter", "{missing}", "-o", "{out}"],
+        ["export", "{missing_trace}", "--format", "collapsed", "-o", "{out}"],
+        ["report", "{missing}"],
+        ["check", "--config", "{missing}", "-i", FSDP],
+    ],
+    ids=lambda args: args[0],
+)
+def test_verbose_adds_the_traceback_and_keeps_the_code(tmp_path: Path, args: list[str]) -> None:
+    """``-v`` shows the traceback of an error and ends with the same code as without it
+    (a missing input: 5). It ended with 1, a Python traceback's code, in show, compare,
+    merge, filter, report and export."""
+    names = {"missing": str(tmp_path / "missing.yaml"), "out": str(tmp_path / "out")}
+    names["missing_trace"] = str(tmp_path / "missing_rank0.json")
+    argv = [a.format(**names) for a in args]
+    quiet = CliRunner().invoke(cli_for(argv), argv)
+    loud = CliRunner().invoke(cli_for(["-v", *argv]), ["-v", *argv])
+    assert quiet.exit_code == loud.exit_code == 5, (quiet.output, loud.output)
+    assert "Traceback" not in quiet.stderr and "Traceback" in loud.stderr
+    assert "opguard: error:" in loud.stderr.splitlines()[-1]
+    assert not (tmp_path / "out").exists()

@@ -4,11 +4,11 @@ errors to codes, and the ``Exit codes:`` section of every command's ``--help``.
 A command is declared with :func:`command` and the codes it can end with. Its
 callback returns an :class:`~opguard_core.errors.ExitCode` (or None for ``OK``) or
 raises; an :class:`~opguard_core.errors.OpGuardError` becomes one line on stderr
-(``opguard: error: …``) and the code the error carries (``exit_code``), or its
-traceback with ``--verbose``. click's own usage errors exit 2. The help text lists
-the declared codes from the same table, so it cannot drift from what the command
-does; ``tests/test_exit_codes.py`` holds each documented code to a run that ends
-with it.
+(``opguard: error: …``) and the code the error carries (``exit_code``), after its
+traceback with ``--verbose`` (the code is the same). click's own usage errors exit 2.
+The help text lists the declared codes from the same table, so it cannot drift from
+what the command does; ``tests/test_exit_codes.py`` holds each documented code to a
+run that ends with it.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import functools
 import inspect
 import os
 import sys
+import traceback
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -78,7 +79,7 @@ def command(
 ) -> Callable[[Callable[..., ExitCode | int | None]], click.Command]:
     """``click.command(name)`` whose help ends with its exit codes and whose callback's
     result is the exit code (None: ``OK``); an :class:`OpGuardError` it raises exits
-    with :func:`code_of` after one line on stderr (the traceback with ``--verbose``).
+    with :func:`code_of` after one line on stderr (after the traceback with ``--verbose``).
     The callback must take ``verbose`` (``-v``, counted) or be given ``-v`` by the
     group."""
 
@@ -90,8 +91,8 @@ def command(
             try:
                 code = callback(*args, **params)
             except OpGuardError as exc:
-                if verbose:
-                    raise
+                if verbose:  # the traceback too, and the same code
+                    traceback.print_exc(file=sys.stderr)
                 click.echo(f"opguard: error: {one_line(str(exc))}", err=True)
                 ctx.exit(int(code_of(exc)))
             ctx.exit(int(ExitCode.OK if code is None else code))
