@@ -515,3 +515,24 @@ def test_a_violation_only_the_whole_view_has_names_the_ranks_that_ran_it() -> No
     found = check_configs(create_plugin_manager(), config, per_rank, combined=combined)
     (new,) = [v for v in found if v.target == "app:new"]
     assert new.kind == "unknown_target" and new.ranks == [1]
+
+
+def test_a_config_of_no_entry_is_said_so_when_made_and_refused_by_check(tmp_path: Path) -> None:
+    """A --min-count above every function's count makes ``entries: []``: the run warns
+    that the config checks nothing, and ``check`` refuses it in one line, exit 5, as
+    ``guard`` does (it passed FSDP traces against a DDP config with 0 errors, even
+    under --strict)."""
+    ddp = str(EXAMPLES / "ddp_callsite_rank*.json")
+    fsdp = str(EXAMPLES / "fsdp_callsite_rank*.json")
+    result = invoke("run", "-i", ddp, "--min-count", "100000000", "--output-base", tmp_path)
+    assert result.exit_code == 0, result.stderr
+    run_dir = Path(result.stdout.strip().splitlines()[-1])
+    config = run_dir / "ddp_callsite_instrumentation.yaml"
+    assert load_config(config)["entries"] == []
+    summary = json.loads((run_dir / "pipeline_summary.json").read_text())
+    said = [w["message"] for w in summary["warnings"]]
+    assert any("ddp_callsite_instrumentation.yaml has no entries" in m for m in said), said
+    checked = invoke("check", "--strict", "--config", config, "-i", fsdp)
+    assert checked.exit_code == 5, checked.output
+    assert "the config has no entries: check would check nothing" in checked.stderr
+    assert "Traceback" not in checked.stderr

@@ -291,12 +291,20 @@ def generate(call: StepCall, entry: InputEntry, needs: Mapping[str, Any]) -> Com
         )
     name = call.name("config")
     validate_config(config, f"{name} (from {call.record.plugin})")
+    _warn_if_empty(name, config, "every function fell below --min-count/--min-fraction")
     call.write("config", dump_config(config), config=config)
     call.record.counts = {
         "entries": len(config["entries"]),
         "total": (config.get("meta") or {}).get("total"),
     }
     return config
+
+
+def _warn_if_empty(name: str, config: CommentedMap, why: str) -> None:
+    """A config of no entry is written, but said to check nothing (``opguard check``
+    and ``opguard guard`` refuse it)."""
+    if not config["entries"]:
+        warn(f"{name} has no entries ({why}): opguard check and guard refuse it", file=name)
 
 
 # ----------------------------------------------------------------- run steps
@@ -421,6 +429,7 @@ def filter_(call: StepCall, results: Mapping[str, Any]) -> None:
             on_plugin=lambda plugin: setattr(stage.record, "plugin", plugin),
         )
         stage.record.plugin = ",".join(i.plugin_name for i in filters)
+        _warn_if_empty(stage.name("filtered"), config, "the filters dropped them all")
         stage.write("filtered", dump_config(config), config=config)
         stage.record.counts = {"entries": len(config["entries"]), "filters": chain}
 

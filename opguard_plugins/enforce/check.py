@@ -731,6 +731,8 @@ def make_command(manager: OpGuardPluginManager) -> click.Command:
         if output is not None:
             check_output_file(output, [config_path])
         config = load_config(config_path)
+        if not config["entries"]:  # as guard refuses it: a check would pass anything
+            raise InputError(config_path, "the config has no entries: check would check nothing")
         check_setting_patterns(config, config_path)
         options = options_from_settings(config, base_dir, config_path.parent)
         if options.compressor and not manager.implements(options.compressor, "opguard_compress"):
