@@ -536,3 +536,30 @@ def test_a_config_of_no_entry_is_said_so_when_made_and_refused_by_check(tmp_path
     assert checked.exit_code == 5, checked.output
     assert "the config has no entries: check would check nothing" in checked.stderr
     assert "Traceback" not in checked.stderr
+
+
+@pytest.mark.parametrize("how", ["run", "filter"])
+def test_a_config_filtered_with_a_basic_list_checks_its_own_traces_clean(
+    tmp_path: Path, how: str
+) -> None:
+    """``--basic --basic-list`` is recorded in ``meta.settings.basic_list`` (an absolute
+    path), so ``check`` rebuilds the run with the same list: its own traces give no
+    violation. It gave 14 ``unknown_target`` warnings, as check filtered with the
+    bundled list."""
+    rules = tmp_path / "lists" / "mine.yaml"
+    rules.parent.mkdir()
+    rules.write_text("utilities: []\nkeep_kinds: [method]\n")
+    ddp = str(EXAMPLES / "ddp_callsite_rank*.json")
+    if how == "run":
+        config = make_config(tmp_path, [ddp], "--basic", "--basic-list", str(rules))
+    else:
+        made = make_config(tmp_path, [ddp])
+        config = tmp_path / "filtered.yaml"
+        argv = ["filter", made, "--basic", "--basic-list", rules, "-o", config]
+        assert invoke(*argv).exit_code == 0
+    settings = load_config(config)["meta"]["settings"]
+    assert settings["basic_list"] == str(rules.resolve())
+    result = invoke("check", "--format", "json", "--config", config, "-i", ddp)
+    assert result.exit_code == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert report["violations"] == [], report["violations"][:3]

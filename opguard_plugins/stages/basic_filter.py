@@ -20,6 +20,7 @@ from ruamel.yaml.comments import CommentedMap
 from ruamel.yaml.error import YAMLError
 
 from opguard_core import hookimpl
+from opguard_core.configs.chain import settings_of
 from opguard_core.errors import InputError
 from opguard_core.formats.config import BoundedComposer, ConfigLimitError, max_config_bytes
 from opguard_core.formats.trace import is_torch_module
@@ -88,4 +89,6 @@ def opguard_filter(config: CommentedMap, options: RunOptions) -> CommentedMap:
     rules = load_basic_list(options.basic_list)
     entries = config["entries"]
     entries[:] = [entry for entry in entries if keep_entry(entry, rules)]
+    if options.basic_list is not None:  # check rebuilds the run with the same list
+        settings_of(config)["basic_list"] = str(Path(options.basic_list).resolve())
     return config
