@@ -131,6 +131,22 @@ def test_combining_a_combined_trace_again_changes_nothing_but_adds(
     assert combined(partial, last).to_json() == combined(*docs).to_json()
 
 
+def test_a_callsite_twice_in_a_rank_file_combines_alike_directly_and_again() -> None:
+    """What hypothesis found: a rank file with one callsite twice drops the per-rank
+    statistics of its combine; its combined trace (of one rank, without
+    ``meta.per_rank_stats``) combined again was taken for a rank file, exact, and gave
+    other bytes than the direct combine."""
+    site = {"stack": [], "op": "aten::mm", "role": "compute", "count": 1, "ranks": [0]}
+    meta = {"label": "t", "world_size": 8, "device": "cpu"}
+    twice = {"format": "opguard-callsites", "version": 4, "meta": {**meta, "rank": 0},
+             "frames": [], "callsites": [site, dict(site)]}  # fmt: skip
+    empty = {"format": "opguard-callsites", "version": 1, "meta": {**meta, "rank": 1},
+             "frames": [], "callsites": []}  # fmt: skip
+    again = combined(trace_doc_of(combined(twice)), empty)
+    assert again.to_json() == combined(twice, empty).to_json()
+    assert not again.per_rank_stats
+
+
 def _doc_ranks(doc: dict[str, Any]) -> list[int]:
     meta = doc["meta"]
     return meta.get("ranks") or [meta["rank"]]

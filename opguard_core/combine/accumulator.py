@@ -683,11 +683,13 @@ class TraceAccumulator:
         for name in summed:
             del meta[name]
         single = len(file_ranks) == 1
-        # a multi-rank input (an earlier combined trace) has exact per-rank counts
-        # only if it says so; a rank seen before makes every statistic inexact
-        stats_valid = (single or bool(file_meta.get(PER_RANK_KEY))) and not (
-            file_mask & self.rank_mask
-        )
+        # a combined input (``meta.ranks`` without a ``meta.rank``, even of one rank: an
+        # earlier combine may have dropped them) has exact per-rank counts only if it
+        # says so; a rank seen before makes every statistic inexact
+        combined = "ranks" in file_meta and "rank" not in file_meta
+        stats_valid = (
+            bool(file_meta.get(PER_RANK_KEY)) if combined else single
+        ) and not (file_mask & self.rank_mask)
         sites = self.sites
         get = sites.get
         if single and fold_rank is not None:

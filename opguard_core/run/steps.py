@@ -301,9 +301,10 @@ def generate(call: StepCall, entry: InputEntry, needs: Mapping[str, Any]) -> Com
 
 
 def _warn_if_empty(name: str, config: CommentedMap, why: str) -> None:
-    """A config of no entry is written, but said to check nothing (``opguard check``
-    and ``opguard guard`` refuse it)."""
-    if not config["entries"]:
+    """A config of no entry made of ops (``meta.total``) is written, but said to check
+    nothing (``opguard check`` and ``opguard guard`` refuse it); a trace of no ops has
+    its own warning."""
+    if not config["entries"] and (config.get("meta") or {}).get("total"):
         warn(f"{name} has no entries ({why}): opguard check and guard refuse it", file=name)
 
 
