@@ -462,17 +462,19 @@ def test_cli_reports_malformed_basic_list_and_keeps_the_configs(
     assert failed["stage"] == "filter" and problem in failed["error"]
 
 
-def test_cli_reports_missing_basic_list(
+def test_cli_reports_missing_basic_list_before_any_stage(
     opguard: Callable[..., Any], samples: Path, tmp_path: Path
 ) -> None:
+    """A --basic-list that does not exist is a usage error before any stage runs (it
+    was found by the filter stage, after every other stage had run)."""
     missing = tmp_path / "nope.yaml"
     run = opguard(
         "run", "-i", str(samples / "gpt_callsite_rank*.json"), "--basic", "--basic-list", missing
     )
-    assert run.exit_code == 1
-    (line,) = _error_lines(run.stderr)
-    assert str(missing) in line and "cannot read basic-filter list" in line
-    _assert_good_entry_processed(run)
+    assert run.exit_code == 2
+    assert f"Invalid value for '--basic-list': File '{missing}' does not exist." in run.stderr
+    assert "Traceback" not in run.stderr
+    assert not list(tmp_path.glob("**/preprocessing_*"))
 
 
 def test_several_processes_name_the_first_bad_file_in_input_order(tmp_path: Path) -> None:

@@ -666,3 +666,18 @@ def test_a_document_that_is_not_a_config_is_named_as_such(tmp_path: Path) -> Non
     one_error_line(
         invoke("check", "--config", run, "-i", config), 5, "a YAML config, not a callsite trace"
     )
+
+
+def test_show_says_a_total_and_ranks_it_does_not_know(tmp_path: Path) -> None:
+    """A config without ``meta.total`` or ``meta.ranks`` (hand-written) shows them as
+    unknown, as compare does: show said ``0 ops on ranks []`` (JSON ``"total": 0``)."""
+    path = tmp_path / "hand.yaml"
+    path.write_text("version: 3\nentries:\n  - " + json.dumps(entry("app:main", 7)) + "\n")
+    text = invoke("show", path)
+    assert text.exit_code == 0, text.stderr
+    assert "hand.yaml: None, ops unknown, ranks unknown; showing 1 of 1" in text.stdout
+    head = json.loads(invoke("show", path, "--format", "json").stdout)
+    assert head["total"] is None and head["ranks"] is None
+    known = tmp_path / "known.yaml"
+    known.write_text(config_text(entry("app:main", 7)))
+    assert "7 ops on ranks [0]; showing 1 of 1" in invoke("show", known).stdout

@@ -146,7 +146,7 @@ def basic_options(func: F) -> F:
     """``--basic`` and ``--basic-list``, shared by ``opguard run`` and ``opguard filter``."""
     func = click.option(
         "--basic-list",
-        type=click.Path(dir_okay=False, path_type=Path),
+        type=click.Path(exists=True, dir_okay=False, path_type=Path),  # before any stage
         default=None,
         help="YAML file replacing the basic filter's list of torch utilities.",
     )(func)

@@ -350,8 +350,9 @@ def show(
     head = {
         "config": str(path),
         "source": loaded.get("source"),
-        "total": int(meta.get("total", 0) or 0),
-        "ranks": [int(r) for r in meta.get("ranks", [])],
+        # a config without them (hand-written, or merged with one) does not know them
+        "total": int(meta["total"]) if meta.get("total") is not None else None,
+        "ranks": [int(r) for r in meta["ranks"]] if meta.get("ranks") is not None else None,
         "entries_in_config": len(loaded["entries"]),
         "entries_selected": selected,
         "shown": len(rows),
@@ -360,7 +361,10 @@ def show(
         click.echo(json.dumps(without_surrogates({**head, "entries": rows}), indent=2))
         return
     title = one_line(
-        f"{head['config']}: {head['source']}, {head['total']} ops on ranks {head['ranks']}; "
+        f"{head['config']}: {head['source']}, "
+        + ("ops unknown" if head["total"] is None else f"{head['total']} ops")
+        + (", ranks unknown" if head["ranks"] is None else f" on ranks {head['ranks']}")
+        + "; "
         f"showing {len(rows)} of {selected} entries ({head['entries_in_config']} in the config)"
     )
     if _on_terminal():
