@@ -636,10 +636,11 @@ def test_a_document_that_is_not_a_config_is_named_as_such(tmp_path: Path) -> Non
     kineto = Path(__file__).parent / "data" / "kineto"
     plain = tmp_path / "kineto.json"
     plain.write_bytes((kineto / "hta_backward_thread.json").read_bytes())
+    tree, divergence = "a compressed call tree (a run's", "a divergence report (a run's"
     named = {
         run / "gpt_callsite_combined.json": "a callsite trace, not an instrumentation config",
-        run / "gpt_callsite_compressed.json": "a compressed call tree, not an instrumentation",
-        run / "gpt_callsite_divergence.json": "a divergence report, not an instrumentation",
+        run / "gpt_callsite_compressed.json": tree,
+        run / "gpt_callsite_divergence.json": divergence,
         run / "pipeline_summary.json": "a run's pipeline summary, not an instrumentation",
         trace: "a callsite trace, not an instrumentation config",
         plain: "a torch.profiler (Kineto) trace, not an instrumentation config",
@@ -666,6 +667,22 @@ def test_a_document_that_is_not_a_config_is_named_as_such(tmp_path: Path) -> Non
     one_error_line(
         invoke("check", "--config", run, "-i", config), 5, "a YAML config, not a callsite trace"
     )
+    # a tree or a report handed where a trace goes is named too (it was "unknown format
+    # 'opguard-calltree' version 6 (expected format 'opguard-callsites' …)")
+    for name, kind in (("compressed", tree), ("divergence", divergence)):
+        path = run / f"gpt_callsite_{name}.json"
+        line = one_error_line(invoke("check", "--config", run, "-i", path), 5, path.name, kind)
+        assert line.endswith(", not a callsite trace"), line
+    # a later version than this OpGuard reads says it may be a newer OpGuard's
+    newer = tmp_path / "newer.yaml"
+    newer.write_text("version: 99\nentries: []\n")
+    one_error_line(invoke("show", newer), 5, "unknown config version 99", "a newer OpGuard?")
+    doc = json.loads(trace.read_text())
+    future = tmp_path / "future_rank0.json"
+    future.write_text(json.dumps({**doc, "version": 99}))
+    one_error_line(
+        invoke("check", "--config", run, "-i", future), 5, "version 99", "a newer OpGuard?"
+    )
 
 
 def test_show_says_a_total_and_ranks_it_does_not_know(tmp_path: Path) -> None:
@@ -681,3 +698,20 @@ def test_show_says_a_total_and_ranks_it_does_not_know(tmp_path: Path) -> None:
     known = tmp_path / "known.yaml"
     known.write_text(config_text(entry("app:main", 7)))
     assert "7 ops on ranks [0]; showing 1 of 1" in invoke("show", known).stdout
+
+
+def test_check_writes_its_text_report_for_a_config_whose_name_is_not_utf8(
+    tmp_path: Path,
+) -> None:
+    """``check -o r.txt`` with a config named ``c\\xe9.yaml`` (not UTF-8): the report is
+    written, the name's odd byte as ``\\xe9`` as in the JSON report. It was a
+    ``UnicodeEncodeError`` traceback, exit 1 (check's code for errors found)."""
+    run = make_run(tmp_path, [([("app", "main")], None, "aten::mm", 3)])
+    config = Path(os.fsdecode(bytes(tmp_path) + b"/c\xe9.yaml"))
+    shutil.copy(next(run.glob("*_instrumentation.yaml")), config)
+    trace = next(tmp_path.glob("app_rank0.json"))
+    out = tmp_path / "r.txt"
+    result = invoke("check", "--config", config, "-i", trace, "-o", out)
+    assert result.exit_code == 0, result.stderr
+    assert "Traceback" not in result.stderr
+    assert "c\\xe9.yaml: 0 error(s), 0 warning(s)" in out.read_text()

@@ -687,9 +687,9 @@ class TraceAccumulator:
         # earlier combine may have dropped them) has exact per-rank counts only if it
         # says so; a rank seen before makes every statistic inexact
         combined = "ranks" in file_meta and "rank" not in file_meta
-        stats_valid = (
-            bool(file_meta.get(PER_RANK_KEY)) if combined else single
-        ) and not (file_mask & self.rank_mask)
+        stats_valid = (bool(file_meta.get(PER_RANK_KEY)) if combined else single) and not (
+            file_mask & self.rank_mask
+        )
         sites = self.sites
         get = sites.get
         if single and fold_rank is not None:

@@ -41,7 +41,6 @@ from ruamel.yaml.scalarint import ScalarInt
 from ruamel.yaml.tag import Tag
 
 from opguard_core.errors import InputError, InvariantError
-from opguard_core.formats.check import CHECK_FORMAT, GUARD_FORMAT
 from opguard_core.formats.config_collectives import (
     CONFIG_COLLECTIVES_VERSION,
     read_config_collectives,
@@ -49,6 +48,7 @@ from opguard_core.formats.config_collectives import (
 from opguard_core.formats.config_reader import Found, NoStrictReader, read_fast, read_strict
 from opguard_core.formats.divergence import DIVERGENCE_FORMAT
 from opguard_core.formats.dtypes import is_dtype
+from opguard_core.formats.kinds import DOCUMENT_KINDS
 from opguard_core.formats.op_ranks import read_ranges
 from opguard_core.formats.streams import is_role, legacy_side_roles, legacy_stream_counts
 from opguard_core.formats.styles import block_map, elements_of, items_of, put_new
@@ -833,17 +833,13 @@ def _too_large(size: int, limit: int) -> str:
     )
 
 
-#: what a document that is not a config is, by its first key's value (``format``), and
-#: what to give instead: OpGuard's own JSON documents start with their ``format``
-_OTHER_DOCUMENTS = {
-    TRACE_FORMAT: "a callsite trace, not an instrumentation config: "
-    "`opguard run --input` makes a config from it, `opguard check --input` holds it to one",
-    TREE_FORMAT: "a compressed call tree, not an instrumentation config: the config made "
-    "from it is the *_instrumentation.yaml beside it (or give the run directory)",
-    DIVERGENCE_FORMAT: "a divergence report, not an instrumentation config: give the run "
-    "directory, or its *_instrumentation.yaml",
-    CHECK_FORMAT: "a check report, not an instrumentation config",
-    GUARD_FORMAT: "a guard report, not an instrumentation config",
+#: what to give instead of another document than a config, by its ``format``
+_INSTEAD = {
+    TRACE_FORMAT: "`opguard run --input` makes a config from it, `opguard check --input` "
+    "holds it to one",
+    TREE_FORMAT: "the config made from it is the *_instrumentation.yaml beside it (or give "
+    "the run directory)",
+    DIVERGENCE_FORMAT: "give the run directory, or its *_instrumentation.yaml",
 }
 #: the first key of a JSON object and, where it is a string, its value
 _FIRST_KEY = re.compile(
@@ -878,9 +874,9 @@ def not_a_config(head: bytes) -> str | None:
     key, value = match.group(1).decode(), match.group(2)
     if key == "format":
         name = (value or b"").decode("utf-8", "replace")
-        return _OTHER_DOCUMENTS.get(
-            name, f"a JSON document of format {name!r}, not an instrumentation config"
-        )
+        kind = DOCUMENT_KINDS.get(name, f"a JSON document of format {name!r}")
+        instead = _INSTEAD.get(name)
+        return f"{kind}, not an instrumentation config" + (f": {instead}" if instead else "")
     return _OTHER_FIRST_KEYS.get(key)
 
 
@@ -926,8 +922,12 @@ def validate_config(config: object, path: Path | str) -> None:
         raise InputError(path, "expected a YAML mapping at top level")
     if not _is_int(config.get("version")) or config.get("version") not in READ_VERSIONS:
         known = " or ".join(str(v) for v in READ_VERSIONS)
+        version = config.get("version")
+        newer = isinstance(version, int) and version > READ_VERSIONS[-1]
         raise InputError(
-            path, f"unknown config version {config.get('version')!r} (expected {known})"
+            path,
+            f"unknown config version {version!r} (expected {known}"
+            + ("; written by a newer OpGuard?)" if newer else ")"),
         )
     if "source" in config and not isinstance(config["source"], str):
         raise InputError(path, "'source' must be a string (the sources' names joined by +)")

@@ -21,6 +21,7 @@ import msgspec
 
 from opguard_core.errors import InputError, PluginError
 from opguard_core.formats import names_a_config
+from opguard_core.formats.kinds import DOCUMENT_KINDS
 from opguard_core.formats.trace import TRACE_FORMAT, DecodedTrace, decode_trace, without_bom
 
 if TYPE_CHECKING:
@@ -32,7 +33,7 @@ HEAD = 4096
 
 #: an OpGuard document's ``"format"`` (``opguard-callsites``, ``opguard-divergence``…),
 #: the key every writer puts first
-_OPGUARD_FORMAT = re.compile(rb'"format"\s*:\s*"opguard-')
+_OPGUARD_FORMAT = re.compile(rb'"format"\s*:\s*"(opguard-[A-Za-z0-9_-]{0,60})')
 
 
 def is_opguard_document(data: bytes) -> bool:
@@ -41,6 +42,12 @@ def is_opguard_document(data: bytes) -> bool:
     a trace of another format may hold the text ``"opguard-`` anywhere (a frame of a
     program in ``opguard-demo/``, a label)."""
     return _OPGUARD_FORMAT.search(data, 0, HEAD) is not None
+
+
+def document_format(data: bytes) -> str | None:
+    """The OpGuard ``format`` ``data`` names near its start (:func:`is_opguard_document`)."""
+    found = _OPGUARD_FORMAT.search(data, 0, HEAD)
+    return None if found is None else found.group(1).decode("ascii")
 
 
 def is_callsite_trace(data: bytes) -> bool:
@@ -96,6 +103,9 @@ class Readers:
         took it, and which readers there are and are disabled, for a file that is not
         an OpGuard document (``--disable-plugin kineto`` then a Kineto file)."""
         if is_opguard_document(data):
+            named = document_format(data)
+            if named != TRACE_FORMAT and named in DOCUMENT_KINDS:
+                return InputError(error.path, f"{DOCUMENT_KINDS[named]}, not a callsite trace")
             return error
         if error.path is not None and names_a_config(Path(error.path).name):
             return InputError(

@@ -558,10 +558,12 @@ def _extras(items: list[dict[str, Any]], known: frozenset[str]) -> dict[int, dic
 
 def _check_header(fmt: object, version: object, path: Path | str) -> None:
     if fmt != TRACE_FORMAT or version not in READ_VERSIONS or isinstance(version, bool):
+        newer = fmt == TRACE_FORMAT and isinstance(version, int) and version > READ_VERSIONS[-1]
         what = (
             'no "format" key: not an OpGuard document'
             if fmt is None
             else f"unknown format {fmt!r} version {version!r}"
+            + (" (written by a newer OpGuard?)" if newer else "")
         )
         raise InputError(
             path,

@@ -805,7 +805,9 @@ def make_command(manager: OpGuardPluginManager) -> click.Command:
             else:
                 click.echo(json.dumps(document, indent=2))
         else:
-            text = format_text(str(config_path), violations, compared)
+            # as the JSON: a file name's odd bytes as \xNN, any other lone surrogate
+            # (a trace's name may hold one) escaped, so the text can be written
+            text = without_surrogates(format_text(str(config_path), violations, compared))
             if output is not None:
                 atomic_write_text(output, text)
             else:
