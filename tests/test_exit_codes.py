@@ -55,8 +55,11 @@ def _broken(tmp: Path) -> str:
     return str(path)
 
 
-def _no_dir(tmp: Path) -> str:
-    return str(tmp / "no" / "such" / "dir" / "out.x")
+def _unwritable(tmp: Path) -> str:
+    """An output whose directory exists but takes no new file (``/proc``, even for
+    root): the write itself fails. An output whose directory does not exist is a usage
+    error before any work."""
+    return "/proc/opguard_unwritable.out"
 
 
 def _relu_config(tmp: Path) -> str:
@@ -145,13 +148,19 @@ SCENARIOS: dict[tuple[str, ExitCode], Scenario] = {
     ],
     ("compare", ExitCode.INPUT_UNREADABLE): lambda t: [_broken(t), _broken(t)],
     ("merge", ExitCode.OK): lambda t: [_config(t), _config(t), "-o", str(t / "m.yaml")],
-    ("merge", ExitCode.STAGE_FAILED): lambda t: [_config(t), _config(t), "-o", _no_dir(t)],
+    ("merge", ExitCode.STAGE_FAILED): lambda t: [_config(t), _config(t), "-o", _unwritable(t)],
     ("merge", ExitCode.INPUT_UNREADABLE): lambda t: [_broken(t), _config(t), "-o", "x.yaml"],
     ("filter", ExitCode.OK): lambda t: [_config(t), "--basic", "-o", str(t / "f.yaml")],
-    ("filter", ExitCode.STAGE_FAILED): lambda t: [_config(t), "-o", _no_dir(t)],
+    ("filter", ExitCode.STAGE_FAILED): lambda t: [_config(t), "-o", _unwritable(t)],
     ("filter", ExitCode.INPUT_UNREADABLE): lambda t: [_broken(t), "-o", str(t / "f.yaml")],
     ("export", ExitCode.OK): lambda t: [_trace(t), "--format", "collapsed", "-o", str(t / "e")],
-    ("export", ExitCode.STAGE_FAILED): lambda t: [_trace(t), "--format", "pprof", "-o", _no_dir(t)],
+    ("export", ExitCode.STAGE_FAILED): lambda t: [
+        _trace(t),
+        "--format",
+        "pprof",
+        "-o",
+        _unwritable(t),
+    ],
     ("export", ExitCode.INPUT_UNREADABLE): lambda t: [_broken(t), "--format", "collapsed"],
     ("report", ExitCode.OK): lambda t: [str(Path(_config(t)).parent)],
     ("report", ExitCode.INPUT_UNREADABLE): lambda t: [str(t)],
@@ -387,3 +396,54 @@ def test_verbose_adds_the_traceback_and_keeps_the_code(tmp_path: Path, args: lis
     assert "Traceback" not in quiet.stderr and "Traceback" in loud.stderr
     assert "opguard: error:" in loud.stderr.splitlines()[-1]
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["check", "--config", "{config}", "-i", FSDP, "-o", "{nodir}"],
+        ["merge", "{config}", "{config}", "-o", "{nodir}"],
+        ["filter", "{config}", "--basic", "-o", "{nodir}"],
+        ["export", str(EXAMPLES / "single_callsite_rank0.json"), "--format", "collapsed",
+         "-o", "{nodir}"],
+        ["merge", "{config}", "{config}", "-o", "-"],
+    ],
+    ids=["check", "merge", "filter", "export", "dash"],
+)  # fmt: skip
+def test_an_output_that_cannot_be_made_is_a_usage_error_before_any_work(
+    tmp_path: Path, args: list[str]
+) -> None:
+    """``-o`` into a directory that does not exist (check said ``cannot write`` after
+    the whole check, with exit 1, its code for errors found), and ``-o -`` (which made a
+    file named ``-``): one line, exit 2, nothing written."""
+    config = tmp_path / "c.yaml"
+    made = CliRunner().invoke(cli_for([]), ["run", "-i", FSDP, "--output-base", str(tmp_path)])
+    run_dir = Path(made.stdout.strip().splitlines()[-1])
+    config.write_bytes((run_dir / "fsdp_callsite_instrumentation.yaml").read_bytes())
+    names = {"config": str(config), "nodir": str(tmp_path / "nodir" / "out")}
+    argv = [a.format(**names) for a in args]
+    result = CliRunner().invoke(cli_for(argv), argv)
+    assert result.exit_code == 2, result.output
+    assert "Traceback" not in result.stderr
+    expected = "does not exist" if argv[-1] != "-" else "give a file name"
+    assert expected in result.stderr
+    assert not (tmp_path / "nodir").exists() and not (tmp_path / "-").exists()
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="no /dev/full")
+def test_standard_output_that_cannot_be_written_is_one_line(tmp_path: Path) -> None:
+    """``opguard show RUN > /dev/full``: one line, exit 1 (it was a traceback)."""
+    import subprocess
+
+    made = CliRunner().invoke(cli_for([]), ["run", "-i", FSDP, "--output-base", str(tmp_path)])
+    run_dir = made.stdout.strip().splitlines()[-1]
+    with open("/dev/full", "w") as full:
+        done = subprocess.run(
+            [sys.executable, "-m", "opguard_core.cli.app", "show", run_dir],
+            stdout=full, stderr=subprocess.PIPE, text=True, timeout=60,
+        )  # fmt: skip
+    assert done.returncode == 1, done.stderr
+    assert "Traceback" not in done.stderr
+    assert done.stderr.strip() == (
+        "opguard: error: cannot write standard output: No space left on device"
+    )

@@ -10,6 +10,7 @@ structlog, msgspec nor rich (start-up: docs/performance.md).
 
 from __future__ import annotations
 
+import errno
 import json
 import sys
 from collections.abc import Callable, Sequence
@@ -206,6 +207,10 @@ def cli_for(args: Sequence[str]) -> click.Group:
     return create_cli(make, disabled)
 
 
+#: what writing standard output may fail with: a full disk or quota, an I/O error
+_OUTPUT_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EFBIG})
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     """Console-script entry point."""
     exits.watch_exit()
@@ -219,6 +224,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     except SystemExit as exc:  # how click ends every command
         exits.exit_code_known(exc.code)
         raise
+    except OSError as exc:
+        if exc.filename is not None or exc.errno not in _OUTPUT_ERRNOS:
+            raise  # a bug: its traceback
+        # standard output could not be written (a full disk, /dev/full): click's own
+        # handling covers only a closed pipe
+        click.echo(f"opguard: error: cannot write standard output: {exc.strerror}", err=True)
+        exits.exit_code_known(int(ExitCode.STAGE_FAILED))
+        sys.exit(int(ExitCode.STAGE_FAILED))
 
 
 if __name__ == "__main__":

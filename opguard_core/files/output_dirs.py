@@ -139,12 +139,21 @@ def check_output_file(output: Path, inputs: Iterable[Path], option: str = "-o") 
     """Refuse an output file that would replace one of ``inputs`` (the same file by
     ``os.path.samefile``: a hard link, a symlink or another spelling of it), or that
     is not a regular file (a device, a FIFO, ``/dev/stdout``: an atomic write would
-    replace the node itself). :class:`UsageProblem`, one line, before anything is
-    written."""
+    replace the node itself), or one whose directory does not exist, or ``-`` (a file
+    named ``-``, not standard output). :class:`UsageProblem`, one line, before anything
+    is written."""
+    if str(output) == "-":  # a file of that name is what it would make
+        raise UsageProblem(f"{option} -: give a file name (-o does not write to standard output)")
     try:
         info = output.stat()
-    except OSError:
-        return  # nothing there yet (or unreachable: the write says why)
+    except OSError:  # nothing there yet: its directory must be
+        parent = output.parent
+        if not parent.is_dir():
+            raise UsageProblem(
+                f"{option} {os.fsdecode(output)!r}: the directory {os.fsdecode(parent)!r} "
+                + ("is not a directory" if parent.exists() else "does not exist")
+            ) from None
+        return
     if not stat.S_ISREG(info.st_mode):
         raise UsageProblem(
             f"{option} {os.fsdecode(output)!r}: not a regular file (a directory, device"

@@ -681,7 +681,8 @@ def format_text(config: str, violations: Sequence[Violation], compared: str | No
 
 CODES: exits.Codes = {
     ExitCode.OK: "no error (warnings allowed)",
-    ExitCode.STAGE_FAILED: "errors found (with --strict, any violation)",
+    ExitCode.STAGE_FAILED: "errors found (with --strict, any violation), or the report "
+    "could not be written (a full disk)",
     ExitCode.PLUGIN_ERROR: "a plugin failed, or the config's compressor plugin is missing",
     ExitCode.INPUT_UNREADABLE: "the config or a trace could not be read",
 }
