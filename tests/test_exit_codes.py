@@ -447,3 +447,15 @@ def test_standard_output_that_cannot_be_written_is_one_line(tmp_path: Path) -> N
     assert done.stderr.strip() == (
         "opguard: error: cannot write standard output: No space left on device"
     )
+
+
+def test_a_run_that_fails_on_divergence_says_why(tmp_path: Path) -> None:
+    """``--fail-on-divergence`` ending with 4 names the entry, its error findings and
+    their log in one plain line (the summary said only ``failed … 0 failures``)."""
+    argv = ["--log-format", "json", "run", "-i", str(DIVERGENT / "divergent_callsite_rank*.json"),
+            "--fail-on-divergence", "--output-base", str(tmp_path)]  # fmt: skip
+    result = CliRunner().invoke(cli_for(argv), argv)
+    assert result.exit_code == 4, result.stderr
+    plain = [line for line in result.stderr.splitlines() if not line.startswith("{")]
+    assert len(plain) == 1 and plain[0].startswith("opguard: divergence [divergent_callsite]: ")
+    assert plain[0].endswith("error finding(s); see divergent_callsite_divergence.log")

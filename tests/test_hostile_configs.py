@@ -676,6 +676,8 @@ def test_a_document_that_is_not_a_config_is_named_as_such(tmp_path: Path) -> Non
         path = run / f"gpt_callsite_{name}.json"
         line = one_error_line(invoke("check", "--config", run, "-i", path), 5, path.name, kind)
         assert line.endswith(", not a callsite trace"), line
+        # the file first, not check's name for it (it said gpt_callsite_compressed_1: …)
+        assert line.startswith(f"opguard: error: {path}: "), line
     # a later version than this OpGuard reads says it may be a newer OpGuard's
     newer = tmp_path / "newer.yaml"
     newer.write_text("version: 99\nentries: []\n")

@@ -195,9 +195,14 @@ def make_run_command(
         exits.end_without_teardown()  # the runner leaves its last entry to the exit
         code = runner.run()
         for record in runner.recorder.records:
+            where = record.stage + (f" [{one_line(record.entry)}]" if record.entry else "")
             if record.status == "failed":
-                where = record.stage + (f" [{one_line(record.entry)}]" if record.entry else "")
                 click.echo(f"opguard: {where} failed: {record.error}", err=True)
+            elif code == ExitCode.DIVERGENCE and record.stage == "divergence":
+                errors = record.counts.get("errors")
+                if errors:  # why the run ends with 4 (--fail-on-divergence)
+                    log = ", ".join(o for o in record.outputs if o.endswith(".log"))
+                    click.echo(f"opguard: {where}: {errors} error finding(s); see {log}", err=True)
         if runner.summary_error is not None:
             click.echo(f"opguard: summary not written: {runner.summary_error}", err=True)
         _print_summary(runner)

@@ -99,12 +99,14 @@ class Pipeline:
     def failures(self) -> list[str]:
         """One line per problem: ``{entry}: {error}`` of the first failed stage with that
         error (a file that cannot be read fails each entry it is in the same way); an
-        input that discovery refused as its error alone, which names it already."""
+        error that names its input already (discovery's, a file's) alone."""
         records: list[Any] = self._runner.recorder.records
         first: dict[str, str] = {}
         for r in records:
             if r.status == "failed":
-                named = r.stage == "discover" and r.entry and r.error.startswith(r.entry)
+                named = (r.stage == "discover" and r.entry and r.error.startswith(r.entry)) or any(
+                    r.error.startswith(f"{name}: ") for name in r.inputs
+                )
                 first.setdefault(r.error, r.error if named else f"{r.entry or r.stage}: {r.error}")
         return list(first.values())
 
