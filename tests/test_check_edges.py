@@ -220,6 +220,14 @@ def test_traces_under_another_name_are_compared_with_the_best_fitting_source(
     assert kinds(forced).get("missing", 0) > 0 and kinds(forced).get("unknown_target", 0) > 0
     unknown = invoke("check", "--config", merged_run, "-i", week2, "--source", "nope")
     assert unknown.exit_code == 2 and "nope: not a source this config records" in unknown.stderr
+    # a config of one source: --source naming it is that config checked (it was refused
+    # as "not a source this config records (none)"); another name is refused naming it
+    single = merged_run / "ddp_callsite_instrumentation.yaml"
+    own = check(single, week2, "--source", "ddp_callsite", strict=True)
+    assert own["violations"] == check(single, week2, strict=True)["violations"] == []
+    other = invoke("check", "--config", single, "-i", week2, "--source", "nope")
+    assert other.exit_code == 2
+    assert "nope: not a source this config records (ddp_callsite)" in other.stderr
 
 
 def test_per_source_checks_still_find_missing_and_drift(merged_run: Path) -> None:

@@ -750,6 +750,9 @@ def make_command(manager: OpGuardPluginManager) -> click.Command:
         if output is not None:  # a trace given as -o is read, never replaced
             check_output_file(output, [config_path, *observed.files])
         names = recorded_sources(config)
+        if not names and "+" not in str(config.get("source") or "+"):  # one source: all its
+            names = [str(config["source"])]
+            sources = tuple(s for s in sources if s not in names)
         unknown = sorted(set(sources) - set(names))
         if unknown:
             recorded = ", ".join(names) or "none"
