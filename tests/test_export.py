@@ -335,6 +335,14 @@ def test_a_tree_node_with_a_mistyped_site_is_one_line(
 def test_unknown_format_is_a_usage_error(tmp_path: Path) -> None:
     result = export(tmp_path / "x.json", "--format", "svg", expect=2)
     assert "'svg': not one of collapsed, pprof, speedscope" in result.stderr
+    # with the plugin that provides them disabled it says so (it said "not one of ")
+    argv = ["export", str(tmp_path / "x.json"), "--format", "collapsed"]
+    cli = create_cli(create_plugin_manager(["export_formats"]))
+    disabled = CliRunner().invoke(cli, argv)
+    assert disabled.exit_code == 2
+    assert "no export format is installed (is the export_formats plugin disabled?)" in (
+        disabled.stderr
+    )
 
 
 def _export_lines(tmp_path: Path, writer: Callable[[list[Stack]], bytes]) -> tuple[Any, Path]:

@@ -576,6 +576,9 @@ def test_report_command_bad_run_dir(opguard: Callable[..., Any], tmp_path: Path)
     assert result.stderr == (
         f"opguard: error: {tmp_path}: not a run directory (no pipeline_summary.json)\n"
     )
+    missing = tmp_path / "missing"  # said to be no run directory, as if it were there
+    result = opguard("report", missing, expect=5)
+    assert result.stderr == f"opguard: error: {missing}: no such run directory\n"
 
 
 def test_the_console_summary_names_the_report(opguard: Callable[..., Any], samples: Path) -> None:

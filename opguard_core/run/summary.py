@@ -95,6 +95,8 @@ def read_summary(run_dir: Path) -> dict[str, Any]:
             raise InputError(path, "unreadable run summary: not a regular file")
         data = msgspec.json.decode(path.read_bytes())
     except FileNotFoundError:
+        if not run_dir.exists():
+            raise InputError(run_dir, "no such run directory") from None
         raise InputError(run_dir, f"not a run directory (no {SUMMARY_FILE})") from None
     except (OSError, msgspec.DecodeError) as exc:
         raise InputError(path, f"unreadable run summary: {exc}") from None

@@ -220,9 +220,12 @@ def make_command(manager: OpGuardPluginManager) -> click.Command:
         entry: its tree) as a flame-graph file."""
         writers = export_formats(manager)
         if fmt not in writers:
-            raise click.BadParameter(
-                f"{fmt!r}: not one of {', '.join(sorted(writers))}", param_hint="--format"
+            known = (
+                f"not one of {', '.join(sorted(writers))}"
+                if writers
+                else "no export format is installed (is the export_formats plugin disabled?)"
             )
+            raise click.BadParameter(f"{fmt!r}: {known}", param_hint="--format")
         if is_directory(src):  # a run directory: its entry's compressed tree
             src = run_tree(src)
         elif names_a_config(src.name):
