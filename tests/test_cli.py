@@ -160,6 +160,19 @@ def test_skip_is_recorded_and_downstream_stages_skip(opguard, samples) -> None:
     assert not (run.run_dir / "gpt_callsite_compressed.json").exists()
 
 
+@pytest.mark.parametrize("skipped", ["filter", "merge", "generate"])
+def test_basic_where_the_filter_stage_would_not_run_is_a_usage_error(
+    opguard, samples, skipped: str
+) -> None:
+    """``--basic`` with the filter stage skipped, or a stage it needs: it filtered
+    nothing, with status ok and no warning."""
+    run = opguard("run", "--base-dir", samples, "--input", "gpt_callsite_rank*.json",
+                  "--basic", "--skip", skipped, expect=2)  # fmt: skip
+    assert "--basic needs the filter stage, which would not run: " in run.stderr
+    assert f"--skip {skipped}" in run.stderr
+    assert run.run_dir is None
+
+
 def test_thresholds_and_context_depth_reach_the_outputs(opguard, samples) -> None:
     run = opguard("run", "--base-dir", samples, "--input", "gpt_callsite_rank*.json",
                   "--min-count", "50", "--min-fraction", "0", "--no-chains",
@@ -236,3 +249,16 @@ def test_an_unknown_option_before_command_is_a_usage_error(command: str, tmp_pat
     result = CliRunner().invoke(cli_for(argv), argv)
     assert result.exit_code == 2, result.output
     assert "No such option '--smaple'" in result.stderr
+
+
+def test_compare_top_zero_keeps_all_as_show_does(opguard, samples) -> None:
+    """``compare --top 0`` keeps every entry (it was refused: 0 is not in 1..)."""
+    run = opguard("run", "--base-dir", samples, "--input", "gpt_callsite_rank*.json",
+                  "--input", "fsdp_callsite_rank*.json", expect=0)  # fmt: skip
+    configs = [str(run.run_dir / f"{n}_callsite_instrumentation.yaml") for n in ("gpt", "fsdp")]
+    argv = ["compare", *configs, "--format", "json"]
+    every = json.loads(CliRunner().invoke(cli_for(argv), argv).stdout)
+    zero = json.loads(
+        CliRunner().invoke(cli_for([*argv, "--top", "0"]), [*argv, "--top", "0"]).stdout
+    )
+    assert zero == every and every["only_first"]["entries"]

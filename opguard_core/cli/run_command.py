@@ -180,7 +180,9 @@ def make_run_command(
             _check_regexes(params[option], f"--{option}")
         check_executor(params["executor"], plugins.get_plugins())
         if params["fail_on_divergence"]:
-            _check_divergence_runs(plugins, params["skip"])
+            _check_stage_runs(plugins, params["skip"], "--fail-on-divergence", "divergence")
+        if params["basic"]:
+            _check_stage_runs(plugins, params["skip"], "--basic", "filter")
         base = _output_base(params["output_base"])
         if params["clean_stale"]:
             for stale in clean_stale_runs(base):
@@ -219,17 +221,17 @@ def _check_compressor(manager: OpGuardPluginManager, compressor: str | None) -> 
         raise click.UsageError(f"--compressor {compressor}: no such compressor plugin")
 
 
-def _check_divergence_runs(manager: OpGuardPluginManager, skip: Sequence[str]) -> None:
-    """``--fail-on-divergence`` where the divergence stage would not run (skipped,
-    after a skipped stage it needs, or disabled) is a usage error: the gate would
-    pass whatever the ranks did."""
+def _check_stage_runs(
+    manager: OpGuardPluginManager, skip: Sequence[str], option: str, stage: str
+) -> None:
+    """``option`` where the ``stage`` it needs would not run (skipped, after a skipped
+    stage it needs, or disabled) is a usage error: ``--fail-on-divergence`` would pass
+    whatever the ranks did, ``--basic`` would filter nothing."""
     from opguard_core.run.steps import skip_reasons, unanswered
 
-    reason = skip_reasons(skip, unanswered=unanswered(manager)).get("divergence")
+    reason = skip_reasons(skip, unanswered=unanswered(manager)).get(stage)
     if reason is not None:
-        raise click.UsageError(
-            f"--fail-on-divergence needs the divergence stage, which would not run: {reason}"
-        )
+        raise click.UsageError(f"{option} needs the {stage} stage, which would not run: {reason}")
 
 
 def _output_base(explicit: Path | None) -> Path:

@@ -84,9 +84,13 @@ _selection_options = selection_options("entries with a context frame or target")
 #: the codes of a command that writes a config
 WRITES: exits.Codes = {
     ExitCode.OK: None,
-    ExitCode.STAGE_FAILED: "the output could not be written, or (filter) --focus/--ignore "
-    "left no entry",
+    ExitCode.STAGE_FAILED: "the output could not be written",
     ExitCode.INPUT_UNREADABLE: None,
+}
+#: filter's: its selection may also leave nothing
+FILTERS: exits.Codes = {
+    **WRITES,
+    ExitCode.STAGE_FAILED: "the output could not be written, or --focus/--ignore left no entry",
 }
 
 
@@ -95,7 +99,9 @@ WRITES: exits.Codes = {
 
 @_config_argument("base")
 @_config_argument("other")
-@click.option("--top", type=click.IntRange(min=1), default=None, help="Show N per section.")
+@click.option(
+    "--top", type=click.IntRange(min=0), default=0, show_default=True, help="0 shows all."
+)
 @format_option
 @click.option(
     "--sort",
@@ -121,10 +127,10 @@ def compare(
     diff = diff_configs(first, second, str(base_path), str(other_path))
     if fmt == "json":
         # a file name that is not UTF-8 with its odd bytes as \xNN: JSON cannot carry them
-        document = without_surrogates(diff_to_json(diff, cast(Sort, sort), top))
+        document = without_surrogates(diff_to_json(diff, cast(Sort, sort), top or None))
         click.echo(json.dumps(document, indent=2))
     else:
-        click.echo(render_diff(diff, cast(Sort, sort), top), nl=False)
+        click.echo(render_diff(diff, cast(Sort, sort), top or None), nl=False)
     return ExitCode.STAGE_FAILED if fail_on_change and diff.differs else ExitCode.OK
 
 
@@ -218,7 +224,7 @@ def make_filter(manager: OpGuardPluginManager) -> click.Command:
             atomic_write_text(output, dump_config(filtered))
         click.echo(one_line(str(output)))
 
-    return exits.command("filter", WRITES)(filter_)
+    return exits.command("filter", FILTERS)(filter_)
 
 
 # ------------------------------------------------------------------ show
@@ -320,7 +326,13 @@ def _rich_table(title: str, rows: list[dict[str, Any]]) -> None:
     "--top", type=click.IntRange(min=0), default=20, show_default=True, help="0 shows all."
 )
 @_selection_options
-@click.option("--tag", "tags", multiple=True, metavar="TAG", help="Only entries with TAG.")
+@click.option(
+    "--tag",
+    "tags",
+    multiple=True,
+    metavar="TAG",
+    help="Only entries with TAG (repeatable: with every TAG given).",
+)
 @format_option
 @verbose_option
 def show(

@@ -193,14 +193,14 @@ def make_command(manager: OpGuardPluginManager) -> click.Command:
         multiple=True,
         metavar="REGEX",
         callback=_regexes,
-        help="Keep only stacks with a frame matching REGEX (repeatable).",
+        help="Keep only stacks with a frame matching REGEX whole (repeatable).",
     )
     @click.option(
         "--ignore",
         multiple=True,
         metavar="REGEX",
         callback=_regexes,
-        help="Drop stacks with a frame matching REGEX (repeatable).",
+        help="Drop stacks with a frame matching REGEX whole (repeatable).",
     )
     @click.option(
         "--no-default-hide", is_flag=True, help="For a trace SRC: keep the default plumbing frames."
