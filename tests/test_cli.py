@@ -198,6 +198,11 @@ def test_output_base_env_and_fresh_directories(opguard, samples, tmp_path) -> No
     assert first.run_dir != second.run_dir
     assert first.run_dir.parent == tmp_path / "out"
     assert first.run_dir.name.startswith("preprocessing_")
+    # an empty --output-base is refused: it wrote into the current directory
+    empty = opguard("run", "--base-dir", samples, "--input", "gpt_callsite_rank0.json",
+                    "--output-base", "", expect=2)  # fmt: skip
+    assert "Invalid value for '--output-base': give a directory" in empty.stderr
+    assert not list(Path.cwd().glob("preprocessing_*"))
 
 
 def test_every_commands_help_is_wrapped_without_its_docstrings_indent() -> None:

@@ -56,7 +56,8 @@ _OPTIONS: tuple[Callable[[Any], Any], ...] = (
     base_dir_option,
     click.option(
         "--output-base",
-        type=click.Path(path_type=Path),
+        type=click.Path(),
+        callback=lambda _ctx, _param, value: _not_empty(value),
         default=None,
         help="Where the run directory goes "
         "(default: $OPGUARD_TRACE_OUTPUT_BASE, else ./opguard_traces).",
@@ -143,6 +144,14 @@ _OPTIONS: tuple[Callable[[Any], Any], ...] = (
     ),
     disable_option,
 )
+
+
+def _not_empty(value: str | None) -> Path | None:
+    """``--output-base ""`` is refused: it went to the current directory (a Path of
+    ``""`` is ``.``), where an empty ``$OPGUARD_TRACE_OUTPUT_BASE`` means the default."""
+    if value is not None and not value.strip():
+        raise click.BadParameter("give a directory (leave the option out for the default)")
+    return None if value is None else Path(value)
 
 
 def run_options(params: dict[str, Any]) -> RunOptions:
