@@ -328,7 +328,7 @@ class Witness:
         sys.stderr.write("torn down\\n")
 
 witness = Witness()
-main(sys.argv[1:])
+main()  # as the console script calls it: the arguments in sys.argv
 """
 
 
@@ -459,3 +459,25 @@ def test_a_run_that_fails_on_divergence_says_why(tmp_path: Path) -> None:
     plain = [line for line in result.stderr.splitlines() if not line.startswith("{")]
     assert len(plain) == 1 and plain[0].startswith("opguard: divergence [divergent_callsite]: ")
     assert plain[0].endswith("error finding(s); see divergent_callsite_divergence.log")
+
+
+def test_main_called_in_a_callers_process_leaves_its_exit_alone(tmp_path: Path) -> None:
+    """``main(args)`` inside another program (as tests call it) never ends that
+    program: after a run that ended with 1, the program exits with its own code, torn
+    down as usual. ``pytest -n 0 tests/test_plugins.py`` exited 3 with every test
+    passed: a run there had asked to end the process without teardown."""
+    import subprocess
+
+    program = _TORN_DOWN.replace(
+        "main()  # as the console script calls it: the arguments in sys.argv",
+        "try:\n    main(sys.argv[1:])\nexcept SystemExit as ended:\n"
+        "    sys.stderr.write(f'run ended {ended.code}\\n')\nsys.exit(0)",
+    )
+    assert program != _TORN_DOWN
+    args = ["run", "-i", "nothing_matches_*.json", "--output-base", str(tmp_path / "runs")]
+    done = subprocess.run(
+        [sys.executable, "-c", program, *args], capture_output=True, text=True, timeout=120
+    )
+    assert "run ended 1" in done.stderr, done.stderr
+    assert done.returncode == 0, done.stderr
+    assert "torn down" in done.stderr

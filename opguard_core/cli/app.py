@@ -212,8 +212,10 @@ _OUTPUT_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EFBIG})
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    """Console-script entry point."""
-    exits.watch_exit()
+    """Console-script entry point (``argv``: called in a process of the caller's, as
+    tests do, which never ends without teardown: :func:`exits.watch_exit`)."""
+    if argv is None:  # the console script, or python -m: this process is ours to end
+        exits.watch_exit()
     args = list(sys.argv[1:] if argv is None else argv)
     try:
         cli_for(args).main(args, prog_name="opguard")

@@ -117,25 +117,29 @@ def end_without_teardown() -> None:
     exit handlers registered since start-up have run (``os._exit``), without
     tearing its objects down one by one: ``opguard run`` leaves its last entry's
     trace and tree to the exit (0.16 s to free at 4 ranks × 160,000 callsites).
-    Only the console script does it (:func:`watch_exit`): a command invoked in
-    process, as tests do, ends as any function returns."""
+    Only where the console script watches the exit (:func:`watch_exit`): a command
+    invoked in a process of the caller's, as tests do, ends as any function returns,
+    and that process exits as it would have."""
     _ending["asked"] = True
 
 
 def watch_exit() -> None:
-    """Called first by the console script: registers :func:`_end_now` before any
-    other exit handler of the command (atexit runs the last registered first, so it
-    runs after them all)."""
+    """Called first by the console script, in a process that is its own: registers
+    :func:`_end_now` before any other exit handler of the command (atexit runs the
+    last registered first, so it runs after them all)."""
+    _ending["watching"] = True
     atexit.register(_end_now)
 
 
 def exit_code_known(code: object) -> None:
-    """The console script's exit code (``SystemExit.code``), for :func:`_end_now`."""
-    _ending["code"] = code if isinstance(code, int) else 0 if code is None else 1
+    """The console script's exit code (``SystemExit.code``), for :func:`_end_now`; a
+    message for a code (``SystemExit("…")``) leaves the exit to Python, which prints it."""
+    if code is None or isinstance(code, int):
+        _ending["code"] = code or 0
 
 
 def _end_now() -> None:
-    if not _ending["asked"] or "code" not in _ending:
+    if not (_ending.get("watching") and _ending["asked"] and "code" in _ending):
         return
     if "logging" in sys.modules:  # its own exit handler was registered before ours
         sys.modules["logging"].shutdown()
