@@ -18,6 +18,7 @@ from click.testing import CliRunner, Result
 from ruamel.yaml import YAML
 
 from opguard_core.cli.app import cli_for
+from opguard_core.configs.selection import Selection
 from opguard_core.formats.config import CONFIG_VERSION, load_config
 
 SAMPLES = Path(__file__).parent / "data" / "samples"
@@ -552,3 +553,35 @@ def test_merging_two_recordings_of_one_source_adds_their_steps_too(run_dir, tmp_
         assert checked.exit_code == 0, checked.stderr
         found.append([v["message"] for v in json.loads(checked.stdout)["violations"]])
     assert found[1] == found[0]
+
+
+@pytest.mark.parametrize(
+    "selection",
+    [["--focus", r"torch\.optim\..*"], ["--ignore", r"torch\..*"],
+     ["--focus", r"torch\..*", "--ignore", r"torch\.optim\..*"]],
+    ids=["focus", "ignore", "both"],
+)  # fmt: skip
+def test_check_holds_traces_to_the_entries_a_filter_kept(run_dir, tmp_path, selection) -> None:
+    """A config narrowed by ``filter --focus/--ignore``, checked against the traces it
+    was made from: what the filter cut out is not ``unknown_target`` or
+    ``unknown_context`` (it was, one warning per target cut out)."""
+    narrowed = tmp_path / "narrowed.yaml"
+    result = invoke("filter", run_dir / FSDP, *selection, "-o", narrowed)
+    assert result.exit_code == 0, result.stderr
+    traces = str(SAMPLES / "fsdp_callsite_rank*.json")
+    result = invoke("check", "--config", narrowed, "--strict", "--format", "json", "-i", traces)
+    assert result.exit_code == 0, result.stdout
+    assert json.loads(result.stdout)["violations"] == []
+    # the whole config still finds what another job does that it does not
+    other = str(SAMPLES / "gpt_callsite_rank*.json")
+    result = invoke("check", "--config", narrowed, "--format", "json", "-i", other)
+    found = json.loads(result.stdout)["violations"]
+    assert found, "another job's traces pass a narrowed config"
+    kept = Selection.of(*_patterns(selection))
+    for v in found:  # and only within what the config kept
+        assert kept.keeps([*v["context"], v["target"]]), v
+
+
+def _patterns(options: list[str]) -> tuple[list[str], list[str]]:
+    pairs = list(zip(options[::2], options[1::2], strict=True))
+    return [p for o, p in pairs if o == "--focus"], [p for o, p in pairs if o == "--ignore"]

@@ -243,3 +243,36 @@ def test_guard_and_check_judge_a_rank_that_does_more_by_the_job(
         else:
             read = ("missing_op", "error", *metrics, "aten::_local_scalar_dense", 1)
             assert read in checked and {rank for _, _, rank in errors} == {1}, checked
+
+
+@pytest.mark.parametrize(
+    "selection",
+    [["--focus", r"net:Block\..*"], ["--ignore", r"torch[.:].*"]],
+    ids=["focus", "ignore"],
+)
+def test_a_narrowed_config_holds_check_and_guard_to_the_entries_it_kept(
+    tmp_path: Path, selection: list[str]
+) -> None:
+    """A config narrowed with ``opguard filter --focus/--ignore`` (recorded in
+    ``meta.settings.filter_focus`` / ``filter_ignore``): what the filter cut out is no
+    ``unknown_target`` or ``unknown_context`` to either command, so an unchanged rerun
+    is clean for both; an edit inside what it kept is found by both, the same way."""
+    command = ["python", str(NET), "--steps", "3"]
+    narrowed = tmp_path / "narrowed.yaml"
+    proc = run("filter", _config(tmp_path, command), *selection, "-o", narrowed)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    checked, guarded = _both(tmp_path, narrowed, "same", command)
+    assert checked == [] and guarded == []
+    script = tmp_path / "gated" / "net.py"
+    script.parent.mkdir()
+    script.write_text(NET_EDITS["gate_in_block"](NET.read_text()))
+    checked, guarded = _both(tmp_path, narrowed, "gated", ["python", str(script), "--steps", "3"])
+    assert _keys(guarded) == _keys(checked), _keys(guarded) ^ _keys(checked)
+    assert any(k[:2] == ("unexpected_op", "net:Block.forward") for k in _keys(checked))
+    # nothing the selection drops is reported
+    for kind, target, context, *_ in _keys(checked):
+        path = [*context, target]
+        if selection[0] == "--focus":
+            assert any(name.startswith("net:Block.") for name in path), (kind, path)
+        else:
+            assert not any(name.startswith(("torch.", "torch:")) for name in path), (kind, path)

@@ -14,14 +14,16 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Iterable, Sequence
-from typing import Any
+from collections.abc import Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
-from opguard_core.combine.accumulator import CallsiteTrace
 from opguard_core.configs.backtracking import Backtracking, check_backtracking
 from opguard_core.errors import OpGuardError, one_line
 from opguard_core.formats.config import entry_key
 from opguard_core.formats.tree import frame_targets, split_api, target_name
+
+if TYPE_CHECKING:  # guard's runtime reads configs' selections: no trace model loaded
+    from opguard_core.combine.accumulator import CallsiteTrace
 
 
 class PatternError(OpGuardError):
@@ -162,10 +164,30 @@ def select_entries(config: dict[str, Any], selection: Selection) -> list[Any]:
     return out
 
 
+def recorded_selection(config: Mapping[str, Any]) -> Selection:
+    """The entry selection ``opguard filter --focus/--ignore`` recorded in ``config``
+    (``meta.settings.filter_focus`` / ``filter_ignore``), for check and guard to hold
+    a new run to the same entries: what a person cut out of the config is neither
+    unknown nor checked. A config filtered twice with different focus patterns
+    records them all, and this keeps what any of them keeps (the filter kept only
+    what each did): a superset, so an entry only one of them keeps can still be
+    reported, never one that both keep hidden."""
+    meta = config.get("meta")
+    settings = meta.get("settings") if isinstance(meta, dict) else None
+    if not isinstance(settings, dict):
+        return Selection.of()
+    focus, ignore = settings.get("filter_focus"), settings.get("filter_ignore")
+    return Selection.of(
+        [str(p) for p in focus] if isinstance(focus, list) else (),
+        [str(p) for p in ignore] if isinstance(ignore, list) else (),
+    )
+
+
 __all__ = [
     "PatternError",
     "Selection",
     "compile_patterns",
+    "recorded_selection",
     "select_entries",
     "select_trace",
     "unmatched_hide",

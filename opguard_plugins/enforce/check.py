@@ -33,7 +33,13 @@ from opguard_core.cli.options import (
     verbose_option,
 )
 from opguard_core.configs.chain import BASIC_FILTER_PLUGIN, active_filters
-from opguard_core.configs.selection import PatternError, compile_patterns
+from opguard_core.configs.selection import (
+    PatternError,
+    Selection,
+    compile_patterns,
+    recorded_selection,
+    select_entries,
+)
 from opguard_core.errors import ExitCode, InputError, PluginError, one_line
 from opguard_core.files.atomic import atomic_write_text
 from opguard_core.files.output_dirs import check_output_file
@@ -257,6 +263,22 @@ def observe(
         absent = pipeline.absent
     files = [Path(path) for entry in entries for path in entry.files]
     return Observed(configs, problems, combined, files, alone, partial, code, absent)
+
+
+def select_observed(observed: Observed, selection: Selection) -> None:
+    """Keep in every observed config (each rank's, the whole job's, each entry's) only
+    the entries ``selection`` keeps: the config's own selection
+    (:func:`~opguard_core.configs.selection.recorded_selection`), so that what
+    ``opguard filter --focus/--ignore`` cut out of it is not reported as unknown."""
+    if not selection:
+        return
+    views: dict[int, CommentedMap] = {}
+    for seen in (observed, *observed.entries.values()):
+        views.update((id(view), view) for view in seen.configs.values())
+        if seen.combined is not None:
+            views[id(seen.combined)] = seen.combined
+    for view in views.values():
+        view["entries"][:] = select_entries(view, selection)
 
 
 def _keep_only(configs: Iterable[CommentedMap], keys: set[Any]) -> None:
@@ -749,6 +771,7 @@ def make_command(manager: OpGuardPluginManager) -> click.Command:
             return observed.problems_code
         if output is not None:  # a trace given as -o is read, never replaced
             check_output_file(output, [config_path, *observed.files])
+        select_observed(observed, recorded_selection(config))
         names = recorded_sources(config)
         if not names and "+" not in str(config.get("source") or "+"):  # one source: all its
             names = [str(config["source"])]
@@ -835,4 +858,5 @@ __all__ = [
     "observe",
     "opguard_register_commands",
     "options_from_settings",
+    "select_observed",
 ]

@@ -69,6 +69,7 @@ from torch.overrides import TorchFunctionMode
 from torch.overrides import _get_current_function_mode_stack as _function_modes
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode
 
+from opguard_core.configs.selection import recorded_selection
 from opguard_core.errors import one_line
 from opguard_core.formats.check import (
     ACROSS_TRACERS,
@@ -461,6 +462,9 @@ class Guard:
         self.report_unknown = not any(
             settings.get(k) for k in ("filters", "focus", "ignore", "basic_list")
         ) and bool(self.api_names)
+        #: the entries ``opguard filter --focus/--ignore`` kept: what it cut out is no
+        #: ``unknown_context`` or ``unknown_target`` (check's view: ``select_observed``)
+        self.selection = recorded_selection(config)
         self._states: dict[tuple[Any, ...], _State] = {}
         self.records: dict[tuple[Any, ...], _Record] = {}
         #: (state, op key) -> the identities of the violations it makes
@@ -650,7 +654,11 @@ class Guard:
             if ds is not None:
                 dtypes = ds if dtypes is None else dtypes & ds
         state = _State(child_path, key, known, allowed, streams, dtypes)
-        if key not in self.entries and target in self.entry_targets:
+        if (
+            key not in self.entries
+            and target in self.entry_targets
+            and self.selection.keeps((*context, target))
+        ):
             listed = "; ".join(
                 " > ".join(c) or "(top level)" for t, c in sorted(self.entries) if t == target
             )
@@ -1324,7 +1332,11 @@ class Guard:
             found.extend(count_drift(observed.get(key), expected[key], check))
         threshold = self.unknown_threshold()
         for (target, context), ops in sorted(self.extra_ops.items()):
-            if ops >= threshold and (target, context) not in self.entries:
+            if (
+                ops >= threshold
+                and (target, context) not in self.entries
+                and self.selection.keeps((*context, target))
+            ):
                 where = f"{target} [{' > '.join(context)}]" if context else target
                 message = f"{where} ran ({ops} ops) and is not in the config"
                 found.append(
