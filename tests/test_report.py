@@ -936,3 +936,54 @@ def test_the_run_s_report_shows_the_summary_it_wrote(opguard: Any, samples: Path
     run = opguard("run", "-i", samples / "fsdp_callsite_rank*.json", expect=0)
     summary = json.loads(run.read("pipeline_summary.json"))
     assert f'"finished_at":"{summary["finished_at"]}"' in run.read("report.html")
+
+
+@needs_node
+@pytest.mark.parametrize("damage", ["missing", "garbled"])
+def test_a_divergence_file_gone_or_unreadable_never_reads_as_no_divergence(
+    opguard: Callable[..., Any], tmp_path: Path, damage: str
+) -> None:
+    """A run directory that travelled without its divergence JSON, or with a broken
+    one: the page said "No divergence: every rank did the same." and counted 0
+    findings (a missing .json had the .log read as the document). It says the file
+    cannot be shown, with the counts the run recorded."""
+    run = opguard("run", "-i", str(DIVERGENT), expect=0)
+    path = run.run_dir / "divergent_callsite_divergence.json"
+    recorded = embedded(run.run_dir / "report.html")["entries"][0]["divergence"]
+    assert recorded["findings"] > 0
+    if damage == "missing":
+        path.unlink()
+        note = f"{path.name} is missing from the run directory"
+    else:
+        path.write_text('{"format": "opguard-divergence", "version": 4, "meta": {}, "groups": 5}')
+        note = f"{path.name} has no findings list"
+    opguard("report", run.run_dir, expect=0)
+    view = embedded(run.run_dir / "report.html")["entries"][0]["divergence"]
+    assert view["unshown"] and view["note"] == note
+    counts = (recorded["findings"], recorded["errors"], recorded["warnings"])
+    assert (view["recorded"]["findings"], view["recorded"]["errors"],
+            view["recorded"]["warnings"]) == counts  # fmt: skip
+    lines = page(run.run_dir / "report.html")
+    assert not any("No divergence" in line for line in lines)
+    at = lines.index("h3: Divergence: not shown")
+    assert lines[at + 1].startswith(f"p.note.sev-error: {note}; the run recorded ")
+    assert f"span.sev-error: {recorded['findings']} divergence finding" in "\n".join(lines)
+
+
+@needs_node
+def test_a_call_tree_that_cannot_be_read_is_a_note_not_a_failed_report(
+    opguard: Callable[..., Any], tmp_path: Path
+) -> None:
+    """A truncated ``_compressed.json`` ended ``opguard report`` with exit 5: no page
+    for the other entries either."""
+    run = opguard("run", "-i", str(DIVERGENT), "-i", str(EXAMPLES / "single_callsite_rank*.json"),
+                  expect=0)  # fmt: skip
+    tree = run.run_dir / "divergent_callsite_compressed.json"
+    tree.write_bytes(tree.read_bytes()[:3000])
+    opguard("report", run.run_dir, expect=0)
+    broken, whole = embedded(run.run_dir / "report.html")["entries"]
+    assert broken["tree"] is None and whole["tree"] is not None
+    assert broken["tree_note"] == f"{tree.name}: not valid JSON: Input data was truncated"
+    lines = page(run.run_dir / "report.html")
+    at = lines.index("h3: Call tree: not shown")
+    assert lines[at + 1] == f"p.note.sev-error: {broken['tree_note']}"

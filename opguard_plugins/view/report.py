@@ -31,7 +31,7 @@ import msgspec
 from opguard_core import hookimpl
 from opguard_core.cli import exits
 from opguard_core.cli.options import verbose_option
-from opguard_core.errors import ExitCode, InputError
+from opguard_core.errors import ExitCode, InputError, one_line
 from opguard_core.files.atomic import atomic_write_text, safe_child
 from opguard_core.formats.config import load_config
 from opguard_core.formats.divergence import READ_VERSIONS, SEVERITIES, flatten_groups
@@ -520,28 +520,34 @@ def read_divergence(path: Path) -> dict[str, Any] | None:
     except FileNotFoundError:
         return None
     except (OSError, msgspec.DecodeError, RecursionError):  # RecursionError: nested too deep
-        return {**divergence_view({}, [], 0), "note": f"{path.name} could not be read"}
+        return _unshown(f"{path.name} could not be read")
     if isinstance(doc, dict) and doc.get("version", 1) not in READ_VERSIONS:
-        return {  # a later layout read as this one's would be shown wrong
-            **divergence_view({}, [], 0),
-            "note": f"{path.name} is of version {str(doc.get('version'))[:20]}, "
-            f"which this OpGuard does not read (it reads {', '.join(map(str, READ_VERSIONS))})",
-        }
+        return _unshown(  # a later layout read as this one's would be shown wrong
+            f"{path.name} is of version {str(doc.get('version'))[:20]}, "
+            f"which this OpGuard does not read (it reads {', '.join(map(str, READ_VERSIONS))})"
+        )
     meta = doc.get("meta") if isinstance(doc, dict) else None
     meta = meta if isinstance(meta, dict) else {}
     if isinstance(doc, dict) and isinstance(doc.get("groups"), list):
         try:
             flat = flatten_groups(doc, path.name, distributions=False)
         except InputError:
-            return {**divergence_view({}, [], 0), "note": f"{path.name} has malformed groups"}
+            return _unshown(f"{path.name} has malformed groups")
         return divergence_view(meta, _file_groups(flat), len(flat))
     found = doc.get("findings") if isinstance(doc, dict) else doc
     if not isinstance(found, list):
-        return {**divergence_view({}, [], 0), "note": f"{path.name} has no findings list"}
+        return _unshown(f"{path.name} has no findings list")
     if not all(isinstance(f, dict) and is_counts(f.get("ranks")) for f in found):
-        return {**divergence_view({}, [], 0), "note": f"{path.name} has malformed findings"}
+        return _unshown(f"{path.name} has malformed findings")
     groups = group_findings(found)
     return divergence_view(meta, groups, sum(len(g["findings"]) for g in groups))
+
+
+def _unshown(note: str) -> dict[str, Any]:
+    """The view of an entry's divergence whose file cannot be shown: no findings, and
+    ``unshown`` (the page then says so, with what the run recorded, never that the
+    ranks agreed)."""
+    return {**divergence_view({}, [], 0), "note": note, "unshown": True}
 
 
 def _file_groups(found: list[Finding]) -> list[dict[str, Any]]:
@@ -598,6 +604,51 @@ def _failures(summary: Mapping[str, Any]) -> dict[str, list[dict[str, str]]]:
     return out
 
 
+def _tree_of(path: Path | None) -> dict[str, Any]:
+    """An entry's ``tree`` view (None without one), and a ``tree_note`` where its file
+    cannot be read: the other entries are still shown."""
+    if path is None:
+        return {"tree": None}
+    try:
+        return {"tree": tree_view(load_tree(path))}
+    except InputError as exc:
+        # the file by its name: the page travels without the run directory's path
+        return {"tree": None, "tree_note": one_line(str(exc).replace(str(path), path.name))}
+
+
+def _divergence_counts(summary: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Per entry, the counts its divergence stage recorded in the summary."""
+    return {
+        str(r["entry"]): r["counts"]
+        for r in summary.get("stages") or []
+        if r.get("stage") == "divergence"
+        and r.get("status") == "ok"
+        and isinstance(r.get("entry"), str)
+        and isinstance(r.get("counts"), dict)
+    }
+
+
+def _divergence_of(
+    run_dir: Path, outputs: list[str], recorded: dict[str, Any] | None
+) -> dict[str, Any] | None:
+    """The divergence view of an entry whose stage wrote ``outputs`` (None where it
+    wrote none): its JSON document's, or, where that is missing or cannot be read,
+    one that says so with the counts the stage ``recorded`` (the log is for people,
+    never read as the document)."""
+    documents = [name for name in outputs if name.endswith(".json")]
+    if not outputs:
+        return None
+    path = _first(run_dir, documents)
+    if path is None:
+        named = documents[0] if documents else "its divergence document"
+        view = _unshown(f"{named} is missing from the run directory")
+    else:
+        view = read_divergence(path) or _unshown(f"{path.name} is missing")
+    if view.get("unshown") and recorded is not None:
+        view["recorded"] = {k: recorded.get(k) for k in ("findings", "errors", "warnings")}
+    return view
+
+
 def _first(run_dir: Path, names: list[str]) -> Path | None:
     """The first of ``names`` that exists in ``run_dir`` (confined to it)."""
     for name in names:
@@ -634,17 +685,17 @@ def report_data(
         outputs_by_entry(summary, stage) for stage in ("compress", "divergence", "generate")
     )
     failures = _failures(summary)
+    counts = _divergence_counts(summary)
     for item in summary.get("entries") or []:
         name = str(item["name"])
         tree = _first(run_dir, trees.get(name, []))
-        divergence = _first(run_dir, divergences.get(name, []))
         entries.append(
             {
                 "name": name,
                 "index": item.get("index"),
-                "tree": tree_view(load_tree(tree)) if tree is not None else None,
+                **_tree_of(tree),
                 "config": table(next(iter(configs_of.get(name, [])), None)),
-                "divergence": read_divergence(divergence) if divergence is not None else None,
+                "divergence": _divergence_of(run_dir, divergences.get(name, []), counts.get(name)),
                 "failures": failures.get(name, []),
             }
         )

@@ -653,6 +653,13 @@
     const head = add(sec, "h3", div.findings ? "Divergence: " + plural(div.findings, "finding") + " (" + plural(div.errors, "error") + ", " +
       plural(div.warnings, "warning") + ") in " + plural(div.ngroups, "group") + " over " + plural(div.nranks, "rank") : "Divergence over " + plural(div.nranks, "rank") + ": none");
     head.id = "divergence-" + Number(entry.index);
+    if (div.unshown) {  // the file is missing or unreadable: say what the run recorded, never "none"
+      const r = div.recorded;
+      head.textContent = "Divergence: not shown";
+      add(sec, "p", div.note + (r && typeof r.findings === "number" ? "; the run recorded " + plural(r.findings, "finding") + " (" +
+        plural(r.errors || 0, "error") + ", " + plural(r.warnings || 0, "warning") + ")" : ""), "note sev-error");
+      return;
+    }
     if (div.note) add(sec, "p", div.note, "note");
     if (!div.per_rank_stats) add(sec, "p", "The combined trace has no per-rank statistics (a rank came twice, or a version-1 combined input): only ranks that never ran something are reported.", "note");
     if (!div.findings) { add(sec, "p", "No divergence: every rank did the same.", "note"); return; }
@@ -758,7 +765,8 @@
   const interrupted = i && typeof i === "object" ? "interrupted by " + (i.signal || "a signal") +
     (i.stage ? " during " + i.stage + (i.entry ? " of " + i.entry : "") : "") : "";
   if (interrupted) add(status, "span", interrupted, "sev-error");
-  const found = data.entries.reduce(function (n, e) { return n + (e.divergence ? e.divergence.findings : 0); }, 0);
+  const shown = function (d) { return d.unshown ? (d.recorded && typeof d.recorded.findings === "number" ? d.recorded.findings : 0) : d.findings; };
+  const found = data.entries.reduce(function (n, e) { return n + (e.divergence ? shown(e.divergence) : 0); }, 0);
   if (data.entries.some(function (e) { return e.divergence; })) add(status, "span", plural(found, "divergence finding"), found ? "sev-error" : "");
   if ((s.warnings || []).length) add(status, "span", plural(s.warnings.length, "warning"), "sev-warning");
   const nav = add(header, "div", null, "bar-line");
@@ -792,6 +800,9 @@
     if (entry.tree) {
       add(sec, "h3", "Call tree (" + plural(entry.tree.c[0], "op") + (entry.tree.ranks ? " on " + plural(entry.tree.ranks, "rank") : "") + ")");
       icicle(sec, entry.tree);
+    } else if (entry.tree_note) {
+      add(sec, "h3", "Call tree: not shown");
+      add(sec, "p", entry.tree_note, "note sev-error");
     }
     if (entry.config && entry.config !== finalName) {
       lazyDetails(sec, "Instrumentation config: " + entry.config, function (d) { configBlock(d, entry.config); }, !finalName);
