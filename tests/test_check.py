@@ -517,6 +517,35 @@ def test_a_violation_only_the_whole_view_has_names_the_ranks_that_ran_it() -> No
     assert new.kind == "unknown_target" and new.ranks == [1]
 
 
+@pytest.mark.parametrize(
+    ("stacks", "options", "why"),
+    [
+        (True, ["--min-count", "100000"], "every function fell below --min-count/--min-fraction"),
+        (False, ["--min-count", "1", "--min-fraction", "0"],
+         "no op has a stack: the trace records none; a torch.profiler trace needs "
+         "with_stack=True or record_function labels"),
+        (True, ["--hide", "app:.*"], "no op has a visible frame: the --hide patterns hid every frame"),
+    ],
+    ids=["thresholds", "no_stacks", "all_hidden"],
+)  # fmt: skip
+def test_a_config_of_no_entry_says_why(
+    tmp_path: Path, stacks: bool, options: list[str], why: str
+) -> None:
+    """The warning named the thresholds whatever emptied the config: a Kineto trace
+    recorded without stacks (every op at the root) said `every function fell below
+    --min-count/--min-fraction` at --min-count 1 --min-fraction 0."""
+    frames = [("app", "main"), ("app", "step")] if stacks else []
+    doc = trace_doc([(frames, None, "aten::mm", 5), (frames[:1], None, "aten::add", 3)])
+    write(tmp_path / "t_rank0.json", doc)
+    result = invoke("run", "-i", tmp_path / "t_rank0.json", "--output-base", tmp_path, *options)
+    assert result.exit_code == 0, result.stderr
+    run_dir = Path(result.stdout.strip().splitlines()[-1])
+    summary = json.loads((run_dir / "pipeline_summary.json").read_text())
+    said = [w["message"] for w in summary["warnings"] if "has no entries" in w["message"]]
+    assert said == [f"t_instrumentation.yaml has no entries ({why}): opguard check and guard "
+                    "refuse it"]  # fmt: skip
+
+
 def test_a_config_of_no_entry_is_said_so_when_made_and_refused_by_check(tmp_path: Path) -> None:
     """A --min-count above every function's count makes ``entries: []``: the run warns
     that the config checks nothing, and ``check`` refuses it in one line, exit 5, as

@@ -291,13 +291,29 @@ def generate(call: StepCall, entry: InputEntry, needs: Mapping[str, Any]) -> Com
         )
     name = call.name("config")
     validate_config(config, f"{name} (from {call.record.plugin})")
-    _warn_if_empty(name, config, "every function fell below --min-count/--min-fraction")
+    _warn_if_empty(name, config, _why_no_entries(needs["compress"], trace))
     call.write("config", dump_config(config), config=config)
     call.record.counts = {
         "entries": len(config["entries"]),
         "total": (config.get("meta") or {}).get("total"),
     }
     return config
+
+
+def _why_no_entries(tree: dict[str, Any], trace: Any) -> str:
+    """Why a config made of ``tree`` would have no entry: no op under any function
+    (no stacks in the trace, or ``--hide`` hid every frame), else the thresholds."""
+    before = ((tree.get("meta") or {}).get("compression") or {}).get("nodes_before")
+    # the nodes before pruning, where the compressor says (the root is one)
+    framed = before > 1 if isinstance(before, int) else (tree.get("root") or {}).get("children")
+    if framed:
+        return "every function fell below --min-count/--min-fraction"
+    if not any(site.stack for site in trace.callsites):
+        return (
+            "no op has a stack: the trace records none; a torch.profiler trace needs "
+            "with_stack=True or record_function labels"
+        )
+    return "no op has a visible frame: the --hide patterns hid every frame"
 
 
 def _warn_if_empty(name: str, config: CommentedMap, why: str) -> None:
