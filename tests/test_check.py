@@ -524,7 +524,8 @@ def test_a_violation_only_the_whole_view_has_names_the_ranks_that_ran_it() -> No
         (False, ["--min-count", "1", "--min-fraction", "0"],
          "no op has a stack: the trace records none; a torch.profiler trace needs "
          "with_stack=True or record_function labels"),
-        (True, ["--hide", "app:.*"], "no op has a visible frame: the --hide patterns hid every frame"),
+        (True, ["--hide", "app:.*"],
+         "no op has a visible frame: the --hide patterns hid every frame"),
     ],
     ids=["thresholds", "no_stacks", "all_hidden"],
 )  # fmt: skip
