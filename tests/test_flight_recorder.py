@@ -483,6 +483,17 @@ def test_opguard_names_the_culprit_of_each_recorded_job(opguard: Opguard, scenar
         )
 
 
+def test_a_group_whose_members_are_unknown_is_not_said_to_be_empty(opguard: Opguard) -> None:
+    """gloo's dumps list no group's members: the message said ``on group 1 (ranks [])
+    where the others issue it on group 0 (ranks [])``, two empty groups."""
+    (finding,) = opguard_findings(opguard, "group")
+    assert (
+        "group 1 (members unknown) where the others issue it on group 0 (members unknown)"
+        in (finding["message"])
+    )
+    assert "[]" not in finding["message"]
+
+
 def patched_for_torchfrtrace(source: Path, target: Path) -> None:
     """Copies of a job's gloo dumps that ``torchfrtrace`` can read: gloo keys its
     ``pg_config`` by ``''`` with no members, and torchfrtrace then fails with

@@ -744,6 +744,26 @@ def test_warnings_made_in_combine_helpers_reach_the_summary(
     assert len(logged) == 1 and "rank0.pt.trace.json.gz" in logged[0], logged
 
 
+def test_kineto_rank_files_that_state_no_rank_are_refused_saying_so(
+    opguard: Opguard, tmp_path: Path
+) -> None:
+    """``rank0`` and ``rank1`` copies of a one-GPU trace (no ``distributedInfo``, no
+    ``_rankN``) are one entry by their numbers, and both rank 0: the error said only
+    that ``rank1…`` "claims rank 0", which it never did."""
+    for rank in (0, 1):
+        shutil.copy(KINETO / "h100_bert_small.pt.trace.json.gz",
+                    tmp_path / f"rank{rank}.pt.trace.json.gz")  # fmt: skip
+    run = opguard("run", "-i", tmp_path / "rank*.pt.trace.json.gz", expect=1)
+    [failed] = [s for s in json.loads(run.read("pipeline_summary.json"))["stages"]
+                if s["status"] == "failed"]  # fmt: skip
+    assert failed["error"] == (
+        f"{tmp_path / 'rank1.pt.trace.json.gz'}: states no rank (no rank in its meta or "
+        "distributedInfo, no _rankN in its name), so it is taken as rank 0, as "
+        f"{tmp_path / 'rank0.pt.trace.json.gz'} does: two files of one entry with the same "
+        "rank would add its counts twice"
+    )
+
+
 def test_kineto_rank_files_named_as_profiled_are_one_entry(
     opguard: Opguard, tmp_path: Path
 ) -> None:

@@ -114,6 +114,13 @@ def test_a_run_directory_input_names_the_commands_for_it(opguard, samples) -> No
     run = opguard("run", "-i", str(first.run_dir), expect=2)
     assert f"--input {first.run_dir}: a run directory, not a callsite trace" in run.stderr
     assert run.run_dir is None
+    # found by a pattern, it fails its input at discover (as any input a pattern
+    # finds), saying the same: it said only "is a directory, not a trace file"
+    pattern = str(first.run_dir.parent / "preprocessing_*")
+    run = opguard("run", "-i", pattern, expect=1)
+    assert f"{first.run_dir}: a run directory, not a callsite trace; use opguard show" in (
+        run.stderr
+    )
     # a name that cannot be looked up is refused at discover in one line, as before
     # the run-directory check (it raised OSError: File name too long, a traceback)
     run = opguard("run", "-i", "a" * 300, expect=1)

@@ -285,7 +285,7 @@ def _refuse_configs(inputs: Sequence[str]) -> None:
     """``run`` reads traces; a YAML config or a run directory given as input is a
     usage error that names the commands made for them."""
     from opguard_core.files.lookup import is_regular_file
-    from opguard_core.run.summary import SUMMARY_FILE
+    from opguard_core.run.summary import RUN_DIR_INSTEAD, SUMMARY_FILE
 
     for spec in inputs:
         if names_a_config(spec):
@@ -294,11 +294,7 @@ def _refuse_configs(inputs: Sequence[str]) -> None:
                 "use opguard compare, merge, filter or show on configs"
             )
         if is_regular_file(Path(spec) / SUMMARY_FILE):
-            raise click.UsageError(
-                f"--input {spec}: a run directory, not a callsite trace; "
-                "use opguard show, compare, merge, filter, export or report on it, or give "
-                "the traces it was made from"
-            )
+            raise click.UsageError(f"--input {spec}: {RUN_DIR_INSTEAD}")
 
 
 __all__ = ["make_run_command", "run_options"]

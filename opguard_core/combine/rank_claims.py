@@ -41,9 +41,16 @@ def check_rank_claims(claims: Iterable[Claim]) -> None:
         for rank in ranks:
             first = owner.setdefault(rank, path)
             if first != path:
+                claim = (
+                    f"claims rank {rank}"
+                    if stated or _name_rank(path) is not None
+                    # a Kineto trace without distributedInfo, named rank1.pt.trace.json
+                    else f"states no rank (no rank in its meta or distributedInfo, no "
+                    f"_rankN in its name), so it is taken as rank {rank}"
+                )
                 raise InputError(
                     path,
-                    f"claims rank {rank}, as {first} does: two files of one entry with "
+                    f"{claim}, as {first} does: two files of one entry with "
                     "the same rank would add its counts twice",
                 )
         name_rank = _name_rank(path)

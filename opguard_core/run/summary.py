@@ -60,26 +60,39 @@ def _entries(summary: dict[str, Any]) -> int:
     return len(entries) if isinstance(entries, list) else 0
 
 
+#: what to say of a run directory given where traces go (``run -i``, found by discover)
+RUN_DIR_INSTEAD = (
+    "a run directory, not a callsite trace; use opguard show, compare, merge, filter, "
+    "export or report on it, or give the traces it was made from"
+)
+
+
+def ok_records(summary: dict[str, Any], stage: str) -> list[dict[str, Any]]:
+    """The records of ``stage`` that ended ok, in order."""
+    return [
+        r for r in summary.get("stages", []) if r.get("stage") == stage and r.get("status") == "ok"
+    ]
+
+
 def stage_outputs(summary: dict[str, Any], stage: str, entry: str | None = None) -> list[str]:
     """The files the ok records of ``stage`` (for ``entry``, when given) wrote, as
     names inside the run directory, in order: how a reader finds a run's artifacts
     without knowing what any stage calls them."""
     return [
         str(output)
-        for r in summary.get("stages", [])
-        if r.get("stage") == stage and r.get("status") == "ok"
-        and (entry is None or r.get("entry") == entry)
+        for r in ok_records(summary, stage)
+        if entry is None or r.get("entry") == entry
         for output in r.get("outputs") or []
-    ]  # fmt: skip
+    ]
 
 
 def outputs_by_entry(summary: dict[str, Any], stage: str) -> dict[str | None, list[str]]:
     """:func:`stage_outputs` of ``stage`` for every entry at once (entry name, None for
     the run's own record, to its files): one pass however many entries a run has."""
     found: dict[str | None, list[str]] = {}
-    for r in summary.get("stages", []):
+    for r in ok_records(summary, stage):
         entry = r.get("entry")
-        if r.get("stage") == stage and r.get("status") == "ok" and isinstance(entry, str | None):
+        if isinstance(entry, str | None):
             files = found.setdefault(entry, [])
             files += [str(output) for output in r.get("outputs") or []]
     return found
@@ -203,10 +216,7 @@ def run_tree(run_dir: Path) -> Path:
 def divergence_counts(summary: dict[str, Any]) -> dict[str, Any] | None:
     """The divergence stage's findings over the run (``findings``, ``errors``,
     ``warnings`` and the ``entries`` with findings), or None when no entry ran it."""
-    records = [
-        r for r in summary.get("stages", []) if r.get("stage") == "divergence"
-        and r.get("status") == "ok"
-    ]  # fmt: skip
+    records = ok_records(summary, "divergence")
     if not records:
         return None
     totals: dict[str, Any] = {"findings": 0, "errors": 0, "warnings": 0, "entries": []}
@@ -458,6 +468,7 @@ def summary_fields(summary: dict[str, Any]) -> dict[str, Any]:
 
 __all__ = [
     "REPORT_FILE",
+    "RUN_DIR_INSTEAD",
     "SUMMARY_FILE",
     "SummaryPace",
     "build_summary",
@@ -465,6 +476,7 @@ __all__ = [
     "config_source",
     "divergence_counts",
     "final_configs",
+    "ok_records",
     "outputs_by_entry",
     "read_summary",
     "run_artifact",

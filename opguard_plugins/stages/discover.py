@@ -39,6 +39,7 @@ from opguard_core.formats.readers import is_callsite_trace
 from opguard_core.formats.trace import read_head, trace_stem
 from opguard_core.model import Discovery, InputEntry, InputProblem
 from opguard_core.run.artifacts import entry_artifacts, reserved_entry_name
+from opguard_core.run.summary import RUN_DIR_INSTEAD, SUMMARY_FILE
 from opguard_core.run.warnings import warn
 
 RANK_FILE = re.compile(r"^(?P<name>.+)_rank(?P<rank>\d+)$")
@@ -88,6 +89,8 @@ def _not_a_file(path: Path) -> str | None:
     if stat.S_ISREG(mode):
         return None
     if stat.S_ISDIR(mode):
+        if (path / SUMMARY_FILE).is_file():  # as run refuses one named outright
+            return f"{path}: {RUN_DIR_INSTEAD}"
         return f"{path}: is a directory, not a trace file"
     if stat.S_ISFIFO(mode):
         return f"{path}: is a FIFO (named pipe), not a trace file"

@@ -1035,6 +1035,13 @@ def _merge_groups(findings: list[Finding]) -> list[Finding]:
     return [f for f in findings if id(f) not in used] + merged
 
 
+def _members(group: dict[str, Any]) -> str:
+    """`` (ranks [0, 1])`` for a group whose members the traces list; `` (members
+    unknown)`` where they do not (a gloo Flight Recorder dump): never an empty list."""
+    ranks = group.get("ranks")
+    return f" (ranks {ranks})" if ranks else " (members unknown)"
+
+
 def _group_finding(missing: Finding, extra: Finding) -> Finding:
     expected, got = missing["expected"], extra["got"]
     group, other = missing["group"], extra["group"]
@@ -1055,8 +1062,8 @@ def _group_finding(missing: Finding, extra: Finding) -> Finding:
             f"{' (' + group['desc'] + ')' if group['desc'] else ''}, step {extra['step']}: "
             f"rank(s) {rank_text} issue {expected['op']} {expected['dtype']}"
             f"{''.join(str(s) for s in expected['shapes'] or []).replace(' ', '')} on group "
-            f"{other['name']} (ranks {other['ranks']}) where the others issue it on "
-            f"group {group['name']} (ranks {group['ranks']}): a different process group; "
+            f"{other['name']}{_members(other)} where the others issue it on "
+            f"group {group['name']}{_members(group)}: a different process group; "
             "the job hangs here"
         ),
     }

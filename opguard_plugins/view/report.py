@@ -41,6 +41,7 @@ from opguard_core.formats.values import is_counts
 from opguard_core.run.summary import (
     REPORT_FILE,
     final_configs,
+    ok_records,
     outputs_by_entry,
     read_summary,
     run_artifact,
@@ -620,11 +621,8 @@ def _divergence_counts(summary: dict[str, Any]) -> dict[str, dict[str, Any]]:
     """Per entry, the counts its divergence stage recorded in the summary."""
     return {
         str(r["entry"]): r["counts"]
-        for r in summary.get("stages") or []
-        if r.get("stage") == "divergence"
-        and r.get("status") == "ok"
-        and isinstance(r.get("entry"), str)
-        and isinstance(r.get("counts"), dict)
+        for r in ok_records(summary, "divergence")
+        if isinstance(r.get("entry"), str) and isinstance(r.get("counts"), dict)
     }
 
 
