@@ -175,9 +175,23 @@ def test_the_profiler_backend_records_the_dtypes_the_modes_backend_records(
     formats.md), the same dtypes."""
     pairs = {}
     for backend in ("modes", "profiler"):
-        torch.manual_seed(0)
-        with trace_callsites("p", tmp_path / backend, rank=0, backend=backend) as tracer:
-            _profiler_program()()
+        for attempt in range(3):  # torch's profiler, not the backend: see below
+            torch.manual_seed(0)
+            try:
+                with trace_callsites(
+                    "p", tmp_path / f"{backend}{attempt}", rank=0, backend=backend
+                ) as tracer:
+                    _profiler_program()()
+            except RuntimeError as exc:
+                if backend == "profiler" and "bad_alloc" in str(exc):
+                    continue
+                raise
+            if getattr(tracer, "lost_cycles", 0) == 0:
+                break
+        # torch 2.13's profiler, in a few percent of pytest processes (never seen
+        # in plain ones), loses its cycle (`IndexError: … at() …` on being stopped,
+        # said on stderr) or raises `std::bad_alloc` out of its Python tracer into
+        # the program (docs/tracing.md): tried again, at most 3 times in all
         assert tracer.written is not None
         loop = load_trace(tracer.written)
         assert loop.meta["phase"] == "loop"
