@@ -81,6 +81,32 @@ def train(steps=2, extra_from=None, optimizer="adamw", relu=True, eval_mode=Fals
         step(model, opt, batch(dtype))
 
 
+def log(loss):
+    return float(loss.detach())
+
+
+def finish(model):
+    # once, after the loop: a few ops, as a final barrier or save is
+    total = torch.zeros(())
+    with torch.no_grad():
+        for p in model.parameters():
+            total = total + p.abs().sum()
+    return total
+
+
+def train_logged(steps=3):
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    for _ in range(steps):
+        opt.zero_grad()
+        loss = model(batch()).square().mean()
+        loss.backward()
+        opt.step()
+        log(loss)
+    finish(model)
+
+
 def train_gan(steps=3, seed=0):
     # two models, two optimizers: the discriminator's steps, then the generator's
     torch.manual_seed(seed)
@@ -403,3 +429,36 @@ def test_the_split_env_variable_is_no_split(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stderr[-2000:]
     assert sorted(p.name for p in out.glob("*.json")) == ["s_callsite_rank0.json"]
     assert load_trace(out / "s_callsite_rank0.json").meta["steps"] == 2
+
+
+def test_a_function_too_small_to_be_an_entry_in_a_longer_run_did_not_never_run(
+    tmp_path: Path, slmodel: Any
+) -> None:
+    """An entry of every loop step (``log``, a few ops a step) and one run once after
+    the loop with as many ops as the config has steps (``finish``, as a final barrier
+    or save): at more steps both fall below the longer run's pruning threshold, and
+    were a ``missing`` error, "never ran", in check and in guard, though both ran.
+    They are a warning that says so; a function that is gone is still the error."""
+    folder = tmp_path / "t"
+    loop = traced(folder, "c", lambda: slmodel.train_logged(steps=3))
+    out = tmp_path / "run"
+    result = invoke("run", "-i", loop, "--output-base", out, "--min-fraction", "0.044")
+    assert result.exit_code == 0, result.stderr
+    config = Path(result.stdout.strip().splitlines()[-1]) / "c_callsite_instrumentation.yaml"
+    targets = {e["target"] for e in load_config(config)["entries"]}
+    assert {"slmodel:log", "slmodel:finish"} <= targets
+    traced(folder, "long", lambda: slmodel.train_logged(steps=60))
+    report = check(config, folder / "long_callsite_rank0.json")
+    found = {(v["kind"], v["target"], v["severity"]) for v in report["violations"]}
+    assert not [v for v in report["violations"] if v["severity"] == "error"], found
+    assert ("missing", "slmodel:finish", "warning") in found
+    with guarded(config, report_dir=tmp_path / "g", rank=0, whole_run=True) as guard:
+        slmodel.train_logged(steps=60)
+    document = load_report(guard.written or tmp_path)
+    assert {(v["kind"], v["target"], v["severity"]) for v in document["violations"]} == found
+    # gone for good: the error it was
+    slmodel.log = lambda loss: None
+    traced(folder, "gone", lambda: slmodel.train_logged(steps=60))
+    report = check(config, folder / "gone_callsite_rank0.json")
+    errors = {(v["kind"], v["target"]) for v in report["violations"] if v["severity"] == "error"}
+    assert ("missing", "slmodel:log") in errors

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Container, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -133,6 +133,9 @@ class CheckInput:
     :ivar loop: the config's counts and the observed ones are both of a training loop
         (``meta.phases``: tracing.md, "Set-up and loop"), so what the config ran in
         every step must run in every step (``missing`` and ``missing_op`` as errors).
+    :ivar ran: per observed rank, the keys that ran there at all, an entry of their
+        own or too little to be one (pruned), as a container
+        (:class:`~opguard_core.formats.tree.RanUnder`); a rank not in it: unknown.
     """
 
     rank: int
@@ -145,6 +148,7 @@ class CheckInput:
     expected_steps: int | None = None
     observed_steps: dict[int, int | None] = dataclasses.field(default_factory=dict)
     loop: bool = False
+    ran: Mapping[int, Container[EntryKey]] = dataclasses.field(default_factory=dict)
 
     def entry_ranks(self, entry: dict[str, Any]) -> list[int]:
         """A config entry's ranks: its own ``ranks``, else the config's."""
@@ -153,6 +157,11 @@ class CheckInput:
     def seen_on(self) -> list[int]:
         """The observed ranks where this key ran."""
         return sorted(r for r, entries in self.observed.items() if self.key in entries)
+
+    def key_ran(self) -> bool:
+        """Whether this key ran on this rank at all, an entry of its own or too little
+        to be one (pruned); False where that is not known."""
+        return self.key in self.ran.get(self.rank, ())
 
 
 def join_ranks(violations: Iterable[Violation]) -> list[Violation]:

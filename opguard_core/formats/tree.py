@@ -15,6 +15,7 @@ from opguard_core.formats.dtypes import is_dtype
 from opguard_core.formats.streams import is_role, legacy_side_roles, legacy_stream_counts
 
 if TYPE_CHECKING:
+    from opguard_core.combine.accumulator import CallsiteTrace
     from opguard_core.formats.trace import Frame
 
 TREE_FORMAT = "opguard-calltree"
@@ -73,6 +74,41 @@ def frame_targets(frames: Sequence[Frame]) -> list[str]:
     """:func:`target_name` of each frame, in order (one comprehension, no call per
     frame: a trace has tens of thousands)."""
     return [f"{f.module or f.file or '?'}:{f.qualname}" for f in frames]
+
+
+class RanUnder:
+    """Which (target, context) keys ran in a trace, pruned or not: a key ran where a
+    callsite's stack holds its target (a frame's function, or the torch api called)
+    below its context's innermost target, at any distance (a run's pruning folds
+    what is between). What ``missing`` asks before it says an entry never ran: a
+    function that ran too little in a run to be an entry of its own there (below
+    its pruning threshold) did run."""
+
+    def __init__(self, trace: CallsiteTrace) -> None:
+        names = frame_targets(trace.frames)
+        apis: dict[str, str] = {}
+        for api in {site.api for site in trace.callsites if site.api}:
+            module, qualname = split_api(api)
+            apis[api] = target_name(module, None, qualname)
+        paths = {
+            (*(names[f] for f in site.stack), *((apis[site.api],) if site.api else ()))
+            for site in trace.callsites
+        }
+        #: per target, the paths (outermost first) it is on, and where
+        self._at: dict[str, list[tuple[tuple[str, ...], int]]] = {}
+        for path in paths:
+            for position, name in enumerate(path):
+                self._at.setdefault(name, []).append((path, position))
+
+    def __contains__(self, key: object) -> bool:
+        if not (isinstance(key, tuple) and len(key) == 2):
+            return False
+        target, context = key
+        found = self._at.get(target, ())
+        if not context:
+            return bool(found)
+        above = context[-1]
+        return any(above in path[:position] for path, position in found)
 
 
 def node_target(node: dict[str, Any]) -> str:

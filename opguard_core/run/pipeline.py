@@ -12,7 +12,7 @@ itself, once each); its run warnings are logged, but for an entry made ``quietly
 from __future__ import annotations
 
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -21,7 +21,9 @@ from ruamel.yaml.comments import CommentedMap
 
 from opguard_core.configs.chain import active_filters, apply_filters
 from opguard_core.errors import ExitCode
+from opguard_core.formats.config import EntryKey
 from opguard_core.formats.trace import absent_ranks, partial_ranks_of
+from opguard_core.formats.tree import RanUnder
 from opguard_core.model import InputEntry, RunOptions
 from opguard_core.plugin.manager import OpGuardPluginManager
 from opguard_core.run.records import EventRecorder
@@ -50,6 +52,8 @@ class Pipeline:
         #: per entry made whole (not ``quietly``): the ranks below its traces'
         #: ``meta.world_size`` it has no trace of (:func:`absent_ranks`)
         self.absent: dict[str, list[int]] = {}
+        #: per entry made with ``keys``: those of them that ran in its trace at all
+        self.ran: dict[str, frozenset[EntryKey]] = {}
 
     def __enter__(self) -> Pipeline:
         return self
@@ -64,16 +68,24 @@ class Pipeline:
         return self._runner.discover()
 
     def config(
-        self, entry: InputEntry, quietly: bool = False, filtered: bool = True
+        self,
+        entry: InputEntry,
+        quietly: bool = False,
+        filtered: bool = True,
+        keys: Collection[EntryKey] = (),
     ) -> CommentedMap | None:
         """``entry``'s config as the run makes it (combine, compress, generate) and,
         when ``filtered``, the run's filter chain applied; None when a stage failed
-        (see :meth:`failures`)."""
+        (see :meth:`failures`). Those of ``keys`` that ran in its trace at all,
+        entries of their own or pruned (:class:`RanUnder`), go to :attr:`ran`."""
         quiet = quietly and not self.options.verbose
         with collecting(self._runner.recorder.warnings, quiet=quiet):
             results = self._runner.process_entry(entry, side=False)
         trace = results.get("combine")
         if trace is not None:
+            if keys:
+                under = RanUnder(trace)
+                self.ran[entry.name] = frozenset(key for key in keys if key in under)
             self.partial.update(partial_ranks_of(trace.meta))
             absent = absent_ranks(trace.meta, trace.ranks)
             if absent and not quietly:

@@ -205,6 +205,9 @@ class Observed:
     problems_code: ExitCode = ExitCode.INPUT_UNREADABLE
     #: per entry: the ranks below its ``meta.world_size`` it has no trace of
     absent: dict[str, list[int]] = dataclasses.field(default_factory=dict)
+    #: per rank, the config's keys that ran in its traces at all (pruned or not);
+    #: -1: on any rank
+    ran: dict[int, frozenset[EntryKey]] = dataclasses.field(default_factory=dict)
 
 
 def observe(
@@ -228,6 +231,8 @@ def observe(
     configs: dict[int, CommentedMap] = {}
     combined: CommentedMap | None = None
     alone: dict[str, Observed] = {}
+    expected_keys = set(expected)
+    ran: dict[int, frozenset[EntryKey]] = {}
     with Pipeline(manager, inputs, options) as pipeline:
         entries = pipeline.discover()
         index = 0
@@ -237,14 +242,17 @@ def observe(
                 index += 1
                 single = InputEntry(f"{entry.name}_{index}", (path,), index, entry.specs)
                 # the whole entry warns; the filters run on it (below)
-                config = pipeline.config(single, quietly=True, filtered=False)
+                config = pipeline.config(single, quietly=True, filtered=False, keys=expected_keys)
                 if config is None:
                     continue
                 rank = int(((config.get("meta") or {}).get("ranks") or [0])[0])
                 for into in (configs, mine.configs):
                     left = into.get(rank)
                     into[rank] = config if left is None else pipeline.merge(left, config)
-        expected_keys = set(expected)
+                did = pipeline.ran.pop(single.name, frozenset())
+                for into_ran in (ran, mine.ran):
+                    into_ran[rank] = into_ran.get(rank, frozenset()) | did
+                    into_ran[-1] = into_ran.get(-1, frozenset()) | did
         kept: set[Any] = set(expected_keys)
         for entry in entries:
             whole = pipeline.config(entry)
@@ -262,7 +270,7 @@ def observe(
         partial = pipeline.partial
         absent = pipeline.absent
     files = [Path(path) for entry in entries for path in entry.files]
-    return Observed(configs, problems, combined, files, alone, partial, code, absent)
+    return Observed(configs, problems, combined, files, alone, partial, code, absent, ran)
 
 
 def select_observed(observed: Observed, selection: Selection) -> None:
@@ -306,9 +314,11 @@ def _run_rules(
     steps: dict[int, int | None],
     tolerance: float,
     loops: dict[int, bool],
+    ran: Mapping[int, frozenset[EntryKey]],
 ) -> list[Violation]:
     """Every ``opguard_check_entry`` result for every observed rank and key (unjoined);
-    ``loops``: per observed rank, whether its trace is a loop (``meta.phases``)."""
+    ``loops``: per observed rank, whether its trace is a loop (``meta.phases``);
+    ``ran``: per observed rank, the keys that ran there at all (``CheckInput.ran``)."""
     expected: dict[EntryKey, dict[str, Any]] = {entry_key(e): e for e in config["entries"]}
     ranks = [int(r) for r in (config.get("meta") or {}).get("ranks") or []]
     impls = manager.implementations("opguard_check_entry")
@@ -328,6 +338,7 @@ def _run_rules(
                 expected_steps=expected_steps,
                 observed_steps=steps,
                 loop=config_loop and loops.get(rank, False),
+                ran=ran,
             )
             kwargs = {"observed": entries.get(key), "expected": expected.get(key), "check": check}
             for impl in impls:
@@ -363,8 +374,11 @@ def check_configs(
     tolerance: float = DEFAULT_TOLERANCE,
     strict: bool = False,
     combined: dict[str, Any] | None = None,
+    ran: Mapping[int, frozenset[EntryKey]] | None = None,
 ) -> list[Violation]:
-    """Every violation of ``config`` by the observed per-rank configs, ranks joined.
+    """Every violation of ``config`` by the observed per-rank configs, ranks joined
+    (``ran``: per rank, -1 for all together, the config's keys that ran in the
+    traces at all: :attr:`Observed.ran`).
 
     With ``combined`` (all observed ranks in one config, made as the config was), a
     violation of a :data:`STRUCTURAL_KINDS` kind is kept only when the combined view
@@ -376,7 +390,8 @@ def check_configs(
     }
     steps = {rank: _steps(observed[rank]) for rank in seen}
     loops = {rank: loop_only(observed[rank].get("meta") or {}) for rank in seen}
-    found = _run_rules(manager, config, seen, steps, tolerance, loops)
+    ran = ran or {}
+    found = _run_rules(manager, config, seen, steps, tolerance, loops, ran)
     if combined is not None:
         whole_entries = {entry_key(e): e for e in combined["entries"]}
         # rank -1 stands for "all ranks together"
@@ -387,6 +402,7 @@ def check_configs(
             {-1: _steps(combined)},
             tolerance,
             {-1: loop_only(combined.get("meta") or {})},
+            ran,
         )
         wanted = {v.identity(): v for v in whole if v.kind in STRUCTURAL_KINDS}
         found = [v for v in found if v.kind not in STRUCTURAL_KINDS or v.identity() in wanted]
@@ -497,6 +513,7 @@ def _best_fit(
             tolerance,
             strict,
             observed.combined,
+            observed.ran,
         )
         if best is None or _counts(found) < best[0]:
             best = (_counts(found), sorted(sources), found)
@@ -534,7 +551,7 @@ def check_merged(
     names = recorded_sources(config)
     if not names:
         violations = check_configs(
-            manager, config, observed.configs, tolerance, strict, observed.combined
+            manager, config, observed.configs, tolerance, strict, observed.combined, observed.ran
         )
         return violations, []
     if chosen:

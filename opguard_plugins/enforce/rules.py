@@ -161,6 +161,15 @@ def missing(
     if check.rank not in ranks:
         return []
     rate = every_step(int(expected.get("count", 0)), expected, check)
+    if check.key_ran():  # it ran, too little here to be an entry of its own (pruned)
+        if rate < 1:
+            return []
+        message = (
+            f"{_where(check)} ran too little in this run to be an entry of its own (below "
+            f"its pruning threshold); the config's loop ran it in every step ({rate:g} ops "
+            "a step)"
+        )
+        return [_violation("missing", WARNING, check, message)]
     if check.seen_on():
         if rate < 1:
             return []

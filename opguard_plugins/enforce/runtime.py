@@ -1221,6 +1221,11 @@ class Guard:
         states = self._counted()
         return frozenset(key[0] for state in states if state.ops for key in state.known)
 
+    def keys_ran(self) -> frozenset[EntryKey]:
+        """The config keys active while checked ops ran, pruned or not (``CheckInput.ran``:
+        a key too little here to be an entry of its own still ran)."""
+        return frozenset(key for state in self._counted() if state.ops for key in state.keys)
+
     def observed_entries(self) -> dict[EntryKey, dict[str, Any]]:
         """Each config entry that was active while ops were checked, with their
         number, as ``opguard check`` would find it in a trace of this run: the
@@ -1304,6 +1309,7 @@ class Guard:
         tracked = self.names | self.api_names
         expected = {entry_key(e): e for e in config["entries"] if entry_key(e)[0] in tracked}
         observed = self.observed_entries()
+        ran = self.keys_ran()
         self.counted = {key: entry for key, entry in observed.items() if key in expected}
         ranks = [int(r) for r in (config.get("meta") or {}).get("ranks") or [rank]]
         # the steps of what is compared: a merged config's source's own, not the sum
@@ -1324,6 +1330,7 @@ class Guard:
                 expected_steps=expected_steps,
                 observed_steps={rank: self.loop_steps() or None},
                 loop=self.loop_counts and not self.other_view,  # a rule of one view
+                ran={rank: ran},
             )
             found.extend(missing(observed.get(key), expected[key], check))
             if self.other_view:
