@@ -664,3 +664,26 @@ def test_the_report_is_written_when_the_program_fails(
         f"rank 0: {why} at step 0: their whole-run rules (missing, missing_op, count_drift, "
         "unknown_target) not checked)"
     ) in proc.stderr
+
+
+@pytest.mark.slow
+def test_a_merged_config_without_source_says_what_it_did_not_check(tmp_path: Path) -> None:
+    """With a merged config and no ``--source`` the whole-run rules are skipped (each
+    source's entries would be ``missing``): the summary said nothing of it, so a
+    swapped optimizer passed as a clean 0 errors, exit 0."""
+    examples = REPO / "examples" / "traces"
+    single = make_config(tmp_path / "a", str(examples / "single_callsite_rank0.json"))
+    ddp = make_config(tmp_path / "b", str(examples / "ddp_callsite_rank*.json"))
+    merged = tmp_path / "merged.yaml"
+    assert invoke("merge", single, ddp, "-o", merged).exit_code == 0
+    script = (REPO / "examples" / "train_single.py", "--steps", "2")
+    proc = run("guard", "--config", merged, "--report-dir", tmp_path / "rep", "--", *script)
+    assert proc.returncode == 0, proc.stderr
+    assert (
+        "(a merged config of sources ddp_callsite, single_callsite and no --source: the "
+        "whole-run rules (missing, missing_op, count_drift, unknown_target) not checked; "
+        "--source NAME holds the program to its source's share)"
+    ) in proc.stderr
+    proc = run("guard", "--config", merged, "--source", "single_callsite",
+               "--report-dir", tmp_path / "rep2", "--", *script)  # fmt: skip
+    assert "no --source" not in proc.stderr

@@ -34,7 +34,7 @@ from opguard_core.formats.check import (
     write_json,
 )
 from opguard_core.formats.config import load_config
-from opguard_core.formats.sources import share_of
+from opguard_core.formats.sources import recorded_sources, share_of
 from opguard_core.formats.trace import describe_partial, list_ranks
 from opguard_core.logs import get_logger
 from opguard_core.run.summary import config_source
@@ -434,6 +434,12 @@ def guard(
             )
         if unjudged:
             skipped += f" (whole-run kinds judged per rank: {unjudged})"
+        if share_of(config, source) is None:  # a merged config, no --source: said, not silent
+            skipped += (
+                f" (a merged config of sources {', '.join(recorded_sources(config))} and no "
+                f"--source: the whole-run rules ({', '.join(WHOLE_RUN_KINDS)}) not checked; "
+                "--source NAME holds the program to its source's share)"
+            )
         click.echo(
             f"opguard guard: {errors} error(s), {warnings} warning(s) in {len(reports)} "
             f"report(s) in {reports[0].parent}: {names}{skipped}",
