@@ -585,3 +585,21 @@ def test_check_holds_traces_to_the_entries_a_filter_kept(run_dir, tmp_path, sele
 def _patterns(options: list[str]) -> tuple[list[str], list[str]]:
     pairs = list(zip(options[::2], options[1::2], strict=True))
     return [p for o, p in pairs if o == "--focus"], [p for o, p in pairs if o == "--ignore"]
+
+
+def test_pyyaml_reads_every_config_of_a_run_as_opguard_does(run_dir) -> None:
+    """Configs are files people process with other tools: PyYAML (YAML 1.1, the most
+    common Python reader) failed on every config a run wrote, at the default hide
+    pattern ``…Module\\._(wrapped_)?call_impl`` written plain in a flow list (a plain
+    scalar ends at ``?`` there in YAML 1.1); it is quoted now."""
+    import yaml  # the extra `test`: PyYAML is a reader people use, not OpGuard's
+
+    written = sorted(run_dir.glob("*.yaml"))
+    assert len(written) >= 4
+    for path in written:
+        text = path.read_text()
+        assert yaml.safe_load(text) == safe(path), path.name
+    assert (
+        r"'torch\.nn\.modules\.module:Module\._(wrapped_)?call_impl'"
+        in (run_dir / FINAL).read_text()
+    )

@@ -33,6 +33,7 @@ from ruamel.yaml.comments import (
 )
 from ruamel.yaml.composer import Composer
 from ruamel.yaml.constructor import DuplicateKeyError
+from ruamel.yaml.emitter import Emitter
 from ruamel.yaml.error import YAMLError
 from ruamel.yaml.events import AliasEvent
 from ruamel.yaml.nodes import MappingNode, ScalarNode, SequenceNode
@@ -191,8 +192,23 @@ class BoundedComposer(Composer):
         return node
 
 
+class _PortableEmitter(Emitter):
+    r"""ruamel's emitter, but a string holding ``?`` is never plain in flow context:
+    YAML 1.2 (ruamel) reads ``[a?b]`` as ``a?b``, PyYAML (YAML 1.1, the most common
+    Python reader) stops the scalar at ``?`` and fails on every config whose
+    ``meta.settings.hide`` holds the default ``…Module\._(wrapped_)?call_impl``.
+    Quoted, both read it alike; the fast writer asks this emitter too."""
+
+    def analyze_scalar(self, scalar: Any) -> Any:
+        analysis = super().analyze_scalar(scalar)
+        if "?" in scalar:
+            analysis.allow_flow_plain = False
+        return analysis
+
+
 def _yaml() -> YAML:
     yaml = YAML(typ="rt", pure=True)
+    yaml.Emitter = _PortableEmitter
     yaml.Composer = BoundedComposer
     yaml.Representer = _Representer
     yaml.width = 2**30  # never wrap: flow maps of ops can be longer than any fixed width
