@@ -270,6 +270,33 @@ def test_non_regular_inputs_are_refused_never_read(
 # ============================================================ 8: ranks stated wrongly
 
 
+def test_one_jobs_rank_files_split_by_directory_are_said_to_be_compared_apart(
+    opguard: Callable[..., RunResult], tmp_path: Path
+) -> None:
+    """A multi-node job kept one directory per node (``node0/X_rank0..1``,
+    ``node1/X_rank2..3``): each directory is an entry, so a desync between the nodes
+    went unseen with no word but "no trace of rank(s) 2, 3 (lost with its process, or
+    not given)". Two runs of a job side by side (the same ranks twice) are not such."""
+    for node, ranks in (("node0", (0, 1)), ("node1", (2, 3))):
+        (tmp_path / node).mkdir()
+        for rank in ranks:
+            write(tmp_path / node / f"X_rank{rank}.json", trace_doc(SITES, rank=rank, world_size=4))
+    run = opguard("run", "--base-dir", tmp_path, "-i", "node*/X_rank*.json", expect=0)
+    [said] = [w for w in _summary(run)["warnings"] if "rank files of one name" in w["message"]]
+    assert said["message"] == (
+        f"X: rank files of one name in 2 directories, numbered apart ({tmp_path / 'node0'}: "
+        f"0, 1; {tmp_path / 'node1'}: 2, 3): each directory is an entry of its own, so their "
+        "ranks are not compared with each other; if they are one job, give its rank files "
+        "from one directory (links to them will do)"
+    )
+    for run_name in ("run1", "run2"):
+        (tmp_path / run_name).mkdir()
+        for rank in (0, 1):
+            write(tmp_path / run_name / f"Y_rank{rank}.json", trace_doc(SITES, rank=rank))
+    run = opguard("run", "--base-dir", tmp_path, "-i", "run*/Y_rank*.json", expect=0)
+    assert not [w for w in _summary(run)["warnings"] if "rank files of one name" in w["message"]]
+
+
 def test_two_files_claiming_one_rank_fail_the_entry(
     opguard: Callable[..., RunResult], tmp_path: Path
 ) -> None:

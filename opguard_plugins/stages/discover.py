@@ -36,7 +36,7 @@ from pathlib import Path
 from opguard_core import hookimpl
 from opguard_core.errors import InputError
 from opguard_core.formats.readers import is_callsite_trace
-from opguard_core.formats.trace import read_head, trace_stem
+from opguard_core.formats.trace import list_ranks, read_head, trace_stem
 from opguard_core.model import Discovery, InputEntry, InputProblem
 from opguard_core.run.artifacts import entry_artifacts, reserved_entry_name
 from opguard_core.run.summary import RUN_DIR_INSTEAD, SUMMARY_FILE
@@ -200,6 +200,31 @@ def _numbered_groups(files: list[Path], directory: Directory) -> dict[Path, tupl
     return found
 
 
+def _warn_split_jobs(groups: dict[Group, dict[Path, Order]]) -> None:
+    """Rank files of one name in several directories, their ranks (first numbers) all
+    different: likely one job kept a directory per node, which discovery makes one
+    entry per directory, so a desync between them would go unseen. Said once per
+    name; two runs of one job side by side (the same ranks twice) are not."""
+    by_name: dict[str, list[tuple[str, set[int]]]] = {}
+    for (parent, name), rank_of in groups.items():
+        ranks = {order[0] for order in rank_of.values() if order}
+        if ranks:
+            by_name.setdefault(name, []).append((parent, ranks))
+    for name, places in by_name.items():
+        numbers = [rank for _, ranks in places for rank in ranks]
+        if len(places) < 2 or len(numbers) != len(set(numbers)):
+            continue
+        shown = "; ".join(f"{parent}: {list_ranks(sorted(ranks))}" for parent, ranks in places)
+        warn(
+            f"{name}: rank files of one name in {len(places)} directories, numbered apart "
+            f"({shown}): each directory is an entry of its own, so their ranks are not "
+            "compared with each other; if they are one job, give its rank files from one "
+            "directory (links to them will do)",
+            entry=name,
+            directories=[parent for parent, _ in places],
+        )
+
+
 def discover(inputs: Sequence[str], base_dir: Path) -> Discovery:
     """The built-in discovery (see the module docstring)."""
     problems: list[InputProblem] = []
@@ -240,6 +265,7 @@ def discover(inputs: Sequence[str], base_dir: Path) -> Discovery:
         groups.setdefault(key, {})[file.absolute()] = order
         if spec not in specs.setdefault(key, []):
             specs[key].append(spec)
+    _warn_split_jobs(groups)
     entries: list[InputEntry] = []
     used: set[str] = set()
     owned: dict[str, str] = {}
