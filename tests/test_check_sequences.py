@@ -179,6 +179,33 @@ def test_point_to_point_ops_are_not_replayed_by_position(tmp_path: Path) -> None
     assert checked.exit_code == 1 and "collective_dtype" in kinds, checked.stdout
 
 
+def test_ranks_that_depart_alike_are_one_violation_naming_them_all(tmp_path: Path) -> None:
+    """Both stages all-reduce int32 where the good run reduced float32: one violation on
+    ranks 0 and 1, whose message named rank 0 alone (``ranks 0,1   rank 0: …``)."""
+    from tests.test_collective_sequences import AR, SEND, pipeline, rank_doc, replace_step
+
+    def traces(folder: Path, docs: list[dict[str, Any]]) -> str:
+        folder.mkdir()
+        for doc in docs:
+            (folder / f"job_rank{doc['meta']['rank']}.json").write_text(json.dumps(doc))
+        return str(folder / "job_rank*.json")
+
+    good = traces(tmp_path / "good", [rank_doc(r, pipeline(r, 2)) for r in range(2)])
+    result = invoke("run", "-i", good, "--output-base", tmp_path / "run")
+    assert result.exit_code == 0, result.stdout
+    config = Path(result.stdout.strip().splitlines()[-1])
+    odd = [
+        rank_doc(r, replace_step(pipeline(r, 2), 1, [(1, SEND, "float32", 8, 21),
+                                                     (1, AR, "int32", 8, 11)]))
+        for r in range(2)
+    ]  # fmt: skip
+    checked = invoke("check", "--config", config, "-i", traces(tmp_path / "odd", odd), "--format",
+                     "json")  # fmt: skip
+    found = [v for v in json.loads(checked.stdout)["violations"] if v["kind"] == "collective_dtype"]
+    assert [v["ranks"] for v in found] == [[0, 1]], found
+    assert not found[0]["message"].startswith("rank "), found[0]["message"]
+
+
 def test_two_groups_issued_in_another_order_are_a_collective_order(tmp_path: Path) -> None:
     """Hand-made traces of 2 ranks (no torch run): each step all-reduces on the world
     group, then on group 1 (both ranks); rank 1 swaps them in step 1. Each group on its
@@ -207,7 +234,8 @@ def test_two_groups_issued_in_another_order_are_a_collective_order(tmp_path: Pat
     found = [v for v in json.loads(checked.stdout)["violations"] if v["kind"].startswith("coll")]
     assert [(v["kind"], v["ranks"]) for v in found] == [("collective_order", [1])], found
     message = found[0]["message"]
-    assert message.startswith("rank 1: collective #0 on group 1, step 1: issues"), message
+    # the ranks are the violation's (joined over ranks that depart alike), not the text's
+    assert message.startswith("collective #0 on group 1, step 1: issues"), message
     assert "on group 0 first" in message and "interleave in another order" in message
 
 

@@ -662,7 +662,10 @@ def _replay(
     found: list[Violation] = []
 
     def report(violation: Violation, message: str, stop: bool) -> None:
-        found.append(dataclasses.replace(violation, ranks=[rank]))
+        # the guard's message names its one rank; here ``ranks`` does, joined over the
+        # ranks that depart alike (it read "ranks 0,1   rank 0: …")
+        text = violation.message.removeprefix(f"rank {rank}: ")
+        found.append(dataclasses.replace(violation, ranks=[rank], message=text))
 
     checker = SequenceChecker(expected, report)
     if rank not in sequence.ranks or not checker.bind(rank):
