@@ -154,20 +154,37 @@ def test_guard_and_check_agree_on_the_bundled_example(tmp_path: Path) -> None:
     assert _keys(guarded) == _keys(checked), _keys(guarded) ^ _keys(checked)
 
 
-@pytest.mark.parametrize("helper", [False, True], ids=["plain", "helper"])
-def test_guard_and_check_agree_on_a_checkpointed_block(tmp_path: Path, helper: bool) -> None:
+@pytest.mark.parametrize("helper", [False, True, "pre_ln"], ids=["plain", "helper", "pre_ln"])
+def test_guard_and_check_agree_on_a_checkpointed_block(tmp_path: Path, helper: Any) -> None:
     """torch.utils.checkpoint's recomputation stops inside the block's last function
     that saves a tensor: there ``F.batch_norm`` runs under ``Tensor.backward``'s api
     (its entry a function's, no longer the api's) and the helper's only work is the
     pack hook (a chain check's tree folds). Before: the unchanged script under the
     guard had an ``unknown_target`` for ``F.batch_norm`` and, with the helper, an
-    ``unexpected_op`` error (``aten::detach`` in ``scaled_gelu``); check had none."""
-    flags = ["--helper"] if helper else []
+    ``unexpected_op`` error (``aten::detach`` in ``scaled_gelu``); check had none.
+    A pre-LN block (``x + fc(ln(x))``): check's tree folds ``LayerNorm.forward`` into
+    ``F.layer_norm`` in the recomputation, where the pack hook runs below it (a frame),
+    and keeps it in the forward pass, where ``F.layer_norm`` is the api (a leaf): the
+    guard read the recomputation by the forward pass's entries, 3 errors (with
+    ``--on-violation raise`` the unchanged job died in its first backward)."""
+    flags = {False: [], True: ["--helper"], "pre_ln": ["--pre-ln"]}[helper]
     command = ["python", str(CHECKPOINTED), "--steps", "3", *flags]
     config = _config(tmp_path, command)
     checked, guarded = _both(tmp_path, config, "same", command)
     assert checked == [] and guarded == [], _keys(guarded) ^ _keys(checked)
-    if not helper:
+    if helper == "pre_ln":  # an edit inside the block: found by both, the same way
+        script = tmp_path / "gated" / "checkpointed.py"
+        script.parent.mkdir()
+        script.write_text(
+            _edit(
+                "return x + self.fc(self.ln(x))", "return x + torch.sigmoid(self.fc(self.ln(x)))"
+            )(CHECKPOINTED.read_text())
+        )
+        command = ["python", str(script), "--steps", "3", *flags]
+        checked, guarded = _both(tmp_path, config, "gated", command)
+        assert _keys(guarded) == _keys(checked), _keys(guarded) ^ _keys(checked)
+        assert any(k[:2] == ("unexpected_op", "checkpointed:Block.forward") for k in _keys(checked))
+    if helper is not True:
         return
     script = tmp_path / "tanh" / "checkpointed.py"
     script.parent.mkdir()

@@ -441,6 +441,21 @@ class Guard:
         for target, context in self.entries:
             parents.setdefault(target, set()).add(context[-1] if context else None)
         self.parents = {t: frozenset(p) for t, p in parents.items()}
+        #: targets with both kinds of entries, a public call's (``torch_api``: a leaf
+        #: of check's tree, where the call's frame is the api's own function) and a
+        #: function's (a frame node: Python ran below it, a saved-tensor hook in a
+        #: checkpoint's recomputation, so chains fold through it), and per kind
+        #: (True: the api's) their parents: which entry a stack reads depends on
+        #: which the target is there
+        self.dual = frozenset(t for t, k in kinds.items() if TORCH_API in k and len(k) > 1)
+        by_kind: dict[bool, dict[str, set[str | None]]] = {True: {}, False: {}}
+        for (target, context), entry in self.entries.items():
+            if target in self.dual:
+                as_api = entry.get("kind") == TORCH_API
+                by_kind[as_api].setdefault(target, set()).add(context[-1] if context else None)
+        self.parents_by_kind = {
+            kind: {t: frozenset(p) for t, p in found.items()} for kind, found in by_kind.items()
+        }
         #: id(code) -> the config target that code runs, or None; ``_codes`` keeps
         #: the code objects alive so that their ids stay theirs
         self._code_targets: dict[int, str | None] = {}
@@ -629,19 +644,35 @@ class Guard:
 
     # -- states ---------------------------------------------------------------
 
+    def _parents(self, target: str, as_api: bool = False) -> frozenset[str | None]:
+        """The targets the config has directly above ``target`` (None: top level), by
+        the kind of entry it is on this stack where it has both (:attr:`dual`)."""
+        if target in self.dual:
+            return self.parents_by_kind[as_api].get(target, frozenset())
+        return self.parents.get(target, frozenset())
+
+    def _has(self, key: EntryKey, as_api: bool) -> bool:
+        """Whether the config has ``key`` as the kind of entry its target is here."""
+        entry = self.entries.get(key)
+        if entry is None:
+            return False
+        return key[0] not in self.dual or (entry.get("kind") == TORCH_API) == as_api
+
     def _state(
         self,
         path: tuple[str, ...],
         target: str,
         known: frozenset[EntryKey],
         chain: tuple[tuple[Any, ...], ...] = (),
+        as_api: bool = False,
     ) -> _State:
         context = path[-self.depth :] if self.depth > 0 else ()
         key = (target, context)
-        if key in self.entries:
+        has = self._has(key, as_api)
+        if has:
             known = known | {key}
         child_path = (*path, target)[-self.depth :] if self.depth > 0 else ()
-        interned = self._states.get((child_path, known, chain))
+        interned = self._states.get((child_path, known, chain, as_api))
         if interned is not None and interned.key == key:
             return interned
         allowed: frozenset[str] | None = None
@@ -654,11 +685,7 @@ class Guard:
             if ds is not None:
                 dtypes = ds if dtypes is None else dtypes & ds
         state = _State(child_path, key, known, allowed, streams, dtypes)
-        if (
-            key not in self.entries
-            and target in self.entry_targets
-            and self.selection.keeps((*context, target))
-        ):
+        if not has and target in self.entry_targets and self.selection.keeps((*context, target)):
             listed = "; ".join(
                 " > ".join(c) or "(top level)" for t, c in sorted(self.entries) if t == target
             )
@@ -673,7 +700,7 @@ class Guard:
             state.unknown = self.remember(violation)
         state.chain = (*chain, state.unknown) if state.unknown is not None else chain
         state.watch = bool(state.known or state.chain)
-        self._states[(child_path, known, chain)] = state
+        self._states[(child_path, known, chain, as_api)] = state
         return state
 
     def active_targets(
@@ -751,8 +778,8 @@ class Guard:
 
     def _placed(self, active: tuple[str, ...], index: int) -> bool:
         """Whether ``active[index]`` sits where the config has it: one of its parents
-        runs above it, or it is a top-level entry."""
-        parents = self.parents.get(active[index], frozenset())
+        runs above it, or it is a top-level entry (a frame here: not the innermost)."""
+        parents = self._parents(active[index])
         return None in parents or any(a in parents for a in active[index + 1 :])
 
     def _resolve_with_leaves(self, active: tuple[str | None, ...]) -> _State:
@@ -773,7 +800,10 @@ class Guard:
                 self._ran.add(targets)
                 for stack in self._folded_over.pop(targets, ()):
                     self._by_active.pop(stack, None)  # no folded chain: resolved again
-        base = self._resolve((api, *targets) if api is not None and known_api else targets)
+        if api is not None and known_api:
+            base = self._resolve((api, *targets), api_first=True)
+        else:
+            base = self._resolve(targets)
         with self._lock:
             for path in base.folds:
                 self._folded_over.setdefault(path, []).append(active)
@@ -802,7 +832,7 @@ class Guard:
         for key in keys:
             counts[key] = counts.get(key, 0) + 1
 
-    def _resolve(self, active: tuple[str, ...]) -> _State:
+    def _resolve(self, active: tuple[str, ...], api_first: bool = False) -> _State:
         """The state of the config targets ``active`` (innermost first).
 
         Each target's parent is the nearest target above it that the config has
@@ -823,12 +853,12 @@ class Guard:
         where a target between ran ops of its own on this path before (then it is a
         node check's tree keeps). Ops it runs only later leave the folded reading in
         place: the guard may then miss what check finds there, never the reverse."""
-        chosen, folds = self._choose(active, fold=False)
+        chosen, folds = self._choose(active, fold=False, api_first=api_first)
         with self._lock:
-            state = self._build(chosen)
+            state = self._build(chosen, api_first)
             if folds and state.chain:
-                chosen, folds = self._choose(active, fold=True)
-                folded = self._build(chosen)
+                chosen, folds = self._choose(active, fold=True, api_first=api_first)
+                folded = self._build(chosen, api_first)
                 if len(folded.chain) < len(state.chain):
                     state = self._either(state, folded)
                     state.folds = tuple(folds)
@@ -836,7 +866,7 @@ class Guard:
         return state
 
     def _choose(
-        self, active: tuple[str, ...], fold: bool
+        self, active: tuple[str, ...], fold: bool, api_first: bool = False
     ) -> tuple[list[str], list[tuple[str, ...]]]:
         """The targets of ``active`` whose entries are active (:meth:`_resolve`), and
         the paths (from a target up) where a target was placed under a nearer one
@@ -848,7 +878,7 @@ class Guard:
         while index < len(active):
             target = active[index]
             chosen.append(target)
-            parents = self.parents.get(target, frozenset())
+            parents = self._parents(target, as_api=api_first and index == 0)
             above = index + 1
             while above < len(active) and active[above] not in parents:
                 if active[above] != target and self._placed(active, above):
@@ -870,15 +900,17 @@ class Guard:
             index = above
         return chosen, folds
 
-    def _build(self, chosen: list[str]) -> _State:
-        """The interned state of the chosen targets (innermost first)."""
+    def _build(self, chosen: list[str], api_first: bool = False) -> _State:
+        """The interned state of the chosen targets (innermost first; ``api_first``:
+        the innermost is the public call's entry)."""
         state = self._nothing
         path: tuple[str, ...] = ()
         known: frozenset[EntryKey] = frozenset()
         chain: tuple[tuple[Any, ...], ...] = ()
         keys: list[EntryKey] = []
-        for target in reversed(chosen):
-            state = self._state(path, target, known, chain)
+        for at in range(len(chosen) - 1, -1, -1):
+            target = chosen[at]
+            state = self._state(path, target, known, chain, as_api=api_first and at == 0)
             path, known, chain = state.path, state.known, state.chain
             keys.append(state.key)  # type: ignore[arg-type]
         if keys and not state.keys:
