@@ -149,32 +149,41 @@ def test_traces_without_sequences_say_the_collectives_were_not_compared(tmp_path
     assert "the config's collective sequences not compared: the traces record none" in head
 
 
+def _job_traces(folder: Path, docs: list[dict[str, Any]]) -> str:
+    """Hand-made rank documents written as ``folder/job_rank{R}.json``; their glob."""
+    folder.mkdir()
+    for doc in docs:
+        (folder / f"job_rank{doc['meta']['rank']}.json").write_text(json.dumps(doc))
+    return str(folder / "job_rank*.json")
+
+
+def _pipeline_config(tmp_path: Path) -> Path:
+    """The run directory of a good 2-stage pipeline job of 2 steps (hand-made)."""
+    from tests.test_collective_sequences import pipeline, rank_doc
+
+    good = _job_traces(tmp_path / "good", [rank_doc(r, pipeline(r, 2)) for r in range(2)])
+    result = invoke("run", "-i", good, "--output-base", tmp_path / "run")
+    assert result.exit_code == 0, result.stdout
+    return Path(result.stdout.strip().splitlines()[-1])
+
+
 def test_point_to_point_ops_are_not_replayed_by_position(tmp_path: Path) -> None:
     """Hand-made 2-stage pipeline traces (no torch run): a stage that sends twice, or
     another size, in a step departs from nothing; its all_reduce is still compared."""
     from tests.test_collective_sequences import AR, SEND, pipeline, rank_doc, replace_step
 
-    def traces(folder: Path, docs: list[dict[str, Any]]) -> str:
-        folder.mkdir()
-        for doc in docs:
-            (folder / f"job_rank{doc['meta']['rank']}.json").write_text(json.dumps(doc))
-        return str(folder / "job_rank*.json")
-
-    good = traces(tmp_path / "good", [rank_doc(r, pipeline(r, 2)) for r in range(2)])
-    result = invoke("run", "-i", good, "--output-base", tmp_path / "run")
-    assert result.exit_code == 0, result.stdout
-    config = Path(result.stdout.strip().splitlines()[-1])
+    config = _pipeline_config(tmp_path)
     sends = [(1, SEND, "float32", 32, 21), (1, SEND, "float32", 8, 21), (1, AR, "float32", 8, 11)]
     odd = [rank_doc(0, replace_step(pipeline(0, 2), 1, sends)), rank_doc(1, pipeline(1, 2))]
-    checked = invoke("check", "--config", config, "-i", traces(tmp_path / "odd", odd), "--format",
-                     "json")  # fmt: skip
+    checked = invoke("check", "--config", config, "-i", _job_traces(tmp_path / "odd", odd),
+                     "--format", "json")  # fmt: skip
     assert checked.exit_code == 0, checked.stdout
     kinds = {v["kind"] for v in json.loads(checked.stdout)["violations"]}
     assert not {k for k in kinds if k.startswith("collective_")}, kinds
     sends[-1] = (1, AR, "int32", 8, 11)
     odd[0] = rank_doc(0, replace_step(pipeline(0, 2), 1, sends))
-    checked = invoke("check", "--config", config, "-i", traces(tmp_path / "dtype", odd), "--format",
-                     "json")  # fmt: skip
+    checked = invoke("check", "--config", config, "-i", _job_traces(tmp_path / "dtype", odd),
+                     "--format", "json")  # fmt: skip
     kinds = {v["kind"] for v in json.loads(checked.stdout)["violations"]}
     assert checked.exit_code == 1 and "collective_dtype" in kinds, checked.stdout
 
@@ -184,23 +193,14 @@ def test_ranks_that_depart_alike_are_one_violation_naming_them_all(tmp_path: Pat
     ranks 0 and 1, whose message named rank 0 alone (``ranks 0,1   rank 0: …``)."""
     from tests.test_collective_sequences import AR, SEND, pipeline, rank_doc, replace_step
 
-    def traces(folder: Path, docs: list[dict[str, Any]]) -> str:
-        folder.mkdir()
-        for doc in docs:
-            (folder / f"job_rank{doc['meta']['rank']}.json").write_text(json.dumps(doc))
-        return str(folder / "job_rank*.json")
-
-    good = traces(tmp_path / "good", [rank_doc(r, pipeline(r, 2)) for r in range(2)])
-    result = invoke("run", "-i", good, "--output-base", tmp_path / "run")
-    assert result.exit_code == 0, result.stdout
-    config = Path(result.stdout.strip().splitlines()[-1])
+    config = _pipeline_config(tmp_path)
     odd = [
         rank_doc(r, replace_step(pipeline(r, 2), 1, [(1, SEND, "float32", 8, 21),
                                                      (1, AR, "int32", 8, 11)]))
         for r in range(2)
     ]  # fmt: skip
-    checked = invoke("check", "--config", config, "-i", traces(tmp_path / "odd", odd), "--format",
-                     "json")  # fmt: skip
+    checked = invoke("check", "--config", config, "-i", _job_traces(tmp_path / "odd", odd),
+                     "--format", "json")  # fmt: skip
     found = [v for v in json.loads(checked.stdout)["violations"] if v["kind"] == "collective_dtype"]
     assert [v["ranks"] for v in found] == [[0, 1]], found
     assert not found[0]["message"].startswith("rank "), found[0]["message"]
@@ -213,22 +213,16 @@ def test_two_groups_issued_in_another_order_are_a_collective_order(tmp_path: Pat
     step 1 and both groups, as divergence does (docs/divergence.md)."""
     from tests.test_collective_sequences import AR, WORLD, rank_doc, replace_step
 
-    def traces(folder: Path, docs: list[dict[str, Any]]) -> str:
-        folder.mkdir()
-        for doc in docs:
-            (folder / f"xg_rank{doc['meta']['rank']}.json").write_text(json.dumps(doc))
-        return str(folder / "xg_rank*.json")
-
     sub = {"name": "1", "desc": None, "size": 2, "ranks": [0, 1]}
     a, b = (AR, "float32", 6, 10), (AR, "float32", 6, 11, "1")  # the same all_reduce
     calls = [(step, *c) for step in range(3) for c in (a, b)]
     swapped = replace_step(calls, 1, [(1, *b), (1, *a)])
-    good = traces(tmp_path / "good", [rank_doc(r, calls, [WORLD, sub]) for r in range(2)])
+    good = _job_traces(tmp_path / "good", [rank_doc(r, calls, [WORLD, sub]) for r in range(2)])
     result = invoke("run", "-i", good, "--output-base", tmp_path / "run")
     assert result.exit_code == 0, result.stdout
     config = Path(result.stdout.strip().splitlines()[-1])
     odd = [rank_doc(0, calls, [WORLD, sub]), rank_doc(1, swapped, [WORLD, sub])]
-    checked = invoke("check", "--config", config, "-i", traces(tmp_path / "odd", odd),
+    checked = invoke("check", "--config", config, "-i", _job_traces(tmp_path / "odd", odd),
                      "--format", "json")  # fmt: skip
     assert checked.exit_code == 1, checked.stdout
     found = [v for v in json.loads(checked.stdout)["violations"] if v["kind"].startswith("coll")]

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 from opguard_core.configs.backtracking import Backtracking, check_backtracking
 from opguard_core.errors import OpGuardError, one_line
 from opguard_core.formats.config import entry_key
-from opguard_core.formats.tree import frame_targets, split_api, target_name
+from opguard_core.formats.tree import api_target, frame_targets
 
 if TYPE_CHECKING:  # guard's runtime reads configs' selections: no trace model loaded
     from opguard_core.combine.accumulator import CallsiteTrace
@@ -124,8 +124,7 @@ def select_trace(trace: CallsiteTrace, selection: Selection) -> CallsiteTrace:
         if hit is None:
             names = [site.op]
             if site.api is not None:
-                module, qualname = split_api(site.api)
-                names.append(target_name(module, None, qualname))
+                names.append(api_target(site.api))
             api_hits = [selection.hits(n) for n in names]
             hit = leaf_hits[leaf] = (any(h[0] for h in api_hits), any(h[1] for h in api_hits))
         focused = not selection.focus or hit[0] or not focus_ids.isdisjoint(site.stack)

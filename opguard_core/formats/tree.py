@@ -65,6 +65,13 @@ def split_api(api: str) -> tuple[str, str]:
     return module, name
 
 
+def api_target(api: str) -> str:
+    """The target of a callsite's ``api`` (``torch.nn.functional.linear`` →
+    ``torch.nn.functional:linear``), as compress names its ``torch_api`` node."""
+    module, qualname = split_api(api)
+    return target_name(module, None, qualname)
+
+
 def target_name(module: str | None, file: str | None, qualname: str) -> str:
     """``module:qualname``, or ``file:qualname`` when the module is unknown."""
     return f"{module or file or '?'}:{qualname}"
@@ -86,10 +93,7 @@ class RanUnder:
 
     def __init__(self, trace: CallsiteTrace) -> None:
         names = frame_targets(trace.frames)
-        apis: dict[str, str] = {}
-        for api in {site.api for site in trace.callsites if site.api}:
-            module, qualname = split_api(api)
-            apis[api] = target_name(module, None, qualname)
+        apis = {api: api_target(api) for api in {site.api for site in trace.callsites} if api}
         paths = {
             (*(names[f] for f in site.stack), *((apis[site.api],) if site.api else ()))
             for site in trace.callsites

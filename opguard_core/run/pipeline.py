@@ -21,7 +21,7 @@ from ruamel.yaml.comments import CommentedMap
 
 from opguard_core.configs.chain import active_filters, apply_filters
 from opguard_core.errors import ExitCode
-from opguard_core.formats.config import EntryKey
+from opguard_core.formats.config import EntryKey, entry_key
 from opguard_core.formats.trace import absent_ranks, partial_ranks_of
 from opguard_core.formats.tree import RanUnder
 from opguard_core.model import InputEntry, RunOptions
@@ -76,21 +76,23 @@ class Pipeline:
     ) -> CommentedMap | None:
         """``entry``'s config as the run makes it (combine, compress, generate) and,
         when ``filtered``, the run's filter chain applied; None when a stage failed
-        (see :meth:`failures`). Those of ``keys`` that ran in its trace at all,
-        entries of their own or pruned (:class:`RanUnder`), go to :attr:`ran`."""
+        (see :meth:`failures`). Those of ``keys`` that ran in its trace at all go to
+        :attr:`ran`: the config's own, and those it lacks that ran too little to be
+        entries of their own (pruned: :class:`RanUnder`, built only when it lacks one)."""
         quiet = quietly and not self.options.verbose
         with collecting(self._runner.recorder.warnings, quiet=quiet):
             results = self._runner.process_entry(entry, side=False)
         trace = results.get("combine")
+        config: CommentedMap | None = results.get("generate")
         if trace is not None:
-            if keys:
-                under = RanUnder(trace)
-                self.ran[entry.name] = frozenset(key for key in keys if key in under)
+            if keys and config is not None:
+                have = {entry_key(e) for e in config["entries"]}
+                under = RanUnder(trace) if not have.issuperset(keys) else ()
+                self.ran[entry.name] = frozenset(k for k in keys if k in have or k in under)
             self.partial.update(partial_ranks_of(trace.meta))
             absent = absent_ranks(trace.meta, trace.ranks)
             if absent and not quietly:
                 self.absent[entry.name] = absent
-        config: CommentedMap | None = results.get("generate")
         if config is None or not self._filters or not filtered:
             return config
         log = self._runner.recorder.log

@@ -87,7 +87,7 @@ from opguard_core.formats.collectives import Collectives, is_collective
 from opguard_core.formats.config import entry_key, load_config
 from opguard_core.formats.sources import config_steps, loop_only, share_of
 from opguard_core.formats.streams import StreamRoles
-from opguard_core.formats.tree import TORCH_API, split_api, target_name, threshold
+from opguard_core.formats.tree import TORCH_API, api_target, target_name, threshold
 from opguard_core.logs import escape_controls, resolve_format
 from opguard_core.native import load_native
 from opguard_core.processes import at_sigterm, signals_deferred
@@ -756,7 +756,7 @@ class Guard:
         except TypeError:  # unhashable
             return None
         name = api_name(func)
-        target = target_name(*_api_parts(name)) if name else None
+        target = api_target(name) if name else None
         if len(self._api_targets) < 100_000:
             self._api_targets[func] = target
         return target
@@ -1483,12 +1483,6 @@ def _program_code(code: types.CodeType) -> bool:
     if path.startswith(_TORCH_PREFIX) or path.startswith(_OPGUARD_PREFIXES):
         return False
     return not (path.startswith(_STDLIB) and os.sep + "site-packages" + os.sep not in path)
-
-
-def _api_parts(api: str) -> tuple[str, None, str]:
-    """``target_name``'s arguments for an api, as compress makes its ``torch_api`` node."""
-    module, qualname = split_api(api)
-    return module, None, qualname
 
 
 def caller_target(frame: types.FrameType | None) -> str:
