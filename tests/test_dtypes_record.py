@@ -168,6 +168,7 @@ def _profiler_program(steps: int = 3) -> Callable[[], None]:
     return body
 
 
+@pytest.mark.profiler
 def test_the_profiler_backend_records_the_dtypes_the_modes_backend_records(
     tmp_path: Path,
 ) -> None:

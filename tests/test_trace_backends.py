@@ -63,6 +63,7 @@ def qualnames_of(trace: DecodedTrace, op: str) -> set[str]:
 # ---------------------------------------------------------------------------
 
 
+@pytest.mark.profiler
 def test_fused_transformer_encoder_layer(tmp_path: Path) -> None:
     """The profiler sees the fused inference path; under modes torch takes the slow path."""
     layer = torch.nn.TransformerEncoderLayer(16, 2, 32, batch_first=True).eval()
@@ -82,6 +83,7 @@ def test_fused_transformer_encoder_layer(tmp_path: Path) -> None:
     assert sum(modes.values()) > 10
 
 
+@pytest.mark.profiler
 def test_composite_ops_outermost_vs_decomposed(tmp_path: Path) -> None:
     """The profiler counts the op the program called, modes what it decomposed into."""
     x = torch.randn(4, 6)
@@ -97,6 +99,7 @@ def test_composite_ops_outermost_vs_decomposed(tmp_path: Path) -> None:
     assert modes == {"aten::t": 1, "aten::clone": 1, "aten::_unsafe_view": 1}
 
 
+@pytest.mark.profiler
 def test_ops_from_cpp_below_python_are_seen_only_by_the_profiler(tmp_path: Path) -> None:
     """nn.Parameter creation detaches in C++ below the Python dispatch key."""
 
@@ -112,6 +115,7 @@ def test_ops_from_cpp_below_python_are_seen_only_by_the_profiler(tmp_path: Path)
     assert profiler["aten::zeros"] == modes["aten::zeros"] == 1
 
 
+@pytest.mark.profiler
 def test_in_place_ops_and_gradient_accumulation(tmp_path: Path) -> None:
     xs = [torch.randn(2, 4) for _ in range(2)]
 
@@ -129,6 +133,7 @@ def test_in_place_ops_and_gradient_accumulation(tmp_path: Path) -> None:
         assert counts["aten::sum"] == 4, backend  # two losses, two bias gradients
 
 
+@pytest.mark.profiler
 def test_profiler_stacks_on_transformers_style_and_checkpointed_models(
     tmp_path: Path, loops: Any
 ) -> None:
@@ -313,6 +318,7 @@ def assert_no_compile_time_work(trace: DecodedTrace) -> None:
     assert not {f.qualname for f in trace.frames if "bw_compiler" in f.qualname}
 
 
+@pytest.mark.profiler
 @pytest.mark.slow
 def test_torch_compile_compiles_under_the_profiler_backend(tmp_path: Path) -> None:
     trace, graphs = _compiled_run("profiler", "aot_eager", tmp_path)
@@ -375,6 +381,7 @@ def test_torch_compile_inductor_compiles_under_the_modes_backend_and_the_guard(
     assert document["errors"] == 0, document["violations"]
 
 
+@pytest.mark.profiler
 @pytest.mark.slow
 def test_torch_compile_inductor_under_the_profiler_backend(tmp_path: Path) -> None:
     trace, graphs = _compiled_run("profiler", "inductor", tmp_path)
@@ -401,6 +408,7 @@ def compile_me(x):
 """
 
 
+@pytest.mark.profiler
 @pytest.mark.parametrize("backend", ["modes", "profiler"])
 def test_the_compile_rule_is_the_same_in_both_backends(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, backend: str
@@ -442,6 +450,7 @@ def _rss_bytes() -> int:
         return int(handle.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
+@pytest.mark.profiler
 @pytest.mark.slow
 @pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="needs /proc")
 @pytest.mark.parametrize("backend", ["modes", "profiler"])
@@ -547,6 +556,7 @@ def _profiled_loop(
     return tracer, folded
 
 
+@pytest.mark.profiler
 def test_a_lost_profiler_cycle_does_not_end_the_program(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
 ) -> None:
@@ -591,6 +601,7 @@ def test_library_or_user_by_location(tmp_path: Path, monkeypatch: pytest.MonkeyP
 # ---------------------------------------------------------------------------
 
 
+@pytest.mark.profiler
 @pytest.mark.slow
 def test_a_whole_process_profiler_starts_at_the_first_torch_call(tmp_path: Path) -> None:
     """Started at ``import torch`` (``start_at_first_call``), the profiler waits for the
@@ -633,6 +644,7 @@ def test_a_whole_process_profiler_starts_at_the_first_torch_call(tmp_path: Path)
     assert traces[0].meta["steps"] == 3
 
 
+@pytest.mark.profiler
 def test_a_whole_process_profiler_that_never_sees_a_torch_call_stops_cleanly(
     tmp_path: Path,
 ) -> None:

@@ -26,7 +26,7 @@ from opguard_core.plugin.manager import create_plugin_manager  # noqa: E402
 from opguard_plugins.enforce.runtime import guarded  # noqa: E402
 from opguard_plugins.tracer import trace_callsites  # noqa: E402
 
-pytestmark = [pytest.mark.torch, pytest.mark.slow]
+pytestmark = [pytest.mark.torch, pytest.mark.slow, pytest.mark.profiler]
 
 WORKLOADS = Path(__file__).resolve().parent / "data" / "workloads"
 FAMILIES = ("autocast", "bert", "checkpoint", "gpt2", "gru", "resnet")
