@@ -154,7 +154,9 @@ def test_guard_and_check_agree_on_the_bundled_example(tmp_path: Path) -> None:
     assert _keys(guarded) == _keys(checked), _keys(guarded) ^ _keys(checked)
 
 
-@pytest.mark.parametrize("helper", [False, True, "pre_ln"], ids=["plain", "helper", "pre_ln"])
+@pytest.mark.parametrize(
+    "helper", [False, True, "pre_ln", "attention"], ids=["plain", "helper", "pre_ln", "attention"]
+)
 def test_guard_and_check_agree_on_a_checkpointed_block(tmp_path: Path, helper: Any) -> None:
     """torch.utils.checkpoint's recomputation stops inside the block's last function
     that saves a tensor: there ``F.batch_norm`` runs under ``Tensor.backward``'s api
@@ -166,20 +168,30 @@ def test_guard_and_check_agree_on_a_checkpointed_block(tmp_path: Path, helper: A
     ``F.layer_norm`` in the recomputation, where the pack hook runs below it (a frame),
     and keeps it in the forward pass, where ``F.layer_norm`` is the api (a leaf): the
     guard read the recomputation by the forward pass's entries, 3 errors (with
-    ``--on-violation raise`` the unchanged job died in its first backward)."""
-    flags = {False: [], True: ["--helper"], "pre_ln": ["--pre-ln"]}[helper]
+    ``--on-violation raise`` the unchanged job died in its first backward).
+    ``nn.MultiheadAttention`` (``x + attn(ln(x))``): ``F.multi_head_attention_forward``
+    is the api of its own ops in the forward pass, so check's tree gives them to the
+    api's node and folds its frame into ``_in_projection_packed``; in the
+    recomputation it is a frame with ops of its own, and its api node and that frame
+    share one entry (the frame's kind). The guard: 1 ``missing`` error and 3 warnings
+    on the unchanged program."""
+    flags = {False: [], True: ["--helper"], "pre_ln": ["--pre-ln"], "attention": ["--attention"]}[
+        helper
+    ]
     command = ["python", str(CHECKPOINTED), "--steps", "3", *flags]
     config = _config(tmp_path, command)
     checked, guarded = _both(tmp_path, config, "same", command)
     assert checked == [] and guarded == [], _keys(guarded) ^ _keys(checked)
-    if helper == "pre_ln":  # an edit inside the block: found by both, the same way
+    edits = {
+        "pre_ln": "return x + self.fc(self.ln(x))",
+        "attention": "return x + self.attn(h, h, h, need_weights=False)[0]",
+    }
+    if helper in edits:  # an edit inside the block: found by both, the same way
+        line = edits[helper]
+        gated = line.replace("return x + ", "return x + torch.sigmoid(") + ")"
         script = tmp_path / "gated" / "checkpointed.py"
         script.parent.mkdir()
-        script.write_text(
-            _edit(
-                "return x + self.fc(self.ln(x))", "return x + torch.sigmoid(self.fc(self.ln(x)))"
-            )(CHECKPOINTED.read_text())
-        )
+        script.write_text(_edit(line, gated)(CHECKPOINTED.read_text()))
         command = ["python", str(script), "--steps", "3", *flags]
         checked, guarded = _both(tmp_path, config, "gated", command)
         assert _keys(guarded) == _keys(checked), _keys(guarded) ^ _keys(checked)

@@ -652,11 +652,13 @@ class Guard:
         return self.parents.get(target, frozenset())
 
     def _has(self, key: EntryKey, as_api: bool) -> bool:
-        """Whether the config has ``key`` as the kind of entry its target is here."""
+        """Whether the config has ``key`` as the kind of entry its target is here: a
+        key that holds both kinds' nodes is given the frame's kind (formats.md §3), so
+        an api's node may be in an entry of a function's kind, not the reverse."""
         entry = self.entries.get(key)
         if entry is None:
             return False
-        return key[0] not in self.dual or (entry.get("kind") == TORCH_API) == as_api
+        return key[0] not in self.dual or as_api or entry.get("kind") != TORCH_API
 
     def _state(
         self,
@@ -874,11 +876,16 @@ class Guard:
         folded chain)."""
         chosen: list[str] = []
         folds: list[tuple[str, ...]] = []
+        api = active[0] if api_first else None
         index = 0
         while index < len(active):
             target = active[index]
             chosen.append(target)
             parents = self._parents(target, as_api=api_first and index == 0)
+            if target in self.dual and not any(a in parents for a in active[index + 1 :]):
+                # one entry may hold both kinds' nodes (a frame's in a recomputation, the
+                # api's in the forward pass, under the same parent): it has one kind
+                parents = self.parents.get(target, frozenset())
             above = index + 1
             while above < len(active) and active[above] not in parents:
                 if active[above] != target and self._placed(active, above):
@@ -893,6 +900,18 @@ class Guard:
                 # above itself, which the config never has there: a chain folded into
                 # its deepest frame, a decorator's wrapper calling another)
                 above += 1
+            if (
+                index > 0
+                and above < len(active)
+                and active[above] == api
+                and any(a in parents for a in active[above + 1 :])
+            ):
+                # the public call's own frame, not the innermost: check's tree gives
+                # its ops to the call's node, so on this path the frame has none and
+                # is folded into its child, which the config has further up too
+                above += 1
+                while above < len(active) and active[above] not in parents:
+                    above += 1
             if above == len(active) and None in parents:
                 break  # a top-level entry with no parent of its above it
             if above == len(active):
