@@ -765,12 +765,17 @@ class Guard:
 
     def _name_code(self, code: types.CodeType, namespace: dict[str, Any]) -> str | None:
         """The config target ``code`` runs (``module:qualname``, the tracer's naming,
-        ``__main__`` as the script's module), or None; remembered by ``id(code)``."""
+        ``__main__`` as the script's module), or None; remembered by ``id(code)``.
+        Marked names: ``"\\1"`` torch's or the guard's plumbing, ``"\\0" + name`` a
+        program function the config lacks, ``"\\2" + name`` a frame the config's
+        ``--ignore`` cut out (walked as a target: :meth:`_cut_by_ignore`)."""
         module = program_module_name(namespace.get("__name__"), code.co_filename)
         name = target_name(module, code.co_filename, code.co_qualname)
         found: str | None = name if name in self.names else None
         if found is None and _dispatch_code(code):
             found = "\1"  # marked: the guard's or torch's dispatch plumbing
+        elif found is None and self.selection.ignore and self.selection.hits(name)[1]:
+            found = "\2" + name  # marked: a frame the config's --ignore cut out
         elif found is None and self.report_unknown and _program_code(code):
             found = "\0" + name  # marked: not a target, a program function it lacks
         with self._lock:
@@ -791,17 +796,29 @@ class Guard:
         ``unknown_target``, under the context the check's tree gives it."""
         api, leaf = active[0], active[1]
         targets = tuple(t for t in active[2:] if t is not None)
+        # where the config's --ignore cut out the op's own node (its api, or a frame
+        # below every target), the targets count the op (the entries `filter` kept
+        # count what ran inside the cut ones, as check's observed entries do), and
+        # nothing cut out is checked or an unknown_*, as check's select_observed drops it
+        cut = below = False
+        if self.selection.ignore:
+            targets, below = self._cut_by_ignore(targets)
+            cut = below or (api is not None and self.selection.hits(api)[1])
         # an api that is the innermost target's own function (``F.batch_norm`` calling
         # itself through the api mode) is that frame's node in check's tree (compress
         # replaces the frame by its api), known whatever kind its entry was given
         known_api = api is not None and (
             api in self.api_names or (bool(targets) and targets[0] == api)
         )
-        if targets not in self._ran:  # an api's ops are its caller's own (its leaf)
+        if targets not in self._ran and not below:  # an api's ops are its caller's own
             with self._lock:
                 self._ran.add(targets)
                 for stack in self._folded_over.pop(targets, ()):
                     self._by_active.pop(stack, None)  # no folded chain: resolved again
+        if cut:
+            state = self._resolve(targets) if targets else self._nothing
+            self._by_active[active] = state
+            return state
         if api is not None and known_api:
             base = self._resolve((api, *targets), api_first=True)
         else:
@@ -827,6 +844,15 @@ class Guard:
                 self._copies.append(state)
         self._by_active[active] = state
         return state
+
+    def _cut_by_ignore(self, targets: tuple[str, ...]) -> tuple[tuple[str, ...], bool]:
+        """``targets`` without the frames the config's ``--ignore`` cut out
+        (:meth:`_name_code` marks them ``"\\2"``), and whether the op's own node was cut
+        out with them: such a frame below every target. A cut frame between two
+        targets (torch's module plumbing under ``--ignore 'torch[.:].*'``, which check's
+        tree hides) is passed over."""
+        kept = tuple(t for t in targets if t[0] != "\2")
+        return kept, len(kept) < len(targets) and targets[0][0] == "\2"
 
     def count_extra(self, keys: tuple[EntryKey, ...]) -> None:
         """One op of each target the config lacks in ``keys``."""

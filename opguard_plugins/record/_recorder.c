@@ -1099,8 +1099,9 @@ static PyTypeObject CounterType = {
 
 /* The guard's per-operator stack walk (enforce/runtime.py, ``Guard.active_targets``, the
  * reference): from a frame outwards, each code object named once by the Python callable
- * ``name_code(code, globals)`` (a config target, None, or one marked "\0" or "\1") and
- * remembered by address; the code is kept alive by the table. */
+ * ``name_code(code, globals)`` (a config target, None, or one marked "\0" or "\1"; one
+ * marked "\2", a frame --ignore cut out, is walked as a target) and remembered by
+ * address; the code is kept alive by the table. */
 typedef struct {
     PyObject_HEAD
     PyObject *name_code;   /* callable(code, globals) -> str | None */
