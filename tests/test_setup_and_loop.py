@@ -462,3 +462,34 @@ def test_a_function_too_small_to_be_an_entry_in_a_longer_run_did_not_never_run(
     report = check(config, folder / "gone_callsite_rank0.json")
     errors = {(v["kind"], v["target"]) for v in report["violations"] if v["severity"] == "error"}
     assert ("missing", "slmodel:log") in errors
+
+
+def test_a_run_that_died_in_its_first_step_is_not_held_to_the_loop(
+    tmp_path: Path, slmodel: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A process that dies in its first step writes one trace (no phase: it is split
+    at the end of that step), its set-up and part of a step. Against a config of the
+    loop, check reported the set-up as 10 errors and 36 warnings (``aten::uniform_``
+    inside ``main``, every ``__init__`` an ``unknown_target``) on a DDP job whose
+    targets were int32; the guard checks nothing there. Such a rank is now said not to
+    be compared; where no rank is left, nothing was compared, which is no pass (1)."""
+    loop = traced(tmp_path / "t", "a", lambda: slmodel.train(steps=3))
+    config = run_dir(tmp_path, loop) / "a_callsite_instrumentation.yaml"
+    good = traced(tmp_path / "j", "b", lambda: slmodel.train(steps=3))
+    monkeypatch.setattr(slmodel, "batch", lambda dtype=None: torch.randn(2, 5, 6, 6))
+    with pytest.raises(RuntimeError), trace_callsites("b", tmp_path / "j", rank=1) as t:
+        slmodel.train(steps=3)  # 5 channels where the conv takes 3: dies in step 0
+    died = Path(str(t.written))
+    meta = load_trace(died).meta
+    assert "phase" not in meta and meta["partial"]["step"] == 0
+    alone = invoke("check", "--config", config, "-i", died, "--format", "json")
+    report = json.loads(alone.stdout)
+    assert alone.exit_code == 1 and report["violations"] == [], report["violations"]
+    (note,) = [n for n in report["notes"] if "first step" in n]
+    assert "nothing compared" in note and "rank 1: exception RuntimeError at step 0" in note
+    both = invoke("check", "--config", config, "-i", good, "-i", died, "--format", "json")
+    report = json.loads(both.stdout)
+    assert both.exit_code == 0, report["violations"]
+    assert all(1 not in v["ranks"] for v in report["violations"]), report["violations"]
+    (note,) = [n for n in report["notes"] if "first step" in n]
+    assert "not compared" in note and "nothing compared" not in note

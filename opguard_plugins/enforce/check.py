@@ -695,10 +695,44 @@ WHOLE_RUN_KINDS = frozenset({"count_drift", "missing", "missing_op"})
 def without_partial_counts(violations: list[Violation], partial: Iterable[int]) -> list[Violation]:
     """``violations`` with the ranks whose traces end early (``partial``) taken out of
     every :data:`WHOLE_RUN_KINDS` violation (dropped when no rank is left)."""
-    cut = set(partial)
+    return without_ranks(violations, partial, WHOLE_RUN_KINDS)
+
+
+def before_the_loop(config: Mapping[str, Any], observed: Observed) -> list[int]:
+    """The ranks whose traces ended in their first step, where the config is of the
+    training loop alone: a trace is split into set-up and loop at the end of the first
+    step, so such a trace (partial at step 0, no phase) holds the set-up and part of a
+    step, nothing the loop's config can be compared with (the guard checks nothing
+    there either)."""
+    if not loop_only(config.get("meta") or {}):
+        return []
+    phased = {
+        rank
+        for alone in (observed, *observed.entries.values())
+        for rank, mine in alone.configs.items()
+        if ((mine.get("meta") or {}).get("phases") or {})
+    }
+    return sorted(
+        rank
+        for rank, marker in observed.partial.items()
+        if marker.get("step") == 0 and rank not in phased
+    )
+
+
+def observed_ranks(observed: Observed) -> set[int]:
+    """Every rank the new traces hold."""
+    return {rank for alone in (observed, *observed.entries.values()) for rank in alone.configs}
+
+
+def without_ranks(
+    violations: list[Violation], ranks: Iterable[int], kinds: frozenset[str] | None = None
+) -> list[Violation]:
+    """``violations`` with ``ranks`` taken out of every one (of ``kinds``: default all),
+    those left with no rank dropped."""
+    cut = set(ranks)
     kept = []
     for v in violations:
-        if v.kind in WHOLE_RUN_KINDS and cut.intersection(v.ranks):
+        if (kinds is None or v.kind in kinds) and cut.intersection(v.ranks):
             ranks = [r for r in v.ranks if r not in cut]
             if not ranks:
                 continue
@@ -723,8 +757,9 @@ def format_text(config: str, violations: Sequence[Violation], compared: str | No
 
 CODES: exits.Codes = {
     ExitCode.OK: "no error (warnings allowed)",
-    ExitCode.STAGE_FAILED: "errors found (with --strict, any violation), or the report "
-    "could not be written (a full disk)",
+    ExitCode.STAGE_FAILED: "errors found (with --strict, any violation), nothing compared "
+    "(every trace ended in its first step, before the loop the config holds), or the "
+    "report could not be written (a full disk)",
     ExitCode.PLUGIN_ERROR: "a plugin failed, or the config's compressor plugin is missing",
     ExitCode.INPUT_UNREADABLE: "the config or a trace could not be read",
 }
@@ -827,10 +862,24 @@ def make_command(manager: OpGuardPluginManager) -> click.Command:
             for mine in alone.configs.values()
         ):
             notes.append("the config's collective sequences not compared: the traces record none")
-        if observed.partial:
-            violations = without_partial_counts(violations, observed.partial.keys())
+        early = before_the_loop(config, observed)
+        # every trace ended before the loop: nothing compared, which is no pass
+        nothing = bool(early) and set(early) >= observed_ranks(observed)
+        if early:
+            violations = without_ranks(violations, early)
+            why = describe_partial({r: observed.partial[r] for r in early})
+            notes.append(
+                f"every trace ended in its first step, before the loop this config holds "
+                f"({why}): nothing compared"
+                if nothing
+                else f"traces that end in their first step, before the loop this config "
+                f"holds, {why}: not compared"
+            )
+        later = {r: m for r, m in observed.partial.items() if r not in early}
+        if later:
+            violations = without_partial_counts(violations, later.keys())
             cut = (
-                f"traces that end early, {describe_partial(observed.partial)}: "
+                f"traces that end early, {describe_partial(later)}: "
                 "their counts and last step not compared"
             )
             notes.append(cut)
@@ -860,7 +909,7 @@ def make_command(manager: OpGuardPluginManager) -> click.Command:
             else:
                 click.echo(text, nl=False)
         errors = any(v.severity == ERROR for v in violations)
-        return ExitCode.STAGE_FAILED if errors else ExitCode.OK
+        return ExitCode.STAGE_FAILED if errors or nothing else ExitCode.OK
 
     return exits.command("check", CODES, cls=InputsCommand)(check)
 
