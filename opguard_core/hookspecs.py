@@ -33,6 +33,26 @@ if TYPE_CHECKING:
 
 
 # -------------------------------------------------------------------------
+# Before the run
+# -------------------------------------------------------------------------
+
+
+@hookspec
+def opguard_check_options(options: RunOptions) -> None:
+    """Refuse run settings a plugin cannot use, before any stage runs.
+
+    Every implementation is called once by ``opguard run``, after the command line is
+    read and before the run directory is made. One that raises
+    :class:`~opguard_core.errors.InputError` (naming the file or option and the
+    problem) ends the run as a usage error (exit code 2), with nothing written. The
+    built-in basic filter reads its ``--basic-list`` here: a malformed list was found
+    only by the filter stage, after every other stage had run.
+
+    :param options: the run's settings.
+    """
+
+
+# -------------------------------------------------------------------------
 # Stage 1: discover
 # -------------------------------------------------------------------------
 

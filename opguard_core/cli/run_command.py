@@ -27,7 +27,7 @@ from opguard_core.cli.options import (
     selection_options,
     verbose_option,
 )
-from opguard_core.errors import ExitCode, one_line
+from opguard_core.errors import ExitCode, InputError, one_line
 from opguard_core.formats import names_a_config
 from opguard_core.logs import configure_logging
 from opguard_core.model import (
@@ -192,6 +192,11 @@ def make_run_command(
             _check_stage_runs(plugins, params["skip"], "--fail-on-divergence", "divergence")
         if params["basic"]:
             _check_stage_runs(plugins, params["skip"], "--basic", "filter")
+        options = run_options(params)
+        try:
+            plugins.hook.opguard_check_options(options=options)
+        except InputError as exc:  # before any directory is made: nothing written
+            raise click.UsageError(one_line(str(exc))) from None
         base = _output_base(params["output_base"])
         if params["clean_stale"]:
             for stale in clean_stale_runs(base):
@@ -202,7 +207,7 @@ def make_run_command(
                 )
             if not inputs:
                 return ExitCode.OK
-        runner = Runner(plugins, inputs, run_options(params), params["skip"], base)
+        runner = Runner(plugins, inputs, options, params["skip"], base)
         exits.end_without_teardown()  # the runner leaves its last entry to the exit
         code = runner.run()
         for record in runner.recorder.records:

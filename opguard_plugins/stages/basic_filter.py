@@ -84,6 +84,13 @@ def keep_entry(entry: dict[str, Any], rules: BasicList) -> bool:
     )
 
 
+@hookimpl
+def opguard_check_options(options: RunOptions) -> None:
+    """A ``--basic-list`` that cannot be read or is malformed is refused before the run."""
+    if options.basic and options.basic_list is not None:
+        load_basic_list(options.basic_list)
+
+
 @hookimpl(trylast=True)
 def opguard_filter(config: CommentedMap, options: RunOptions) -> CommentedMap:
     rules = load_basic_list(options.basic_list)
