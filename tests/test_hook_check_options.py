@@ -26,7 +26,7 @@ def _run(tmp_path: Path, *args: str | Path, plugin: Any = None) -> Any:
     return CliRunner().invoke(create_cli(manager), argv)
 
 
-def test_hook_check_options_refuses_a_malformed_basic_list_before_the_run(
+def test_hook_check_options(
     tmp_path: Path,
 ) -> None:
     """Before: every stage ran, then the filter failed (exit 1, the summary saying the
