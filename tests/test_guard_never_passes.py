@@ -18,6 +18,7 @@ import importlib
 import json
 import os
 import re
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -233,6 +234,33 @@ def test_no_usable_temporary_directory_is_no_traceback(
     assert code == ExitCode.GUARD_FAILED and "Traceback" not in err
     assert "no process of COMMAND started the guard" in err
     assert os.listdir(tmp_path / "rep") == []  # cleaned up
+
+
+def test_status_directories_of_guards_killed_by_sigkill_are_removed(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An ``opguard guard`` killed by SIGKILL leaves its status directory in $TMPDIR
+    (20 were found in one /tmp); the next guard removes those whose process is gone,
+    and keeps a running one's and anything else."""
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(temp))
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()  # its pid names no process now
+    left = temp / f"opguard-guard-{gone.pid}-k1ll3d"
+    left.mkdir()
+    (left / f"{gone.pid}.json").write_text("{}")
+    running = temp / f"opguard-guard-{os.getpid()}-al1ve"
+    running.mkdir()
+    others = [temp / "opguard-guard-notapid", temp / f"opguard-guard-{gone.pid}-afile"]
+    others[0].mkdir()
+    others[1].write_text("")
+    args = ["guard", "--config", relu_config(tmp_path), "--report-dir", tmp_path / "rep"]
+    code, err = _exit_of([*args, "--", sys.executable, "-c", "pass"], capsys)
+    assert code == ExitCode.GUARD_FAILED, err  # the command started no guard
+    assert not left.exists()
+    assert running.is_dir() and all(path.exists() for path in others)
+    assert sorted(temp.iterdir()) == sorted([running, *others])  # its own one removed too
 
 
 def test_a_missing_or_non_executable_command_exits_like_a_shell(

@@ -12,7 +12,11 @@ did not check (``ExitCode.GUARD_FAILED``). See docs/guard.md.
 
 from __future__ import annotations
 
+import os
+import re
+import shutil
 import signal
+import stat
 import tempfile
 import time
 from pathlib import Path
@@ -81,15 +85,52 @@ def guard_env(
     return bootstrap_env(variables, command)
 
 
+#: the status directories' names: the prefix, the pid of the ``opguard guard`` that
+#: made it, a dash and tempfile's random letters
+STATUS_PREFIX = "opguard-guard-"
+_STATUS_NAME = re.compile(re.escape(STATUS_PREFIX) + r"([0-9]+)-[^/]+")
+
+
 def _status_dir(report_dir: Path) -> tempfile.TemporaryDirectory[str]:
     """A private directory for the guarded processes' status files: in the system's
-    temporary directory, else (none usable) in the report directory."""
+    temporary directory, else (none usable) in the report directory. Those that
+    ``opguard guard`` processes killed by SIGKILL left there are removed first."""
+    prefix = f"{STATUS_PREFIX}{os.getpid()}-"
     try:
-        return tempfile.TemporaryDirectory(prefix="opguard-guard-", ignore_cleanup_errors=True)
+        sweep_status_dirs(Path(tempfile.gettempdir()))
+        return tempfile.TemporaryDirectory(prefix=prefix, ignore_cleanup_errors=True)
     except OSError:
+        sweep_status_dirs(report_dir, hidden=True)
         return tempfile.TemporaryDirectory(
-            prefix=".opguard-guard-status-", dir=report_dir, ignore_cleanup_errors=True
+            prefix=f".{prefix}", dir=report_dir, ignore_cleanup_errors=True
         )
+
+
+def sweep_status_dirs(where: Path, hidden: bool = False) -> list[Path]:
+    """Remove the status directories in ``where`` of this user's ``opguard guard``
+    processes that are gone (SIGKILL leaves no time to remove one); a process that
+    runs (or a pid reused since) keeps its own. Returns the removed ones."""
+    removed: list[Path] = []
+    uid = os.getuid() if hasattr(os, "getuid") else None
+    try:
+        names = os.listdir(where)
+    except OSError:
+        return removed
+    for name in names:
+        found = _STATUS_NAME.fullmatch(name[1:] if hidden and name[:1] == "." else name)
+        if found is None or (hidden and name[:1] != "."):
+            continue
+        path = where / name
+        try:
+            info = path.lstat()
+            os.kill(int(found.group(1)), 0)
+        except ProcessLookupError:  # gone: its directory is left over
+            if stat.S_ISDIR(info.st_mode) and (uid is None or info.st_uid == uid):
+                shutil.rmtree(path, ignore_errors=True)
+                removed.append(path)
+        except (OSError, OverflowError, ValueError):  # not ours, or alive (EPERM)
+            continue
+    return removed
 
 
 def check_sample(_ctx: click.Context, _param: click.Parameter, value: float) -> float:
