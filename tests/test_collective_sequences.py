@@ -719,6 +719,32 @@ def test_a_collective_on_another_group_is_one_group_finding(
     assert finding["step"] == 1
 
 
+def test_a_collective_on_a_group_no_other_rank_uses_is_one_group_finding(
+    opguard: Callable[..., Any], tmp_path: Path
+) -> None:
+    """Rank 1 issues step 1's first all_reduce on group 7, which only it uses: a group
+    of one member is not compared, so there was no extra's finding to pair, and the
+    finding was a ``collective_missing`` ("rank(s) 1 skip c10d::allreduce_
+    float32[6]") that never named the call it did issue (found on edited gloo Flight
+    Recorder dumps). The same on a group both ranks use is the test above."""
+    alone = {"name": "7", "desc": None, "size": 1, "ranks": [1]}
+    odd = replace_step(good(), 1, [(1, AR, "float32", 6, 10, "7"), (1, AR, "float32", 8, 11)])
+    doc = run_docs(opguard, tmp_path, rank_doc(0, good()), rank_doc(1, odd, [WORLD, alone]))
+    (finding,) = collective_findings(doc)
+    assert finding["kind"] == "collective_group" and finding["ranks"] == [1], finding["message"]
+    assert finding["group"]["name"] == "0" and finding["other_group"]["name"] == "7"
+    assert finding["step"] == 1 and finding["got"]["group"] == "7"
+    assert "on group 7 (ranks [1]), which no other rank uses, where" in finding["message"]
+    # another collective there (not the one skipped) is still a skip
+    (tmp_path / "other").mkdir()
+    odd = replace_step(good(), 1, [(1, AR, "int32", 6, 10, "7"), (1, AR, "float32", 8, 11)])
+    doc = run_docs(
+        opguard, tmp_path / "other", rank_doc(0, good()), rank_doc(1, odd, [WORLD, alone])
+    )
+    (finding,) = collective_findings(doc)
+    assert finding["kind"] == "collective_missing", finding["message"]
+
+
 def test_two_groups_issued_in_another_order_are_a_desync(
     opguard: Callable[..., Any], tmp_path: Path
 ) -> None:

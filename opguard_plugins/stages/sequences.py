@@ -248,7 +248,12 @@ def sequence_findings(
         found = _first_disagreement(group, list(classes.values()), describe, ended or {})
         reported.update([gid] if found else [])
         findings.extend(found)
-    findings = _merge_groups(findings)
+    alone = [gid for gid in groups if gid not in compared]
+
+    def issued_alone(finding: Finding) -> Finding | None:
+        return _issued_alone(finding, collectives, groups, users, alone, describe)
+
+    findings = _merge_groups(findings, issued_alone)
     unreported = compared - reported
     ordered = _interleavings(collectives, groups, unreported, describe, ended or {})
     findings.extend(ordered or _wait_cycles(collectives, groups, unreported, describe))
@@ -998,13 +1003,60 @@ def _finding(
     }
 
 
-def _merge_groups(findings: list[Finding]) -> list[Finding]:
+def _issued_alone(
+    finding: Finding,
+    collectives: Collectives,
+    groups: Mapping[GroupId, Group],
+    users: Mapping[GroupId, dict[int, int]],
+    alone: Iterable[GroupId],
+    describe: Describe,
+) -> Finding | None:
+    """Where the one rank of a ``collective_missing`` issued the collective it skipped,
+    in the same step, on a group no other rank uses (so never compared: no
+    ``collective_extra`` there), that call as an extra's finding; else None."""
+    expected = finding["expected"]
+    if expected is None or len(finding["ranks"]) != 1:
+        return None
+    step = expected["step"]
+    want = {k: v for k, v in expected.items() if k != "group"}
+    mine = [seq for seq in collectives.sequences if list(seq.ranks) == finding["ranks"]]
+    for gid in alone:
+        for seq in mine:
+            index = users[gid].get(id(seq))
+            if index is None:
+                continue
+            for run in seq.steps:
+                if not run.first <= step <= run.last:
+                    continue
+                for number in run.calls:
+                    sig = seq.signatures[number]
+                    doc = _signature_doc((step, sig), groups[gid])
+                    if sig.group != index or doc is None:
+                        continue
+                    if {k: v for k, v in doc.items() if k != "group"} == want:
+                        where = describe(sig.stack)
+                        return {
+                            **where,
+                            "group": _group_doc(groups[gid]),
+                            "alone": True,
+                            "got": doc,
+                            "step": step,
+                            "op": sig.op,
+                        }
+    return None
+
+
+def _merge_groups(
+    findings: list[Finding], issued_alone: Callable[[Finding], Finding | None]
+) -> list[Finding]:
     """A rank's ``collective_missing`` on one group and ``collective_extra`` of the
     same collective in the same step on another: one ``collective_group`` finding.
     Without a majority the other group's finding may be the mirror of an extra: the
     ranks that did not issue it there ``collective_missing`` it, the moving rank being
     the reference. A missing finding whose ranks go on with another collective on
-    their group is taken as the move first (the others never issued it there)."""
+    their group is taken as the move first (the others never issued it there). The
+    collective issued on a group no other rank uses makes no extra's finding (the
+    group is not compared): ``issued_alone`` finds it."""
     #: (finding, the collective issued on the other group, the ranks that issued it,
     #: its stack)
     issued = [
@@ -1032,6 +1084,11 @@ def _merge_groups(findings: list[Finding]) -> list[Finding]:
                 moved = {**other, "got": call, "stack": stack, "op": call["op"]}
                 merged.append(_group_finding(finding, moved))
                 break
+        else:
+            lone = issued_alone(finding)
+            if lone is not None:
+                used.add(id(finding))
+                merged.append(_group_finding(finding, lone))
     return [f for f in findings if id(f) not in used] + merged
 
 
@@ -1062,7 +1119,9 @@ def _group_finding(missing: Finding, extra: Finding) -> Finding:
             f"{' (' + group['desc'] + ')' if group['desc'] else ''}, step {extra['step']}: "
             f"rank(s) {rank_text} issue {expected['op']} {expected['dtype']}"
             f"{''.join(str(s) for s in expected['shapes'] or []).replace(' ', '')} on group "
-            f"{other['name']}{_members(other)} where the others issue it on "
+            f"{other['name']}{_members(other)}"
+            f"{', which no other rank uses,' if extra.get('alone') else ''} where the others "
+            "issue it on "
             f"group {group['name']}{_members(group)}: a different process group; "
             "the job hangs here"
         ),
