@@ -117,8 +117,10 @@ def sweep_status_dirs(where: Path, hidden: bool = False) -> list[Path]:
     except OSError:
         return removed
     for name in names:
-        found = _STATUS_NAME.fullmatch(name[1:] if hidden and name[:1] == "." else name)
-        if found is None or (hidden and name[:1] != "."):
+        if hidden and not name.startswith("."):
+            continue
+        found = _STATUS_NAME.fullmatch(name[1:] if hidden else name)
+        if found is None:
             continue
         path = where / name
         try:

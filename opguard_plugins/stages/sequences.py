@@ -39,6 +39,7 @@ of :data:`WINDOW` collectives):
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -249,11 +250,17 @@ def sequence_findings(
         reported.update([gid] if found else [])
         findings.extend(found)
     alone = [gid for gid in groups if gid not in compared]
-
-    def issued_alone(finding: Finding) -> Finding | None:
-        return _issued_alone(finding, collectives, groups, users, alone, describe)
-
-    findings = _merge_groups(findings, issued_alone)
+    findings = _merge_groups(
+        findings,
+        functools.partial(
+            _issued_alone,
+            collectives=collectives,
+            groups=groups,
+            users=users,
+            alone=alone,
+            describe=describe,
+        ),
+    )
     unreported = compared - reported
     ordered = _interleavings(collectives, groups, unreported, describe, ended or {})
     findings.extend(ordered or _wait_cycles(collectives, groups, unreported, describe))
@@ -730,9 +737,17 @@ def _cycle_finding(
     gid, position, expected = waits[0]
     other_gid, _, got = waits[1]
     finding = _finding(
-        "collective_order", groups[gid], position, expected, got, sorted(set(ranks)),
-        ranks[:1], False, [], describe,
-    )  # fmt: skip
+        "collective_order",
+        groups[gid],
+        position,
+        expected,
+        got,
+        sorted(set(ranks)),
+        ranks[:1],
+        False,
+        [],
+        describe,
+    )
     finding["expected_ranks"] = []  # no rank is the reference: each waits for the next
     finding["other_group"] = _group_doc(groups[other_gid])
     finding["got"] = _signature_doc(got, groups[other_gid])
@@ -823,9 +838,17 @@ def _first_interleaving(
         other = groups[key[0]]
         ranks = sorted(distribution[key])
         finding = _finding(
-            "collective_order", group, at, expected, got, ranks,
-            sorted(distribution[winner]), majority, shown, describe,
-        )  # fmt: skip
+            "collective_order",
+            group,
+            at,
+            expected,
+            got,
+            ranks,
+            sorted(distribution[winner]),
+            majority,
+            shown,
+            describe,
+        )
         them = (
             "most ranks"
             if majority
@@ -1023,26 +1046,20 @@ def _issued_alone(
     for gid in alone:
         for seq in mine:
             index = users[gid].get(id(seq))
-            if index is None:
+            run = next((r for r in seq.steps if r.first <= step <= r.last), None)
+            if index is None or run is None:
                 continue
-            for run in seq.steps:
-                if not run.first <= step <= run.last:
-                    continue
-                for number in run.calls:
-                    sig = seq.signatures[number]
-                    doc = _signature_doc((step, sig), groups[gid])
-                    if sig.group != index or doc is None:
-                        continue
-                    if {k: v for k, v in doc.items() if k != "group"} == want:
-                        where = describe(sig.stack)
-                        return {
-                            **where,
-                            "group": _group_doc(groups[gid]),
-                            "alone": True,
-                            "got": doc,
-                            "step": step,
-                            "op": sig.op,
-                        }
+            for sig in (seq.signatures[number] for number in run.calls):
+                doc = _signature_doc((step, sig), groups[gid]) if sig.group == index else None
+                if doc is not None and {k: v for k, v in doc.items() if k != "group"} == want:
+                    return {
+                        **describe(sig.stack),
+                        "group": _group_doc(groups[gid]),
+                        "alone": True,
+                        "got": doc,
+                        "step": step,
+                        "op": sig.op,
+                    }
     return None
 
 
