@@ -29,10 +29,10 @@ def _config(exp: int = 8, count: int = 16) -> dict[str, Any]:
 
 
 def _counts(
-    rank: int, count: int, ops: list[str], world: int = 2, unknown: int = 0
+    rank: int, count: int, ops: list[str], world: int = 2, unknown: int = 0, total: int = 40
 ) -> dict[str, Any]:
     """A rank's counts; ``unknown``: the ops of an ``unknown_target`` it ran
-    (``torch:exp [job:log]``), against its threshold of 2."""
+    (``torch:exp [job:log]``), against its threshold of 2; ``total``: its ops."""
     return {
         "rank": rank,
         "world_size": world,
@@ -40,7 +40,14 @@ def _counts(
         "entries": [[METRICS[0], METRICS[1], count, ops]],
         "threshold": 2.0,
         "unknown": [["unknown_target", "torch:exp", ["job:log"], unknown]] if unknown else [],
+        "pruned": [],
+        "total": total,
     }
+
+
+def _ran_too_little(counts: dict[str, Any], ops: int) -> dict[str, Any]:
+    """``counts`` where the rank ran ``metrics`` (``ops``) too little to keep it."""
+    return {**counts, "entries": [], "pruned": [[METRICS[0], METRICS[1], ops]]}
 
 
 def _report(folder: Path, rank: int, *violations: dict[str, Any]) -> Path:
@@ -133,6 +140,34 @@ def test_what_one_rank_runs_is_held_to_the_threshold_of_the_job(tmp_path: Path) 
                for r in (0, 1)]  # fmt: skip
     assert judge_by_job(reports, counts, _config(), None) == (0, None)
     assert all(json.loads(p.read_text())["warnings"] == 1 for p in reports)
+
+
+TOO_LITTLE = {"kind": "missing", "severity": "warning", "message": "ran too little"}
+
+
+def test_what_one_rank_ran_too_little_of_is_held_to_the_pruning_floor_of_the_job(
+    tmp_path: Path,
+) -> None:
+    """A config pruned at ``min_fraction`` 0.1; each rank ran 40 ops, so the floor is
+    4 on a rank and 8 on the job. Rank 1 ran ``metrics`` 3 times, too little to keep
+    it as an entry: a ``missing`` warning on its own. With rank 0's 12 the job ran it
+    15 times, over its floor, as check's tree of the job keeps it: dropped. With rank
+    0's 4 (kept there, at its floor of 4) the job's 7 are under 8: check prunes it
+    too, and the warning stays. A rank that never ran it keeps its own finding."""
+    config = _config()
+    config["meta"]["settings"] = {"min_count": 1, "min_fraction": 0.1}
+    counts = [_counts(0, 12, ["aten::exp"]), _ran_too_little(_counts(1, 0, []), 3)]
+    reports = [_report(tmp_path, 1, TOO_LITTLE)]
+    assert judge_by_job(reports, counts, config, None) == (1, None)
+    assert json.loads(reports[0].read_text())["violations"] == []
+    counts[0] = _counts(0, 4, ["aten::exp"])
+    reports = [_report(tmp_path, 1, TOO_LITTLE)]
+    assert judge_by_job(reports, counts, config, None) == (0, None)
+    assert json.loads(reports[0].read_text())["warnings"] == 1
+    never = {**TOO_LITTLE, "message": "never ran"}
+    counts = [_counts(0, 12, ["aten::exp"]), {**_counts(1, 0, []), "entries": []}]
+    reports = [_report(tmp_path, 1, never)]
+    assert judge_by_job(reports, counts, config, None) == (0, None)
 
 
 def test_a_report_that_cannot_be_rewritten_keeps_all_it_holds(

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import subprocess
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -224,6 +225,41 @@ def _per_rank_keys(violations: list[dict[str, Any]]) -> set[tuple[Any, ...]]:
     }
 
 
+#: ``rank0_metrics.py`` on two ranks under torchrun
+RANK0_COMMAND = ["torchrun", "--nproc-per-node", "2", str(RANK0_METRICS)]
+
+
+def _rank0_config(tmp_path: Path, *options: str) -> Path:
+    """The config of a traced run of ``rank0_metrics.py`` (``opguard run`` with
+    ``options``)."""
+    proc = run("trace", "--label", "good", "--output-dir", tmp_path / "good", "--", *RANK0_COMMAND)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    good = str(tmp_path / "good" / "good_callsite_rank*.json")
+    proc = run("run", "-i", good, "--output-base", tmp_path / "run", *options)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    [config] = (tmp_path / "run").glob("*/good_callsite_instrumentation.yaml")
+    return config
+
+
+def _rank0_both(
+    tmp_path: Path, config: Path, name: str
+) -> tuple[set[tuple[Any, ...]], list[dict[str, Any]], subprocess.CompletedProcess[str]]:
+    """``rank0_metrics.py`` traced and checked against ``config``, then run under the
+    guard: check's violations by rank, the guard's reports' violations, and the
+    guard's process."""
+    traces = tmp_path / f"t_{name}"
+    proc = run("trace", "--label", "x", "--output-dir", traces, "--", *RANK0_COMMAND)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = run("check", "--config", config, "--format", "json",
+               "-i", traces / "x_callsite_rank*.json")  # fmt: skip
+    checked = _per_rank_keys(json.loads(proc.stdout)["violations"])
+    reports = tmp_path / f"g_{name}"
+    proc = run("guard", "--config", config, "--report-dir", reports, "--", *RANK0_COMMAND)
+    guarded = [json.loads(p.read_text()) for p in sorted(reports.glob("guard_report_rank*"))]
+    assert [g["rank"] for g in guarded] == [0, 1]
+    return checked, [v for g in guarded for v in g["violations"]], proc
+
+
 def test_guard_and_check_judge_a_rank_that_does_more_by_the_job(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -237,28 +273,12 @@ def test_guard_and_check_judge_a_rank_that_does_more_by_the_job(
     reading the loss while the other goes on is caught on that rank (the job as a
     whole still ran the op); both commands alike, and the console shows what the
     reports hold."""
-    command = ["torchrun", "--nproc-per-node", "2", str(RANK0_METRICS)]
-    proc = run("trace", "--label", "good", "--output-dir", tmp_path / "good", "--", *command)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    good = str(tmp_path / "good" / "good_callsite_rank*.json")
-    proc = run("run", "-i", good, "--output-base", tmp_path / "run")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    [config] = (tmp_path / "run").glob("*/good_callsite_instrumentation.yaml")
+    config = _rank0_config(tmp_path)
     metrics = ("rank0_metrics:metrics", ("rank0_metrics:main",))
     for name, extra, skip in (("same", "1", "-1"), ("no_extra", "0", "-1"), ("skip", "1", "1")):
         monkeypatch.setenv("EXTRA", extra)
         monkeypatch.setenv("SKIP_READ", skip)
-        traces = tmp_path / f"t_{name}"
-        proc = run("trace", "--label", "x", "--output-dir", traces, "--", *command)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        proc = run("check", "--config", config, "--format", "json",
-                   "-i", traces / "x_callsite_rank*.json")  # fmt: skip
-        checked = _per_rank_keys(json.loads(proc.stdout)["violations"])
-        reports = tmp_path / f"g_{name}"
-        proc = run("guard", "--config", config, "--report-dir", reports, "--", *command)
-        guarded = [json.loads(p.read_text()) for p in sorted(reports.glob("guard_report_rank*"))]
-        assert [g["rank"] for g in guarded] == [0, 1]
-        violations = [v for g in guarded for v in g["violations"]]
+        checked, violations, proc = _rank0_both(tmp_path, config, name)
         assert _per_rank_keys(violations) == checked, name
         logged = [line for line in proc.stderr.splitlines() if '"opguard guard: violation"' in line]
         assert len(logged) == len(violations), proc.stderr[-3000:]
@@ -273,6 +293,31 @@ def test_guard_and_check_judge_a_rank_that_does_more_by_the_job(
         else:
             read = ("missing_op", "error", *metrics, "aten::_local_scalar_dense", 1)
             assert read in checked and {rank for _, _, rank in errors} == {1}, checked
+
+
+def test_guard_prunes_a_function_small_on_one_rank_by_the_job(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A config made with ``--min-fraction 0.1`` from 3 steps, run for 10: rank 0's
+    ``metrics`` (its logging) is large there and small on rank 1, where alone it is
+    below the pruning floor. ``opguard check`` prunes the job's tree (the ranks' ops
+    added up) and keeps it; the guard pruned each rank's own and gave rank 1 a
+    ``missing`` warning ("ran too little … to be an entry of its own") that check did
+    not (2026-12-07). The guard now adds up what each rank ran too little of and keeps
+    the warning only where the job as a whole ran it too little: an unchanged rerun is
+    clean in both, and with rank 0's extra work removed (small on every rank) both
+    warn on both ranks."""
+    config = _rank0_config(tmp_path, "--min-fraction", "0.1")
+    monkeypatch.setenv("STEPS", "10")
+    metrics = ("missing", "warning", "rank0_metrics:metrics", ("rank0_metrics:main",), None)
+    for name, extra in (("same", "1"), ("no_extra", "0")):
+        monkeypatch.setenv("EXTRA", extra)
+        checked, violations, proc = _rank0_both(tmp_path, config, name)
+        assert _per_rank_keys(violations) == checked, name
+        if name == "same":
+            assert checked == set() and proc.returncode == 0, proc.stderr[-3000:]
+        else:
+            assert {(*metrics, 0), (*metrics, 1)} <= checked, checked
 
 
 @pytest.mark.parametrize(

@@ -3,7 +3,8 @@ reader and writer (any depth: docs/formats.md "Deep trees")."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -119,9 +120,21 @@ def node_target(node: dict[str, Any]) -> str:
     return target_name(node.get("module"), node.get("file"), node["qualname"])
 
 
-def threshold(total: int, min_count: int, min_fraction: float) -> float:
+def threshold(total: float, min_count: int, min_fraction: float) -> float:
     """The smallest count a non-root subtree may have: max(min_count, min_fraction·total)."""
     return max(min_count, min_fraction * total)
+
+
+def pruning_settings(meta: Mapping[str, Any]) -> tuple[int, float]:
+    """A config's (``meta``'s) ``min_count`` and ``min_fraction``, as it was pruned
+    with them (their defaults where it does not record them)."""
+    settings = meta.get("settings") or {}
+    return int(settings.get("min_count", 1) or 0), float(settings.get("min_fraction", 0) or 0)
+
+
+def pruning_floor(total: float, min_count: int, min_fraction: float) -> int:
+    """:func:`threshold` as the whole count a subtree needs to be kept."""
+    return math.ceil(threshold(total, min_count, min_fraction))
 
 
 def iter_nodes(root: dict[str, Any]) -> list[tuple[dict[str, Any], dict[str, Any] | None]]:

@@ -40,11 +40,13 @@ from opguard_core.formats.check import (
 from opguard_core.formats.config import load_config
 from opguard_core.formats.sources import recorded_sources, share_of
 from opguard_core.formats.trace import describe_partial, list_ranks
+from opguard_core.formats.tree import pruning_floor, pruning_settings
 from opguard_core.logs import get_logger
 from opguard_core.run.summary import config_source
 from opguard_plugins.enforce.rules import (
     DEFAULT_TOLERANCE,
     JUDGED_BY_JOB,
+    PRUNED_KINDS,
     UNKNOWN_KINDS,
     JobView,
 )
@@ -160,36 +162,31 @@ def written_reports(report_dir: Path, since: float) -> list[Path]:
 WHOLE_RUN_KINDS = ("missing", "missing_op", "count_drift", "unknown_target")
 
 
+def _rows(value: object, *types: type) -> bool:
+    """Whether ``value`` is a list of rows, each a list of one value of each of
+    ``types`` in order."""
+    return isinstance(value, list) and all(
+        isinstance(row, list)
+        and len(row) == len(types)
+        and all(isinstance(item, kind) for item, kind in zip(row, types, strict=True))
+        for row in value
+    )
+
+
 def _valid_counts(document: dict[str, Any]) -> bool:
     """Whether a rank's counts (``status.write_job_counts``) have the shape the job
-    view reads."""
-    entries = document.get("entries")
-    unknown = document.get("unknown")
+    view reads: its entries (target, context, ops counted, ops that ran), the
+    entries it ran too little of (target, context, ops), the unknown targets and
+    contexts (kind, target, context, ops)."""
     steps = document.get("steps")
     return (
-        all(isinstance(document.get(k), int) for k in ("rank", "world_size"))
+        all(isinstance(document.get(k), int) for k in ("rank", "world_size", "total"))
         and (steps is None or isinstance(steps, int))
         and isinstance(document.get("threshold"), int | float)
-        and isinstance(entries, list)
-        and all(
-            isinstance(e, list)
-            and len(e) == 4
-            and isinstance(e[0], str)
-            and isinstance(e[1], list)
-            and isinstance(e[2], int)
-            and isinstance(e[3], list)
-            for e in entries
-        )
-        and isinstance(unknown, list)
-        and all(
-            isinstance(u, list)
-            and len(u) == 4
-            and u[0] in UNKNOWN_KINDS
-            and isinstance(u[1], str)
-            and isinstance(u[2], list)
-            and isinstance(u[3], int)
-            for u in unknown
-        )
+        and _rows(document.get("entries"), str, list, int, list)
+        and _rows(document.get("pruned"), str, list, int)
+        and _rows(document.get("unknown"), str, str, list, int)
+        and all(u[0] in UNKNOWN_KINDS for u in document["unknown"])
     )
 
 
@@ -228,11 +225,23 @@ def job_of(counts: list[dict[str, Any]]) -> tuple[dict[str, Any] | None, str | N
         for kind, target, context, ops in document["unknown"]:
             key = (kind, target, tuple(context))
             unknown[key] = unknown.get(key, 0) + ops
+    # per config entry, the job's ops in it: where ranks kept it as an entry and where
+    # they ran it too little to (``pruned``, by the ranks that did)
+    ran = {key: entry["count"] for key, entry in entries.items()}
+    pruned: dict[tuple[str, tuple[str, ...]], list[int]] = {}
+    for document in counts:
+        for target, context, ops in document["pruned"]:
+            entry_key = (target, tuple(context))
+            ran[entry_key] = ran.get(entry_key, 0) + ops
+            pruned.setdefault(entry_key, []).append(document["rank"])
     job = {
         "meta": meta,
         "entries": [entries[k] for k in sorted(entries)],
         "unknown": unknown,
         "threshold": sum(c["threshold"] for c in counts),
+        "ran": ran,
+        "pruned": pruned,
+        "total": sum(c["total"] for c in counts),
     }
     return job, None
 
@@ -256,6 +265,8 @@ def judge_by_job(
     held_to = share_of(config, source)
     job, why = job_of(counts or [])
     view = JobView(held_to, job, DEFAULT_TOLERANCE) if job is not None and held_to else None
+    if job is not None and held_to:  # the job's tree pruned as the config's settings prune
+        job["floor"] = pruning_floor(job["total"], *pruning_settings(held_to.get("meta") or {}))
     dropped = 0
     log = get_logger()
     for path in reports:
@@ -305,10 +316,18 @@ def judge_by_job(
 
 
 def _kept(item: dict[str, Any], view: JobView, job: dict[str, Any]) -> bool:
-    """Whether the job as a whole shows the report's violation ``item``."""
+    """Whether the job as a whole shows the report's violation ``item``: a ``missing``
+    entry that its rank ran too little to be an entry of its own is missing from the
+    job where the ranks' ops in it, added up, are below the job's pruning floor too
+    (``opguard check`` prunes the job's tree: the function that is small on one rank
+    and large on another is an entry there)."""
+    key = (item["target"], tuple(item["context"]))
+    if item["kind"] in PRUNED_KINDS:
+        if item["rank"] not in job["pruned"].get(key, ()):
+            return True  # it never ran on that rank: the rank's own finding
+        return bool(job["ran"][key] < job["floor"])
     if item["kind"] in UNKNOWN_KINDS:
-        key = (item["kind"], item["target"], tuple(item["context"]))
-        return bool(job["unknown"].get(key, 0) >= job["threshold"])
+        return bool(job["unknown"].get((item["kind"], *key), 0) >= job["threshold"])
     return view.keeps(_violation(item))
 
 

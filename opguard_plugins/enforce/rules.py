@@ -400,9 +400,13 @@ JOB_KINDS = frozenset({"count_drift", "missing_op"})
 #: the kinds a config's pruning threshold decides (a key that ran fewer ops than the
 #: config keeps is no violation), judged by the job's ops added up
 UNKNOWN_KINDS = frozenset({"unknown_target", "unknown_context"})
+#: the kind whose "ran too little to be an entry of its own" a config's pruning
+#: threshold decides: judged by the job's ops added up, as ``opguard check`` prunes the
+#: job's tree (a function small on one rank and large on another is kept there)
+PRUNED_KINDS = frozenset({"missing"})
 #: the kinds ``opguard guard`` judges by the whole job from every rank's counts once
 #: COMMAND ended, and logs (docs/guard.md, "One view of the job")
-JUDGED_BY_JOB = JOB_KINDS | UNKNOWN_KINDS
+JUDGED_BY_JOB = JOB_KINDS | UNKNOWN_KINDS | PRUNED_KINDS
 
 
 def _per_rank(entry: dict[str, Any], document: dict[str, Any]) -> float:

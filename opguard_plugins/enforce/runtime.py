@@ -50,7 +50,6 @@ How it works (docs/guard.md):
 from __future__ import annotations
 
 import atexit
-import math
 import os
 import sys
 import sysconfig
@@ -87,7 +86,14 @@ from opguard_core.formats.collectives import Collectives, is_collective
 from opguard_core.formats.config import entry_key, load_config
 from opguard_core.formats.sources import config_steps, loop_only, share_of
 from opguard_core.formats.streams import StreamRoles
-from opguard_core.formats.tree import TORCH_API, api_target, target_name, threshold
+from opguard_core.formats.tree import (
+    TORCH_API,
+    api_target,
+    pruning_floor,
+    pruning_settings,
+    target_name,
+    threshold,
+)
 from opguard_core.logs import escape_controls, resolve_format
 from opguard_core.native import load_native
 from opguard_core.processes import at_sigterm, signals_deferred
@@ -374,12 +380,10 @@ class Guard:
         meta = config.get("meta") or {}
         settings = meta.get("settings") or {}
         ranks = len(meta.get("ranks") or [0]) or 1
+        self.min_count, self.min_fraction = pruning_settings(meta)
         #: an unknown_context with fewer ops (per rank) is below what the config keeps
-        self.min_count = int(settings.get("min_count", 1) or 0)
-        self.min_fraction = float(settings.get("min_fraction", 0) or 0)
-        self.threshold = max(
-            float(settings.get("min_count", 1) or 0),
-            float(settings.get("min_fraction", 0) or 0) * float(meta.get("total", 0) or 0) / ranks,
+        self.threshold = threshold(
+            float(meta.get("total", 0) or 0) / ranks, self.min_count, self.min_fraction
         )
         #: the optimizer steps the config's counts cover (None: not recorded), so the
         #: threshold grows with a longer guarded run (:meth:`unknown_threshold`)
@@ -1250,6 +1254,8 @@ class Guard:
         run."""
         if self.counted is None:
             return None
+        ran_too_little, total = self.pruned_entries()
+        pruned = ran_too_little.items()
         unknown = [
             ["unknown_target", target, list(context), ops]
             for (target, context), ops in self.extra_ops.items()
@@ -1270,6 +1276,8 @@ class Guard:
             ],
             "threshold": self.unknown_threshold(),
             "unknown": sorted(unknown),
+            "pruned": [[target, list(context), ops] for (target, context), ops in sorted(pruned)],
+            "total": total,
         }
 
     def violations(self) -> list[dict[str, Any]]:
@@ -1303,13 +1311,9 @@ class Guard:
         a key too little here to be an entry of its own still ran)."""
         return frozenset(key for state in self._counted() if state.ops for key in state.keys)
 
-    def observed_entries(self) -> dict[EntryKey, dict[str, Any]]:
-        """Each config entry that was active while ops were checked, with their
-        number, as ``opguard check`` would find it in a trace of this run: the
-        states' branches make a tree of entries (counts inclusive), pruned as the
-        config's settings prune (a subtree below ``max(min_count, min_fraction ×
-        this run's ops)`` is folded into its parent and counts for no entry of its
-        own: compression.md), then merged by key."""
+    def _entry_tree(self) -> tuple[_Branch, int]:
+        """The states' branches as a tree of entries (counts inclusive) and this
+        run's ops (the total the pruning threshold is a fraction of)."""
         root: _Branch = [0, {}]
         total = 0
         for state in self._counted():
@@ -1319,7 +1323,17 @@ class Guard:
                 for key in state.keys:
                     node = node[1].setdefault(key, [0, {}])
                 node[0] += state.ops
-        floor = math.ceil(threshold(total, self.min_count, self.min_fraction))
+        return root, total
+
+    def observed_entries(self) -> dict[EntryKey, dict[str, Any]]:
+        """Each config entry that was active while ops were checked, with their
+        number, as ``opguard check`` would find it in a trace of this run: the
+        states' branches make a tree of entries (counts inclusive), pruned as the
+        config's settings prune (a subtree below ``max(min_count, min_fraction ×
+        this run's ops)`` is folded into its parent and counts for no entry of its
+        own: compression.md), then merged by key."""
+        root, total = self._entry_tree()
+        floor = pruning_floor(total, self.min_count, self.min_fraction)
         counts: dict[EntryKey, int] = {}
         todo = [root]
         while todo:
@@ -1340,6 +1354,24 @@ class Guard:
             for key, count in counts.items()
             if key in self.entries
         }
+
+    def pruned_entries(self) -> tuple[dict[EntryKey, int], int]:
+        """The config entries that ran here but too little to be entries of their own
+        (:meth:`observed_entries` folded them into their parents), each with the ops
+        it ran (inclusive, its outermost appearance on each path), and this run's
+        ops: what ``opguard guard`` adds up over the ranks to prune the job's tree as
+        ``opguard check`` does (docs/guard.md, "One view of the job")."""
+        root, total = self._entry_tree()
+        kept = self.counted or {}
+        ran: dict[EntryKey, int] = {}
+        todo: list[tuple[_Branch, frozenset[EntryKey]]] = [(root, frozenset())]
+        while todo:
+            node, above = todo.pop()
+            for key, child in node[1].items():
+                if key not in above and key in self.entries and key not in kept:
+                    ran[key] = ran.get(key, 0) + _branch_total(child)
+                todo.append((child, above | {key}))
+        return ran, total
 
     def loop_steps(self) -> int:
         """The optimizer steps the whole-run counts cover (the loop's, where they start
