@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 import shutil
 import subprocess
@@ -1132,6 +1133,34 @@ def test_a_scatter_is_described_by_what_every_rank_holds() -> None:
     ]:
         func = getattr(torch.ops.c10d, op.split("::")[1]).default
         assert describe(func, op, args, None)[1:4] == ("float32", 4, ((4,),)), op
+
+
+@pytest.mark.torch
+def test_the_bytes_of_an_object_collective_are_described_without_their_size() -> None:
+    """A ``uint8`` call inside one of torch.distributed's object collectives moves
+    pickled bytes: described by op, dtype and group, no size (compared by neither
+    check nor the guard); the same call elsewhere, or another dtype inside, keeps it.
+    The stack is read only for a ``uint8`` call."""
+    pytest.importorskip("torch")
+    from opguard_plugins.record.collectives import carries_objects, data_sized
+
+    class Code:
+        def __init__(self, name: str, filename: str) -> None:
+            self.co_name, self.co_filename = name, filename
+
+    c10d = os.path.join("site-packages", "torch", "distributed", "distributed_c10d.py")
+    inside = [Code("all_gather", c10d), Code("all_gather_object", c10d), Code("main", "t.py")]
+    elsewhere = [Code("all_gather", c10d), Code("all_gather_object", "mine.py")]
+    assert carries_objects(inside) and not carries_objects(elsewhere)
+    payload = (None, "uint8", 83, ((83,),), None)
+    assert data_sized(payload, lambda: inside) == (None, "uint8", None, None, None)
+    assert data_sized(payload, lambda: elsewhere) == payload
+    lengths = (None, "int64", 2, ((2,),), None)
+
+    def unasked() -> list[Code]:
+        raise AssertionError("the stack was read for a call that is not uint8")
+
+    assert data_sized(lengths, unasked) == lengths
 
 
 # ----------------------------------------------------------------------------- live

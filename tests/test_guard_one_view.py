@@ -229,10 +229,10 @@ def _per_rank_keys(violations: list[dict[str, Any]]) -> set[tuple[Any, ...]]:
 RANK0_COMMAND = ["torchrun", "--nproc-per-node", "2", str(RANK0_METRICS)]
 
 
-def _rank0_config(tmp_path: Path, *options: str) -> Path:
-    """The config of a traced run of ``rank0_metrics.py`` (``opguard run`` with
+def _job_config(tmp_path: Path, command: list[str], *options: str) -> Path:
+    """The config of a traced run of the torchrun ``command`` (``opguard run`` with
     ``options``)."""
-    proc = run("trace", "--label", "good", "--output-dir", tmp_path / "good", "--", *RANK0_COMMAND)
+    proc = run("trace", "--label", "good", "--output-dir", tmp_path / "good", "--", *command)
     assert proc.returncode == 0, proc.stderr[-3000:]
     good = str(tmp_path / "good" / "good_callsite_rank*.json")
     proc = run("run", "-i", good, "--output-base", tmp_path / "run", *options)
@@ -241,20 +241,20 @@ def _rank0_config(tmp_path: Path, *options: str) -> Path:
     return config
 
 
-def _rank0_both(
-    tmp_path: Path, config: Path, name: str
+def _job_both(
+    tmp_path: Path, config: Path, name: str, command: list[str]
 ) -> tuple[set[tuple[Any, ...]], list[dict[str, Any]], subprocess.CompletedProcess[str]]:
-    """``rank0_metrics.py`` traced and checked against ``config``, then run under the
-    guard: check's violations by rank, the guard's reports' violations, and the
-    guard's process."""
+    """The two-rank torchrun ``command`` traced and checked against ``config``, then
+    run under the guard: check's violations by rank, the guard's reports' violations,
+    and the guard's process."""
     traces = tmp_path / f"t_{name}"
-    proc = run("trace", "--label", "x", "--output-dir", traces, "--", *RANK0_COMMAND)
+    proc = run("trace", "--label", "x", "--output-dir", traces, "--", *command)
     assert proc.returncode == 0, proc.stderr[-3000:]
     proc = run("check", "--config", config, "--format", "json",
                "-i", traces / "x_callsite_rank*.json")  # fmt: skip
     checked = _per_rank_keys(json.loads(proc.stdout)["violations"])
     reports = tmp_path / f"g_{name}"
-    proc = run("guard", "--config", config, "--report-dir", reports, "--", *RANK0_COMMAND)
+    proc = run("guard", "--config", config, "--report-dir", reports, "--", *command)
     guarded = [json.loads(p.read_text()) for p in sorted(reports.glob("guard_report_rank*"))]
     assert [g["rank"] for g in guarded] == [0, 1]
     return checked, [v for g in guarded for v in g["violations"]], proc
@@ -273,12 +273,12 @@ def test_guard_and_check_judge_a_rank_that_does_more_by_the_job(
     reading the loss while the other goes on is caught on that rank (the job as a
     whole still ran the op); both commands alike, and the console shows what the
     reports hold."""
-    config = _rank0_config(tmp_path)
+    config = _job_config(tmp_path, RANK0_COMMAND)
     metrics = ("rank0_metrics:metrics", ("rank0_metrics:main",))
     for name, extra, skip in (("same", "1", "-1"), ("no_extra", "0", "-1"), ("skip", "1", "1")):
         monkeypatch.setenv("EXTRA", extra)
         monkeypatch.setenv("SKIP_READ", skip)
-        checked, violations, proc = _rank0_both(tmp_path, config, name)
+        checked, violations, proc = _job_both(tmp_path, config, name, RANK0_COMMAND)
         assert _per_rank_keys(violations) == checked, name
         logged = [line for line in proc.stderr.splitlines() if '"opguard guard: violation"' in line]
         assert len(logged) == len(violations), proc.stderr[-3000:]
@@ -307,17 +307,44 @@ def test_guard_prunes_a_function_small_on_one_rank_by_the_job(
     the warning only where the job as a whole ran it too little: an unchanged rerun is
     clean in both, and with rank 0's extra work removed (small on every rank) both
     warn on both ranks."""
-    config = _rank0_config(tmp_path, "--min-fraction", "0.1")
+    config = _job_config(tmp_path, RANK0_COMMAND, "--min-fraction", "0.1")
     monkeypatch.setenv("STEPS", "10")
     metrics = ("missing", "warning", "rank0_metrics:metrics", ("rank0_metrics:main",), None)
     for name, extra in (("same", "1"), ("no_extra", "0")):
         monkeypatch.setenv("EXTRA", extra)
-        checked, violations, proc = _rank0_both(tmp_path, config, name)
+        checked, violations, proc = _job_both(tmp_path, config, name, RANK0_COMMAND)
         assert _per_rank_keys(violations) == checked, name
         if name == "same":
             assert checked == set() and proc.returncode == 0, proc.stderr[-3000:]
         else:
             assert {(*metrics, 0), (*metrics, 1)} <= checked, checked
+
+
+OBJECT_METRICS = REPO / "tests" / "data" / "one_view" / "object_metrics.py"
+
+
+def test_the_bytes_of_an_object_collective_are_not_held_to_their_size(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``all_gather_object`` and ``broadcast_object_list`` move pickled objects as a
+    ``uint8`` tensor as long as their bytes: data, which changes from step to step,
+    and the same on every rank. An unchanged program whose metrics dict grows a
+    longer note in step 3 than in the config's 3 steps was a ``collective_size`` error
+    on both ranks from check and from the guard (and ``--on-violation raise`` killed
+    it). That payload is now recorded and compared without its size (its op, dtype
+    and group still are): clean in both; an extra object collective is still caught
+    on each rank, the same in both."""
+    command = ["torchrun", "--nproc-per-node", "2", str(OBJECT_METRICS)]
+    config = _job_config(tmp_path, command)
+    monkeypatch.setenv("STEPS", "6")
+    checked, violations, proc = _job_both(tmp_path, config, "same", command)
+    assert checked == set() and _per_rank_keys(violations) == set(), proc.stderr[-3000:]
+    assert proc.returncode == 0
+    monkeypatch.setenv("EXTRA", "1")
+    checked, violations, proc = _job_both(tmp_path, config, "extra", command)
+    assert _per_rank_keys(violations) == checked
+    extra = {(k[0], k[-1]) for k in checked if k[1] == "error" and k[0].startswith("collective")}
+    assert {("collective_extra", 0), ("collective_extra", 1)} <= extra, checked
 
 
 @pytest.mark.parametrize(

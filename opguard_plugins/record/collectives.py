@@ -26,9 +26,10 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import sys
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -100,6 +101,52 @@ Description = tuple[
     "tuple[tuple[int, ...], ...] | None",
     "str | None",
 ]
+
+
+#: torch.distributed's object collectives: each pickles its objects into a ``uint8``
+#: tensor as long as their bytes (padded to the longest on every rank), after a
+#: collective of those lengths; so that tensor's size is the data's, which changes from
+#: step to step and run to run (a metrics dict, a list of sample ids), and every rank
+#: agrees on it by construction
+OBJECT_COLLECTIVES = frozenset(
+    {
+        "all_gather_object",
+        "gather_object",
+        "broadcast_object_list",
+        "scatter_object_list",
+        "send_object_list",
+        "recv_object_list",
+    }
+)
+_C10D_FILE = os.path.join("torch", "distributed", "distributed_c10d.py")
+
+
+def carries_objects(codes: Iterable[Any]) -> bool:
+    """Whether a stack (its code objects, or stand-ins with ``co_name`` and
+    ``co_filename``) runs inside one of torch.distributed's object collectives."""
+    return any(
+        code.co_name in OBJECT_COLLECTIVES and code.co_filename.endswith(_C10D_FILE)
+        for code in codes
+    )
+
+
+def data_sized(description: Description, codes: Callable[[], Iterable[Any]]) -> Description:
+    """``description`` without its size (numel and shapes None: not recorded, not
+    compared) where it is the ``uint8`` payload of an object collective
+    (:data:`OBJECT_COLLECTIVES`; ``codes``: the call's stack, asked only for a
+    ``uint8`` call), else ``description``."""
+    group, dtype, numel, _, reduce_op = description
+    if dtype == "uint8" and numel is not None and carries_objects(codes()):
+        return group, dtype, None, None, reduce_op
+    return description
+
+
+def _python_codes() -> Iterator[Any]:
+    """The code objects of the calling thread's Python stack, innermost first."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        yield frame.f_code
+        frame = frame.f_back  # type: ignore[assignment]
 
 
 def may_nest(op: str) -> bool:
@@ -229,7 +276,7 @@ def describe(
             numel = sum(math.prod(shape) for shape in shapes)
         except Exception:
             dtype, shapes, numel = None, None, None
-    return group, dtype, numel, shapes, reduce_op
+    return data_sized((group, dtype, numel, shapes, reduce_op), _python_codes)
 
 
 def describe_profiled(inputs: Any) -> Description:

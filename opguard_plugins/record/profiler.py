@@ -59,6 +59,7 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import functools
 import linecache
 import os
 import re
@@ -77,7 +78,7 @@ from torch.overrides import TorchFunctionMode
 from torch.overrides import _get_current_function_mode_stack as _function_modes
 
 from opguard_core.formats.collectives import is_collective
-from opguard_plugins.record.collectives import describe_profiled, may_nest
+from opguard_plugins.record.collectives import data_sized, describe_profiled, may_nest
 from opguard_plugins.record.dtypes import profiled_dtype
 from opguard_plugins.record.tracer import (
     COMPILER_PARTS,
@@ -369,7 +370,11 @@ class ProfilerRecorder(CallsiteRecorder):
         collectives.sort(key=lambda item: item[0])
         for start, stack, op, event in collectives:
             step = first_step + bisect.bisect_right(step_ends, start)
-            self.sequence.add(stack, op, describe_profiled(event.extra_fields.inputs), step)
+            description = data_sized(
+                describe_profiled(event.extra_fields.inputs),
+                functools.partial(map, self.codes.__getitem__, stack[0::2]),
+            )
+            self.sequence.add(stack, op, description, step)
 
 
 def _collectives_below(root: Any) -> list[tuple[Any, str]]:
