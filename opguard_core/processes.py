@@ -18,6 +18,9 @@ Two small things every launcher and every traced process of OpGuard shares:
   feeder thread and its finalizer need: a KeyboardInterrupt between the acquire and
   the ``with`` block leaves it held, and the process hangs at exit); the signals
   arrive when the block ends.
+* :func:`multiprocessing_child` tells a process that ``multiprocessing`` started by
+  spawn or forkserver (a DataLoader worker): its parent ends it as it exits, so it
+  may leave no trace or report, and that is no failure of COMMAND's.
 * :func:`at_sigterm` runs callbacks when SIGTERM arrives (the tracer writes its trace,
   the guard its report; a SIGTERM that arrives while they run does not start them
   again), then does what would have happened without them: the
@@ -201,3 +204,17 @@ __all__ = [
     "signals_deferred",
     "sigterm_ends_process",
 ]
+
+
+def multiprocessing_child() -> bool:
+    """Whether this process is a child that ``multiprocessing`` started with the spawn
+    or forkserver method (a DataLoader worker, a pool's worker, or the forkserver
+    itself): such a process is ended by its parent (``terminate()``, SIGTERM) as the
+    parent exits, before its own exit handlers run. Children of the fork method are
+    not (they share the parent's state and end by ``os._exit``)."""
+    # spawn: `python -c '… spawn_main(…)' --multiprocessing-fork` (then ``sys.argv`` is
+    # the parent's); forkserver: `python -c 'from multiprocessing.forkserver import main…'`
+    started_by = sys.orig_argv
+    return "--multiprocessing-fork" in started_by or any(
+        "from multiprocessing.forkserver import main" in arg for arg in started_by
+    )

@@ -578,3 +578,72 @@ def test_a_rank_killed_after_its_collective_timeout_is_said_to_have_left_that_re
     )
     report = load_report(tmp_path / "guard_report_rank0.json")
     assert [v["kind"] for v in report["violations"]] == ["collective_timeout"]
+
+
+def test_a_multiprocessing_child_ended_by_its_parent_fails_only_a_failed_command() -> None:
+    """A process that multiprocessing started by spawn or forkserver (``"helper"``, a
+    DataLoader worker) is ended by its parent as the parent exits, before it can write
+    a report: no failure where COMMAND succeeded; where COMMAND failed it is said, as
+    any process without a report (a rank started by ``mp.spawn`` that died)."""
+    from opguard_plugins.enforce.status import problems
+
+    finished = {"pid": 1, "state": "finished", "report": "r.json", "checked": 5}
+    worker = {"pid": 2, "state": "started", "helper": True}
+    assert problems([finished, worker], command_ok=True) == []
+    assert problems([finished, worker], command_ok=False) == [
+        "process 2 ended without writing its guard report (killed?)"
+    ]
+    rank = {"pid": 3, "state": "started"}  # not a multiprocessing child: always said
+    assert problems([finished, rank], command_ok=True) == [
+        "process 3 ended without writing its guard report (killed?)"
+    ]
+
+
+SPAWNED_WORKERS = """
+import sys
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+
+class Numbers(Dataset):
+    def __len__(self):
+        return 64
+
+    def __getitem__(self, i):
+        return torch.full((2,), float(i))
+
+
+if __name__ == "__main__":
+    # a script's loader and its iterator: module globals, alive until the interpreter
+    # exits, when multiprocessing terminates the workers
+    loader = DataLoader(Numbers(), batch_size=8, num_workers=2, multiprocessing_context=sys.argv[1])
+    batches = iter(loader)
+    for _ in range(3):
+        torch.nn.functional.relu(next(batches))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.torch
+@pytest.mark.parametrize("method", ["spawn", "forkserver"])
+def test_dataloader_workers_ended_at_exit_do_not_fail_the_guard_or_alarm_the_tracer(
+    tmp_path: Path, method: str
+) -> None:
+    """DataLoader workers started by spawn (the default on macOS and Windows) or
+    forkserver (Python 3.14's on Linux) start the guard and the tracer as every Python
+    process of COMMAND does, and are terminated by their parent as it exits: the
+    guard failed the unchanged, successful program (exit 6, "process N ended without
+    writing its guard report (killed?)" per worker) and the tracer said each worker's
+    operators were lost, as of a crash. Now the guard passes it and the tracer says
+    what the process was."""
+    pytest.importorskip("torch")
+    script = tmp_path / "workers.py"
+    script.write_text(SPAWNED_WORKERS)
+    config, report_dir = relu_config(tmp_path), tmp_path / "rep"
+    proc = run("guard", "--config", config, "--report-dir", report_dir, "--", script, method)
+    assert proc.returncode == ExitCode.OK, proc.stderr[-3000:]
+    assert "ended without writing its guard report" not in proc.stderr
+    proc = run("trace", "--label", "w", "--output-dir", tmp_path / "t", "--", script, method)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lost = [line for line in proc.stderr.splitlines() if "ended without writing its trace" in line]
+    assert lost and all("a multiprocessing child" in line for line in lost), proc.stderr[-3000:]

@@ -474,7 +474,7 @@ def guard(
         if log_format:  # `opguard --log-format X guard ...`: the guarded processes log as X
             env["OPGUARD_GUARD_LOG_FORMAT"] = log_format
         code = run_bootstrapped(command, env)
-        failures = guard_problems(read_statuses(Path(status_dir)))
+        failures = guard_problems(read_statuses(Path(status_dir)), command_ok=code == 0)
         counts = read_job_counts(Path(status_dir))
     reports = written_reports(report_dir, started)
     dropped, unjudged = judge_by_job(reports, counts, config, source)

@@ -96,7 +96,7 @@ from opguard_core.formats.tree import (
 )
 from opguard_core.logs import escape_controls, resolve_format
 from opguard_core.native import load_native
-from opguard_core.processes import at_sigterm, signals_deferred
+from opguard_core.processes import at_sigterm, multiprocessing_child, signals_deferred
 from opguard_plugins.enforce import sequence_guard
 from opguard_plugins.enforce.rules import (
     DEFAULT_TOLERANCE,
@@ -1710,7 +1710,7 @@ def start_process_guard() -> Guard | None:
     guard.start()
     _note_uncaught_exceptions(guard)
     _PROCESS_GUARD = guard
-    write_status("started")
+    write_status("started", **({"helper": True} if multiprocessing_child() else {}))
     atexit.register(_finish_process_guard)
     at_sigterm(_on_sigterm)
     return guard
@@ -1725,6 +1725,12 @@ def _finish_process_guard() -> None:
         clear_status()
         return
     if _PROCESS_GUARD._finished:
+        return
+    if multiprocessing_child() and _PROCESS_GUARD.checked_ops == 0:
+        # a DataLoader worker ended as its work did: nothing of the config ran here, and
+        # a report would stand in the report of the rank it inherited
+        _PROCESS_GUARD.stop()
+        write_status("finished", report=None, checked=0, helper=True)
         return
     # a SIGTERM while the report is written (torchrun tearing down the job as this
     # rank exits) waits for it, instead of ending the process half-way through

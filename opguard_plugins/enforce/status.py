@@ -9,7 +9,8 @@ every process whose guard starts (or fails to start) writes ``{pid}.json`` there
 * ``{"pid": N, "state": "started"}``: running; a process that ends without replacing
   it (SIGKILL, ``os._exit``) wrote no report; with ``"report": PATH, "as_of": WHAT``
   it wrote one mid-run, as of WHAT ("its first collective departure" in warn mode,
-  "its collective timeout" from the watchdog), and then ended so;
+  "its collective timeout" from the watchdog), and then ended so; ``"helper": true``
+  marks a multiprocessing child (:func:`~opguard_core.processes.multiprocessing_child`);
 * ``{"pid": N, "state": "finished", "report": PATH or null, "error": ... or null,
   "checked": K, "waits_for_a_step": B}``: the report was written (or could not be:
   ``error``), and ``K`` ops were checked against the config (first sights per
@@ -108,10 +109,14 @@ def read_statuses(folder: Path) -> list[dict[str, Any]]:
     return found
 
 
-def problems(statuses: list[dict[str, Any]]) -> list[str]:
+def problems(statuses: list[dict[str, Any]], command_ok: bool = False) -> list[str]:
     """One line per process whose guard did not do its work; then, when every guard
     finished but none checked an op, one line saying so; and one when no process
-    started a guard at all (COMMAND never imported torch)."""
+    started a guard at all (COMMAND never imported torch). A multiprocessing child
+    (``"helper"``: :func:`~opguard_core.processes.multiprocessing_child`) that ended
+    without a report is no problem where COMMAND succeeded (``command_ok``): its parent
+    ended it as it exited (DataLoader workers), and a rank started so that died would
+    have failed COMMAND."""
     if not statuses:
         return ["no process of COMMAND started the guard (did it import torch?)"]
     lines: list[str] = []
@@ -119,6 +124,8 @@ def problems(statuses: list[dict[str, Any]]) -> list[str]:
     waited = False
     for status in statuses:
         pid, state, error = status.get("pid"), status.get("state"), status.get("error")
+        if state == "started" and status.get("helper") is True and command_ok:
+            continue
         if state == "failed":
             lines.append(f"the guard could not start in process {pid}: {error}")
         elif state == "started" and status.get("report"):

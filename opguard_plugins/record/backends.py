@@ -24,7 +24,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from opguard_core.processes import at_sigterm, signals_deferred
+from opguard_core.processes import at_sigterm, multiprocessing_child, signals_deferred
 from opguard_plugins.record import tracer as tracer_module
 from opguard_plugins.record.flush import SPLIT_ENV, flush_settings, partial_marker
 from opguard_plugins.record.tracer import CallsiteTracer, _gc_paused, _is_launcher
@@ -129,12 +129,15 @@ def _write_marker(
 ) -> None:
     """Write (or rewrite) this process's marker: its pid, its rank where the launcher
     says (``$RANK``: torchrun sets it before the process starts), the parent it was
-    forked from, its label, the last partial trace flushed and why writing failed."""
+    forked from, whether multiprocessing started it (``helper``), its label, the last
+    partial trace flushed and why writing failed."""
     path = marker_path(tracer.output_dir, tracer.base_label, os.getpid())
     info: dict[str, Any] = {"pid": os.getpid(), "forked_from": parent, "label": tracer.label}
     rank = os.environ.get("RANK", "")
     if rank.isdigit():
         info["rank"] = int(rank)
+    if multiprocessing_child():
+        info["helper"] = True
     if flushed is not None:
         info["flushed"] = str(flushed)
     if error is not None:

@@ -409,9 +409,13 @@ def trace(
             kept = f"its trace up to the last flush is in {one_line(Path(str(flushed)).name)}" + (
                 f" (marked partial, reason {LOST})" if marked else ""
             )
+        why = (
+            "a multiprocessing child, a DataLoader worker or a pool's, ended by its parent"
+            if info.get("helper") is True
+            else "os._exit, or killed by a signal"
+        )
         click.echo(
-            f"opguard trace: process {pid}{forked} ended without writing its trace "
-            f"(os._exit, or killed by a signal): {kept}",
+            f"opguard trace: process {pid}{forked} ended without writing its trace ({why}): {kept}",
             err=True,
         )
     if files:
