@@ -73,7 +73,7 @@ from opguard_core.logs import configure_logging, get_logger
 from opguard_core.model import InputEntry, RunOptions
 from opguard_core.plugin.manager import OpGuardPluginManager, call_impl
 from opguard_core.run.summary import config_source, without_surrogates
-from opguard_plugins.enforce.rules import DEFAULT_TOLERANCE, JobView
+from opguard_plugins.enforce.rules import DEFAULT_TOLERANCE, WHOLE_RUN_KINDS, JobView
 from opguard_plugins.enforce.sequence_guard import ExpectedSteps, Plan, SequenceChecker
 
 #: ``meta.settings`` keys that are not RunOptions fields of the same name.
@@ -687,15 +687,11 @@ def _replay(
     return found
 
 
-#: violations that compare what a rank ran over the whole run: a rank whose trace
-#: ends early ran less, and says nothing by that
-WHOLE_RUN_KINDS = frozenset({"count_drift", "missing", "missing_op"})
-
-
 def without_partial_counts(violations: list[Violation], partial: Iterable[int]) -> list[Violation]:
     """``violations`` with the ranks whose traces end early (``partial``) taken out of
-    every :data:`WHOLE_RUN_KINDS` violation (dropped when no rank is left)."""
-    return without_ranks(violations, partial, WHOLE_RUN_KINDS)
+    every :data:`~opguard_plugins.enforce.rules.WHOLE_RUN_KINDS` violation (dropped when
+    no rank is left), as the guard checks none of them for a run that ended early."""
+    return without_ranks(violations, partial, frozenset(WHOLE_RUN_KINDS))
 
 
 def before_the_loop(config: Mapping[str, Any], observed: Observed) -> list[int]:

@@ -48,6 +48,7 @@ from opguard_plugins.enforce.rules import (
     JUDGED_BY_JOB,
     PRUNED_KINDS,
     UNKNOWN_KINDS,
+    WHOLE_RUN_KINDS,
     JobView,
 )
 from opguard_plugins.enforce.sequence_guard import config_sequences, load_collectives
@@ -155,11 +156,6 @@ def written_reports(report_dir: Path, since: float) -> list[Path]:
         if suffix.isdigit() and path.stat().st_mtime >= since:
             found.append((int(suffix), path))
     return [path for _, path in sorted(found)]
-
-
-#: the kinds the guard reports by check's rules at the end of a whole run
-#: (docs/guard.md, "What needs the whole run"): not for a run that ended early
-WHOLE_RUN_KINDS = ("missing", "missing_op", "count_drift", "unknown_target")
 
 
 def _rows(value: object, *types: type) -> bool:

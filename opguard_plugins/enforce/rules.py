@@ -395,6 +395,10 @@ class JobView:
         return ran is None or not set(violation.ranks) <= set(ran)
 
 
+#: the kinds that compare what a rank ran over its whole run (docs/guard.md, "What
+#: needs the whole run"): a rank whose run ended early ran less, and says nothing by
+#: that, to the guard (not checked) and to check (left out of a partial trace's rank)
+WHOLE_RUN_KINDS = ("missing", "missing_op", "count_drift", "unknown_target")
 #: the kinds :class:`JobView` judges by the job as a whole
 JOB_KINDS = frozenset({"count_drift", "missing_op"})
 #: the kinds a config's pruning threshold decides (a key that ran fewer ops than the
