@@ -196,16 +196,6 @@ def at_sigterm(callback: Callable[[bool], None]) -> bool:
     return True
 
 
-__all__ = [
-    "at_sigterm",
-    "before_fork",
-    "child_dies_with_parent",
-    "die_with_parent",
-    "signals_deferred",
-    "sigterm_ends_process",
-]
-
-
 def multiprocessing_child() -> bool:
     """Whether this process is a child that ``multiprocessing`` started with the spawn
     or forkserver method (a DataLoader worker, a pool's worker, or the forkserver
@@ -218,3 +208,14 @@ def multiprocessing_child() -> bool:
     return "--multiprocessing-fork" in started_by or any(
         "from multiprocessing.forkserver import main" in arg for arg in started_by
     )
+
+
+__all__ = [
+    "at_sigterm",
+    "before_fork",
+    "child_dies_with_parent",
+    "die_with_parent",
+    "multiprocessing_child",
+    "signals_deferred",
+    "sigterm_ends_process",
+]

@@ -1254,8 +1254,7 @@ class Guard:
         run."""
         if self.counted is None:
             return None
-        ran_too_little, total = self.pruned_entries()
-        pruned = ran_too_little.items()
+        pruned, total = self.pruned_entries()
         unknown = [
             ["unknown_target", target, list(context), ops]
             for (target, context), ops in self.extra_ops.items()
@@ -1276,7 +1275,9 @@ class Guard:
             ],
             "threshold": self.unknown_threshold(),
             "unknown": sorted(unknown),
-            "pruned": [[target, list(context), ops] for (target, context), ops in sorted(pruned)],
+            "pruned": [
+                [target, list(context), ops] for (target, context), ops in sorted(pruned.items())
+            ],
             "total": total,
         }
 
